@@ -1,0 +1,253 @@
+"""The model side of one tick, behind a small protocol the engine can fabricate in tests.
+
+A `FrameBackend` holds per-row state for `max_sessions` rows. Each tick the engine hands
+it every row's input frame plus the live mask; rows outside the mask are computed on
+(shapes stay fixed, so one CUDA graph serves any subset of sessions) but their state is
+left untouched. Outputs stay on the device until `BackendOutput.to_host()`, which is the
+tick's single device->host copy.
+
+Error contract, so the engine can tell one bad session from a broken engine:
+- `RowFailure` from `step`: the listed rows' inputs were refused *before* any state
+  changed; the engine fails those sessions and reruns the step without them.
+- `SessionRejected` from `prefill`: this session's options cannot be served (e.g. an
+  unknown voice); only that open() fails.
+- anything else: fatal; every stream fails and the engine is marked unhealthy.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.config import UNGENERATED_TOKEN
+from models.lm_gen import LMGen
+from models.persona import (PersonaError, VoicePrompt, build_prompt_frames, load_voice, persona_tokens,
+                            resolve_voice)
+
+from .config import SamplingOptions, SessionOptions
+from .cuda_graph import CUDAGraphRunner
+
+
+class RowFailure(Exception):
+    """Some rows' inputs were refused before any state changed: {row: reason}."""
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        super().__init__("; ".join(f"row {r}: {why}" for r, why in sorted(reasons.items())))
+        self.reasons = reasons
+
+
+class SessionRejected(ValueError):
+    """A session's options cannot be served; the message says why in a plain sentence."""
+
+
+@dataclass
+class HostOutput:
+    """One tick's outputs on the host, indexed by row."""
+
+    pcm: np.ndarray  # [B, FRAME_SAMPLES] float32: each row's output audio frame
+    text_tokens: np.ndarray  # [B] int64: each row's text token for this frame
+    valid: np.ndarray  # [B] bool: False while a row is still inside its first max_delay steps
+
+
+@dataclass
+class BackendOutput:
+    """One tick's outputs, possibly still on the device."""
+
+    pcm: torch.Tensor  # [B, FRAME_SAMPLES] float
+    text_tokens: torch.Tensor  # [B] integer
+    valid: torch.Tensor  # [B] bool
+    # Codes of this frame, kept on the device for tests and debugging (not copied to host).
+    agent_codes: torch.Tensor | None = None  # [B, n_agent]: what was decoded into `pcm`
+    user_codes: torch.Tensor | None = None  # [B, n_user]: Mimi's encoding of the input frame
+
+    def to_host(self) -> HostOutput:
+        # Pack everything into one float32 tensor so the tick needs a single copy (and a
+        # single sync). Text ids (< 2**24) and 0/1 flags are exact in float32.
+        packed = torch.cat([self.pcm.float(), self.text_tokens.float()[:, None],
+                            self.valid.float()[:, None]], dim=1).cpu().numpy()
+        return HostOutput(pcm=packed[:, :-2], text_tokens=packed[:, -2].astype(np.int64),
+                          valid=packed[:, -1] > 0.5)
+
+
+class FrameBackend(Protocol):
+    max_sessions: int
+
+    def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
+        """frames: [B, FRAME_SAMPLES] float32 on the host; live_mask: [B] bool on the host."""
+
+    def reset_rows(self, mask: torch.Tensor) -> None:
+        """Return the masked rows to a fresh state, leaving the others untouched."""
+
+    def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
+        """Per-row sampling settings (device tensors, so a captured graph sees changes)."""
+
+    def prefill(self, row: int, options: SessionOptions) -> None:
+        """Run the row's prompt (voice, persona) so its next step is the live conversation."""
+
+    def text_piece(self, token: int) -> str:
+        """The text a token adds to the transcript ("" for padding)."""
+
+    def close(self) -> None:
+        """Free device memory. Called once, after the engine thread has stopped."""
+
+
+class ModelBackend:
+    """The real frame: Mimi encode -> LMGen.step -> Mimi decode for `max_sessions` rows.
+
+    All per-row state (LM KV ring, token ring, offsets, sampling, Mimi streams) lives in
+    device tensors allocated once here. On CUDA the whole frame is one graph (see
+    cuda_graph.py); on CPU it runs eagerly with the same code.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
+                 seed: int | None = None) -> None:
+        self.max_sessions = max_sessions
+        self.checkpoint = checkpoint
+        self.cfg = checkpoint.lm_config
+        self.device = next(checkpoint.lm.parameters()).device
+        self._mimi = checkpoint.mimi
+        self._tokenizer = checkpoint.tokenizer
+        gen = checkpoint.gen_defaults
+        # The handoff step of a prefill samples for every row; it draws from its own generator
+        # so that opening a session never shifts the random stream the live rows sample from.
+        self._prefill_generator = torch.Generator(self.device)
+        if seed is not None:
+            torch.manual_seed(seed)
+            self._prefill_generator.manual_seed(seed + 1)
+        self._gen = LMGen(checkpoint.lm, text_temp=gen.get("temp_text", 0.7), text_topk=gen.get("top_k_text", 25),
+                          audio_temp=gen.get("temp", 0.8), audio_topk=gen.get("top_k", 250))
+        self._lm_state = self._gen.init_state(max_sessions)
+        self._mimi_state = self._mimi.init_state(max_sessions, self.device)
+        self._voices: dict[str, VoicePrompt] = {}
+        self._pinned = self.device.type == "cuda"
+        self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
+        self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
+        self._graph: CUDAGraphRunner | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            idle = torch.zeros(max_sessions, dtype=torch.bool, device=self.device)
+            frames = torch.zeros(max_sessions, self._mimi.frame_size, device=self.device)
+            self._graph = CUDAGraphRunner(self._frame, (frames, idle))
+
+    @classmethod
+    def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
+             dtype: torch.dtype | None = None, **kwargs) -> "ModelBackend":
+        """Load a checkpoint (directory or HF repo id) and build the backend on `device`."""
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return cls(load_checkpoint(source, device, dtype), max_sessions, **kwargs)
+
+    # ---- the frame ----
+
+    def _frame(self, frames: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Device-only work for one tick (captured as one graph on CUDA)."""
+        user_codes = self._mimi.encode_step(frames, self._mimi_state, live)
+        out = self._gen.step(self._lm_state, user_codes, live)
+        # Decode only real frames: a row inside its delay holds "not generated" (-2) codes,
+        # which would corrupt its decoder state (and index out of range).
+        decode = live & out.valid
+        agent = torch.where(decode[:, None], out.audio, torch.zeros_like(out.audio)).clamp(0, self.cfg.card - 1)
+        pcm = self._mimi.decode_step(agent, self._mimi_state, decode)
+        return pcm, out.text, decode, agent, user_codes
+
+    @torch.no_grad()
+    def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
+        if self._pinned:  # staged through pinned memory so the upload is asynchronous
+            self._frames_host.copy_(frames)
+            self._mask_host.copy_(live_mask)
+            frames, live_mask = self._frames_host, self._mask_host
+        frames = frames.to(self.device, non_blocking=True)
+        live_mask = live_mask.to(self.device, non_blocking=True)
+        run = self._graph if self._graph is not None else self._frame
+        pcm, text, valid, agent, user = run(frames, live_mask)
+        return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user)
+
+    # ---- per-row control (engine thread, between ticks) ----
+
+    def reset_rows(self, mask: torch.Tensor) -> None:
+        mask = mask.to(self.device)
+        self._gen.reset(self._lm_state, mask)  # also restores the default sampling
+        self._mimi_state.reset(mask)
+
+    def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
+        self._lm_state.set_sampling(self._row_mask(row), text_temp=sampling.text_temperature,
+                                    text_topk=sampling.text_top_k, audio_temp=sampling.audio_temperature,
+                                    audio_topk=sampling.audio_top_k)
+
+    @torch.no_grad()
+    def prefill(self, row: int, options: SessionOptions) -> None:
+        """PersonaPlex: voice + silence + persona + silence in one batched pass over the
+        prompt (not one tick per frame), then the single handoff step. Moshi: nothing."""
+        if self.checkpoint.model_type != "personaplex":
+            if options.voice or options.persona:
+                raise SessionRejected("this model is Moshi, which takes no voice or persona; leave them out.")
+            return
+        try:
+            voice = self._voice(options.voice) if options.voice else None
+            plan = build_prompt_frames(self.cfg, voice, persona_tokens(self._tokenizer, options.persona))
+        except PersonaError as exc:
+            raise SessionRejected(str(exc)) from exc
+        if plan.num_frames > self.cfg.context:
+            raise SessionRejected(f"the persona prompt takes {plan.num_frames} frames, more than the model's "
+                                  f"{self.cfg.context}-frame context; shorten the persona.")
+        dtype = next(self.checkpoint.lm.parameters()).dtype
+        x = self._gen.embed_frames(plan.prefill_columns.to(self.device))
+        if plan.embeddings is not None:
+            x = torch.cat([plan.embeddings.to(self.device, dtype), x])
+        self._gen.prefill(self._lm_state, row, x, ring_tokens=plan.ring_tokens)
+        # The handoff step: the prompt's last frame, stepped for this row only.
+        b, n_agent = self.max_sessions, self.cfg.n_agent
+        user = torch.zeros(b, self.cfg.n_user, dtype=torch.long, device=self.device)
+        user[row] = plan.first_step_user.to(self.device)
+        force_text = torch.full((b,), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
+        force_text[row] = plan.first_step_force_text
+        force_audio = torch.full((b, n_agent), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
+        force_audio[row] = plan.first_step_force_audio.to(self.device)
+        shared, self._gen.generator = self._gen.generator, self._prefill_generator
+        try:
+            self._gen.step(self._lm_state, user, self._row_mask(row), force_text, force_audio)
+        finally:
+            self._gen.generator = shared
+
+    def _voice(self, name: str) -> VoicePrompt:
+        if name not in self._voices:  # voices are small and reused: load each once
+            if self.checkpoint.voices_dir is None:
+                raise SessionRejected("this checkpoint ships no voices.")
+            path = resolve_voice(self.checkpoint.voices_dir, name)
+            self._voices[name] = load_voice(path, mimi_encode=self._encode_voice)
+        return self._voices[name]
+
+    @torch.no_grad()
+    def _encode_voice(self, frames: torch.Tensor) -> torch.Tensor:
+        """[N, 1920] -> [N, n_agent] codes through a fresh streaming encoder (an audio voice file)."""
+        codes = self._mimi.encode(frames.reshape(1, -1).to(self.device))  # [1, K, N]
+        return codes[0].T.cpu()
+
+    def _row_mask(self, row: int) -> torch.Tensor:
+        mask = torch.zeros(self.max_sessions, dtype=torch.bool, device=self.device)
+        mask[row] = True
+        return mask
+
+    def text_piece(self, token: int) -> str:
+        return self._tokenizer.piece(token)
+
+    def close(self) -> None:
+        if self._graph is not None:
+            self._graph.close()
+        self._graph = None
+        self._lm_state = self._mimi_state = None  # type: ignore[assignment]
+        self.checkpoint = None  # type: ignore[assignment]
+        self._gen = None  # type: ignore[assignment]
+        self._mimi = None  # type: ignore[assignment]
+        self._voices.clear()
+        if self.device.type == "cuda":
+            gc.collect()  # modules hold reference cycles: collect them before returning the cache
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:  # cuBLAS keeps per-stream workspaces in the cache
+                clear_workspaces()
+            torch.cuda.empty_cache()

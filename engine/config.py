@@ -1,0 +1,88 @@
+"""Engine and session options: frozen dataclasses, validated once here, at the edge.
+
+Every check raises `OptionsError` (a ValueError) with a plain sentence that names the
+field, so the network edge can hand the message to a client unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from models.config import FRAME_SAMPLES, SAMPLE_RATE
+
+TICK_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08: one frame of audio per tick
+
+
+class OptionsError(ValueError):
+    """Options that cannot be served; the message says which one and why."""
+
+
+def _check_temperature(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise OptionsError(f"{name} must be a finite number, got {value!r}.")
+    if value < 0:
+        raise OptionsError(f"{name} must be 0 (greedy) or more, got {value}.")
+
+
+def _check_top_k(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Per-session sampling. Defaults are the reference LMGen's; temperature 0 is greedy."""
+
+    text_temperature: float = 0.7
+    text_top_k: int = 25
+    audio_temperature: float = 0.8
+    audio_top_k: int = 250
+
+    def __post_init__(self) -> None:
+        _check_temperature("text_temperature", self.text_temperature)
+        _check_temperature("audio_temperature", self.audio_temperature)
+        _check_top_k("text_top_k", self.text_top_k)
+        _check_top_k("audio_top_k", self.audio_top_k)
+
+    @classmethod
+    def greedy(cls) -> "SamplingOptions":
+        return cls(text_temperature=0.0, audio_temperature=0.0)
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """What a client chooses when it opens a session."""
+
+    persona: str = ""  # PersonaPlex system prompt text; empty means none
+    voice: str | None = None  # voice prompt name (PersonaPlex), None for the model's default
+    sampling: SamplingOptions | None = None  # None: the checkpoint's defaults
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.persona, str):
+            raise OptionsError(f"persona must be text, got {type(self.persona).__name__}.")
+        if self.voice is not None and (not isinstance(self.voice, str) or not self.voice):
+            raise OptionsError(f"voice must be a non-empty name or left out, got {self.voice!r}.")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingOptions):
+            raise OptionsError("sampling must be a SamplingOptions or left out.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing. Everything is bounded: slots, input per session, output per request."""
+
+    max_sessions: int = 8  # slots, fixed at start: the batch every tick runs
+    tick_seconds: float = TICK_SECONDS  # the clock period (tests may shorten it)
+    input_frames: int = 25  # per-session input bound: 2 s of audio before overrun drops the oldest
+    output_events: int = 64  # per-request output bound: ~5 s of frames before the oldest are dropped
+    shutdown_timeout_s: float = 5.0  # how long shutdown waits for the engine thread
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "input_frames", "output_events"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
+        for name in ("tick_seconds", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise OptionsError(f"{name} must be a positive number of seconds, got {value!r}.")

@@ -1,0 +1,91 @@
+"""Per-session bounded input: arbitrary-length PCM in, one 1920-sample frame per tick out.
+
+Clients send audio in whatever chunk sizes their codec produces; the model wants exact
+80 ms frames. The buffer re-frames, and stays bounded in both directions:
+- empty at tick time -> a frame of silence, counted as an underrun (the session keeps its
+  cadence rather than stalling the whole batch);
+- more than `max_frames` queued -> the oldest frames are dropped, counted as overruns
+  (latency must not grow during a call).
+`push` runs on the event loop and `pop` on the engine thread, hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+
+from models.config import FRAME_SAMPLES
+
+
+class InputError(ValueError):
+    """Audio the engine cannot use; the message says why in a plain sentence."""
+
+
+def validate_pcm(pcm: object) -> np.ndarray:
+    """Return `pcm` as a 1-D float32 array, or raise InputError."""
+    if hasattr(pcm, "detach"):  # a torch tensor: take it as numpy without importing torch here
+        pcm = pcm.detach().cpu().numpy()
+    if not isinstance(pcm, np.ndarray):
+        raise InputError(f"input audio must be a numpy array of float PCM samples, got {type(pcm).__name__}.")
+    if not np.issubdtype(pcm.dtype, np.floating):
+        raise InputError(f"input audio must be float PCM in [-1, 1], got dtype {pcm.dtype}.")
+    if pcm.ndim == 2 and pcm.shape[0] == 1:
+        pcm = pcm[0]
+    if pcm.ndim != 1:
+        raise InputError(f"input audio must be mono (one channel), got shape {tuple(pcm.shape)}.")
+    pcm = pcm.astype(np.float32, copy=False)
+    if not np.isfinite(pcm).all():
+        raise InputError("input audio contains NaN or infinite samples.")
+    return pcm
+
+
+class InputBuffer:
+    def __init__(self, max_frames: int, frame_samples: int = FRAME_SAMPLES) -> None:
+        self.max_frames = max_frames
+        self.frame_samples = frame_samples
+        self._lock = threading.Lock()
+        self._frames: deque[np.ndarray] = deque()
+        self._partial = np.zeros(frame_samples, dtype=np.float32)  # the unfinished next frame
+        self._partial_len = 0
+        self.underruns = 0
+        self.overruns = 0
+
+    def push(self, pcm: object) -> int:
+        """Append audio (validated). Returns how many frames were dropped to stay bounded."""
+        samples = validate_pcm(pcm)
+        n = self.frame_samples
+        dropped = 0
+        with self._lock:
+            pos = 0
+            while pos < len(samples):
+                take = min(n - self._partial_len, len(samples) - pos)
+                self._partial[self._partial_len:self._partial_len + take] = samples[pos:pos + take]
+                self._partial_len += take
+                pos += take
+                if self._partial_len == n:
+                    self._frames.append(self._partial)
+                    self._partial = np.zeros(n, dtype=np.float32)
+                    self._partial_len = 0
+            while len(self._frames) > self.max_frames:
+                self._frames.popleft()
+                dropped += 1
+            self.overruns += dropped
+        return dropped
+
+    def pop_into(self, out: np.ndarray) -> bool:
+        """Write the next frame into `out` (silence if none). Returns False on an underrun."""
+        with self._lock:
+            frame = self._frames.popleft() if self._frames else None
+            if frame is None:
+                self.underruns += 1
+        if frame is None:
+            out[:] = 0.0
+            return False
+        out[:] = frame
+        return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._frames)

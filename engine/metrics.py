@@ -1,0 +1,80 @@
+"""Engine counters for /metrics. Updated from the engine thread and the event loop, so a
+lock guards them; `snapshot()` returns plain numbers (no live objects leak out)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+# Bucket upper bounds in seconds. Ticks: around the 80 ms budget. Prefill: up to seconds.
+TICK_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5)
+PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-style histogram (Prometheus shape): counts per upper bound, plus +Inf."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def snapshot(self) -> dict:
+        cumulative, running = [], 0
+        for c in self.counts:
+            running += c
+            cumulative.append(running)
+        return {"buckets": dict(zip([*map(str, self.bounds), "+Inf"], cumulative)),
+                "sum": self.total, "count": self.count}
+
+
+COUNTERS = (
+    "ticks",            # ticks run
+    "late_ticks",       # ticks that started past their boundary (the step before overran)
+    "skipped_ticks",    # boundaries dropped entirely to catch up without bursting
+    "underruns",        # frames of silence fed because a session's input was empty
+    "overruns",         # input frames dropped because a session's buffer was full
+    "dropped_events",   # output events dropped because a consumer was too slow
+    "sessions_opened",
+    "sessions_failed",
+)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self.tick_seconds = Histogram(TICK_BUCKETS)
+        self.prefill_seconds = Histogram(PREFILL_BUCKETS)
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def set(self, name: str, value: int) -> None:
+        with self._lock:
+            self._counts[name] = value
+
+    def observe_tick(self, seconds: float) -> None:
+        with self._lock:
+            self.tick_seconds.observe(seconds)
+
+    def observe_prefill(self, seconds: float) -> None:
+        with self._lock:
+            self.prefill_seconds.observe(seconds)
+
+    def snapshot(self, live_slots: int, free_slots: int, healthy: bool) -> dict:
+        with self._lock:
+            return {**self._counts, "live_slots": live_slots, "free_slots": free_slots,
+                    "healthy": healthy, "tick_seconds": self.tick_seconds.snapshot(),
+                    "prefill_seconds": self.prefill_seconds.snapshot()}

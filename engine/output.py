@@ -1,0 +1,45 @@
+"""The output processor: the one place that loops over the batch and fans each row's
+output out to its request's stream, by request id (never by batch position, which is
+reused as soon as a session ends)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from .backend import HostOutput
+from .metrics import EngineMetrics
+from .scheduler import TickPlan
+from .session import FrameOut
+from .stream import OutputStream
+
+
+class OutputProcessor:
+    def __init__(self, text_piece: Callable[[int], str], metrics: EngineMetrics) -> None:
+        self._text_piece = text_piece
+        self._metrics = metrics
+        self._lock = threading.Lock()  # register/unregister run on the loop, route on the engine
+        self._streams: dict[str, OutputStream[FrameOut]] = {}
+
+    def register(self, request_id: str, stream: OutputStream[FrameOut]) -> None:
+        with self._lock:
+            self._streams[request_id] = stream
+
+    def unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def route(self, plan: TickPlan, out: HostOutput) -> None:
+        with self._lock:
+            streams = [self._streams.get(rid) if rid is not None else None for rid in plan.request_ids]
+        dropped = 0
+        for row, stream in enumerate(streams):
+            if stream is None or not out.valid[row]:
+                continue  # idle row, a request that ended this tick, or still inside the delay
+            token = int(out.text_tokens[row])
+            frame = FrameOut(pcm=out.pcm[row].copy(), text=self._text_piece(token),
+                             text_token=token, tick=plan.tick)
+            if not stream.push(frame):
+                dropped += 1
+        if dropped:
+            self._metrics.inc("dropped_events", dropped)

@@ -1,0 +1,81 @@
+"""A fabricated FrameBackend for tests of the engine and of the network edge.
+
+`DelayBackend` behaves like the echo model without any model: each row returns the
+input frame it was given one step earlier (so outputs are a function of the row's own
+input history only), its text token counts the frames the row has seen since its reset
+(so a reused slot visibly starts clean), and the first step after a reset is not valid
+(like the LM's one-frame acoustic delay). It follows the masking contract: rows outside
+`live_mask` are left untouched.
+
+Knobs for failure tests: samples outside [-1, 1] are refused per row (RowFailure), the
+voice "unknown" is rejected at prefill (SessionRejected), `fail_at_step` raises a fatal
+error, `step_seconds` / `prefill_seconds` sleep to simulate slow work, and `on_step` lets
+a test observe each call (or advance a fake clock).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from models.config import FRAME_SAMPLES
+
+from .backend import BackendOutput, RowFailure, SessionRejected
+from .config import SamplingOptions, SessionOptions
+
+
+class DelayBackend:
+    def __init__(self, max_sessions: int, *, step_seconds: float = 0.0, prefill_seconds: float = 0.0,
+                 fail_at_step: int | None = None,
+                 on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        self.max_sessions = max_sessions
+        self.step_seconds = step_seconds
+        self.prefill_seconds = prefill_seconds
+        self.fail_at_step = fail_at_step
+        self.on_step = on_step
+        self.prev = torch.zeros(max_sessions, FRAME_SAMPLES)
+        self.count = torch.zeros(max_sessions, dtype=torch.int64)
+        self.sampling: list[SamplingOptions | None] = [None] * max_sessions
+        self.steps = 0
+        self.resets: list[int] = []  # rows reset, in order
+        self.prefills: list[tuple[int, SessionOptions]] = []
+        self.close_calls = 0
+
+    def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
+        if self.on_step is not None:
+            self.on_step(self.steps, frames, live_mask)
+        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
+            raise RuntimeError("simulated device failure")
+        bad = live_mask & (frames.abs() > 1.0).any(dim=1)
+        if bad.any():  # refuse before touching any state, as the contract asks
+            raise RowFailure({int(r): "samples outside [-1, 1]" for r in bad.nonzero().flatten()})
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        self.steps += 1
+        out = BackendOutput(pcm=self.prev.clone(), text_tokens=self.count.clone(), valid=self.count >= 1)
+        self.prev = torch.where(live_mask[:, None], frames, self.prev)
+        self.count = torch.where(live_mask, self.count + 1, self.count)
+        return out
+
+    def reset_rows(self, mask: torch.Tensor) -> None:
+        self.resets.extend(int(r) for r in mask.nonzero().flatten())
+        self.prev[mask] = 0.0
+        self.count[mask] = 0
+
+    def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
+        self.sampling[row] = sampling
+
+    def prefill(self, row: int, options: SessionOptions) -> None:
+        if options.voice == "unknown":
+            raise SessionRejected("voice 'unknown' is not one of this model's voices.")
+        if self.prefill_seconds:
+            time.sleep(self.prefill_seconds)
+        self.prefills.append((row, options))
+
+    def text_piece(self, token: int) -> str:
+        return "" if token == 0 else f"<{token}>"
+
+    def close(self) -> None:
+        self.close_calls += 1
