@@ -1,0 +1,187 @@
+"""Per-frame latency of Parley's engine frame vs the reference `moshi` package, same GPU, same weights.
+
+One frame = Mimi encode -> temporal transformer -> depformer -> sampling -> Mimi decode for B
+sessions at once, plus the host copy of the outputs. Moshi-7B shapes with random bf16 weights
+(compute and memory traffic equal those of real weights). The reference (`moshi==0.2.13`, run as
+its server runs it: streaming, its own CUDA graphs) and Parley share the very same weight tensors.
+
+Windows: `empty` (rows start at position 0), `spread` (rows evenly over 0..context), `full`
+(every row past the context, the KV ring full). The reference attends over its whole ring every
+step, so its time does not depend on the window; it is measured once per B.
+
+    python benchmarks/frame_latency.py --batches 1,8,16,32,64,128 --frames 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.backend import ModelBackend  # noqa: E402
+from models.checkpoint import Checkpoint  # noqa: E402
+from models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
+from models.lm import LMModel  # noqa: E402
+from models.mimi.codec import Mimi  # noqa: E402
+
+WINDOWS = ("empty", "spread", "full")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def reference_kwargs(cfg) -> dict:
+    raw = dataclasses.asdict(cfg)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in raw.items()}
+
+
+def build_models(device: str, dtype: torch.dtype):
+    """Reference models with random weights, and Parley models sharing those tensors."""
+    from moshi.models import loaders
+
+    torch.manual_seed(0)
+    lm_cfg, mimi_cfg = LMConfig(), MimiConfig()
+    ref_lm = loaders.get_moshi_lm(None, lm_kwargs=None, device=device, dtype=dtype)
+    ref_mimi = loaders.get_mimi(None, device=device)
+    lm = LMModel(lm_cfg, device="meta", dtype=dtype)
+    lm.load_state_dict(ref_lm.state_dict(), assign=True, strict=True)
+    mimi = Mimi(mimi_cfg).to("meta")
+    mimi.load_state_dict(ref_mimi.state_dict(), assign=True, strict=True)
+    mimi.eval()
+    lm.eval()
+    return ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg
+
+
+def time_frames(run_frame, frames: int, warmup: int) -> list[float]:
+    times = []
+    for i in range(warmup + frames):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run_frame()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+@torch.no_grad()
+def bench_reference(ref_lm, ref_mimi, batch: int, frames: int, warmup: int) -> dict:
+    from moshi.models import LMGen
+
+    gen = LMGen(ref_lm, temp=0.8, temp_text=0.7, top_k=250, top_k_text=25)
+    pcm = torch.randn(batch, 1, FRAME_SAMPLES, device="cuda") * 0.1
+    with ref_mimi.streaming(batch), gen.streaming(batch):
+        def frame():
+            codes = ref_mimi.encode(pcm)
+            tokens = gen.step(codes)
+            if tokens is not None:
+                ref_mimi.decode(tokens[:, 1:].clamp(0, 2047)).cpu()
+
+        torch.cuda.reset_peak_memory_stats()
+        times = time_frames(frame, frames, warmup)
+        peak = torch.cuda.max_memory_allocated()
+    return {"p50": percentile(times, 50), "p99": percentile(times, 99), "peak_gib": peak / 2**30}
+
+
+def place_rows(backend: ModelBackend, window: str, context: int) -> None:
+    """Move every row to its window position (KV contents are left as they are: timing only)."""
+    state = backend._lm_state.transformer
+    batch, capacity = state.slot_pos.shape
+    if window == "empty":
+        pos = torch.zeros(batch, dtype=torch.long, device=state.pos.device)
+    elif window == "spread":
+        pos = torch.linspace(0, context, batch, device=state.pos.device).long()
+    else:
+        pos = torch.full((batch,), 10 * context, dtype=torch.long, device=state.pos.device)
+    state.pos.copy_(pos)
+    slots = torch.arange(capacity, device=pos.device)
+    # Slot s holds the latest position p < pos with p % capacity == s, if any.
+    latest = pos[:, None] - 1 - ((pos[:, None] - 1 - slots) % capacity)
+    state.slot_pos.copy_(torch.where(latest >= 0, latest, torch.full_like(latest, -1)))
+    backend._lm_state.offsets.copy_(pos)
+
+
+@torch.no_grad()
+def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows) -> dict:
+    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg,
+                      voices_dir=None, gen_defaults={}, model_type="moshi", path=Path("."))
+    torch.cuda.reset_peak_memory_stats()
+    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0)
+    pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
+    live = torch.ones(batch, dtype=torch.bool)
+    results = {}
+    for window in windows:
+        place_rows(backend, window, lm_cfg.context)
+        times = time_frames(lambda: backend.step(pcm, live).to_host(), frames, warmup)
+        results[window] = {"p50": percentile(times, 50), "p99": percentile(times, 99)}
+    results["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    backend.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,16,32,64,128", help="comma-separated batch sizes")
+    parser.add_argument("--frames", type=int, default=60, help="timed frames per case")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed frames before timing")
+    parser.add_argument("--windows", default=",".join(WINDOWS), help="subset of empty,spread,full")
+    parser.add_argument("--no-reference", action="store_true", help="time Parley only")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("frame_latency needs a CUDA GPU")
+    windows = [w for w in args.windows.split(",") if w]
+    batches = [int(b) for b in args.batches.split(",")]
+    ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16")
+    rows = []
+    for batch in batches:
+        row = {"B": batch}
+        try:
+            row["parley"] = bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch, args.frames, args.warmup, windows)
+        except torch.cuda.OutOfMemoryError:
+            row["parley"] = "OOM"
+        torch.cuda.empty_cache()
+        if not args.no_reference:
+            try:
+                row["reference"] = bench_reference(ref_lm, ref_mimi, batch, args.frames, args.warmup)
+            except torch.cuda.OutOfMemoryError:
+                row["reference"] = "OOM"
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    print("\n| B | window | Parley p50 | Parley p99 | reference p50 | reference p99 | ratio (ref/Parley p50) "
+          "| Parley peak GiB | reference peak GiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        ref = row.get("reference")
+        for window in windows:
+            par = row["parley"]
+            p = par[window] if isinstance(par, dict) else None
+            r = ref if isinstance(ref, dict) else None
+            cells = [
+                f"{p['p50']:.2f}" if p else str(par), f"{p['p99']:.2f}" if p else "",
+                f"{r['p50']:.2f}" if r else str(ref or "-"), f"{r['p99']:.2f}" if r else "",
+                f"{r['p50'] / p['p50']:.2f}x" if (p and r) else "",
+                f"{par['peak_gib']:.1f}" if p else "", f"{r['peak_gib']:.1f}" if r else "",
+            ]
+            print(f"| {row['B']} | {window} | " + " | ".join(cells) + " |")
+    realtime = [row["B"] for row in rows if isinstance(row["parley"], dict)
+                and "full" in row["parley"] and row["parley"]["full"]["p99"] < 80.0]
+    print(f"\nLargest B with full windows and p99 < 80 ms: {max(realtime) if realtime else 'none'}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""One LM frame for a batch of independent rows: token ring, temporal step, sampling, depformer.
+
+    gen = LMGen(model, text_temp=0.7, text_topk=25, audio_temp=0.8, audio_topk=250, generator=None)
+    state = gen.init_state(batch_size)
+    out = gen.step(state, user_codes[B, n_user], exec_mask[B], force_text=None, force_audio=None)
+    out.text [B], out.audio [B, n_agent], out.valid [B]
+    gen.reset(state, mask[B])
+    state.set_sampling(mask[B], text_temp=..., text_topk=..., audio_temp=..., audio_topk=...)
+    x = gen.embed_frames(tokens[T, n_q + 1]);  gen.prefill(state, row, x, ring_tokens)
+
+Semantics are moshi 0.2.13 `LMGen._step`, made per row (every row has its own offset, so a row
+can start, reset or pause while the others run) and free of host syncs:
+
+Ring: `ring[b, stream, offset % CT]` with CT = max_delay + 2, filled with -2 ("not generated").
+At step s of a row (s = its offset):
+1. the user codes of frame s go to column s + delay (user semantic: s, user acoustic: s + 1);
+2. the temporal input is column s, with the initial tokens (text_card / card) for every stream
+   whose delay has not elapsed yet (s <= delay);
+3. temporal transformer -> text logits -> text token; depformer n_agent steps -> agent codes;
+4. text and agent codes go to column s + 1;
+5. the returned frame is de-delayed, column s + 1 - max_delay + delay: text and semantic from
+   column s (step s - 1's output), acoustic from column s + 1 (this step's): one coherent frame.
+   `valid` is False for a row's first max_delay steps and for rows not executing.
+
+Rows where `exec_mask` is False are computed but their ring, offset and KV are left untouched.
+
+Forcing (teacher forcing, PersonaPlex prompts): `force_text[b]` / `force_audio[b, k]` other than -2
+replace the sampled token, both in the ring and as the next depformer step's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import UNGENERATED_TOKEN
+from .lm import LMModel
+from .sampling import sample_tokens
+from .transformer import TransformerState
+
+
+@dataclass
+class LMStepOutput:
+    text: torch.Tensor  # [B] long: text token of the returned frame
+    audio: torch.Tensor  # [B, n_agent] long: agent codes of the returned frame
+    valid: torch.Tensor  # [B] bool: False before a row's first complete frame, or when not executed
+
+
+@dataclass
+class LMGenState:
+    transformer: TransformerState  # temporal KV ring and positions, per row
+    depformer: TransformerState  # scratch KV over the steps of one frame; cleared every frame
+    ring: torch.Tensor  # [B, n_q + 1, max_delay + 2] long, -2 = not generated
+    offsets: torch.Tensor  # [B] long: frames stepped by each row
+    # Per-row sampling settings; tensors so that a captured graph reads the current values.
+    text_temp: torch.Tensor  # [B] float, <= 0 is greedy
+    text_topk: torch.Tensor  # [B] long, <= 0 is no top-k
+    audio_temp: torch.Tensor  # [B] float
+    audio_topk: torch.Tensor  # [B] long
+    defaults: tuple[float, int, float, int]  # (text_temp, text_topk, audio_temp, audio_topk)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.shape[0]
+
+    def reset(self, mask: torch.Tensor) -> None:
+        """Masked rows return to a fresh session (including the default sampling settings)."""
+        self.transformer.reset(mask)
+        self.ring.masked_fill_(mask[:, None, None], UNGENERATED_TOKEN)
+        self.offsets.masked_fill_(mask, 0)
+        self.set_sampling(mask, *self.defaults)
+
+    def set_sampling(self, mask: torch.Tensor, text_temp: float | None = None, text_topk: int | None = None,
+                     audio_temp: float | None = None, audio_topk: int | None = None) -> None:
+        """Write sampling settings into the masked rows (None leaves a setting unchanged)."""
+        for tensor, value in ((self.text_temp, text_temp), (self.text_topk, text_topk),
+                              (self.audio_temp, audio_temp), (self.audio_topk, audio_topk)):
+            if value is not None:
+                tensor.masked_fill_(mask, value)
+
+
+class LMGen:
+    def __init__(self, model: LMModel, *, text_temp: float = 0.7, text_topk: int = 25,
+                 audio_temp: float = 0.8, audio_topk: int = 250, generator: torch.Generator | None = None):
+        self.model = model
+        self.cfg = model.cfg
+        self.generator = generator
+        self.defaults = (text_temp, text_topk, audio_temp, audio_topk)
+        device = next(model.parameters()).device
+        self.delays = torch.tensor(self.cfg.delays, dtype=torch.long, device=device)
+        self.initial = model.initial_tokens(device)
+        self.ring_size = self.cfg.max_delay + 2
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def init_state(self, batch_size: int, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> LMGenState:
+        param = next(self.model.parameters())
+        device = param.device if device is None else device
+        dtype = param.dtype if dtype is None else dtype
+        text_temp, text_topk, audio_temp, audio_topk = self.defaults
+
+        def full(value, kind):
+            return torch.full((batch_size,), value, dtype=kind, device=device)
+
+        return LMGenState(
+            transformer=self.model.transformer.init_state(batch_size, device, dtype),
+            depformer=self.model.depformer.init_state(batch_size, device, dtype),
+            ring=torch.full((batch_size, self.cfg.num_codebooks, self.ring_size), UNGENERATED_TOKEN,
+                            dtype=torch.long, device=device),
+            offsets=full(0, torch.long),
+            text_temp=full(text_temp, torch.float32), text_topk=full(text_topk, torch.long),
+            audio_temp=full(audio_temp, torch.float32), audio_topk=full(audio_topk, torch.long),
+            defaults=self.defaults,
+        )
+
+    def reset(self, state: LMGenState, mask: torch.Tensor) -> None:
+        state.reset(mask)
+
+    # -- one frame ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, state: LMGenState, user_codes: torch.Tensor, exec_mask: torch.Tensor,
+             force_text: torch.Tensor | None = None, force_audio: torch.Tensor | None = None) -> LMStepOutput:
+        cfg = self.cfg
+        n_agent = cfg.n_agent
+        offsets = state.offsets
+
+        # 1. User codes of this frame, written at their delayed columns.
+        user = slice(1 + n_agent, 1 + cfg.n_q)
+        self._write(state.ring[:, user], offsets[:, None] + self.delays[None, user], user_codes, exec_mask)
+
+        # 2. Temporal input: column `offset`, initial tokens where a stream's delay has not elapsed.
+        #    Rows not executing also read initial tokens so that they never embed garbage.
+        column = (offsets % self.ring_size)[:, None, None].expand(-1, cfg.num_codebooks, 1)
+        tokens = state.ring.gather(2, column)[..., 0]
+        is_init = (offsets[:, None] <= self.delays[None]) | ~exec_mask[:, None]
+        tokens = torch.where(is_init, self.initial[None], tokens)
+
+        # 3. Temporal transformer and text.
+        hidden, text_logits = self.model.temporal(self.model.embed(tokens)[:, None], state.transformer, exec_mask)
+        hidden = hidden[:, 0]
+        text = sample_tokens(text_logits[:, 0], state.text_temp, state.text_topk, self.generator)
+        text = _forced(text, force_text)
+
+        # 4. Depformer: agent codes, autoregressive over codebooks.
+        audio = self._depformer(state, hidden, text, force_audio)
+
+        # 5. Outputs go to column offset + 1.
+        new_offsets = torch.where(exec_mask, offsets + 1, offsets)
+        generated = torch.cat([text[:, None], audio], dim=1)
+        self._write(state.ring[:, :1 + n_agent], new_offsets[:, None].expand(-1, 1 + n_agent), generated, exec_mask)
+        state.offsets.copy_(new_offsets)
+
+        # 6. De-delayed read-back: stream with delay d from column offset + 1 - max_delay + d.
+        read = (new_offsets[:, None] - cfg.max_delay + self.delays[None, :1 + n_agent]) % self.ring_size
+        frame = state.ring[:, :1 + n_agent].gather(2, read[..., None])[..., 0]
+        valid = (new_offsets > cfg.max_delay) & exec_mask
+        return LMStepOutput(text=frame[:, 0], audio=frame[:, 1:], valid=valid)
+
+    def _depformer(self, state: LMGenState, hidden: torch.Tensor, text: torch.Tensor,
+                   force_audio: torch.Tensor | None) -> torch.Tensor:
+        # PersonaPlex has dep_q = 16: steps n_agent..15 predict the user's codebooks, which we
+        # teacher-force with the real user codes anyway. The depformer is causal over its steps
+        # (step k attends to steps <= k only, with step-k weights), so those later steps cannot
+        # change the agent codes: we run only the first n_agent steps (half the depformer cost).
+        state.depformer.clear()
+        prev = text
+        codes = []
+        for k in range(self.cfg.n_agent):
+            logits = self.model.depformer_logits(k, hidden, prev, state.depformer)
+            token = sample_tokens(logits, state.audio_temp, state.audio_topk, self.generator)
+            token = _forced(token, None if force_audio is None else force_audio[:, k])
+            codes.append(token)
+            prev = token
+        return torch.stack(codes, dim=1)
+
+    def _write(self, ring: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+               exec_mask: torch.Tensor) -> None:
+        """ring[b, s, positions[b, s] % CT] = values[b, s] for executing rows (in place; ring may be a view)."""
+        index = (positions % self.ring_size)[..., None]
+        old = ring.gather(2, index)
+        ring.scatter_(2, index, torch.where(exec_mask[:, None, None], values[..., None], old))
+
+    # -- prefill (PersonaPlex prompts) ----------------------------------------------------------
+
+    @torch.no_grad()
+    def embed_frames(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T, n_q + 1] (already delayed: the temporal input columns) -> embeddings [T, dim]."""
+        return self.model.embed(tokens)
+
+    @torch.no_grad()
+    def prefill(self, state: LMGenState, row: int, embeddings: torch.Tensor,
+                ring_tokens: torch.Tensor | None = None) -> None:
+        """Run the temporal transformer over T input frames of one row at once; other rows untouched.
+
+        embeddings [T, dim]: the temporal inputs of steps offset .. offset + T - 1 (see `embed_frames`).
+        ring_tokens [n_q + 1, k] (k <= max_delay + 2): the delayed token columns offset + T - k + 1 ..
+        offset + T, written into the row's ring so that the next `step` reads what stepping would have
+        left there (the last column is the next step's input; its user semantic entry is rewritten by
+        that step). None leaves the ring "not generated" (-2). The text logits of the prompt are
+        not used, so they are not sampled. The caller keeps T <= the transformer context; a prompt
+        prefilled when the window is already full would lose a few keys (see transformer.py).
+        """
+        T = embeddings.shape[0]
+        self.model.temporal(embeddings[None], state.transformer.row(row))
+        state.offsets[row] += T
+        ring = state.ring[row]
+        ring.fill_(UNGENERATED_TOKEN)
+        if ring_tokens is not None:
+            k = ring_tokens.shape[1]
+            assert k <= self.ring_size, f"ring_tokens has {k} columns, the ring holds {self.ring_size}"
+            cols = (state.offsets[row] - k + 1 + torch.arange(k, device=ring.device)) % self.ring_size
+            ring.scatter_(1, cols[None].expand(ring.shape[0], k), ring_tokens.to(ring.device))
+
+
+def _forced(sampled: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+    if forced is None:
+        return sampled
+    return torch.where(forced != UNGENERATED_TOKEN, forced, sampled)

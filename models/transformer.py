@@ -1,0 +1,352 @@
+"""Streaming transformer with per-row state: the temporal LM, the depformer and Mimi's transformer.
+
+API
+---
+    tr = StreamingTransformer(d_model, num_heads, num_layers, dim_feedforward, *, causal=True,
+                              context=None, capacity=None, norm="layer_norm", gating="none",
+                              layer_scale=None, positional_embedding="rope", max_period=10000.0,
+                              weights_per_step=0, weights_per_step_schedule=None,
+                              device=None, dtype=None)
+    state = tr.init_state(batch_size, device, dtype)      # TransformerState
+    y = tr(x[B, T, d], state, exec_mask=None, step=None)  # streaming
+    y = tr(x[B, T, d])                                    # no state: plain causal pass over x
+    state.reset(mask[B])       # masked rows back to position 0 with an empty KV ring
+    state.clear()              # every row (the depformer clears once per frame)
+    state.row(i)               # a B=1 view of row i: stepping it updates row i in place
+
+Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
+- Each row has an absolute position `pos[b]`; step t of a call sits at `pos[b] + t` (RoPE and mask).
+- The KV ring has `capacity` slots (default: `context`); position p lives in slot p % capacity.
+  A query at position q sees the slots holding positions in [q - context + 1, q]. Positions grow
+  forever: the window slides, a session has no length cap.
+- Rows where `exec_mask` is False are computed (fixed shapes) but their ring and position are
+  left untouched.
+- With T > 1 the T new keys are written before attending, exactly as the reference does: once the
+  ring is full, the earlier queries of the call lose the few oldest keys the later steps overwrote.
+- `weights_per_step` (the depformer): `step` (a Python int, static under CUDA graphs) picks the
+  step's slice of the stacked `in_proj_weight` / `out_proj.weight` and its `gating[step]` FFN.
+- Nothing in `forward` reads a device value back to the host: it can be captured in a CUDA graph.
+
+Parameter names are the published checkpoint keys: `layers.{i}.self_attn.in_proj_weight`
+(fused QKV, per-step weights stacked on dim 0), `layers.{i}.self_attn.out_proj.weight`,
+`layers.{i}.norm{1,2}.{alpha | weight, bias}`, `layers.{i}.gating[.{k}].linear_{in,out}.weight`
+or `layers.{i}.linear{1,2}.weight`, `layers.{i}.layer_scale_{1,2}.scale`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms, layer scale, feed-forward
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; `compute_dtype=torch.float32` is the reference's `rms_norm_f32` (eps 1e-8)."""
+
+    def __init__(self, dim: int, eps: float, compute_dtype: torch.dtype | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+        # The parameter takes the model dtype (the reference casts it with the model); the math
+        # still runs in `compute_dtype`.
+        self.alpha = nn.Parameter(torch.ones(1, 1, dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        var = self.eps + torch.mean(x ** 2, dim=-1, keepdim=True)
+        # Same operation order as the reference, so fp32 results match bit for bit.
+        return (x * (self.alpha.to(var) * torch.rsqrt(var))).to(in_dtype)
+
+
+def make_norm(kind: str, dim: int, device=None, dtype=None) -> nn.Module:
+    if kind == "layer_norm":
+        return nn.LayerNorm(dim, eps=1e-5, device=device, dtype=dtype)
+    if kind == "rms_norm":
+        return RMSNorm(dim, eps=1e-5, device=device, dtype=dtype)
+    if kind == "rms_norm_f32":
+        return RMSNorm(dim, eps=1e-8, compute_dtype=torch.float32, device=device, dtype=dtype)
+    raise ValueError(f"unknown norm {kind!r}: expected layer_norm, rms_norm or rms_norm_f32")
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int, init: float, device=None, dtype=None):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), init, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+def gated_hidden_dim(dim: int, dim_feedforward: int) -> int:
+    """Hidden width of the gated FFN, as the reference derives it (keeps ~8 d^2 parameters)."""
+    if dim_feedforward == 4 * dim:
+        return (21 * dim) // 8
+    return (2 * dim_feedforward) // 3
+
+
+class GatedFFN(nn.Module):
+    """act(x W_a) * (x W_b), then W_out. `linear_in` holds W_a and W_b stacked."""
+
+    def __init__(self, dim: int, dim_feedforward: int, activation: str, device=None, dtype=None):
+        super().__init__()
+        hidden = gated_hidden_dim(dim, dim_feedforward)
+        self.linear_in = nn.Linear(dim, 2 * hidden, bias=False, device=device, dtype=dtype)
+        self.linear_out = nn.Linear(hidden, dim, bias=False, device=device, dtype=dtype)
+        self.activation = getattr(F, activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_in(x)
+        h = h.view(*h.shape[:-1], 2, -1)
+        return self.linear_out(self.activation(h[..., 0, :]) * h[..., 1, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved rotary embedding. q, k: [B, H, T, D]; positions: [B, T] long. Computed in fp32."""
+    D = q.shape[-1]
+    ds = torch.arange(D // 2, device=q.device, dtype=torch.float32)
+    freqs = torch.exp(ds * (-math.log(max_period) * 2 / D))
+    ts = positions.float()[:, None, :, None]  # [B, 1, T, 1]
+    cos, sin = torch.cos(freqs * ts), torch.sin(freqs * ts)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.view(*x.shape[:-1], D // 2, 2)
+        xr, xi = x[..., 0].float(), x[..., 1].float()
+        out_r = (xr * cos - xi * sin).to(x.dtype)
+        out_i = (xr * sin + xi * cos).to(x.dtype)
+        return torch.stack([out_r, out_i], dim=-1).view(*x.shape[:-2], D)
+
+    return rotate(q), rotate(k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming state
+
+
+@dataclass
+class TransformerState:
+    """Per-row streaming state of one StreamingTransformer (all tensors on the model's device)."""
+
+    pos: torch.Tensor  # [B] long: absolute position of the next step of each row
+    slot_pos: torch.Tensor  # [B, capacity] long: position held by each ring slot, -1 when empty
+    keys: list[torch.Tensor]  # per layer [B, H, capacity, head_dim]
+    values: list[torch.Tensor]  # per layer [B, H, capacity, head_dim]
+
+    @property
+    def batch_size(self) -> int:
+        return self.pos.shape[0]
+
+    def reset(self, mask: torch.Tensor) -> None:
+        """Masked rows start over (empty ring, position 0); other rows are untouched."""
+        self.pos.masked_fill_(mask, 0)
+        self.slot_pos.masked_fill_(mask[:, None], -1)
+
+    def clear(self) -> None:
+        """Every row starts over."""
+        self.pos.zero_()
+        self.slot_pos.fill_(-1)
+
+    def row(self, index: int) -> "TransformerState":
+        """A batch-of-one view of row `index`; in-place updates through it land in this state."""
+        sl = slice(index, index + 1)
+        return TransformerState(self.pos[sl], self.slot_pos[sl],
+                                [k[sl] for k in self.keys], [v[sl] for v in self.values])
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention and layer
+
+
+class StreamingAttention(nn.Module):
+    """Multi-head self-attention over a per-row KV ring. No biases (as in every Moshi model)."""
+
+    def __init__(self, dim: int, num_heads: int, num_weights: int, device=None, dtype=None):
+        super().__init__()
+        self.dim = dim
+        self.num_heads = num_heads
+        # Fused QKV for each weight step, stacked: the checkpoint layout [num_weights * 3 * dim, dim].
+        self.in_proj_weight = nn.Parameter(torch.empty(num_weights * 3 * dim, dim, device=device, dtype=dtype))
+        # Output projections stacked the same way: [num_weights * dim, dim].
+        self.out_proj = nn.Linear(dim, num_weights * dim, bias=False, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(self.in_proj_weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor, weight_index: int, positions: torch.Tensor,
+                rope_max_period: float | None, kv: tuple[torch.Tensor, torch.Tensor] | None,
+                slots: torch.Tensor | None, attn_mask: torch.Tensor,
+                exec_mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.dim // self.num_heads
+        w_in = self.in_proj_weight[weight_index * 3 * self.dim:(weight_index + 1) * 3 * self.dim]
+        w_out = self.out_proj.weight[weight_index * self.dim:(weight_index + 1) * self.dim]
+        q, k, v = F.linear(x, w_in).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        if rope_max_period is not None:
+            q, k = apply_rope(q, k, positions, rope_max_period)
+
+        if kv is None:  # stateless: attend over this call's keys only
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask)
+        else:
+            cache_k, cache_v = kv
+            index = slots[:, None, :, None].expand(B, H, T, D)
+            if exec_mask is not None:
+                old_k, old_v = cache_k.gather(2, index), cache_v.gather(2, index)
+            cache_k.scatter_(2, index, k)
+            cache_v.scatter_(2, index, v)
+            out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask)
+            if exec_mask is not None:
+                # Rows that do not execute get their overwritten slots back: their state is untouched,
+                # yet they attended over a valid (written) key, so their outputs stay finite.
+                keep = exec_mask[:, None, None, None]
+                cache_k.scatter_(2, index, torch.where(keep, k, old_k))
+                cache_v.scatter_(2, index, torch.where(keep, v, old_v))
+        out = out.transpose(1, 2).reshape(B, T, self.dim)
+        return F.linear(out, w_out)
+
+
+class StreamingTransformerLayer(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, dim_feedforward: int, norm: str, gating: str,
+                 layer_scale: float | None, num_weights: int, per_step: bool, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.self_attn = StreamingAttention(d_model, num_heads, num_weights, **factory)
+        self.norm1 = make_norm(norm, d_model, **factory)
+        self.norm2 = make_norm(norm, d_model, **factory)
+        self.gating: nn.Module | None = None
+        self.linear1: nn.Linear | None = None
+        self.linear2: nn.Linear | None = None
+        if gating == "none":
+            if per_step:
+                raise ValueError("weights_per_step needs a gated FFN (gating != 'none'), as in the reference")
+            # Mimi's plain FFN: linear2(gelu(linear1(x))).
+            self.linear1 = nn.Linear(d_model, dim_feedforward, bias=False, **factory)
+            self.linear2 = nn.Linear(dim_feedforward, d_model, bias=False, **factory)
+        elif per_step:
+            self.gating = nn.ModuleList(
+                [GatedFFN(d_model, dim_feedforward, gating, **factory) for _ in range(num_weights)])
+        else:
+            self.gating = GatedFFN(d_model, dim_feedforward, gating, **factory)
+        self.layer_scale_1: nn.Module = nn.Identity()
+        self.layer_scale_2: nn.Module = nn.Identity()
+        if layer_scale is not None:
+            self.layer_scale_1 = LayerScale(d_model, layer_scale, **factory)
+            self.layer_scale_2 = LayerScale(d_model, layer_scale, **factory)
+
+    def _ffn(self, x: torch.Tensor, weight_index: int) -> torch.Tensor:
+        if self.gating is None:
+            return self.linear2(F.gelu(self.linear1(x)))
+        if isinstance(self.gating, nn.ModuleList):
+            return self.gating[weight_index](x)
+        return self.gating(x)
+
+    def forward(self, x: torch.Tensor, weight_index: int, **attn_kwargs) -> torch.Tensor:
+        update = self.self_attn(self.norm1(x), weight_index, **attn_kwargs)
+        x = x.to(update) + self.layer_scale_1(update)
+        update = self._ffn(self.norm2(x), weight_index)
+        return x.to(update) + self.layer_scale_2(update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer
+
+
+class StreamingTransformer(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, num_layers: int, dim_feedforward: int, *,
+                 causal: bool = True, context: int | None = None, capacity: int | None = None,
+                 norm: str = "layer_norm", gating: str = "none", layer_scale: float | None = None,
+                 positional_embedding: str = "rope", max_period: float = 10_000.0,
+                 weights_per_step: int = 0, weights_per_step_schedule: list[int] | tuple[int, ...] | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
+        if not causal:
+            raise ValueError("only causal streaming transformers are supported")
+        if positional_embedding not in ("rope", "none"):
+            raise ValueError(f"positional_embedding {positional_embedding!r}: only 'rope' and 'none' are supported")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.context = context
+        self.capacity = capacity if capacity is not None else (context or weights_per_step or None)
+        self.rope_max_period = max_period if positional_embedding == "rope" else None
+        self.weights_per_step = weights_per_step
+        self.schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
+        num_weights = 1
+        if weights_per_step:
+            num_weights = max(self.schedule) + 1 if self.schedule else weights_per_step
+        self.layers = nn.ModuleList([
+            StreamingTransformerLayer(d_model, num_heads, dim_feedforward, norm, gating, layer_scale,
+                                      num_weights, per_step=bool(weights_per_step), device=device, dtype=dtype)
+            for _ in range(num_layers)
+        ])
+
+    def init_state(self, batch_size: int, device: torch.device | str | None = None,
+                   dtype: torch.dtype | None = None) -> TransformerState:
+        if self.capacity is None:
+            raise ValueError("a streaming state needs a context or capacity")
+        param = self.layers[0].self_attn.in_proj_weight
+        device = param.device if device is None else device
+        dtype = param.dtype if dtype is None else dtype
+        shape = (batch_size, self.num_heads, self.capacity, self.d_model // self.num_heads)
+        return TransformerState(
+            pos=torch.zeros(batch_size, device=device, dtype=torch.long),
+            slot_pos=torch.full((batch_size, self.capacity), -1, device=device, dtype=torch.long),
+            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+        )
+
+    def _weight_index(self, step: int | None) -> int:
+        if not self.weights_per_step:
+            return 0
+        if step is None:
+            raise ValueError("this transformer has weights per step: pass step=")
+        return self.schedule[step] if self.schedule else step
+
+    def _mask(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, S] bool: key written, not in the future, within the context window."""
+        delta = query_pos[:, :, None] - key_pos[:, None, :]
+        valid = (key_pos[:, None, :] >= 0) & (delta >= 0)
+        if self.context is not None:
+            valid = valid & (delta < self.context)
+        return valid[:, None]
+
+    def forward(self, x: torch.Tensor, state: TransformerState | None = None,
+                exec_mask: torch.Tensor | None = None, step: int | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        weight_index = self._weight_index(step)
+        steps = torch.arange(T, device=x.device, dtype=torch.long)
+        if state is None:
+            positions = steps[None].expand(B, T)
+            attn = dict(kv=None, slots=None, attn_mask=self._mask(positions, positions), exec_mask=None)
+            for layer in self.layers:
+                x = layer(x, weight_index, positions=positions, rope_max_period=self.rope_max_period, **attn)
+            return x
+
+        assert T <= self.capacity, f"{T} steps in one call exceed the KV ring capacity {self.capacity}"
+        positions = state.pos[:, None] + steps  # [B, T]
+        slots = positions % self.capacity
+        # Slot positions as they are once this call's keys are written (all rows, for the mask).
+        new_slot_pos = state.slot_pos.scatter(1, slots, positions)
+        mask = self._mask(new_slot_pos, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, weight_index, positions=positions, rope_max_period=self.rope_max_period,
+                      kv=(state.keys[i], state.values[i]), slots=slots, attn_mask=mask, exec_mask=exec_mask)
+        if exec_mask is None:
+            state.slot_pos.copy_(new_slot_pos)
+            state.pos.add_(T)
+        else:
+            state.slot_pos.copy_(torch.where(exec_mask[:, None], new_slot_pos, state.slot_pos))
+            state.pos.add_(exec_mask.long() * T)
+        return x
