@@ -1,0 +1,69 @@
+"""`parley offline`: one WAV in, the agent's WAV (and its inner-monologue text) out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import OptionsError, SamplingOptions, SessionOptions
+from engine.backend import ModelBackend, SessionRejected
+from engine.offline import run_offline
+from models.audio_io import AudioFileError, read_wav, write_wav
+from models.checkpoint import CheckpointError
+
+log = logging.getLogger("parley.offline")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def add_offline(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "offline", help="run one WAV through the model and write the agent's reply",
+        description="Feed a WAV file (any sample rate and channel count; resampled to 24 kHz mono) "
+                    "through one full-duplex session, 80 ms at a time, and write the agent's audio "
+                    "(aligned as a live listener hears it) and its inner-monologue text.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id")
+    p.add_argument("--input-wav", required=True, type=Path, help="the user's audio")
+    p.add_argument("--output-wav", required=True, type=Path, help="where to write the agent's audio (24 kHz)")
+    p.add_argument("--output-text", type=Path, default=None,
+                   help="where to write the text as JSON (transcript and timed pieces)")
+    p.add_argument("--persona", default="", help="persona / system prompt (PersonaPlex only)")
+    p.add_argument("--voice", default=None, help="voice prompt name, e.g. NATF2 (PersonaPlex only)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding: the run is deterministic")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.set_defaults(handler=run_offline_command)
+
+
+def run_offline_command(args: argparse.Namespace) -> int:
+    try:
+        options = SessionOptions(persona=args.persona, voice=args.voice,
+                                 sampling=SamplingOptions.greedy() if args.greedy else None)
+        pcm = read_wav(args.input_wav)
+        started = time.perf_counter()
+        backend = ModelBackend.load(args.model, 1, device=args.device,
+                                    dtype=DTYPES[args.dtype] if args.dtype else None,
+                                    cuda_graphs=False, seed=args.seed)
+        log.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
+        started = time.perf_counter()
+        result = run_offline(backend, pcm, options)
+    except (OptionsError, AudioFileError, CheckpointError, SessionRejected) as exc:
+        print(f"parley offline: {exc}", file=sys.stderr)
+        return 2
+    seconds = pcm.numel() / 24_000
+    log.info("ran %.1f s of audio in %.1f s", seconds, time.perf_counter() - started)
+    write_wav(args.output_wav, torch.from_numpy(result.pcm))
+    if args.output_text is not None:
+        args.output_text.write_text(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
+    log.info("wrote %s%s; text: %r", args.output_wav,
+             f" and {args.output_text}" if args.output_text else "", result.transcript[:200])
+    return 0
