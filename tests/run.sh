@@ -13,5 +13,9 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e '.[test]'
 # The reference implementation, as a test-only oracle. It pins an old torch, hence --no-deps.
 python -m pip install -q --no-deps "moshi==0.2.13"
+# pipecat's realtime event parser, for the strict-validator test; its full dependency set
+# would downgrade soundfile/soxr and pull numba and onnxruntime, so only what the parser imports.
+python -m pip install -q --no-deps "pipecat-ai==1.14.0" "loguru==0.7.3" "wait_for2==0.4.1" \
+    "docstring_parser==0.18.0" "loudness==0.2.0" "sentencex==1.0.32" "pillow==13.0.0"
 if [ -f tests/web_setup.sh ]; then bash tests/web_setup.sh || echo "web_setup: chromium unavailable; browser tests will skip"; fi
 exec python -m pytest -q "$@"

@@ -1,0 +1,202 @@
+"""Load test: N concurrent /api/chat clients over real sockets, paced in real time.
+
+    python benchmarks/load.py --spawn tiny --clients 4 --duration 20      # starts `parley serve` itself
+    python benchmarks/load.py --url ws://127.0.0.1:8998 --clients 16      # against a running server
+
+Every client streams Ogg-Opus (a tone of its own frequency) on an 80 ms grid and decodes
+what comes back. Printed, over all clients:
+
+- delivery jitter: |gap between consecutive audio messages - 80 ms|, p50 / p99 (coalesced
+  or bursty delivery shows up here, as does a server that falls behind);
+- end-to-end frame delay: from sending input frame j to receiving output frame j, p50 / p99
+  (output frame j is the model's answer to input j: one frame of model delay, the tick
+  grid, codec and network; it grows if the server lags);
+- underruns (from the server's counters: ticks a session had no input), frames lost
+  (input frames sent minus output frames received, plus frames the engine dropped);
+- server CPU per session: the server process's CPU seconds (its /metrics
+  process_cpu_seconds_total) over the run, per session, as a share of one core.
+
+`--spawn tiny|echo|DIR` writes the tiny or echo checkpoint (or uses DIR) and runs
+`parley serve` on a free 127.0.0.1 port for the run, then stops it. Only 127.0.0.1 is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import sphn
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+SR = 24_000
+FRAME = 1920
+FRAME_S = FRAME / SR
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ClientStats:
+    sent_at: list[float] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    refused: bool = False
+    close_code: int | None = None
+
+
+async def client(url: str, index: int, duration: float, start_gate: asyncio.Event) -> ClientStats:
+    stats = ClientStats()
+    freq = 200 + 37 * index
+    n = int(duration / FRAME_S)
+    t = np.arange(n * FRAME) / SR
+    pcm = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+    writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
+    async with connect(f"{url}/api/chat", max_size=None, compression=None, open_timeout=30) as ws:
+        try:
+            first = await asyncio.wait_for(ws.recv(), 60)
+        except ConnectionClosed:
+            stats.refused, stats.close_code = True, ws.close_code
+            return stats
+        assert first[:1] == b"\x00", first[:8]
+        await start_gate.wait()
+
+        async def receive() -> None:
+            try:
+                async for msg in ws:
+                    if isinstance(msg, bytes) and msg[:1] == b"\x01":
+                        stats.arrivals.append(time.monotonic())
+                        reader.append_bytes(msg[1:])
+            except ConnectionClosed:
+                pass
+
+        receiver = asyncio.create_task(receive())
+        t0 = time.monotonic()
+        for i in range(n):
+            delay = t0 + i * FRAME_S - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            stats.sent_at.append(time.monotonic())
+            await ws.send(b"\x01" + bytes(writer.append_pcm(pcm[i * FRAME:(i + 1) * FRAME])))
+        await asyncio.sleep(0.6)
+        await ws.close()
+        await receiver
+        stats.close_code = ws.close_code
+    return stats
+
+
+def scrape(http: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    out = {}
+    for name in ("parley_engine_underruns_total", "parley_engine_dropped_events_total",
+                 "parley_engine_late_ticks_total", "parley_engine_skipped_ticks_total", "process_cpu_seconds_total"):
+        m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else float("nan")
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def spawned_server(model: str, clients: int, device: str):
+    with tempfile.TemporaryDirectory() as tmp:
+        if model in ("tiny", "echo"):
+            from models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
+            ckpt = write_tiny_checkpoint(Path(tmp) / "ckpt") if model == "tiny" else write_echo_checkpoint(Path(tmp) / "ckpt")
+            model = str(ckpt)
+        port = free_port()
+        log = open(Path(tmp) / "serve.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "realtime.cli", "serve", "--model", model, "--port", str(port),
+                                 "--max-sessions", str(clients), "--device", device, "--log-level", "warning"],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"parley serve exited:\n{(Path(tmp) / 'serve.log').read_text()[-2000:]}")
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise SystemExit("parley serve did not become ready")
+                    time.sleep(0.3)
+            yield f"ws://127.0.0.1:{port}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def pct(values, q) -> float:
+    return float(np.percentile(values, q)) * 1000 if len(values) else float("nan")
+
+
+async def run_load(url: str, clients: int, duration: float) -> dict:
+    http = url.replace("ws://", "http://").replace("wss://", "https://")
+    gate = asyncio.Event()
+    tasks = [asyncio.create_task(client(url, i, duration, gate)) for i in range(clients)]
+    await asyncio.sleep(0.5)
+    before, t_before = await asyncio.to_thread(scrape, http), time.monotonic()
+    gate.set()
+    results = await asyncio.gather(*tasks)
+    after, t_after = await asyncio.to_thread(scrape, http), time.monotonic()
+    served = [r for r in results if not r.refused]
+    jitter, delay, lost, sent = [], [], 0, 0
+    for r in served:
+        gaps = np.diff(r.arrivals)
+        jitter.extend(np.abs(gaps - FRAME_S))
+        k = min(len(r.sent_at), len(r.arrivals))
+        delay.extend(np.array(r.arrivals[:k]) - np.array(r.sent_at[:k]))
+        lost += max(0, len(r.sent_at) - len(r.arrivals))
+        sent += len(r.sent_at)
+    d = {k: after[k] - before[k] for k in after}
+    cpu = d["process_cpu_seconds_total"] / (t_after - t_before)
+    return {"clients": clients, "served": len(served), "refused": len(results) - len(served),
+            "frames_sent": sent, "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
+            "e2e_p50_ms": pct(delay, 50), "e2e_p99_ms": pct(delay, 99),
+            "underruns": d["parley_engine_underruns_total"], "frames_lost": lost,
+            "engine_dropped": d["parley_engine_dropped_events_total"],
+            "late_ticks": d["parley_engine_late_ticks_total"], "skipped_ticks": d["parley_engine_skipped_ticks_total"],
+            "server_cpu_cores": cpu, "server_cpu_per_session_pct": 100 * cpu / max(1, len(served))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server, e.g. ws://127.0.0.1:8998")
+    where.add_argument("--spawn", help="start `parley serve` on: tiny, echo, or a checkpoint dir / HF repo id")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of audio each client streams")
+    p.add_argument("--device", default="cpu", help="with --spawn: the server's device")
+    args = p.parse_args(argv)
+    if args.spawn:
+        with spawned_server(args.spawn, args.clients, args.device) as url:
+            report = asyncio.run(run_load(url, args.clients, args.duration))
+    else:
+        report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration))
+    width = max(map(len, report))
+    for key, value in report.items():
+        print(f"{key:<{width}}  {value:.2f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Talk to a Parley server from a WAV file: stream it in real time, save the reply.
+
+    python examples/duplex_client.py question.wav                       # /api/chat (Moshi protocol)
+    python examples/duplex_client.py question.wav --persona "You are Ada." --voice NATF2.pt
+    python examples/duplex_client.py question.wav --realtime            # /v1/realtime (OpenAI API)
+
+The input may be any rate and channel count (it is mixed to mono and resampled to 24 kHz).
+It is streamed paced in real time, followed by `--tail` seconds of silence so the agent can
+answer; the agent's audio goes to `--out` (WAV, 24 kHz) and its text to `--text-out`.
+
+/api/chat: Ogg-Opus both ways (sphn), text as 0x02 messages; everything the agent says is
+kept, including its silences, so the reply lines up in time with the input.
+/v1/realtime: base64 PCM16 events; only the audio inside responses is sent by the server,
+so the reply WAV holds the agent's speech back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import sys
+import time
+import urllib.parse
+
+import numpy as np
+import soundfile
+import soxr
+import sphn
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+SAMPLE_RATE = 24_000
+FRAME = 1920  # 80 ms at 24 kHz
+
+
+def load_wav(path: str) -> np.ndarray:
+    data, rate = soundfile.read(path, dtype="float32", always_2d=True)
+    mono = data.mean(axis=1)
+    if rate != SAMPLE_RATE:
+        mono = soxr.resample(mono, rate, SAMPLE_RATE, quality="HQ")
+    return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def frames_of(pcm: np.ndarray, tail_seconds: float) -> list[np.ndarray]:
+    pcm = np.concatenate([pcm, np.zeros(int(tail_seconds * SAMPLE_RATE), np.float32)])
+    pcm = np.pad(pcm, (0, -pcm.size % FRAME))
+    return [pcm[i:i + FRAME] for i in range(0, pcm.size, FRAME)]
+
+
+async def paced(frames: list[np.ndarray]):
+    """Yield frames on an 80 ms grid (no drift: each is due at start + i * 80 ms)."""
+    start = time.monotonic()
+    for i, frame in enumerate(frames):
+        delay = start + i * FRAME / SAMPLE_RATE - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield frame
+
+
+async def chat(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.ndarray, str]:
+    params = {"text_prompt": args.persona or ""}
+    if args.voice:
+        params["voice_prompt"] = args.voice
+    url = f"{args.url.rstrip('/')}/api/chat?{urllib.parse.urlencode(params)}"
+    reader, writer = sphn.OpusStreamReader(SAMPLE_RATE), sphn.OpusStreamWriter(SAMPLE_RATE)
+    audio: list[np.ndarray] = []
+    text: list[str] = []
+    async with connect(url, max_size=None, compression=None) as ws:
+        first = await asyncio.wait_for(ws.recv(), 120)  # the server prefills before its handshake
+        if not isinstance(first, bytes) or first[:1] != b"\x00":
+            raise SystemExit(f"expected the 0x00 handshake, got {first[:16]!r}")
+
+        async def receive() -> None:
+            try:
+                async for msg in ws:
+                    if isinstance(msg, bytes) and msg[:1] == b"\x01":
+                        pcm = np.asarray(reader.append_bytes(msg[1:]), np.float32).reshape(-1)
+                        if pcm.size:
+                            audio.append(pcm)
+                    elif isinstance(msg, bytes) and msg[:1] == b"\x02":
+                        piece = msg[1:].decode(errors="replace")
+                        text.append(piece)
+                        print(piece, end="", flush=True)
+            except ConnectionClosed:
+                pass
+
+        receiver = asyncio.create_task(receive())
+        async for frame in paced(frames):
+            await ws.send(b"\x01" + bytes(writer.append_pcm(frame)))
+        await asyncio.sleep(0.5)
+        await ws.close()
+        await receiver
+        if ws.close_code not in (None, 1000, 1005):
+            print(f"\nserver closed: {ws.close_code} {ws.close_reason}", file=sys.stderr)
+    return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
+
+
+async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.ndarray, str]:
+    url = f"{args.url.rstrip('/')}/v1/realtime?{urllib.parse.urlencode({'model': args.model})}"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    audio: list[np.ndarray] = []
+    text: list[str] = []
+    async with connect(url, additional_headers=headers, max_size=None, compression=None) as ws:
+        created = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        if created.get("type") != "session.created":
+            raise SystemExit(f"expected session.created, got {created}")
+        session: dict = {"type": "realtime"}
+        if args.persona:
+            session["instructions"] = args.persona
+        if args.voice:
+            session["audio"] = {"output": {"voice": args.voice}}
+        if len(session) > 1:
+            await ws.send(json.dumps({"type": "session.update", "session": session}))
+
+        async def receive() -> None:
+            try:
+                async for raw in ws:
+                    event = json.loads(raw)
+                    kind = event.get("type", "")
+                    if kind in ("response.output_audio.delta", "response.audio.delta"):
+                        pcm16 = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
+                        audio.append(pcm16.astype(np.float32) / 32768.0)
+                    elif kind in ("response.output_audio_transcript.delta", "response.audio_transcript.delta"):
+                        text.append(event["delta"])
+                        print(event["delta"], end="", flush=True)
+                    elif kind == "response.done":
+                        text.append("\n")
+                        print(flush=True)
+                    elif kind == "error":
+                        print(f"\nserver error: {event['error']}", file=sys.stderr)
+            except ConnectionClosed:
+                pass
+
+        receiver = asyncio.create_task(receive())
+        async for frame in paced(frames):
+            pcm16 = (np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode()}))
+        await asyncio.sleep(0.5)
+        await ws.close()
+        await receiver
+    return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("wav", help="input audio file (WAV/FLAC/OGG, any rate)")
+    p.add_argument("--url", default="ws://127.0.0.1:8998", help="server base URL")
+    p.add_argument("--out", default="reply.wav", help="where to write the agent's audio")
+    p.add_argument("--text-out", default="reply.txt", help="where to write the agent's text")
+    p.add_argument("--persona", default="", help="persona / system prompt (PersonaPlex)")
+    p.add_argument("--voice", default=None, help="voice prompt name, e.g. NATF2.pt (PersonaPlex)")
+    p.add_argument("--tail", type=float, default=3.0, help="seconds of silence streamed after the input")
+    p.add_argument("--realtime", action="store_true", help="use /v1/realtime (OpenAI Realtime API) instead")
+    p.add_argument("--model", default="parley", help="model name sent to /v1/realtime")
+    p.add_argument("--api-key", default=None, help="bearer key for /v1/realtime, if the server requires one")
+    args = p.parse_args(argv)
+
+    frames = frames_of(load_wav(args.wav), args.tail)
+    audio, text = asyncio.run(realtime(args, frames) if args.realtime else chat(args, frames))
+    soundfile.write(args.out, np.clip(audio, -1, 1), SAMPLE_RATE, subtype="PCM_16")
+    with open(args.text_out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"\nwrote {args.out} ({audio.size / SAMPLE_RATE:.1f} s) and {args.text_out} ({len(text)} characters)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

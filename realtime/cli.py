@@ -1,0 +1,112 @@
+"""The `parley` command. Each subcommand is one `add_<name>(subparsers)` function that
+registers its flags and sets `handler`; `main` only parses and dispatches.
+
+    parley serve [--model DIR_OR_REPO] [--host H] [--port P] [--max-sessions N] ...
+    parley offline --model DIR --input-wav IN --output-wav OUT [--output-text OUT.json] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Sequence
+
+from engine import OptionsError, SamplingOptions, SessionOptions
+
+from .offline_cli import add_offline
+from .server import ServeConfig, serve
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_SAMPLING = SamplingOptions()
+
+
+def add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the realtime server (/api/chat, /v1/realtime, /health, /ready, /metrics)",
+        description="Serve a Moshi-family model over WebSockets: the Moshi/PersonaPlex protocol on "
+                    "/api/chat and the OpenAI Realtime API on /v1/realtime. With no --model, a tiny "
+                    "demo model is generated on first run and served: it babbles.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face repo id (e.g. kyutai/moshiko-pytorch-bf16, "
+                        "nvidia/personaplex-7b-v1); omitted: the built-in demo model, which babbles")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 to accept connections from other machines")
+    p.add_argument("--port", type=int, default=8998, help="TCP port to listen on")
+    p.add_argument("--max-sessions", type=int, default=8,
+                   help="concurrent conversations (engine slots); one more is refused (close 1013)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--persona", default="",
+                   help="default persona / system prompt (PersonaPlex); clients override it with "
+                        "text_prompt (/api/chat) or instructions (/v1/realtime)")
+    p.add_argument("--voice", default=None,
+                   help="default voice prompt name, e.g. NATF2.pt (PersonaPlex); clients override it with "
+                        "voice_prompt or voice")
+    p.add_argument("--text-temperature", type=float, default=None,
+                   help="default text sampling temperature, 0 for greedy (default: the checkpoint's "
+                        f"lm_gen_config, else {DEFAULT_SAMPLING.text_temperature})")
+    p.add_argument("--text-topk", type=int, default=None,
+                   help=f"default text top-k (default: the checkpoint's, else {DEFAULT_SAMPLING.text_top_k})")
+    p.add_argument("--audio-temperature", type=float, default=None,
+                   help="default audio sampling temperature, 0 for greedy (default: the checkpoint's, "
+                        f"else {DEFAULT_SAMPLING.audio_temperature})")
+    p.add_argument("--audio-topk", type=int, default=None,
+                   help=f"default audio top-k (default: the checkpoint's, else {DEFAULT_SAMPLING.audio_top_k})")
+    p.add_argument("--api-key", default=None,
+                   help="if set, /v1/realtime requires 'Authorization: Bearer <key>' (or the browser "
+                        "subprotocol openai-insecure-api-key.<key>)")
+    p.add_argument("--codec-workers", type=int, default=None,
+                   help="threads for Ogg-Opus encode/decode (default: min(4, CPU cores))")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
+                        "models on a machine with cores to spare (OpenMP workers spin and starve the "
+                        "network edge)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
+    p.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    given = {"text_temperature": args.text_temperature, "text_top_k": args.text_topk,
+             "audio_temperature": args.audio_temperature, "audio_top_k": args.audio_topk}
+    try:
+        SamplingOptions(**{k: v for k, v in given.items() if v is not None})  # validate the flags now
+        defaults = SessionOptions(persona=args.persona, voice=args.voice or None)
+    except OptionsError as exc:
+        print(f"parley serve: {exc}", file=sys.stderr)
+        return 2
+    if args.max_sessions < 1:
+        print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
+        return 2
+    config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
+                         device=args.device, dtype=args.dtype, defaults=defaults,
+                         sampling={k: v for k, v in given.items() if v is not None}, api_key=args.api_key,
+                         log_level=args.log_level, codec_workers=args.codec_workers,
+                         torch_threads=args.torch_threads)
+    return serve(config)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parley", description="Realtime full-duplex speech server for "
+                                                                "Moshi-family models.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The built-in demo checkpoint, so `parley serve` works on a fresh machine with no weights.
+
+It is Parley's tiny random Moshi-layout checkpoint (`models.synthetic.write_tiny_checkpoint`):
+a few megabytes, generated on first use into `$PARLEY_CACHE/demo` (default
+`~/.cache/parley/demo`) and reused afterwards. Its weights are random, so it babbles:
+it exercises every part of the server (protocols, codec, engine, metrics) but says nothing
+meaningful. Real weights: `parley serve --model <checkpoint dir or Hugging Face repo id>`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from models.synthetic import write_tiny_checkpoint
+
+log = logging.getLogger("parley.demo")
+
+DONE_MARKER = ".parley-demo-complete"  # written last, so a half-written cache is never used
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PARLEY_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "parley"
+    return base / "demo"
+
+
+def ensure_demo_checkpoint(directory: Path | None = None) -> Path:
+    """Return the demo checkpoint directory, writing it first if it is not there yet."""
+    target = directory or cache_dir()
+    if (target / DONE_MARKER).is_file():
+        return target
+    log.warning("no --model given: writing the tiny demo checkpoint to %s (once). It babbles: its "
+                "weights are random. For a real conversation run `parley serve --model <dir or HF repo id>`.",
+                target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target, then rename: two servers starting at once cannot see a half checkpoint.
+    scratch = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    try:
+        write_tiny_checkpoint(scratch, kind="moshi")
+        (scratch / DONE_MARKER).write_text("tiny random Moshi-layout checkpoint written by parley serve\n")
+        if (target / DONE_MARKER).is_file():  # another process finished first: keep its copy
+            shutil.rmtree(scratch, ignore_errors=True)
+            return target
+        if target.exists():
+            shutil.rmtree(target)  # a half-written leftover (no marker)
+        scratch.rename(target)
+    except OSError:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not (target / DONE_MARKER).is_file():
+            raise
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return target

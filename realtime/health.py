@@ -1,0 +1,103 @@
+"""`/health`, `/ready` and `/metrics`.
+
+- `/health`: the process is up and the engine is healthy (liveness). 200 or 503.
+- `/ready`: healthy *and* at least one free slot (what a load balancer routes on). 200 or 503.
+- `/metrics`: Prometheus text. The engine's counters and histograms (read from
+  `engine.counters()` at scrape time), plus the edge's own: connections, refusals, live
+  sessions, bytes in and out per protocol, and the per-frame send delay. Labels are
+  protocol names only, never session ids (their cardinality is unbounded).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+# Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
+# means a client hears a gap.
+FRAME_DELAY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+
+# engine.counters() keys exposed as counters; the rest are gauges or histograms.
+ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overruns",
+                   "dropped_events", "sessions_opened", "sessions_failed")
+ENGINE_GAUGES = ("live_slots", "free_slots", "healthy")
+ENGINE_HISTOGRAMS = ("tick_seconds", "prefill_seconds")
+
+
+class EngineCollector:
+    """Reads the engine's snapshot at scrape time (no background polling)."""
+
+    def __init__(self, counters: Callable[[], dict]) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterable:
+        snap = self._counters()
+        for name in ENGINE_COUNTERS:
+            if name in snap:
+                family = CounterMetricFamily(f"parley_engine_{name}", f"engine counter: {name}")
+                family.add_metric([], float(snap[name]))
+                yield family
+        for name in ENGINE_GAUGES:
+            if name in snap:
+                family = GaugeMetricFamily(f"parley_engine_{name}", f"engine gauge: {name}")
+                family.add_metric([], float(snap[name]))
+                yield family
+        for name in ENGINE_HISTOGRAMS:
+            hist = snap.get(name)
+            if not hist:
+                continue
+            family = HistogramMetricFamily(f"parley_engine_{name}", f"engine histogram: {name}")
+            family.add_metric([], buckets=[(bound, float(count)) for bound, count in hist["buckets"].items()],
+                              sum_value=float(hist["sum"]))
+            yield family
+
+
+class EdgeMetrics:
+    """The network edge's metrics, in a registry of its own (one per app)."""
+
+    def __init__(self, engine_counters: Callable[[], dict] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
+        self.refused = Counter("parley_sessions_refused", "sessions refused because every slot was taken",
+                               ["protocol"], registry=r)
+        self.live_sessions = Gauge("parley_live_sessions", "connections being served now", ["protocol"], registry=r)
+        self.bytes_in = Counter("parley_bytes_in", "payload bytes received from clients", ["protocol"], registry=r)
+        self.bytes_out = Counter("parley_bytes_out", "payload bytes sent to clients", ["protocol"], registry=r)
+        self.frames_out = Counter("parley_frames_out", "80 ms output frames sent", ["protocol"], registry=r)
+        self.frame_send_delay = Histogram(
+            "parley_frame_send_delay_seconds",
+            "from an output frame reaching the event loop to its bytes being written to the socket",
+            buckets=FRAME_DELAY_BUCKETS, registry=r)
+        self.protocol_errors = Counter("parley_protocol_errors", "bad client input answered with an error or close",
+                                       ["protocol"], registry=r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: benchmarks/load.py reads CPU here
+        if engine_counters is not None:
+            r.register(EngineCollector(engine_counters))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def health(request: Request) -> Response:
+    manager = request.app.state.sessions
+    healthy = bool(manager.engine.counters()["healthy"])
+    return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+
+
+async def ready(request: Request) -> Response:
+    manager = request.app.state.sessions
+    counters = manager.engine.counters()
+    is_ready = manager.ready()
+    body = {"ready": is_ready, "healthy": bool(counters["healthy"]),
+            "free_slots": counters["free_slots"], "live_sessions": manager.live_count}
+    return JSONResponse(body, status_code=200 if is_ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.sessions.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,289 @@
+"""OpenAI Realtime API event shapes, in both dialects (GA and beta).
+
+Only shapes live here: plain dicts built from typed arguments, each with a fresh
+`event_id`. What to send when is `openai_realtime.py`'s business. The shapes are checked
+in tests against the `openai` SDK's pydantic models (GA and beta), `openai-agents`' GA
+server-event adapter and pipecat's parser.
+
+Dialect differences handled here (see ../shared/reference/protocols.md):
+- session object: GA `{type:"realtime", audio:{input, output}, output_modalities}`,
+  beta `{modalities, voice, input_audio_format:"pcm16", turn_detection, ...}`;
+- an item entering the conversation: GA `conversation.item.added` then `.done`,
+  beta `conversation.item.created`;
+- delta names: GA `response.output_audio.delta`, beta `response.audio.delta` (and so on);
+- assistant content part type: GA item content `output_audio` / `output_text`, beta `audio` / `text`.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.config import SAMPLE_RATE
+
+Event = dict[str, Any]
+
+
+class Dialect(str, enum.Enum):
+    GA = "ga"
+    BETA = "beta"
+
+
+def new_id(prefix: str) -> str:
+    """OpenAI-style ids: `event_`, `sess_`, `item_`, `resp_`, `conv_` + 22 random characters."""
+    return f"{prefix}_{secrets.token_urlsafe(16)[:22]}"
+
+
+# ---- session -------------------------------------------------------------------------------
+
+
+@dataclass
+class TurnDetection:
+    """The client's turn-detection settings. Parley's model decides for itself when to speak;
+    these only drive the `input_audio_buffer.speech_*` events (an energy detector)."""
+
+    type: str = "server_vad"
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def to_dict(self) -> Event:
+        return {"type": self.type, "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
+                "interrupt_response": self.interrupt_response}
+
+
+@dataclass
+class SessionConfig:
+    """What a `/v1/realtime` session is set to; emitted in the connection's dialect."""
+
+    id: str
+    model: str
+    instructions: str = ""  # the persona
+    voice: str | None = None  # the voice prompt name
+    output_modalities: list[str] = field(default_factory=lambda: ["audio"])
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    temperature: float = 0.8  # the audio sampling temperature
+
+    def to_dict(self, dialect: Dialect) -> Event:
+        td = self.turn_detection.to_dict() if self.turn_detection is not None else None
+        if dialect is Dialect.BETA:
+            modalities = ["text", "audio"] if "audio" in self.output_modalities else ["text"]
+            return {"id": self.id, "object": "realtime.session", "model": self.model,
+                    "modalities": modalities, "instructions": self.instructions, "voice": self.voice,
+                    "input_audio_format": "pcm16", "output_audio_format": "pcm16",
+                    "input_audio_transcription": None, "turn_detection": td, "tools": [],
+                    "tool_choice": "auto", "temperature": self.temperature,
+                    "max_response_output_tokens": "inf", "speed": 1.0, "tracing": None}
+        pcm = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+        return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
+                "output_modalities": list(self.output_modalities), "instructions": self.instructions,
+                "audio": {"input": {"format": pcm, "transcription": None, "noise_reduction": None,
+                                    "turn_detection": td},
+                          "output": {"format": pcm, "voice": self.voice, "speed": 1.0}},
+                "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "tracing": None,
+                "prompt": None, "expires_at": 0, "include": None}
+
+
+# ---- items and responses -------------------------------------------------------------------
+
+
+@dataclass
+class AssistantItem:
+    """One spoken (or written) reply: one message item with one content part."""
+
+    id: str
+    audio: bool  # audio + transcript (True) or text only (False)
+    status: str = "in_progress"
+    transcript: str = ""
+
+    def to_dict(self, dialect: Dialect) -> Event:
+        if self.audio:
+            kind = "output_audio" if dialect is Dialect.GA else "audio"
+            content = {"type": kind, "transcript": self.transcript}
+        else:
+            kind = "output_text" if dialect is Dialect.GA else "text"
+            content = {"type": kind, "text": self.transcript}
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,
+                "role": "assistant", "content": [content]}
+
+    def part(self) -> Event:
+        if self.audio:
+            return {"type": "audio", "transcript": self.transcript}
+        return {"type": "text", "text": self.transcript}
+
+
+@dataclass
+class UserItem:
+    """A user turn: committed audio (no transcript: the model hears audio directly) or text."""
+
+    id: str
+    text: str | None = None
+    role: str = "user"
+
+    def to_dict(self, dialect: Dialect) -> Event:
+        if self.text is not None:
+            content = {"type": "input_text", "text": self.text}
+        else:
+            content = {"type": "input_audio", "transcript": None}
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": "completed",
+                "role": self.role, "content": [content]}
+
+
+@dataclass
+class ResponseState:
+    id: str
+    conversation_id: str
+    item: AssistantItem
+    previous_item_id: str | None = None  # the conversation item before this response's item
+    status: str = "in_progress"
+    status_details: Event | None = None
+    audio_frames: int = 0  # 80 ms frames sent in this response
+    text_pieces: int = 0
+    input_frames: int = 0  # user frames heard while this response was open
+
+    def to_dict(self, dialect: Dialect, config: SessionConfig) -> Event:
+        output = [self.item.to_dict(dialect)] if self.status != "in_progress" or self.audio_frames else []
+        usage = None
+        if self.status != "in_progress":
+            out_tokens = self.audio_frames + self.text_pieces
+            usage = {"total_tokens": out_tokens + self.input_frames, "input_tokens": self.input_frames,
+                     "output_tokens": out_tokens,
+                     "input_token_details": {"cached_tokens": 0, "text_tokens": 0, "audio_tokens": self.input_frames},
+                     "output_token_details": {"text_tokens": self.text_pieces, "audio_tokens": self.audio_frames}}
+        common = {"object": "realtime.response", "id": self.id, "status": self.status,
+                  "status_details": self.status_details, "output": output,
+                  "conversation_id": self.conversation_id, "max_output_tokens": "inf",
+                  "usage": usage, "metadata": None}
+        if dialect is Dialect.BETA:
+            modalities = ["text", "audio"] if self.item.audio else ["text"]
+            return {**common, "modalities": modalities, "voice": config.voice, "output_audio_format": "pcm16",
+                    "temperature": config.temperature}
+        return {**common, "output_modalities": ["audio"] if self.item.audio else ["text"],
+                "audio": {"output": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE},
+                                     "voice": config.voice}}}
+
+
+# ---- the event factory ---------------------------------------------------------------------
+
+
+class Events:
+    """Builds server events in one connection's dialect."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+        ga = dialect is Dialect.GA
+        self._audio_delta = "response.output_audio.delta" if ga else "response.audio.delta"
+        self._audio_done = "response.output_audio.done" if ga else "response.audio.done"
+        self._transcript_delta = ("response.output_audio_transcript.delta" if ga
+                                  else "response.audio_transcript.delta")
+        self._transcript_done = ("response.output_audio_transcript.done" if ga
+                                 else "response.audio_transcript.done")
+        self._text_delta = "response.output_text.delta" if ga else "response.text.delta"
+        self._text_done = "response.output_text.done" if ga else "response.text.done"
+
+    @staticmethod
+    def _event(type_: str, **fields: Any) -> Event:
+        return {"type": type_, "event_id": new_id("event"), **fields}
+
+    # session
+    def session_created(self, config: SessionConfig) -> Event:
+        return self._event("session.created", session=config.to_dict(self.dialect))
+
+    def session_updated(self, config: SessionConfig) -> Event:
+        return self._event("session.updated", session=config.to_dict(self.dialect))
+
+    # errors: never close the session
+    def error(self, message: str, code: str, *, kind: str = "invalid_request_error",
+              param: str | None = None, client_event_id: str | None = None) -> Event:
+        return self._event("error", error={"type": kind, "code": code, "message": message,
+                                           "param": param, "event_id": client_event_id})
+
+    # conversation items entering the conversation (GA: added + done; beta: created)
+    def item_entered(self, item: Event, previous_item_id: str | None) -> list[Event]:
+        if self.dialect is Dialect.BETA:
+            return [self._event("conversation.item.created", previous_item_id=previous_item_id, item=item)]
+        return [self._event("conversation.item.added", previous_item_id=previous_item_id, item=item),
+                self._event("conversation.item.done", previous_item_id=previous_item_id, item=item)]
+
+    def item_added(self, item: Event, previous_item_id: str | None) -> list[Event]:
+        """An item the model starts generating (GA `conversation.item.added`; beta `.created`)."""
+        if self.dialect is Dialect.BETA:
+            return [self._event("conversation.item.created", previous_item_id=previous_item_id, item=item)]
+        return [self._event("conversation.item.added", previous_item_id=previous_item_id, item=item)]
+
+    def item_done(self, item: Event, previous_item_id: str | None) -> list[Event]:
+        """GA only: `conversation.item.done` when the model finished an item."""
+        if self.dialect is Dialect.BETA:
+            return []
+        return [self._event("conversation.item.done", previous_item_id=previous_item_id, item=item)]
+
+    def item_retrieved(self, item: Event) -> Event:
+        return self._event("conversation.item.retrieved", item=item)
+
+    def item_truncated(self, item_id: str, content_index: int, audio_end_ms: int) -> Event:
+        return self._event("conversation.item.truncated", item_id=item_id, content_index=content_index,
+                           audio_end_ms=audio_end_ms)
+
+    def item_deleted(self, item_id: str) -> Event:
+        return self._event("conversation.item.deleted", item_id=item_id)
+
+    # input audio buffer
+    def speech_started(self, audio_start_ms: int, item_id: str) -> Event:
+        return self._event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=item_id)
+
+    def speech_stopped(self, audio_end_ms: int, item_id: str) -> Event:
+        return self._event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
+
+    def committed(self, item_id: str, previous_item_id: str | None) -> Event:
+        return self._event("input_audio_buffer.committed", previous_item_id=previous_item_id, item_id=item_id)
+
+    def cleared(self) -> Event:
+        return self._event("input_audio_buffer.cleared")
+
+    # responses
+    def response_created(self, response: ResponseState, config: SessionConfig) -> Event:
+        return self._event("response.created", response=response.to_dict(self.dialect, config))
+
+    def response_done(self, response: ResponseState, config: SessionConfig) -> Event:
+        return self._event("response.done", response=response.to_dict(self.dialect, config))
+
+    def output_item_added(self, response: ResponseState) -> Event:
+        return self._event("response.output_item.added", response_id=response.id, output_index=0,
+                           item=response.item.to_dict(self.dialect))
+
+    def output_item_done(self, response: ResponseState) -> Event:
+        return self._event("response.output_item.done", response_id=response.id, output_index=0,
+                           item=response.item.to_dict(self.dialect))
+
+    def _part_fields(self, response: ResponseState) -> dict[str, Any]:
+        return {"response_id": response.id, "item_id": response.item.id, "output_index": 0, "content_index": 0}
+
+    def content_part_added(self, response: ResponseState) -> Event:
+        part = AssistantItem(response.item.id, response.item.audio).part()  # empty at the start
+        return self._event("response.content_part.added", **self._part_fields(response), part=part)
+
+    def content_part_done(self, response: ResponseState) -> Event:
+        return self._event("response.content_part.done", **self._part_fields(response), part=response.item.part())
+
+    def audio_delta(self, response: ResponseState, b64_pcm16: str) -> Event:
+        return self._event(self._audio_delta, **self._part_fields(response), delta=b64_pcm16)
+
+    def audio_done(self, response: ResponseState) -> Event:
+        return self._event(self._audio_done, **self._part_fields(response))
+
+    def transcript_delta(self, response: ResponseState, text: str) -> Event:
+        return self._event(self._transcript_delta, **self._part_fields(response), delta=text)
+
+    def transcript_done(self, response: ResponseState) -> Event:
+        return self._event(self._transcript_done, **self._part_fields(response), transcript=response.item.transcript)
+
+    def text_delta(self, response: ResponseState, text: str) -> Event:
+        return self._event(self._text_delta, **self._part_fields(response), delta=text)
+
+    def text_done(self, response: ResponseState) -> Event:
+        return self._event(self._text_done, **self._part_fields(response), text=response.item.transcript)

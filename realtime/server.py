@@ -1,0 +1,137 @@
+"""`parley serve`, top to bottom: load the checkpoint -> build the engine -> build the app ->
+run uvicorn (uvloop, websockets sans-I/O) until SIGINT/SIGTERM -> uvicorn's graceful
+shutdown runs the app's lifespan exit, which closes every connection and shuts the engine
+down (bounded by `EngineConfig.shutdown_timeout_s`).
+
+WebSocket settings, and why:
+- `ws="websockets-sansio"`: each `send` is written to the transport at once (no
+  write coalescing: one 80 ms frame is one write), and `send` waits while the transport
+  is paused, so a slow client back-pressures its own sender only (the engine's bounded
+  output stream then drops that client's oldest frames, counted).
+- `ws_per_message_deflate=False`: audio does not compress; deflate would only cost CPU.
+- `ws_max_size` 16 MiB: the transport's hard cap (close 1009). The protocols refuse
+  smaller messages themselves: `/api/chat` closes past 256 KiB, `/v1/realtime` answers
+  an `error` past 8 MiB and goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import uvicorn
+
+from engine import Engine, EngineConfig, SamplingOptions, SessionOptions
+from engine.backend import ModelBackend
+from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+
+from .app import DEMO_NOTICE, ServerInfo, create_app
+from .demo_model import ensure_demo_checkpoint
+from .sessions import ServerDefaults
+
+log = logging.getLogger("parley.server")
+
+WS_MAX_SIZE = 16 * 1024 * 1024
+
+
+class ServeError(RuntimeError):
+    """A serve configuration that cannot work; the CLI prints the message and exits 2."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `parley serve` was asked for (the CLI builds it from its flags)."""
+
+    model: str | None  # checkpoint directory or Hugging Face repo id; None: the demo model
+    host: str = "127.0.0.1"
+    port: int = 8998
+    max_sessions: int = 8
+    device: str = "cpu"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
+    sampling: dict = dataclasses.field(default_factory=dict)  # SamplingOptions fields set by flags
+    api_key: str | None = None
+    log_level: str = "info"
+    codec_workers: int | None = None
+    # torch intra-op threads. 1 by default: OpenMP workers busy-wait between ops and starve the
+    # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
+    # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
+    torch_threads: int | None = 1
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | None, device: str) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[name]
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return uvicorn.Config(app, host=host, port=port, loop=loop, ws="websockets-sansio",
+                          ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=False,
+                          ws_ping_interval=20.0, ws_ping_timeout=20.0, log_level=log_level,
+                          timeout_graceful_shutdown=10, lifespan="on")
+
+
+# lm_gen_config keys (the reference's names) -> SamplingOptions fields.
+GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
+                   "temp": "audio_temperature", "top_k": "audio_top_k"}
+
+
+def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
+    """The checkpoint's lm_gen_config, then the command line's flags on top."""
+    from_checkpoint = {field: checkpoint.gen_defaults[key] for key, field in GEN_CONFIG_KEYS.items()
+                       if key in checkpoint.gen_defaults}
+    return SamplingOptions(**{**from_checkpoint, **overrides})
+
+
+def voice_names(checkpoint: Checkpoint) -> tuple[str, ...]:
+    if checkpoint.voices_dir is None:
+        return ()
+    return tuple(sorted(p.name for p in Path(checkpoint.voices_dir).glob("*.pt")))
+
+
+def build_app(config: ServeConfig):
+    """Load the model and wire engine + app (no sockets yet)."""
+    demo = config.model is None
+    source = str(ensure_demo_checkpoint()) if demo else config.model
+    if demo:
+        log.warning(DEMO_NOTICE)
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, config.device)
+    log.info("loading %s on %s (%s)", source, device, str(dtype).removeprefix("torch."))
+    checkpoint = load_checkpoint(source, device=device, dtype=dtype)
+    prompts = checkpoint.model_type == "personaplex"
+    if not prompts and (config.defaults.persona or config.defaults.voice):
+        raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "
+                         "drop --persona / --voice (they are for PersonaPlex checkpoints).")
+    backend = ModelBackend(checkpoint, config.max_sessions)
+    engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    voices = voice_names(checkpoint)
+    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
+                      default_voice=config.defaults.voice)
+    options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
+    defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
+    return create_app(engine, defaults, info, codec_workers=config.codec_workers)
+
+
+def serve(config: ServeConfig) -> int:
+    try:
+        app = build_app(config)
+    except (ServeError, CheckpointError) as exc:
+        log.error("%s", exc)
+        return 2
+    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime, /health, /ready, /metrics; %d sessions)",
+             config.host, config.port, config.max_sessions)
+    server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level))
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,213 @@
+"""The session manager: admission through the engine's slots, and per-connection state.
+
+One `EdgeSession` per WebSocket connection, whatever the protocol. It owns the engine
+session, the connection's Opus codec (for `/api/chat`), the connection's counters, and the
+single-writer rule for the socket (`send_*` take one lock, so the frame sender and the
+receive loop's replies never interleave bytes of two messages).
+
+Cleanup within one tick: `EdgeSession.close()` is idempotent and is called from the
+`finally` of every handler, so a disconnect (clean or not) closes the engine session
+immediately; the engine frees the slot at once and drops the row at its next plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from starlette.websockets import WebSocket, WebSocketState
+
+from engine import Engine, EngineClosed, EngineFull, Session, SessionOptions, SessionRejected
+
+from .health import EdgeMetrics
+from .opus import CodecRunner, OpusCodec
+
+log = logging.getLogger("parley.sessions")
+
+# WebSocket close codes (RFC 6455 and the IANA registry).
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_INVALID_PAYLOAD = 1007
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
+MAX_CLOSE_REASON_BYTES = 123  # a close frame's reason is at most 123 bytes of UTF-8
+
+
+def close_reason(text: str) -> str:
+    """Trim a reason to what a close frame can carry, without splitting a UTF-8 character."""
+    data = text.encode()[:MAX_CLOSE_REASON_BYTES]
+    return data.decode(errors="ignore")
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What `parley serve` was started with; a client's choices override them per session."""
+
+    options: SessionOptions = field(default_factory=SessionOptions)
+    model_name: str = "parley"  # reported to OpenAI clients as the session's model
+    api_key: str | None = None  # when set, /v1/realtime requires `Authorization: Bearer <key>`
+    # Whether the model takes a persona / voice prompt (PersonaPlex). Moshi does not: a client's
+    # persona and voice are then recorded (OpenAI clients always send instructions) but not applied.
+    prompts: bool = True
+
+    def client_options(self, options: SessionOptions) -> SessionOptions:
+        """What the engine is asked for, given what a client chose."""
+        if self.prompts:
+            return options
+        return dataclasses.replace(options, persona="", voice=None)
+
+
+class SessionManager:
+    """Admits connections through the engine and keeps the edge's books."""
+
+    def __init__(self, engine: Engine, defaults: ServerDefaults, codec: CodecRunner,
+                 metrics: EdgeMetrics) -> None:
+        self.engine = engine
+        self.defaults = defaults
+        self.codec = codec
+        self.metrics = metrics
+        self._live: set[EdgeSession] = set()
+        self._ids = itertools.count(1)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def ready(self) -> bool:
+        """Healthy and at least one free slot: what a load balancer should route on."""
+        counters = self.engine.counters()
+        return bool(counters["healthy"]) and counters["free_slots"] > 0
+
+    def attach(self, websocket: WebSocket, protocol: str) -> "EdgeSession":
+        """Per-connection state for an accepted WebSocket (no engine session yet)."""
+        edge = EdgeSession(self, websocket, protocol, next(self._ids))
+        self._live.add(edge)
+        self.metrics.connections.labels(protocol).inc()
+        self.metrics.live_sessions.labels(protocol).inc()
+        return edge
+
+    def _detach(self, edge: "EdgeSession") -> None:
+        if edge in self._live:
+            self._live.discard(edge)
+            self.metrics.live_sessions.labels(edge.protocol).dec()
+
+    async def shutdown(self) -> None:
+        """Close every connection (going away); the engine ends their streams itself."""
+        for edge in list(self._live):
+            await edge.close_socket(CLOSE_GOING_AWAY, "the server is shutting down")
+            edge.close()
+
+
+class EdgeSession:
+    """One connection: its engine session (replaceable, for re-prefill), codec and counters."""
+
+    def __init__(self, manager: SessionManager, websocket: WebSocket, protocol: str, number: int) -> None:
+        self.manager = manager
+        self.websocket = websocket
+        self.protocol = protocol
+        self.number = number  # for logs only; never a metrics label
+        self.engine_session: Session | None = None
+        self.codec: OpusCodec | None = None
+        self._send_lock = asyncio.Lock()
+        self._reopen_lock = asyncio.Lock()
+        self._closed = False
+
+    # ---- admission ----
+
+    async def open_engine_session(self, options: SessionOptions) -> Session:
+        """Admit through the engine and wait for the prefill. Raises EngineFull (no slot),
+        SessionRejected / OptionsError (bad options) or EngineClosed (engine down)."""
+        options = self.manager.defaults.client_options(options)
+        try:
+            session = await self.manager.engine.open(options)
+        except EngineFull:
+            self.manager.metrics.refused.labels(self.protocol).inc()
+            raise
+        if self._closed:  # the client left while we prefilled
+            session.close()
+            raise EngineClosed("the connection closed during prefill")
+        self.engine_session = session
+        return session
+
+    async def reopen(self, options: SessionOptions) -> Session:
+        """Re-prefill: hand this connection's slot to a new engine session with `options`.
+
+        The old session is closed and the new one admitted with no await in between, so on
+        this event loop no other connection can take the freed slot. If the model rejects
+        the new options (SessionRejected), the previous options are restored the same way
+        and the error is re-raised; EngineFull / EngineClosed mean the slot was lost.
+        """
+        async with self._reopen_lock:
+            old = self.engine_session
+            assert old is not None, "reopen needs an open session"
+            engine = self.manager.engine
+            options = self.manager.defaults.client_options(options)
+            old.close()
+            self.engine_session = engine.open_nowait(options)
+            try:
+                await self.engine_session.ready
+            except SessionRejected:
+                self.engine_session = engine.open_nowait(old.options)
+                await self.engine_session.ready
+                raise
+            return self.engine_session
+
+    async def wait_reopen(self) -> None:
+        """Return once no re-prefill is in flight (the send loop calls this when a stream
+        ends, to tell a replaced session from a finished one)."""
+        async with self._reopen_lock:
+            return
+
+    # ---- the socket (single writer) ----
+
+    async def send_bytes(self, data: bytes) -> None:
+        async with self._send_lock:
+            await self.websocket.send_bytes(data)
+        self.manager.metrics.bytes_out.labels(self.protocol).inc(len(data))
+
+    async def send_text(self, data: str) -> None:
+        async with self._send_lock:
+            await self.websocket.send_text(data)
+        self.manager.metrics.bytes_out.labels(self.protocol).inc(len(data))
+
+    def count_in(self, n: int) -> None:
+        self.manager.metrics.bytes_in.labels(self.protocol).inc(n)
+
+    def observe_frame_delay(self, seconds: float) -> None:
+        self.manager.metrics.frame_send_delay.observe(seconds)
+
+    async def close_socket(self, code: int, reason: str = "") -> None:
+        """Send a close frame if the socket is still open (never raises)."""
+        if self.websocket.application_state != WebSocketState.CONNECTED:
+            return
+        try:
+            async with self._send_lock:
+                await self.websocket.close(code, close_reason(reason))
+        except Exception:  # already gone: nothing to tell it
+            pass
+
+    # ---- cleanup ----
+
+    def close(self) -> None:
+        """End the engine session and forget this connection. Idempotent, never blocks."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.engine_session is not None:
+            self.engine_session.close()
+        self.manager._detach(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def now() -> float:
+    return time.perf_counter()

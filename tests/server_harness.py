@@ -1,0 +1,169 @@
+"""Helpers for the server tests: a real uvicorn server on a free 127.0.0.1 port, run in a
+thread with its own event loop, and small protocol clients.
+
+`serve(app)` is a context manager yielding the base URL; leaving it stops the server
+(bounded) and with it the app's lifespan, which shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from typing import Iterator
+
+import numpy as np
+import uvicorn
+
+from engine import Engine, EngineConfig
+from engine.testing import DelayBackend
+from realtime.app import ServerInfo, create_app
+from realtime.server import uvicorn_config
+from realtime.sessions import ServerDefaults
+
+FRAME = 1920
+SR = 24000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(app, *, startup_timeout: float = 20.0) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefaults(), **backend_kwargs):
+    """An app over the fabricated echo backend: output frame t == input frame t - 1,
+    text piece '<n>' on every frame (n counts the row's frames since its reset)."""
+    backend = DelayBackend(max_sessions, **backend_kwargs)
+    engine = Engine(backend, EngineConfig(max_sessions=max_sessions))
+    return create_app(engine, defaults, ServerInfo(model="delay"), codec_workers=2), backend
+
+
+def tone(freq: float, seconds: float, amp: float = 0.3, sr: int = SR) -> np.ndarray:
+    t = np.arange(int(seconds * sr)) / sr
+    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def best_lag_correlation(sent: np.ndarray, received: np.ndarray, max_lag: int) -> tuple[float, int]:
+    """Highest normalized correlation of `received` against `sent` delayed by 0..max_lag."""
+    best, best_lag = -1.0, 0
+    for lag in range(0, max_lag + 1, 8):
+        n = min(sent.size, received.size - lag)
+        if n <= FRAME:
+            break
+        a, b = sent[:n], received[lag:lag + n]
+        denom = float(np.linalg.norm(a) * np.linalg.norm(b)) or 1.0
+        c = float(np.dot(a, b)) / denom
+        if c > best:
+            best, best_lag = c, lag
+    return best, best_lag
+
+
+async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+# ---- a sphn-based /api/chat client ----------------------------------------------------------
+
+
+class ChatResult:
+    def __init__(self) -> None:
+        self.handshake_at: float | None = None  # seconds after connect
+        self.pcm_chunks: list[np.ndarray] = []
+        self.text: list[str] = []
+        self.close_code: int | None = None
+        self.close_reason: str = ""
+        self.audio_messages = 0
+        self.arrivals: list[float] = []  # monotonic time of each audio message
+
+    @property
+    def pcm(self) -> np.ndarray:
+        return np.concatenate(self.pcm_chunks) if self.pcm_chunks else np.zeros(0, np.float32)
+
+
+async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", frame_samples: int = FRAME,
+                       prebuffer_frames: int = 3, tail_seconds: float = 0.6, on_open=None,
+                       hold_seconds: float = 0.0) -> ChatResult:
+    """Connect to /api/chat, wait for the handshake, stream `pcm` as Ogg-Opus paced in real
+    time (after `prebuffer_frames` sent at once), keep reading `tail_seconds` more, close."""
+    import sphn
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    result = ChatResult()
+    url = f"ws://{base}/api/chat" + (f"?{query}" if query else "")
+    start = time.monotonic()
+    async with connect(url, max_size=None, compression=None, open_timeout=10) as ws:
+        reader = sphn.OpusStreamReader(SR)
+        writer = sphn.OpusStreamWriter(SR)
+
+        async def receive() -> None:
+            try:
+                async for msg in ws:
+                    if isinstance(msg, str) or not msg:
+                        continue
+                    if msg[0] == 0 and result.handshake_at is None:
+                        result.handshake_at = time.monotonic() - start
+                    elif msg[0] == 1:
+                        result.audio_messages += 1
+                        result.arrivals.append(time.monotonic())
+                        out = np.asarray(reader.append_bytes(msg[1:]), np.float32).reshape(-1)
+                        if out.size:
+                            result.pcm_chunks.append(out)
+                    elif msg[0] == 2:
+                        result.text.append(msg[1:].decode())
+            except ConnectionClosed:
+                pass
+            result.close_code = ws.close_code
+            result.close_reason = ws.close_reason or ""
+
+        receiver = asyncio.create_task(receive())
+        deadline = time.monotonic() + 15
+        while result.handshake_at is None and not receiver.done():
+            if time.monotonic() > deadline:
+                raise AssertionError("no handshake within 15 s")
+            await asyncio.sleep(0.005)
+        if receiver.done():  # refused or closed before the handshake
+            await receiver
+            return result
+        if on_open is not None:
+            await on_open(ws)
+        if pcm is not None:
+            n_frames = pcm.size // frame_samples
+            t0 = time.monotonic()
+            for i in range(n_frames):
+                page = writer.append_pcm(pcm[i * frame_samples:(i + 1) * frame_samples])
+                if page:
+                    await ws.send(b"\x01" + bytes(page))
+                due = t0 + max(0, i + 1 - prebuffer_frames) * frame_samples / SR
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+        await asyncio.sleep(tail_seconds + hold_seconds)
+        await ws.close()
+        await asyncio.wait_for(receiver, 5)
+    return result
