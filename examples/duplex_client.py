@@ -22,6 +22,7 @@ import base64
 import json
 import sys
 import time
+import re
 import urllib.parse
 
 import numpy as np
@@ -146,7 +147,8 @@ async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("wav", help="input audio file (WAV/FLAC/OGG, any rate)")
-    p.add_argument("--url", default="ws://127.0.0.1:8998", help="server base URL")
+    p.add_argument("--url", default="ws://127.0.0.1:8998",
+                   help="server base URL (ws://, wss://, or http(s):// which is mapped to ws(s)://)")
     p.add_argument("--out", default="reply.wav", help="where to write the agent's audio")
     p.add_argument("--text-out", default="reply.txt", help="where to write the agent's text")
     p.add_argument("--persona", default="", help="persona / system prompt (PersonaPlex)")
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="parley", help="model name sent to /v1/realtime")
     p.add_argument("--api-key", default=None, help="bearer key for /v1/realtime, if the server requires one")
     args = p.parse_args(argv)
+    # Browsers' http(s) addresses work too: the WebSocket scheme is the same address's ws(s).
+    args.url = re.sub(r"^http(s?)://", r"ws\1://", args.url)
 
     frames = frames_of(load_wav(args.wav), args.tail)
     audio, text = asyncio.run(realtime(args, frames) if args.realtime else chat(args, frames))
