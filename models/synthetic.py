@@ -1,0 +1,213 @@
+"""Checkpoints Parley writes for its own tests, in the exact published layout.
+
+`write_tiny_checkpoint(dir, kind)`: random weights for `tiny_lm_config()` / `tiny_mimi_config()`,
+a tiny SentencePiece tokenizer (vocab = text_card) and config.json; PersonaPlex also a voices.tgz.
+
+`write_echo_checkpoint(dir)`: an LM whose weights are *constructed* so that greedy decoding
+repeats the user's audio codes with a fixed one-frame delay, `ECHO_DELAY_FRAMES`:
+
+    agent codes of frame f == user codes of frame f - 1, every codebook, for f >= 2.
+
+Derivation (against `models/lm_gen.py`). At step s the LM reads ring column s: user semantic
+of frame s (delay 0) and user acoustic of frame s - 1 (delay 1); the text and agent codes it
+generates go to column s + 1, i.e. agent semantic of frame s + 1 and agent acoustic of frame s.
+If depformer step k outputs the user code of codebook k found in its *input* column, then agent
+semantic(s + 1) = user semantic(s) and agent acoustic(s) = user acoustic(s - 1): every agent
+codebook of frame f equals the user's frame f - 1. LMGen returns frame s at step s (text and
+semantic from column s, acoustic from s + 1). Frame 1 is not an echo: at steps 0 and 1 the
+streams whose delay has not elapsed read the initial token, not the user's frame 0.
+
+Construction (dim 64, 8 user codebooks):
+- Every transformer weight (temporal and depformer) is zero except the norms, so each layer
+  adds exactly 0 to its residual input: the temporal stack and the depformer are identities.
+- Text and agent-audio embeddings (temporal and depformer) are zero: the temporal input is a
+  function of the user codes only.
+- User codebook j writes code c into its own 6 dims [6j, 6j + 6) as three angles: c is split in
+  base-(8, 16, 16) digits and digit d of base n becomes (cos 2πd/n, sin 2πd/n). Every user
+  embedding row also holds 1 in dim `_CONST_DIM`. Each block has squared norm 3 whatever the
+  code, so the RMS of the summed input is a constant and out_norm (RMSNorm, alpha 1) is a fixed
+  scale: hidden = x / sqrt(mean(x^2)).
+- `depformer_in[k]` copies user codebook k's 6 dims to depformer dims 0..5 with gain
+  `_GAIN`; `linears[k]` row c is the same 6-d code of c, so
+  logit_c ∝ Σ_digits cos(angle_c - angle_in): uniquely maximal at the input code, with a margin
+  of at least 1 - cos(2π/16) ≈ 0.076 of one digit (x `_GAIN` / RMS ≈ 16 logits): greedy is
+  exact and temperature sampling almost surely agrees; it also survives bf16 weights.
+- `text_linear` has one non-zero row, TEXT_PAD, reading the constant dim: text is always PAD.
+- The initial-token rows (index card) of the user embeddings hold the code of 0.
+Mimi is the tiny random Mimi. The LM file is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import lm_config_dict, mimi_config_dict, write_checkpoint
+from .config import TEXT_PAD, LMConfig, MimiConfig, tiny_lm_config, tiny_mimi_config
+from .lm import LMModel
+from .mimi.codec import Mimi
+from .persona import VoicePrompt, save_voice_pt, voice_to_pt
+from .tokenizer import train_tiny_tokenizer
+
+ECHO_DELAY_FRAMES = 1  # agent frame f repeats user frame f - 1
+ECHO_FIRST_FRAME = 2  # the first frame (as returned by LMGen) that is an exact echo
+
+# Default sampling written into config.json's lm_gen_config (the reference's defaults).
+GEN_DEFAULTS = {"temp": 0.8, "temp_text": 0.7, "top_k": 250, "top_k_text": 25}
+
+_DIGIT_BASES = (8, 16, 16)  # 8 * 16 * 16 = 2048 codes; each digit is one angle (2 dims)
+_CODE_DIMS = 2 * len(_DIGIT_BASES)  # 6 dims per user codebook
+_GAIN = 256.0  # depformer_in gain: sets the logit scale (margin ≈ 16 logits)
+_TEXT_GAIN = 16.0  # text_linear PAD row gain on the constant dim
+_VOICE_NAMES = ("NATF0", "NATM0")  # voices.tgz of the tiny PersonaPlex
+_VOICE_FRAMES = 8
+
+
+@torch.no_grad()
+def _tiny_mimi_state(cfg: MimiConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random tiny Mimi whose codes follow its input.
+
+    Conv / linear weights ~ N(0, 1 / fan_in) and zero biases keep the signal's scale through
+    SEANet (PyTorch's default init shrinks it until the biases alone decide the latent), and
+    each codebook's centroids are drawn at the scale of the latent it quantizes, measured on
+    a fixed noise signal, so different audio gives different codes.
+    """
+    generator = torch.Generator().manual_seed(seed + 1)
+    mimi = Mimi(cfg)
+    for name, p in mimi.named_parameters():
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(math.prod(p.shape[1:])))
+        elif name.endswith("bias") and ".norm" not in name:
+            p.zero_()
+    rvqs = (mimi.quantizer.rvq_first, mimi.quantizer.rvq_rest)
+    latents: dict[nn.Module, list[torch.Tensor]] = {rvq.input_proj: [] for rvq in rvqs}
+    hooks = [rvq.input_proj.register_forward_hook(lambda mod, args, out: latents[mod].append(out))
+             for rvq in rvqs]
+    mimi.encode(0.1 * torch.randn(1, 4 * cfg.frame_size, generator=generator))
+    for hook in hooks:
+        hook.remove()
+    for rvq in rvqs:
+        scale = torch.cat(latents[rvq.input_proj], dim=-1).std().item()
+        for level in rvq.vq.layers:
+            book = level._codebook
+            book.embedding_sum.copy_(scale * torch.randn(book.embedding_sum.shape, generator=generator))
+            book.cluster_usage.fill_(1.0)
+            book._initialized.fill_(1.0)
+    return mimi.state_dict()
+
+
+@torch.no_grad()
+def _random_lm(cfg: LMConfig, seed: int) -> LMModel:
+    """Weights ~ N(0, 1 / fan_in) clipped at 3 sigma (as `LMModel.init_weights`, but a vectorised
+    draw: several times faster on CPU); norms keep alpha = 1. Logits come out with std ~1."""
+    generator = torch.Generator().manual_seed(seed)
+    lm = LMModel(cfg)
+    for name, p in lm.named_parameters():
+        if name.endswith("alpha") or ".norm" in name:
+            continue
+        std = 1 / math.sqrt(p.shape[-1])
+        p.copy_(torch.randn(p.shape, generator=generator).clamp_(-3, 3) * std)
+    return lm
+
+
+def _config_json(cfg: LMConfig) -> dict:
+    return {**lm_config_dict(cfg), "lm_gen_config": dict(GEN_DEFAULTS)}
+
+
+def write_tiny_checkpoint(directory: str | Path, kind: str = "moshi", seed: int = 0,
+                          dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`."""
+    if kind not in ("moshi", "personaplex"):
+        raise ValueError(f"kind must be 'moshi' or 'personaplex', got {kind!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_lm_config(dep_q=16 if kind == "personaplex" else 8)
+    mimi_cfg = tiny_mimi_config()
+    lm = _random_lm(cfg, seed)
+    tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
+    voices = _write_voices(directory, lm, seed) if kind == "personaplex" else {}
+    write_checkpoint(directory, lm.state_dict(), _tiny_mimi_state(mimi_cfg, seed), tokenizer,
+                     _config_json(cfg), voices, lm_dtype=dtype, mimi_config=mimi_config_dict(mimi_cfg))
+    for path in (tokenizer, *voices.values()):  # scratch files, now inside the layout's files
+        path.unlink()
+    return directory
+
+
+@torch.no_grad()
+def _write_voices(directory: Path, lm: LMModel, seed: int) -> dict[str, Path]:
+    """Random-code voice prompts in PersonaPlex's `.pt` form, embedded with this LM."""
+    generator = torch.Generator().manual_seed(seed + 2)
+    voices = {}
+    for name in _VOICE_NAMES:
+        codes = torch.randint(0, lm.cfg.card, (_VOICE_FRAMES, lm.cfg.n_agent), generator=generator)
+        voice = voice_to_pt(VoicePrompt(source=name, codes=codes), lm.embed, lm.cfg)
+        voices[name] = directory / f".{name}.pt"
+        save_voice_pt(voices[name], voice)
+    return voices
+
+
+# ---------------------------------------------------------------------------------------------
+# Echo
+
+
+def code_features(codes: torch.Tensor) -> torch.Tensor:
+    """codes [...] long in [0, 2048) -> [..., 6]: (cos, sin) of each base-(8, 16, 16) digit."""
+    feats = []
+    rest = codes
+    for i, base in enumerate(_DIGIT_BASES):
+        below = math.prod(_DIGIT_BASES[i + 1:])
+        digit = torch.div(rest, below, rounding_mode="floor")
+        rest = rest - digit * below
+        angle = 2 * math.pi * digit.double() / base
+        feats += [torch.cos(angle), torch.sin(angle)]
+    return torch.stack(feats, dim=-1).float()
+
+
+def echo_lm_state(cfg: LMConfig) -> dict[str, torch.Tensor]:
+    """Constructed echo weights for `cfg` (see the module docstring)."""
+    n_user = cfg.n_user
+    const_dim = n_user * _CODE_DIMS
+    if const_dim >= cfg.dim or _CODE_DIMS > cfg.depformer_dim or cfg.card > math.prod(_DIGIT_BASES):
+        raise ValueError("echo weights need dim > 6 * n_user, depformer_dim >= 6 and card <= 2048")
+    shapes = {k: t.shape for k, t in LMModel(cfg).state_dict().items()}  # tiny: CPU is cheap
+    state = {k: torch.ones(s) if k.endswith("alpha") else torch.zeros(s) for k, s in shapes.items()}
+
+    codes = torch.arange(cfg.card + 1)
+    codes[cfg.card] = 0  # initial-token row: the code of 0
+    feats = code_features(codes)  # [card + 1, 6]
+    for j in range(n_user):
+        emb = state[f"emb.{cfg.n_agent + j}.weight"]
+        emb[:, j * _CODE_DIMS:(j + 1) * _CODE_DIMS] = feats
+        emb[:, const_dim] = 1.0
+    state["text_linear.weight"][TEXT_PAD, const_dim] = _TEXT_GAIN
+
+    for k in range(cfg.dep_q):
+        j = k % n_user  # PersonaPlex steps >= 8 predict user codebook k - 8: also an echo of it
+        w_in = state[f"depformer_in.{k}.weight"]
+        w_in[torch.arange(_CODE_DIMS), j * _CODE_DIMS + torch.arange(_CODE_DIMS)] = _GAIN
+        state[f"linears.{k}.weight"][:, :_CODE_DIMS] = feats[:cfg.card]
+    return state
+
+
+def write_echo_checkpoint(directory: str | Path, kind: str = "moshi", seed: int = 0) -> Path:
+    """The echo checkpoint (tiny shapes, fp32 LM). `kind='personaplex'` gives dep_q 16 (steps
+    8..15 echo the user codebooks too) and a voices.tgz; the echo holds after any prompt, since
+    no layer looks at past frames."""
+    if kind not in ("moshi", "personaplex"):
+        raise ValueError(f"kind must be 'moshi' or 'personaplex', got {kind!r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_lm_config(dep_q=16 if kind == "personaplex" else 8)
+    mimi_cfg = tiny_mimi_config()
+    lm = LMModel(cfg)
+    lm.load_state_dict(echo_lm_state(cfg))
+    tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
+    voices = _write_voices(directory, lm, seed) if kind == "personaplex" else {}
+    write_checkpoint(directory, lm.state_dict(), _tiny_mimi_state(mimi_cfg, seed), tokenizer,
+                     _config_json(cfg), voices, lm_dtype=torch.float32, mimi_config=mimi_config_dict(mimi_cfg))
+    for path in (tokenizer, *voices.values()):
+        path.unlink()
+    return directory

@@ -1,0 +1,44 @@
+"""Session-wide test checkpoints, written once by Parley's own code in the published layout.
+
+    tiny_moshi_dir        tiny random Moshi (dep_q 8), fp32 LM
+    tiny_personaplex_dir  tiny random PersonaPlex (dep_q 16), fp32 LM, voices.tgz
+    echo_dir              constructed echo LM (models/synthetic.py): agent frame f == user frame f - 1
+
+Treat them as read-only: tests that damage a checkpoint copy it first (`copy_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_moshi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_moshi"), kind="moshi")
+
+
+@pytest.fixture(scope="session")
+def tiny_personaplex_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_personaplex"), kind="personaplex")
+
+
+@pytest.fixture(scope="session")
+def echo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_echo_checkpoint(tmp_path_factory.mktemp("echo"))
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path: Path):
+    """copy_checkpoint(src) -> a private copy of a checkpoint directory, safe to modify."""
+
+    def copy(src: Path) -> Path:
+        dst = tmp_path / src.name
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy
