@@ -32,7 +32,10 @@ Construction (dim 64, 8 user codebooks):
   logit_c ∝ Σ_digits cos(angle_c - angle_in): uniquely maximal at the input code, with a margin
   of at least 1 - cos(2π/16) ≈ 0.076 of one digit (x `_GAIN` / RMS ≈ 16 logits): greedy is
   exact and temperature sampling almost surely agrees; it also survives bf16 weights.
-- `text_linear` has one non-zero row, TEXT_PAD, reading the constant dim: text is always PAD.
+- Text echoes too: `text_linear` row `words[d]` reads the angle of the top (base-8) digit d of
+  the user's semantic code, so the frame's text token is `words[semantic(f - 1) // 256]`, with
+  `words = echo_words(tokenizer)`: eight word pieces of the checkpoint's tokenizer
+  (`echo_text_token`). Text arrives every frame, exactly predictable from the input.
 - The initial-token rows (index card) of the user embeddings hold the code of 0.
 Mimi is the tiny random Mimi. The LM file is fp32.
 """
@@ -46,11 +49,11 @@ import torch
 from torch import nn
 
 from .checkpoint import lm_config_dict, mimi_config_dict, write_checkpoint
-from .config import TEXT_PAD, LMConfig, MimiConfig, tiny_lm_config, tiny_mimi_config
+from .config import LMConfig, MimiConfig, tiny_lm_config, tiny_mimi_config
 from .lm import LMModel
 from .mimi.codec import Mimi
 from .persona import VoicePrompt, save_voice_pt, voice_to_pt
-from .tokenizer import train_tiny_tokenizer
+from .tokenizer import TextTokenizer, train_tiny_tokenizer
 
 ECHO_DELAY_FRAMES = 1  # agent frame f repeats user frame f - 1
 ECHO_FIRST_FRAME = 2  # the first frame (as returned by LMGen) that is an exact echo
@@ -61,7 +64,8 @@ GEN_DEFAULTS = {"temp": 0.8, "temp_text": 0.7, "top_k": 250, "top_k_text": 25}
 _DIGIT_BASES = (8, 16, 16)  # 8 * 16 * 16 = 2048 codes; each digit is one angle (2 dims)
 _CODE_DIMS = 2 * len(_DIGIT_BASES)  # 6 dims per user codebook
 _GAIN = 256.0  # depformer_in gain: sets the logit scale (margin ≈ 16 logits)
-_TEXT_GAIN = 16.0  # text_linear PAD row gain on the constant dim
+_TEXT_GAIN = 64.0  # text_linear gain on the top digit: margin (1 - cos 2π/8) x 64 / RMS ≈ 16 logits
+_ECHO_WORDS = _DIGIT_BASES[0]  # one word per value of the semantic code's top digit
 _VOICE_NAMES = ("NATF0", "NATM0")  # voices.tgz of the tiny PersonaPlex
 _VOICE_FRAMES = 8
 
@@ -166,8 +170,23 @@ def code_features(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack(feats, dim=-1).float()
 
 
-def echo_lm_state(cfg: LMConfig) -> dict[str, torch.Tensor]:
-    """Constructed echo weights for `cfg` (see the module docstring)."""
+def echo_words(tokenizer: TextTokenizer) -> list[int]:
+    """The eight text ids the echo speaks: the tokenizer's first word pieces ('▁' + letters)."""
+    words = [i for i in range(tokenizer.vocab_size)
+             if not tokenizer.is_special(i) and tokenizer.piece(i).startswith(" ") and len(tokenizer.piece(i)) > 2]
+    if len(words) < _ECHO_WORDS:
+        raise ValueError(f"the tokenizer has {len(words)} word pieces; the echo needs {_ECHO_WORDS}")
+    return words[:_ECHO_WORDS]
+
+
+def echo_text_token(semantic_code: torch.Tensor, words: list[int]) -> torch.Tensor:
+    """The echo's text token for a user semantic code (the frame before)."""
+    top = torch.div(semantic_code, math.prod(_DIGIT_BASES[1:]), rounding_mode="floor")
+    return torch.tensor(words, device=semantic_code.device)[top]
+
+
+def echo_lm_state(cfg: LMConfig, words: list[int]) -> dict[str, torch.Tensor]:
+    """Constructed echo weights for `cfg` speaking `words` (see the module docstring)."""
     n_user = cfg.n_user
     const_dim = n_user * _CODE_DIMS
     if const_dim >= cfg.dim or _CODE_DIMS > cfg.depformer_dim or cfg.card > math.prod(_DIGIT_BASES):
@@ -182,7 +201,10 @@ def echo_lm_state(cfg: LMConfig) -> dict[str, torch.Tensor]:
         emb = state[f"emb.{cfg.n_agent + j}.weight"]
         emb[:, j * _CODE_DIMS:(j + 1) * _CODE_DIMS] = feats
         emb[:, const_dim] = 1.0
-    state["text_linear.weight"][TEXT_PAD, const_dim] = _TEXT_GAIN
+    # User codebook 0 is the semantic one; its dims 0..1 hold the top digit's angle.
+    top = torch.arange(_ECHO_WORDS, dtype=torch.float64) * 2 * math.pi / _ECHO_WORDS
+    state["text_linear.weight"][words, 0] = (_TEXT_GAIN * torch.cos(top)).float()
+    state["text_linear.weight"][words, 1] = (_TEXT_GAIN * torch.sin(top)).float()
 
     for k in range(cfg.dep_q):
         j = k % n_user  # PersonaPlex steps >= 8 predict user codebook k - 8: also an echo of it
@@ -202,9 +224,9 @@ def write_echo_checkpoint(directory: str | Path, kind: str = "moshi", seed: int 
     directory.mkdir(parents=True, exist_ok=True)
     cfg = tiny_lm_config(dep_q=16 if kind == "personaplex" else 8)
     mimi_cfg = tiny_mimi_config()
-    lm = LMModel(cfg)
-    lm.load_state_dict(echo_lm_state(cfg))
     tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
+    lm = LMModel(cfg)
+    lm.load_state_dict(echo_lm_state(cfg, echo_words(TextTokenizer(tokenizer))))
     voices = _write_voices(directory, lm, seed) if kind == "personaplex" else {}
     write_checkpoint(directory, lm.state_dict(), _tiny_mimi_state(mimi_cfg, seed), tokenizer,
                      _config_json(cfg), voices, lm_dtype=torch.float32, mimi_config=mimi_config_dict(mimi_cfg))

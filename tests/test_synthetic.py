@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from models.checkpoint import load_checkpoint
-from models.config import LM_FILE, MIMI_FILE, TEXT_PAD, tiny_lm_config
+from models.config import LM_FILE, MIMI_FILE, tiny_lm_config
 from models.lm_gen import LMGen
 from models.synthetic import (
-    ECHO_DELAY_FRAMES, ECHO_FIRST_FRAME, code_features, write_echo_checkpoint, write_tiny_checkpoint,
+    ECHO_DELAY_FRAMES, ECHO_FIRST_FRAME, code_features, echo_text_token, echo_words, write_echo_checkpoint,
+    write_tiny_checkpoint,
 )
 
 
@@ -95,7 +96,9 @@ def test_echo_repeats_user_codes_one_frame_later_greedy(echo_dir, dtype):
     first = ECHO_FIRST_FRAME
     assert valid[first:].all()
     assert torch.equal(audio[first:], user[first - ECHO_DELAY_FRAMES:-ECHO_DELAY_FRAMES])
-    assert (text[1:] == TEXT_PAD).all()
+    words = echo_words(ckpt.tokenizer)
+    assert torch.equal(text[first:], echo_text_token(user[first - 1:-1, :, 0], words))
+    assert all(ckpt.tokenizer.piece(w).strip() for w in words)  # real words, never dropped as padding
 
 
 def test_echo_survives_default_sampling(echo_dir):
@@ -104,7 +107,8 @@ def test_echo_survives_default_sampling(echo_dir):
     user = _random_user_codes(60, 3, seed=2)
     text, audio, _ = _run(gen, user)
     assert torch.equal(audio[ECHO_FIRST_FRAME:], user[ECHO_FIRST_FRAME - 1:-1])
-    assert (text[1:] == TEXT_PAD).all()
+    assert torch.equal(text[ECHO_FIRST_FRAME:], echo_text_token(user[ECHO_FIRST_FRAME - 1:-1, :, 0],
+                                                                echo_words(ckpt.tokenizer)))
 
 
 def test_personaplex_echo_after_a_voice_prompt(tmp_path):
