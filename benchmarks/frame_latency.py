@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,6 +45,23 @@ def reference_kwargs(cfg) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in raw.items()}
 
 
+def _stack_attention_keys(state: dict) -> dict:
+    """The reference's in-memory `self_attn.{in,out}_projs.{k}.weight` -> the checkpoint's stacked
+    `self_attn.in_proj_weight` / `self_attn.out_proj.weight` (a single part is shared, not copied)."""
+    out, stacks = {}, {}
+    for key, value in state.items():
+        m = re.match(r"(.*\.self_attn)\.(in_projs|out_projs)\.(\d+)\.weight$", key)
+        if m:
+            stacks.setdefault((m.group(1), m.group(2)), {})[int(m.group(3))] = value
+        else:
+            out[key] = value
+    for (prefix, kind), parts in stacks.items():
+        tensors = [parts[i] for i in sorted(parts)]
+        name = f"{prefix}.in_proj_weight" if kind == "in_projs" else f"{prefix}.out_proj.weight"
+        out[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+    return out
+
+
 def build_models(device: str, dtype: torch.dtype):
     """Reference models with random weights, and Parley models sharing those tensors."""
     from moshi.models import loaders
@@ -53,9 +71,13 @@ def build_models(device: str, dtype: torch.dtype):
     ref_lm = loaders.get_moshi_lm(None, lm_kwargs=None, device=device, dtype=dtype)
     ref_mimi = loaders.get_mimi(None, device=device)
     lm = LMModel(lm_cfg, device="meta", dtype=dtype)
-    lm.load_state_dict(ref_lm.state_dict(), assign=True, strict=True)
+    lm.load_state_dict(_stack_attention_keys(ref_lm.state_dict()), assign=True, strict=True)
     mimi = Mimi(mimi_cfg).to("meta")
     mimi.load_state_dict(ref_mimi.state_dict(), assign=True, strict=True)
+    for module in mimi.modules():  # non-persistent derived buffers stay on meta under assign=True
+        if hasattr(module, "refresh_embedding"):
+            module._embedding = torch.empty_like(module.embedding_sum)
+            module.refresh_embedding()
     mimi.eval()
     lm.eval()
     return ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg

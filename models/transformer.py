@@ -335,6 +335,8 @@ class StreamingTransformer(nn.Module):
             return x
 
         assert T <= self.capacity, f"{T} steps in one call exceed the KV ring capacity {self.capacity}"
+        if T == 1 and self._can_fuse(x):
+            return self._forward_decode(x, state, exec_mask, weight_index)
         positions = state.pos[:, None] + steps  # [B, T]
         slots = positions % self.capacity
         # Slot positions as they are once this call's keys are written (all rows, for the mask).
@@ -350,3 +352,79 @@ class StreamingTransformer(nn.Module):
             state.slot_pos.copy_(torch.where(exec_mask[:, None], new_slot_pos, state.slot_pos))
             state.pos.add_(exec_mask.long() * T)
         return x
+
+    # -- fused one-step decode (CUDA only) ----------------------------------------------------
+
+    def _can_fuse(self, x: torch.Tensor) -> bool:
+        """CUDA + Triton, a power-of-two head dim: T == 1 steps take `_forward_decode`."""
+        from . import attention as fused
+
+        if not fused.available(x):
+            return False
+        head_dim = self.d_model // self.num_heads
+        return head_dim == 1 << (head_dim.bit_length() - 1)
+
+    def _forward_decode(self, x: torch.Tensor, state: TransformerState, exec_mask: torch.Tensor | None,
+                        weight_index: int) -> torch.Tensor:
+        """One step (T == 1) with fused kernels; same semantics as the general path.
+
+        Per layer: [residual add +] RMSNorm, QKV matmul, RoPE + KV write (executing rows only),
+        split-KV attention over each row's filled window plus the new key, output matmul,
+        residual add + RMSNorm, gated FFN (matmul, fused SiLU * gate, matmul). The KV ring is never
+        written for rows that do not execute, so nothing needs restoring.
+        """
+        from . import attention as fused
+
+        B, _, dim = x.shape
+        H = self.num_heads
+        D = dim // H
+        pos = state.pos
+        cos_sin = None
+        if self.rope_max_period is not None:
+            # Same fp32 angles as apply_rope: freqs * position.
+            ds = torch.arange(D // 2, device=x.device, dtype=torch.float32)
+            freqs = torch.exp(ds * (-math.log(self.rope_max_period) * 2 / D))
+            angles = freqs * pos.float()[:, None]
+            cos_sin = (torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
+        res = x.reshape(B, dim)
+        pending: torch.Tensor | None = None
+        prev: StreamingTransformerLayer | None = None
+        for i, layer in enumerate(self.layers):
+            if pending is None:
+                normed = fused.rms_norm(res, layer.norm1)
+            else:
+                res, normed = fused.add_rms_norm(res, pending, prev.layer_scale_2, layer.norm1)
+            attn = layer.self_attn
+            w_in = attn.in_proj_weight[weight_index * 3 * dim:(weight_index + 1) * 3 * dim]
+            w_out = attn.out_proj.weight[weight_index * dim:(weight_index + 1) * dim]
+            qkv = F.linear(normed, w_in)
+            q, k, v = fused.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i])
+            out = fused.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
+                                         self.context)
+            update = F.linear(out.view(B, dim), w_out)
+            res, normed = fused.add_rms_norm(res, update, layer.layer_scale_1, layer.norm2)
+            pending = _ffn_fused(layer, normed, weight_index)
+            prev = layer
+        if pending is not None:
+            res = res.to(pending) + prev.layer_scale_2(pending)
+
+        slots = (pos % self.capacity)[:, None]
+        if exec_mask is None:
+            state.slot_pos.scatter_(1, slots, pos[:, None])
+            state.pos.add_(1)
+        else:
+            old = state.slot_pos.gather(1, slots)
+            state.slot_pos.scatter_(1, slots, torch.where(exec_mask[:, None], pos[:, None], old))
+            state.pos.add_(exec_mask.long())
+        return res.view(B, 1, dim)
+
+
+def _ffn_fused(layer: StreamingTransformerLayer, x: torch.Tensor, weight_index: int) -> torch.Tensor:
+    from . import attention as fused
+
+    gating = layer.gating
+    if isinstance(gating, nn.ModuleList):
+        gating = gating[weight_index]
+    if isinstance(gating, GatedFFN) and gating.activation is F.silu:
+        return gating.linear_out(fused.silu_mul(gating.linear_in(x)))
+    return layer._ffn(x, weight_index)

@@ -1,0 +1,393 @@
+"""Fused CUDA kernels (Triton) for the one-step (T == 1) streaming decode, and for sampling.
+
+    available(x) -> bool                      # CUDA tensor, Triton importable, not disabled
+    q, k, v = rope_write(qkv[B, 3*H*D], H, D, cos_sin | None, pos[B], exec_mask[B] | None, cache_k, cache_v)
+    out = decode_attention(q[B,H,D], k_new[B,H,D], v_new[B,H,D], cache_k[B,H,S,D], cache_v, slot_pos[B,S],
+                           pos[B], context | None)        # [B, H, D]
+    y = rms_norm(x[B, N], norm)                           # RMSNorm computed in fp32
+    res, y = add_rms_norm(res[B, N], upd[B, N], layer_scale | None, norm)
+    a = silu_mul(h[B, 2*F])                               # silu(h[:, :F]) * h[:, F:]
+    tokens = sample(logits[B, V], temperature[B], top_k[B], noise[B, V])
+
+Decode attention semantics (equal to SDPA with the streaming mask of transformer.py): a query at
+position `pos[b]` attends to the new key/value (`k_new`, `v_new`, position pos[b]) and to every ring
+slot n != pos[b] % S whose `slot_pos[b, n]` is >= 0, <= pos[b] and, with a context, > pos[b] - context.
+`slot_pos` is the state *before* this step: the kernel never reads the slot being overwritten, so
+rows that do not execute (their cache is left unwritten) get the same output as rows that do.
+
+Only slots below min(pos[b], S) are visited: since a row's positions grow from 0 after a reset,
+slots at or above that bound have never been written. Splits of the window past it exit at once,
+so the cost follows each row's filled window (split-KV, "flash decoding"), not the capacity.
+
+Disable every fused path with PARLEY_FUSED=0 (or `attention.ENABLED = False`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs run the plain PyTorch path.
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    _HAVE_TRITON = False
+
+ENABLED = os.environ.get("PARLEY_FUSED", "1") != "0"
+# Launch overrides for tuning (block_n, blocks, stages, warps); empty = the defaults below.
+TUNE: dict[str, int] = {}
+
+
+def available(x: torch.Tensor) -> bool:
+    return ENABLED and _HAVE_TRITON and x.is_cuda
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, OUT, M_TMP, L_TMP, ACC_TMP,
+                           H, S, context, qk_scale,
+                           sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
+                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ssp_b, so_b, so_h,
+                           D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
+                           IEEE: tl.constexpr, STAGES: tl.constexpr):
+        # The one query row is repeated over M = 16 rows so that both products run as tensor-core
+        # dots (whose operand loads Triton pipelines); only row 0 is stored.
+        M: tl.constexpr = 16
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        qpos = tl.load(POS + b)
+        n_valid = tl.minimum(qpos, S)
+        cur = qpos % S
+        d = tl.arange(0, D)
+        rows = tl.arange(0, M)
+        q = tl.load(Q + b * sq_b + h * sq_h + d[None, :] + 0 * rows[:, None])  # [M, D]
+        offs_n = tl.arange(0, BLOCK_N)
+        k_base = K + b * sk_b + h * sk_h
+        v_base = V + b * sv_b + h * sv_h
+        sp_base = SP + b * ssp_b
+        start = split * SPLIT
+        end = tl.minimum(start + SPLIT, n_valid)
+        acc = tl.zeros([M, D], dtype=tl.float32)
+        m_i = tl.full([M], -1.0e30, tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+            n = n0 + offs_n
+            inb = n < end
+            k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
+            sp = tl.load(sp_base + n, mask=inb, other=-1)
+            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            if HAS_CONTEXT:
+                valid = valid & (qpos - sp < context)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        row0 = rows == 0
+        if FINAL:
+            qf = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
+            kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
+            vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
+            s_new = tl.sum(kn * qf, axis=0) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
+            l_i = l_i * alpha + p_new
+            out = acc / l_i[:, None]
+            tl.store(OUT + b * so_b + h * so_h + d[None, :] + 0 * rows[:, None], out.to(OUT.dtype.element_ty),
+                     mask=row0[:, None])
+        else:
+            idx = bh * NUM_SPLITS + split
+            tl.store(M_TMP + idx + 0 * rows, m_i, mask=row0)
+            tl.store(L_TMP + idx + 0 * rows, l_i, mask=row0)
+            tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=row0[:, None])
+
+    @triton.jit
+    def _attn_reduce_kernel(Q, KN, VN, OUT, M_TMP, L_TMP, ACC_TMP, H, qk_scale,
+                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, so_b, so_h,
+                            D: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_P2: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        d = tl.arange(0, D)
+        sidx = tl.arange(0, NS_P2)
+        smask = sidx < NUM_SPLITS
+        m = tl.load(M_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=-1.0e30)
+        l = tl.load(L_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=0.0)
+        acc = tl.load(ACC_TMP + (bh * NUM_SPLITS + sidx)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+        q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
+        kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
+        vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
+        s_new = tl.sum(kn * q, axis=0) * qk_scale
+        m_all = tl.maximum(tl.max(m, axis=0), s_new)
+        w = tl.exp2(m - m_all)
+        p_new = tl.exp2(s_new - m_all)
+        denom = tl.sum(l * w, axis=0) + p_new
+        num = tl.sum(acc * w[:, None], axis=0) + p_new * vn
+        tl.store(OUT + b * so_b + h * so_h + d, (num / denom).to(OUT.dtype.element_ty))
+
+    @triton.jit
+    def _rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V,
+                           H, S, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                           D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        HALF: tl.constexpr = D // 2
+        HD = H * D
+        base = QKV + b * s_qkv_b + h * D
+        i = tl.arange(0, HALF)
+        qpos = tl.load(POS + b)
+        slot = qpos % S
+        write = i >= 0
+        if HAS_EXEC:
+            write = write & (tl.load(EXEC + b) != 0)
+        out_ty = QO.dtype.element_ty
+        qr = tl.load(base + 2 * i)
+        qi = tl.load(base + 2 * i + 1)
+        kr = tl.load(base + HD + 2 * i)
+        ki = tl.load(base + HD + 2 * i + 1)
+        if HAS_ROPE:
+            c = tl.load(COS + b * HALF + i)
+            s = tl.load(SIN + b * HALF + i)
+            qr32, qi32 = qr.to(tl.float32), qi.to(tl.float32)
+            kr32, ki32 = kr.to(tl.float32), ki.to(tl.float32)
+            qr = (qr32 * c - qi32 * s).to(out_ty)
+            qi = (qr32 * s + qi32 * c).to(out_ty)
+            kr = (kr32 * c - ki32 * s).to(out_ty)
+            ki = (kr32 * s + ki32 * c).to(out_ty)
+        o = (b * H + h) * D
+        tl.store(QO + o + 2 * i, qr)
+        tl.store(QO + o + 2 * i + 1, qi)
+        tl.store(KO + o + 2 * i, kr)
+        tl.store(KO + o + 2 * i + 1, ki)
+        kc = K + b * sk_b + h * sk_h + slot * sk_s
+        tl.store(kc + 2 * i, kr, mask=write)
+        tl.store(kc + 2 * i + 1, ki, mask=write)
+        vr = tl.load(base + 2 * HD + 2 * i)
+        vi = tl.load(base + 2 * HD + 2 * i + 1)
+        vc = V + b * sv_b + h * sv_h + slot * sv_s
+        tl.store(vc + 2 * i, vr, mask=write)
+        tl.store(vc + 2 * i + 1, vi, mask=write)
+
+    @triton.jit
+    def _add_rms_norm_kernel(X, U, LS, ALPHA, RES, Y, N, eps, sx, su, sr, sy,
+                             BLOCK: tl.constexpr, HAS_U: tl.constexpr, HAS_LS: tl.constexpr):
+        b = tl.program_id(0)
+        o = tl.arange(0, BLOCK)
+        msk = o < N
+        x = tl.load(X + b * sx + o, mask=msk, other=0.0).to(tl.float32)
+        if HAS_U:
+            res_ty = RES.dtype.element_ty
+            u = tl.load(U + b * su + o, mask=msk, other=0.0).to(tl.float32)
+            if HAS_LS:
+                u = (tl.load(LS + o, mask=msk, other=0.0).to(tl.float32) * u).to(res_ty).to(tl.float32)
+            xr = (x + u).to(res_ty)
+            tl.store(RES + b * sr + o, xr, mask=msk)
+            x = xr.to(tl.float32)
+        var = eps + tl.sum(x * x, axis=0) / N
+        a = tl.load(ALPHA + o, mask=msk, other=0.0).to(tl.float32)
+        y = x * (a * (1.0 / tl.sqrt(var)))
+        tl.store(Y + b * sy + o, y.to(Y.dtype.element_ty), mask=msk)
+
+    @triton.jit
+    def _silu_mul_kernel(Hx, OUT, F, sh, so, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        msk = o < F
+        a = tl.load(Hx + b * sh + o, mask=msk, other=0.0).to(tl.float32)
+        g = tl.load(Hx + b * sh + F + o, mask=msk, other=0.0).to(tl.float32)
+        ty = OUT.dtype.element_ty
+        act = (a / (1.0 + tl.exp(-a))).to(ty).to(tl.float32)
+        tl.store(OUT + b * so + o, (act * g).to(ty), mask=msk)
+
+    @triton.jit
+    def _sample_kernel(LOGITS, NOISE, TEMP, TOPK, OUT, V, sl, sn, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        o = tl.arange(0, BLOCK)
+        msk = o < V
+        x = tl.load(LOGITS + b * sl + o, mask=msk, other=float("-inf")).to(tl.float32)
+        greedy = tl.argmax(x, axis=0)
+        temp = tl.load(TEMP + b).to(tl.float32)
+        k = tl.load(TOPK + b).to(tl.int64)
+        k = tl.where((k > 0) & (k < V), k, V)
+        # Order-preserving int32 keys of the fp32 logits; padding gets the smallest key.
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        key = tl.where(msk, key, -2147483648)
+        # Largest t with count(key >= t) >= k: the k-th largest key (bisection, 32 steps).
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo + 1) // 2
+            cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+            ok = cnt >= k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        keep = msk & (key >= lo.to(tl.int32))
+        t = tl.where(temp > 0, temp, 1.0)
+        mx = tl.max(x, axis=0)
+        p = tl.where(keep, tl.exp((x - mx) / t), 0.0)
+        noise = tl.load(NOISE + b * sn + o, mask=msk, other=1.0)
+        sampled = tl.argmax(p / noise, axis=0)
+        tl.store(OUT + b, tl.where(temp > 0, sampled, greedy).to(tl.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, slot_pos: torch.Tensor, pos: torch.Tensor,
+                     context: int | None) -> torch.Tensor:
+    B, H, D = q.shape
+    S = cache_k.shape[2]
+    assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
+    assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
+    assert D == _pow2(D), f"head dim {D} must be a power of two"
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    block_n = TUNE.get("block_n") or max(16, min(64, _pow2(S)))
+    # Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B.
+    blocks = TUNE.get("blocks") or (2 if B * H <= 64 else (4 if B * H <= 512 else 8))
+    stages, warps = TUNE.get("stages", 3), TUNE.get("warps", 4)
+    split = block_n * blocks
+    num_splits = triton.cdiv(S, split)
+    ieee = cache_k.dtype == torch.float32
+    qk_scale = (D ** -0.5) * 1.4426950408889634
+    common = (q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
+    ctx = int(context) if context is not None else 0
+    if num_splits == 1:
+        _attn_split_kernel[(B * H, 1)](
+            q, k_new, v_new, cache_k, cache_v, slot_pos, pos, out, out, out, out,
+            H, S, ctx, qk_scale, *common,
+            cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+            cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), slot_pos.stride(0),
+            out.stride(0), out.stride(1),
+            D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=1, HAS_CONTEXT=context is not None, FINAL=True,
+            IEEE=ieee, STAGES=1, num_warps=4)
+        return out
+    m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
+    l_tmp = torch.empty_like(m_tmp)
+    acc_tmp = torch.empty(B * H * num_splits * D, dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(B * H, num_splits)](
+        q, k_new, v_new, cache_k, cache_v, slot_pos, pos, out, m_tmp, l_tmp, acc_tmp,
+        H, S, ctx, qk_scale, *common,
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), slot_pos.stride(0),
+        out.stride(0), out.stride(1),
+        D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None, FINAL=False,
+        IEEE=ieee, STAGES=stages, num_warps=warps)
+    _attn_reduce_kernel[(B * H,)](
+        q, k_new, v_new, out, m_tmp, l_tmp, acc_tmp, H, qk_scale, *common, out.stride(0), out.stride(1),
+        D=D, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
+    return out
+
+
+def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+               pos: torch.Tensor, exec_mask: torch.Tensor | None, cache_k: torch.Tensor,
+               cache_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, 3*H*D] -> q, k (rotated, [B, H, D]), v (a view); k, v written to slot pos % S of
+    executing rows' caches."""
+    B = qkv.shape[0]
+    S = cache_k.shape[2]
+    assert qkv.stride(1) == 1 and cache_k.stride(3) == 1 and cache_v.stride(3) == 1
+    q_out = torch.empty(B, H, D, dtype=qkv.dtype, device=qkv.device)
+    k_out = torch.empty_like(q_out)
+    cos, sin = cos_sin if cos_sin is not None else (qkv, qkv)
+    ex = exec_mask.view(torch.uint8) if exec_mask is not None else qkv
+    _rope_write_kernel[(B * H,)](
+        qkv, cos, sin, pos, ex, q_out, k_out, cache_k, cache_v, H, S, qkv.stride(0),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
+        D=D, HAS_ROPE=cos_sin is not None, HAS_EXEC=exec_mask is not None, num_warps=1)
+    v = qkv[:, 2 * H * D:].view(B, H, D)
+    return q_out, k_out, v
+
+
+def _rms_params(norm) -> tuple[torch.Tensor, float] | None:
+    """(alpha, eps) when `norm` is an fp32-computed RMSNorm we can fuse, else None."""
+    from .transformer import RMSNorm
+
+    if isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32:
+        return norm.alpha.reshape(-1), norm.eps
+    return None
+
+
+def _scale_of(layer_scale) -> torch.Tensor | None:
+    from .transformer import LayerScale
+
+    return layer_scale.scale if isinstance(layer_scale, LayerScale) else None
+
+
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    params = _rms_params(norm)
+    if params is None or x.stride(-1) != 1:
+        return norm(x)
+    alpha, eps = params
+    B, N = x.shape
+    y = torch.empty_like(x)
+    _add_rms_norm_kernel[(B,)](x, x, x, alpha, x, y, N, eps, x.stride(0), 0, 0, y.stride(0),
+                               BLOCK=_pow2(N), HAS_U=False, HAS_LS=False, num_warps=8)
+    return y
+
+
+def add_rms_norm(res: torch.Tensor, upd: torch.Tensor, layer_scale, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """res + layer_scale(upd) (rounded to upd's dtype, as the layer does), and its RMSNorm."""
+    params = _rms_params(norm)
+    if params is None or res.stride(-1) != 1 or upd.stride(-1) != 1:
+        new = res.to(upd) + layer_scale(upd)
+        return new, norm(new)
+    alpha, eps = params
+    B, N = upd.shape
+    scale = _scale_of(layer_scale)
+    new = torch.empty_like(upd)
+    y = torch.empty_like(upd)
+    _add_rms_norm_kernel[(B,)](res, upd, scale if scale is not None else upd, alpha, new, y, N, eps,
+                               res.stride(0), upd.stride(0), new.stride(0), y.stride(0),
+                               BLOCK=_pow2(N), HAS_U=True, HAS_LS=scale is not None, num_warps=8)
+    return new, y
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    B, F2 = h.shape
+    F = F2 // 2
+    out = torch.empty(B, F, dtype=h.dtype, device=h.device)
+    block = 1024
+    _silu_mul_kernel[(B, triton.cdiv(F, block))](h, out, F, h.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           noise: torch.Tensor) -> torch.Tensor:
+    B, V = logits.shape
+    assert logits.stride(1) == 1 and noise.stride(1) == 1
+    out = torch.empty(B, dtype=torch.long, device=logits.device)
+    block = _pow2(V)
+    num_warps = 32 if block >= 16384 else (16 if block >= 4096 else 8)
+    _sample_kernel[(B,)](logits, noise, temperature, top_k, out, V, logits.stride(0), noise.stride(0),
+                         BLOCK=block, num_warps=num_warps)
+    return out

@@ -1,0 +1,138 @@
+"""Fused decode kernels (models/attention.py) against the plain PyTorch path, on a CUDA device."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import attention as fa
+from models.transformer import LayerScale, RMSNorm, StreamingTransformer, apply_rope
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_cuda():
+    if not torch.cuda.is_available() or not fa._HAVE_TRITON:
+        pytest.skip("needs a CUDA device and Triton")
+
+
+def _ring_slot_pos(pos: torch.Tensor, S: int) -> torch.Tensor:
+    slots = torch.arange(S, device=pos.device)
+    latest = pos[:, None] - 1 - ((pos[:, None] - 1 - slots) % S)
+    return torch.where(latest >= 0, latest, torch.full_like(latest, -1))
+
+
+def _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context):
+    B, H, S, D = ck.shape
+    rows = torch.arange(B, device=q.device)
+    ck, cv, sp = ck.clone(), cv.clone(), sp.clone()
+    slot = pos % S
+    ck[rows, :, slot] = kn
+    cv[rows, :, slot] = vn
+    sp[rows, slot] = pos
+    delta = pos[:, None] - sp
+    valid = (sp >= 0) & (delta >= 0)
+    if context is not None:
+        valid &= delta < context
+    return F.scaled_dot_product_attention(q[:, :, None].float(), ck.float(), cv.float(),
+                                          valid[:, None, None])[:, :, 0]
+
+
+@pytest.mark.parametrize("B,H,S,D,context", [(1, 32, 3000, 128, 3000), (7, 4, 3000, 128, 3000),
+                                             (5, 16, 8, 64, None), (6, 2, 500, 64, 300)])
+def test_decode_attention_matches_sdpa(B, H, S, D, context):
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(0)
+    dt = torch.bfloat16
+    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    pos = torch.randint(0, 3 * S, (B,), device="cuda", generator=g)
+    pos[0] = 0
+    if B > 1:
+        pos[1] = min(S - 1, 5)
+    sp = _ring_slot_pos(pos, S)
+    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    out = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, context)
+    ref = _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_rope_write_and_norms():
+    _need_cuda()
+    B, H, D, S = 3, 4, 128, 10
+    qkv = torch.randn(B, 3 * H * D, device="cuda")
+    pos = torch.tensor([0, 7, 23], device="cuda")
+    freqs = torch.exp(torch.arange(D // 2, device="cuda", dtype=torch.float32) * (-math.log(1e4) * 2 / D))
+    ang = freqs * pos.float()[:, None]
+    ck, cv = torch.zeros(B, H, S, D, device="cuda"), torch.zeros(B, H, S, D, device="cuda")
+    ex = torch.tensor([True, False, True], device="cuda")
+    q, k, v = fa.rope_write(qkv, H, D, (ang.cos(), ang.sin()), pos, ex, ck, cv)
+    q3, k3, v3 = qkv.view(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)
+    qr, kr = apply_rope(q3, k3, pos[:, None], 1e4)
+    torch.testing.assert_close(q, qr[:, :, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, kr[:, :, 0], atol=1e-5, rtol=1e-5)
+    slot = pos % S
+    assert torch.equal(ck[0, :, slot[0]], k[0]) and torch.equal(cv[2, :, slot[2]], v[2])
+    assert ck[1].abs().max() == 0 and cv[1].abs().max() == 0
+
+    norm = RMSNorm(4096, 1e-8, torch.float32, device="cuda")
+    norm.alpha.data.uniform_(0.5, 1.5)
+    x, u = torch.randn(4, 4096, device="cuda"), torch.randn(4, 4096, device="cuda")
+    torch.testing.assert_close(fa.rms_norm(x, norm), norm(x).view_as(x))
+    ls = LayerScale(4096, 0.1, device="cuda")
+    res, y = fa.add_rms_norm(x, u, ls, norm)
+    torch.testing.assert_close(res, x + ls(u))
+    torch.testing.assert_close(y, norm(x + ls(u)).view_as(x))
+    h = torch.randn(4, 2 * 1000, device="cuda")
+    torch.testing.assert_close(fa.silu_mul(h), F.silu(h[:, :1000]) * h[:, 1000:])
+
+
+@pytest.mark.parametrize("V", [2048, 32000])
+def test_sample_matches_sort_path(V):
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(1)
+    B = 8
+    logits = torch.randn(B, V, device="cuda", generator=g) * 3
+    temp = torch.tensor([0.0, 0.7, 1.0, 0.8, 0.5, 1.0, 0.9, 2.0], device="cuda")
+    topk = torch.tensor([5, 25, 0, 1, V, 3, 250, -1], device="cuda")
+    noise = torch.empty(B, V, device="cuda").exponential_(1.0, generator=g)
+    out = fa.sample(logits, temp, topk, noise)
+    k = torch.where((topk > 0) & (topk < V), topk, torch.full_like(topk, V))
+    kth = logits.sort(-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    masked = logits.masked_fill(logits < kth, float("-inf"))
+    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    ref = torch.where(temp > 0, (torch.softmax(masked / t[:, None], -1) / noise).argmax(-1), logits.argmax(-1))
+    assert torch.equal(out, ref)
+
+
+def test_transformer_fused_step_matches_general_path():
+    """Fused T == 1 decode vs the SDPA path: same outputs (bf16 tolerance) and same state, with a
+    row that does not execute and rows spread over the window."""
+    _need_cuda()
+    torch.manual_seed(0)
+    tr = StreamingTransformer(256, 2, 3, 1024, context=40, norm="rms_norm_f32", gating="silu",
+                              layer_scale=0.1, device="cuda", dtype=torch.bfloat16)
+    B = 4
+    states = [tr.init_state(B) for _ in range(2)]
+    exec_mask = torch.tensor([True, False, True, True], device="cuda")
+    with torch.no_grad():
+        warm = torch.randn(B, 45, 256, device="cuda", dtype=torch.bfloat16)
+        for st in states:  # fill part of the ring with a prefix pass (T > 1, general path)
+            tr(warm[:, :30], st)
+        outs = []
+        for fused in (True, False):
+            fa.ENABLED = fused
+            try:
+                st = states[0] if fused else states[1]
+                ys = [tr(warm[:, 30 + t:31 + t], st, exec_mask) for t in range(15)]
+            finally:
+                fa.ENABLED = True
+            outs.append((torch.cat(ys, 1), st))
+    (y_f, s_f), (y_g, s_g) = outs
+    torch.testing.assert_close(y_f.float(), y_g.float(), atol=5e-2, rtol=5e-2)
+    assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
+    torch.testing.assert_close(s_f.keys[2].float(), s_g.keys[2].float(), atol=5e-2, rtol=5e-2)
+    assert torch.equal(s_f.keys[0][1], s_g.keys[0][1])  # the idle row's ring is untouched
