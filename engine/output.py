@@ -5,6 +5,7 @@ reused as soon as a session ends)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 from .backend import HostOutput
@@ -33,12 +34,13 @@ class OutputProcessor:
         with self._lock:
             streams = [self._streams.get(rid) if rid is not None else None for rid in plan.request_ids]
         dropped = 0
+        produced_at = time.monotonic()  # the tick's outputs are on the host: its end, for the edge
         for row, stream in enumerate(streams):
             if stream is None or not out.valid[row]:
                 continue  # idle row, a request that ended this tick, or still inside the delay
             token = int(out.text_tokens[row])
             frame = FrameOut(pcm=out.pcm[row].copy(), text=self._text_piece(token),
-                             text_token=token, tick=plan.tick)
+                             text_token=token, tick=plan.tick, produced_at=produced_at)
             if not stream.push(frame):
                 dropped += 1
         if dropped:

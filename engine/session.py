@@ -25,6 +25,7 @@ class FrameOut:
     text: str  # the transcript piece this frame adds ("" for padding)
     text_token: int  # the raw text token id
     tick: int  # the engine tick that produced it (for ordering and tests)
+    produced_at: float  # time.monotonic() at the end of that tick (the edge measures delivery delay from it)
 
 
 class Session:

@@ -32,7 +32,7 @@ from engine import Engine
 from . import health
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
-from .opus import CodecRunner
+from .opus import CodecProcessPool, make_codec_runner
 from .sessions import ServerDefaults, SessionManager
 
 log = logging.getLogger("parley.app")
@@ -58,12 +58,20 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
                web_dir: Path | None = WEB_DIR) -> Starlette:
     """Build the app around an engine. With `start_engine`, the lifespan starts the engine
     (if it is not running) and always shuts it down at exit."""
-    codec = CodecRunner(codec_workers)
-    metrics = health.EdgeMetrics(engine.counters)
+    metrics: health.EdgeMetrics | None = None
+
+    def count_restart() -> None:
+        if metrics is not None:
+            metrics.codec_restarts.inc()
+
+    codec = make_codec_runner(codec_workers, max_sessions=engine.config.max_sessions, on_restart=count_restart)
+    metrics = health.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
+                                 if isinstance(codec, CodecProcessPool) else None)
     manager = SessionManager(engine, defaults, codec, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await codec.start()  # worker processes start on the server's loop, before any session
         if start_engine:
             engine.start()
         try:
@@ -71,7 +79,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         finally:
             await manager.shutdown()
             await asyncio.to_thread(engine.shutdown)
-            codec.shutdown()
+            await codec.aclose()
 
     async def voices(request: Request) -> Response:
         return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
@@ -95,5 +103,6 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sessions = manager
+    app.state.codec = codec
     app.state.info = info
     return app

@@ -59,7 +59,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="if set, /v1/realtime requires 'Authorization: Bearer <key>' (or the browser "
                         "subprotocol openai-insecure-api-key.<key>)")
     p.add_argument("--codec-workers", type=int, default=None,
-                   help="threads for Ogg-Opus encode/decode (default: min(4, CPU cores))")
+                   help="Ogg-Opus codec worker processes (sessions pinned to one each, off the server's GIL); "
+                        "0: a thread pool in the server process (fine for a few sessions). Default: 0 up to 8 "
+                        "sessions, else one process per 32 sessions (at most CPU cores - 1)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
@@ -76,6 +78,9 @@ def run_serve(args: argparse.Namespace) -> int:
         defaults = SessionOptions(persona=args.persona, voice=args.voice or None)
     except OptionsError as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
+        return 2
+    if args.codec_workers is not None and args.codec_workers < 0:
+        print("parley serve: --codec-workers must be 0 (threads) or more (processes)", file=sys.stderr)
         return 2
     if args.max_sessions < 1:
         print("parley serve: --max-sessions must be at least 1", file=sys.stderr)

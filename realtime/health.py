@@ -21,6 +21,9 @@ from starlette.responses import JSONResponse, Response
 # Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
 # means a client hears a gap.
 FRAME_DELAY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+# End-to-end frame delay (engine tick end -> socket write): normally a few ms; past 80 ms the
+# edge is a frame behind.
+E2E_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 # engine.counters() keys exposed as counters; the rest are gauges or histograms.
 ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overruns",
@@ -57,10 +60,25 @@ class EngineCollector:
             yield family
 
 
+class _CodecCPUCollector:
+    """CPU seconds of the codec worker processes (process_cpu_seconds_total covers only the server
+    process): read at scrape time. Live workers only, so it can step down after a restart."""
+
+    def __init__(self, seconds: Callable[[], float]) -> None:
+        self._seconds = seconds
+
+    def collect(self) -> Iterable:
+        family = GaugeMetricFamily("parley_codec_worker_cpu_seconds", "CPU seconds used by the live codec "
+                                   "worker processes")
+        family.add_metric([], float(self._seconds()))
+        yield family
+
+
 class EdgeMetrics:
     """The network edge's metrics, in a registry of its own (one per app)."""
 
-    def __init__(self, engine_counters: Callable[[], dict] | None = None) -> None:
+    def __init__(self, engine_counters: Callable[[], dict] | None = None,
+                 codec_cpu_seconds: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
@@ -74,6 +92,17 @@ class EdgeMetrics:
             "parley_frame_send_delay_seconds",
             "from an output frame reaching the event loop to its bytes being written to the socket",
             buckets=FRAME_DELAY_BUCKETS, registry=r)
+        self.frame_delay = Histogram(
+            "parley_frame_delay_seconds",
+            "end-to-end output frame delay: from the end of the engine tick that produced a frame to its "
+            "bytes being written to the socket (codec and queueing included)",
+            buckets=E2E_DELAY_BUCKETS, registry=r)
+        self.codec_restarts = Counter("parley_codec_worker_restarts", "codec worker processes restarted after "
+                                      "a crash or hang", registry=r)
+        self.codec_failures = Counter("parley_codec_failures", "sessions closed because their codec worker "
+                                      "was lost", ["protocol"], registry=r)
+        if codec_cpu_seconds is not None:
+            r.register(_CodecCPUCollector(codec_cpu_seconds))
         self.protocol_errors = Counter("parley_protocol_errors", "bad client input answered with an error or close",
                                        ["protocol"], registry=r)
         ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: benchmarks/load.py reads CPU here

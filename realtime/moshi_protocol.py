@@ -13,7 +13,7 @@ Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
 
 Closes: 1013 when every slot is taken, 1008 for options the model cannot serve, 1007 for
 bytes that are not Ogg-Opus, 1009 for a message over `MAX_MESSAGE_BYTES`, 1011 when the
-engine fails the session. Each affects only its own connection.
+engine fails the session or its codec worker is lost. Each affects only its own connection.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal,
 )
 
-from .opus import OpusCodec, OpusError
+from .opus import CodecUnavailable, OpusError
 from .sessions import (
     CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG,
     CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now,
@@ -108,7 +108,11 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         await edge.close_socket(CLOSE_INTERNAL, f"engine unavailable: {exc}")
         return
 
-    edge.codec = OpusCodec()
+    try:
+        edge.codec = manager.codec.open()  # pinned to one codec worker for the connection's life
+    except CodecUnavailable as exc:
+        await edge.close_socket(CLOSE_INTERNAL, f"audio codec unavailable: {exc}")
+        return
     log.info("chat session %d open (persona %d chars, voice %s)", edge.number, len(options.persona), options.voice)
     await edge.send_bytes(HANDSHAKE)
     sender = asyncio.create_task(_send_frames(edge), name=f"chat-send-{edge.number}")
@@ -149,10 +153,13 @@ async def _receive(edge: EdgeSession) -> None:
         if not data or data[0] != TAG_AUDIO:
             continue  # unknown or server-only tags are ignored
         try:
-            pcm = await manager.codec.decode(edge.codec, data[1:])
+            pcm = await edge.codec.decode(data[1:])
         except OpusError as exc:
             manager.metrics.protocol_errors.labels(PROTOCOL).inc()
             await edge.close_socket(CLOSE_INVALID_PAYLOAD, str(exc))
+            return
+        except CodecUnavailable as exc:
+            await _codec_lost(edge, exc)
             return
         if pcm.size:
             edge.engine_session.push_audio(pcm)
@@ -173,7 +180,11 @@ async def _send_frames(edge: EdgeSession) -> None:
             return
         assert isinstance(event, FrameOut)
         start = now()
-        page = await manager.codec.encode(edge.codec, event.pcm)
+        try:
+            page = await edge.codec.encode(event.pcm)
+        except CodecUnavailable as exc:
+            await _codec_lost(edge, exc)
+            return
         try:
             if page:
                 await edge.send_bytes(bytes([TAG_AUDIO]) + page)
@@ -183,3 +194,13 @@ async def _send_frames(edge: EdgeSession) -> None:
             return  # the client left; the receive side sees the disconnect
         manager.metrics.frames_out.labels(PROTOCOL).inc()
         edge.observe_frame_delay(now() - start)
+        edge.observe_frame_sent(event.produced_at)
+
+
+async def _codec_lost(edge: EdgeSession, exc: CodecUnavailable) -> None:
+    """This connection's Ogg streams are gone (worker crash / hang / shutdown): end it clearly."""
+    if edge.closed:
+        return
+    edge.manager.metrics.codec_failures.labels(PROTOCOL).inc()
+    log.warning("chat session %d: %s", edge.number, exc)
+    await edge.close_socket(CLOSE_INTERNAL, f"audio codec lost: {exc}")

@@ -500,6 +500,7 @@ class RealtimeConnection:
             await self.send(self.events.audio_delta(response, base64.b64encode(pcm16).decode()))
             response.audio_frames += 1
             self.manager.metrics.frames_out.labels(PROTOCOL).inc()
+            self.edge.observe_frame_sent(frame.produced_at)
         if frame.text:
             response.item.transcript += frame.text
             response.text_pieces += 1

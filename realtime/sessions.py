@@ -24,7 +24,7 @@ from starlette.websockets import WebSocket, WebSocketState
 from engine import Engine, EngineClosed, EngineFull, Session, SessionOptions, SessionRejected
 
 from .health import EdgeMetrics
-from .opus import CodecRunner, OpusCodec
+from .opus import CodecRunner, CodecStream
 
 log = logging.getLogger("parley.sessions")
 
@@ -114,7 +114,7 @@ class EdgeSession:
         self.protocol = protocol
         self.number = number  # for logs only; never a metrics label
         self.engine_session: Session | None = None
-        self.codec: OpusCodec | None = None
+        self.codec: CodecStream | None = None  # /api/chat: this connection's Ogg streams
         self._send_lock = asyncio.Lock()
         self._reopen_lock = asyncio.Lock()
         self._closed = False
@@ -183,6 +183,11 @@ class EdgeSession:
     def observe_frame_delay(self, seconds: float) -> None:
         self.manager.metrics.frame_send_delay.observe(seconds)
 
+    def observe_frame_sent(self, produced_at: float) -> None:
+        """End-to-end delay of one output frame: from the end of the engine tick that produced
+        it (FrameOut.produced_at, time.monotonic()) to its bytes having been written."""
+        self.manager.metrics.frame_delay.observe(max(0.0, time.monotonic() - produced_at))
+
     async def close_socket(self, code: int, reason: str = "") -> None:
         """Send a close frame if the socket is still open (never raises)."""
         if self.websocket.application_state != WebSocketState.CONNECTED:
@@ -202,6 +207,8 @@ class EdgeSession:
         self._closed = True
         if self.engine_session is not None:
             self.engine_session.close()
+        if self.codec is not None:
+            self.codec.close()
         self.manager._detach(self)
 
     @property

@@ -56,6 +56,7 @@ def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefault
     text piece '<n>' on every frame (n counts the row's frames since its reset)."""
     backend = DelayBackend(max_sessions, **backend_kwargs)
     engine = Engine(backend, EngineConfig(max_sessions=max_sessions))
+    # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     return create_app(engine, defaults, ServerInfo(model="delay"), codec_workers=2), backend
 
 
@@ -99,6 +100,7 @@ class ChatResult:
         self.close_reason: str = ""
         self.audio_messages = 0
         self.arrivals: list[float] = []  # monotonic time of each audio message
+        self.sent_ogg: list[bytes] = []  # the Ogg pages sent, in order (what the server decoded)
 
     @property
     def pcm(self) -> np.ndarray:
@@ -158,7 +160,11 @@ async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", fr
             for i in range(n_frames):
                 page = writer.append_pcm(pcm[i * frame_samples:(i + 1) * frame_samples])
                 if page:
-                    await ws.send(b"\x01" + bytes(page))
+                    try:
+                        await ws.send(b"\x01" + bytes(page))
+                    except ConnectionClosed:  # the server closed this connection: stop sending
+                        break
+                    result.sent_ogg.append(bytes(page))
                 due = t0 + max(0, i + 1 - prebuffer_frames) * frame_samples / SR
                 delay = due - time.monotonic()
                 if delay > 0:

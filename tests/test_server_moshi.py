@@ -8,12 +8,18 @@ can be checked by correlation. The tiny checkpoints run the real model path.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
 import urllib.request
 
 import numpy as np
 import pytest
 
-from server_harness import FRAME, SR, best_lag_correlation, chat_session, delay_app, serve, tone
+from engine import Engine, EngineConfig
+from engine.testing import DelayBackend
+from realtime.app import ServerInfo, create_app
+from server_harness import FRAME, SR, best_lag_correlation, chat_session, delay_app, serve, tone, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,9 +107,16 @@ def test_health_ready_metrics():
         assert status == 200
         for name in ("parley_engine_ticks_total", "parley_live_sessions", "parley_bytes_in_total",
                      "parley_bytes_out_total", "parley_frame_send_delay_seconds_bucket",
-                     "parley_engine_tick_seconds_bucket", "parley_connections_total"):
+                     "parley_engine_tick_seconds_bucket", "parley_connections_total",
+                     "parley_frame_delay_seconds_bucket", "parley_codec_worker_cpu_seconds"):
             assert name in text, name
         assert "sess" not in text.lower().replace("sessions", "")  # no session ids as labels
+        # every frame sent was timed from the end of its engine tick
+        delay_count = float(re.search(r"^parley_frame_delay_seconds_count (\S+)$", text, re.M).group(1))
+        frames = float(re.search(r'^parley_frames_out_total\{protocol="moshi"\} (\S+)$', text, re.M).group(1))
+        assert delay_count == frames > 0
+        delay_sum = float(re.search(r"^parley_frame_delay_seconds_sum (\S+)$", text, re.M).group(1))
+        assert 0 < delay_sum / delay_count < 0.5
 
 
 def test_eight_sessions_get_their_own_audio_ninth_refused_then_new_persona_admitted():
@@ -223,3 +236,71 @@ def test_bad_input_closes_only_that_connection_and_others_keep_cadence():
         assert gaps.max() < 0.4, gaps.max()  # cadence kept: no stall while the others misbehaved
         assert res.audio_messages >= sent.size // FRAME - 1, res.audio_messages  # nothing lost
     assert '"free_slots":7' in ready.replace(" ", ""), ready  # every slot back, the aborted one too
+
+
+# ---- codec worker processes ---------------------------------------------------------------
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_codec_worker_crash_fails_only_its_sessions_and_is_restarted():
+    """Two sessions pinned to two worker processes; SIGKILL one worker: its session closes 1011
+    saying so, the other goes on losing nothing, the worker is restarted and a new session
+    works. Leaving the server stops every worker (no orphans)."""
+    app, _ = delay_app(4)  # codec_workers=2: two processes
+    pool = app.state.codec
+    manager = app.state.sessions
+    sents = [tone(330, 3.0), tone(660, 3.0)]
+
+    async def scenario(base):
+        opened = [asyncio.Event(), asyncio.Event()]
+
+        def on_open(i):
+            async def mark(_ws):
+                opened[i].set()
+            return mark
+
+        first = asyncio.create_task(chat_session(base, sents[0], on_open=on_open(0)))
+        await asyncio.wait_for(opened[0].wait(), 10)
+        second = asyncio.create_task(chat_session(base, sents[1], on_open=on_open(1)))
+        await asyncio.wait_for(opened[1].wait(), 10)
+        await asyncio.sleep(0.5)
+        edges = sorted(manager._live, key=lambda e: e.number)
+        victim_pid, other_pid = edges[0].codec.worker_pid, edges[1].codec.worker_pid
+        assert victim_pid != other_pid  # pinned to different workers
+        os.kill(victim_pid, signal.SIGKILL)
+        crashed, survived = await asyncio.gather(first, second)
+        await wait_for(lambda: pool.restarts == 1, timeout=15)
+        late = await chat_session(base, tone(440, 0.8))
+        return crashed, survived, late, victim_pid
+
+    with serve(app) as base:
+        crashed, survived, late, victim_pid = run(scenario(base))
+        pids = pool.worker_pids()
+        assert len(pids) == 2 and victim_pid not in pids
+        text = urllib.request.urlopen(f"http://{base}/metrics", timeout=5).read().decode()
+        assert "parley_codec_worker_restarts_total 1.0" in text
+    assert crashed.close_code == 1011 and "codec worker" in crashed.close_reason, crashed.close_reason
+    corr, _ = best_lag_correlation(sents[1], survived.pcm, MAX_LAG)
+    assert corr > 0.85, corr
+    assert survived.audio_messages >= sents[1].size // FRAME - 1
+    assert late.handshake_at is not None and late.audio_messages > 0
+    for pid in pids:  # clean shutdown: the workers exited with the server
+        assert _pid_gone(pid), pid
+
+
+def test_codec_workers_zero_runs_in_process_threads():
+    backend = DelayBackend(1)
+    app = create_app(Engine(backend, EngineConfig(max_sessions=1)), info=ServerInfo(model="delay"), codec_workers=0)
+    assert app.state.codec.worker_pids() == []
+    sent = tone(440, 1.2)
+    with serve(app) as base:
+        res = run(chat_session(base, sent))
+    corr, _ = best_lag_correlation(sent, res.pcm, MAX_LAG)
+    assert corr > 0.9, corr

@@ -1,0 +1,93 @@
+"""Write a Moshi-7B-shaped checkpoint (random bf16 weights) in the published layout, load it
+through Parley's loader, and step it: load time, peak host memory, GPU memory, frame time.
+
+The loader must not materialise the weights twice: it reads one tensor at a time, so the
+peak host memory (VmHWM, reset before loading) stays far below one copy of the LM (15.4 GB).
+
+    python benchmarks/load_7b.py --dir /tmp/moshi7b [--kind moshi|personaplex] [--batches 1,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.backend import ModelBackend  # noqa: E402
+from models.checkpoint import load_checkpoint, lm_config_dict, write_checkpoint  # noqa: E402
+from models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
+from models.lm import LMModel  # noqa: E402
+from models.mimi.codec import Mimi  # noqa: E402
+from models.tokenizer import train_tiny_tokenizer  # noqa: E402
+
+
+def host_peak_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def reset_host_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+
+@torch.no_grad()
+def write_random_7b(directory: Path, kind: str) -> None:
+    cfg = LMConfig(dep_q=16 if kind == "personaplex" else 8)
+    lm = LMModel(cfg, device="cuda", dtype=torch.bfloat16)  # default init, on the GPU: seconds
+    state = {k: v.cpu() for k, v in lm.state_dict().items()}
+    del lm
+    tokenizer = train_tiny_tokenizer(directory / ".spm.model", 200)
+    config = lm_config_dict(cfg) if kind == "personaplex" else None
+    write_checkpoint(directory, state, Mimi(MimiConfig()).state_dict(), tokenizer, config)
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, required=True, help="where to write the checkpoint")
+    parser.add_argument("--kind", choices=("moshi", "personaplex"), default="moshi")
+    parser.add_argument("--batches", default="1,32", help="batch sizes to step")
+    parser.add_argument("--frames", type=int, default=30)
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    if not (args.dir / "model.safetensors").exists():
+        started = time.perf_counter()
+        write_random_7b(args.dir, args.kind)
+        print(f"wrote {args.dir} in {time.perf_counter() - started:.1f} s "
+              f"({(args.dir / 'model.safetensors').stat().st_size / 1e9:.1f} GB LM file)")
+    reset_host_peak()
+    rss_before = host_peak_gib()
+    started = time.perf_counter()
+    ckpt = load_checkpoint(args.dir, "cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    params = sum(p.numel() for p in ckpt.lm.parameters())
+    print(f"loaded {params / 1e9:.2f} B LM parameters ({ckpt.model_type}, dep_q {ckpt.lm_config.dep_q}) in "
+          f"{seconds:.1f} s; host peak {host_peak_gib():.2f} GiB (RSS before {rss_before:.2f} GiB); "
+          f"GPU {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    for batch in (int(b) for b in args.batches.split(",")):
+        backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0)
+        pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
+        live = torch.ones(batch, dtype=torch.bool)
+        times = []
+        for i in range(args.frames + 5):
+            start = time.perf_counter()
+            backend.step(pcm, live).to_host()
+            if i >= 5:
+                times.append((time.perf_counter() - start) * 1000)
+        times.sort()
+        print(f"B={batch}: frame p50 {times[len(times) // 2]:.2f} ms, max {times[-1]:.2f} ms "
+              f"(whole frame, CUDA graph, from a loaded checkpoint)")
+        backend.close()  # frees its states and graph; the loaded weights stay in `ckpt`
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
