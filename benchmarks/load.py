@@ -8,9 +8,13 @@ what comes back. Printed, over all clients:
 
 - delivery jitter: |gap between consecutive audio messages - 80 ms|, p50 / p99 (coalesced
   or bursty delivery shows up here, as does a server that falls behind);
-- end-to-end frame delay: from sending input frame j to receiving output frame j, p50 / p99
-  (output frame j is the model's answer to input j: one frame of model delay, the tick
-  grid, codec and network; it grows if the server lags);
+- end-to-end frame delay, p50 / p99: from sending an input frame to receiving the output
+  frame that answers it (one frame of model delay, input buffering, the tick grid, codec and
+  network; it grows if the server lags). Measured by content, so only with the echo
+  checkpoint (`--spawn echo`), whose text follows the input: each client alternates 1 s of
+  silence and 1 s of tone, and the first text piece that changes after a switch answers the
+  switch frame. Otherwise the server-side part (tick end -> socket write, /metrics
+  `parley_frame_delay_seconds`) is printed;
 - underruns (from the server's counters: ticks a session had no input), frames lost
   (input frames sent minus output frames received, plus frames the engine dropped);
 - server CPU per session: the server process's CPU seconds (its /metrics
@@ -47,12 +51,30 @@ FRAME_S = FRAME / SR
 ROOT = Path(__file__).resolve().parents[1]
 
 
+BLOCK_FRAMES = 12  # ~1 s blocks of silence / tone: each switch is one end-to-end probe
+
+
 @dataclass
 class ClientStats:
     sent_at: list[float] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
+    texts: list[tuple[float, str]] = field(default_factory=list)  # (arrival, piece)
     refused: bool = False
     close_code: int | None = None
+
+    def switch_delays(self) -> list[float]:
+        """Echo only: for each silence/tone switch, the time from sending the switch frame to
+        the first text piece that differs from the one before the switch."""
+        delays = []
+        for frame in range(BLOCK_FRAMES, len(self.sent_at), BLOCK_FRAMES):
+            sent = self.sent_at[frame]
+            before = [text for at, text in self.texts if at < sent]
+            after = [(at, text) for at, text in self.texts if at >= sent]
+            if before:
+                changed = next((at for at, text in after if text != before[-1]), None)
+                if changed is not None and changed - sent < BLOCK_FRAMES * FRAME_S:
+                    delays.append(changed - sent)
+        return delays
 
 
 async def client(url: str, index: int, duration: float, start_gate: asyncio.Event) -> ClientStats:
@@ -60,7 +82,8 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
     freq = 200 + 37 * index
     n = int(duration / FRAME_S)
     t = np.arange(n * FRAME) / SR
-    pcm = (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+    tone_on = (np.arange(n * FRAME) // (BLOCK_FRAMES * FRAME)) % 2 == 1  # silence, tone, silence...
+    pcm = (0.3 * np.sin(2 * np.pi * freq * t) * tone_on).astype(np.float32)
     writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
     async with connect(f"{url}/api/chat", max_size=None, compression=None, open_timeout=30) as ws:
         try:
@@ -69,7 +92,6 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
             stats.refused, stats.close_code = True, ws.close_code
             return stats
         assert first[:1] == b"\x00", first[:8]
-        await start_gate.wait()
 
         async def receive() -> None:
             try:
@@ -77,10 +99,15 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
                     if isinstance(msg, bytes) and msg[:1] == b"\x01":
                         stats.arrivals.append(time.monotonic())
                         reader.append_bytes(msg[1:])
+                    elif isinstance(msg, bytes) and msg[:1] == b"\x02":
+                        stats.texts.append((time.monotonic(), msg[1:].decode(errors="replace")))
             except ConnectionClosed:
                 pass
 
+        # Receive from the handshake on: the server talks every tick whether or not input has
+        # arrived, so frames must not queue up in the socket while this client waits at the gate.
         receiver = asyncio.create_task(receive())
+        await start_gate.wait()
         t0 = time.monotonic()
         for i in range(n):
             delay = t0 + i * FRAME_S - time.monotonic()
@@ -98,7 +125,8 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
 def scrape(http: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
     out = {}
-    for name in ("parley_engine_underruns_total", "parley_engine_dropped_events_total",
+    for name in ("parley_frame_delay_seconds_sum", "parley_frame_delay_seconds_count",
+                 "parley_engine_underruns_total", "parley_engine_dropped_events_total",
                  "parley_engine_late_ticks_total", "parley_engine_skipped_ticks_total", "process_cpu_seconds_total"):
         m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else float("nan")
@@ -161,17 +189,19 @@ async def run_load(url: str, clients: int, duration: float) -> dict:
     served = [r for r in results if not r.refused]
     jitter, delay, lost, sent = [], [], 0, 0
     for r in served:
-        gaps = np.diff(r.arrivals)
-        jitter.extend(np.abs(gaps - FRAME_S))
-        k = min(len(r.sent_at), len(r.arrivals))
-        delay.extend(np.array(r.arrivals[:k]) - np.array(r.sent_at[:k]))
-        lost += max(0, len(r.sent_at) - len(r.arrivals))
+        # Only the streaming window: output frames that arrived once this client started sending.
+        arrivals = [a for a in r.arrivals if r.sent_at and a >= r.sent_at[0]]
+        jitter.extend(np.abs(np.diff(arrivals) - FRAME_S))
+        delay.extend(r.switch_delays())
+        lost += max(0, len(r.sent_at) - len(arrivals))
         sent += len(r.sent_at)
     d = {k: after[k] - before[k] for k in after}
     cpu = d["process_cpu_seconds_total"] / (t_after - t_before)
     return {"clients": clients, "served": len(served), "refused": len(results) - len(served),
             "frames_sent": sent, "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
-            "e2e_p50_ms": pct(delay, 50), "e2e_p99_ms": pct(delay, 99),
+            "e2e_p50_ms": pct(delay, 50), "e2e_p99_ms": pct(delay, 99), "e2e_probes": len(delay),
+            "server_send_delay_mean_ms": 1000 * d["parley_frame_delay_seconds_sum"]
+            / max(1.0, d["parley_frame_delay_seconds_count"]),
             "underruns": d["parley_engine_underruns_total"], "frames_lost": lost,
             "engine_dropped": d["parley_engine_dropped_events_total"],
             "late_ticks": d["parley_engine_late_ticks_total"], "skipped_ticks": d["parley_engine_skipped_ticks_total"],
