@@ -177,7 +177,7 @@ def pct(values, q) -> float:
     return float(np.percentile(values, q)) * 1000 if len(values) else float("nan")
 
 
-async def run_load(url: str, clients: int, duration: float) -> dict:
+async def run_load(url: str, clients: int, duration: float, echo: bool) -> dict:
     http = url.replace("ws://", "http://").replace("wss://", "https://")
     gate = asyncio.Event()
     tasks = [asyncio.create_task(client(url, i, duration, gate)) for i in range(clients)]
@@ -192,7 +192,8 @@ async def run_load(url: str, clients: int, duration: float) -> dict:
         # Only the streaming window: output frames that arrived once this client started sending.
         arrivals = [a for a in r.arrivals if r.sent_at and a >= r.sent_at[0]]
         jitter.extend(np.abs(np.diff(arrivals) - FRAME_S))
-        delay.extend(r.switch_delays())
+        if echo:  # the probe reads the echo's text; another model's text says nothing of delay
+            delay.extend(r.switch_delays())
         lost += max(0, len(r.sent_at) - len(arrivals))
         sent += len(r.sent_at)
     d = {k: after[k] - before[k] for k in after}
@@ -216,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--duration", type=float, default=20.0, help="seconds of audio each client streams")
     p.add_argument("--device", default="cpu", help="with --spawn: the server's device")
+    p.add_argument("--echo", action="store_true",
+                   help="the server at --url runs the echo checkpoint: measure end-to-end delay by content")
     args = p.parse_args(argv)
     if args.spawn:
         with spawned_server(args.spawn, args.clients, args.device) as url:
-            report = asyncio.run(run_load(url, args.clients, args.duration))
+            report = asyncio.run(run_load(url, args.clients, args.duration, echo=args.spawn == "echo" or args.echo))
     else:
-        report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration))
+        report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration, echo=args.echo))
     width = max(map(len, report))
     for key, value in report.items():
         print(f"{key:<{width}}  {value:.2f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
