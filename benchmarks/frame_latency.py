@@ -133,11 +133,12 @@ def place_rows(backend: ModelBackend, window: str, context: int) -> None:
 
 
 @torch.no_grad()
-def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows) -> dict:
+def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows,
+                 kv_dtype: torch.dtype | None = None) -> dict:
     ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg,
                       voices_dir=None, gen_defaults={}, model_type="moshi", path=Path("."))
     torch.cuda.reset_peak_memory_stats()
-    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0)
+    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
     live = torch.ones(batch, dtype=torch.bool)
     results = {}
@@ -158,18 +159,22 @@ def main() -> None:
     parser.add_argument("--windows", default=",".join(WINDOWS), help="subset of empty,spread,full")
     parser.add_argument("--no-reference", action="store_true", help="time Parley only")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="Parley's LM KV cache dtype (fp8: float8_e4m3fn with per-vector scales)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("frame_latency needs a CUDA GPU")
     windows = [w for w in args.windows.split(",") if w]
     batches = [int(b) for b in args.batches.split(",")]
     ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16")
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16"
+          f"  Parley KV cache: {args.kv_dtype}")
     rows = []
     for batch in batches:
         row = {"B": batch}
         try:
-            row["parley"] = bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch, args.frames, args.warmup, windows)
+            row["parley"] = bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch, args.frames, args.warmup, windows,
+                                         torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
         except torch.cuda.OutOfMemoryError:
             row["parley"] = "OOM"
         torch.cuda.empty_cache()

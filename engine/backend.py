@@ -106,7 +106,8 @@ class ModelBackend:
     """
 
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+        # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
         self.max_sessions = max_sessions
         self.checkpoint = checkpoint
         self.cfg = checkpoint.lm_config
@@ -122,7 +123,7 @@ class ModelBackend:
             self._prefill_generator.manual_seed(seed + 1)
         self._gen = LMGen(checkpoint.lm, text_temp=gen.get("temp_text", 0.7), text_topk=gen.get("top_k_text", 25),
                           audio_temp=gen.get("temp", 0.8), audio_topk=gen.get("top_k", 250))
-        self._lm_state = self._gen.init_state(max_sessions)
+        self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         self._voices: dict[str, VoicePrompt] = {}
         self._pinned = self.device.type == "cuda"

@@ -54,13 +54,13 @@ def _pow2(n: int) -> int:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, OUT, M_TMP, L_TMP, ACC_TMP,
+    def _attn_split_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, OUT, M_TMP, L_TMP, ACC_TMP,
                            H, S, context, qk_scale,
                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
-                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ssp_b, so_b, so_h,
+                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h,
                            D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                           IEEE: tl.constexpr, STAGES: tl.constexpr):
+                           IEEE: tl.constexpr, STAGES: tl.constexpr, KV_FP8: tl.constexpr):
         # The one query row is repeated over M = 16 rows so that both products run as tensor-core
         # dots (whose operand loads Triton pipelines); only row 0 is stored.
         M: tl.constexpr = 16
@@ -78,6 +78,9 @@ if _HAVE_TRITON:
         k_base = K + b * sk_b + h * sk_h
         v_base = V + b * sv_b + h * sv_h
         sp_base = SP + b * ssp_b
+        # fp8 caches: one fp32 scale per (row, head, slot) for keys and for values (same strides).
+        ks_base = KS + b * sks_b + h * sks_h
+        vs_base = VS + b * sks_b + h * sks_h
         start = split * SPLIT
         end = tl.minimum(start + SPLIT, n_valid)
         acc = tl.zeros([M, D], dtype=tl.float32)
@@ -89,6 +92,11 @@ if _HAVE_TRITON:
             k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
+            if KV_FP8:
+                k = k.to(tl.float32).to(q.dtype)
+                v = v.to(tl.float32).to(q.dtype)
+                k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
+                v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
             if HAS_CONTEXT:
                 valid = valid & (qpos - sp < context)
@@ -96,12 +104,16 @@ if _HAVE_TRITON:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if KV_FP8:
+                s = s * k_sc[None, :]
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif KV_FP8:
+                acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(v.dtype), v)
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -151,9 +163,10 @@ if _HAVE_TRITON:
         tl.store(OUT + b * so_b + h * so_h + d, (num / denom).to(OUT.dtype.element_ty))
 
     @triton.jit
-    def _rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V,
-                           H, S, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                           D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr):
+    def _rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
+                           H, S, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h,
+                           D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr,
+                           KV_FP8: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H
@@ -186,13 +199,29 @@ if _HAVE_TRITON:
         tl.store(KO + o + 2 * i, kr)
         tl.store(KO + o + 2 * i + 1, ki)
         kc = K + b * sk_b + h * sk_h + slot * sk_s
-        tl.store(kc + 2 * i, kr, mask=write)
-        tl.store(kc + 2 * i + 1, ki, mask=write)
         vr = tl.load(base + 2 * HD + 2 * i)
         vi = tl.load(base + 2 * HD + 2 * i + 1)
         vc = V + b * sv_b + h * sv_h + slot * sv_s
-        tl.store(vc + 2 * i, vr, mask=write)
-        tl.store(vc + 2 * i + 1, vi, mask=write)
+        if KV_FP8:
+            # Per (row, head, slot) scale: the vector's max |x| maps to e4m3's largest value 448.
+            cache_ty = K.dtype.element_ty
+            k_sc = tl.maximum(tl.maximum(tl.max(tl.abs(kr.to(tl.float32)), axis=0),
+                                         tl.max(tl.abs(ki.to(tl.float32)), axis=0)) / 448.0, 1e-30)
+            v_sc = tl.maximum(tl.maximum(tl.max(tl.abs(vr.to(tl.float32)), axis=0),
+                                         tl.max(tl.abs(vi.to(tl.float32)), axis=0)) / 448.0, 1e-30)
+            tl.store(kc + 2 * i, tl.clamp(kr.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            tl.store(kc + 2 * i + 1, tl.clamp(ki.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            tl.store(vc + 2 * i, tl.clamp(vr.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            tl.store(vc + 2 * i + 1, tl.clamp(vi.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            so = b * sks_b + h * sks_h + slot
+            row0 = i == 0
+            tl.store(KS + so + 0 * i, k_sc + 0.0 * i, mask=write & row0)
+            tl.store(VS + so + 0 * i, v_sc + 0.0 * i, mask=write & row0)
+        else:
+            tl.store(kc + 2 * i, kr, mask=write)
+            tl.store(kc + 2 * i + 1, ki, mask=write)
+            tl.store(vc + 2 * i, vr, mask=write)
+            tl.store(vc + 2 * i + 1, vi, mask=write)
 
     @triton.jit
     def _add_rms_norm_kernel(X, U, LS, ALPHA, RES, Y, N, eps, sx, su, sr, sy,
@@ -263,7 +292,9 @@ if _HAVE_TRITON:
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, slot_pos: torch.Tensor, pos: torch.Tensor,
-                     context: int | None) -> torch.Tensor:
+                     context: int | None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n]."""
     B, H, D = q.shape
     S = cache_k.shape[2]
     assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
@@ -277,30 +308,36 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     split = block_n * blocks
     num_splits = triton.cdiv(S, split)
     ieee = cache_k.dtype == torch.float32
+    fp8 = k_scale is not None
+    if fp8:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
+        scales = (k_scale, v_scale, k_scale.stride(0), k_scale.stride(1))
+    else:
+        scales = (q, q, 0, 0)
     qk_scale = (D ** -0.5) * 1.4426950408889634
     common = (q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
     ctx = int(context) if context is not None else 0
     if num_splits == 1:
         _attn_split_kernel[(B * H, 1)](
-            q, k_new, v_new, cache_k, cache_v, slot_pos, pos, out, out, out, out,
+            q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, out, out, out, out,
             H, S, ctx, qk_scale, *common,
             cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-            cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), slot_pos.stride(0),
+            cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
             out.stride(0), out.stride(1),
             D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=1, HAS_CONTEXT=context is not None, FINAL=True,
-            IEEE=ieee, STAGES=1, num_warps=4)
+            IEEE=ieee, STAGES=1, KV_FP8=fp8, num_warps=4)
         return out
     m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
     l_tmp = torch.empty_like(m_tmp)
     acc_tmp = torch.empty(B * H * num_splits * D, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(B * H, num_splits)](
-        q, k_new, v_new, cache_k, cache_v, slot_pos, pos, out, m_tmp, l_tmp, acc_tmp,
+        q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, out, m_tmp, l_tmp, acc_tmp,
         H, S, ctx, qk_scale, *common,
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), slot_pos.stride(0),
+        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
         out.stride(0), out.stride(1),
         D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None, FINAL=False,
-        IEEE=ieee, STAGES=stages, num_warps=warps)
+        IEEE=ieee, STAGES=stages, KV_FP8=fp8, num_warps=warps)
     _attn_reduce_kernel[(B * H,)](
         q, k_new, v_new, out, m_tmp, l_tmp, acc_tmp, H, qk_scale, *common, out.stride(0), out.stride(1),
         D=D, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
@@ -309,9 +346,11 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 
 def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
                pos: torch.Tensor, exec_mask: torch.Tensor | None, cache_k: torch.Tensor,
-               cache_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               cache_v: torch.Tensor, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [B, 3*H*D] -> q, k (rotated, [B, H, D]), v (a view); k, v written to slot pos % S of
-    executing rows' caches."""
+    executing rows' caches (fp8 caches: quantized with a per-(row, head, slot) scale, written to
+    `k_scale` / `v_scale` [B, H, S]; see `quantize_kv`)."""
     B = qkv.shape[0]
     S = cache_k.shape[2]
     assert qkv.stride(1) == 1 and cache_k.stride(3) == 1 and cache_v.stride(3) == 1
@@ -319,11 +358,16 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
     k_out = torch.empty_like(q_out)
     cos, sin = cos_sin if cos_sin is not None else (qkv, qkv)
     ex = exec_mask.view(torch.uint8) if exec_mask is not None else qkv
+    fp8 = k_scale is not None
+    if fp8:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
+    ks, vs = (k_scale, v_scale) if fp8 else (qkv, qkv)
     _rope_write_kernel[(B * H,)](
-        qkv, cos, sin, pos, ex, q_out, k_out, cache_k, cache_v, H, S, qkv.stride(0),
+        qkv, cos, sin, pos, ex, q_out, k_out, cache_k, cache_v, ks, vs, H, S, qkv.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
-        D=D, HAS_ROPE=cos_sin is not None, HAS_EXEC=exec_mask is not None, num_warps=1)
+        k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
+        D=D, HAS_ROPE=cos_sin is not None, HAS_EXEC=exec_mask is not None, KV_FP8=fp8, num_warps=1)
     v = qkv[:, 2 * H * D:].view(B, H, D)
     return q_out, k_out, v
 

@@ -95,7 +95,8 @@ class LMGen:
     # -- state ----------------------------------------------------------------------------------
 
     def init_state(self, batch_size: int, device: torch.device | None = None,
-                   dtype: torch.dtype | None = None) -> LMGenState:
+                   dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> LMGenState:
+        """`kv_dtype` (e.g. torch.float8_e4m3fn) sets the temporal KV ring's dtype; default `dtype`."""
         param = next(self.model.parameters())
         device = param.device if device is None else device
         dtype = param.dtype if dtype is None else dtype
@@ -105,7 +106,7 @@ class LMGen:
             return torch.full((batch_size,), value, dtype=kind, device=device)
 
         return LMGenState(
-            transformer=self.model.transformer.init_state(batch_size, device, dtype),
+            transformer=self.model.transformer.init_state(batch_size, device, dtype, kv_dtype),
             depformer=self.model.depformer.init_state(batch_size, device, dtype),
             ring=torch.full((batch_size, self.cfg.num_codebooks, self.ring_size), UNGENERATED_TOKEN,
                             dtype=torch.long, device=device),

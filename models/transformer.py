@@ -145,6 +145,16 @@ class TransformerState:
     slot_pos: torch.Tensor  # [B, capacity] long: position held by each ring slot, -1 when empty
     keys: list[torch.Tensor]  # per layer [B, H, capacity, head_dim]
     values: list[torch.Tensor]  # per layer [B, H, capacity, head_dim]
+    # fp8 caches only (`kv_dtype=torch.float8_e4m3fn`): per layer [B, H, capacity] fp32 scales;
+    # slot n of a head holds keys[..., n, :] * key_scales[..., n] (see `quantize_kv`).
+    key_scales: list[torch.Tensor] | None = None
+    value_scales: list[torch.Tensor] | None = None
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """(keys, values) of a layer, plus (key_scales, value_scales) for fp8 caches."""
+        if self.key_scales is None:
+            return self.keys[layer], self.values[layer]
+        return self.keys[layer], self.values[layer], self.key_scales[layer], self.value_scales[layer]
 
     @property
     def batch_size(self) -> int:
@@ -163,8 +173,26 @@ class TransformerState:
     def row(self, index: int) -> "TransformerState":
         """A batch-of-one view of row `index`; in-place updates through it land in this state."""
         sl = slice(index, index + 1)
+        scales = {}
+        if self.key_scales is not None:
+            scales = dict(key_scales=[s[sl] for s in self.key_scales], value_scales=[s[sl] for s in self.value_scales])
         return TransformerState(self.pos[sl], self.slot_pos[sl],
-                                [k[sl] for k in self.keys], [v[sl] for v in self.values])
+                                [k[sl] for k in self.keys], [v[sl] for v in self.values], **scales)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8_e4m3fn [..., D], fp32 scale [...]): one scale per vector, its max |x|
+    mapped to 448. The fused kernel (attention.rope_write) computes the same."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-30)
+    return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x8.float() * scale[..., None]).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +226,8 @@ class StreamingAttention(nn.Module):
 
         if kv is None:  # stateless: attend over this call's keys only
             out = F.scaled_dot_product_attention(q, k, v, attn_mask)
+        elif len(kv) == 4:  # fp8 ring: attend over a dequantized copy, then commit the quantized keys
+            out = self._attend_fp8(q, k, v, kv, slots, attn_mask, exec_mask)
         else:
             cache_k, cache_v = kv
             index = slots[:, None, :, None].expand(B, H, T, D)
@@ -205,7 +235,7 @@ class StreamingAttention(nn.Module):
                 old_k, old_v = cache_k.gather(2, index), cache_v.gather(2, index)
             cache_k.scatter_(2, index, k)
             cache_v.scatter_(2, index, v)
-            out = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask)
+            out = _attention(q, cache_k, cache_v, attn_mask)
             if exec_mask is not None:
                 # Rows that do not execute get their overwritten slots back: their state is untouched,
                 # yet they attended over a valid (written) key, so their outputs stay finite.
@@ -214,6 +244,40 @@ class StreamingAttention(nn.Module):
                 cache_v.scatter_(2, index, torch.where(keep, v, old_v))
         out = out.transpose(1, 2).reshape(B, T, self.dim)
         return F.linear(out, w_out)
+
+    @staticmethod
+    def _attend_fp8(q, k, v, kv, slots, attn_mask, exec_mask) -> torch.Tensor:
+        cache_k, cache_v, k_scale, v_scale = kv
+        B, H, T, D = k.shape
+        index = slots[:, None, :, None].expand(B, H, T, D)
+        full_k = dequantize_kv(cache_k, k_scale, q.dtype).scatter_(2, index, k)
+        full_v = dequantize_kv(cache_v, v_scale, q.dtype).scatter_(2, index, v)
+        out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask)
+        sindex = slots[:, None, :].expand(B, H, T)
+        for cache, scale, new in ((cache_k, k_scale, k), (cache_v, v_scale, v)):
+            new8, new_scale = quantize_kv(new)
+            raw = cache.view(torch.uint8)  # index ops on the raw bytes (fp8 lacks some kernels)
+            new8 = new8.view(torch.uint8)
+            if exec_mask is not None:
+                keep = exec_mask[:, None, None]
+                new8 = torch.where(keep[..., None], new8, raw.gather(2, index))
+                new_scale = torch.where(keep, new_scale, scale.gather(2, sindex))
+            raw.scatter_(2, index, new8)
+            scale.scatter_(2, sindex, new_scale)
+        return out
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA over a ring. On CUDA, a few queries (Mimi's T = 2 steps) take plain batched matmuls:
+    PyTorch's fused SDPA kernels are ~100 us a call at that shape (B = 64, 250 slots, fp32); the
+    math is the same up to float rounding. CPU keeps SDPA (bit-exact with the reference)."""
+    from . import attention as fused
+
+    if not (fused.available(q) and q.shape[2] <= 4):
+        return F.scaled_dot_product_attention(q, k, v, mask)
+    scores = torch.matmul(q * (q.shape[-1] ** -0.5), k.transpose(-1, -2))
+    scores = scores.masked_fill(~mask, float("-inf"))  # every query sees its own key: no empty row
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 class StreamingTransformerLayer(nn.Module):
@@ -293,18 +357,28 @@ class StreamingTransformer(nn.Module):
         ])
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None,
-                   dtype: torch.dtype | None = None) -> TransformerState:
+                   dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> TransformerState:
+        """`dtype`: the activations' dtype (default: the weights'). `kv_dtype`: the KV ring's, default
+        `dtype`; `torch.float8_e4m3fn` stores keys and values in fp8 with per-(row, head, slot) scales."""
         if self.capacity is None:
             raise ValueError("a streaming state needs a context or capacity")
         param = self.layers[0].self_attn.in_proj_weight
         device = param.device if device is None else device
         dtype = param.dtype if dtype is None else dtype
         shape = (batch_size, self.num_heads, self.capacity, self.d_model // self.num_heads)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        scales = {}
+        if kv_dtype == torch.float8_e4m3fn:
+            scales = dict(key_scales=[torch.zeros(shape[:3], device=device) for _ in self.layers],
+                          value_scales=[torch.zeros(shape[:3], device=device) for _ in self.layers])
+        elif kv_dtype != dtype:
+            raise ValueError(f"kv_dtype {kv_dtype}: only the model dtype or torch.float8_e4m3fn")
         return TransformerState(
             pos=torch.zeros(batch_size, device=device, dtype=torch.long),
             slot_pos=torch.full((batch_size, self.capacity), -1, device=device, dtype=torch.long),
-            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
-            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers],
+            keys=[torch.zeros(shape, device=device, dtype=kv_dtype) for _ in self.layers],
+            values=[torch.zeros(shape, device=device, dtype=kv_dtype) for _ in self.layers],
+            **scales,
         )
 
     def _weight_index(self, step: int | None) -> int:
@@ -344,7 +418,7 @@ class StreamingTransformer(nn.Module):
         mask = self._mask(new_slot_pos, positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, weight_index, positions=positions, rope_max_period=self.rope_max_period,
-                      kv=(state.keys[i], state.values[i]), slots=slots, attn_mask=mask, exec_mask=exec_mask)
+                      kv=state.kv(i), slots=slots, attn_mask=mask, exec_mask=exec_mask)
         if exec_mask is None:
             state.slot_pos.copy_(new_slot_pos)
             state.pos.add_(T)
@@ -398,9 +472,12 @@ class StreamingTransformer(nn.Module):
             w_in = attn.in_proj_weight[weight_index * 3 * dim:(weight_index + 1) * 3 * dim]
             w_out = attn.out_proj.weight[weight_index * dim:(weight_index + 1) * dim]
             qkv = F.linear(normed, w_in)
-            q, k, v = fused.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i])
+            scales = ((state.key_scales[i], state.value_scales[i]) if state.key_scales is not None
+                      else (None, None))
+            q, k, v = fused.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
+                                       *scales)
             out = fused.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                         self.context)
+                                         self.context, *scales)
             update = F.linear(out.view(B, dim), w_out)
             res, normed = fused.add_rms_norm(res, update, layer.layer_scale_1, layer.norm2)
             pending = _ffn_fused(layer, normed, weight_index)

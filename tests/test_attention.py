@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from models import attention as fa
-from models.transformer import LayerScale, RMSNorm, StreamingTransformer, apply_rope
+from models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv,
+                                quantize_kv)
 
 pytestmark = pytest.mark.gpu
 
@@ -136,3 +137,74 @@ def test_transformer_fused_step_matches_general_path():
     assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
     torch.testing.assert_close(s_f.keys[2].float(), s_g.keys[2].float(), atol=5e-2, rtol=5e-2)
     assert torch.equal(s_f.keys[0][1], s_g.keys[0][1])  # the idle row's ring is untouched
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("B,H,S,D,context", [(1, 32, 3000, 128, 3000), (7, 4, 3000, 128, 3000),
+                                             (6, 2, 500, 64, 300)])
+def test_decode_attention_fp8_matches_sdpa(B, H, S, D, context):
+    """fp8 ring + per-slot scales: equal (bf16 tolerance) to SDPA over the dequantized ring."""
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(0)
+    dt = torch.bfloat16
+    ck8, ks = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g) * 3)
+    cv8, vs = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g) * 0.1)
+    pos = torch.randint(0, 3 * S, (B,), device="cuda", generator=g)
+    pos[0] = 0
+    if B > 1:
+        pos[1] = min(S - 1, 5)
+    sp = _ring_slot_pos(pos, S)
+    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    out = fa.decode_attention(q, kn, vn, ck8, cv8, sp, pos, context, ks, vs)
+    ref = _sdpa_reference(q, kn, vn, dequantize_kv(ck8, ks, dt), dequantize_kv(cv8, vs, dt), sp, pos, context)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_rope_write_fp8_matches_quantize_kv():
+    _need_cuda()
+    B, H, D, S = 3, 4, 64, 10
+    qkv = (torch.randn(B, 3 * H * D, device="cuda") * 5).to(torch.bfloat16)
+    pos = torch.tensor([0, 7, 23], device="cuda")
+    ck, cv = torch.zeros(B, H, S, D, device="cuda", dtype=FP8), torch.zeros(B, H, S, D, device="cuda", dtype=FP8)
+    ks, vs = torch.zeros(B, H, S, device="cuda"), torch.zeros(B, H, S, device="cuda")
+    ex = torch.tensor([True, False, True], device="cuda")
+    q, k, v = fa.rope_write(qkv, H, D, None, pos, ex, ck, cv, ks, vs)
+    rows, slot = torch.arange(B, device="cuda"), pos % S
+    for cache, scale, src in ((ck, ks, k), (cv, vs, v)):
+        ref8, ref_scale = quantize_kv(src)
+        torch.testing.assert_close(scale[rows, :, slot][ex], ref_scale[ex], rtol=1e-6, atol=0)
+        got = dequantize_kv(cache[rows, :, slot], scale[rows, :, slot], torch.float32)
+        want = dequantize_kv(ref8, ref_scale, torch.float32)
+        torch.testing.assert_close(got[ex], want[ex], rtol=0.07, atol=1e-6)  # at most one fp8 step apart
+        assert not cache[1].view(torch.uint8).any() and not scale[1].any()  # idle row untouched
+
+
+def test_transformer_fused_step_fp8_matches_general_path():
+    _need_cuda()
+    torch.manual_seed(0)
+    tr = StreamingTransformer(256, 2, 3, 1024, context=40, norm="rms_norm_f32", gating="silu",
+                              layer_scale=0.1, device="cuda", dtype=torch.bfloat16)
+    B = 4
+    states = [tr.init_state(B, kv_dtype=FP8) for _ in range(2)]
+    exec_mask = torch.tensor([True, False, True, True], device="cuda")
+    with torch.no_grad():
+        warm = torch.randn(B, 45, 256, device="cuda", dtype=torch.bfloat16)
+        for st in states:
+            tr(warm[:, :30], st)
+        outs = []
+        for fused in (True, False):
+            fa.ENABLED = fused
+            try:
+                st = states[0] if fused else states[1]
+                ys = [tr(warm[:, 30 + t:31 + t], st, exec_mask) for t in range(15)]
+            finally:
+                fa.ENABLED = True
+            outs.append((torch.cat(ys, 1), st))
+    (y_f, s_f), (y_g, s_g) = outs
+    torch.testing.assert_close(y_f.float(), y_g.float(), atol=5e-2, rtol=5e-2)
+    assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
+    torch.testing.assert_close(dequantize_kv(s_f.keys[2], s_f.key_scales[2], torch.float32),
+                               dequantize_kv(s_g.keys[2], s_g.key_scales[2], torch.float32), atol=8e-2, rtol=8e-2)
+    assert torch.equal(s_f.keys[0][1].view(torch.uint8), s_g.keys[0][1].view(torch.uint8))

@@ -396,3 +396,37 @@ def test_cuda_streaming_matches_cpu_and_graph_capture(tiny_cfg: MimiConfig, tiny
     same = torch.cat([(codes[:2] == cpu_codes[:2]).flatten(), (codes[2, :, kept] == kept_codes[2]).flatten()])
     assert torch.equal(codes[:2, 0], cpu_codes[:2, 0]) and torch.equal(codes[2, 0, kept], kept_codes[2, 0])
     assert same.float().mean().item() >= 0.95
+
+
+@pytest.mark.gpu
+def test_gpu_fast_paths_match_plain_path():
+    """CUDA-only Mimi fast paths (matmul attention for the T = 2 steps, matmul transposed convs)
+    against the plain PyTorch ops on the same GPU, full-size Mimi with random codebooks."""
+    from models import attention as fa
+
+    if not torch.cuda.is_available() or not fa._HAVE_TRITON:
+        pytest.skip("needs a CUDA device and Triton")
+    torch.manual_seed(0)
+    mimi = Mimi(MimiConfig()).cuda().eval()
+    for module in mimi.modules():
+        if hasattr(module, "refresh_embedding"):
+            module.embedding_sum.normal_()
+            module.refresh_embedding()
+    batch, frames = 4, 6
+    pcm = torch.randn(batch, frames, FRAME_SAMPLES, device="cuda") * 0.1
+    codes = torch.randint(0, 2048, (batch, frames, mimi.num_codebooks), device="cuda")
+    run = torch.tensor([True, False, True, True], device="cuda")
+    results = []
+    for fast in (True, False):
+        fa.ENABLED = fast
+        try:
+            state = mimi.init_state(batch, "cuda")
+            enc = [mimi.encode_step(pcm[:, f], state, run) for f in range(frames)]
+            dec = [mimi.decode_step(codes[:, f], state, run) for f in range(frames)]
+        finally:
+            fa.ENABLED = True
+        results.append((torch.stack(enc, 1), torch.stack(dec, 1)))
+    (c_fast, a_fast), (c_plain, a_plain) = results
+    assert (c_fast == c_plain).float().mean().item() >= 0.95
+    scale = a_plain.abs().max().item()
+    assert (a_fast - a_plain).abs().max().item() <= 1e-3 * scale + 1e-6
