@@ -3,6 +3,8 @@ through Parley's loader, and step it: load time, peak host memory, GPU memory, f
 
 The loader must not materialise the weights twice: it reads one tensor at a time, so the
 peak host memory (VmHWM, reset before loading) stays far below one copy of the LM (15.4 GB).
+With `--kind personaplex` it also writes a voice prompt (`--voice-frames` frames, .pt form)
+and times a session's prefill (voice, silence, persona, silence) next to the others' frame.
 
     python benchmarks/load_7b.py --dir /tmp/moshi7b [--kind moshi|personaplex] [--batches 1,32]
 """
@@ -19,10 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backend import ModelBackend  # noqa: E402
+from engine.config import SessionOptions  # noqa: E402
 from models.checkpoint import load_checkpoint, lm_config_dict, write_checkpoint  # noqa: E402
 from models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
 from models.lm import LMModel  # noqa: E402
 from models.mimi.codec import Mimi  # noqa: E402
+from models.persona import VoicePrompt, save_voice_pt, voice_to_pt  # noqa: E402
 from models.tokenizer import train_tiny_tokenizer  # noqa: E402
 
 
@@ -37,15 +41,26 @@ def reset_host_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
+PERSONA = ("You are a wise and friendly teacher. Answer questions or provide advice in a clear "
+           "and engaging way.")  # PersonaPlex's example persona
+
+
 @torch.no_grad()
-def write_random_7b(directory: Path, kind: str) -> None:
+def write_random_7b(directory: Path, kind: str, voice_frames: int) -> None:
     cfg = LMConfig(dep_q=16 if kind == "personaplex" else 8)
     lm = LMModel(cfg, device="cuda", dtype=torch.bfloat16)  # default init, on the GPU: seconds
+    device = next(lm.parameters()).device
+    voices = {}
+    if kind == "personaplex":
+        codes = torch.randint(0, cfg.card, (voice_frames, cfg.n_agent))
+        voice = voice_to_pt(VoicePrompt(source="VOICE0", codes=codes), lambda t: lm.embed(t.to(device)).cpu(), cfg)
+        save_voice_pt(directory / ".VOICE0.pt", voice)
+        voices["VOICE0"] = directory / ".VOICE0.pt"
     state = {k: v.cpu() for k, v in lm.state_dict().items()}
     del lm
     tokenizer = train_tiny_tokenizer(directory / ".spm.model", 200)
     config = lm_config_dict(cfg) if kind == "personaplex" else None
-    write_checkpoint(directory, state, Mimi(MimiConfig()).state_dict(), tokenizer, config)
+    write_checkpoint(directory, state, Mimi(MimiConfig()).state_dict(), tokenizer, config, voices)
 
 
 @torch.no_grad()
@@ -55,11 +70,12 @@ def main() -> None:
     parser.add_argument("--kind", choices=("moshi", "personaplex"), default="moshi")
     parser.add_argument("--batches", default="1,32", help="batch sizes to step")
     parser.add_argument("--frames", type=int, default=30)
+    parser.add_argument("--voice-frames", type=int, default=100, help="personaplex: voice prompt length")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     if not (args.dir / "model.safetensors").exists():
         started = time.perf_counter()
-        write_random_7b(args.dir, args.kind)
+        write_random_7b(args.dir, args.kind, args.voice_frames)
         print(f"wrote {args.dir} in {time.perf_counter() - started:.1f} s "
               f"({(args.dir / 'model.safetensors').stat().st_size / 1e9:.1f} GB LM file)")
     reset_host_peak()
@@ -85,6 +101,20 @@ def main() -> None:
         times.sort()
         print(f"B={batch}: frame p50 {times[len(times) // 2]:.2f} ms, max {times[-1]:.2f} ms "
               f"(whole frame, CUDA graph, from a loaded checkpoint)")
+        if ckpt.model_type == "personaplex":
+            options = SessionOptions(persona=PERSONA, voice="VOICE0")
+            prefill = []
+            for _ in range(6):  # row 0 re-opened while the other rows stay live
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                backend.reset_rows(torch.arange(batch) == 0)
+                backend.prefill(0, options)
+                torch.cuda.synchronize()
+                prefill.append((time.perf_counter() - start) * 1000)
+                backend.step(pcm, live).to_host()
+            print(f"B={batch}: PersonaPlex prefill ({args.voice_frames}-frame voice + persona of "
+                  f"{len(ckpt.tokenizer.encode(PERSONA))} tokens): first {prefill[0]:.1f} ms, "
+                  f"then p50 {sorted(prefill[1:])[2]:.1f} ms, max {max(prefill[1:]):.1f} ms")
         backend.close()  # frees its states and graph; the loaded weights stay in `ckpt`
         torch.cuda.empty_cache()
 
