@@ -115,12 +115,8 @@ class ModelBackend:
         self._mimi = checkpoint.mimi
         self._tokenizer = checkpoint.tokenizer
         gen = checkpoint.gen_defaults
-        # The handoff step of a prefill samples for every row; it draws from its own generator
-        # so that opening a session never shifts the random stream the live rows sample from.
-        self._prefill_generator = torch.Generator(self.device)
         if seed is not None:
             torch.manual_seed(seed)
-            self._prefill_generator.manual_seed(seed + 1)
         self._gen = LMGen(checkpoint.lm, text_temp=gen.get("temp_text", 0.7), text_topk=gen.get("top_k_text", 25),
                           audio_temp=gen.get("temp", 0.8), audio_topk=gen.get("top_k", 250))
         self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
@@ -129,11 +125,20 @@ class ModelBackend:
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
         self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
+        # A prefilled row's last prompt frame (the "handoff") runs inside the next regular tick:
+        # its tokens are forced and its user codes replaced by the prompt's, so a prefill costs
+        # no extra step. -2 / False: nothing pending.
+        b = max_sessions
+        self._force_text = torch.full((b,), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
+        self._force_audio = torch.full((b, self.cfg.n_agent), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
+        self._prompt_user = torch.zeros(b, self.cfg.n_user, dtype=torch.long, device=self.device)
+        self._prompt_mask = torch.zeros(b, dtype=torch.bool, device=self.device)
+        self._handoff_rows: set[int] = set()  # rows whose handoff frame is still to run
         self._graph: CUDAGraphRunner | None = None
         if cuda_graphs and self.device.type == "cuda":
             idle = torch.zeros(max_sessions, dtype=torch.bool, device=self.device)
             frames = torch.zeros(max_sessions, self._mimi.frame_size, device=self.device)
-            self._graph = CUDAGraphRunner(self._frame, (frames, idle))
+            self._graph = CUDAGraphRunner(self._frame, (frames, idle, *self._handoff_inputs()))
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -145,10 +150,16 @@ class ModelBackend:
 
     # ---- the frame ----
 
-    def _frame(self, frames: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _handoff_inputs(self) -> tuple[torch.Tensor, ...]:
+        return self._force_text, self._force_audio, self._prompt_user, self._prompt_mask
+
+    def _frame(self, frames: torch.Tensor, live: torch.Tensor, force_text: torch.Tensor, force_audio: torch.Tensor,
+               prompt_user: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Device-only work for one tick (captured as one graph on CUDA)."""
-        user_codes = self._mimi.encode_step(frames, self._mimi_state, live)
-        out = self._gen.step(self._lm_state, user_codes, live)
+        # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
+        user_codes = self._mimi.encode_step(frames, self._mimi_state, live & ~prompt_mask)
+        user_codes = torch.where(prompt_mask[:, None], prompt_user, user_codes)
+        out = self._gen.step(self._lm_state, user_codes, live, force_text, force_audio)
         # Decode only real frames: a row inside its delay holds "not generated" (-2) codes,
         # which would corrupt its decoder state (and index out of range).
         decode = live & out.valid
@@ -158,6 +169,7 @@ class ModelBackend:
 
     @torch.no_grad()
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
+        stepped = {row for row in self._handoff_rows if live_mask[row]}
         if self._pinned:  # staged through pinned memory so the upload is asynchronous
             self._frames_host.copy_(frames)
             self._mask_host.copy_(live_mask)
@@ -165,7 +177,9 @@ class ModelBackend:
         frames = frames.to(self.device, non_blocking=True)
         live_mask = live_mask.to(self.device, non_blocking=True)
         run = self._graph if self._graph is not None else self._frame
-        pcm, text, valid, agent, user = run(frames, live_mask)
+        pcm, text, valid, agent, user = run(frames, live_mask, *self._handoff_inputs())
+        if stepped:  # their handoff frame is done
+            self._clear_handoff(self._rows_mask(stepped))
         return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user)
 
     # ---- per-row control (engine thread, between ticks) ----
@@ -174,6 +188,16 @@ class ModelBackend:
         mask = mask.to(self.device)
         self._gen.reset(self._lm_state, mask)  # also restores the default sampling
         self._mimi_state.reset(mask)
+        self._clear_handoff(mask)
+
+    def _clear_handoff(self, mask: torch.Tensor) -> None:
+        """Drop the pending handoff of the masked rows (stepped, or closed before their tick)."""
+        if self._handoff_rows:
+            host = mask.cpu()
+            self._handoff_rows = {row for row in self._handoff_rows if not host[row]}
+        self._force_text.masked_fill_(mask, UNGENERATED_TOKEN)
+        self._force_audio.masked_fill_(mask[:, None], UNGENERATED_TOKEN)
+        self._prompt_mask.masked_fill_(mask, False)
 
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
         self._lm_state.set_sampling(self._row_mask(row), text_temp=sampling.text_temperature,
@@ -183,7 +207,7 @@ class ModelBackend:
     @torch.no_grad()
     def prefill(self, row: int, options: SessionOptions) -> None:
         """PersonaPlex: voice + silence + persona + silence in one batched pass over the
-        prompt (not one tick per frame), then the single handoff step. Moshi: nothing."""
+        prompt (not one tick per frame); its last frame rides in the row's first tick. Moshi: nothing."""
         if self.checkpoint.model_type != "personaplex":
             if options.voice or options.persona:
                 raise SessionRejected("this model is Moshi, which takes no voice or persona; leave them out.")
@@ -201,19 +225,13 @@ class ModelBackend:
         if plan.embeddings is not None:
             x = torch.cat([plan.embeddings.to(self.device, dtype), x])
         self._gen.prefill(self._lm_state, row, x, ring_tokens=plan.ring_tokens)
-        # The handoff step: the prompt's last frame, stepped for this row only.
-        b, n_agent = self.max_sessions, self.cfg.n_agent
-        user = torch.zeros(b, self.cfg.n_user, dtype=torch.long, device=self.device)
-        user[row] = plan.first_step_user.to(self.device)
-        force_text = torch.full((b,), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
-        force_text[row] = plan.first_step_force_text
-        force_audio = torch.full((b, n_agent), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
-        force_audio[row] = plan.first_step_force_audio.to(self.device)
-        shared, self._gen.generator = self._gen.generator, self._prefill_generator
-        try:
-            self._gen.step(self._lm_state, user, self._row_mask(row), force_text, force_audio)
-        finally:
-            self._gen.generator = shared
+        # The prompt's last frame runs in the row's first tick (see _frame); it outputs the
+        # last silence frame, which PersonaPlex too sends first after the handshake.
+        self._force_text[row] = plan.first_step_force_text
+        self._force_audio[row] = plan.first_step_force_audio.to(self.device)
+        self._prompt_user[row] = plan.first_step_user.to(self.device)
+        self._prompt_mask[row] = True
+        self._handoff_rows.add(row)
 
     def _voice(self, name: str) -> VoicePrompt:
         if name not in self._voices:  # voices are small and reused: load each once
@@ -230,9 +248,12 @@ class ModelBackend:
         return codes[0].T.cpu()
 
     def _row_mask(self, row: int) -> torch.Tensor:
-        mask = torch.zeros(self.max_sessions, dtype=torch.bool, device=self.device)
-        mask[row] = True
-        return mask
+        return self._rows_mask({row})
+
+    def _rows_mask(self, rows: set[int]) -> torch.Tensor:
+        mask = torch.zeros(self.max_sessions, dtype=torch.bool)
+        mask[list(rows)] = True
+        return mask.to(self.device)
 
     def text_piece(self, token: int) -> str:
         return self._tokenizer.piece(token)

@@ -15,6 +15,7 @@ import torch
 from engine import Engine, EngineConfig, FrameOut, SamplingOptions, SessionOptions, SessionRejected
 from engine.backend import BackendOutput, ModelBackend
 from models.config import FRAME_SAMPLES
+from models.persona import SILENCE_TOKENS
 from models.synthetic import ECHO_FIRST_FRAME
 
 N = FRAME_SAMPLES
@@ -220,3 +221,34 @@ def test_cuda_graph_frame_equals_eager_greedy(tiny_moshi_dir):
         np.testing.assert_array_equal(t0, t1)
         np.testing.assert_array_equal(v0, v1)
         np.testing.assert_allclose(p0, p1, atol=1e-5)
+
+
+def test_personaplex_handoff_rides_in_the_first_tick_and_disturbs_no_one(tiny_personaplex_dir):
+    """A prefill costs no extra step: the prompt's last frame runs in the row's first tick
+    (PersonaPlex's last silence frame comes out first), and a row already talking gets
+    bit-identical outputs whether or not another row is prefilled beside it."""
+    voice = SessionOptions(persona="Hi there", voice="NATF0", sampling=SamplingOptions.greedy())
+    frames = torch.from_numpy(np.stack([speech_like(1, 12), speech_like(2, 12)])).float()
+
+    def run(open_row0_at: int | None):
+        backend = ModelBackend.load(tiny_personaplex_dir, 2, seed=0)
+        backend.set_sampling(1, SamplingOptions.greedy())
+        outs = []
+        for tick in range(12):
+            live = torch.tensor([open_row0_at is not None and tick >= open_row0_at, True])
+            if tick == open_row0_at:
+                backend.reset_rows(torch.tensor([True, False]))
+                backend.set_sampling(0, voice.sampling)
+                backend.prefill(0, voice)
+            batch = torch.stack([frames[0, tick * N:(tick + 1) * N], frames[1, tick * N:(tick + 1) * N]])
+            out = backend.step(batch, live)
+            outs.append((out.agent_codes.cpu().clone(), out.to_host()))
+        return outs
+
+    alone, beside = run(None), run(5)
+    for (codes_a, host_a), (codes_b, host_b) in zip(alone, beside):
+        assert torch.equal(codes_a[1], codes_b[1])
+        assert np.array_equal(host_a.pcm[1], host_b.pcm[1]) and host_a.text_tokens[1] == host_b.text_tokens[1]
+    first_codes, first_host = beside[5]
+    assert first_host.valid[0]  # the prompt filled the delay: the first tick already has a frame
+    assert first_codes[0, 1:].tolist() == list(SILENCE_TOKENS[1:])  # the handoff's forced acoustic codes
