@@ -140,7 +140,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def spawned_server(model: str, clients: int, device: str):
+def spawned_server(model: str, clients: int, device: str, extra: list[str]):
     with tempfile.TemporaryDirectory() as tmp:
         if model in ("tiny", "echo"):
             from models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
@@ -149,7 +149,8 @@ def spawned_server(model: str, clients: int, device: str):
         port = free_port()
         log = open(Path(tmp) / "serve.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "realtime.cli", "serve", "--model", model, "--port", str(port),
-                                 "--max-sessions", str(clients), "--device", device, "--log-level", "warning"],
+                                 "--max-sessions", str(clients), "--device", device, "--log-level", "warning",
+                                 *extra],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
@@ -217,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--duration", type=float, default=20.0, help="seconds of audio each client streams")
     p.add_argument("--device", default="cpu", help="with --spawn: the server's device")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="with --spawn: an extra `parley serve` argument (repeat), e.g. --serve-arg=--kv-dtype=fp8")
     p.add_argument("--echo", action="store_true",
                    help="the server at --url runs the echo checkpoint: measure end-to-end delay by content")
     args = p.parse_args(argv)
     if args.spawn:
-        with spawned_server(args.spawn, args.clients, args.device) as url:
+        with spawned_server(args.spawn, args.clients, args.device, args.serve_arg) as url:
             report = asyncio.run(run_load(url, args.clients, args.duration, echo=args.spawn == "echo" or args.echo))
     else:
         report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration, echo=args.echo))

@@ -39,6 +39,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--kv-dtype", choices=("fp8",), default=None,
+                   help="store the temporal KV cache in float8 (e4m3, per-vector scales): half the memory, "
+                        "so about twice the sessions per GPU; small drift in the logits (docs/benchmarks.md). "
+                        "Default: the weight dtype")
     p.add_argument("--persona", default="",
                    help="default persona / system prompt (PersonaPlex); clients override it with "
                         "text_prompt (/api/chat) or instructions (/v1/realtime)")
@@ -86,7 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
         return 2
     config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
-                         device=args.device, dtype=args.dtype, defaults=defaults,
+                         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None}, api_key=args.api_key,
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads)

@@ -52,6 +52,7 @@ class ServeConfig:
     max_sessions: int = 8
     device: str = "cpu"
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    kv_dtype: str | None = None  # temporal KV cache: None = the weights' dtype, "fp8" = float8 e4m3
     defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
     sampling: dict = dataclasses.field(default_factory=dict)  # SamplingOptions fields set by flags
     api_key: str | None = None
@@ -114,7 +115,8 @@ def build_app(config: ServeConfig):
     if not prompts and (config.defaults.persona or config.defaults.voice):
         raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
-    backend = ModelBackend(checkpoint, config.max_sessions)
+    kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
+    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
     engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
     voices = voice_names(checkpoint)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
