@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_main(args.serve_port, args.sessions, args.codec_workers)
         return 0
 
-    from load import free_port, run_load
+    from load import free_port, run_load, stop_server
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve-port", str(port), "--sessions", str(args.sessions),
@@ -150,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
         before, after, report, wall = asyncio.run(run())
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     served = max(1, report["served"])
     print(f"sessions {args.sessions}  codec_workers {args.codec_workers}  wall {wall:.1f} s  served {served}")
     for role in before:

@@ -139,6 +139,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (a graceful drain), then kill if it does not exit within 30 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @contextlib.contextmanager
 def spawned_server(model: str, clients: int, device: str, extra: list[str]):
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,11 +175,7 @@ def spawned_server(model: str, clients: int, device: str, extra: list[str]):
                     time.sleep(0.3)
             yield f"ws://127.0.0.1:{port}"
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
             log.close()
 
 
@@ -178,7 +183,7 @@ def pct(values, q) -> float:
     return float(np.percentile(values, q)) * 1000 if len(values) else float("nan")
 
 
-async def run_load(url: str, clients: int, duration: float, echo: bool) -> dict:
+async def run_load(url: str, clients: int, duration: float, echo: bool = False) -> dict:
     http = url.replace("ws://", "http://").replace("wss://", "https://")
     gate = asyncio.Event()
     tasks = [asyncio.create_task(client(url, i, duration, gate)) for i in range(clients)]

@@ -53,7 +53,8 @@ def write_random_7b(directory: Path, kind: str, voice_frames: int) -> None:
     voices = {}
     if kind == "personaplex":
         codes = torch.randint(0, cfg.card, (voice_frames, cfg.n_agent))
-        voice = voice_to_pt(VoicePrompt(source="VOICE0", codes=codes), lambda t: lm.embed(t.to(device)).cpu(), cfg)
+        embed = lm.embed
+        voice = voice_to_pt(VoicePrompt(source="VOICE0", codes=codes), lambda t: embed(t.to(device)).cpu(), cfg)
         save_voice_pt(directory / ".VOICE0.pt", voice)
         voices["VOICE0"] = directory / ".VOICE0.pt"
     state = {k: v.cpu() for k, v in lm.state_dict().items()}

@@ -121,15 +121,19 @@ def _config_json(cfg: LMConfig) -> dict:
     return {**lm_config_dict(cfg), "lm_gen_config": dict(GEN_DEFAULTS)}
 
 
-def write_tiny_checkpoint(directory: str | Path, kind: str = "moshi", seed: int = 0,
-                          dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`."""
+def _tiny_layout(directory: str | Path, kind: str) -> tuple[Path, LMConfig, MimiConfig]:
+    """The directory (created) and the tiny shapes of a `kind` checkpoint."""
     if kind not in ("moshi", "personaplex"):
         raise ValueError(f"kind must be 'moshi' or 'personaplex', got {kind!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_lm_config(dep_q=16 if kind == "personaplex" else 8)
-    mimi_cfg = tiny_mimi_config()
+    return directory, tiny_lm_config(dep_q=16 if kind == "personaplex" else 8), tiny_mimi_config()
+
+
+def write_tiny_checkpoint(directory: str | Path, kind: str = "moshi", seed: int = 0,
+                          dtype: torch.dtype = torch.float32) -> Path:
+    """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`."""
+    directory, cfg, mimi_cfg = _tiny_layout(directory, kind)
     lm = _random_lm(cfg, seed)
     tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
     voices = _write_voices(directory, lm, seed) if kind == "personaplex" else {}
@@ -218,12 +222,7 @@ def write_echo_checkpoint(directory: str | Path, kind: str = "moshi", seed: int 
     """The echo checkpoint (tiny shapes, fp32 LM). `kind='personaplex'` gives dep_q 16 (steps
     8..15 echo the user codebooks too) and a voices.tgz; the echo holds after any prompt, since
     no layer looks at past frames."""
-    if kind not in ("moshi", "personaplex"):
-        raise ValueError(f"kind must be 'moshi' or 'personaplex', got {kind!r}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_lm_config(dep_q=16 if kind == "personaplex" else 8)
-    mimi_cfg = tiny_mimi_config()
+    directory, cfg, mimi_cfg = _tiny_layout(directory, kind)
     tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
     lm = LMModel(cfg)
     lm.load_state_dict(echo_lm_state(cfg, echo_words(TextTokenizer(tokenizer))))

@@ -18,7 +18,6 @@ engine fails the session or its codec worker is lost. Each affects only its own 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from typing import Mapping
@@ -96,7 +95,7 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
     websocket = edge.websocket
     try:
         options = options_from_query(websocket.query_params, manager.defaults.options)
-        session = await edge.open_engine_session(options)
+        await edge.open_engine_session(options)
     except EngineFull as exc:
         await edge.close_socket(CLOSE_TRY_AGAIN_LATER, f"server full: {exc}")
         return
@@ -115,19 +114,7 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         return
     log.info("chat session %d open (persona %d chars, voice %s)", edge.number, len(options.persona), options.voice)
     await edge.send_bytes(HANDSHAKE)
-    sender = asyncio.create_task(_send_frames(edge), name=f"chat-send-{edge.number}")
-    receiver = asyncio.create_task(_receive(edge), name=f"chat-recv-{edge.number}")
-    try:
-        done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        # Whichever side ended first, the session ends now: slot back within this tick.
-        edge.close()
-        for task in (sender, receiver):
-            task.cancel()
-        await asyncio.gather(sender, receiver, return_exceptions=True)
-    for task in done:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("chat session %d failed", edge.number, exc_info=task.exception())
+    await edge.run_duplex(_send_frames(edge), _receive(edge))
     log.info("chat session %d closed", edge.number)
 
 

@@ -180,18 +180,7 @@ class RealtimeConnection:
             await edge.close_socket(CLOSE_INTERNAL, str(exc))
             return
         await self.send(self.events.session_created(self.config))
-        sender = asyncio.create_task(self._send_loop(), name=f"realtime-send-{edge.number}")
-        receiver = asyncio.create_task(self._receive_loop(), name=f"realtime-recv-{edge.number}")
-        try:
-            done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            edge.close()
-            for task in (sender, receiver):
-                task.cancel()
-            await asyncio.gather(sender, receiver, return_exceptions=True)
-        for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                log.error("realtime session %d failed", edge.number, exc_info=task.exception())
+        await edge.run_duplex(self._send_loop(), self._receive_loop())
 
     async def send(self, event: Event) -> None:
         try:

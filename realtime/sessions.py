@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, Coroutine
 
 from starlette.websockets import WebSocket, WebSocketState
 
@@ -199,6 +200,23 @@ class EdgeSession:
             pass
 
     # ---- cleanup ----
+
+    async def run_duplex(self, send: Coroutine[Any, Any, None], receive: Coroutine[Any, Any, None]) -> None:
+        """Run the connection's two directions until either ends, then end the session:
+        whichever side stopped first (client gone, engine stream over), the slot is back
+        within this tick and the other side is cancelled."""
+        tasks = (asyncio.create_task(send, name=f"{self.protocol}-send-{self.number}"),
+                 asyncio.create_task(receive, name=f"{self.protocol}-recv-{self.number}"))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.close()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("%s session %d failed", self.protocol, self.number, exc_info=task.exception())
 
     def close(self) -> None:
         """End the engine session and forget this connection. Idempotent, never blocks."""
