@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import re
 import signal
@@ -183,14 +184,31 @@ def pct(values, q) -> float:
     return float(np.percentile(values, q)) * 1000 if len(values) else float("nan")
 
 
-async def run_load(url: str, clients: int, duration: float, echo: bool = False) -> dict:
+def _client_group(url: str, indices: list[int], duration: float, start_at: float) -> list[ClientStats]:
+    """Run some of the clients in this process; all groups start streaming at `start_at`
+    (time.monotonic() is one clock for every process on the host)."""
+
+    async def main() -> list[ClientStats]:
+        gate = asyncio.Event()
+        tasks = [asyncio.create_task(client(url, i, duration, gate)) for i in indices]
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        gate.set()
+        return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(main())
+
+
+async def run_load(url: str, clients: int, duration: float, echo: bool = False, procs: int = 1) -> dict:
     http = url.replace("ws://", "http://").replace("wss://", "https://")
-    gate = asyncio.Event()
-    tasks = [asyncio.create_task(client(url, i, duration, gate)) for i in range(clients)]
-    await asyncio.sleep(0.5)
-    before, t_before = await asyncio.to_thread(scrape, http), time.monotonic()
-    gate.set()
-    results = await asyncio.gather(*tasks)
+    # Handshakes first, then everyone streams from one instant; spread over `procs` processes
+    # because each client's Opus work holds its process's GIL (one process tops out near 64).
+    start_at = time.monotonic() + 1.0 + 0.02 * clients
+    groups = [list(range(clients))[p::procs] for p in range(procs)]
+    with concurrent.futures.ProcessPoolExecutor(procs) as pool:
+        futures = [asyncio.wrap_future(pool.submit(_client_group, url, g, duration, start_at)) for g in groups]
+        await asyncio.sleep(max(0.0, start_at - 0.05 - time.monotonic()))
+        before, t_before = await asyncio.to_thread(scrape, http), time.monotonic()
+        results = [stats for group in await asyncio.gather(*futures) for stats in group]
     after, t_after = await asyncio.to_thread(scrape, http), time.monotonic()
     served = [r for r in results if not r.refused]
     jitter, delay, lost, sent = [], [], 0, 0
@@ -223,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--duration", type=float, default=20.0, help="seconds of audio each client streams")
     p.add_argument("--device", default="cpu", help="with --spawn: the server's device")
+    p.add_argument("--procs", type=int, default=1, help="client processes (use several beyond ~48 clients)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="with --spawn: an extra `parley serve` argument (repeat), e.g. --serve-arg=--kv-dtype=fp8")
     p.add_argument("--echo", action="store_true",
@@ -230,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.spawn:
         with spawned_server(args.spawn, args.clients, args.device, args.serve_arg) as url:
-            report = asyncio.run(run_load(url, args.clients, args.duration, echo=args.spawn == "echo" or args.echo))
+            report = asyncio.run(run_load(url, args.clients, args.duration, echo=args.spawn == "echo" or args.echo,
+                                          procs=args.procs))
     else:
-        report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration, echo=args.echo))
+        report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration, echo=args.echo,
+                                      procs=args.procs))
     width = max(map(len, report))
     for key, value in report.items():
         print(f"{key:<{width}}  {value:.2f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
