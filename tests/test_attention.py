@@ -109,15 +109,15 @@ def test_sample_matches_sort_path(V):
     assert torch.equal(out, ref)
 
 
-def test_transformer_fused_step_matches_general_path():
-    """Fused T == 1 decode vs the SDPA path: same outputs (bf16 tolerance) and same state, with a
-    row that does not execute and rows spread over the window."""
+def _fused_and_general(kv_dtype=None):
+    """The same 15 decode steps (after a 30-frame prefix) through the fused T == 1 path and the
+    general SDPA path, with row 1 not executing: ((y, state) fused, (y, state) general)."""
     _need_cuda()
     torch.manual_seed(0)
     tr = StreamingTransformer(256, 2, 3, 1024, context=40, norm="rms_norm_f32", gating="silu",
                               layer_scale=0.1, device="cuda", dtype=torch.bfloat16)
     B = 4
-    states = [tr.init_state(B) for _ in range(2)]
+    states = [tr.init_state(B, kv_dtype=kv_dtype) for _ in range(2)]
     exec_mask = torch.tensor([True, False, True, True], device="cuda")
     with torch.no_grad():
         warm = torch.randn(B, 45, 256, device="cuda", dtype=torch.bfloat16)
@@ -132,7 +132,13 @@ def test_transformer_fused_step_matches_general_path():
             finally:
                 fa.ENABLED = True
             outs.append((torch.cat(ys, 1), st))
-    (y_f, s_f), (y_g, s_g) = outs
+    return outs
+
+
+def test_transformer_fused_step_matches_general_path():
+    """Fused T == 1 decode vs the SDPA path: same outputs (bf16 tolerance) and same state, with a
+    row that does not execute and rows spread over the window."""
+    (y_f, s_f), (y_g, s_g) = _fused_and_general()
     torch.testing.assert_close(y_f.float(), y_g.float(), atol=5e-2, rtol=5e-2)
     assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
     torch.testing.assert_close(s_f.keys[2].float(), s_g.keys[2].float(), atol=5e-2, rtol=5e-2)
@@ -182,27 +188,7 @@ def test_rope_write_fp8_matches_quantize_kv():
 
 
 def test_transformer_fused_step_fp8_matches_general_path():
-    _need_cuda()
-    torch.manual_seed(0)
-    tr = StreamingTransformer(256, 2, 3, 1024, context=40, norm="rms_norm_f32", gating="silu",
-                              layer_scale=0.1, device="cuda", dtype=torch.bfloat16)
-    B = 4
-    states = [tr.init_state(B, kv_dtype=FP8) for _ in range(2)]
-    exec_mask = torch.tensor([True, False, True, True], device="cuda")
-    with torch.no_grad():
-        warm = torch.randn(B, 45, 256, device="cuda", dtype=torch.bfloat16)
-        for st in states:
-            tr(warm[:, :30], st)
-        outs = []
-        for fused in (True, False):
-            fa.ENABLED = fused
-            try:
-                st = states[0] if fused else states[1]
-                ys = [tr(warm[:, 30 + t:31 + t], st, exec_mask) for t in range(15)]
-            finally:
-                fa.ENABLED = True
-            outs.append((torch.cat(ys, 1), st))
-    (y_f, s_f), (y_g, s_g) = outs
+    (y_f, s_f), (y_g, s_g) = _fused_and_general(kv_dtype=FP8)
     torch.testing.assert_close(y_f.float(), y_g.float(), atol=5e-2, rtol=5e-2)
     assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
     torch.testing.assert_close(dequantize_kv(s_f.keys[2], s_f.key_scales[2], torch.float32),
