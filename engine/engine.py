@@ -198,6 +198,8 @@ class Engine:
         start = time.perf_counter()
         plan = self._scheduler.plan(self._tick)
         self._tick += 1
+        if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
+            self._backend.reset_rows(torch.tensor([row in plan.released for row in range(self.config.max_sessions)]))
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all

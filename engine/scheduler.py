@@ -26,6 +26,7 @@ class TickPlan:
     live_mask: torch.Tensor  # [B] bool, host: rows whose state the step may change
     frames: torch.Tensor  # [B, FRAME_SAMPLES] float32, host: input frames (silence on idle rows)
     underruns: int  # live rows fed silence because their input was empty
+    released: list[int]  # rows whose session ended since the last tick: to be reset now
 
     @property
     def any_live(self) -> bool:
@@ -40,6 +41,7 @@ class Scheduler:
         self._inbox: deque[tuple[str, Session]] = deque()
         self._inbox_lock = threading.Lock()
         self._admissions: deque[Session] = deque()  # waiting for prefill, engine thread only
+        self._released: list[int] = []  # engine thread only
 
     # ---- any thread ----
 
@@ -65,7 +67,8 @@ class Scheduler:
             if not session.input.pop_into(frames[row]):
                 underruns += 1
         live = torch.tensor([rid is not None for rid in request_ids], dtype=torch.bool)
-        return TickPlan(tick, request_ids, live, torch.from_numpy(frames), underruns)
+        released, self._released = self._released, []
+        return TickPlan(tick, request_ids, live, torch.from_numpy(frames), underruns, released)
 
     def next_admission(self) -> Session | None:
         return self._admissions.popleft() if self._admissions else None
@@ -89,3 +92,4 @@ class Scheduler:
                 self._admissions.append(session)
             elif self._rows[session.row] is session:  # close: only if it still owns the row
                 self._rows[session.row] = None
+                self._released.append(session.row)

@@ -252,3 +252,29 @@ def test_personaplex_handoff_rides_in_the_first_tick_and_disturbs_no_one(tiny_pe
     first_codes, first_host = beside[5]
     assert first_host.valid[0]  # the prompt filled the delay: the first tick already has a frame
     assert first_codes[0, 1:].tolist() == list(SILENCE_TOKENS[1:])  # the handoff's forced acoustic codes
+
+
+def test_a_closed_session_row_is_emptied_at_the_next_tick(tiny_moshi_dir):
+    """An idle row must cost (close to) nothing: once its session ends, the row's KV ring is
+    emptied at the next tick, so the attention reads nothing for it until the slot is reused."""
+    backend = ModelBackend.load(tiny_moshi_dir, 2, seed=0)
+    engine = Engine(backend, EngineConfig(max_sessions=2))
+
+    async def main():
+        a = engine.open_nowait(GREEDY)
+        b = engine.open_nowait(GREEDY)
+        engine.run_ticks(1)
+        await a.ready
+        await b.ready
+        a.push_audio(speech_like(0, 4))
+        b.push_audio(speech_like(1, 4))
+        engine.run_ticks(4)
+        state = backend._lm_state
+        assert (state.transformer.slot_pos[a.row] >= 0).sum() == 4 and int(state.offsets[a.row]) == 4
+        a.close()
+        engine.run_ticks(1)
+        assert (state.transformer.slot_pos[a.row] == -1).all() and int(state.offsets[a.row]) == 0
+        assert int(state.offsets[b.row]) == 5  # the other row went on
+
+    asyncio.run(main())
+    engine.shutdown()
