@@ -14,10 +14,12 @@ from typing import Callable, Sequence
 
 from engine import OptionsError, SamplingOptions, SessionOptions
 
+from .help_format import HelpFormatter
 from .offline_cli import add_offline
 from .server import ServeConfig, serve
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
 DEFAULT_SAMPLING = SamplingOptions()
 
 
@@ -27,7 +29,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a Moshi-family model over WebSockets: the Moshi/PersonaPlex protocol on "
                     "/api/chat and the OpenAI Realtime API on /v1/realtime. With no --model, a tiny "
                     "demo model is generated on first run and served: it babbles.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face repo id (e.g. kyutai/moshiko-pytorch-bf16, "
                         "nvidia/personaplex-7b-v1); omitted: the built-in demo model, which babbles")

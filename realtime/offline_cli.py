@@ -17,6 +17,8 @@ from engine.offline import run_offline
 from models.audio_io import AudioFileError, read_wav, write_wav
 from models.checkpoint import CheckpointError
 
+from .help_format import HelpFormatter
+
 log = logging.getLogger("parley.offline")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -27,7 +29,7 @@ def add_offline(subparsers: argparse._SubParsersAction) -> None:
         description="Feed a WAV file (any sample rate and channel count; resampled to 24 kHz mono) "
                     "through one full-duplex session, 80 ms at a time, and write the agent's audio "
                     "(aligned as a live listener hears it) and its inner-monologue text.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id")
     p.add_argument("--input-wav", required=True, type=Path, help="the user's audio")
     p.add_argument("--output-wav", required=True, type=Path, help="where to write the agent's audio (24 kHz)")
