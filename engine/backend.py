@@ -27,8 +27,8 @@ import torch
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.config import UNGENERATED_TOKEN
 from models.lm_gen import LMGen
-from models.persona import (PersonaError, VoicePrompt, build_prompt_frames, load_voice, persona_tokens,
-                            resolve_voice)
+from models.persona import (PersonaError, PromptPlan, VoicePrompt, build_prompt_frames, load_voice,
+                            persona_tokens, resolve_voice)
 
 from .config import SamplingOptions, SessionOptions
 from .cuda_graph import CUDAGraphRunner
@@ -75,6 +75,15 @@ class BackendOutput:
                           valid=packed[:, -1] > 0.5)
 
 
+class PrefillJob(Protocol):
+    """A row's prompt, run a chunk at a time so a long prompt can use several ticks' slack."""
+
+    frames_left: int  # prompt frames still to run; 0 when the row is ready to go live
+
+    def run(self, max_frames: int | None = None) -> None:
+        """Run up to `max_frames` more prompt frames (None: all that are left)."""
+
+
 class FrameBackend(Protocol):
     max_sessions: int
 
@@ -87,14 +96,45 @@ class FrameBackend(Protocol):
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
         """Per-row sampling settings (device tensors, so a captured graph sees changes)."""
 
-    def prefill(self, row: int, options: SessionOptions) -> None:
-        """Run the row's prompt (voice, persona) so its next step is the live conversation."""
+    def start_prefill(self, row: int, options: SessionOptions) -> PrefillJob:
+        """Check the options and plan the row's prompt (voice, persona); SessionRejected if they
+        cannot be served. Once the job has run, the row's next step is the live conversation."""
 
     def text_piece(self, token: int) -> str:
         """The text a token adds to the transcript ("" for padding)."""
 
     def close(self) -> None:
         """Free device memory. Called once, after the engine thread has stopped."""
+
+
+class PromptPrefill:
+    """A PersonaPlex prompt for one row: its temporal inputs, run through `LMGen.prefill` in
+    chunks (each chunk attends over the ones before, like an LLM prompt in pieces)."""
+
+    def __init__(self, backend: "ModelBackend", row: int, inputs: torch.Tensor | None,
+                 plan: PromptPlan | None) -> None:
+        self._backend, self._row, self._inputs, self._plan = backend, row, inputs, plan
+        self._done = 0
+        self.frames_left = 0 if inputs is None else inputs.shape[0]
+
+    @torch.no_grad()
+    def run(self, max_frames: int | None = None) -> None:
+        n = self.frames_left if max_frames is None else min(max_frames, self.frames_left)
+        if n <= 0:
+            return
+        # Chunks of at least 2 frames: a 1-frame chunk would take the T == 1 decode path, which
+        # is built for whole-batch steps, not for one row's prompt.
+        n = min(self.frames_left, max(n, 2))
+        if self.frames_left - n == 1:
+            n += 1
+        last = n == self.frames_left
+        backend = self._backend
+        backend._gen.prefill(backend._lm_state, self._row, self._inputs[self._done:self._done + n],
+                             ring_tokens=self._plan.ring_tokens if last else None)
+        self._done += n
+        self.frames_left -= n
+        if last:
+            backend._arm_handoff(self._row, self._plan)
 
 
 class ModelBackend:
@@ -204,14 +244,19 @@ class ModelBackend:
                                     text_topk=sampling.text_top_k, audio_temp=sampling.audio_temperature,
                                     audio_topk=sampling.audio_top_k)
 
-    @torch.no_grad()
     def prefill(self, row: int, options: SessionOptions) -> None:
-        """PersonaPlex: voice + silence + persona + silence in one batched pass over the
-        prompt (not one tick per frame); its last frame rides in the row's first tick. Moshi: nothing."""
+        """The whole prompt at once (offline runs, benchmarks)."""
+        self.start_prefill(row, options).run()
+
+    @torch.no_grad()
+    def start_prefill(self, row: int, options: SessionOptions) -> "PromptPrefill":
+        """PersonaPlex: voice + silence + persona + silence, run as batched passes over the
+        prompt (not one tick per frame); its last frame rides in the row's first tick. Moshi:
+        an empty job."""
         if self.checkpoint.model_type != "personaplex":
             if options.voice or options.persona:
                 raise SessionRejected("this model is Moshi, which takes no voice or persona; leave them out.")
-            return
+            return PromptPrefill(self, row, None, None)
         try:
             voice = self._voice(options.voice) if options.voice else None
             plan = build_prompt_frames(self.cfg, voice, persona_tokens(self._tokenizer, options.persona))
@@ -224,9 +269,11 @@ class ModelBackend:
         x = self._gen.embed_frames(plan.prefill_columns.to(self.device))
         if plan.embeddings is not None:
             x = torch.cat([plan.embeddings.to(self.device, dtype), x])
-        self._gen.prefill(self._lm_state, row, x, ring_tokens=plan.ring_tokens)
-        # The prompt's last frame runs in the row's first tick (see _frame); it outputs the
-        # last silence frame, which PersonaPlex too sends first after the handshake.
+        return PromptPrefill(self, row, x, plan)
+
+    def _arm_handoff(self, row: int, plan: PromptPlan) -> None:
+        """The prompt's last frame runs in the row's first tick (see _frame); it outputs the
+        last silence frame, which PersonaPlex too sends first after the handshake."""
         self._force_text[row] = plan.first_step_force_text
         self._force_audio[row] = plan.first_step_force_audio.to(self.device)
         self._prompt_user[row] = plan.first_step_user.to(self.device)

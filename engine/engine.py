@@ -5,7 +5,8 @@
     output.route(plan, host)             # fan out to streams by request id
 
 New sessions are prefilled after the tick's outputs are out, in the slack before the
-next boundary, so a prefill never delays the frame other sessions are waiting for.
+next boundary, a chunk of the prompt at a time, so a prefill never delays the frame other
+sessions are waiting for.
 
 Threads: the event loop calls `open`, `Session.push_audio`, `Session.close`,
 `counters` and `shutdown`; everything that touches the backend runs on the engine
@@ -20,12 +21,13 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
 from models.config import FRAME_SAMPLES
 
-from .backend import FrameBackend, HostOutput, RowFailure, SessionRejected
+from .backend import FrameBackend, HostOutput, PrefillJob, RowFailure, SessionRejected
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
 from .input_buffer import InputBuffer
@@ -37,6 +39,9 @@ from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 
 log = logging.getLogger("parley.engine")
+
+MIN_PREFILL_FRAMES = 8  # prompt frames every tick runs at least, so admissions progress
+PREFILL_SLACK_SHARE = 0.8  # of the time left before the next boundary, a margin for the estimate
 
 
 class EngineClosed(RuntimeError):
@@ -63,7 +68,8 @@ class Engine:
         self._closed = False
         self._healthy = True
         self._tick = 0
-        self._last_prefill_s = 0.0
+        self._prefilling: _Prefilling | None = None  # the session whose prompt is running
+        self._prefill_frame_s: float | None = None  # last chunk's cost per prompt frame
 
     # ---- lifecycle ----
 
@@ -230,35 +236,65 @@ class Engine:
         raise RuntimeError("backend kept refusing rows")
 
     def _admit_pending(self, deadline: float | None) -> None:
-        # At least one prefill per tick (so admissions always progress); more only while the
-        # last prefill's duration still fits before the next boundary. Manual mode: all.
-        first = True
-        while self._scheduler.has_admissions():
-            if not first and deadline is not None:
-                if deadline - self._clock.now() < self._last_prefill_s:
+        """Prefill queued sessions in the slack before the next boundary, a chunk at a time.
+        Chunks are sized to the time left from the last chunk's cost per frame (with a
+        margin); at least MIN_PREFILL_FRAMES run per tick, so admissions always progress, and a
+        long prompt spreads over several ticks instead of making the next one late. Manual
+        mode (no deadline): every prompt at once."""
+        ran_this_tick = False
+        while True:
+            if self._prefilling is None:
+                session = self._scheduler.next_admission()
+                if session is None:
                     return
-            first = False
-            self._admit(self._scheduler.next_admission())
+                self._prefilling = self._start_prefill(session)
+                continue
+            pending = self._prefilling
+            if pending.session.events.finished:  # closed while prefilling; its slot is already free
+                self._prefilling = None
+                continue
+            if pending.job.frames_left > 0:
+                frames = self._chunk_frames(pending.job.frames_left, deadline, ran_this_tick)
+                if frames == 0:
+                    return
+                start = self._clock.now()
+                pending.job.run(frames)
+                spent = self._clock.now() - start
+                pending.seconds += spent
+                self._prefill_frame_s = spent / frames
+                ran_this_tick = True
+            if pending.job.frames_left == 0:
+                self._prefilling = None
+                self.metrics.observe_prefill(pending.seconds)
+                self._scheduler.activate(pending.session)
+                _settle(pending.session.ready, result=pending.session)
 
-    def _admit(self, session: Session) -> None:
+    def _chunk_frames(self, frames_left: int, deadline: float | None, ran_this_tick: bool) -> int:
+        if deadline is None:
+            return frames_left
+        fit = 0
+        if self._prefill_frame_s is not None:
+            fit = int(PREFILL_SLACK_SHARE * (deadline - self._clock.now()) / max(self._prefill_frame_s, 1e-6))
+        if not ran_this_tick:
+            fit = max(fit, MIN_PREFILL_FRAMES)
+        return max(0, min(fit, frames_left))
+
+    def _start_prefill(self, session: Session) -> "_Prefilling | None":
         if session.events.finished:
-            return  # closed before it was prefilled; its slot is already free
+            return None  # closed before it was prefilled; its slot is already free
         mask = torch.zeros(self.config.max_sessions, dtype=torch.bool)
         mask[session.row] = True
-        start = time.perf_counter()
+        start = self._clock.now()
         try:
             self._backend.reset_rows(mask)  # a reused slot starts clean
             if session.options.sampling is not None:  # else reset left the model's defaults
                 self._backend.set_sampling(session.row, session.options.sampling)
-            self._backend.prefill(session.row, session.options)
+            job = self._backend.start_prefill(session.row, session.options)
         except SessionRejected as exc:
             reason = str(exc)
             self._end_session(session, Terminal(Status.FAILED, reason), SessionRejected(reason))
-            return
-        self._last_prefill_s = time.perf_counter() - start
-        self.metrics.observe_prefill(self._last_prefill_s)
-        self._scheduler.activate(session)
-        _settle(session.ready, result=session)
+            return None
+        return _Prefilling(session, job, self._clock.now() - start)
 
     def _fatal(self, exc: BaseException) -> None:
         log.error("fatal engine error; failing every session", exc_info=exc)
@@ -267,6 +303,13 @@ class Engine:
         for session in self._open_sessions():
             self._fail_session(session, reason)
         self._stop.set()
+
+
+@dataclass
+class _Prefilling:
+    session: Session
+    job: PrefillJob
+    seconds: float  # prefill work so far (the prefill_seconds counter)
 
 
 def _settle(future: asyncio.Future, result: object = None, error: Exception | None = None) -> None:

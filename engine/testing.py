@@ -9,8 +9,9 @@ input history only), its text token counts the frames the row has seen since its
 
 Knobs for failure tests: samples outside [-1, 1] are refused per row (RowFailure), the
 voice "unknown" is rejected at prefill (SessionRejected), `fail_at_step` raises a fatal
-error, `step_seconds` / `prefill_seconds` sleep to simulate slow work, and `on_step` lets
-a test observe each call (or advance a fake clock).
+error, `step_seconds` / `prefill_seconds` sleep to simulate slow work (a prompt of
+`prompt_frames` frames, run in chunks like the real one), and `on_step` / `on_prefill` let a
+test observe each call (or advance a fake clock).
 """
 
 from __future__ import annotations
@@ -28,19 +29,23 @@ from .config import SamplingOptions, SessionOptions
 
 class DelayBackend:
     def __init__(self, max_sessions: int, *, step_seconds: float = 0.0, prefill_seconds: float = 0.0,
-                 fail_at_step: int | None = None,
-                 on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+                 prompt_frames: int = 1, fail_at_step: int | None = None,
+                 on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                 on_prefill: Callable[[int, int], None] | None = None) -> None:
         self.max_sessions = max_sessions
         self.step_seconds = step_seconds
         self.prefill_seconds = prefill_seconds
         self.fail_at_step = fail_at_step
         self.on_step = on_step
+        self.on_prefill = on_prefill  # (row, frames) per prompt chunk
+        self.prompt_frames = prompt_frames
         self.prev = torch.zeros(max_sessions, FRAME_SAMPLES)
         self.count = torch.zeros(max_sessions, dtype=torch.int64)
         self.sampling: list[SamplingOptions | None] = [None] * max_sessions
         self.steps = 0
         self.resets: list[int] = []  # rows reset, in order
-        self.prefills: list[tuple[int, SessionOptions]] = []
+        self.prefills: list[tuple[int, SessionOptions]] = []  # completed prompts
+        self.prefill_chunks: list[tuple[int, int]] = []  # (row, frames) per chunk run
         self.close_calls = 0
 
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
@@ -67,15 +72,31 @@ class DelayBackend:
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
         self.sampling[row] = sampling
 
-    def prefill(self, row: int, options: SessionOptions) -> None:
+    def start_prefill(self, row: int, options: SessionOptions) -> "_DelayPrompt":
         if options.voice == "unknown":
             raise SessionRejected("voice 'unknown' is not one of this model's voices.")
-        if self.prefill_seconds:
-            time.sleep(self.prefill_seconds)
-        self.prefills.append((row, options))
+        return _DelayPrompt(self, row, options)
 
     def text_piece(self, token: int) -> str:
         return "" if token == 0 else f"<{token}>"
 
     def close(self) -> None:
         self.close_calls += 1
+
+
+class _DelayPrompt:
+    def __init__(self, backend: DelayBackend, row: int, options: SessionOptions) -> None:
+        self.backend, self.row, self.options = backend, row, options
+        self.frames_left = backend.prompt_frames
+
+    def run(self, max_frames: int | None = None) -> None:
+        n = self.frames_left if max_frames is None else min(max_frames, self.frames_left)
+        backend = self.backend
+        backend.prefill_chunks.append((self.row, n))
+        if backend.on_prefill is not None:
+            backend.on_prefill(self.row, n)
+        if backend.prefill_seconds:
+            time.sleep(backend.prefill_seconds * n / backend.prompt_frames)
+        self.frames_left -= n
+        if self.frames_left == 0:
+            backend.prefills.append((self.row, self.options))

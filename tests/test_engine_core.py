@@ -316,6 +316,41 @@ def test_engine_counts_late_and_skipped_ticks_on_its_clock():
     engine.shutdown()
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_without_making_any_tick_late():
+    """A 200-frame prompt costing 1 ms a frame does not fit in one tick's slack (80 ms minus a
+    20 ms step): it is spread over several ticks, and the talking session never sees a late
+    tick or a missing frame."""
+    fake = FakeTime()
+
+    def on_step(i, frames, mask):
+        fake.t += 0.02
+
+    def on_prefill(row, frames):
+        fake.t += 0.001 * frames
+
+    backend = DelayBackend(2, prompt_frames=200, on_step=on_step, on_prefill=on_prefill)
+    clock = TickClock(0.08, now=fake.now, sleep=fake.sleep)
+    engine = Engine(backend, EngineConfig(max_sessions=2), clock=clock)
+
+    async def main():
+        talker = engine.open_nowait(SessionOptions())
+        engine.serve_ticks(8)  # its own 200-frame prompt first, in chunks
+        await talker.ready
+        talker.push_audio(signal(0, 12))
+        talker.events.drain()  # what it said before the newcomer came
+        newcomer = engine.open_nowait(SessionOptions())
+        engine.serve_ticks(8)
+        await newcomer.ready
+        return talker, newcomer
+
+    talker, newcomer = asyncio.run(main())
+    chunks = [n for row, n in backend.prefill_chunks if row == newcomer.row]
+    assert sum(chunks) == 200 and len(chunks) >= 3  # 200 ms of prompt over several ticks' slack
+    assert engine.counters()["late_ticks"] == 0
+    assert len(frames_of(talker.events.drain())) == 8  # a frame every tick while the newcomer prefilled
+    engine.shutdown()
+
+
 # ---------------------------------------------------------------- failure
 
 def baseline_outputs(n_ticks: int) -> list[list[FrameOut]]:

@@ -278,3 +278,27 @@ def test_a_closed_session_row_is_emptied_at_the_next_tick(tiny_moshi_dir):
 
     asyncio.run(main())
     engine.shutdown()
+
+
+def test_a_prompt_prefilled_in_chunks_equals_one_prefilled_whole(tiny_personaplex_dir):
+    """The engine may spread a prompt over several ticks' slack: chunks of 7 frames leave the
+    row exactly where one pass does (same tokens, same audio within float rounding)."""
+    options = SessionOptions(persona="Hi there", voice="NATF0", sampling=SamplingOptions.greedy())
+    audio = torch.from_numpy(speech_like(3, 10)).float()
+    runs = []
+    for chunk in (None, 7):
+        backend = ModelBackend.load(tiny_personaplex_dir, 1, seed=0)
+        backend.reset_rows(torch.tensor([True]))
+        backend.set_sampling(0, options.sampling)
+        job = backend.start_prefill(0, options)
+        assert job.frames_left > 14
+        while job.frames_left:
+            job.run(chunk)
+        live = torch.tensor([True])
+        outs = [backend.step(audio[None, f * N:(f + 1) * N], live) for f in range(10)]
+        runs.append((torch.stack([o.agent_codes[0].cpu() for o in outs]), [o.to_host() for o in outs]))
+    (codes_whole, host_whole), (codes_chunked, host_chunked) = runs
+    assert torch.equal(codes_whole, codes_chunked)
+    assert [h.text_tokens[0] for h in host_whole] == [h.text_tokens[0] for h in host_chunked]
+    np.testing.assert_allclose(np.stack([h.pcm[0] for h in host_whole]),
+                               np.stack([h.pcm[0] for h in host_chunked]), atol=1e-5)
