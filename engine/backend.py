@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import numpy as np
 import torch
@@ -44,6 +44,13 @@ class RowFailure(Exception):
 
 class SessionRejected(ValueError):
     """A session's options cannot be served; the message says why in a plain sentence."""
+
+
+def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
+    """[size] bool host mask with `rows` set: how the engine names rows to the backend."""
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[list(rows)] = True
+    return mask
 
 
 @dataclass
@@ -219,28 +226,28 @@ class ModelBackend:
         run = self._graph if self._graph is not None else self._frame
         pcm, text, valid, agent, user = run(frames, live_mask, *self._handoff_inputs())
         if stepped:  # their handoff frame is done
-            self._clear_handoff(self._rows_mask(stepped))
+            self._clear_handoff(stepped)
         return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user)
 
     # ---- per-row control (engine thread, between ticks) ----
 
     def reset_rows(self, mask: torch.Tensor) -> None:
+        rows = {int(r) for r in mask.nonzero().flatten()}  # `mask` is on the host (protocol)
         mask = mask.to(self.device)
         self._gen.reset(self._lm_state, mask)  # also restores the default sampling
         self._mimi_state.reset(mask)
-        self._clear_handoff(mask)
+        self._clear_handoff(rows)
 
-    def _clear_handoff(self, mask: torch.Tensor) -> None:
-        """Drop the pending handoff of the masked rows (stepped, or closed before their tick)."""
-        if self._handoff_rows:
-            host = mask.cpu()
-            self._handoff_rows = {row for row in self._handoff_rows if not host[row]}
+    def _clear_handoff(self, rows: set[int]) -> None:
+        """Drop the pending handoff of `rows` (stepped, or closed before their tick)."""
+        self._handoff_rows -= rows
+        mask = self._device_mask(rows)
         self._force_text.masked_fill_(mask, UNGENERATED_TOKEN)
         self._force_audio.masked_fill_(mask[:, None], UNGENERATED_TOKEN)
         self._prompt_mask.masked_fill_(mask, False)
 
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
-        self._lm_state.set_sampling(self._row_mask(row), text_temp=sampling.text_temperature,
+        self._lm_state.set_sampling(self._device_mask({row}), text_temp=sampling.text_temperature,
                                     text_topk=sampling.text_top_k, audio_temp=sampling.audio_temperature,
                                     audio_topk=sampling.audio_top_k)
 
@@ -294,13 +301,8 @@ class ModelBackend:
         codes = self._mimi.encode(frames.reshape(1, -1).to(self.device))  # [1, K, N]
         return codes[0].T.cpu()
 
-    def _row_mask(self, row: int) -> torch.Tensor:
-        return self._rows_mask({row})
-
-    def _rows_mask(self, rows: set[int]) -> torch.Tensor:
-        mask = torch.zeros(self.max_sessions, dtype=torch.bool)
-        mask[list(rows)] = True
-        return mask.to(self.device)
+    def _device_mask(self, rows: set[int]) -> torch.Tensor:
+        return rows_mask(self.max_sessions, rows).to(self.device)
 
     def text_piece(self, token: int) -> str:
         return self._tokenizer.piece(token)

@@ -23,11 +23,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import torch
-
 from models.config import FRAME_SAMPLES
 
-from .backend import FrameBackend, HostOutput, PrefillJob, RowFailure, SessionRejected
+from .backend import FrameBackend, HostOutput, PrefillJob, RowFailure, SessionRejected, rows_mask
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
 from .input_buffer import InputBuffer
@@ -205,7 +203,7 @@ class Engine:
         plan = self._scheduler.plan(self._tick)
         self._tick += 1
         if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
-            self._backend.reset_rows(torch.tensor([row in plan.released for row in range(self.config.max_sessions)]))
+            self._backend.reset_rows(rows_mask(self.config.max_sessions, plan.released))
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
@@ -282,11 +280,9 @@ class Engine:
     def _start_prefill(self, session: Session) -> "_Prefilling | None":
         if session.events.finished:
             return None  # closed before it was prefilled; its slot is already free
-        mask = torch.zeros(self.config.max_sessions, dtype=torch.bool)
-        mask[session.row] = True
         start = self._clock.now()
         try:
-            self._backend.reset_rows(mask)  # a reused slot starts clean
+            self._backend.reset_rows(rows_mask(self.config.max_sessions, [session.row]))  # a reused slot starts clean
             if session.options.sampling is not None:  # else reset left the model's defaults
                 self._backend.set_sampling(session.row, session.options.sampling)
             job = self._backend.start_prefill(session.row, session.options)

@@ -15,7 +15,7 @@ import torch
 
 from models.config import FRAME_RATE, FRAME_SAMPLES
 
-from .backend import ModelBackend
+from .backend import ModelBackend, rows_mask
 from .config import SessionOptions
 
 
@@ -47,8 +47,7 @@ class OfflineResult:
 @torch.no_grad()
 def run_offline(backend: ModelBackend, pcm: torch.Tensor, options: SessionOptions) -> OfflineResult:
     """Feed `pcm` (24 kHz mono float) through row 0 of `backend`, one 80 ms frame per step."""
-    row_mask = torch.zeros(backend.max_sessions, dtype=torch.bool)
-    row_mask[0] = True
+    row_mask = rows_mask(backend.max_sessions, [0])
     backend.reset_rows(row_mask)
     if options.sampling is not None:
         backend.set_sampling(0, options.sampling)
