@@ -15,9 +15,7 @@ step, so its time does not depend on the window; it is measured once per B.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.backend import ModelBackend  # noqa: E402
 from models.checkpoint import Checkpoint  # noqa: E402
 from models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
-from models.lm import LMModel  # noqa: E402
+from models.lm import LMModel, published_state  # noqa: E402
 from models.mimi.codec import Mimi  # noqa: E402
 
 WINDOWS = ("empty", "spread", "full")
@@ -38,28 +36,6 @@ WINDOWS = ("empty", "spread", "full")
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def reference_kwargs(cfg) -> dict:
-    raw = dataclasses.asdict(cfg)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in raw.items()}
-
-
-def _stack_attention_keys(state: dict) -> dict:
-    """The reference's in-memory `self_attn.{in,out}_projs.{k}.weight` -> the checkpoint's stacked
-    `self_attn.in_proj_weight` / `self_attn.out_proj.weight` (a single part is shared, not copied)."""
-    out, stacks = {}, {}
-    for key, value in state.items():
-        m = re.match(r"(.*\.self_attn)\.(in_projs|out_projs)\.(\d+)\.weight$", key)
-        if m:
-            stacks.setdefault((m.group(1), m.group(2)), {})[int(m.group(3))] = value
-        else:
-            out[key] = value
-    for (prefix, kind), parts in stacks.items():
-        tensors = [parts[i] for i in sorted(parts)]
-        name = f"{prefix}.in_proj_weight" if kind == "in_projs" else f"{prefix}.out_proj.weight"
-        out[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
-    return out
 
 
 def build_models(device: str, dtype: torch.dtype):
@@ -71,7 +47,7 @@ def build_models(device: str, dtype: torch.dtype):
     ref_lm = loaders.get_moshi_lm(None, lm_kwargs=None, device=device, dtype=dtype)
     ref_mimi = loaders.get_mimi(None, device=device)
     lm = LMModel(lm_cfg, device="meta", dtype=dtype)
-    lm.load_state_dict(_stack_attention_keys(ref_lm.state_dict()), assign=True, strict=True)
+    lm.load_state_dict(published_state(ref_lm.state_dict()), assign=True, strict=True)
     mimi = Mimi(mimi_cfg).to("meta")
     mimi.load_state_dict(ref_mimi.state_dict(), assign=True, strict=True)
     for module in mimi.modules():  # non-persistent derived buffers stay on meta under assign=True

@@ -14,12 +14,35 @@ Sampling and the token ring live in `models/lm_gen.py`.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
 
 from .config import ZERO_TOKEN, LMConfig
 from .transformer import StreamingTransformer, TransformerState, make_norm
+
+
+_REFERENCE_ATTENTION = re.compile(r"(.*\.self_attn)\.(in_projs|out_projs)\.(\d+)\.weight$")
+
+
+def published_state(reference_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The reference model's in-memory state dict (per-step `self_attn.{in,out}_projs.{k}.weight`)
+    in the published layout `LMModel` uses (`self_attn.in_proj_weight` / `out_proj.weight`,
+    steps stacked on dim 0). A single part is passed through, not copied."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in reference_state.items():
+        m = _REFERENCE_ATTENTION.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        name = f"{m.group(1)}.in_proj_weight" if m.group(2) == "in_projs" else f"{m.group(1)}.out_proj.weight"
+        stacks.setdefault(name, {})[int(m.group(3))] = value
+    for name, parts in stacks.items():
+        tensors = [parts[i] for i in sorted(parts)]
+        out[name] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, 0)
+    return out
 
 
 class ZeroEmbedding(nn.Embedding):

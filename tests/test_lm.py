@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models.config import UNGENERATED_TOKEN, tiny_lm_config
-from models.lm import LMModel
+from models.lm import LMModel, published_state
 from models.lm_gen import LMGen
 from models.sampling import sample_tokens
 
@@ -70,19 +70,7 @@ def reference_lm(model: LMModel):
 
 def checkpoint_layout(ref_state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """Reference in-memory keys (`in_projs.{i}.weight`) -> published keys (`in_proj_weight`, stacked)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    stacked: dict[str, list[torch.Tensor]] = {}
-    for key, value in ref_state.items():
-        for part, target in ((".self_attn.in_projs.", ".self_attn.in_proj_weight"),
-                             (".self_attn.out_projs.", ".self_attn.out_proj.weight")):
-            if part in key:
-                stacked.setdefault(key.split(part)[0] + target, []).append(value)
-                break
-        else:
-            shapes[key] = tuple(value.shape)
-    for key, values in stacked.items():
-        shapes[key] = tuple(torch.cat(values).shape)
-    return shapes
+    return {k: tuple(v.shape) for k, v in published_state(ref_state).items()}
 
 
 def run_reference(ref_lm, codes: torch.Tensor, teacher_force_user: bool = False) -> list[torch.Tensor | None]:
