@@ -470,9 +470,6 @@ class PromptPlan:
     def num_embedded(self) -> int:
         return 0 if self.embeddings is None else int(self.embeddings.shape[0])
 
-    def phase(self, name: str) -> list[PromptPhase]:
-        return [p for p in self.phases if p.name == name]
-
     @property
     def prefill_columns(self) -> torch.Tensor:
         """Token inputs of columns `E .. F-2`: with `embeddings`, the F-1 inputs to prefill."""

@@ -51,8 +51,8 @@ SAMPLING_PARAMS = {
     "audio_temperature": ("audio_temperature", float),
     "audio_topk": ("audio_top_k", int),
 }
-IGNORED_PARAMS = ("pad_mult", "text_seed", "audio_seed", "repetition_penalty_context", "repetition_penalty",
-                  "worker_auth_id", "email")
+# Other parameters the Moshi web client sends (pad_mult, text_seed, audio_seed,
+# repetition_penalty_context, repetition_penalty, worker_auth_id, email) are accepted and ignored.
 
 
 def options_from_query(query: Mapping[str, str], defaults: SessionOptions) -> SessionOptions:
