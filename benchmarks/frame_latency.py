@@ -29,6 +29,7 @@ from models.checkpoint import Checkpoint  # noqa: E402
 from models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
 from models.lm import LMModel, published_state  # noqa: E402
 from models.mimi.codec import Mimi  # noqa: E402
+from models.transformer import ring_slot_positions  # noqa: E402
 
 WINDOWS = ("empty", "spread", "full")
 
@@ -101,10 +102,7 @@ def place_rows(backend: ModelBackend, window: str, context: int) -> None:
     else:
         pos = torch.full((batch,), 10 * context, dtype=torch.long, device=state.pos.device)
     state.pos.copy_(pos)
-    slots = torch.arange(capacity, device=pos.device)
-    # Slot s holds the latest position p < pos with p % capacity == s, if any.
-    latest = pos[:, None] - 1 - ((pos[:, None] - 1 - slots) % capacity)
-    state.slot_pos.copy_(torch.where(latest >= 0, latest, torch.full_like(latest, -1)))
+    state.slot_pos.copy_(ring_slot_positions(pos, capacity))
     backend._lm_state.offsets.copy_(pos)
 
 

@@ -137,6 +137,14 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 # Streaming state
 
 
+def ring_slot_positions(pos: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[B, capacity]: the position each ring slot holds once a row has stepped to `pos` (slot s
+    holds the latest p < pos with p % capacity == s; -1 where none has been written yet)."""
+    slots = torch.arange(capacity, device=pos.device)
+    latest = pos[:, None] - 1 - ((pos[:, None] - 1 - slots) % capacity)
+    return torch.where(latest >= 0, latest, torch.full_like(latest, -1))
+
+
 @dataclass
 class TransformerState:
     """Per-row streaming state of one StreamingTransformer (all tensors on the model's device)."""

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from models import attention as fa
 from models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv,
-                                quantize_kv)
+                                quantize_kv, ring_slot_positions)
 
 pytestmark = pytest.mark.gpu
 
@@ -20,10 +20,13 @@ def _need_cuda():
         pytest.skip("needs a CUDA device and Triton")
 
 
-def _ring_slot_pos(pos: torch.Tensor, S: int) -> torch.Tensor:
-    slots = torch.arange(S, device=pos.device)
-    latest = pos[:, None] - 1 - ((pos[:, None] - 1 - slots) % S)
-    return torch.where(latest >= 0, latest, torch.full_like(latest, -1))
+def _window_positions(B: int, S: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows spread over the window (row 0 empty, row 1 partly filled): positions and slot positions."""
+    pos = torch.randint(0, 3 * S, (B,), device="cuda", generator=g)
+    pos[0] = 0
+    if B > 1:
+        pos[1] = min(S - 1, 5)
+    return pos, ring_slot_positions(pos, S)
 
 
 def _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context):
@@ -50,11 +53,7 @@ def test_decode_attention_matches_sdpa(B, H, S, D, context):
     dt = torch.bfloat16
     ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
     cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
-    pos = torch.randint(0, 3 * S, (B,), device="cuda", generator=g)
-    pos[0] = 0
-    if B > 1:
-        pos[1] = min(S - 1, 5)
-    sp = _ring_slot_pos(pos, S)
+    pos, sp = _window_positions(B, S, g)
     q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
     out = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, context)
     ref = _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context)
@@ -157,11 +156,7 @@ def test_decode_attention_fp8_matches_sdpa(B, H, S, D, context):
     dt = torch.bfloat16
     ck8, ks = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g) * 3)
     cv8, vs = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g) * 0.1)
-    pos = torch.randint(0, 3 * S, (B,), device="cuda", generator=g)
-    pos[0] = 0
-    if B > 1:
-        pos[1] = min(S - 1, 5)
-    sp = _ring_slot_pos(pos, S)
+    pos, sp = _window_positions(B, S, g)
     q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
     out = fa.decode_attention(q, kn, vn, ck8, cv8, sp, pos, context, ks, vs)
     ref = _sdpa_reference(q, kn, vn, dequantize_kv(ck8, ks, dt), dequantize_kv(cv8, vs, dt), sp, pos, context)
