@@ -1,8 +1,8 @@
 """A codec worker process: Ogg-Opus decode/encode for the sessions pinned to it.
 
 Started by `realtime.opus.CodecProcessPool` as `python -m realtime.codec_worker FD`, where FD is
-its end of a Unix socketpair. It imports only numpy and sphn (no torch: it starts in well under
-a second) and serves one request at a time, in order, so a session's calls never reorder.
+its end of a Unix socketpair. It imports only numpy, sphn and `opus_codec.py` (no torch: it starts in
+well under a second) and serves one request at a time, in order, so a session's calls never reorder.
 
 Wire format (little endian), parent -> worker:  op u8, stream u32, req u32, length u32, payload
                                 worker -> parent:  status u8, req u32, length u32, payload
@@ -21,42 +21,20 @@ import socket
 import struct
 import sys
 
+import numpy as np
+
+from .opus_codec import OpusCodec, OpusError
+
 REQUEST = struct.Struct("<BIII")
 REPLY = struct.Struct("<BII")
 OP_DECODE, OP_ENCODE, OP_CLOSE = 1, 2, 3
 STATUS_OK, STATUS_OPUS_ERROR, STATUS_ERROR, STATUS_READY = 0, 1, 2, 3
-SAMPLE_RATE = 24_000
-FRAME_SAMPLES = 1920
 
 
-class _Stream:
-    def __init__(self, sphn) -> None:
-        self._sphn = sphn
-        self.reader = None
-        self.writer = None
-        self.broken: str | None = None
-
-    def decode(self, data: bytes) -> bytes:
-        import numpy as np
-        if self.broken is not None:
-            raise ValueError(f"the Ogg-Opus input stream is already broken ({self.broken})")
-        if self.reader is None:
-            self.reader = self._sphn.OpusStreamReader(SAMPLE_RATE)
-        try:
-            pcm = self.reader.append_bytes(data)
-        except ValueError as err:
-            self.broken = str(err)
-            raise
-        return np.asarray(pcm, dtype=np.float32).reshape(-1).tobytes()
-
-    def encode(self, data: bytes) -> bytes:
-        import numpy as np
-        pcm = np.frombuffer(data, dtype=np.float32)
-        if pcm.size != FRAME_SAMPLES:
-            raise RuntimeError(f"encode takes {FRAME_SAMPLES}-sample frames, got {pcm.size}")
-        if self.writer is None:
-            self.writer = self._sphn.OpusStreamWriter(SAMPLE_RATE)
-        return bytes(self.writer.append_pcm(pcm))
+def _codec(streams: dict[int, OpusCodec], sid: int) -> OpusCodec:
+    if sid not in streams:
+        streams[sid] = OpusCodec()
+    return streams[sid]
 
 
 def _read_exact(f, n: int) -> bytes | None:
@@ -65,10 +43,8 @@ def _read_exact(f, n: int) -> bytes | None:
 
 
 def serve(sock: socket.socket) -> None:
-    import sphn
-
     rfile = sock.makefile("rb", buffering=1 << 16)
-    streams: dict[int, _Stream] = {}
+    streams: dict[int, OpusCodec] = {}
     sock.sendall(REPLY.pack(STATUS_READY, 0, 0))
     while True:
         head = _read_exact(rfile, REQUEST.size)
@@ -81,17 +57,14 @@ def serve(sock: socket.socket) -> None:
         if op == OP_CLOSE:
             streams.pop(sid, None)
             continue
-        stream = streams.get(sid)
-        if stream is None:
-            stream = streams[sid] = _Stream(sphn)
         try:
             if op == OP_DECODE:
-                out, status = stream.decode(payload), STATUS_OK
+                out, status = _codec(streams, sid).decode(payload).tobytes(), STATUS_OK
             elif op == OP_ENCODE:
-                out, status = stream.encode(payload), STATUS_OK
+                out, status = _codec(streams, sid).encode(np.frombuffer(payload, dtype=np.float32)), STATUS_OK
             else:
                 out, status = f"unknown codec op {op}".encode(), STATUS_ERROR
-        except ValueError as err:  # sphn's error for bytes that are not a valid Ogg-Opus stream
+        except OpusError as err:  # the bytes are not a valid Ogg-Opus stream
             out, status = str(err).encode(), STATUS_OPUS_ERROR
         except Exception as err:  # noqa: BLE001 - reported to the session, the worker goes on
             out, status = f"{type(err).__name__}: {err}".encode(), STATUS_ERROR

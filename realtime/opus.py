@@ -37,21 +37,11 @@ import time
 from typing import Callable, Protocol
 
 import numpy as np
-import sphn
-
-from models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 from . import codec_worker as wire
+from .opus_codec import OpusCodec, OpusError, check_frame
 
 log = logging.getLogger("parley.codec")
-
-# sphn 0.2's writer takes 960- or 1920-sample frames; one model frame (80 ms) is one call.
-WRITER_FRAME_SAMPLES = FRAME_SAMPLES  # 1920
-
-
-class OpusError(ValueError):
-    """Bytes that are not a decodable Ogg-Opus stream; the message says why."""
-
 
 class CodecUnavailable(RuntimeError):
     """The codec could not serve this session (its worker crashed, hung, or the server is
@@ -70,34 +60,6 @@ class CodecStream(Protocol):
 
     def close(self) -> None:
         """Forget the stream (idempotent, never blocks)."""
-
-
-class OpusCodec:
-    """One connection's Ogg-Opus reader and writer, blocking calls (the thread runner's unit)."""
-
-    def __init__(self, sample_rate: int = SAMPLE_RATE) -> None:
-        self._reader = sphn.OpusStreamReader(sample_rate)
-        self._writer = sphn.OpusStreamWriter(sample_rate)
-        self._broken = False
-
-    def decode(self, data: bytes) -> np.ndarray:
-        if self._broken:
-            raise OpusError("the Ogg-Opus input stream is already broken")
-        try:
-            pcm = self._reader.append_bytes(data)
-        except ValueError as err:
-            self._broken = True
-            raise OpusError(f"input is not a valid Ogg-Opus stream: {err}") from err
-        return np.asarray(pcm, dtype=np.float32).reshape(-1)
-
-    def encode(self, pcm: np.ndarray) -> bytes:
-        _check_frame(pcm)
-        return bytes(self._writer.append_pcm(np.ascontiguousarray(pcm, dtype=np.float32)))
-
-
-def _check_frame(pcm: np.ndarray) -> None:
-    if pcm.shape[-1] != WRITER_FRAME_SAMPLES:
-        raise ValueError(f"encode takes {WRITER_FRAME_SAMPLES}-sample frames, got {pcm.shape[-1]}")
 
 
 # ---------------------------------------------------------------------------- threads
@@ -329,7 +291,7 @@ class CodecProcessPool:
                 if status == wire.STATUS_OK:
                     fut.set_result(payload)
                 elif status == wire.STATUS_OPUS_ERROR:
-                    fut.set_exception(OpusError(f"input is not a valid Ogg-Opus stream: {payload.decode(errors='replace')}"))
+                    fut.set_exception(OpusError(payload.decode(errors="replace")))  # the worker's OpusCodec says why
                 else:
                     fut.set_exception(CodecUnavailable(f"codec error: {payload.decode(errors='replace')}"))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -415,7 +377,7 @@ class _ProcessStream:
         return np.frombuffer(out, dtype=np.float32)
 
     async def encode(self, pcm: np.ndarray) -> bytes:
-        _check_frame(pcm)
+        check_frame(pcm)
         payload = np.ascontiguousarray(pcm, dtype=np.float32).tobytes()
         return await self._pool.call(self._worker, wire.OP_ENCODE, self._sid, payload)
 
