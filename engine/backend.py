@@ -46,6 +46,11 @@ class SessionRejected(ValueError):
     """A session's options cannot be served; the message says why in a plain sentence."""
 
 
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """Weights in bfloat16 on CUDA, float32 on CPU (where bf16 matmuls are slow and inexact)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
     """[size] bool host mask with `rows` set: how the engine names rows to the backend."""
     mask = torch.zeros(size, dtype=torch.bool)
@@ -191,9 +196,7 @@ class ModelBackend:
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
              dtype: torch.dtype | None = None, **kwargs) -> "ModelBackend":
         """Load a checkpoint (directory or HF repo id) and build the backend on `device`."""
-        if dtype is None:
-            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        return cls(load_checkpoint(source, device, dtype), max_sessions, **kwargs)
+        return cls(load_checkpoint(source, device, dtype or default_dtype(device)), max_sessions, **kwargs)
 
     # ---- the frame ----
 

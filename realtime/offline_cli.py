@@ -18,9 +18,9 @@ from models.audio_io import AudioFileError, read_wav, write_wav
 from models.checkpoint import CheckpointError
 
 from .help_format import HelpFormatter
+from .server import resolve_dtype
 
 log = logging.getLogger("parley.offline")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def add_offline(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +40,7 @@ def add_offline(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--greedy", action="store_true", help="greedy decoding: the run is deterministic")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     p.set_defaults(handler=run_offline_command)
@@ -52,8 +52,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
                                  sampling=SamplingOptions.greedy() if args.greedy else None)
         pcm = read_wav(args.input_wav)
         started = time.perf_counter()
-        backend = ModelBackend.load(args.model, 1, device=args.device,
-                                    dtype=DTYPES[args.dtype] if args.dtype else None,
+        backend = ModelBackend.load(args.model, 1, device=args.device, dtype=resolve_dtype(args.dtype, args.device),
                                     cuda_graphs=False, seed=args.seed)
         log.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
         started = time.perf_counter()

@@ -26,7 +26,7 @@ import torch
 import uvicorn
 
 from engine import Engine, EngineConfig, SamplingOptions, SessionOptions
-from engine.backend import ModelBackend
+from engine.backend import ModelBackend, default_dtype
 from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
@@ -68,9 +68,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(name: str | None, device: str) -> torch.dtype:
-    if name is None:
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return DTYPES[name]
+    return default_dtype(device) if name is None else DTYPES[name]
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
