@@ -21,8 +21,8 @@ import asyncio
 import base64
 import json
 import sys
-import time
 import re
+import time
 import urllib.parse
 
 import numpy as np
