@@ -47,10 +47,10 @@ def _name_os_threads() -> None:
 def serve_main(port: int, sessions: int, codec_workers: int) -> None:
     import uvicorn
 
-    from engine import Engine, EngineConfig
-    from engine.testing import DelayBackend
-    from realtime.app import ServerInfo, create_app
-    from realtime.server import uvicorn_config
+    from parley.engine import Engine, EngineConfig
+    from parley.engine.testing import DelayBackend
+    from parley.realtime.app import ServerInfo, create_app
+    from parley.realtime.server import uvicorn_config
 
     _name_os_threads()
     backend = DelayBackend(sessions)

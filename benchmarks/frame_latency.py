@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backend import ModelBackend  # noqa: E402
-from models.checkpoint import Checkpoint  # noqa: E402
-from models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
-from models.lm import LMModel, published_state  # noqa: E402
-from models.mimi.codec import Mimi  # noqa: E402
-from models.transformer import ring_slot_positions  # noqa: E402
+from parley.engine.backend import ModelBackend  # noqa: E402
+from parley.models.checkpoint import Checkpoint  # noqa: E402
+from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
+from parley.models.lm import LMModel, published_state  # noqa: E402
+from parley.models.mimi.codec import Mimi  # noqa: E402
+from parley.models.transformer import ring_slot_positions  # noqa: E402
 
 WINDOWS = ("empty", "spread", "full")
 

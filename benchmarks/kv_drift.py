@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.config import LMConfig, tiny_lm_config  # noqa: E402
-from models.lm import LMModel  # noqa: E402
+from parley.models.config import LMConfig, tiny_lm_config  # noqa: E402
+from parley.models.lm import LMModel  # noqa: E402
 
 
 @torch.no_grad()

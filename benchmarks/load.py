@@ -153,12 +153,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 def spawned_server(model: str, clients: int, device: str, extra: list[str]):
     with tempfile.TemporaryDirectory() as tmp:
         if model in ("tiny", "echo"):
-            from models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
+            from parley.models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
             ckpt = write_tiny_checkpoint(Path(tmp) / "ckpt") if model == "tiny" else write_echo_checkpoint(Path(tmp) / "ckpt")
             model = str(ckpt)
         port = free_port()
         log = open(Path(tmp) / "serve.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "realtime.cli", "serve", "--model", model, "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "parley.realtime.cli", "serve", "--model", model, "--port", str(port),
                                  "--max-sessions", str(clients), "--device", device, "--log-level", "warning",
                                  *extra],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

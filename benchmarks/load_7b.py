@@ -20,14 +20,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backend import ModelBackend  # noqa: E402
-from engine.config import SessionOptions  # noqa: E402
-from models.checkpoint import load_checkpoint, lm_config_dict, write_checkpoint  # noqa: E402
-from models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
-from models.lm import LMModel  # noqa: E402
-from models.mimi.codec import Mimi  # noqa: E402
-from models.persona import VoicePrompt, save_voice_pt, voice_to_pt  # noqa: E402
-from models.tokenizer import train_tiny_tokenizer  # noqa: E402
+from parley.engine.backend import ModelBackend  # noqa: E402
+from parley.engine.config import SessionOptions  # noqa: E402
+from parley.models.checkpoint import load_checkpoint, lm_config_dict, write_checkpoint  # noqa: E402
+from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
+from parley.models.lm import LMModel  # noqa: E402
+from parley.models.mimi.codec import Mimi  # noqa: E402
+from parley.models.persona import VoicePrompt, save_voice_pt, voice_to_pt  # noqa: E402
+from parley.models.tokenizer import train_tiny_tokenizer  # noqa: E402
 
 
 def host_peak_gib() -> float:

@@ -24,10 +24,10 @@ from typing import Iterable, Protocol
 import numpy as np
 import torch
 
-from models.checkpoint import Checkpoint, load_checkpoint
-from models.config import UNGENERATED_TOKEN
-from models.lm_gen import LMGen
-from models.persona import (PersonaError, PromptPlan, VoicePrompt, build_prompt_frames, load_voice,
+from parley.models.checkpoint import Checkpoint, load_checkpoint
+from parley.models.config import UNGENERATED_TOKEN
+from parley.models.lm_gen import LMGen
+from parley.models.persona import (PersonaError, PromptPlan, VoicePrompt, build_prompt_frames, load_voice,
                             persona_tokens, resolve_voice)
 
 from .config import SamplingOptions, SessionOptions

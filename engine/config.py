@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 TICK_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08: one frame of audio per tick
 

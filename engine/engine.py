@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from models.config import FRAME_SAMPLES
+from parley.models.config import FRAME_SAMPLES
 
 from .backend import FrameBackend, HostOutput, PrefillJob, RowFailure, SessionRejected, rows_mask
 from .clock import TickClock

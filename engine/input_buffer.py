@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from models.config import FRAME_SAMPLES
+from parley.models.config import FRAME_SAMPLES
 
 
 class InputError(ValueError):

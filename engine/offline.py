@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.config import FRAME_RATE, FRAME_SAMPLES
+from parley.models.config import FRAME_RATE, FRAME_SAMPLES
 
 from .backend import ModelBackend, rows_mask
 from .config import SessionOptions

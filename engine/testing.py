@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from models.config import FRAME_SAMPLES
+from parley.models.config import FRAME_SAMPLES
 
 from .backend import BackendOutput, RowFailure, SessionRejected
 from .config import SamplingOptions, SessionOptions

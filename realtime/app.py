@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from engine import Engine
+from parley.engine import Engine
 
 from . import health
 from .moshi_protocol import chat_endpoint

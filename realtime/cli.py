@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, Sequence
 
-from engine import OptionsError, SamplingOptions, SessionOptions
+from parley.engine import OptionsError, SamplingOptions, SessionOptions
 
 from .help_format import HelpFormatter
 from .offline_cli import add_offline
@@ -102,9 +103,18 @@ def run_serve(args: argparse.Namespace) -> int:
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline)
 
 
+def installed_version() -> str:
+    """The version pip installed (package metadata), so it can never disagree with pyproject.toml."""
+    try:
+        return version("parley")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parley", description="Realtime full-duplex speech server for "
                                                                 "Moshi-family models.")
+    parser.add_argument("--version", action="version", version=f"parley {installed_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for add in SUBCOMMANDS:

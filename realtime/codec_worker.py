@@ -1,6 +1,6 @@
 """A codec worker process: Ogg-Opus decode/encode for the sessions pinned to it.
 
-Started by `realtime.opus.CodecProcessPool` as `python -m realtime.codec_worker FD`, where FD is
+Started by `parley.realtime.opus.CodecProcessPool` as `python -m parley.realtime.codec_worker FD`, where FD is
 its end of a Unix socketpair. It imports only numpy, sphn and `opus_codec.py` (no torch: it starts in
 well under a second) and serves one request at a time, in order, so a session's calls never reorder.
 

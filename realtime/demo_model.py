@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from models.synthetic import write_tiny_checkpoint
+from parley.models.synthetic import write_tiny_checkpoint
 
 log = logging.getLogger("parley.demo")
 

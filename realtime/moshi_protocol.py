@@ -24,7 +24,7 @@ from typing import Mapping
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine import (
+from parley.engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal,
 )
 

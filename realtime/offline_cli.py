@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from engine import OptionsError, SamplingOptions, SessionOptions
-from engine.backend import ModelBackend, SessionRejected
-from engine.offline import run_offline
-from models.audio_io import AudioFileError, read_wav, write_wav
-from models.checkpoint import CheckpointError
+from parley.engine import OptionsError, SamplingOptions, SessionOptions
+from parley.engine.backend import ModelBackend, SessionRejected
+from parley.engine.offline import run_offline
+from parley.models.audio_io import AudioFileError, read_wav, write_wav
+from parley.models.checkpoint import CheckpointError
 
 from .help_format import HelpFormatter
 from .server import resolve_dtype

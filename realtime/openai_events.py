@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.config import SAMPLE_RATE
+from parley.models.config import SAMPLE_RATE
 
 Event = dict[str, Any]
 

@@ -40,11 +40,11 @@ import numpy as np
 from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine import (
+from parley.engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
     Terminal,
 )
-from models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 from .openai_events import (
     AssistantItem, Dialect, Event, Events, ResponseState, SessionConfig, TurnDetection, UserItem, new_id,

@@ -169,7 +169,7 @@ class CodecProcessPool:
             # fork+exec off the loop (the server process can be large); close_fds keeps every
             # other descriptor (listening socket, other workers' sockets) out of the child.
             proc = await asyncio.to_thread(
-                subprocess.Popen, [sys.executable, "-m", "realtime.codec_worker", str(child_sock.fileno())],
+                subprocess.Popen, [sys.executable, "-m", "parley.realtime.codec_worker", str(child_sock.fileno())],
                 pass_fds=(child_sock.fileno(),), close_fds=True, stdin=subprocess.DEVNULL)
         except BaseException:
             parent_sock.close()

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from engine import Engine, EngineConfig, SamplingOptions, SessionOptions
-from engine.backend import ModelBackend, default_dtype
-from models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
+from parley.engine.backend import ModelBackend, default_dtype
+from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
 from .demo_model import ensure_demo_checkpoint

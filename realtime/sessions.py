@@ -22,7 +22,7 @@ from typing import Any, Coroutine
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from engine import Engine, EngineClosed, EngineFull, Session, SessionOptions, SessionRejected
+from parley.engine import Engine, EngineClosed, EngineFull, Session, SessionOptions, SessionRejected
 
 from .health import EdgeMetrics
 from .opus import CodecRunner, CodecStream

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
+from parley.models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -17,11 +17,11 @@ from typing import Iterator
 import numpy as np
 import uvicorn
 
-from engine import Engine, EngineConfig
-from engine.testing import DelayBackend
-from realtime.app import ServerInfo, create_app
-from realtime.server import uvicorn_config
-from realtime.sessions import ServerDefaults
+from parley.engine import Engine, EngineConfig
+from parley.engine.testing import DelayBackend
+from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.server import uvicorn_config
+from parley.realtime.sessions import ServerDefaults
 
 FRAME = 1920
 SR = 24000

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import attention as fa
-from models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv,
+from parley.models import attention as fa
+from parley.models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv,
                                 quantize_kv, ring_slot_positions)
 
 pytestmark = pytest.mark.gpu

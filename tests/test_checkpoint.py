@@ -21,14 +21,14 @@ import soundfile
 import torch
 from safetensors.torch import load_file, save_file
 
-from models import checkpoint as checkpoint_module
-from models.audio_io import AudioFileError, read_wav, resample, write_wav
-from models.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
-from models.config import LM_FILE, MIMI_FILE, TEXT_EPAD, TEXT_PAD, TOKENIZER_FILE, LMConfig
-from models.lm import LMModel
-from models.mimi import model_key
-from models.persona import load_voice_pt
-from models.tokenizer import TextTokenizer, train_tiny_tokenizer
+from parley.models import checkpoint as checkpoint_module
+from parley.models.audio_io import AudioFileError, read_wav, resample, write_wav
+from parley.models.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
+from parley.models.config import LM_FILE, MIMI_FILE, TEXT_EPAD, TEXT_PAD, TOKENIZER_FILE, LMConfig
+from parley.models.lm import LMModel
+from parley.models.mimi import model_key
+from parley.models.persona import load_voice_pt
+from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -354,7 +354,7 @@ def test_reference_loader_reads_our_layout(tiny_moshi_dir, tiny_personaplex_dir,
 
 
 def test_hf_repo_id_offline_gives_one_clear_error(tmp_path):
-    code = ("from models.checkpoint import CheckpointError, load_checkpoint\n"
+    code = ("from parley.models.checkpoint import CheckpointError, load_checkpoint\n"
             "try:\n    load_checkpoint('parley-tests/no-such-repo')\n"
             "except CheckpointError as err:\n    print('ERR', err)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(REPO_ROOT)}
@@ -391,9 +391,9 @@ def test_hf_repo_id_downloads_the_layout_files(tiny_moshi_dir, monkeypatch):
 
 _MEASURE_LOAD = """
 import json, sys, torch
-from models.checkpoint import load_checkpoint
-from models.config import tiny_lm_config
-from models.lm import LMModel
+from parley.models.checkpoint import load_checkpoint
+from parley.models.config import tiny_lm_config
+from parley.models.lm import LMModel
 with torch.device("meta"):
     LMModel(tiny_lm_config())  # first meta construction imports torch's meta kernels: not our memory
 def status(field):  # kB -> bytes; VmHWM is this process's own peak (ru_maxrss also counts the parent's)

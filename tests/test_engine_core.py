@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine import (
+from parley.engine import (
     Engine, EngineClosed, EngineConfig, EngineFull, FrameOut, InputError, OptionsError,
     OutputStream, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal, TickClock,
 )
-from engine.input_buffer import InputBuffer
-from engine.testing import DelayBackend
-from models.config import FRAME_SAMPLES
+from parley.engine.input_buffer import InputBuffer
+from parley.engine.testing import DelayBackend
+from parley.models.config import FRAME_SAMPLES
 
 N = FRAME_SAMPLES
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, FrameOut, SamplingOptions, SessionOptions, SessionRejected
-from engine.backend import BackendOutput, ModelBackend
-from models.config import FRAME_SAMPLES
-from models.persona import SILENCE_TOKENS
-from models.synthetic import ECHO_FIRST_FRAME
+from parley.engine import Engine, EngineConfig, FrameOut, SamplingOptions, SessionOptions, SessionRejected
+from parley.engine.backend import BackendOutput, ModelBackend
+from parley.models.config import FRAME_SAMPLES
+from parley.models.persona import SILENCE_TOKENS
+from parley.models.synthetic import ECHO_FIRST_FRAME
 
 N = FRAME_SAMPLES
 GREEDY = SessionOptions(sampling=SamplingOptions.greedy())

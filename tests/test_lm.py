@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from models.config import UNGENERATED_TOKEN, tiny_lm_config
-from models.lm import LMModel, published_state
-from models.lm_gen import LMGen
-from models.sampling import sample_tokens
+from parley.models.config import UNGENERATED_TOKEN, tiny_lm_config
+from parley.models.lm import LMModel, published_state
+from parley.models.lm_gen import LMGen
+from parley.models.sampling import sample_tokens
 
 FRAMES = 64  # > context 40 of tiny_lm_config: the KV window slides during the test
 

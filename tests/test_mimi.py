@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config
-from models.mimi import Mimi, MimiState, model_key
+from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config
+from parley.models.mimi import Mimi, MimiState, model_key
 
 FRAMES = 60  # >= 50 frames (4.8 s): the tiny transformer's 20-step context ring wraps 6 times
 
@@ -402,7 +402,7 @@ def test_cuda_streaming_matches_cpu_and_graph_capture(tiny_cfg: MimiConfig, tiny
 def test_gpu_fast_paths_match_plain_path():
     """CUDA-only Mimi fast paths (matmul attention for the T = 2 steps, matmul transposed convs)
     against the plain PyTorch ops on the same GPU, full-size Mimi with random codebooks."""
-    from models import attention as fa
+    from parley.models import attention as fa
 
     if not torch.cuda.is_available() or not fa._HAVE_TRITON:
         pytest.skip("needs a CUDA device and Triton")

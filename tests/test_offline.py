@@ -8,11 +8,11 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from models.audio_io import read_wav
-from models.checkpoint import load_checkpoint
-from models.config import FRAME_SAMPLES
-from models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
-from realtime.cli import main
+from parley.models.audio_io import read_wav
+from parley.models.checkpoint import load_checkpoint
+from parley.models.config import FRAME_SAMPLES
+from parley.models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
+from parley.realtime.cli import main
 
 
 def _chirp_wav(path, sample_rate=16_000, seconds=2.0, channels=2):

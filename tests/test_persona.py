@@ -12,8 +12,8 @@ import pytest
 import soundfile
 import torch
 
-from models.config import FRAME_SAMPLES, SAMPLE_RATE, TEXT_PAD, UNGENERATED_TOKEN, tiny_lm_config
-from models.persona import (
+from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE, TEXT_PAD, UNGENERATED_TOKEN, tiny_lm_config
+from parley.models.persona import (
     SILENCE_FRAMES,
     SILENCE_TOKENS,
     SINE_TOKENS,
@@ -34,7 +34,7 @@ from models.persona import (
     voice_to_pt,
     wrap_persona,
 )
-from models.tokenizer import TextTokenizer, train_tiny_tokenizer
+from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
 
 CFG = tiny_lm_config()  # Moshi structure: 8 agent + 8 user codebooks, delays [0, 0,1.., 0,1..]
 K = CFG.num_codebooks
@@ -383,8 +383,8 @@ def _prefilled(gen, plan: PromptPlan, live: torch.Tensor):
 
 @pytest.fixture(scope="module")
 def greedy_gen():
-    from models.lm import LMModel
-    from models.lm_gen import LMGen
+    from parley.models.lm import LMModel
+    from parley.models.lm_gen import LMGen
 
     model = LMModel(CFG).eval()
     model.init_weights(torch.Generator().manual_seed(0))

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SessionOptions
-from models.checkpoint import load_checkpoint
-from models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
-from realtime.server import ServeConfig, build_app
+from parley.engine import SessionOptions
+from parley.models.checkpoint import load_checkpoint
+from parley.models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
+from parley.realtime.server import ServeConfig, build_app
 from server_harness import FRAME, SR, chat_session, free_port, serve, tone
 
 pytestmark = pytest.mark.timeout(90)
@@ -51,7 +51,7 @@ def test_tiny_personaplex_persona_and_voice(tiny_personaplex_dir):
 
 
 def test_moshi_checkpoint_refuses_a_default_persona(tiny_moshi_dir):
-    from realtime.server import ServeError
+    from parley.realtime.server import ServeError
     with pytest.raises(ServeError, match="persona"):
         build_app(ServeConfig(model=str(tiny_moshi_dir), defaults=SessionOptions(persona="x")))
 
@@ -76,7 +76,7 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     env = {**os.environ, "PARLEY_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, "-m", "realtime.cli", "serve", "--port", str(port), "--max-sessions", "1"]
+    cmd = [sys.executable, "-m", "parley.realtime.cli", "serve", "--port", str(port), "--max-sessions", "1"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -99,7 +99,7 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
 
 
 def test_parley_serve_help_explains_flags():
-    out = subprocess.run([sys.executable, "-m", "realtime.cli", "serve", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "parley.realtime.cli", "serve", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60).stdout
     for flag in ("--model", "--host", "--port", "--max-sessions", "--device", "--dtype", "--persona", "--voice",
                  "--text-temperature", "--audio-topk", "--api-key", "--log-level"):

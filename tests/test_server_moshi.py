@@ -16,9 +16,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from engine import Engine, EngineConfig
-from engine.testing import DelayBackend
-from realtime.app import ServerInfo, create_app
+from parley.engine import Engine, EngineConfig
+from parley.engine.testing import DelayBackend
+from parley.realtime.app import ServerInfo, create_app
 from server_harness import FRAME, SR, best_lag_correlation, chat_session, delay_app, serve, tone, wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from pydantic import TypeAdapter
 
-from engine.testing import DelayBackend
+from parley.engine.testing import DelayBackend
 from server_harness import FRAME, SR, delay_app, serve, tone
 
 pytestmark = pytest.mark.timeout(60)
@@ -197,9 +197,9 @@ class SilentTextBackend(DelayBackend):
 
 
 def test_responses_follow_the_models_activity():
-    from engine import Engine, EngineConfig
-    from realtime.app import ServerInfo, create_app
-    from realtime.sessions import ServerDefaults
+    from parley.engine import Engine, EngineConfig
+    from parley.realtime.app import ServerInfo, create_app
+    from parley.realtime.sessions import ServerDefaults
 
     engine = Engine(SilentTextBackend(1), EngineConfig(max_sessions=1))
     app = create_app(engine, ServerDefaults(), ServerInfo(), codec_workers=1)
@@ -335,7 +335,7 @@ def test_api_key_subprotocols_and_dialect_selection():
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
 
-    from realtime.sessions import ServerDefaults
+    from parley.realtime.sessions import ServerDefaults
     app, _ = delay_app(1, defaults=ServerDefaults(api_key="secret"))
 
     async def scenario(base):

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from models.checkpoint import load_checkpoint
-from models.config import LM_FILE, MIMI_FILE, tiny_lm_config
-from models.lm_gen import LMGen
-from models.synthetic import (
+from parley.models.checkpoint import load_checkpoint
+from parley.models.config import LM_FILE, MIMI_FILE, tiny_lm_config
+from parley.models.lm_gen import LMGen
+from parley.models.synthetic import (
     ECHO_DELAY_FRAMES, ECHO_FIRST_FRAME, code_features, echo_text_token, echo_words, write_echo_checkpoint,
     write_tiny_checkpoint,
 )

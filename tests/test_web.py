@@ -204,7 +204,7 @@ def _real_server_available() -> str | None:
     if not (ROOT / "realtime" / "app.py").exists():
         return "realtime/app.py does not exist yet"
     try:
-        from models.synthetic import write_echo_checkpoint  # noqa: F401
+        from parley.models.synthetic import write_echo_checkpoint  # noqa: F401
         import realtime.cli  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the state of the tree
         return f"server pieces not importable: {e!r}"
@@ -217,7 +217,7 @@ def parley_serve(tmp_path: Path, model: Path | None, max_sessions: int = 1):
     port = _free_port()
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w")
-    cmd = [sys.executable, "-c", "import sys; from realtime.cli import main; sys.exit(main())",
+    cmd = [sys.executable, "-c", "import sys; from parley.realtime.cli import main; sys.exit(main())",
            "serve", "--host", "127.0.0.1", "--port", str(port), "--max-sessions", str(max_sessions),
            "--device", "cpu"]
     if model is not None:
@@ -417,7 +417,7 @@ def test_page_with_parley_serve_echo(tmp_path):
     agent's voice through the whole real stack; a second page meets "server full"."""
     _need_browser()
     _need_server()
-    from models.synthetic import write_echo_checkpoint
+    from parley.models.synthetic import write_echo_checkpoint
 
     ckpt = write_echo_checkpoint(tmp_path / "echo_ckpt")
     with parley_serve(tmp_path, ckpt, max_sessions=1) as url:

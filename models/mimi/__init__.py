@@ -1,5 +1,5 @@
 """Mimi, the streaming audio codec: 1920 samples <-> codes per row and frame, per-row state."""
 
-from models.mimi.codec import Mimi, MimiDecoderState, MimiEncoderState, MimiState, model_key
+from parley.models.mimi.codec import Mimi, MimiDecoderState, MimiEncoderState, MimiState, model_key
 
 __all__ = ["Mimi", "MimiState", "MimiEncoderState", "MimiDecoderState", "model_key"]

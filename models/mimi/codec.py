@@ -29,11 +29,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.config import ConfigError, MimiConfig, MimiTransformerConfig
-from models.mimi.conv import ConvDownsample1d, ConvState, ConvTrState, ConvTrUpsample1d, RowState, StateList
-from models.mimi.quantizer import LEGACY_CODEBOOK_KEYS, SplitResidualVectorQuantizer
-from models.mimi.seanet import SEANetDecoder, SEANetEncoder
-from models.transformer import StreamingTransformer, TransformerState
+from parley.models.config import ConfigError, MimiConfig, MimiTransformerConfig
+from parley.models.mimi.conv import ConvDownsample1d, ConvState, ConvTrState, ConvTrUpsample1d, RowState, StateList
+from parley.models.mimi.quantizer import LEGACY_CODEBOOK_KEYS, SplitResidualVectorQuantizer
+from parley.models.mimi.seanet import SEANetDecoder, SEANetEncoder
+from parley.models.transformer import StreamingTransformer, TransformerState
 
 # The reference model's in-memory names of the attention projections (`self_attn.<old>`),
 # mapped to the published file's names, which are ours (`self_attn.<new>`).

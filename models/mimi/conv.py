@@ -198,7 +198,7 @@ class StreamingConvTranspose1d(StreamingModule):
         return ConvTrState(partial)
 
     def step(self, x: Tensor, state: ConvTrState, exec_mask: Tensor) -> Tensor:
-        from models import attention as fused
+        from parley.models import attention as fused
 
         conv = self.torch_convtr
         if fused.available(x) and conv.groups == 1 and conv.kernel_size[0] == 2 * conv.stride[0]:

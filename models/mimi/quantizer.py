@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from models.config import ConfigError, QuantizerConfig
+from parley.models.config import ConfigError, QuantizerConfig
 
 # The reference EuclideanCodebook's default epsilon: centroid = embedding_sum / max(usage, eps).
 CLUSTER_USAGE_EPSILON = 1e-5

@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from models.config import ConfigError, SEANetConfig
-from models.mimi.conv import (
+from parley.models.config import ConfigError, SEANetConfig
+from parley.models.mimi.conv import (
     StateList,
     StreamingConv1d,
     StreamingConvTranspose1d,
