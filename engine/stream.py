@@ -6,7 +6,8 @@ sessions use it for frames; TTS or diffusion requests can use it for their own e
 Why this shape:
 - The engine thread must never block on a slow consumer, so the buffer is bounded and a
   full buffer drops its *oldest* partial (counted): for realtime audio, stale is worse
-  than missing.
+  than missing. Non-realtime producers must not drop: they check `room` and stop producing
+  for that request while it is 0 (back-pressure).
 - Items live in a locked deque, not in the loop's callback queue: the producer schedules
   at most one wake-up callback at a time, so a stalled loop cannot grow memory either.
 - The Terminal is never dropped and always comes last; the first `finish` wins.
@@ -81,6 +82,13 @@ class OutputStream(Generic[T]):
         if wake:
             self._schedule_wake()
         return True
+
+    @property
+    def room(self) -> int:
+        """Partials that can be pushed now without dropping one. Producers that must not drop
+        (TTS, images, transcripts) push only while this is above 0: back-pressure."""
+        with self._lock:
+            return self._max - len(self._items)
 
     @property
     def finished(self) -> bool:
