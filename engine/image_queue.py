@@ -157,6 +157,8 @@ class ImageQueue:
         self.stream_events = stream_events
         self._lock = threading.Lock()  # guards _incoming, _outstanding, _refused_sizes
         self._incoming: deque[ImageRequest] = deque()
+        self._live: set[ImageRequest] = set()  # admitted and not ended: close() ends them
+        self._closed: str | None = None
         self._outstanding = 0  # images admitted and not yet ended
         self._refused_sizes: dict[tuple[int, int], str] = {}
         self._jobs: list[_Job] = []  # engine thread only, oldest first
@@ -219,6 +221,8 @@ class ImageQueue:
         request = ImageRequest(uuid.uuid4().hex, spec,
                                OutputStream(uuid.uuid4().hex, asyncio.get_running_loop(), self.stream_events))
         with self._lock:
+            if self._closed:
+                raise ImageRefused(self._closed)
             if self._outstanding + spec.n > self.capacity:
                 self.counts["images_refused"] += 1
                 raise ImageQueueFull(f"the image queue is full ({self._outstanding} of {self.capacity} images "
@@ -226,7 +230,17 @@ class ImageQueue:
             self._outstanding += spec.n
             self.counts["images_submitted"] += spec.n
             self._incoming.append(request)
+            self._live.add(request)
         return request
+
+    def close(self, reason: str) -> None:
+        """Refuse new requests and end every admitted one (CANCELLED). Call once the engine
+        thread has stopped (server shutdown): requests it will never finish must not hang."""
+        with self._lock:
+            self._closed = reason
+            live, self._live = list(self._live), set()
+        for request in live:
+            request.events.finish(Terminal(Status.CANCELLED, reason))
 
     def refusal(self, width: int, height: int) -> str | None:
         """Why images of this size can never be served here, or None."""
@@ -302,6 +316,7 @@ class ImageQueue:
             job.state = None
         request.cond = None
         with self._lock:
+            self._live.discard(request)
             self._outstanding -= len(alive)
             if counter:
                 self.counts[counter] += len(alive)
@@ -398,6 +413,8 @@ class ImageQueue:
             self.counts["images_completed"] += 1
         if request.remaining == 0:
             request.cond = None
+            with self._lock:
+                self._live.discard(request)
             request.events.finish(Terminal(Status.COMPLETED))
 
     # ---- introspection ----

@@ -3,6 +3,7 @@
     GET  /             the browser voice-chat page (web/), when that folder exists
     WS   /api/chat     Moshi / PersonaPlex binary protocol          (moshi_protocol.py)
     WS   /v1/realtime  OpenAI Realtime API, GA and beta dialects     (openai_realtime.py)
+    POST /v1/images/generations  OpenAI Images, through the engine's image queue (images_api.py)
     GET  /api/voices   the model's voice prompts, for the page
     GET  /api/info     model name, and whether it is the babbling demo model
     GET  /health /ready /metrics                                    (health.py)
@@ -30,6 +31,7 @@ from starlette.staticfiles import StaticFiles
 from parley.engine import Engine
 
 from . import health
+from .images_api import ImageService, images_generations
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
@@ -55,7 +57,7 @@ class ServerInfo:
 
 def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info: ServerInfo = ServerInfo(),
                *, codec_workers: int | None = None, start_engine: bool = True,
-               web_dir: Path | None = WEB_DIR) -> Starlette:
+               web_dir: Path | None = WEB_DIR, images: ImageService | None = None) -> Starlette:
     """Build the app around an engine. With `start_engine`, the lifespan starts the engine
     (if it is not running) and always shuts it down at exit."""
     metrics: health.EdgeMetrics | None = None
@@ -79,6 +81,8 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         finally:
             await manager.shutdown()
             await asyncio.to_thread(engine.shutdown)
+            if images is not None:
+                images.close()  # the engine thread is gone: end what it will never finish
             await codec.aclose()
 
     async def voices(request: Request) -> Response:
@@ -98,6 +102,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         Route("/health", health.health),
         Route("/ready", health.ready),
         Route("/metrics", health.metrics),
+        Route("/v1/images/generations", images_generations, methods=["POST"]),
     ]
     if web_dir is not None and (web_dir / "index.html").is_file():
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
@@ -105,4 +110,5 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     app.state.sessions = manager
     app.state.codec = codec
     app.state.info = info
+    app.state.images = images
     return app

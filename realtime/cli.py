@@ -74,6 +74,13 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
                         "network edge)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
+    # ---- images (/v1/images/generations; docs/images.md) ----
+    p.add_argument("--image-model", default=None,
+                   help="diffusers text-to-image pipeline (directory or Hugging Face id; Stable Diffusion 1.x/2.x "
+                        "or 3) served on /v1/images/generations in the voice ticks' slack. Omitted: the tiny "
+                        "demo pipeline (noise) when --model is omitted too, else no image endpoint")
+    p.add_argument("--image-queue", type=int, default=16,
+                   help="images waiting or running at once; more are refused with 429 and Retry-After")
     p.set_defaults(handler=run_serve)
 
 
@@ -92,11 +99,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1:
         print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
         return 2
+    if args.image_queue < 1:
+        print("parley serve: --image-queue must be at least 1", file=sys.stderr)
+        return 2
     config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None}, api_key=args.api_key,
                          log_level=args.log_level, codec_workers=args.codec_workers,
-                         torch_threads=args.torch_threads)
+                         torch_threads=args.torch_threads, image_model=args.image_model,
+                         image_queue=args.image_queue)
     return serve(config)
 
 

@@ -15,7 +15,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from parley.models.image_pipeline import ImageStepper, stepper_for
 from parley.models.synthetic import write_tiny_checkpoint
+from parley.models.tiny_diffusion import tiny_pipeline
 
 log = logging.getLogger("parley.demo")
 
@@ -56,3 +58,12 @@ def ensure_demo_checkpoint(directory: Path | None = None) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return target
+
+
+DEMO_IMAGE_MODEL = "parley-demo-image"
+
+
+def demo_image_stepper() -> ImageStepper:
+    """The demo server's image model: the tiny random SD-1.5-shaped pipeline, built in memory
+    from configs (a fraction of a second, no files). Its images are noise."""
+    return stepper_for(tiny_pipeline("sd"), DEMO_IMAGE_MODEL)

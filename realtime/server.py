@@ -27,10 +27,13 @@ import uvicorn
 
 from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
+from parley.engine.image_queue import ImageQueue
 from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import ensure_demo_checkpoint
+from .demo_model import demo_image_stepper, ensure_demo_checkpoint
+from .images_api import ImageService
 from .sessions import ServerDefaults
 
 log = logging.getLogger("parley.server")
@@ -62,6 +65,10 @@ class ServeConfig:
     # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
     # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
     torch_threads: int | None = 1
+    # Images (/v1/images/generations): a diffusers pipeline dir or HF id; None: the tiny demo
+    # pipeline when the voice model is the demo too, else no image endpoint.
+    image_model: str | None = None
+    image_queue: int = 16  # images waiting or running; beyond that 429
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,12 +123,37 @@ def build_app(config: ServeConfig):
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
     engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    images = build_images(config, engine, device, dtype, demo)
     voices = voice_names(checkpoint)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
                       default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
-    return create_app(engine, defaults, info, codec_workers=config.codec_workers)
+    return create_app(engine, defaults, info, codec_workers=config.codec_workers, images=images)
+
+
+def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtype: torch.dtype,
+                 demo: bool) -> ImageService | None:
+    """Load the image pipeline, measure its items once (warm-up) and register its queue."""
+    if config.image_model is None and not demo:
+        return None
+    if config.image_model is None:
+        stepper = demo_image_stepper()
+    else:
+        log.info("loading image model %s on %s", config.image_model, device)
+        try:
+            stepper = load_image_pipeline(config.image_model, device, dtype)
+        except ImagePipelineError as exc:
+            raise ServeError(f"--image-model: {exc}") from exc
+    slack = engine.config.tick_seconds - engine.config.slack_guard_s
+    queue = ImageQueue(stepper, max_slack_s=slack, capacity=config.image_queue)
+    measured = queue.warm_up()
+    log.info("image model %s (%s): default %dpx, latent stride %d; warm-up: %s", stepper.name, stepper.family,
+             stepper.default_size, stepper.latent_stride,
+             ", ".join(f"{k[1]}{'x' + str(k[-1]) if k[1] == 'denoise' else ''} {v * 1e3:.1f} ms"
+                       for k, v in measured.items()))
+    engine.add_slack_source(queue)
+    return ImageService(queue, engine, stepper.name)
 
 
 def serve(config: ServeConfig) -> int:
