@@ -24,12 +24,12 @@ MAX_TOKENS = 16  # the tokenizer's model_max_length: prompts pad/truncate to it
 FAMILIES = ("sd", "sd3")
 
 
-def tiny_tokenizer() -> CLIPTokenizer:
+def tiny_tokenizer(model_max_length: int = MAX_TOKENS) -> CLIPTokenizer:
     symbols = list(string.ascii_lowercase + string.digits)
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for s in symbols + [f"{s}</w>" for s in symbols]:
         vocab[s] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=MAX_TOKENS)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
 
 
 def _clip_config(vocab_size: int, **extra) -> CLIPTextConfig:
@@ -74,6 +74,27 @@ def tiny_sd3(seed: int = 0) -> StableDiffusion3Pipeline:
                                     vae=vae, text_encoder=enc1.eval(), tokenizer=tokenizer,
                                     text_encoder_2=enc2.eval(), tokenizer_2=tiny_tokenizer(),
                                     text_encoder_3=None, tokenizer_3=None)
+
+
+def sd15_shaped(seed: int = 0) -> StableDiffusionPipeline:
+    """Stable Diffusion 1.5's shapes (859 M-parameter UNet, its VAE and CLIP-L text encoder)
+    with random weights and the letters tokenizer: compute and memory traffic of the real
+    model, for benchmarks. Build on the CPU, then move it (`.to("cuda", torch.bfloat16)`)."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer(77)
+    unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8)
+    vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=4,
+                        sample_size=512)
+    text_encoder = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                                num_attention_heads=12, max_position_embeddings=77,
+                                                vocab_size=len(tokenizer), bos_token_id=0, eos_token_id=1,
+                                                pad_token_id=1))
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    return StableDiffusionPipeline(vae=vae, text_encoder=text_encoder.eval(), tokenizer=tokenizer, unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   image_encoder=None, requires_safety_checker=False)
 
 
 def tiny_pipeline(family: str, seed: int = 0):
