@@ -35,8 +35,8 @@ class ClockedStepper:
 
     COSTS = {"encode": 0.004, "denoise": 0.010, "decode": 0.030}  # denoise: +0.004 per extra row
 
-    def __init__(self, inner, clock: FakeClock, fail_prompt: str | None = None) -> None:
-        self.inner, self.clock, self.log, self.fail_prompt = inner, clock, [], fail_prompt
+    def __init__(self, inner, clock: FakeClock) -> None:
+        self.inner, self.clock, self.log = inner, clock, []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -55,11 +55,7 @@ class ClockedStepper:
 
     def decode(self, latents):
         self._spend("decode", self.COSTS["decode"])
-        if self.fail_prompt is not None and self.fail_prompt in self.failing:
-            raise RuntimeError("simulated decode failure")
         return self.inner.decode(latents)
-
-    failing: set = set()
 
 
 def seeded_runner(clock: FakeClock, queue: ImageQueue, size: int) -> SlackRunner:
@@ -74,6 +70,14 @@ def seeded_runner(clock: FakeClock, queue: ImageQueue, size: int) -> SlackRunner
 
 def events_of(request):
     return request.events.drain()
+
+
+def manual_queue(stepper, **kwargs) -> tuple[ImageQueue, SlackRunner]:
+    """A queue behind a runner with no deadline (`run_until(None)` runs everything offered)."""
+    queue = ImageQueue(stepper, max_slack_s=1.0, **kwargs)
+    runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
+    runner.add_source(queue)
+    return queue, runner
 
 
 def test_slack_scheduler_never_starts_an_image_item_whose_estimate_exceeds_the_slack_left(sd):
@@ -112,13 +116,13 @@ def test_slack_scheduler_never_starts_an_image_item_whose_estimate_exceeds_the_s
     assert queue.outstanding == 0 and queue.active_jobs == 0
 
 
-def test_images_equal_the_solo_stepper_and_n_uses_consecutive_seeds(sd):
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_images_equal_the_solo_stepper_and_n_uses_consecutive_seeds(sd, family):
+    sd = sd if family == "sd" else stepper_for(tiny_pipeline("sd3"))
     size = sd.default_size
 
     async def main():
-        queue = ImageQueue(sd, max_slack_s=1.0, stream_events=4)
-        runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
-        runner.add_source(queue)
+        queue, runner = manual_queue(sd, stream_events=4)
         request = queue.submit(ImageSpec("a red cat", size, size, steps=3, guidance=5.0, n=2, seed=11))
         runner.run_until(None)  # manual mode: everything offered runs
         return events_of(request)
@@ -142,9 +146,7 @@ def test_a_full_stream_pauses_the_request_and_nothing_is_dropped(sd):
     size = sd.default_size
 
     async def main():
-        queue = ImageQueue(sd, max_slack_s=1.0, stream_events=1)
-        runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
-        runner.add_source(queue)
+        queue, runner = manual_queue(sd, stream_events=1)
         request = queue.submit(ImageSpec("x", size, size, steps=8, guidance=5.0, seed=1, partial_images=3))
         got, rounds = [], 0
         while not got or not isinstance(got[-1], Terminal):
@@ -238,9 +240,7 @@ def test_a_failing_item_ends_its_request_only(sd):
     size = sd.default_size
 
     async def main():
-        queue = ImageQueue(sd, max_slack_s=1.0, max_batch=1, stream_events=4)
-        runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
-        runner.add_source(queue)
+        queue, runner = manual_queue(sd, max_batch=1, stream_events=4)
         bad = queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0, seed=1))
         good = queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0, seed=2))
         real_decode = sd.decode
