@@ -18,8 +18,10 @@ from parley.engine import Engine, EngineConfig
 from parley.engine.image_queue import ImageQueue
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.cli import main
 from parley.realtime.demo_model import DEMO_IMAGE_MODEL, demo_image_stepper
 from parley.realtime.images_api import ImageService
+from parley.realtime.server import ServeConfig, ServeError, build_images
 
 from server_harness import serve
 
@@ -167,3 +169,13 @@ def test_a_server_without_an_image_model_says_so():
     with serve(create_app(engine, info=ServerInfo(model="delay"), codec_workers=0)) as base:
         with pytest.raises(openai.NotFoundError, match="--image-model"):
             client(base).images.generate(prompt="x")
+
+
+def test_serve_flags_are_checked(tmp_path, capsys):
+    assert main(["serve", "--image-queue", "0"]) == 2
+    assert "--image-queue must be at least 1" in capsys.readouterr().err
+    engine = Engine(DelayBackend(1), EngineConfig(max_sessions=1))
+    with pytest.raises(ServeError, match="--image-model: cannot read a diffusers pipeline"):
+        build_images(ServeConfig(model="x", image_model=str(tmp_path / "missing")), engine, torch.device("cpu"),
+                     torch.float32, demo=False)
+    assert build_images(ServeConfig(model="x"), engine, torch.device("cpu"), torch.float32, demo=False) is None
