@@ -214,6 +214,8 @@ class ImageQueue:
     def submit(self, spec: ImageSpec) -> ImageRequest:
         """Admit a request or raise ImageQueueFull / ImageRefused. Call on the consuming loop."""
         refused = self.refusal(spec.width, spec.height)
+        if spec.n > self.capacity:
+            refused = f"n={spec.n} is more images than this server's image queue holds ({self.capacity})."
         if refused:
             with self._lock:
                 self.counts["images_refused"] += 1
@@ -387,7 +389,8 @@ class ImageQueue:
 
     def _denoise(self, jobs: list[_Job]) -> None:
         self.stepper.denoise([j.state for j in jobs])
-        self.counts["image_denoise_steps"] += len(jobs)
+        with self._lock:
+            self.counts["image_denoise_steps"] += len(jobs)
         for j in jobs:
             if j.state.done:
                 j.phase = DECODE

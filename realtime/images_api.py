@@ -128,7 +128,7 @@ def parse_request(body: object, service: ImageService) -> Parsed:
     if model is not None and model != service.model:
         raise ApiError(400, f"this server serves the image model {service.model!r}, not {model!r}; "
                             "leave model out or use that name.", "model", "model_not_found")
-    n = _int(body, "n", 1, 1, MAX_N)
+    n = _int(body, "n", 1, 1, min(MAX_N, service.queue.capacity))
     width, height, size = _size(body.get("size"), stepper.latent_stride, stepper.default_size)
     quality = _choice(body, "quality", "auto", list(QUALITY_STEPS))
     steps = _int(body, "num_inference_steps", None, 1, MAX_STEPS) or QUALITY_STEPS[quality]
