@@ -36,13 +36,14 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 import numpy as np
 import torch
 
 from parley.models.image_pipeline import Conditioning, ImageJob, ImageStepper
 
+from .cuda_graph import CUDAGraphRunner, GraphError
 from .slack import CostModel, Priority, WorkItem
 from .stream import OutputStream, Status, Terminal
 
@@ -147,7 +148,8 @@ class ImageQueue:
     priority = Priority.IMAGES
 
     def __init__(self, stepper: ImageStepper, max_slack_s: float, *, capacity: int = DEFAULT_CAPACITY,
-                 max_batch: int = DEFAULT_MAX_BATCH, stream_events: int = 2) -> None:
+                 max_batch: int = DEFAULT_MAX_BATCH, stream_events: int = 2, cuda_graphs: bool = True,
+                 graph_factory: Callable[..., Callable] = CUDAGraphRunner) -> None:
         if capacity < 1 or max_batch < 1 or stream_events < 1:
             raise ValueError("capacity, max_batch and stream_events must be at least 1.")
         self.stepper = stepper
@@ -164,6 +166,11 @@ class ImageQueue:
         self._jobs: list[_Job] = []  # engine thread only, oldest first
         self._warm: dict[Hashable, float] = {}  # warm-up costs, recorded into the runner's model once
         self._per_pixel_s: float | None = None  # the costliest warm-up item per output pixel
+        # Denoise steps as CUDA graphs, one per (width, height, cfg, batch) captured at warm-up,
+        # each on its own capture stream; other buckets (and the CPU) run eagerly.
+        self.cuda_graphs = cuda_graphs and stepper.device.type == "cuda"
+        self._graph_factory = graph_factory
+        self._graphs: dict[tuple, Callable] = {}
         self.counts = {"images_submitted": 0, "images_completed": 0, "images_cancelled": 0,
                        "images_failed": 0, "images_refused": 0, "image_denoise_steps": 0}
 
@@ -200,14 +207,41 @@ class ImageQueue:
 
         cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg))
         for b in range(1, self.max_batch + 1):
-            jobs = [st.start(cond, width, height, 4, 5.0, i) for i in range(b)]
-            timed(self.denoise_key(width, height, cfg, b), lambda: st.denoise(jobs))
+            key = self.denoise_key(width, height, cfg, b)
+            jobs = [st.start(cond, width, height, 5, 5.0, i) for i in range(b)]
+            if self.cuda_graphs:
+                self._capture(key, jobs)
+            timed(key, lambda: st.denoise(jobs, predict=self._graphs.get(key)))
         job = st.start(cond, width, height, 4, 5.0, 0)
         timed(self.decode_key(width, height), lambda: st.decode(job.latents))
         self._warm.update(measured)
         worst = max(measured[self.denoise_key(width, height, cfg, 1)], measured[self.decode_key(width, height)])
         self._per_pixel_s = worst / (width * height)
         return measured
+
+    def _capture(self, key: tuple, jobs: list[ImageJob]) -> None:
+        """Capture the denoiser for this bucket during its first warm-up step (eager on failure)."""
+        graph = None
+
+        def capture(x, t, emb, pooled):
+            nonlocal graph
+            inputs = [x, t, emb] + ([] if pooled is None else [pooled])
+            graph = self._graph_factory(lambda *a: (self.stepper.predict(*a[:3], a[3] if len(a) > 3 else None),),
+                                        inputs, capture_stream=torch.cuda.Stream() if x.is_cuda else None)
+            return graph(*inputs)[0]
+
+        try:
+            self.stepper.denoise(jobs, predict=capture)
+        except GraphError as exc:
+            log.warning("image denoise steps run eagerly (CUDA graph capture failed: %s)", exc)
+            self.cuda_graphs = False
+            return
+
+        def replay(x, t, emb, pooled):
+            # The output is the graph's own buffer: copy it out (schedulers may keep it).
+            return graph(*([x, t, emb] + ([] if pooled is None else [pooled])))[0].clone()
+
+        self._graphs[key] = replay
 
     # ---- the edge (event loop) ----
 
@@ -388,7 +422,8 @@ class ImageQueue:
             j.phase = DENOISE
 
     def _denoise(self, jobs: list[_Job]) -> None:
-        self.stepper.denoise([j.state for j in jobs])
+        states = [j.state for j in jobs]
+        self.stepper.denoise(states, predict=self._graphs.get(self.denoise_key(*jobs[0].bucket, len(jobs))))
         with self._lock:
             self.counts["image_denoise_steps"] += len(jobs)
         for j in jobs:

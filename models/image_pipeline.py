@@ -28,11 +28,16 @@ import copy
 import inspect
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 from diffusers import DiffusionPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+
+# (latents, per-row timesteps, text embeddings, pooled embeddings or None) -> noise prediction
+Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class ImagePipelineError(ValueError):
@@ -137,8 +142,9 @@ class ImageStepper:
         scheduler.set_timesteps(steps, device=self.device)
 
     @torch.no_grad()
-    def denoise(self, jobs: list[ImageJob]) -> None:
-        """One step for each job (same size and CFG setting; timesteps may differ)."""
+    def denoise(self, jobs: list[ImageJob], predict: Predict | None = None) -> None:
+        """One step for each job (same size and CFG setting; timesteps may differ). `predict`
+        replaces the denoiser call (`self.predict`'s signature), e.g. by a CUDA graph of it."""
         if not jobs:
             return
         cfg = jobs[0].cfg
@@ -148,7 +154,9 @@ class ImageStepper:
         ts = [j.timesteps[j.step] for j in jobs]
         x = torch.cat([self._model_input(j, torch.cat([j.latents] * rows), t) for j, t in zip(jobs, ts)])
         t_vec = torch.cat([t.expand(rows) for t in ts])
-        pred = self._predict(x, t_vec, jobs)
+        emb = torch.cat([j.cond.embeds for j in jobs])
+        pooled = torch.cat([j.cond.pooled for j in jobs]) if jobs[0].cond.pooled is not None else None
+        pred = (predict or self.predict)(x, t_vec, emb, pooled)
         for i, (job, t) in enumerate(zip(jobs, ts)):
             noise = pred[i * rows:(i + 1) * rows]
             if cfg:
@@ -160,7 +168,9 @@ class ImageStepper:
     def _model_input(self, job: ImageJob, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return x
 
-    def _predict(self, x: torch.Tensor, t: torch.Tensor, jobs: list[ImageJob]) -> torch.Tensor:
+    def predict(self, x: torch.Tensor, t: torch.Tensor, emb: torch.Tensor,
+                pooled: torch.Tensor | None) -> torch.Tensor:
+        """The denoiser on a batch: latents, per-row timesteps, text embeddings (+ pooled)."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -197,8 +207,7 @@ class UNetStepper(ImageStepper):
     def _model_input(self, job: ImageJob, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return job.scheduler.scale_model_input(x, t)
 
-    def _predict(self, x, t, jobs):
-        emb = torch.cat([j.cond.embeds for j in jobs])
+    def predict(self, x, t, emb, pooled=None):
         return self.pipe.unet(x, t, encoder_hidden_states=emb, return_dict=False)[0]
 
     @torch.no_grad()
@@ -240,11 +249,9 @@ class FlowStepper(ImageStepper):
                              config.get("max_shift", 1.16))
         scheduler.set_timesteps(steps, device=self.device, mu=mu)
 
-    def _predict(self, x, t, jobs):
-        return self.pipe.transformer(hidden_states=x, timestep=t,
-                                     encoder_hidden_states=torch.cat([j.cond.embeds for j in jobs]),
-                                     pooled_projections=torch.cat([j.cond.pooled for j in jobs]),
-                                     return_dict=False)[0]
+    def predict(self, x, t, emb, pooled):
+        return self.pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb,
+                                     pooled_projections=pooled, return_dict=False)[0]
 
     @torch.no_grad()
     def decode(self, latents):

@@ -10,6 +10,7 @@ import weakref
 
 import numpy as np
 import pytest
+import torch
 
 from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageResult,
                                        ImageSpec, preview_steps)
@@ -297,3 +298,66 @@ def test_duplex_sessions_are_bit_identical_with_and_without_image_load(sd):
     for i in range(3):
         assert [f.pcm.tobytes() for f in out[i]] == [f.pcm.tobytes() for f in baseline[i]]
         assert [f.text_token for f in out[i]] == [f.text_token for f in baseline[i]]
+
+
+class FakeGraph:
+    """Stands in for CUDAGraphRunner on the CPU: 'replays' by calling the captured function."""
+
+    made: list["FakeGraph"] = []
+
+    def __init__(self, fn, inputs, capture_stream=None) -> None:
+        self.fn, self.shapes, self.replays = fn, [tuple(t.shape) for t in inputs], 0
+        FakeGraph.made.append(self)
+
+    def __call__(self, *inputs):
+        assert [tuple(t.shape) for t in inputs] == self.shapes
+        self.replays += 1
+        return self.fn(*inputs)
+
+
+def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
+    FakeGraph.made = []
+    size = sd.default_size
+    # (a huge slack: warm-up timings on the shared CPU vary by 100x, and admission predicts from them)
+    queue = ImageQueue(sd, max_slack_s=1e3, max_batch=2, stream_events=4, graph_factory=FakeGraph)
+    queue.cuda_graphs = True  # (on a CPU stepper the queue turns graphs off by itself)
+    queue.warm_up()
+    assert [g.shapes[0][0] for g in FakeGraph.made] == [2, 4]  # CFG rows: batch 1 and 2
+    replays = sum(g.replays for g in FakeGraph.made)
+
+    async def main():
+        runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
+        runner.add_source(queue)
+        graphed = queue.submit(ImageSpec("a cat", size, size, steps=3, guidance=5.0, seed=4))
+        eager = queue.submit(ImageSpec("a cat", 2 * size, size, steps=3, guidance=5.0, seed=4))  # no graph
+        runner.run_until(None)
+        return events_of(graphed), events_of(eager)
+
+    graphed, eager = asyncio.run(main())
+    assert sum(g.replays for g in FakeGraph.made) == replays + 3  # the 3 steps of the graphed bucket only
+    job = sd.start(sd.encode("a cat", None, True), size, size, 3, 5.0, 4)
+    while not job.done:
+        sd.denoise([job])
+    assert np.array_equal(graphed[0].pixels, sd.to_uint8(sd.decode(job.latents))[0])
+    assert eager[0].pixels.shape == (size, 2 * size, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
+    gpu = stepper_for(tiny_pipeline("sd").to("cuda"))
+    size = gpu.default_size
+
+    async def main():
+        queue, runner = manual_queue(gpu, stream_events=4)
+        queue.warm_up()
+        assert queue.cuda_graphs and queue._graphs
+        request = queue.submit(ImageSpec("a cat", size, size, steps=4, guidance=5.0, seed=4))
+        runner.run_until(None)
+        return events_of(request)
+
+    events = asyncio.run(main())
+    job = gpu.start(gpu.encode("a cat", None, True), size, size, 4, 5.0, 4)
+    while not job.done:
+        gpu.denoise([job])
+    assert np.abs(events[0].pixels.astype(int) - gpu.to_uint8(gpu.decode(job.latents))[0].astype(int)).max() <= 1

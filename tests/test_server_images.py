@@ -27,9 +27,9 @@ from server_harness import serve
 
 openai = pytest.importorskip("openai")
 
-# Generous: on the shared 2-core CPU a tiny step can take hundreds of ms, and an item that cannot
+# Generous: on the shared 2-core CPU a tiny step has taken up to 4 s under load, and an item that cannot
 # fit in an empty tick's slack is refused. The slack rule is the same at any period.
-TICK = 1.5
+TICK = 3.0
 CAPACITY = 2
 
 
