@@ -170,7 +170,8 @@ class ImageQueue:
         # each on its own capture stream; other buckets (and the CPU) run eagerly.
         self.cuda_graphs = cuda_graphs and stepper.device.type == "cuda"
         self._graph_factory = graph_factory
-        self._graphs: dict[tuple, Callable] = {}
+        self._graphs: dict[tuple, Callable] = {}  # denoise key -> replay
+        self._graph_runners: list = []  # to free their memory pools (close_graphs)
         self.counts = {"images_submitted": 0, "images_completed": 0, "images_cancelled": 0,
                        "images_failed": 0, "images_refused": 0, "image_denoise_steps": 0}
 
@@ -242,6 +243,20 @@ class ImageQueue:
             return graph(*([x, t, emb] + ([] if pooled is None else [pooled])))[0].clone()
 
         self._graphs[key] = replay
+        self._graph_runners.append(graph)
+
+    def graphed_predict(self, width: int, height: int, cfg: bool, batch: int) -> Callable | None:
+        """The captured denoiser for a bucket (for `stepper.denoise(..., predict=)`), or None."""
+        return self._graphs.get(self.denoise_key(width, height, cfg, batch))
+
+    def close_graphs(self) -> None:
+        """Free the captured graphs' memory (steps run eagerly afterwards)."""
+        self._graphs.clear()
+        for runner in self._graph_runners:
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
+        self._graph_runners.clear()
 
     # ---- the edge (event loop) ----
 
