@@ -179,3 +179,17 @@ def test_serve_flags_are_checked(tmp_path, capsys):
         build_images(ServeConfig(model="x", image_model=str(tmp_path / "missing")), engine, torch.device("cpu"),
                      torch.float32, demo=False)
     assert build_images(ServeConfig(model="x"), engine, torch.device("cpu"), torch.float32, demo=False) is None
+
+
+def test_a_client_that_hangs_up_before_the_json_answer_cancels_its_job(server):
+    base, queue, _ = server
+    httpx = pytest.importorskip("httpx2")
+    before = queue.counters()["images_cancelled"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"http://{base}/v1/images/generations", timeout=0.5,  # far less than 100 steps at 64 px
+                   json={"prompt": "slow", "num_inference_steps": 100, "size": "64x64"})
+    deadline = time.monotonic() + 60
+    while queue.counters()["images_cancelled"] == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert queue.outstanding == 0 and queue.active_jobs == 0
