@@ -9,13 +9,15 @@ only when its estimated cost fits before the next boundary:
     decode  (the final image)
 
 Cost keys are ("image", kind, width, height[, cfg, batch]); `warm_up` measures the model's
-default size once before the engine starts and the measurements seed the runner's cost
-model on the first offer, so the first live tick does not pay for a first measurement.
+default size once before the engine starts (capturing its denoise steps as CUDA graphs, one
+per batch size, each on its own capture stream, on CUDA) and the measurements seed the
+runner's cost model on the first offer, so the first live tick does not pay for a first
+measurement.
 
 Fairness: pending encodes first (cheap; a started job can join the next shared step), then
-the oldest job whose next item fits; a denoise step takes along every
-other job of the same bucket (oldest first, up to `max_batch`), shrinking the batch to what
-fits. Back-pressure: a job whose next item would push an event (preview, final image)
+the oldest job whose next item fits; a denoise step takes along every other job of the same
+bucket (oldest first, up to `max_batch`), shrinking the batch to what fits. An item that
+raises fails the request(s) it was for (every request of a shared denoise batch). Back-pressure: a job whose next item would push an event (preview, final image)
 waits while its request's stream has no room, so nothing is ever dropped and a slow client
 holds at most `stream_events` images in memory. Limits: at most `capacity` images wait or
 run (`ImageQueueFull`, with a retry hint); a size whose smallest item cannot fit in an
