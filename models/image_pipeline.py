@@ -32,8 +32,14 @@ from typing import Callable
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+from transformers.utils import logging as hf_logging
+
+# diffusers imports transformers' image processors (for safety checkers we do not load); without
+# torchvision each one warns about a fallback we never use. Keep the server log for real news.
+hf_logging.get_logger("transformers.utils.import_utils").setLevel(hf_logging.ERROR)
+
+from diffusers import DiffusionPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline  # noqa: E402
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift  # noqa: E402
 
 
 # (latents, per-row timesteps, text embeddings, pooled embeddings or None) -> noise prediction
