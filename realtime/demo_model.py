@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from parley.models.image_pipeline import ImageStepper, stepper_for
 from parley.models.synthetic import write_tiny_checkpoint
 from parley.models.tiny_diffusion import tiny_pipeline
@@ -63,7 +65,7 @@ def ensure_demo_checkpoint(directory: Path | None = None) -> Path:
 DEMO_IMAGE_MODEL = "parley-demo-image"
 
 
-def demo_image_stepper() -> ImageStepper:
+def demo_image_stepper(device: str | torch.device = "cpu") -> ImageStepper:
     """The demo server's image model: the tiny random SD-1.5-shaped pipeline, built in memory
     from configs (a fraction of a second, no files). Its images are noise."""
-    return stepper_for(tiny_pipeline("sd"), DEMO_IMAGE_MODEL)
+    return stepper_for(tiny_pipeline("sd").to(device), DEMO_IMAGE_MODEL)

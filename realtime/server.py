@@ -138,7 +138,7 @@ def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtyp
     if config.image_model is None and not demo:
         return None
     if config.image_model is None:
-        stepper = demo_image_stepper()
+        stepper = demo_image_stepper(device)
     else:
         log.info("loading image model %s on %s", config.image_model, device)
         try:
@@ -162,8 +162,9 @@ def serve(config: ServeConfig) -> int:
     except (ServeError, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
-    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime, /health, /ready, /metrics; %d sessions)",
-             config.host, config.port, config.max_sessions)
+    images = ", /v1/images/generations" if app.state.images is not None else ""
+    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime%s, /health, /ready, /metrics; %d sessions)",
+             config.host, config.port, images, config.max_sessions)
     server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level))
     server.run()
     return 0 if server.started else 1
