@@ -172,13 +172,13 @@ async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int) 
             i += load
 
     await asyncio.sleep(args.settle)  # sessions live, graphs warm
-    c0, steps0, t_ticks = engine.counters(), queue.counts["image_denoise_steps"], len(clock.lateness)
+    c0, steps0, t_ticks = engine.counters(), queue.counts["images_denoise_steps"], len(clock.lateness)
     done0 = len(backend.done)
     workers = [asyncio.create_task(keep_outstanding(w)) for w in range(load)]
     start = time.perf_counter()
     await asyncio.sleep(args.seconds)
     elapsed = time.perf_counter() - start
-    c1, steps1 = engine.counters(), queue.counts["image_denoise_steps"]
+    c1, steps1 = engine.counters(), queue.counts["images_denoise_steps"]
     lateness = [x * 1e3 for x in clock.lateness[t_ticks:]]
     voice_done = [x * 1e3 for x in backend.done[done0:]]
     for w in workers:

@@ -175,7 +175,7 @@ class ImageQueue:
         self._graphs: dict[tuple, Callable] = {}  # denoise key -> replay
         self._graph_runners: list = []  # to free their memory pools (close_graphs)
         self.counts = {"images_submitted": 0, "images_completed": 0, "images_cancelled": 0,
-                       "images_failed": 0, "images_refused": 0, "image_denoise_steps": 0}
+                       "images_failed": 0, "images_refused": 0, "images_denoise_steps": 0}
 
     # ---- keys ----
 
@@ -442,7 +442,7 @@ class ImageQueue:
         states = [j.state for j in jobs]
         self.stepper.denoise(states, predict=self._graphs.get(self.denoise_key(*jobs[0].bucket, len(jobs))))
         with self._lock:
-            self.counts["image_denoise_steps"] += len(jobs)
+            self.counts["images_denoise_steps"] += len(jobs)
         for j in jobs:
             if j.state.done:
                 j.phase = DECODE

@@ -69,6 +69,8 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     codec = make_codec_runner(codec_workers, max_sessions=engine.config.max_sessions, on_restart=count_restart)
     metrics = health.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                  if isinstance(codec, CodecProcessPool) else None)
+    if images is not None:
+        metrics.registry.register(images)  # parley_images_* (images_api.ImageService.collect)
     manager = SessionManager(engine, defaults, codec, metrics)
 
     @contextlib.asynccontextmanager

@@ -28,9 +28,10 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
 
 from PIL import Image
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -80,6 +81,17 @@ class ImageService:
 
     def close(self) -> None:
         self.queue.close("the server is shutting down")
+
+    def collect(self) -> Iterable:
+        """Prometheus collector (registered on the app's /metrics registry): the queue's counters."""
+        snap = self.queue.counters()
+        for name, value in snap.items():
+            if name == "images_outstanding":
+                family = GaugeMetricFamily("parley_images_outstanding", "images waiting or running")
+            else:
+                family = CounterMetricFamily(f"parley_{name}", f"image queue counter: {name}")
+            family.add_metric([], float(value))
+            yield family
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import base64
 import io
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -193,3 +194,13 @@ def test_a_client_that_hangs_up_before_the_json_answer_cancels_its_job(server):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert queue.outstanding == 0 and queue.active_jobs == 0
+
+
+def test_metrics_count_images(server):
+    base, queue, _ = server
+    client(base).images.generate(prompt="x", extra_body={"num_inference_steps": 1})
+    text = urllib.request.urlopen(f"http://{base}/metrics", timeout=10).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("parley_images")}
+    assert values["parley_images_completed_total"] == queue.counters()["images_completed"] >= 1
+    assert values["parley_images_denoise_steps_total"] >= 1 and values["parley_images_outstanding"] == 0
