@@ -50,9 +50,9 @@ class ClockedStepper:
         self._spend("encode", self.COSTS["encode"])
         return self.inner.encode(prompt, negative, cfg)
 
-    def denoise(self, jobs):
+    def denoise(self, jobs, predict=None):
         self._spend("denoise", self.COSTS["denoise"] + 0.004 * (len(jobs) - 1))
-        return self.inner.denoise(jobs)
+        return self.inner.denoise(jobs, predict)
 
     def decode(self, latents):
         self._spend("decode", self.COSTS["decode"])
