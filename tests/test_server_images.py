@@ -204,3 +204,13 @@ def test_metrics_count_images(server):
               if line.startswith("parley_images")}
     assert values["parley_images_completed_total"] == queue.counters()["images_completed"] >= 1
     assert values["parley_images_denoise_steps_total"] >= 1 and values["parley_images_outstanding"] == 0
+
+
+def test_stream_with_n_images_tags_each_event_with_its_image(server):
+    base, _, _ = server
+    events = list(client(base).images.generate(prompt="two", n=2, stream=True, partial_images=1,
+                                               extra_body={"num_inference_steps": 2, "seed": 3}))
+    kinds = [(e.type.rsplit(".", 1)[1], e.model_extra["image_index"]) for e in events]
+    assert sorted(kinds) == [("completed", 0), ("completed", 1), ("partial_image", 0), ("partial_image", 1)]
+    assert kinds.index(("partial_image", 0)) < kinds.index(("completed", 0))  # per image: partials first
+    assert kinds.index(("partial_image", 1)) < kinds.index(("completed", 1))
