@@ -1,4 +1,4 @@
-"""Fused decode kernels (models/attention.py) against the plain PyTorch path, on a CUDA device."""
+"""Fused decode kernels (models/kernels.py) against the plain PyTorch path, on a CUDA device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parley.models import attention as fa
+from parley.models import kernels as fa
 from parley.models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv,
                                 quantize_kv, ring_slot_positions)
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _need_cuda():
-    if not torch.cuda.is_available() or not fa._HAVE_TRITON:
+    if not torch.cuda.is_available() or not fa.have_triton():
         pytest.skip("needs a CUDA device and Triton")
 
 
@@ -81,9 +81,9 @@ def test_rope_write_and_norms():
     norm = RMSNorm(4096, 1e-8, torch.float32, device="cuda")
     norm.alpha.data.uniform_(0.5, 1.5)
     x, u = torch.randn(4, 4096, device="cuda"), torch.randn(4, 4096, device="cuda")
-    torch.testing.assert_close(fa.rms_norm(x, norm), norm(x).view_as(x))
+    torch.testing.assert_close(fa.rms_norm(x, *norm.fused_params()), norm(x).view_as(x))
     ls = LayerScale(4096, 0.1, device="cuda")
-    res, y = fa.add_rms_norm(x, u, ls, norm)
+    res, y = fa.add_rms_norm(x, u, ls.scale, *norm.fused_params())
     torch.testing.assert_close(res, x + ls(u))
     torch.testing.assert_close(y, norm(x + ls(u)).view_as(x))
     h = torch.randn(4, 2 * 1000, device="cuda")
@@ -124,12 +124,9 @@ def _fused_and_general(kv_dtype=None):
             tr(warm[:, :30], st)
         outs = []
         for fused in (True, False):
-            fa.ENABLED = fused
-            try:
+            with fa.enabled(fused):
                 st = states[0] if fused else states[1]
                 ys = [tr(warm[:, 30 + t:31 + t], st, exec_mask) for t in range(15)]
-            finally:
-                fa.ENABLED = True
             outs.append((torch.cat(ys, 1), st))
     return outs
 

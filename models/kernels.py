@@ -1,11 +1,15 @@
 """Fused CUDA kernels (Triton) for the one-step (T == 1) streaming decode, and for sampling.
 
-    available(x) -> bool                      # CUDA tensor, Triton importable, not disabled
+A leaf module: it takes plain tensors and numbers, never model objects, and imports nothing
+from the rest of Parley.
+
+    available(x) -> bool                      # CUDA tensor, Triton importable, fused paths switched on
+    set_enabled(flag) -> previous flag;  with enabled(flag): ...    # the one switch
     q, k, v = rope_write(qkv[B, 3*H*D], H, D, cos_sin | None, pos[B], exec_mask[B] | None, cache_k, cache_v)
     out = decode_attention(q[B,H,D], k_new[B,H,D], v_new[B,H,D], cache_k[B,H,S,D], cache_v, slot_pos[B,S],
                            pos[B], context | None)        # [B, H, D]
-    y = rms_norm(x[B, N], norm)                           # RMSNorm computed in fp32
-    res, y = add_rms_norm(res[B, N], upd[B, N], layer_scale | None, norm)
+    y = rms_norm(x[B, N], alpha[N], eps)                  # RMSNorm computed in fp32
+    res, y = add_rms_norm(res[B, N], upd[B, N], scale[N] | None, alpha[N], eps)
     a = silu_mul(h[B, 2*F])                               # silu(h[:, :F]) * h[:, F:]
     tokens = sample(logits[B, V], temperature[B], top_k[B], noise[B, V])
 
@@ -19,12 +23,17 @@ Only slots below min(pos[b], S) are visited: since a row's positions grow from 0
 slots at or above that bound have never been written. Splits of the window past it exit at once,
 so the cost follows each row's filled window (split-KV, "flash decoding"), not the capacity.
 
-Disable every fused path with PARLEY_FUSED=0 (or `attention.ENABLED = False`).
+The switch: PARLEY_FUSED=0 in the environment turns every fused path off at import (1, the
+default, leaves them on; any other value is refused); `set_enabled` / `enabled` change it at run
+time (tests compare both paths). It is read when a step is traced, so a CUDA graph keeps the
+path it was captured with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 
@@ -38,13 +47,40 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None
     _HAVE_TRITON = False
 
-ENABLED = os.environ.get("PARLEY_FUSED", "1") != "0"
-# Launch overrides for tuning (block_n, blocks, stages, warps); empty = the defaults below.
-TUNE: dict[str, int] = {}
+
+def _env_switch() -> bool:
+    value = os.environ.get("PARLEY_FUSED", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"PARLEY_FUSED={value!r}: expected 1 (fused CUDA kernels, the default) or 0 (plain PyTorch)")
+    return value == "1"
+
+
+_switch = {"on": _env_switch()}
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the fused paths on or off for steps traced from now on; returns the previous setting."""
+    previous = _switch["on"]
+    _switch["on"] = bool(flag)
+    return previous
+
+
+@contextlib.contextmanager
+def enabled(flag: bool) -> Iterator[None]:
+    """Run a block with the fused paths on or off, then restore the previous setting."""
+    previous = set_enabled(flag)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
+
+def have_triton() -> bool:
+    return _HAVE_TRITON
 
 
 def available(x: torch.Tensor) -> bool:
-    return ENABLED and _HAVE_TRITON and x.is_cuda
+    return _switch["on"] and _HAVE_TRITON and x.is_cuda
 
 
 def _pow2(n: int) -> int:
@@ -301,10 +337,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
     assert D == _pow2(D), f"head dim {D} must be a power of two"
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-    block_n = TUNE.get("block_n") or max(16, min(64, _pow2(S)))
+    block_n = max(16, min(64, _pow2(S)))
     # Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B.
-    blocks = TUNE.get("blocks") or (2 if B * H <= 64 else (4 if B * H <= 512 else 8))
-    stages, warps = TUNE.get("stages", 3), TUNE.get("warps", 4)
+    blocks = 2 if B * H <= 64 else (4 if B * H <= 512 else 8)
+    stages, warps = 3, 4
     split = block_n * blocks
     num_splits = triton.cdiv(S, split)
     ieee = cache_k.dtype == torch.float32
@@ -372,26 +408,9 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
     return q_out, k_out, v
 
 
-def _rms_params(norm) -> tuple[torch.Tensor, float] | None:
-    """(alpha, eps) when `norm` is an fp32-computed RMSNorm we can fuse, else None."""
-    from .transformer import RMSNorm
-
-    if isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32:
-        return norm.alpha.reshape(-1), norm.eps
-    return None
-
-
-def _scale_of(layer_scale) -> torch.Tensor | None:
-    from .transformer import LayerScale
-
-    return layer_scale.scale if isinstance(layer_scale, LayerScale) else None
-
-
-def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    params = _rms_params(norm)
-    if params is None or x.stride(-1) != 1:
-        return norm(x)
-    alpha, eps = params
+def rms_norm(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [B, N] (last dim contiguous) -> x * alpha / sqrt(eps + mean(x^2)), in fp32, cast back."""
+    assert x.stride(-1) == 1
     B, N = x.shape
     y = torch.empty_like(x)
     _add_rms_norm_kernel[(B,)](x, x, x, alpha, x, y, N, eps, x.stride(0), 0, 0, y.stride(0),
@@ -399,15 +418,12 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return y
 
 
-def add_rms_norm(res: torch.Tensor, upd: torch.Tensor, layer_scale, norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """res + layer_scale(upd) (rounded to upd's dtype, as the layer does), and its RMSNorm."""
-    params = _rms_params(norm)
-    if params is None or res.stride(-1) != 1 or upd.stride(-1) != 1:
-        new = res.to(upd) + layer_scale(upd)
-        return new, norm(new)
-    alpha, eps = params
+def add_rms_norm(res: torch.Tensor, upd: torch.Tensor, scale: torch.Tensor | None, alpha: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """new = res + scale * upd (rounded to upd's dtype, as the layer does; no scale: + upd), and
+    rms_norm(new, alpha, eps)."""
+    assert res.stride(-1) == 1 and upd.stride(-1) == 1
     B, N = upd.shape
-    scale = _scale_of(layer_scale)
     new = torch.empty_like(upd)
     y = torch.empty_like(upd)
     _add_rms_norm_kernel[(B,)](res, upd, scale if scale is not None else upd, alpha, new, y, N, eps,
