@@ -129,8 +129,9 @@ if _HAVE_TRITON:
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
             if KV_FP8:
-                k = k.to(tl.float32).to(q.dtype)
-                v = v.to(tl.float32).to(q.dtype)
+                # Straight to the dot's dtype: one conversion per element, not two through fp32.
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
                 k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
                 v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
