@@ -73,16 +73,20 @@ def graph_ms(runner: CUDAGraphRunner, inputs, frames: int, warmup: int) -> float
 
 def kernel_breakdown(runner: CUDAGraphRunner, inputs, replays: int) -> dict[str, dict[str, float]]:
     """Per kind: total kernel time per replay (ms) and kernel count per replay."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(replays):
             runner(*inputs)
         torch.cuda.synchronize()
-    kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "kernels": 0})
+    kinds: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "kernels": 0, "top": defaultdict(float)})
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith(("Memcpy", "Memset")):
             k = kinds[kind_of(evt.name)]
-            k["ms"] += (evt.time_range.end - evt.time_range.start) / 1000 / replays
+            ms = (evt.time_range.end - evt.time_range.start) / 1000 / replays
+            k["ms"] += ms
             k["kernels"] += 1 / replays
+            k["top"][evt.name[:80]] += ms
+    for k in kinds.values():  # the 5 costliest kernel names of each kind
+        k["top"] = dict(sorted(k["top"].items(), key=lambda item: -item[1])[:5])
     return dict(kinds)
 
 
@@ -164,6 +168,9 @@ def report(r: dict) -> None:
             floor = f"{r['kv_floor_ms']:.2f}"
             note = f"{r['kv_floor_ms'] / k['ms']:.0%} of the KV floor" if k["ms"] else ""
         print(f"| {name} | {k['ms']:.2f} | {k['kernels']:.0f} | {floor} | {note} |")
+    print("\ncostliest kernels of each kind (ms per LM step):")
+    for name, k in r["lm_step_kernels"].items():
+        print(f"  {name}: " + "; ".join(f"{n} {ms:.3f}" for n, ms in k["top"].items()))
 
 
 def main() -> None:

@@ -170,21 +170,25 @@ if _HAVE_TRITON:
             tl.store(OUT + b * so_b + h * so_h + d[None, :] + 0 * rows[:, None], out.to(OUT.dtype.element_ty),
                      mask=row0[:, None])
         else:
+            # Splits past the filled window store nothing: the reduce reads only filled splits.
             idx = bh * NUM_SPLITS + split
-            tl.store(M_TMP + idx + 0 * rows, m_i, mask=row0)
-            tl.store(L_TMP + idx + 0 * rows, l_i, mask=row0)
-            tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=row0[:, None])
+            st = row0 & (start < n_valid)
+            tl.store(M_TMP + idx + 0 * rows, m_i, mask=st)
+            tl.store(L_TMP + idx + 0 * rows, l_i, mask=st)
+            tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=st[:, None])
 
     @triton.jit
-    def _attn_reduce_kernel(Q, KN, VN, OUT, M_TMP, L_TMP, ACC_TMP, H, qk_scale,
+    def _attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scale,
                             sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, so_b, so_h,
-                            D: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_P2: tl.constexpr):
+                            D: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            NS_P2: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H
         d = tl.arange(0, D)
         sidx = tl.arange(0, NS_P2)
-        smask = sidx < NUM_SPLITS
+        n_valid = tl.minimum(tl.load(POS + b), S)
+        smask = (sidx < NUM_SPLITS) & (sidx * SPLIT < n_valid)
         m = tl.load(M_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=-1.0e30)
         l = tl.load(L_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=0.0)
         acc = tl.load(ACC_TMP + (bh * NUM_SPLITS + sidx)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
@@ -376,8 +380,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None, FINAL=False,
         IEEE=ieee, STAGES=stages, KV_FP8=fp8, num_warps=warps)
     _attn_reduce_kernel[(B * H,)](
-        q, k_new, v_new, out, m_tmp, l_tmp, acc_tmp, H, qk_scale, *common, out.stride(0), out.stride(1),
-        D=D, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
+        q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
+        D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
     return out
 
 
