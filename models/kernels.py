@@ -110,6 +110,10 @@ if _HAVE_TRITON:
         d = tl.arange(0, D)
         rows = tl.arange(0, M)
         q = tl.load(Q + b * sq_b + h * sq_h + d[None, :] + 0 * rows[:, None])  # [M, D]
+        if KV_FP8:
+            # fp8 caches run fp16 dots: e4m3 -> fp16 is one hardware conversion per element pair
+            # on Hopper (to bf16 it goes through fp32), and fp16 holds every e4m3 value exactly.
+            q = q.to(tl.float16)
         offs_n = tl.arange(0, BLOCK_N)
         k_base = K + b * sk_b + h * sk_h
         v_base = V + b * sv_b + h * sv_h
@@ -129,9 +133,8 @@ if _HAVE_TRITON:
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
             if KV_FP8:
-                # Straight to the dot's dtype: one conversion per element, not two through fp32.
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
                 k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
                 v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
@@ -150,7 +153,9 @@ if _HAVE_TRITON:
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             elif KV_FP8:
-                acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(v.dtype), v)
+                # p * v_sc * 448 = p * (the slot's max |v|) keeps fp16 operands in its normal range;
+                # the 1 / 448 goes back on in fp32.
+                acc = acc * alpha[:, None] + tl.dot((p * (v_sc * 448.0)[None, :]).to(tl.float16), v) * (1.0 / 448.0)
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
