@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -336,21 +336,35 @@ if _HAVE_TRITON:
 # Wrappers
 
 
+class AttentionLaunch(NamedTuple):
+    block_n: int  # slots per loop iteration
+    blocks: int  # loop iterations per program: a program covers block_n * blocks slots of a row's window
+    stages: int  # software-pipelining depth of the loop's loads
+    warps: int
+
+
+def attention_launch(B: int, H: int, S: int, fp8: bool) -> AttentionLaunch:
+    """Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B."""
+    block_n = max(16, min(64, _pow2(S)))
+    blocks = 2 if B * H <= 64 else (4 if B * H <= 512 else 8)
+    one_split = block_n * blocks >= S  # short rings (the depformer's, Mimi's): nothing to pipeline
+    return AttentionLaunch(block_n, blocks, 1 if one_split else 3, 4)
+
+
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, slot_pos: torch.Tensor, pos: torch.Tensor,
                      context: int | None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n]."""
+                     v_scale: torch.Tensor | None = None,
+                     launch: AttentionLaunch | None = None) -> torch.Tensor:
+    """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n].
+    `launch`: block shape and grid (default `attention_launch`; benchmarks sweep others)."""
     B, H, D = q.shape
     S = cache_k.shape[2]
     assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
     assert D == _pow2(D), f"head dim {D} must be a power of two"
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-    block_n = max(16, min(64, _pow2(S)))
-    # Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B.
-    blocks = 2 if B * H <= 64 else (4 if B * H <= 512 else 8)
-    stages, warps = 3, 4
+    block_n, blocks, stages, warps = launch or attention_launch(B, H, S, k_scale is not None)
     split = block_n * blocks
     num_splits = triton.cdiv(S, split)
     ieee = cache_k.dtype == torch.float32
@@ -371,7 +385,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
             cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
             out.stride(0), out.stride(1),
             D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=1, HAS_CONTEXT=context is not None, FINAL=True,
-            IEEE=ieee, STAGES=1, KV_FP8=fp8, num_warps=4)
+            IEEE=ieee, STAGES=stages, KV_FP8=fp8, num_warps=warps)
         return out
     m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
     l_tmp = torch.empty_like(m_tmp)
