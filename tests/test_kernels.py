@@ -60,6 +60,29 @@ def test_decode_attention_matches_sdpa(B, H, S, D, context):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("launch", [(64, 47, 3, 4), (128, 4, 3, 8), (32, 16, 4, 4)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_launch_shapes_match_sdpa(launch, fp8):
+    """Every launch shape (one split over the whole ring, wide blocks, narrow blocks) computes
+    the same attention."""
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(1)
+    B, H, S, D, dt = 5, 4, 3000, 128, torch.bfloat16
+    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    pos, sp = _window_positions(B, S, g)
+    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    scales = ()
+    if fp8:
+        (ck, ks), (cv, vs) = quantize_kv(ck), quantize_kv(cv)
+        scales = (ks, vs)
+    out = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, S, *scales, launch=fa.AttentionLaunch(*launch))
+    if fp8:
+        ck, cv = dequantize_kv(ck, ks, dt), dequantize_kv(cv, vs, dt)
+    ref = _sdpa_reference(q, kn, vn, ck, cv, sp, pos, S)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_rope_write_and_norms():
     _need_cuda()
     B, H, D, S = 3, 4, 128, 10
