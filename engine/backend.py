@@ -218,7 +218,7 @@ class ModelBackend:
         self._prompt_mask = torch.zeros(b, dtype=torch.bool, device=self.device)
         self._handoff_rows: set[int] = set()  # rows whose handoff frame is still to run
         if checkpoint.model_type == "personaplex" and self.device.type == "cuda":
-            self._warm_up_prefill()
+            self.warm_up_prefill()
         if row_buckets is None:
             row_buckets = self.device.type == "cuda"
         self._buckets = bucket_sizes(max_sessions) if row_buckets else [max_sessions]
@@ -263,16 +263,17 @@ class ModelBackend:
         return pcm, out.text, decode, agent, user_codes
 
     @torch.no_grad()
-    def _warm_up_prefill(self) -> None:
+    def warm_up_prefill(self, chunks: tuple[int, ...] = PREFILL_WARMUP_FRAMES) -> None:
         """Run the prompt path once per chunk-size class on row 0, then reset it, so the first
         session's prefill does not pay for loading kernels and picking matmul algorithms (0.15-1.2 s
         on an H200), which would make the tick it runs in late."""
         initial = self._gen.initial[None]  # [1, n_q + 1]
-        for frames in PREFILL_WARMUP_FRAMES:
+        for frames in chunks:
             if frames <= self.cfg.context:
                 self._gen.prefill(self._lm_state, 0, self._gen.embed_frames(initial.expand(frames, -1)))
                 self.reset_rows(rows_mask(self.max_sessions, [0]))
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def bucket(self, live_mask: torch.Tensor) -> int:
         """The rows a tick with this host live mask runs: the smallest bucket holding every live row."""
