@@ -28,7 +28,8 @@ from parley.models.transformer import quantize_kv, ring_slot_positions  # noqa: 
 H, S, D = 32, 3000, 128
 # (block_n, blocks, stages, warps); blocks = 0: one split covering the whole ring.
 CANDIDATES = [(64, 8, 3, 4), (64, 0, 3, 4), (128, 4, 3, 4), (128, 4, 3, 8), (128, 0, 3, 8), (64, 16, 3, 4),
-              (32, 16, 4, 4), (128, 8, 2, 8)]
+              (32, 16, 4, 4), (128, 8, 2, 8), (128, 0, 3, 4), (128, 4, 2, 4), (128, 2, 3, 4), (128, 8, 3, 4),
+              (256, 2, 2, 4), (256, 2, 2, 8), (128, 4, 4, 4)]
 
 
 def main() -> None:
@@ -37,7 +38,12 @@ def main() -> None:
     parser.add_argument("--kv", default="bf16,fp8")
     parser.add_argument("--windows", default="empty,spread,full")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", help="comma-separated launch shapes to try, e.g. 128x4x3x4,64x0x3x4 (blocks 0: one "
+                        "split over the ring); default: the built-in list")
     args = parser.parse_args()
+    candidates = CANDIDATES
+    if args.only:
+        candidates = [tuple(int(x) for x in c.split("x")) for c in args.only.split(",")]
     rows = []
     g = torch.Generator("cuda").manual_seed(0)
     for kv in args.kv.split(","):
@@ -56,7 +62,7 @@ def main() -> None:
                 nbytes = filled * H * D * 2 * (1 if kv == "fp8" else 2) + (filled * H * 8 if kv == "fp8" else 0)
                 ref = kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, S, *scales).float()
                 default = tuple(kernels.attention_launch(B, H, S, kv == "fp8"))
-                for cand in [default] + [c for c in CANDIDATES if c != default]:
+                for cand in [default] + [c for c in candidates if c != default]:
                     block_n, blocks, stages, warps = cand
                     launch = kernels.AttentionLaunch(block_n, blocks or triton.cdiv(S, block_n), stages, warps)
                     try:
