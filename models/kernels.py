@@ -346,15 +346,13 @@ class AttentionLaunch(NamedTuple):
 def attention_launch(B: int, H: int, S: int, fp8: bool) -> AttentionLaunch:
     """Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B.
 
-    From benchmarks/attention_kernel.py on the H200 (docs/figures/attention_sweep.json), with
-    2048 or more (row, head) pairs: bf16 runs best as one program per pair over the whole ring
-    (no reduce pass; splits past the filled window cost nothing then), 4.5 TB/s at full
-    windows; fp8 best with 128-slot blocks, 4 per program (its loop is compute-bound: fewer,
-    wider iterations)."""
+    From benchmarks/attention_kernel.py on the H200 (docs/figures/attention_sweep*.json), with
+    2048 or more (row, head) pairs: one program per pair over the whole ring (no reduce pass,
+    and nothing to do past the filled window), in 64-slot blocks for bf16 (4.5 TB/s at full
+    windows) and 128-slot blocks for fp8 (whose loop is compute-bound: fewer, wider iterations)."""
     if B * H >= 2048 and S > 64:
-        if fp8:
-            return AttentionLaunch(128, 4, 3, 4)
-        return AttentionLaunch(64, triton.cdiv(S, 64), 3, 4)
+        block_n = 128 if fp8 else 64
+        return AttentionLaunch(block_n, triton.cdiv(S, block_n), 3, 4)
     block_n = max(16, min(64, _pow2(S)))
     blocks = 2 if B * H <= 64 else (4 if B * H <= 512 else 8)
     one_split = block_n * blocks >= S  # short rings (the depformer's, Mimi's): nothing to pipeline

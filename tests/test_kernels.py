@@ -60,7 +60,7 @@ def test_decode_attention_matches_sdpa(B, H, S, D, context):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("launch", [(64, 47, 3, 4), (128, 4, 3, 8), (32, 16, 4, 4)])
+@pytest.mark.parametrize("launch", [(64, 47, 3, 4), (128, 24, 3, 4), (128, 4, 3, 8), (32, 16, 4, 4)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_decode_attention_launch_shapes_match_sdpa(launch, fp8):
     """Every launch shape (one split over the whole ring, wide blocks, narrow blocks) computes
