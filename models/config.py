@@ -73,6 +73,10 @@ class LMConfig:
     depformer_weights_per_step: bool = True
     depformer_weights_per_step_schedule: tuple[int, ...] | None = None
     delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+    # Extra linear heads on the normalised hidden state (Kyutai STT: end-of-turn / pause
+    # prediction, see models/stt.py); dep_q 0 means no depformer at all (an STT model).
+    extra_heads_num_heads: int = 0
+    extra_heads_dim: int = 6
 
     def __post_init__(self) -> None:
         if len(self.delays) != self.n_q + 1:
