@@ -106,6 +106,11 @@ class Engine:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)
 
+    @property
+    def slack_costs(self):
+        """The slack runner's cost model, for sources to seed their keys at start (warm-up)."""
+        return self._slack.costs
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread (bounded), end every stream, free the backend. Idempotent.
         Blocks for at most `timeout` (default: config.shutdown_timeout_s); from async code

@@ -65,6 +65,7 @@ class SttRequest:
     request_id: str
     events: OutputStream
     max_input_s: float
+    temperature: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _chunks: deque = field(default_factory=deque)  # float32 arrays, fed from the loop
     _buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # engine thread only
@@ -114,6 +115,26 @@ class SttRequest:
         return None, ended
 
 
+class SttFailed(RuntimeError):
+    """A transcription ended without completing (its Terminal's reason)."""
+
+
+async def collect_transcript(request: SttRequest) -> tuple[str, list[Word]]:
+    """Await a request's end: (full text, timed words). SttFailed unless it completed."""
+    text, words = "", []
+    try:
+        async for event in request.events:
+            if isinstance(event, Terminal):
+                if event.status is not Status.COMPLETED:
+                    raise SttFailed(f"transcription {event.status.value}: {event.reason}")
+                break
+            text += event.text
+            words += event.words
+    finally:
+        request.cancel()  # no-op once completed; frees the row if the caller went away
+    return text.strip(), words
+
+
 @dataclass
 class _Row:
     request: SttRequest
@@ -147,7 +168,10 @@ class SttPool:
 
     # ---- requests (event loop) ----
 
-    def submit(self, loop: asyncio.AbstractEventLoop | None = None) -> SttRequest:
+    def submit(self, loop: asyncio.AbstractEventLoop | None = None, *, temperature: float = 0.0) -> SttRequest:
+        """Queue a request; `temperature` 0 is greedy (Kyutai's setting), more samples the text."""
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature <= 2):
+            raise SttInputError(f"temperature must be between 0 and 2, got {temperature!r}.")
         loop = loop or asyncio.get_running_loop()
         with self._lock:
             if len(self._queue) >= self.max_queue:
@@ -155,7 +179,7 @@ class SttPool:
                               f"requests are waiting; try again later.")
             self._next_id += 1
             request = SttRequest(f"stt_{self._next_id}", OutputStream(f"stt_{self._next_id}", loop, OUTPUT_EVENTS),
-                                 self.max_input_s)
+                                 self.max_input_s, temperature=float(temperature))
             self._queue.append(request)
             self.counters["stt_requests"] += 1
         return request
@@ -192,6 +216,7 @@ class SttPool:
         mask = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         mask[i] = True
         self._state.reset(mask)
+        self._state.text_temp[i] = request.temperature
         self._mimi_state.reset(mask)
         settings = self.checkpoint.settings
         offset = settings.prefix_frames / FRAME_RATE

@@ -7,7 +7,7 @@
 DSM text conventions (Kyutai STT): 3 = PAD (nothing new), 0 = EPAD ("end of padding": a word
 starts right after it), other ids are SentencePiece pieces of the current word. The timing rule is
 moshi-server's ASR (`asr.rs`): a step's time is (step + 1 - text_delay) / 12.5 s; a word starts at
-the time of the last EPAD before it and ends at the next EPAD after it (or at `flush`).
+the time of the last EPAD before it and ends at the next EPAD after it (or at `flush`); several words in one segment share its span.
 
 Kept apart from the TTS text machinery on purpose (its DSM state machine feeds text *in*); the two
 can share the piece/word helpers once both have landed.
@@ -55,19 +55,18 @@ class TranscriptDecoder:
         out: list[TextDelta | Word] = []
         if token in (TEXT_PAD, TEXT_EPAD):
             if self._word:
-                self._pending = Word(self._tok.decode(self._word).strip(), self._word_start, self._word_start)
-                self._word = []
+                self._pending = self._open_word(self._word_start)
             if token == TEXT_EPAD:
                 now = self._time(step)
                 if self._pending is not None:
-                    out.append(Word(self._pending.text, self._pending.start, now))
+                    out += _split(self._pending.text, self._pending.start, now)
                     self._pending = None
                 self._word_start = now
             return out
         if token < 0 or self._tok.is_special(token):
             return out
         if self._pending is not None:  # a new word began without an EPAD: the old one ends here
-            out.append(Word(self._pending.text, self._pending.start, self._time(step)))
+            out += _split(self._pending.text, self._pending.start, self._time(step))
             self._pending = None
             self._word_start = self._time(step)
         self._word.append(token)
@@ -79,14 +78,32 @@ class TranscriptDecoder:
             out.append(TextDelta(piece))
         return out
 
+    def _open_word(self, end: float) -> Word | None:
+        """The word made of the pieces so far (None if they decode to nothing)."""
+        text = self._tok.decode(self._word).strip()
+        self._word = []
+        return Word(text, self._word_start, end) if text else None
+
     def flush(self, step: int) -> list[TextDelta | Word]:
         """The audio ended after `step`: close the open word at that time."""
         end = self._time(step)
         out: list[TextDelta | Word] = []
         if self._word:
-            self._pending = Word(self._tok.decode(self._word).strip(), self._word_start, end)
-            self._word = []
-        if self._pending is not None and self._pending.text:
-            out.append(Word(self._pending.text, self._pending.start, max(end, self._pending.start)))
+            self._pending = self._open_word(end)
+        if self._pending is not None:
+            out += _split(self._pending.text, self._pending.start, max(end, self._pending.start))
         self._pending = None
         return out
+
+
+def _split(text: str, start: float, end: float) -> list[Word]:
+    """A segment between two EPADs is normally one word; when the model packed several words into
+    it (fast speech, or no EPAD at all), each gets a share of the span by its length."""
+    words = text.split()
+    total = sum(len(w) for w in words)
+    out, at = [], start
+    for w in words:
+        step = (end - start) * len(w) / total
+        out.append(Word(w, at, at + step))
+        at += step
+    return out

@@ -27,10 +27,11 @@ import uvicorn
 
 from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
-from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from parley.engine.stt_pool import SttPool
+from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint, load_stt_checkpoint
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import ensure_demo_checkpoint
+from .demo_model import STT_NOTICE, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
 from .sessions import ServerDefaults
 
 log = logging.getLogger("parley.server")
@@ -62,6 +63,10 @@ class ServeConfig:
     # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
     # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
     torch_threads: int | None = 1
+    # Speech-to-text (Kyutai STT) for /v1/audio/transcriptions: checkpoint dir or HF repo id;
+    # None: none, except for the demo server, which includes a tiny random one.
+    stt_model: str | None = None
+    stt_slots: int = 16
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,7 +126,18 @@ def build_app(config: ServeConfig):
                       default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
-    return create_app(engine, defaults, info, codec_workers=config.codec_workers)
+    return create_app(engine, defaults, info, codec_workers=config.codec_workers,
+                      stt_pool=_stt_pool(config, demo, device, dtype))
+
+
+def _stt_pool(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttPool | None:
+    if config.stt_model is None and not demo:
+        return None
+    source = config.stt_model or str(ensure_demo_stt_checkpoint())
+    if config.stt_model is None:
+        log.warning("demo server: %s", STT_NOTICE)
+    log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)
+    return SttPool(load_stt_checkpoint(source, device=device, dtype=dtype), config.stt_slots)
 
 
 def serve(config: ServeConfig) -> int:
