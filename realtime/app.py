@@ -32,6 +32,7 @@ from parley.engine import Engine
 from parley.engine.stt_pool import SttPool
 
 from . import health
+from .demo_model import STT_NOTICE
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
@@ -95,6 +96,9 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         body = {"model": info.model, "demo": info.demo, "max_sessions": engine.config.max_sessions}
         if info.demo:
             body["notice"] = DEMO_NOTICE
+        body["transcription"] = stt_pool is not None
+        if info.demo and stt_pool is not None:
+            body["transcription_notice"] = STT_NOTICE
         return JSONResponse(body)
 
     routes = [
