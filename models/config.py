@@ -229,11 +229,12 @@ def tiny_lm_config(dep_q: int = 8, card: int = 2048) -> LMConfig:
     )
 
 
-def tiny_mimi_config(num_codebooks: int = 8) -> MimiConfig:
-    """A small Mimi with the real hop (1920 samples per frame), for CPU tests."""
+def tiny_mimi_config(num_codebooks: int = 8, levels: int | None = None) -> MimiConfig:
+    """A small Mimi with the real hop (1920 samples per frame), for CPU tests. `levels`: codebooks
+    in the weights (default `num_codebooks`; the real Mimi has 32 and Moshi uses 8)."""
     return MimiConfig(
         seanet=SEANetConfig(dimension=32, n_filters=4),
-        quantizer=QuantizerConfig(dimension=16, n_q=num_codebooks, bins=2048,
+        quantizer=QuantizerConfig(dimension=16, n_q=levels or num_codebooks, bins=2048,
                                   input_dimension=32, output_dimension=32),
         transformer=MimiTransformerConfig(d_model=32, num_heads=2, num_layers=2, context=20,
                                           dim_feedforward=64, input_dimension=32,

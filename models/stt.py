@@ -107,8 +107,9 @@ class SttGen:
         self.model = model
         self.cfg = model.cfg
         self.text_temp, self.text_topk = text_temp, text_topk
-        self.generator = generator
         device = next(model.parameters()).device
+        # Its own generator: transcription must never move the duplex model's random stream.
+        self.generator = generator if generator is not None else torch.Generator(device=device).manual_seed(0)
         self.delays = torch.tensor(self.cfg.delays, dtype=torch.long, device=device)
         self.initial = model.initial_tokens(device)
         self.ring_size = self.cfg.max_delay + 2

@@ -124,19 +124,21 @@ def _config_json(cfg: LMConfig) -> dict:
     return {**lm_config_dict(cfg), "lm_gen_config": dict(GEN_DEFAULTS)}
 
 
-def _tiny_layout(directory: str | Path, kind: str) -> tuple[Path, LMConfig, MimiConfig]:
+def _tiny_layout(directory: str | Path, kind: str, mimi_levels: int | None = None) -> tuple[Path, LMConfig, MimiConfig]:
     """The directory (created) and the tiny shapes of a `kind` checkpoint."""
     if kind not in ("moshi", "personaplex"):
         raise ValueError(f"kind must be 'moshi' or 'personaplex', got {kind!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return directory, tiny_lm_config(dep_q=16 if kind == "personaplex" else 8), tiny_mimi_config()
+    return directory, tiny_lm_config(dep_q=16 if kind == "personaplex" else 8), tiny_mimi_config(levels=mimi_levels)
 
 
 def write_tiny_checkpoint(directory: str | Path, kind: str = "moshi", seed: int = 0,
-                          dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`."""
-    directory, cfg, mimi_cfg = _tiny_layout(directory, kind)
+                          dtype: torch.dtype = torch.float32, mimi_levels: int | None = None) -> Path:
+    """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`.
+    `mimi_levels`: codebooks in its Mimi (default 8, what the LM reads; more lets an STT
+    checkpoint sharing this Mimi read extra codebooks, as the real 32-codebook Mimi does)."""
+    directory, cfg, mimi_cfg = _tiny_layout(directory, kind, mimi_levels)
     lm = _random_lm(cfg, seed)
     tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
     voices = _write_voices(directory, lm, seed) if kind == "personaplex" else {}
