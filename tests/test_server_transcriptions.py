@@ -4,6 +4,7 @@ they must equal the model's own greedy transcript computed directly (tests/test_
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 
@@ -20,8 +21,9 @@ from parley.models.checkpoint import load_stt_checkpoint
 from parley.models.synthetic import write_tiny_stt_checkpoint
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.cli import main as cli_main
+from parley.realtime.server import ServeConfig, build_app
 
-from server_harness import serve
+from server_harness import chat_session, serve, tone
 from test_stt_pool import audio, expected_text
 
 
@@ -106,3 +108,20 @@ def test_cli_transcribe(stt, stt_dir, tmp_path, capsys):
     body = json.loads(capsys.readouterr().out)
     assert body["text"] == expected_text(stt, clip) and body["words"]
     assert cli_main(["transcribe", "--model", str(tmp_path / "missing"), str(path)]) == 2
+
+
+def test_chat_transcript_sends_the_users_words_as_0x07(tiny_moshi_dir, tmp_path):
+    stt_dir = write_tiny_stt_checkpoint(tmp_path / "stt", mimi_from=tiny_moshi_dir)
+    app = build_app(ServeConfig(model=str(tiny_moshi_dir), stt_model=str(stt_dir), max_sessions=1, stt_slots=1))
+    with serve(app) as url:
+        res = asyncio.run(chat_session(url, tone(300, 1.0), query="transcript=1", tail_seconds=0.4))
+        assert res.handshake_at is not None and res.audio_messages > 0
+        assert "".join(res.user_text).strip()  # the random tiny STT transcribes something (nonsense)
+        plain = asyncio.run(chat_session(url, tone(300, 0.3), tail_seconds=0.2))
+        assert plain.user_text == []
+
+
+def test_chat_transcript_without_stt_model_is_refused_by_name(tiny_moshi_dir):
+    with serve(build_app(ServeConfig(model=str(tiny_moshi_dir), max_sessions=1))) as url:
+        res = asyncio.run(chat_session(url, tone(300, 0.3), query="transcript=1", tail_seconds=0.2))
+        assert res.close_code == 1008 and "transcript" in res.close_reason and "speech-to-text" in res.close_reason
