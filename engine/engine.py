@@ -114,6 +114,11 @@ class Engine:
             raise RuntimeError("set paired transcription before the engine starts.")
         self._paired = paired
 
+    @property
+    def can_transcribe(self) -> bool:
+        """Whether sessions can be transcribed (a paired STT model is loaded)."""
+        return self._paired is not None
+
     def enable_transcription(self, session: Session) -> OutputStream:
         """Start transcribing what this session's user says: an OutputStream of SttPartial that
         ends when the session does. OptionsError when no STT model is loaded."""
