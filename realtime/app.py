@@ -96,7 +96,8 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         body = {"model": info.model, "demo": info.demo, "max_sessions": engine.config.max_sessions}
         if info.demo:
             body["notice"] = DEMO_NOTICE
-        body["transcription"] = stt_pool is not None
+        body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
+        body["session_transcript"] = engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
         if info.demo and stt_pool is not None:
             body["transcription_notice"] = STT_NOTICE
         return JSONResponse(body)
