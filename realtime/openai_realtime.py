@@ -27,8 +27,8 @@ Mapping a full-duplex model onto a turn-shaped protocol (Parley's own design):
   goes to the next item), `.failed` if the STT stream fails. `semantic_vad` ends the user's turn when
   the STT's end-of-turn probability reaches the `eagerness` threshold (`EAGERNESS`) after at least
   `SEMANTIC_MIN_QUIET_MS` of quiet, or at the eagerness's timeout; speech start stays energy-based.
-  Both need a paired STT model (`parley serve --stt-model`); without one the update is refused with
-  an `error` naming the parameter, and the session goes on unchanged.
+  Both need a paired STT model (`parley serve --stt-model`); without one each such setting gets an
+  `error` naming its parameter and is not applied; the rest of the update is, and the session goes on.
 - Errors are OpenAI-shaped `error` events and never close the session. When every slot is
   taken: an `error` (code `session_limit_reached`), then close 1013.
 """
@@ -298,15 +298,17 @@ class RealtimeConnection:
         param, transcription = _transcription_setting(session, audio_in)
         if param is not None:
             config.transcription = transcription
+        refused = []  # settings that need an STT model this server lacks: not applied, each named
+        if not self.manager.engine.can_transcribe:
+            if config.transcription is not None:
+                refused.append(param)
+                config.transcription = self.config.transcription
+            if config.turn_detection is not None and config.turn_detection.type == "semantic_vad":
+                refused.append("session.audio.input.turn_detection.type" if "turn_detection" in audio_in
+                               else "session.turn_detection.type")
+                config.turn_detection = self.config.turn_detection
         needs_stt = config.transcription is not None or (
             config.turn_detection is not None and config.turn_detection.type == "semantic_vad")
-        if needs_stt and not self.manager.engine.can_transcribe:
-            if config.transcription is None:
-                param = "session.audio.input.turn_detection.type" if "turn_detection" in audio_in \
-                    else "session.turn_detection.type"
-            raise ClientError(f"{param}: this server has no speech-to-text model loaded (parley serve "
-                              f"--stt-model), so it cannot transcribe the input or run semantic_vad; "
-                              f"the update was not applied", "invalid_value", param)
         if session.get("temperature") is not None:
             temperature = session["temperature"]
             if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -326,6 +328,11 @@ class RealtimeConnection:
             self._transcript = asyncio.create_task(self._transcript_loop())
         elif not needs_stt:
             self._stop_transcript()
+        for name in refused:
+            await self.error(ClientError(f"{name}: this server has no speech-to-text model loaded (parley serve "
+                                         f"--stt-model), so it cannot transcribe the input or run semantic_vad; "
+                                         f"this setting was not applied (the rest of the update was)",
+                                         "invalid_value", name), event.get("event_id"))
         await self.send(self.events.session_updated(self.config))
 
     def _sampling(self, temperature: float) -> SamplingOptions | None:
