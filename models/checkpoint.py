@@ -51,7 +51,7 @@ from .config import (
 )
 from .lm import LMModel
 from .mimi.codec import Mimi
-from .persona import PersonaError, unpack_voices
+from .voices import PersonaError, unpack_voices
 from .tokenizer import TextTokenizer, TokenizerError
 
 CONFIG_FILE = "config.json"

@@ -52,7 +52,8 @@ from .checkpoint import lm_config_dict, mimi_config_dict, write_checkpoint
 from .config import LMConfig, MimiConfig, tiny_lm_config, tiny_mimi_config
 from .lm import LMModel
 from .mimi.codec import Mimi
-from .persona import VoicePrompt, save_voice_pt, voice_to_pt
+from .persona_prompt import voice_to_pt
+from .voices import VoicePrompt, save_voice_pt
 from .tokenizer import TextTokenizer, train_tiny_tokenizer
 
 ECHO_DELAY_FRAMES = 1  # agent frame f repeats user frame f - 1

@@ -91,12 +91,6 @@ def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions
     return SamplingOptions(**{**from_checkpoint, **overrides})
 
 
-def voice_names(checkpoint: Checkpoint) -> tuple[str, ...]:
-    if checkpoint.voices_dir is None:
-        return ()
-    return tuple(sorted(p.name for p in Path(checkpoint.voices_dir).glob("*.pt")))
-
-
 def build_app(config: ServeConfig):
     """Load the model and wire engine + app (no sockets yet)."""
     demo = config.model is None
@@ -116,9 +110,8 @@ def build_app(config: ServeConfig):
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
     engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
-    voices = voice_names(checkpoint)
-    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
-                      default_voice=config.defaults.voice)
+    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
+                      voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
     return create_app(engine, defaults, info, codec_workers=config.codec_workers)

@@ -27,7 +27,7 @@ from parley.models.checkpoint import CheckpointError, load_checkpoint, write_che
 from parley.models.config import LM_FILE, MIMI_FILE, TEXT_EPAD, TEXT_PAD, TOKENIZER_FILE, LMConfig
 from parley.models.lm import LMModel
 from parley.models.mimi import model_key
-from parley.models.persona import load_voice_pt
+from parley.models.voices import load_voice_pt
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

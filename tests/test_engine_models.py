@@ -15,7 +15,7 @@ import torch
 from parley.engine import Engine, EngineConfig, FrameOut, SamplingOptions, SessionOptions, SessionRejected
 from parley.engine.backend import BackendOutput, ModelBackend
 from parley.models.config import FRAME_SAMPLES
-from parley.models.persona import SILENCE_TOKENS
+from parley.models.persona_prompt import SILENCE_TOKENS
 from parley.models.synthetic import ECHO_FIRST_FRAME
 
 N = FRAME_SAMPLES

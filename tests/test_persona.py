@@ -13,28 +13,31 @@ import soundfile
 import torch
 
 from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE, TEXT_PAD, UNGENERATED_TOKEN, tiny_lm_config
-from parley.models.persona import (
+from parley.models.persona_prompt import (
     SILENCE_FRAMES,
     SILENCE_TOKENS,
     SINE_TOKENS,
-    PersonaError,
     PromptPlan,
-    VoicePrompt,
     build_prompt_frames,
     delay_frames,
-    integrated_loudness,
-    load_voice_pt,
     persona_tokens,
+    voice_to_pt,
+    wrap_persona,
+)
+from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
+from parley.models.voices import (
+    PersonaError,
+    VoicePrompt,
+    integrated_loudness,
+    list_voices,
+    load_voice_pt,
     resolve_voice,
     save_voice_pt,
     sine_frame,
     unpack_voices,
     voice_audio,
     voice_from_wav,
-    voice_to_pt,
-    wrap_persona,
 )
-from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
 
 CFG = tiny_lm_config()  # Moshi structure: 8 agent + 8 user codebooks, delays [0, 0,1.., 0,1..]
 K = CFG.num_codebooks

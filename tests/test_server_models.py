@@ -15,11 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 
 from parley.engine import SessionOptions
+from parley.engine.backend import ModelBackend
 from parley.models.checkpoint import load_checkpoint
+from parley.models.persona_prompt import SILENCE_FRAMES
 from parley.models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
+from parley.models.voices import unpack_voices
 from parley.realtime.server import ServeConfig, build_app
 from server_harness import FRAME, SR, chat_session, free_port, serve, tone
 
@@ -48,6 +52,25 @@ def test_tiny_personaplex_persona_and_voice(tiny_personaplex_dir):
         assert res.handshake_at is not None and res.audio_messages >= 5
         bad = asyncio.run(chat_session(base, None, query="voice_prompt=NOPE.pt"))
         assert bad.handshake_at is None and bad.close_code == 1008
+
+
+def test_api_voices_lists_every_voice_the_backend_loads(tiny_personaplex_dir, copy_checkpoint):
+    # Audio voices load when typed; the page's list must offer them too (not only the .pt files).
+    src = copy_checkpoint(tiny_personaplex_dir)
+    voices_dir = unpack_voices(src / "voices.tgz")
+    for name, fmt in (("Aria.wav", "WAV"), ("bo.flac", "FLAC"), ("cy.ogg", "OGG")):
+        soundfile.write(voices_dir / name, tone(220, 1.0, sr=16_000), 16_000, format=fmt)
+    (voices_dir / "README.txt").write_text("not a voice")
+    expected = ["Aria.wav", "NATF0.pt", "NATM0.pt", "bo.flac", "cy.ogg"]
+
+    app = build_app(ServeConfig(model=str(src), max_sessions=1))
+    with serve(app) as base:
+        listed = json.loads(urllib.request.urlopen(f"http://{base}/api/voices", timeout=5).read())
+    assert listed["voices"] == expected
+    backend = ModelBackend.load(src, 1, seed=0)
+    for name in expected:  # every listed name is one a session can open with
+        job = backend.start_prefill(0, SessionOptions(voice=name))
+        assert job.frames_left > 2 * SILENCE_FRAMES, name
 
 
 def test_moshi_checkpoint_refuses_a_default_persona(tiny_moshi_dir):
