@@ -147,8 +147,13 @@ class Engine:
         self.metrics.inc("sessions_opened")
         return session
 
-    def _fail_session(self, session: Session, reason: str) -> None:
+    def fail_session(self, session: Session, reason: str) -> None:
+        """End one session with Terminal(failed, reason), from any thread. Idempotent."""
         self._end_session(session, Terminal(Status.FAILED, reason), EngineClosed(reason))
+
+    def close_session(self, session: Session) -> None:
+        """End one session at its client's request: Terminal(cancelled). Idempotent."""
+        self._end_session(session, Terminal(Status.CANCELLED, "closed by the client"))
 
     def _end_session(self, session: Session, terminal: Terminal,
                      ready_error: Exception | None = None) -> None:
@@ -223,10 +228,11 @@ class Engine:
             except RowFailure as failure:
                 for row, reason in failure.reasons.items():
                     rid = plan.request_ids[row]
-                    session = self._sessions.get(rid) if rid is not None else None
+                    with self._lock:
+                        session = self._sessions.get(rid) if rid is not None else None
                     if session is None or not plan.live_mask[row]:
                         raise RuntimeError(f"backend refused row {row}, which is not live") from failure
-                    self._fail_session(session, f"input rejected: {reason}")
+                    self.fail_session(session, f"input rejected: {reason}")
                     plan.live_mask[row] = False
                     plan.request_ids[row] = None
                 if not plan.any_live:
@@ -297,7 +303,7 @@ class Engine:
         self._healthy = False
         reason = f"engine failure: {type(exc).__name__}: {exc}"
         for session in self._open_sessions():
-            self._fail_session(session, reason)
+            self.fail_session(session, reason)
         self._stop.set()
 
 
