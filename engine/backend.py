@@ -163,11 +163,11 @@ class ModelBackend:
         self.device = next(checkpoint.lm.parameters()).device
         self._mimi = checkpoint.mimi
         self._tokenizer = checkpoint.tokenizer
-        gen = checkpoint.gen_defaults
+        sampling = checkpoint.sampling  # a row's sampling after reset_rows, unless set_sampling
         if seed is not None:
             torch.manual_seed(seed)
-        self._gen = LMGen(checkpoint.lm, text_temp=gen.get("temp_text", 0.7), text_topk=gen.get("top_k_text", 25),
-                          audio_temp=gen.get("temp", 0.8), audio_topk=gen.get("top_k", 250))
+        self._gen = LMGen(checkpoint.lm, text_temp=sampling.text_temperature, text_topk=sampling.text_top_k,
+                          audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
         self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         self._voices: dict[str, VoicePrompt] = {}

@@ -49,14 +49,15 @@ class EngineClosed(RuntimeError):
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
                  clock: TickClock | None = None) -> None:
-        if backend.max_sessions != config.max_sessions:
-            raise OptionsError(f"the backend holds {backend.max_sessions} rows but max_sessions is "
-                               f"{config.max_sessions}; build both with the same number.")
+        rows = backend.max_sessions
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
+        self.max_sessions = rows  # slots, fixed at start: the batch every tick runs (the backend's rows)
         self.config = config
         self.metrics = EngineMetrics()
         self._backend = backend
-        self._slots = SlotTable(config.max_sessions)
-        self._scheduler = Scheduler(config.max_sessions, FRAME_SAMPLES)
+        self._slots = SlotTable(rows)
+        self._scheduler = Scheduler(rows, FRAME_SAMPLES)
         self._output = OutputProcessor(backend.text_piece, self.metrics)
         self._clock = clock or TickClock(config.tick_seconds)
         self._stop = threading.Event()
@@ -208,7 +209,7 @@ class Engine:
         plan = self._scheduler.plan(self._tick)
         self._tick += 1
         if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
-            self._backend.reset_rows(rows_mask(self.config.max_sessions, plan.released))
+            self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
@@ -222,7 +223,7 @@ class Engine:
     def _execute(self, plan: TickPlan) -> HostOutput | None:
         # A RowFailure means those rows were refused before any state changed: end those
         # sessions only and rerun the step for the rest (bounded: each retry removes a row).
-        for _ in range(self.config.max_sessions + 1):
+        for _ in range(self.max_sessions + 1):
             try:
                 return self._backend.step(plan.frames, plan.live_mask).to_host()
             except RowFailure as failure:
@@ -288,7 +289,7 @@ class Engine:
             return None  # closed before it was prefilled; its slot is already free
         start = self._clock.now()
         try:
-            self._backend.reset_rows(rows_mask(self.config.max_sessions, [session.row]))  # a reused slot starts clean
+            self._backend.reset_rows(rows_mask(self.max_sessions, [session.row]))  # a reused slot starts clean
             if session.options.sampling is not None:  # else reset left the model's defaults
                 self._backend.set_sampling(session.row, session.options.sampling)
             job = self._backend.start_prefill(session.row, session.options)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
+from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
 from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 
@@ -79,16 +79,9 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
                           timeout_graceful_shutdown=10, lifespan="on")
 
 
-# lm_gen_config keys (the reference's names) -> SamplingOptions fields.
-GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
-                   "temp": "audio_temperature", "top_k": "audio_top_k"}
-
-
 def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
-    """The checkpoint's lm_gen_config, then the command line's flags on top."""
-    from_checkpoint = {field: checkpoint.gen_defaults[key] for key, field in GEN_CONFIG_KEYS.items()
-                       if key in checkpoint.gen_defaults}
-    return SamplingOptions(**{**from_checkpoint, **overrides})
+    """The checkpoint's sampling (its lm_gen_config), then the command line's flags on top."""
+    return SamplingOptions(**{**dataclasses.asdict(checkpoint.sampling), **overrides})
 
 
 def build_app(config: ServeConfig):
@@ -109,7 +102,7 @@ def build_app(config: ServeConfig):
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
-    engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    engine = Engine(backend)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
                       voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
