@@ -168,6 +168,30 @@ def test_full_engine_refuses_at_once_and_close_frees_the_slot():
     asyncio.run(main())
 
 
+def test_a_late_second_end_of_a_session_cannot_free_its_successors_slot():
+    # A client close racing an engine-side failure ends a session twice; by the second end its
+    # row may already belong to the next session. Only SlotTable.release's owner check keeps
+    # that row taken (without it, a third session would be admitted onto the same row).
+    async def main():
+        engine, _ = make_engine(1)
+        (old,) = await open_ready(engine, 1)
+        old.close()
+        (new,) = await open_ready(engine, 1)
+        assert new.row == old.row
+        old.close()  # the duplicate client close ...
+        engine.fail_session(old, "input rejected: late")  # ... and the engine-side failure
+        assert engine.counters()["free_slots"] == 0
+        with pytest.raises(EngineFull):
+            engine.open_nowait(SessionOptions())
+        new.push_audio(signal(3, 3))
+        engine.run_ticks(3)
+        assert_echo(frames_of(new.events.drain()), signal(3, 3))
+        assert not new.closed
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_rejected_options_fail_open_and_free_the_slot():
     async def main():
         engine, _ = make_engine(1)
