@@ -4,11 +4,13 @@ and the `parley serve` command itself (a subprocess, stopped with SIGTERM)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import signal
 import subprocess
 import sys
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -127,6 +129,16 @@ def test_parley_serve_help_explains_flags():
     for flag in ("--model", "--host", "--port", "--max-sessions", "--device", "--dtype", "--persona", "--voice",
                  "--text-temperature", "--audio-topk", "--api-key", "--log-level"):
         assert flag in out, flag
+
+
+def test_parley_version_prints_the_installed_package_version():
+    # The console script pip installed, so the entry point and the package metadata are what is tested.
+    script = Path(sys.executable).with_name("parley")
+    out = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    installed = importlib.metadata.version("parley")
+    assert out.returncode == 0 and out.stdout.strip() == f"parley {installed}"
+    declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert installed == declared, "reinstall: the metadata is older than pyproject.toml"
 
 
 # ---- /api/chat on the echo checkpoint: exact expectations, computed independently ----------
