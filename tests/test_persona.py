@@ -331,6 +331,14 @@ def test_resolve_voice_accepts_names_with_or_without_suffix(tmp_path):
         resolve_voice(tmp_path, "../NATF0.pt")
 
 
+def test_list_voices_lists_every_kind_load_voice_reads(tmp_path):
+    for name in ("NATF0.pt", "b.wav", "c.flac", "d.ogg", "notes.txt", "e.WAV.bak"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "sub.pt").mkdir()  # a directory is not a voice
+    assert list_voices(tmp_path) == ["NATF0.pt", "b.wav", "c.flac", "d.ogg"]
+    assert list_voices(tmp_path / "missing") == []
+
+
 def _tgz(members: dict[str, bytes]) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
