@@ -72,7 +72,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         if metrics is not None:
             metrics.codec_restarts.inc()
 
-    codec = make_codec_runner(codec_workers, max_sessions=engine.config.max_sessions, on_restart=count_restart)
+    codec = make_codec_runner(codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
     metrics = health.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                  if isinstance(codec, CodecProcessPool) else None)
     manager = SessionManager(engine, defaults, codec, metrics)
@@ -93,7 +93,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
 
     async def api_info(request: Request) -> Response:
-        body = {"model": info.model, "demo": info.demo, "max_sessions": engine.config.max_sessions}
+        body = {"model": info.model, "demo": info.demo, "max_sessions": engine.max_sessions}
         if info.demo:
             body["notice"] = DEMO_NOTICE
         body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
+from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
 from parley.engine.stt_paired import PairedTranscription
 from parley.engine.stt_pool import SttPool
@@ -85,22 +85,9 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
                           timeout_graceful_shutdown=10, lifespan="on")
 
 
-# lm_gen_config keys (the reference's names) -> SamplingOptions fields.
-GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
-                   "temp": "audio_temperature", "top_k": "audio_top_k"}
-
-
 def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
-    """The checkpoint's lm_gen_config, then the command line's flags on top."""
-    from_checkpoint = {field: checkpoint.gen_defaults[key] for key, field in GEN_CONFIG_KEYS.items()
-                       if key in checkpoint.gen_defaults}
-    return SamplingOptions(**{**from_checkpoint, **overrides})
-
-
-def voice_names(checkpoint: Checkpoint) -> tuple[str, ...]:
-    if checkpoint.voices_dir is None:
-        return ()
-    return tuple(sorted(p.name for p in Path(checkpoint.voices_dir).glob("*.pt")))
+    """The checkpoint's sampling (its lm_gen_config), then the command line's flags on top."""
+    return SamplingOptions(**{**dataclasses.asdict(checkpoint.sampling), **overrides})
 
 
 def build_app(config: ServeConfig):
@@ -127,12 +114,11 @@ def build_app(config: ServeConfig):
                     "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
                            encode_codebooks=stt.lm_config.n_q if paired else None)
-    engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    engine = Engine(backend)
     if paired:
         engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
-    voices = voice_names(checkpoint)
-    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
-                      default_voice=config.defaults.voice)
+    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
+                      voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
     return create_app(engine, defaults, info, codec_workers=config.codec_workers,
