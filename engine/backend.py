@@ -36,9 +36,9 @@ from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.config import UNGENERATED_TOKEN
 from parley.models.lm_gen import LMGen, LMGenState
 from parley.models.mimi import MimiState
-from parley.models.persona import (PersonaError, PromptPlan, VoicePrompt, build_prompt_frames, load_voice,
-                            persona_tokens, resolve_voice)
+from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
 from parley.models.row_views import leading_rows
+from parley.models.voices import PersonaError, VoicePrompt, list_voices, load_voice, resolve_voice
 
 from .config import SamplingOptions, SessionOptions
 from .cuda_graph import CUDAGraphRunner
@@ -99,7 +99,8 @@ class BackendOutput:
     valid: torch.Tensor  # [B] bool
     # Codes of this frame, kept on the device for tests and debugging (not copied to host).
     agent_codes: torch.Tensor | None = None  # [B, n_agent]: what was decoded into `pcm`
-    user_codes: torch.Tensor | None = None  # [B, n_user]: Mimi's encoding of the input frame
+    user_codes: torch.Tensor | None = None  # [B, >= n_user]: Mimi's encoding of the input frame
+    # (`encode_codebooks` of them: paired transcription reads more codebooks than the LM)
     # The backend's row count when the tensors above hold only its lowest rows (a row bucket):
     # to_host pads the rows above with silence, text 0, not valid. None: they hold every row.
     rows: int | None = None
@@ -143,6 +144,9 @@ class FrameBackend(Protocol):
     def text_piece(self, token: int) -> str:
         """The text a token adds to the transcript ("" for padding)."""
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (slack items are timed after it)."""
+
     def close(self) -> None:
         """Free device memory. Called once, after the engine thread has stopped."""
 
@@ -168,13 +172,10 @@ class PromptPrefill:
         if self.frames_left - n == 1:
             n += 1
         last = n == self.frames_left
-        backend = self._backend
-        backend._gen.prefill(backend._lm_state, self._row, self._inputs[self._done:self._done + n],
-                             ring_tokens=self._plan.ring_tokens if last else None)
+        self._backend.prefill_chunk(self._row, self._inputs[self._done:self._done + n],
+                                    self._plan if last else None)
         self._done += n
         self.frames_left -= n
-        if last:
-            backend._arm_handoff(self._row, self._plan)
 
 
 class ModelBackend:
@@ -187,21 +188,28 @@ class ModelBackend:
 
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
                  seed: int | None = None, kv_dtype: torch.dtype | None = None,
-                 row_buckets: bool | None = None) -> None:
+                 encode_codebooks: int | None = None, row_buckets: bool | None = None) -> None:
         # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
+        # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
+        # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
         # row_buckets: run each tick on the lowest rows that hold every live row (default: on CUDA;
         # off on CPU, where every tick runs all rows, bit for bit as before).
         self.max_sessions = max_sessions
+        levels = checkpoint.mimi.quantizer.levels
+        if encode_codebooks is not None and not checkpoint.lm_config.n_user <= encode_codebooks <= levels:
+            raise ValueError(f"encode_codebooks must be between {checkpoint.lm_config.n_user} and this Mimi's "
+                             f"{levels} codebooks, got {encode_codebooks}")
+        self.encode_codebooks = encode_codebooks or checkpoint.lm_config.n_user
         self.checkpoint = checkpoint
         self.cfg = checkpoint.lm_config
         self.device = next(checkpoint.lm.parameters()).device
         self._mimi = checkpoint.mimi
         self._tokenizer = checkpoint.tokenizer
-        gen = checkpoint.gen_defaults
+        sampling = checkpoint.sampling  # a row's sampling after reset_rows, unless set_sampling
         if seed is not None:
             torch.manual_seed(seed)
-        self._gen = LMGen(checkpoint.lm, text_temp=gen.get("temp_text", 0.7), text_topk=gen.get("top_k_text", 25),
-                          audio_temp=gen.get("temp", 0.8), audio_topk=gen.get("top_k", 250))
+        self._gen = LMGen(checkpoint.lm, text_temp=sampling.text_temperature, text_topk=sampling.text_top_k,
+                          audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
         self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         self._voices: dict[str, VoicePrompt] = {}
@@ -252,9 +260,11 @@ class ModelBackend:
         """Device-only work for one tick over the rows of `lm_state` / `mimi_state` (a bucket's
         views of the lowest rows); captured as one graph per bucket on CUDA."""
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
-        user_codes = self._mimi.encode_step(frames, mimi_state, live & ~prompt_mask)
-        user_codes = torch.where(prompt_mask[:, None], prompt_user, user_codes)
+        codes = self._mimi.encode_step(frames, mimi_state, live & ~prompt_mask, self.encode_codebooks)
+        user_codes = torch.where(prompt_mask[:, None], prompt_user, codes[:, :self.cfg.n_user])
         out = self._gen.step(lm_state, user_codes, live, force_text, force_audio)
+        if codes.shape[1] > self.cfg.n_user:
+            user_codes = torch.cat([user_codes, codes[:, self.cfg.n_user:]], dim=1)
         # Decode only real frames: a row inside its delay holds "not generated" (-2) codes,
         # which would corrupt its decoder state (and index out of range).
         decode = live & out.valid
@@ -347,6 +357,15 @@ class ModelBackend:
             x = torch.cat([plan.embeddings.to(self.device, dtype), x])
         return PromptPrefill(self, row, x, plan)
 
+    def prefill_chunk(self, row: int, inputs: torch.Tensor, last_of: PromptPlan | None) -> None:
+        """Run `inputs` (the next temporal inputs of `row`'s prompt) through `LMGen.prefill`.
+        `last_of` is the plan when this is its last chunk: the ring then takes the plan's last
+        column and the handoff frame is armed for the row's next tick."""
+        ring_tokens = last_of.ring_tokens if last_of is not None else None
+        self._gen.prefill(self._lm_state, row, inputs, ring_tokens=ring_tokens)
+        if last_of is not None:
+            self._arm_handoff(row, last_of)
+
     def _arm_handoff(self, row: int, plan: PromptPlan) -> None:
         """The prompt's last frame runs in the row's first tick (see _frame); it outputs the
         last silence frame, which PersonaPlex too sends first after the handshake."""
@@ -355,6 +374,12 @@ class ModelBackend:
         self._prompt_user[row] = plan.first_step_user.to(self.device)
         self._prompt_mask[row] = True
         self._handoff_rows.add(row)
+
+    def voice_names(self) -> tuple[str, ...]:
+        """File names of every voice `start_prefill` can load (`.pt` and audio), sorted."""
+        if self.checkpoint.voices_dir is None:
+            return ()
+        return tuple(list_voices(self.checkpoint.voices_dir))
 
     def _voice(self, name: str) -> VoicePrompt:
         if name not in self._voices:  # voices are small and reused: load each once
@@ -375,6 +400,10 @@ class ModelBackend:
 
     def text_piece(self, token: int) -> str:
         return self._tokenizer.piece(token)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         for graph in self._graphs.values():

@@ -94,7 +94,8 @@ class SessionManager:
         self.metrics.live_sessions.labels(protocol).inc()
         return edge
 
-    def _detach(self, edge: "EdgeSession") -> None:
+    def detach(self, edge: "EdgeSession") -> None:
+        """Forget a closed connection (its `close()` calls this). Idempotent."""
         if edge in self._live:
             self._live.discard(edge)
             self.metrics.live_sessions.labels(edge.protocol).dec()
@@ -227,7 +228,7 @@ class EdgeSession:
             self.engine_session.close()
         if self.codec is not None:
             self.codec.close()
-        self.manager._detach(self)
+        self.manager.detach(self)
 
     @property
     def closed(self) -> bool:
