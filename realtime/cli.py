@@ -73,6 +73,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
                         "network edge)")
+    p.add_argument("--ready-min-free", type=int, default=1,
+                   help="/readyz answers 503 when fewer slots than this are free (a balancer then sends "
+                        "new sessions elsewhere); 0: ready even when full")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
+                        "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
     p.set_defaults(handler=run_serve)
 
@@ -92,11 +98,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1:
         print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
         return 2
+    if args.ready_min_free < 0 or args.drain_timeout < 0:
+        print("parley serve: --ready-min-free and --drain-timeout must be 0 or more", file=sys.stderr)
+        return 2
     config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None}, api_key=args.api_key,
                          log_level=args.log_level, codec_workers=args.codec_workers,
-                         torch_threads=args.torch_threads)
+                         torch_threads=args.torch_threads, ready_min_free=args.ready_min_free,
+                         drain_timeout=args.drain_timeout)
     return serve(config)
 
 
