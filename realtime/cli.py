@@ -3,6 +3,7 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
 
     parley serve [--model DIR_OR_REPO] [--host H] [--port P] [--max-sessions N] ...
     parley offline --model DIR --input-wav IN --output-wav OUT [--output-text OUT.json] ...
+    parley launch (--gpus 0-7 | --workers N --device cpu) [--port P] [--base-port B] -- [serve flags]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
 
 from .help_format import HelpFormatter
+from .launch import add_launch
 from .offline_cli import add_offline
 from .server import ServeConfig, serve
 
@@ -110,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_launch)
 
 
 def installed_version() -> str:
