@@ -54,6 +54,29 @@ class Load:
     seconds_since_tick: float | None
 
 
+class _DenialLogFilter(logging.Filter):
+    """uvicorn's websockets-sansio protocol logs "ASGI callable returned without completing
+    handshake." at ERROR after every denial response (it never marks the handshake done; open
+    upstream as Kludex/uvicorn#3138), which would put an ERROR in the log for each routine 503.
+    Drop exactly one such record per denial this process sent; any other stays."""
+
+    MESSAGE = "ASGI callable returned without completing handshake."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.expected > 0 and record.getMessage() == self.MESSAGE:
+            self.expected -= 1
+            return False
+        return True
+
+
+DENIAL_LOG_FILTER = _DenialLogFilter()
+logging.getLogger("uvicorn.error").addFilter(DENIAL_LOG_FILTER)
+
+
 class Reservation:
     """A slot held for one upgrade: pending (no engine slot yet), then prefilling, then released."""
 
@@ -137,6 +160,7 @@ class Admission:
         response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
             await websocket.send_denial_response(response)
+            DENIAL_LOG_FILTER.expected += 1
         except RuntimeError:  # the ASGI server lacks the denial extension: refuse as best it can
             await websocket.close(CLOSE_TRY_AGAIN_LATER, message)
         return None
