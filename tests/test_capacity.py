@@ -157,12 +157,12 @@ def test_simultaneous_upgrades_admit_exactly_the_free_slots(free, clients):
     handler = logging.Handler(logging.ERROR)
     handler.emit = errors.append
     uvicorn_log = logging.getLogger("uvicorn.error")
-    uvicorn_log.addHandler(handler)
-    try:
-        with serve(app) as base:
+    with serve(app) as base:  # (uvicorn's logging setup replaces the logger's handlers at start)
+        uvicorn_log.addHandler(handler)
+        try:
             admitted, refused, results = run(scenario(base))
-    finally:
-        uvicorn_log.removeHandler(handler)
+        finally:
+            uvicorn_log.removeHandler(handler)
     assert not errors, [r.getMessage() for r in errors]  # a routine refusal logs no error
     assert len(admitted) == free, results
     assert len(refused) == clients - free, results
