@@ -28,7 +28,7 @@ DEFAULT_SAMPLING = SamplingOptions()
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="run the realtime server (/api/chat, /v1/realtime, /health, /ready, /metrics)",
+        "serve", help="run the realtime server (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics)",
         description="Serve a Moshi-family model over WebSockets: the Moshi/PersonaPlex protocol on "
                     "/api/chat and the OpenAI Realtime API on /v1/realtime. With no --model, a tiny "
                     "demo model is generated on first run and served: it babbles.",
@@ -40,7 +40,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="address to listen on; 0.0.0.0 to accept connections from other machines")
     p.add_argument("--port", type=int, default=8998, help="TCP port to listen on")
     p.add_argument("--max-sessions", type=int, default=8,
-                   help="concurrent conversations (engine slots); one more is refused (close 1013)")
+                   help="concurrent conversations (engine slots); one more is refused (HTTP 503 at the upgrade)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
