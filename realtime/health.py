@@ -80,7 +80,8 @@ class EdgeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
-        self.refused = Counter("parley_sessions_refused", "sessions refused because every slot was taken",
+        self.refused = Counter("parley_sessions_refused", "accepted connections closed 1013 because every slot "
+                               "was taken (upgrades refused with 503: parley_admission_rejected_total)",
                                ["protocol"], registry=r)
         self.live_sessions = Gauge("parley_live_sessions", "connections being served now", ["protocol"], registry=r)
         self.bytes_in = Counter("parley_bytes_in", "payload bytes received from clients", ["protocol"], registry=r)

@@ -331,3 +331,20 @@ def _port_open(base: str) -> bool:
 
 def _status(base: str, path: str) -> int:
     return http(base, path)[0]
+
+
+def test_engine_tick_quantiles_cover_recent_ticks_only():
+    from parley.engine.metrics import RECENT_TICKS, EngineMetrics
+
+    metrics = EngineMetrics()
+    snap = metrics.snapshot(0, 1, True)
+    assert snap["tick_ms_p50"] is None and snap["tick_ms_p99"] is None and snap["seconds_since_tick"] is None
+    for ms in range(1, 101):
+        metrics.observe_tick(ms / 1000)
+    snap = metrics.snapshot(0, 1, True)
+    assert (snap["tick_ms_p50"], snap["tick_ms_p99"]) == (pytest.approx(51.0), pytest.approx(100.0))
+    assert 0 <= snap["seconds_since_tick"] < 5
+    for _ in range(RECENT_TICKS):  # the old ticks leave the window
+        metrics.observe_tick(0.2)
+    snap = metrics.snapshot(0, 1, True)
+    assert snap["tick_ms_p50"] == snap["tick_ms_p99"] == pytest.approx(200.0)
