@@ -57,7 +57,7 @@ class Launch:
                "--port", str(self.port), "--base-port", str(self.base), "--check-interval-ms", "300",
                "--run-dir", str(tmp / "run"), "--",
                "--model", str(model), "--max-sessions", str(SLOTS), "--ready-min-free", "0",
-               "--drain-timeout", "5", "--log-level", "warning"]
+               "--drain-timeout", "8", "--log-level", "warning"]
         self.out = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=subprocess.STDOUT)
 
@@ -146,7 +146,7 @@ async def until(predicate, timeout: float = 20.0, what: str = "condition") -> No
         await asyncio.sleep(0.1)
 
 
-async def grows(holders: list[Holder], seconds: float = 1.0) -> bool:
+async def grows(holders: list[Holder], seconds: float = 2.0) -> bool:
     """Every holder received more messages over `seconds` (its session is alive and served)."""
     before = [h.messages for h in holders]
     await asyncio.sleep(seconds)
