@@ -30,7 +30,9 @@ Mapping a full-duplex model onto a turn-shaped protocol (Parley's own design):
   Both need a paired STT model (`parley serve --stt-model`); without one each such setting gets an
   `error` naming its parameter and is not applied; the rest of the update is, and the session goes on.
 - Errors are OpenAI-shaped `error` events and never close the session. When every slot is
-  taken: an `error` (code `session_limit_reached`), then close 1013.
+  taken the upgrade is refused with HTTP 503 + Retry-After (capacity.py); if the last slot
+  goes between upgrade and admission: an `error` (code `session_limit_reached`), then close
+  1013. A server going away (drain) sends an `error` (code `server_shutting_down`), then 1001.
 """
 
 from __future__ import annotations
@@ -121,12 +123,17 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         await websocket.send_denial_response(PlainTextResponse(
             "invalid or missing API key: send Authorization: Bearer <key>", status_code=401))
         return
+    reservation = await manager.admission.reserve_or_deny(websocket)
+    if reservation is None:
+        return
     offered = websocket.scope.get("subprotocols", [])
-    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
-    edge = manager.attach(websocket, PROTOCOL)
+    edge = manager.attach(websocket, PROTOCOL, reservation)
     try:
+        await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
         connection = RealtimeConnection(edge, select_dialect(websocket),
                                         websocket.query_params.get("model") or manager.defaults.model_name)
+        edge.notice = lambda reason: connection.send(connection.events.error(
+            reason, "server_shutting_down", kind="server_error"))
         await connection.run()
     finally:
         edge.close()

@@ -1,5 +1,6 @@
 """`parley serve`, top to bottom: load the checkpoint -> build the engine -> build the app ->
-run uvicorn (uvloop, websockets sans-I/O) until SIGINT/SIGTERM -> uvicorn's graceful
+run uvicorn (uvloop, websockets sans-I/O) until SIGINT, or SIGTERM which first drains
+(drain.py: no new sessions, live ones run up to --drain-timeout) -> uvicorn's graceful
 shutdown runs the app's lifespan exit, which closes every connection and shuts the engine
 down (bounded by `EngineConfig.shutdown_timeout_s`).
 
@@ -33,6 +34,8 @@ from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint,
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
 from .demo_model import STT_NOTICE, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
+from .demo_model import ensure_demo_checkpoint
+from .drain import DrainingServer
 from .sessions import ServerDefaults
 
 log = logging.getLogger("parley.server")
@@ -68,6 +71,8 @@ class ServeConfig:
     # None: none, except for the demo server, which includes a tiny random one.
     stt_model: str | None = None
     stt_slots: int = 16
+    ready_min_free: int = 1  # /readyz is 503 below this many free slots
+    drain_timeout: float = 30.0  # SIGTERM / POST /admin/drain: seconds live sessions may run on
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,7 +127,8 @@ def build_app(config: ServeConfig):
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
     return create_app(engine, defaults, info, codec_workers=config.codec_workers,
-                      stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None)
+                      stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None,
+                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout)
 
 
 def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
@@ -150,8 +156,8 @@ def serve(config: ServeConfig) -> int:
     except (ServeError, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
-    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime, /health, /ready, /metrics; %d sessions)",
+    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics; %d sessions)",
              config.host, config.port, config.max_sessions)
-    server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level))
+    server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level), app.state.drainer)
     server.run()
     return 0 if server.started else 1
