@@ -36,7 +36,7 @@ from parley.engine import Engine, EngineConfig, Terminal, TickClock  # noqa: E40
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec  # noqa: E402
 from parley.models.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
-from parley.models.config import LMConfig, MimiConfig  # noqa: E402
+from parley.models.config import LMConfig, MimiConfig, SamplingDefaults  # noqa: E402
 from parley.models.image_pipeline import ImageStepper, stepper_for  # noqa: E402
 from parley.models.lm import LMModel  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
@@ -104,7 +104,7 @@ def voice_checkpoint(smoke: bool, device: str) -> Checkpoint:
     lm = LMModel(lm_cfg, device=device, dtype=torch.bfloat16).eval()
     mimi = Mimi(mimi_cfg).to(device).eval()
     return Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
-                      gen_defaults={}, model_type="moshi", path=Path("."))
+                      sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
 
 
 def image_stepper(smoke: bool, device: str) -> ImageStepper:
@@ -134,7 +134,7 @@ def standalone_steps_per_s(stepper: ImageStepper, size: int, batch: int, steps: 
 async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int) -> dict:
     clock = RecordingClock(args.tick)
     backend = TimedBackend(ModelBackend(checkpoint, batch, cuda_graphs=args.device == "cuda", seed=0), clock)
-    engine = Engine(backend, EngineConfig(max_sessions=batch, tick_seconds=args.tick), clock=clock)
+    engine = Engine(backend, EngineConfig(tick_seconds=args.tick), clock=clock)
     queue = ImageQueue(stepper, max_slack_s=args.tick - engine.config.slack_guard_s, capacity=max(load, 1),
                        max_batch=args.max_batch)
     queue.warm_up(size, size)

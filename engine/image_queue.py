@@ -379,7 +379,7 @@ class ImageQueue:
         if job.phase == ENCODE:
             return WorkItem(self.encode_key(), lambda: self._encode(job), self._failer([job]))
         if job.phase in (PREVIEW, DECODE):
-            if job.request.events.room <= 0:
+            if job.request.events.room() <= 0:
                 return None  # back-pressure: the client has not taken the last image yet
             run = self._preview if job.phase == PREVIEW else self._decode
             return WorkItem(self.decode_key(spec.width, spec.height), lambda: run(job), self._failer([job]))

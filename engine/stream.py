@@ -6,8 +6,7 @@ sessions use it for frames; TTS or diffusion requests can use it for their own e
 Why this shape:
 - The engine thread must never block on a slow consumer, so the buffer is bounded and a
   full buffer drops its *oldest* partial (counted): for realtime audio, stale is worse
-  than missing. Non-realtime producers must not drop: they check `room` and stop producing
-  for that request while it is 0 (back-pressure).
+  than missing.
 - Items live in a locked deque, not in the loop's callback queue: the producer schedules
   at most one wake-up callback at a time, so a stalled loop cannot grow memory either.
 - The Terminal is never dropped and always comes last; the first `finish` wins.
@@ -83,10 +82,9 @@ class OutputStream(Generic[T]):
             self._schedule_wake()
         return True
 
-    @property
     def room(self) -> int:
-        """Partials that can be pushed now without dropping one. Producers that must not drop
-        (TTS, images, transcripts) push only while this is above 0: back-pressure."""
+        """Partials that fit before the buffer is full. Producers that must not drop (transcripts,
+        TTS audio) stop producing for a request while this is 0: back-pressure, bounded memory."""
         with self._lock:
             return self._max - len(self._items)
 

@@ -152,7 +152,7 @@ def test_a_full_stream_pauses_the_request_and_nothing_is_dropped(sd):
         got, rounds = [], 0
         while not got or not isinstance(got[-1], Terminal):
             runner.run_until(None)
-            assert request.events.room >= 0
+            assert request.events.room() >= 0
             got.extend(events_of(request))
             rounds += 1
             assert rounds < 20

@@ -37,7 +37,7 @@ CAPACITY = 2
 @pytest.fixture(scope="module")
 def server():
     torch.set_num_threads(1)
-    engine = Engine(DelayBackend(2), EngineConfig(max_sessions=2, tick_seconds=TICK))
+    engine = Engine(DelayBackend(2), EngineConfig(tick_seconds=TICK))
     stepper = demo_image_stepper()
     queue = ImageQueue(stepper, max_slack_s=TICK - engine.config.slack_guard_s, capacity=CAPACITY)
     queue.warm_up()
@@ -166,7 +166,7 @@ def test_a_full_queue_answers_429_and_a_disconnect_cancels_the_job(server):
 
 
 def test_a_server_without_an_image_model_says_so():
-    engine = Engine(DelayBackend(1), EngineConfig(max_sessions=1))
+    engine = Engine(DelayBackend(1))
     with serve(create_app(engine, info=ServerInfo(model="delay"), codec_workers=0)) as base:
         with pytest.raises(openai.NotFoundError, match="--image-model"):
             client(base).images.generate(prompt="x")
@@ -175,7 +175,7 @@ def test_a_server_without_an_image_model_says_so():
 def test_serve_flags_are_checked(tmp_path, capsys):
     assert main(["serve", "--image-queue", "0"]) == 2
     assert "--image-queue must be at least 1" in capsys.readouterr().err
-    engine = Engine(DelayBackend(1), EngineConfig(max_sessions=1))
+    engine = Engine(DelayBackend(1))
     with pytest.raises(ServeError, match="--image-model: cannot read a diffusers pipeline"):
         build_images(ServeConfig(model="x", image_model=str(tmp_path / "missing")), engine, torch.device("cpu"),
                      torch.float32, demo=False)
