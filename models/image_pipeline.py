@@ -299,5 +299,5 @@ def load_image_pipeline(source: str, device: str | torch.device = "cpu",
     # passed as None, or from_pretrained refuses the pipeline as incomplete.
     absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, (list, tuple))
               and all(x is None for x in v)}
-    pipe = pipe_cls.from_pretrained(source, torch_dtype=dtype, **{**absent, **kwargs}).to(device)
+    pipe = pipe_cls.from_pretrained(source, dtype=dtype, **{**absent, **kwargs}).to(device)
     return stepper_cls(pipe, str(source).rstrip("/").split("/")[-1])
