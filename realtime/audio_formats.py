@@ -161,15 +161,24 @@ class InputDecoder:
 
 
 class OutputEncoder:
-    """A connection's output stream: 24 kHz float32 frames -> wire bytes in its format."""
+    """A connection's output stream: 24 kHz float32 frames -> wire bytes in its format.
+
+    Each frame gives exactly its duration at the wire rate (640 bytes per 80 ms at 8 kHz): the
+    streaming resampler's output comes in bursts, so it goes through a small FIFO that is
+    primed with silence whenever it runs short (a one-off delay of a few ms)."""
 
     def __init__(self, fmt: AudioFormat) -> None:
         self.format = fmt
         self._resampler = (None if fmt.rate == SAMPLE_RATE
                            else soxr.ResampleStream(SAMPLE_RATE, fmt.rate, 1, dtype="float32"))
+        self._fifo = np.zeros(0, np.float32)
 
     def encode(self, pcm: np.ndarray) -> bytes:
         if self._resampler is not None:
-            pcm = self._resampler.resample_chunk(pcm.astype(np.float32, copy=False))
+            want = pcm.size * self.format.rate // SAMPLE_RATE
+            fifo = np.concatenate([self._fifo, self._resampler.resample_chunk(pcm.astype(np.float32, copy=False))])
+            if fifo.size < want:
+                fifo = np.concatenate([np.zeros(want - fifo.size, np.float32), fifo])
+            pcm, self._fifo = fifo[:want], fifo[want:]
         pcm16 = _to_pcm16(pcm)
         return pcm16.tobytes() if self.format.kind == "pcm16" else g711_encode(pcm16, self.format.kind)
