@@ -112,3 +112,28 @@ def test_json_logs_carry_uvicorns_lines_too(capsys):
     assert [(e["logger"], e["level"], e["message"]) for e in lines] == [
         ("uvicorn.error", "INFO", "Uvicorn running"), ("parley.server", "WARNING", "hello there")]
     assert all(e["time"].endswith("+00:00") for e in lines)
+
+
+def test_checkpoint_load_reports_progress_as_log_lines_off_a_terminal(tiny_moshi_dir, caplog):
+    import io
+
+    import torch
+
+    from parley.models.checkpoint import load_checkpoint
+    from parley.realtime.load_progress import LoadProgress
+
+    calls = []
+    progress = LoadProgress(io.StringIO())  # not a terminal: periodic log lines, no bar
+
+    def spy(what, done, total):
+        calls.append((what, done, total))
+        progress(what, done, total)
+
+    with caplog.at_level(logging.INFO, logger="parley.server"):
+        load_checkpoint(tiny_moshi_dir, dtype=torch.float32, progress=spy)
+    assert {c[0] for c in calls} == {"LM weights", "Mimi weights"}
+    assert all(c[1] == i + 1 for what in ("LM weights", "Mimi weights")
+               for i, c in enumerate(c for c in calls if c[0] == what))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("loading LM weights: 100%") for line in lines)
+    assert any(line.startswith("loading Mimi weights: 100%") for line in lines)
