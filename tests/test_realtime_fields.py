@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 
 import numpy as np
 import pytest
@@ -17,6 +18,18 @@ from server_harness import FRAME, SR, delay_app, serve, tone
 from test_server_realtime import Recorder, beta_validators, check_all, client, ga_validators, pcm16_b64, stream
 
 pytestmark = pytest.mark.timeout(60)
+
+@contextlib.asynccontextmanager
+async def connected(base: str, beta: bool = False):
+    """An SDK connection (GA, or beta) with its event recorder, past `session.created`."""
+    realtime = client(base).beta.realtime if beta else client(base).realtime
+    async with realtime.connect(model="gpt-4o-realtime-preview" if beta else "gpt-realtime") as conn:
+        rec = Recorder(conn)
+        await rec.wait_type("session.created")
+        yield conn, rec
+        await conn.close()
+        await rec.task
+
 
 REFUSED_GA = {
     "session.tools": {"tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]},
@@ -39,9 +52,7 @@ def test_ga_session_fields_honoured_or_refused_by_name():
     app, _ = delay_app(1)
 
     async def scenario(base):
-        async with client(base).realtime.connect(model="gpt-realtime") as conn:
-            rec = Recorder(conn)
-            await rec.wait_type("session.created")
+        async with connected(base) as (conn, rec):
             for param, session in REFUSED_GA.items():
                 await conn.session.update(session={"type": "realtime", **session})
                 err = await rec.wait(lambda e: e["type"] == "error" and e["error"]["param"] == param)
@@ -63,9 +74,7 @@ def test_ga_session_fields_honoured_or_refused_by_name():
             # the session went on through all of that
             await stream(conn, tone(440, 0.8))
             await rec.wait(lambda e: e["type"] == "response.output_audio.delta")
-            await conn.close()
-            await rec.task
-            return rec.events
+        return rec.events
 
     with serve(app) as base:
         events = run(scenario(base))
@@ -80,9 +89,7 @@ def test_per_response_options_text_only_max_tokens_metadata_out_of_band():
     app, _ = delay_app(1)
 
     async def scenario(base):
-        async with client(base).realtime.connect(model="gpt-realtime") as conn:
-            rec = Recorder(conn)
-            await rec.wait_type("session.created")
+        async with connected(base) as (conn, rec):
             # only requested responses: the model's own speech does not open one
             await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
             await rec.wait_type("session.updated")
@@ -92,9 +99,7 @@ def test_per_response_options_text_only_max_tokens_metadata_out_of_band():
             done = await rec.wait_type("response.done")
             await conn.response.create(response={"tools": [{"type": "function", "name": "f"}]})
             refused = await rec.wait_type("error")
-            await conn.close()
-            await rec.task
-            return rec.events, done, refused
+        return rec.events, done, refused
 
     with serve(app) as base:
         events, done, refused = run(scenario(base))
@@ -116,9 +121,7 @@ def test_g711_mulaw_8khz_round_trip_beta():
     ulaw = g711_encode((sent * 32767).astype(np.int16), "pcmu")
 
     async def scenario(base):
-        async with client(base).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
-            rec = Recorder(conn)
-            await rec.wait_type("session.created")
+        async with connected(base, beta=True) as (conn, rec):
             await conn.session.update(session={"input_audio_format": "g711_ulaw", "output_audio_format": "g711_ulaw"})
             updated = await rec.wait_type("session.updated")
             assert updated["session"]["input_audio_format"] == "g711_ulaw"
@@ -127,9 +130,7 @@ def test_g711_mulaw_8khz_round_trip_beta():
                 await conn.input_audio_buffer.append(audio=base64.b64encode(ulaw[i:i + chunk]).decode())
                 await asyncio.sleep(0.02 if i > 3 * chunk else 0)
             await rec.wait(lambda e: len(rec.of("response.audio.delta")) >= 12)
-            await conn.close()
-            await rec.task
-            return rec.events
+        return rec.events
 
     with serve(app) as base:
         events = run(scenario(base))
@@ -148,17 +149,13 @@ def test_audio_item_reaches_the_model_at_real_time_pace():
     recorded = tone(660, 3.0)  # longer than the 2 s input buffer: fed all at once, it would overrun
 
     async def scenario(base):
-        async with client(base).realtime.connect(model="gpt-realtime") as conn:
-            rec = Recorder(conn)
-            await rec.wait_type("session.created")
+        async with connected(base) as (conn, rec):
             await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                 {"type": "input_audio", "audio": pcm16_b64(recorded)}]})
             await rec.wait_type("conversation.item.added")
             await rec.wait(lambda e: len(rec.of("response.output_audio.delta")) >= 30, timeout=20)
             overruns = app.state.sessions.engine.counters()["overruns"]
-            await conn.close()
-            await rec.task
-            return rec.events, overruns
+        return rec.events, overruns
 
     with serve(app) as base:
         events, overruns = run(scenario(base))
@@ -179,15 +176,11 @@ def test_moshi_checkpoint_refuses_persona_and_voice_prompts_beta():
     app, backend = delay_app(1, defaults=ServerDefaults(prompts=False))
 
     async def scenario(base):
-        async with client(base).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
-            rec = Recorder(conn)
-            await rec.wait_type("session.created")
+        async with connected(base, beta=True) as (conn, rec):
             await conn.session.update(session={"instructions": "You are Ada.", "voice": "NATF2.pt",
                                                "temperature": 0.5, "input_audio_transcription": {"model": "x"}})
             updated = await rec.wait_type("session.updated")
-            await conn.close()
-            await rec.task
-            return rec.events, updated
+        return rec.events, updated
 
     with serve(app) as base:
         events, updated = run(scenario(base))
