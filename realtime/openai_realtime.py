@@ -1,31 +1,18 @@
 """`/v1/realtime`: the OpenAI Realtime API over WebSocket, GA dialect by default, beta on request.
 
-Mapping a full-duplex model onto a turn-shaped protocol (Parley's own design):
-
-- The model listens and may speak at any time. Its speech is grouped into *responses* by
-  its own activity: a response starts on the first frame whose audio is above
-  `ACTIVITY_RMS` or which carries transcript text, and ends after `END_QUIET_FRAMES`
-  quiet frames. Everything inside a response is sent as audio + transcript deltas, one
-  event per 80 ms frame as soon as it is produced; quiet frames outside responses are not
-  sent (a turn-based client would only play silence).
-- `response.create` opens a response at once (the model's next speech goes into it; if it
-  stays quiet for `CREATE_GRACE_FRAMES` the response completes empty). With a response
-  already open it is `conversation_already_has_active_response`.
-- `response.cancel` ends the open response (`response.done`, status `cancelled`) and mutes
-  the agent at once: its output is dropped until it has been quiet for `END_QUIET_FRAMES`,
-  so the cancelled utterance does not come back as a new response.
+This module is the connection's I/O and dispatch only:
+- client settings (`session.update`, `response.create`, items) are judged in
+  `realtime_session.py`: every field honoured or refused with an `error` naming it;
+- responses and voice activity (how a full-duplex model's speech becomes turn-shaped
+  responses, the energy detector, commits) are kept in `realtime_turns.py`: frames in,
+  events out;
 - `instructions` is the persona and `voice` the voice prompt: changing either (or the
   temperature) re-prefills the session (the slot is handed over without a gap, see
-  `EdgeSession.reopen`), then `session.updated` is sent. OpenAI's built-in voice names
-  (alloy, marin, ...) mean "the model's default voice".
-- `input_audio_buffer.speech_started` / `speech_stopped` come from an energy detector on
-  the input (only while turn detection is on); at speech end the buffer is committed as a
-  user item. The model itself never waits for a commit: it hears the audio as it arrives.
-- Errors are OpenAI-shaped `error` events and never close the session. When every slot is
-  taken: an `error` (code `session_limit_reached`), then close 1013.
-
-This module is the connection's I/O and dispatch only: settings are judged in
-`realtime_session.py`, responses and voice activity are kept in `realtime_turns.py`.
+  `EdgeSession.reopen`), then `session.updated` is sent;
+- audio items are fed to the model at real-time pace (the input buffer holds only 2 s), and
+  live audio appended meanwhile queues behind them.
+Errors are OpenAI-shaped `error` events and never close the session. When every slot is
+taken: an `error` (code `session_limit_reached`), then close 1013.
 """
 
 from __future__ import annotations
