@@ -54,7 +54,7 @@ KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 
 MAX_EVENT_BYTES = 8 * 1024 * 1024  # larger client events are refused with an error (the
 # transport closes with 1009 only past uvicorn's ws_max_size, set higher than this)
-MAX_QUEUED_ITEM_SAMPLES = 120 * SAMPLE_RATE  # audio items waiting to be heard: at most 2 minutes
+MAX_QUEUED_ITEM_SAMPLES = 120 * SAMPLE_RATE  # audio waiting to be heard behind items: at most 2 minutes
 
 
 class SessionLost(Exception):
@@ -272,14 +272,17 @@ class RealtimeConnection:
             raise ClientError("audio is not valid base64", "invalid_value", "audio") from None
         except FormatError as exc:
             raise ClientError(str(exc), "invalid_value", "audio") from None
-        self._hear(pcm)
         await self.send_all(events)
+        self._hear(pcm)
 
     def _hear(self, pcm: np.ndarray) -> None:
         """Live audio goes straight to the model, unless item audio is still being fed: then behind it."""
         if not pcm.size:
             return
         if self._feed:
+            if self._feed_samples + pcm.size > MAX_QUEUED_ITEM_SAMPLES:  # faster than real time, for minutes
+                raise ClientError("input audio is arriving faster than real time while an audio item is being "
+                                  "heard; this chunk was dropped", "invalid_value", "audio")
             self._queue(pcm)
             return
         session = self.edge.engine_session
