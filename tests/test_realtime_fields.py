@@ -189,3 +189,52 @@ def test_moshi_checkpoint_refuses_persona_and_voice_prompts_beta():
     assert updated["session"]["temperature"] == 0.5 and updated["session"]["instructions"] == ""
     assert backend.sampling[-1].audio_temperature == 0.5  # the honoured field re-prefilled the session
     check_all(events, beta_validators())
+
+
+REFUSED_BETA = {
+    "session.input_audio_transcription": {"input_audio_transcription": {"model": "whisper-1"}},
+    "session.input_audio_noise_reduction": {"input_audio_noise_reduction": {"type": "near_field"}},
+    "session.speed": {"speed": 0.8},
+    "session.temperature": {"temperature": 1e39},
+    "session.turn_detection.threshold": {"turn_detection": {"type": "server_vad", "threshold": "high"}},
+    "session.turn_detection.eagerness": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}},
+    "session.tools": {"tools": [{"type": "function", "name": "f"}]},
+    "session.output_audio_format": {"output_audio_format": "mp3"},
+}
+REFUSED_RESPONSE = {
+    "response.instructions": {"instructions": "Another persona for one answer."},
+    "response.voice": {"voice": "NATM9.pt"},
+    "response.input": {"input": [{"type": "message", "role": "user",
+                                  "content": [{"type": "input_text", "text": "hi"}]}]},
+    "response.conversation": {"conversation": "conv_123"},
+    "response.modalities": {"modalities": ["video"]},
+}
+
+
+def test_beta_session_and_response_fields_refused_by_name():
+    app, _ = delay_app(1)
+
+    async def scenario(base):
+        async with connected(base, beta=True) as (conn, rec):
+            await conn.session.update(session={"turn_detection": None})  # responses only on request
+            await rec.wait_type("session.updated")
+            for param, session in REFUSED_BETA.items():
+                await conn.session.update(session=session)
+                await rec.wait(lambda e: e["type"] == "error" and e["error"]["param"] == param)
+            for param, response in REFUSED_RESPONSE.items():
+                await conn.response.create(response=response)
+                await rec.wait(lambda e: e["type"] == "error" and e["error"]["param"] == param)
+            await conn.transcription_session.update(session={"input_audio_format": "pcm16"})
+            await rec.wait(lambda e: e["type"] == "error" and e["error"]["code"] == "unsupported_parameter"
+                           and e["error"]["param"] == "type")
+            await conn.response.create(response={"modalities": ["text", "audio"], "metadata": {"k": "v"}})
+            created = await rec.wait_type("response.created")
+        return rec.events, created
+
+    with serve(app) as base:
+        events, created = run(scenario(base))
+    params = [e["error"]["param"] for e in events if e["type"] == "error"]
+    assert params == [*REFUSED_BETA, *REFUSED_RESPONSE, "type"]
+    assert len([e for e in events if e["type"] == "response.created"]) == 1  # refused ones never started
+    assert created["response"]["metadata"] == {"k": "v"}
+    check_all(events, beta_validators())
