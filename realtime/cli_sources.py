@@ -59,6 +59,8 @@ def _convert(parser: argparse.ArgumentParser, action: argparse.Action, value: An
             value = value.lower() in _TRUE
         if not isinstance(value, bool):
             parser.error(f"{where}: expected true or false, got {value!r}")
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return value  # the setting's own value (PARLEY_NO_X=true sets no_x, whatever the flag's sense)
         return action.const if value else action.default
     if isinstance(value, (list, dict)) or (isinstance(value, bool) and action.type is not None):
         parser.error(f"{where}: expected a single value, got {value!r}")

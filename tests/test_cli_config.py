@@ -82,9 +82,11 @@ def test_a_flag_added_later_gets_env_and_file_for_free(tmp_path):
     serve = sub.add_parser("serve")
     serve.add_argument("--rate-limit-per-s", type=int, default=100)
     serve.add_argument("--strict-origin", action="store_true")
+    serve.add_argument("--no-ping", dest="ping", action="store_false")
     cli_sources.install(serve)
     args = cli_sources.parse_args(parser, ["serve"], {"PARLEY_RATE_LIMIT_PER_S": "7", "PARLEY_STRICT_ORIGIN": "true"})
-    assert args.rate_limit_per_s == 7 and args.strict_origin is True
+    assert args.rate_limit_per_s == 7 and args.strict_origin is True and args.ping is True
+    assert cli_sources.parse_args(parser, ["serve"], {"PARLEY_PING": "off"}).ping is False
     path = tmp_path / "p.toml"
     path.write_text("strict_origin = true\nrate_limit_per_s = 9\n")
     args = cli_sources.parse_args(parser, ["serve", "--config", str(path), "--rate-limit-per-s", "1"], {})
