@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE, SamplingDefaults
 
 TICK_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08: one frame of audio per tick
 
@@ -42,12 +42,13 @@ def _check_top_k(name: str, value: int) -> None:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Per-session sampling. Defaults are the reference LMGen's; temperature 0 is greedy."""
+    """Per-session sampling, validated; temperature 0 is greedy. Defaults: `SamplingDefaults`
+    (the reference LMGen's); a checkpoint's own come from `Checkpoint.sampling`."""
 
-    text_temperature: float = 0.7
-    text_top_k: int = 25
-    audio_temperature: float = 0.8
-    audio_top_k: int = 250
+    text_temperature: float = SamplingDefaults.text_temperature
+    text_top_k: int = SamplingDefaults.text_top_k
+    audio_temperature: float = SamplingDefaults.audio_temperature
+    audio_top_k: int = SamplingDefaults.audio_top_k
     # Seeds make a session's sampling reproducible for the same input (None: the shared generator).
     text_seed: int | None = None
     audio_seed: int | None = None
@@ -84,19 +85,24 @@ class SessionOptions:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizing. Everything is bounded: slots, input per session, output per request."""
+    """Engine clock and bounds: input per session, output per request. The number of slots is
+    not here: the backend owns it (it allocates the rows), and the engine reads `backend.max_sessions`."""
 
-    max_sessions: int = 8  # slots, fixed at start: the batch every tick runs
     tick_seconds: float = TICK_SECONDS  # the clock period (tests may shorten it)
     input_frames: int = 25  # per-session input bound: 2 s of audio before overrun drops the oldest
     output_events: int = 64  # per-request output bound: ~5 s of frames before the oldest are dropped
     shutdown_timeout_s: float = 5.0  # how long shutdown waits for the engine thread
+    # Slack work must end this long before the next boundary: room for the host to launch the
+    # next frame and for estimate noise (engine/slack.py).
+    slack_guard_s: float = 0.003
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "input_frames", "output_events"):
+        for name in ("input_frames", "output_events"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
+        if not isinstance(self.slack_guard_s, (int, float)) or not 0 <= self.slack_guard_s < self.tick_seconds:
+            raise OptionsError(f"slack_guard_s must be at least 0 and less than a tick, got {self.slack_guard_s!r}.")
         for name in ("tick_seconds", "shutdown_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -4,9 +4,16 @@
     host = backend.step(...).to_host()   # one batched step, one device->host copy
     output.route(plan, host)             # fan out to streams by request id
 
-New sessions are prefilled after the tick's outputs are out, in the slack before the
-next boundary, a chunk of the prompt at a time, so a prefill never delays the frame other
-sessions are waiting for.
+    slack.run_until(next boundary)       # prefill, TTS, ... : work items that fit (slack.py)
+
+Everything besides the frame is slack work (engine/slack.py): new sessions' prompts
+(admission.py) and any source added with `add_slack_source`, run after the tick's outputs
+are out and only when their estimated cost ends before the next boundary.
+
+Failure containment: an error in one request's work (its options, its prompt, its slack
+item) fails that request only; an error in the shared frame step is fatal: every stream
+fails, the engine turns unhealthy and `fatal_error` says why (the server then exits
+non-zero so a supervisor restarts it).
 
 Threads: the event loop calls `open`, `Session.push_audio`, `Session.close`,
 `counters` and `shutdown`; everything that touches the backend runs on the engine
@@ -21,11 +28,11 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 from parley.models.config import FRAME_SAMPLES
 
-from .backend import FrameBackend, HostOutput, PrefillJob, RowFailure, SessionRejected, rows_mask
+from .admission import PrefillSource
+from .backend import FrameBackend, HostOutput, RowFailure, SessionRejected, rows_mask
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
 from .input_buffer import InputBuffer
@@ -33,13 +40,12 @@ from .metrics import EngineMetrics
 from .output import OutputProcessor
 from .scheduler import Scheduler, TickPlan
 from .session import Session
+from .slack import SlackRunner, SlackSource
 from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
+from .stt_paired import PairedTranscription
 
 log = logging.getLogger("parley.engine")
-
-MIN_PREFILL_FRAMES = 8  # prompt frames every tick runs at least, so admissions progress
-PREFILL_SLACK_SHARE = 0.8  # of the time left before the next boundary, a margin for the estimate
 
 
 class EngineClosed(RuntimeError):
@@ -49,14 +55,15 @@ class EngineClosed(RuntimeError):
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
                  clock: TickClock | None = None) -> None:
-        if backend.max_sessions != config.max_sessions:
-            raise OptionsError(f"the backend holds {backend.max_sessions} rows but max_sessions is "
-                               f"{config.max_sessions}; build both with the same number.")
+        rows = backend.max_sessions
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
+        self.max_sessions = rows  # slots, fixed at start: the batch every tick runs (the backend's rows)
         self.config = config
         self.metrics = EngineMetrics()
         self._backend = backend
-        self._slots = SlotTable(config.max_sessions)
-        self._scheduler = Scheduler(config.max_sessions, FRAME_SAMPLES)
+        self._slots = SlotTable(rows)
+        self._scheduler = Scheduler(rows, FRAME_SAMPLES)
         self._output = OutputProcessor(backend.text_piece, self.metrics)
         self._clock = clock or TickClock(config.tick_seconds)
         self._stop = threading.Event()
@@ -66,8 +73,12 @@ class Engine:
         self._closed = False
         self._healthy = True
         self._tick = 0
-        self._prefilling: _Prefilling | None = None  # the session whose prompt is running
-        self._prefill_frame_s: float | None = None  # last chunk's cost per prompt frame
+        self.fatal_error: str | None = None  # why the engine stopped serving, once it has
+        self._paired: PairedTranscription | None = None  # STT rows beside the duplex rows
+        self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
+        self._slack.add_source(PrefillSource(backend, self._scheduler, self.metrics,
+                                             ready=lambda s: _settle(s.ready, result=s),
+                                             failed=self._prefill_failed))
 
     # ---- lifecycle ----
 
@@ -86,7 +97,41 @@ class Engine:
         return self._healthy
 
     def counters(self) -> dict:
-        return self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy)
+        stats = self._slack.stats
+        return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
+                "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
+                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed}
+
+    def add_slack_source(self, source: SlackSource) -> None:
+        """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
+        order after every tick. Call before `start`."""
+        if self._thread is not None:
+            raise RuntimeError("add slack sources before the engine starts.")
+        self._slack.add_source(source)
+
+    def set_paired_transcription(self, paired: PairedTranscription) -> None:
+        """Transcribe sessions' audio in the frame (engine/stt_paired.py). Call before `start`."""
+        if self._thread is not None:
+            raise RuntimeError("set paired transcription before the engine starts.")
+        self._paired = paired
+
+    @property
+    def can_transcribe(self) -> bool:
+        """Whether sessions can be transcribed (a paired STT model is loaded)."""
+        return self._paired is not None
+
+    def enable_transcription(self, session: Session) -> OutputStream:
+        """Start transcribing what this session's user says: an OutputStream of SttPartial that
+        ends when the session does. OptionsError when no STT model is loaded."""
+        if self._paired is None:
+            raise OptionsError("no speech-to-text model is loaded (parley serve --stt-model), so the "
+                               "user's audio cannot be transcribed.")
+        return self._paired.enable(session.row, session.request_id, asyncio.get_running_loop())
+
+    @property
+    def slack_costs(self):
+        """The slack runner's cost model, for sources to seed their keys at start (warm-up)."""
+        return self._slack.costs
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread (bounded), end every stream, free the backend. Idempotent.
@@ -147,8 +192,13 @@ class Engine:
         self.metrics.inc("sessions_opened")
         return session
 
-    def _fail_session(self, session: Session, reason: str) -> None:
+    def fail_session(self, session: Session, reason: str) -> None:
+        """End one session with Terminal(failed, reason), from any thread. Idempotent."""
         self._end_session(session, Terminal(Status.FAILED, reason), EngineClosed(reason))
+
+    def close_session(self, session: Session) -> None:
+        """End one session at its client's request: Terminal(cancelled). Idempotent."""
+        self._end_session(session, Terminal(Status.CANCELLED, "closed by the client"))
 
     def _end_session(self, session: Session, terminal: Terminal,
                      ready_error: Exception | None = None) -> None:
@@ -158,6 +208,8 @@ class Engine:
         with self._lock:
             self._sessions.pop(session.request_id, None)
         self._output.unregister(session.request_id)
+        if self._paired is not None:  # queued before the slot can be reused
+            self._paired.disable(session.row, session.request_id)
         self._scheduler.submit_close(session)  # the engine thread drops the row at its next plan
         self._slots.release(session.row, session.request_id)
         _settle(session.ready, error=ready_error)
@@ -203,7 +255,7 @@ class Engine:
         plan = self._scheduler.plan(self._tick)
         self._tick += 1
         if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
-            self._backend.reset_rows(rows_mask(self.config.max_sessions, plan.released))
+            self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
@@ -212,100 +264,53 @@ class Engine:
                 self._output.route(plan, host)
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)
-        self._admit_pending(deadline)
+        self._slack.run_until(deadline)
 
     def _execute(self, plan: TickPlan) -> HostOutput | None:
         # A RowFailure means those rows were refused before any state changed: end those
         # sessions only and rerun the step for the rest (bounded: each retry removes a row).
-        for _ in range(self.config.max_sessions + 1):
+        for _ in range(self.max_sessions + 1):
             try:
-                return self._backend.step(plan.frames, plan.live_mask).to_host()
+                out = self._backend.step(plan.frames, plan.live_mask)
+                if self._paired is not None:  # part of the frame: same codes, before the host copy
+                    self._paired.step(plan, out)
+                host = out.to_host()
+                if self._paired is not None:
+                    self._paired.publish()
+                return host
             except RowFailure as failure:
                 for row, reason in failure.reasons.items():
                     rid = plan.request_ids[row]
-                    session = self._sessions.get(rid) if rid is not None else None
+                    with self._lock:
+                        session = self._sessions.get(rid) if rid is not None else None
                     if session is None or not plan.live_mask[row]:
                         raise RuntimeError(f"backend refused row {row}, which is not live") from failure
-                    self._fail_session(session, f"input rejected: {reason}")
+                    self.fail_session(session, f"input rejected: {reason}")
                     plan.live_mask[row] = False
                     plan.request_ids[row] = None
                 if not plan.any_live:
                     return None
         raise RuntimeError("backend kept refusing rows")
 
-    def _admit_pending(self, deadline: float | None) -> None:
-        """Prefill queued sessions in the slack before the next boundary, a chunk at a time.
-        Chunks are sized to the time left from the last chunk's cost per frame (with a
-        margin); at least MIN_PREFILL_FRAMES run per tick, so admissions always progress, and a
-        long prompt spreads over several ticks instead of making the next one late. Manual
-        mode (no deadline): every prompt at once."""
-        ran_this_tick = False
-        while True:
-            if self._prefilling is None:
-                session = self._scheduler.next_admission()
-                if session is None:
-                    return
-                self._prefilling = self._start_prefill(session)
-                continue
-            pending = self._prefilling
-            if pending.session.events.finished:  # closed while prefilling; its slot is already free
-                self._prefilling = None
-                continue
-            if pending.job.frames_left > 0:
-                frames = self._chunk_frames(pending.job.frames_left, deadline, ran_this_tick)
-                if frames == 0:
-                    return
-                start = self._clock.now()
-                pending.job.run(frames)
-                spent = self._clock.now() - start
-                pending.seconds += spent
-                self._prefill_frame_s = spent / frames
-                ran_this_tick = True
-            if pending.job.frames_left == 0:
-                self._prefilling = None
-                self.metrics.observe_prefill(pending.seconds)
-                self._scheduler.activate(pending.session)
-                _settle(pending.session.ready, result=pending.session)
-
-    def _chunk_frames(self, frames_left: int, deadline: float | None, ran_this_tick: bool) -> int:
-        if deadline is None:
-            return frames_left
-        fit = 0
-        if self._prefill_frame_s is not None:
-            fit = int(PREFILL_SLACK_SHARE * (deadline - self._clock.now()) / max(self._prefill_frame_s, 1e-6))
-        if not ran_this_tick:
-            fit = max(fit, MIN_PREFILL_FRAMES)
-        return max(0, min(fit, frames_left))
-
-    def _start_prefill(self, session: Session) -> "_Prefilling | None":
-        if session.events.finished:
-            return None  # closed before it was prefilled; its slot is already free
-        start = self._clock.now()
-        try:
-            self._backend.reset_rows(rows_mask(self.config.max_sessions, [session.row]))  # a reused slot starts clean
-            if session.options.sampling is not None:  # else reset left the model's defaults
-                self._backend.set_sampling(session.row, session.options.sampling)
-            job = self._backend.start_prefill(session.row, session.options)
-        except SessionRejected as exc:
-            reason = str(exc)
-            self._end_session(session, Terminal(Status.FAILED, reason), SessionRejected(reason))
-            return None
-        return _Prefilling(session, job, self._clock.now() - start)
+    def _prefill_failed(self, session: Session, exc: Exception) -> None:
+        """One session's options or prompt failed: that session ends, nothing else does."""
+        if isinstance(exc, SessionRejected):
+            reason, error = str(exc), SessionRejected(str(exc))
+        else:
+            ref = uuid.uuid4().hex[:8]
+            log.error("session %s: prompt failed (error %s)", session.request_id, ref, exc_info=exc)
+            reason = f"the session could not be started (error {ref}, see the server log)"
+            error = EngineClosed(reason)
+        self._end_session(session, Terminal(Status.FAILED, reason), error)
 
     def _fatal(self, exc: BaseException) -> None:
         log.error("fatal engine error; failing every session", exc_info=exc)
+        self.fatal_error = f"{type(exc).__name__}: {exc}"
         self._healthy = False
-        reason = f"engine failure: {type(exc).__name__}: {exc}"
+        reason = "engine failure (see the server log)"
         for session in self._open_sessions():
-            self._fail_session(session, reason)
+            self.fail_session(session, reason)
         self._stop.set()
-
-
-@dataclass
-class _Prefilling:
-    session: Session
-    job: PrefillJob
-    seconds: float  # prefill work so far (the prefill_seconds counter)
 
 
 def _settle(future: asyncio.Future, result: object = None, error: Exception | None = None) -> None:

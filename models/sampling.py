@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
+
 try:
     import triton
     import triton.language as tl
@@ -33,7 +35,6 @@ except ImportError:  # CPU-only installs: the torch version below
 UNSEEDED = -1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: the splitmix64 increment
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser constants
-_MASK64 = (1 << 64) - 1
 
 
 def _signed(c: int) -> int:
@@ -106,16 +107,14 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
                   counter: torch.Tensor | None = None, stream: int = 0) -> torch.Tensor:
     """`seeds` / `counter` ([B] long) / `stream`: per-row reproducible draws (module docstring)."""
-    from . import attention as fused
-
-    if fused.available(logits) and logits.dim() == 2:
+    if kernels.available(logits) and logits.dim() == 2:
         # One fused kernel (k-th largest by bisection instead of a full sort); the noise is drawn
         # exactly as below, so the generator advances the same way.
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(
             1.0, generator=generator)
         if seeds is not None:
             seed_noise_(noise, seeds, counter, stream)
-        return fused.sample(logits.contiguous(), temperature, top_k, noise)
+        return kernels.sample(logits.contiguous(), temperature, top_k, noise)
     logits = logits.float()
     vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)

@@ -76,6 +76,13 @@ class SessionConfig:
     output_format: AudioFormat = AudioFormat()
     max_output_tokens: int | None = None  # per response; None is "inf"
     tracing: Any = None  # None, "auto" or {workflow_name, group_id, metadata}: logged with the session
+    transcription: Event | None = None  # input audio transcription settings, as the client gave them
+
+    @property
+    def needs_stt(self) -> bool:
+        """Input transcription and semantic_vad read the session's paired STT row."""
+        return self.transcription is not None or (
+            self.turn_detection is not None and self.turn_detection.type == "semantic_vad")
 
     def to_dict(self, dialect: Dialect) -> Event:
         td = self.turn_detection.to_dict() if self.turn_detection is not None else None
@@ -86,12 +93,12 @@ class SessionConfig:
                     "modalities": modalities, "instructions": self.instructions, "voice": self.voice,
                     "input_audio_format": self.input_format.to_beta(),
                     "output_audio_format": self.output_format.to_beta(),
-                    "input_audio_transcription": None, "turn_detection": td, "tools": [],
+                    "input_audio_transcription": self.transcription, "turn_detection": td, "tools": [],
                     "tool_choice": "auto", "temperature": self.temperature,
                     "max_response_output_tokens": max_tokens, "speed": 1.0, "tracing": self.tracing}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": list(self.output_modalities), "instructions": self.instructions,
-                "audio": {"input": {"format": self.input_format.to_ga(), "transcription": None,
+                "audio": {"input": {"format": self.input_format.to_ga(), "transcription": self.transcription,
                                     "noise_reduction": None, "turn_detection": td},
                           "output": {"format": self.output_format.to_ga(), "voice": self.voice, "speed": 1.0}},
                 "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": self.tracing,
@@ -255,6 +262,21 @@ class Events:
 
     def speech_stopped(self, audio_end_ms: int, item_id: str) -> Event:
         return self._event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
+
+    # Input transcription (the paired STT row): same names in both dialects.
+    def transcription_delta(self, item_id: str, delta: str) -> Event:
+        return self._event("conversation.item.input_audio_transcription.delta", item_id=item_id,
+                           content_index=0, delta=delta)
+
+    def transcription_completed(self, item_id: str, transcript: str, seconds: float) -> Event:
+        return self._event("conversation.item.input_audio_transcription.completed", item_id=item_id,
+                           content_index=0, transcript=transcript,
+                           usage={"type": "duration", "seconds": round(seconds, 3)})
+
+    def transcription_failed(self, item_id: str, message: str) -> Event:
+        return self._event("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
+                           error={"type": "server_error", "code": "transcription_failed", "message": message,
+                                  "param": None})
 
     def committed(self, item_id: str, previous_item_id: str | None) -> Event:
         return self._event("input_audio_buffer.committed", previous_item_id=previous_item_id, item_id=item_id)

@@ -10,9 +10,14 @@ This module is the connection's I/O and dispatch only:
   temperature) re-prefills the session (the slot is handed over without a gap, see
   `EdgeSession.reopen`), then `session.updated` is sent;
 - audio items are fed to the model at real-time pace (the input buffer holds only 2 s), and
-  live audio appended meanwhile queues behind them.
+  live audio appended meanwhile queues behind them;
+- input transcription and semantic_vad read the session's paired STT row
+  (engine/stt_paired.py) while a setting needs it: the transcript's words and end-of-turn
+  probability go to `Turns`, which says what to send.
 Errors are OpenAI-shaped `error` events and never close the session. When every slot is
-taken: an `error` (code `session_limit_reached`), then close 1013.
+taken the upgrade is refused with HTTP 503 + Retry-After (capacity.py); if the last slot
+goes between upgrade and admission: an `error` (code `session_limit_reached`), then close
+1013. A server going away (drain) sends an `error` (code `server_shutting_down`), then 1001.
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ MAX_EVENT_BYTES = 8 * 1024 * 1024  # larger client events are refused with an er
 MAX_QUEUED_ITEM_SAMPLES = 120 * SAMPLE_RATE  # audio waiting to be heard behind items: at most 2 minutes
 
 
+# semantic_vad eagerness -> (end-of-turn probability that ends the turn, timeout in ms). The
+# timeouts are OpenAI's (low 8 s, medium 4 s, high 2 s); the thresholds are Parley's choice.
+EAGERNESS = {"low": (0.8, 8000), "medium": (0.5, 4000), "auto": (0.5, 4000), "high": (0.25, 2000)}
+SEMANTIC_MIN_QUIET_MS = 160  # at least two quiet frames before the head may end a turn
+
+
 class SessionLost(Exception):
     """The engine session could not be re-established; the connection is closed."""
 
@@ -85,12 +96,17 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         await websocket.send_denial_response(PlainTextResponse(
             "invalid or missing API key: send Authorization: Bearer <key>", status_code=401))
         return
+    reservation = await manager.admission.reserve_or_deny(websocket)
+    if reservation is None:
+        return
     offered = websocket.scope.get("subprotocols", [])
-    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
-    edge = manager.attach(websocket, PROTOCOL)
+    edge = manager.attach(websocket, PROTOCOL, reservation)
     try:
+        await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
         connection = RealtimeConnection(edge, select_dialect(websocket),
                                         websocket.query_params.get("model") or manager.defaults.model_name)
+        edge.notice = lambda reason: connection.send(connection.events.error(
+            reason, "server_shutting_down", kind="server_error"))
         await connection.run()
     finally:
         edge.close()
@@ -103,13 +119,14 @@ class RealtimeConnection:
         self.edge = edge
         self.manager = edge.manager
         self.events = Events(dialect)
-        self.caps = ModelCaps(prompts=self.manager.defaults.prompts)
+        self.caps = ModelCaps(prompts=self.manager.defaults.prompts, transcribe=self.manager.engine.can_transcribe)
         defaults = self.manager.defaults.options
         config = SessionConfig(id=new_id("sess"), model=model, instructions=defaults.persona, voice=defaults.voice,
                                temperature=(defaults.sampling or SamplingOptions()).audio_temperature)
         self.turns = Turns(self.events, config)
         self.options = self.manager.defaults.client_options(defaults)
         self._client_event_id: str | None = None
+        self._transcript: asyncio.Task | None = None  # reads the paired STT stream while a setting needs it
         self._reprefill_lock = asyncio.Lock()
         # Audio items waiting to be heard, fed at real-time pace; live audio queues behind them.
         self._feed: collections.deque[np.ndarray] = collections.deque()
@@ -155,6 +172,7 @@ class RealtimeConnection:
             await edge.run_duplex(self._send_loop(), self._receive_loop())
         finally:
             feeder.cancel()
+            self._stop_transcript()
 
     async def send(self, event: Event) -> None:
         try:
@@ -236,7 +254,39 @@ class RealtimeConnection:
         if config.tracing != previous.tracing and config.tracing is not None:
             log.info("realtime session %s (%d): tracing %s", config.id, self.edge.number, config.tracing)
         self.turns.set_config(config)
+        if config.needs_stt and self._transcript is None:
+            self._transcript = asyncio.create_task(self._transcript_loop())
+        elif not config.needs_stt:
+            self._stop_transcript()
         await self.send(self.events.session_updated(config))
+
+    # ---- input transcription (paired STT row) ----
+
+    async def _transcript_loop(self) -> None:
+        """Follow the session's transcript; a re-prefill hands the slot to a new engine session,
+        whose transcript is followed in turn."""
+        while True:
+            session = self.edge.engine_session
+            if session is None or session.closed:
+                return
+            try:
+                stream = self.manager.engine.enable_transcription(session)
+            except OptionsError:
+                return
+            async for event in stream:
+                if isinstance(event, Terminal):
+                    if event.status is Status.FAILED:
+                        await self.send_all(self.turns.transcript_failed(event.reason))
+                    break
+                await self.send_all(self.turns.transcript(event.text, event.end_of_turn))
+            await asyncio.sleep(0.05)
+            if self.edge.engine_session is session:
+                return
+
+    def _stop_transcript(self) -> None:
+        if self._transcript is not None:
+            self._transcript.cancel()
+            self._transcript = None
 
     def _sampling(self, temperature: float) -> SamplingOptions | None:
         current = self.options.sampling

@@ -34,8 +34,11 @@ MAX_OUTPUT_TOKENS = 4096  # OpenAI's upper bound for max_output_tokens
 MAX_TURN_MS = 10_000  # prefix padding / silence duration beyond 10 s are mistakes, not settings
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's metadata limits
 TEMPERATURE_RANGE = (0.0, 2.0)
-# semantic_vad is served by the energy detector; eagerness picks how long a pause ends a turn.
-EAGERNESS_SILENCE_MS = {"low": 1500, "medium": 800, "auto": 800, "high": 300}
+# semantic_vad eagerness -> (the STT's end-of-turn probability that ends the turn, timeout in ms).
+# The timeouts are OpenAI's (low 8 s, medium 4 s, high 2 s); the thresholds are Parley's choice.
+EAGERNESS = {"low": (0.8, 8000), "medium": (0.5, 4000), "auto": (0.5, 4000), "high": (0.25, 2000)}
+NO_STT = ("this server has no speech-to-text model loaded (parley serve --stt-model), so it cannot "
+          "transcribe the input or run semantic_vad")
 
 
 class ClientError(Exception):
@@ -52,6 +55,7 @@ class ModelCaps:
     """What the served model can do with a client's settings."""
 
     prompts: bool  # takes a persona (instructions) and voice prompt: PersonaPlex yes, Moshi no
+    transcribe: bool = False  # a paired STT row: input transcription and semantic_vad
 
 
 @dataclass(frozen=True)
@@ -196,12 +200,14 @@ def _tracing(param: str, value: Any) -> Any:
 # ---- turn detection -----------------------------------------------------------------------------
 
 
-def parse_turn_detection(param: str, raw: Any) -> TurnDetection | None:
+def parse_turn_detection(param: str, raw: Any, caps: ModelCaps) -> TurnDetection | None:
     """`turn_detection`: null/false turns the detector off; numbers are checked by type and range."""
     if raw is None or raw is False:
         return None
     raw = _dict(param, raw)
     kind = _choice(f"{param}.type", raw.get("type", "server_vad"), ("server_vad", "semantic_vad"))
+    if kind == "semantic_vad" and not caps.transcribe:
+        raise _unsupported(f"{param}.type", NO_STT)
     allowed = {"type", "create_response", "interrupt_response"} | (
         {"threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms"} if kind == "server_vad"
         else {"eagerness"})
@@ -215,8 +221,7 @@ def parse_turn_detection(param: str, raw: Any) -> TurnDetection | None:
         td.interrupt_response = _bool(f"{param}.interrupt_response", raw["interrupt_response"])
     if kind == "semantic_vad":
         if raw.get("eagerness") is not None:
-            td.eagerness = _choice(f"{param}.eagerness", raw["eagerness"], tuple(EAGERNESS_SILENCE_MS))
-        td.silence_duration_ms = EAGERNESS_SILENCE_MS[td.eagerness]
+            td.eagerness = _choice(f"{param}.eagerness", raw["eagerness"], tuple(EAGERNESS))
         return td
     if raw.get("threshold") is not None:
         td.threshold = _number(f"{param}.threshold", raw["threshold"], 0.0, 1.0, low_open=True)
@@ -276,7 +281,7 @@ def _model(param: str, value: Any) -> str:
 def _include(param: str, value: Any) -> None:
     if value is not None and not isinstance(value, list):
         raise _type_error(param, "a list", value)
-    _only_empty(param, value, "there is no input transcription whose log-probabilities could be included")
+    _only_empty(param, value, "the speech-to-text model gives no log-probabilities to include")
 
 
 def _truncation(param: str, value: Any) -> None:
@@ -285,7 +290,16 @@ def _truncation(param: str, value: Any) -> None:
                                   "audio; only 'auto' describes it")
 
 
-_NO_TRANSCRIPTION = "input transcription is not available (the model hears audio directly; its text is its own)"
+def _transcription(param: str, value: Any, caps: ModelCaps) -> Any:
+    """On (an object) or off (null). Parley's paired STT is the model, whatever the object names."""
+    if value is None:
+        return None
+    value = _dict(param, value)
+    if not caps.transcribe:
+        raise _unsupported(param, NO_STT)
+    return value
+
+
 _NO_NOISE_REDUCTION = "no noise reduction is applied to input audio"
 
 SESSION_FIELDS: dict[str, Callable[[str], _Setter]] = {
@@ -297,8 +311,8 @@ SESSION_FIELDS: dict[str, Callable[[str], _Setter]] = {
     "output_modalities": _set("output_modalities", _modalities),
     "input_audio_format": _set("input_format", _format),  # beta
     "output_audio_format": _set("output_format", _format),  # beta
-    "turn_detection": _set("turn_detection", parse_turn_detection),  # beta
-    "input_audio_transcription": _refuse(_NO_TRANSCRIPTION),  # beta
+    "turn_detection": _with_caps("turn_detection", parse_turn_detection),  # beta
+    "input_audio_transcription": _with_caps("transcription", _transcription),  # beta
     "input_audio_noise_reduction": _refuse(_NO_NOISE_REDUCTION),  # beta
     "temperature": _set("temperature", lambda p, v: _number(p, v, *TEMPERATURE_RANGE)),  # beta
     "max_response_output_tokens": _set("max_output_tokens", _max_tokens),  # beta
@@ -316,8 +330,8 @@ SESSION_FIELDS: dict[str, Callable[[str], _Setter]] = {
 }
 AUDIO_INPUT_FIELDS: dict[str, Callable[[str], _Setter]] = {
     "format": _set("input_format", _format),
-    "turn_detection": _set("turn_detection", parse_turn_detection),
-    "transcription": _refuse(_NO_TRANSCRIPTION),
+    "turn_detection": _with_caps("turn_detection", parse_turn_detection),
+    "transcription": _with_caps("transcription", _transcription),
     "noise_reduction": _refuse(_NO_NOISE_REDUCTION),
 }
 AUDIO_OUTPUT_FIELDS: dict[str, Callable[[str], _Setter]] = {

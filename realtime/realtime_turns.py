@@ -11,7 +11,12 @@ Responses follow the full-duplex model's own activity (Parley's design, see docs
 - after a cancel or a cut-off the agent is muted until it has been quiet for
   `END_QUIET_FRAMES`, so the rest of that utterance does not come back as a new response.
 Input: an energy detector per 80 ms frame emits `speech_started` / `speech_stopped` (while turn
-detection is on) and commits the buffer as a user item at speech end.
+detection is on) and commits the buffer as a user item at speech end. With `semantic_vad` the
+turn ends when the paired STT's end-of-turn probability reaches the `eagerness` threshold after
+at least `SEMANTIC_MIN_QUIET_MS` of quiet, or at the eagerness's timeout (speech start stays
+energy-based). With input transcription on, the STT's words are sent as
+`conversation.item.input_audio_transcription.delta` for the item being spoken, and
+`.completed` when it is committed (words after the commit go to the next item).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 from .audio_formats import InputDecoder, OutputEncoder
 from .openai_events import AssistantItem, Event, Events, ResponseState, SessionConfig, UserItem, new_id
-from .realtime_session import ClientError, ResponseOptions
+from .realtime_session import EAGERNESS, ClientError, ResponseOptions
 
 FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE  # 80
 ACTIVITY_RMS = 0.01  # ~ -40 dBFS: agent audio above this (or any transcript text) is speech
@@ -35,6 +40,7 @@ CREATE_GRACE_FRAMES = 25  # a response.create with no speech completes empty aft
 SPEECH_RMS_AT_HALF = 0.02  # input energy detector: RMS at OpenAI's default threshold 0.5
 MIN_COMMIT_SAMPLES = SAMPLE_RATE // 10  # 100 ms: less is input_audio_buffer_commit_empty
 MAX_ITEMS = 256  # conversation items remembered for retrieve / truncate / delete
+SEMANTIC_MIN_QUIET_MS = 160  # at least two quiet frames before the end-of-turn head may end a turn
 CANCELLED = {"type": "cancelled", "reason": "client_cancelled"}
 INTERRUPTED = {"type": "cancelled", "reason": "turn_detected"}
 CUT_OFF = {"type": "incomplete", "reason": "max_output_tokens"}
@@ -71,6 +77,8 @@ class Turns:
         self.items: OrderedDict[str, Event] = OrderedDict()
         self.last_item_id: str | None = None
         self.input = InputState()
+        self.transcribed = ""  # transcribed since the last commit
+        self.end_of_turn = 0.0  # the STT's latest end-of-turn probability
         self.decoder = InputDecoder(config.input_format)
         self.encoder = OutputEncoder(config.output_format)
 
@@ -192,26 +200,58 @@ class Turns:
             clock_ms = tracker.total_samples * 1000 // SAMPLE_RATE
             if loud and not tracker.speaking:
                 tracker.speaking, tracker.quiet_ms = True, 0
-                tracker.speech_item = new_id("item")
+                tracker.speech_item = tracker.speech_item or new_id("item")  # transcript deltas may have named it
                 start_ms = max(0, clock_ms - FRAME_MS - td.prefix_padding_ms)
                 out.append(self.events.speech_started(start_ms, tracker.speech_item))
                 if td.interrupt_response and self.response is not None:
                     out += self.finish_response("cancelled", INTERRUPTED, mute=True)
             elif tracker.speaking:
                 tracker.quiet_ms = 0 if loud else tracker.quiet_ms + FRAME_MS
-                if tracker.quiet_ms >= td.silence_duration_ms:
+                if self._turn_ended(tracker.quiet_ms):
                     tracker.speaking = False
                     item_id = tracker.speech_item or new_id("item")
                     out.append(self.events.speech_stopped(clock_ms, item_id))
                     out += self._commit(item_id)
         return pcm, out
 
+    def _turn_ended(self, quiet_ms: int) -> bool:
+        td = self.config.turn_detection
+        assert td is not None
+        if td.type != "semantic_vad":
+            return quiet_ms >= td.silence_duration_ms
+        threshold, timeout_ms = EAGERNESS[td.eagerness]
+        return (quiet_ms >= SEMANTIC_MIN_QUIET_MS and self.end_of_turn >= threshold) or quiet_ms >= timeout_ms
+
     def _commit(self, item_id: str) -> list[Event]:
         previous = self.last_item_id
         item = UserItem(item_id).to_dict(self.events.dialect)
         self._remember(item)
+        seconds = self.input.buffered_samples / SAMPLE_RATE
         self.input.buffered_samples = 0
-        return [self.events.committed(item_id, previous), *self.events.item_entered(item, previous)]
+        self.input.speech_item = None
+        out = [self.events.committed(item_id, previous), *self.events.item_entered(item, previous)]
+        if self.config.transcription is not None:
+            heard, self.transcribed = self.transcribed.strip(), ""
+            out.append(self.events.transcription_completed(item_id, heard, seconds))
+        return out
+
+    # ---- the paired STT's transcript ----
+
+    def transcript(self, text: str, end_of_turn: float) -> list[Event]:
+        """One STT step: its words (if any) and its end-of-turn probability (NaN: none this step)."""
+        if end_of_turn == end_of_turn:  # not NaN
+            self.end_of_turn = end_of_turn
+        if not text or self.config.transcription is None:
+            return []
+        if self.input.speech_item is None:
+            self.input.speech_item = new_id("item")
+        self.transcribed += text
+        return [self.events.transcription_delta(self.input.speech_item, text)]
+
+    def transcript_failed(self, reason: str) -> list[Event]:
+        if self.config.transcription is None:
+            return []
+        return [self.events.transcription_failed(self.input.speech_item or new_id("item"), reason)]
 
     def commit(self) -> list[Event]:
         if self.input.buffered_samples < MIN_COMMIT_SAMPLES:

@@ -1,5 +1,6 @@
 """`parley serve`, top to bottom: load the checkpoint -> build the engine -> build the app ->
-run uvicorn (uvloop, websockets sans-I/O) until SIGINT/SIGTERM -> uvicorn's graceful
+run uvicorn (uvloop, websockets sans-I/O) until SIGINT, or SIGTERM which first drains
+(drain.py: no new sessions, live ones run up to --drain-timeout) -> uvicorn's graceful
 shutdown runs the app's lifespan exit, which closes every connection and shuts the engine
 down (bounded by `EngineConfig.shutdown_timeout_s`).
 
@@ -25,12 +26,15 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
+from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
-from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from parley.engine.stt_paired import PairedTranscription
+from parley.engine.stt_pool import SttPool
+from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint, load_checkpoint, load_stt_checkpoint
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import ensure_demo_checkpoint
+from .demo_model import STT_NOTICE, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
+from .drain import DrainingServer
 from .load_progress import LoadProgress
 from .sessions import ServerDefaults
 
@@ -63,6 +67,12 @@ class ServeConfig:
     # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
     # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
     torch_threads: int | None = 1
+    # Speech-to-text (Kyutai STT) for /v1/audio/transcriptions: checkpoint dir or HF repo id;
+    # None: none, except for the demo server, which includes a tiny random one.
+    stt_model: str | None = None
+    stt_slots: int = 16
+    ready_min_free: int = 1  # /readyz is 503 below this many free slots
+    drain_timeout: float = 30.0  # SIGTERM / POST /admin/drain: seconds live sessions may run on
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,22 +103,9 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
                           log_config=None, timeout_graceful_shutdown=10, lifespan="on")
 
 
-# lm_gen_config keys (the reference's names) -> SamplingOptions fields.
-GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
-                   "temp": "audio_temperature", "top_k": "audio_top_k"}
-
-
 def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
-    """The checkpoint's lm_gen_config, then the command line's flags on top."""
-    from_checkpoint = {field: checkpoint.gen_defaults[key] for key, field in GEN_CONFIG_KEYS.items()
-                       if key in checkpoint.gen_defaults}
-    return SamplingOptions(**{**from_checkpoint, **overrides})
-
-
-def voice_names(checkpoint: Checkpoint) -> tuple[str, ...]:
-    if checkpoint.voices_dir is None:
-        return ()
-    return tuple(sorted(p.name for p in Path(checkpoint.voices_dir).glob("*.pt")))
+    """The checkpoint's sampling (its lm_gen_config), then the command line's flags on top."""
+    return SamplingOptions(**{**dataclasses.asdict(checkpoint.sampling), **overrides})
 
 
 def build_app(config: ServeConfig):
@@ -132,14 +129,42 @@ def build_app(config: ServeConfig):
         raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
-    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
-    engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
-    voices = voice_names(checkpoint)
-    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
-                      default_voice=config.defaults.voice)
+    stt = _load_stt(config, demo, device, dtype)
+    paired = stt is not None and _shares_mimi(checkpoint, stt)
+    if stt is not None and not paired:
+        log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
+                    "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
+    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
+                           encode_codebooks=stt.lm_config.n_q if paired else None)
+    engine = Engine(backend)
+    if paired:
+        engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
+    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
+                      voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
-    return create_app(engine, defaults, info, codec_workers=config.codec_workers)
+    return create_app(engine, defaults, info, codec_workers=config.codec_workers,
+                      stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None,
+                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout)
+
+
+def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
+    if config.stt_model is None and not demo:
+        return None
+    source = config.stt_model or str(ensure_demo_stt_checkpoint())
+    if config.stt_model is None:
+        log.warning("demo server: %s", STT_NOTICE)
+    log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)
+    return load_stt_checkpoint(source, device=device, dtype=dtype)
+
+
+def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:
+    """Paired transcription reads the duplex frame's codes: the two Mimis must be one (every
+    weight equal) and the duplex one must hold the codebooks the STT reads."""
+    ours, theirs = checkpoint.mimi.state_dict(), stt.mimi.state_dict()
+    if checkpoint.mimi.quantizer.levels < stt.lm_config.n_q or set(theirs) - set(ours):
+        return False
+    return all(ours[k].shape == v.shape and torch.equal(ours[k], v) for k, v in theirs.items())
 
 
 def serve(config: ServeConfig) -> int:
@@ -148,8 +173,8 @@ def serve(config: ServeConfig) -> int:
     except (ServeError, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
-    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime, /health, /ready, /metrics; %d sessions)",
+    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics; %d sessions)",
              config.host, config.port, config.max_sessions)
-    server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level))
+    server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level), app.state.drainer)
     server.run()
     return 0 if server.started else 1

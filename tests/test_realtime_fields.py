@@ -61,14 +61,15 @@ def test_ga_session_fields_honoured_or_refused_by_name():
             await conn.session.update(session={
                 "type": "realtime", "tools": [], "tool_choice": "auto", "output_modalities": ["audio"],
                 "max_output_tokens": 40, "tracing": {"workflow_name": "field-walk"},
-                "audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "high"},
+                "audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 300,
+                                                       "threshold": 0.6},
                                     "transcription": None},
                           "output": {"voice": "marin", "speed": 1.0}}})
             updated = await rec.wait(lambda e: e["type"] == "session.updated"
                                      and e["session"]["max_output_tokens"] == 40)
             session = updated["session"]
-            assert session["audio"]["input"]["turn_detection"]["type"] == "semantic_vad"
-            assert session["audio"]["input"]["turn_detection"]["eagerness"] == "high"
+            assert session["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 300
+            assert session["audio"]["input"]["turn_detection"]["threshold"] == 0.6
             assert session["tracing"] == {"workflow_name": "field-walk"}
             assert session["audio"]["output"]["voice"] == "marin"
             # the session went on through all of that
@@ -197,7 +198,7 @@ REFUSED_BETA = {
     "session.speed": {"speed": 0.8},
     "session.temperature": {"temperature": 1e39},
     "session.turn_detection.threshold": {"turn_detection": {"type": "server_vad", "threshold": "high"}},
-    "session.turn_detection.eagerness": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}},
+    "session.turn_detection.type": {"turn_detection": {"type": "semantic_vad"}},  # no paired STT here
     "session.tools": {"tools": [{"type": "function", "name": "f"}]},
     "session.output_audio_format": {"output_audio_format": "mp3"},
 }

@@ -15,6 +15,7 @@ from parley.realtime.realtime_session import (
 )
 
 PERSONAPLEX, MOSHI = ModelCaps(prompts=True), ModelCaps(prompts=False)
+WITH_STT = ModelCaps(prompts=True, transcribe=True)
 
 
 def config() -> SessionConfig:
@@ -44,17 +45,29 @@ def test_silence_duration_must_be_a_whole_number(value):
 ])
 def test_turn_detection_fields_by_type_and_range(field, value, code):
     with pytest.raises(ClientError) as err:
-        parse_turn_detection("session.turn_detection", {"type": "server_vad", field: value})
+        parse_turn_detection("session.turn_detection", {"type": "server_vad", field: value}, PERSONAPLEX)
     assert err.value.param.endswith(f".{field}") and err.value.code == code
 
 
 def test_turn_detection_good_values_and_semantic_eagerness():
     td = parse_turn_detection("p", {"type": "server_vad", "threshold": 0.8, "silence_duration_ms": 300.0,
-                                    "create_response": False})
+                                    "create_response": False}, PERSONAPLEX)
     assert (td.threshold, td.silence_duration_ms, td.create_response) == (0.8, 300, False)
     assert isinstance(td.silence_duration_ms, int)
-    assert parse_turn_detection("p", {"type": "semantic_vad", "eagerness": "high"}).silence_duration_ms == 300
-    assert parse_turn_detection("p", None) is None
+    assert parse_turn_detection("p", {"type": "semantic_vad", "eagerness": "high"}, WITH_STT).eagerness == "high"
+    assert parse_turn_detection("p", None, PERSONAPLEX) is None
+
+
+def test_transcription_and_semantic_vad_need_a_paired_stt():
+    for caps, refused in ((PERSONAPLEX, ["session.audio.input.transcription",
+                                         "session.audio.input.turn_detection.type"]), (WITH_STT, [])):
+        cfg, errors = update({"audio": {"input": {"transcription": {"model": "whisper-1"},
+                                                  "turn_detection": {"type": "semantic_vad"}}}}, caps=caps)
+        assert [e.param for e in errors] == refused
+        assert cfg.needs_stt == (not refused)
+    with pytest.raises(ClientError) as err:
+        parse_turn_detection("p", {"type": "semantic_vad", "eagerness": "eager"}, WITH_STT)
+    assert err.value.param == "p.eagerness"
 
 
 REFUSED = [

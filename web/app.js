@@ -15,6 +15,7 @@ const FRAMES_PER_PAGE = 1; // one frame per Ogg page keeps the added delay lowes
 const TAG_HANDSHAKE = 0x00;
 const TAG_AUDIO = 0x01;
 const TAG_TEXT = 0x02;
+const TAG_USER_TEXT = 0x07; // with ?transcript=1: the user's words, from the server's STT
 const TAG_ERROR = 0x05;
 const HANDSHAKE_TIMEOUT_MS = 120000; // prefill of a long voice prompt can take a while
 const SILENCE_TIMEOUT_MS = 10000; // as the Moshi client: no message for 10 s -> give up
@@ -55,7 +56,8 @@ const stats = {
   inputLevelMax: 0,
   outputLevel: 0, // RMS at the analyser on the agent's audio
   outputLevelMax: 0,
-  text: '',
+  text: '', // the agent's text, as received
+  userText: '', // the user's words (0x07), as received
   voices: [],
   errors: [],
   recordedMs: 0, // the conversation recording's length (both sides, as heard)
@@ -125,11 +127,29 @@ function setMuted(on) {
   ui.mute.textContent = on ? 'Unmute microphone' : 'Mute microphone';
 }
 
-function appendText(piece) {
-  stats.text += piece;
+let transcribesUser = false; // /api/info: the server can transcribe the user's side
+let lastSpeaker = 'agent';
+
+// Both sides as text: the agent's pieces as they are, the user's in their own labelled lines.
+function appendText(piece, speaker = 'agent') {
+  if (speaker === 'agent') stats.text += piece; else stats.userText += piece;
   const t = ui.transcript;
   const atBottom = t.scrollHeight - t.scrollTop - t.clientHeight < 24;
-  t.append(piece);
+  if (transcribesUser && speaker !== lastSpeaker) {
+    const label = document.createElement('span');
+    label.className = `speaker ${speaker}`;
+    label.textContent = `${t.textContent ? '\n' : ''}${speaker === 'user' ? 'You' : 'Agent'}: `;
+    t.append(label);
+    lastSpeaker = speaker;
+  }
+  if (speaker === 'user') {
+    const span = document.createElement('span');
+    span.className = 'user-text';
+    span.textContent = piece;
+    t.append(span);
+  } else {
+    t.append(piece);
+  }
   if (atBottom) t.scrollTop = t.scrollHeight;
 }
 
@@ -177,6 +197,7 @@ class Session {
     u.protocol = u.protocol === 'https:' ? 'wss:' : 'ws:';
     if (stats.prompts) u.searchParams.set('text_prompt', this.persona);
     if (this.voice) u.searchParams.set('voice_prompt', this.voice);
+    if (transcribesUser) u.searchParams.set('transcript', '1');
     for (const name of SAMPLING_PARAMS) {
       if (pageParams.has(name)) u.searchParams.set(name, pageParams.get(name));
     }
@@ -320,6 +341,8 @@ class Session {
       for (const pkt of this.reader.push(bytes.subarray(1))) this.onPacket(pkt);
     } else if (tag === TAG_TEXT) {
       appendText(new TextDecoder().decode(bytes.subarray(1)));
+    } else if (tag === TAG_USER_TEXT) {
+      appendText(new TextDecoder().decode(bytes.subarray(1)), 'user');
     } else if (tag === TAG_ERROR) {
       const msg = new TextDecoder().decode(bytes.subarray(1));
       stats.errors.push(msg);
@@ -488,7 +511,22 @@ class Session {
     if (e.code === 1013) {
       this.finish('full', `Every conversation slot is busy (code 1013${reason}). Try again in a moment.`);
     } else if (!this.opened) {
-      this.finish('error', `Could not connect to the server (code ${e.code}${reason}). Is it running, and is this its address?`);
+      // A full or draining server refuses the upgrade with HTTP 503, which a browser reports
+      // only as a failed connection: ask /readyz which it was.
+      fetch(new URL('/readyz', apiBase)).then((r) => r.json()).then((ready) => {
+        if (this.closed) return;
+        if (ready.draining) {
+          this.finish('full', 'This server is shutting down and takes no new conversations. Try again in a moment.');
+        } else if (ready.free === 0) {
+          this.finish('full', 'Every conversation slot is busy (the server answered 503). Try again in a moment.');
+        } else {
+          this.finish('error', `Could not connect to the server (code ${e.code}${reason}).`);
+        }
+      }).catch(() => {
+        if (!this.closed) {
+          this.finish('error', `Could not connect to the server (code ${e.code}${reason}). Is it running, and is this its address?`);
+        }
+      });
     } else if (stats.state === 'waiting') {
       this.finish('error', `The server closed the connection before the model was ready (code ${e.code}${reason}).`);
     } else {
@@ -595,7 +633,7 @@ function disconnect() {
 
 ui.connect.addEventListener('click', () => (session ? disconnect() : connect()));
 ui.mute.addEventListener('click', () => setMuted(!muted));
-ui.clear.addEventListener('click', () => { ui.transcript.textContent = ''; stats.text = ''; });
+ui.clear.addEventListener('click', () => { ui.transcript.textContent = ''; stats.text = ''; stats.userText = ''; lastSpeaker = 'agent'; });
 ui.download.addEventListener('click', downloadRecording);
 document.addEventListener('keydown', (e) => {
   if (e.key === 'Escape' && session) { e.preventDefault(); disconnect(); return; }
@@ -650,6 +688,7 @@ async function loadInfo() {
       ui.persona.placeholder = 'This model takes no persona.';
       ui.voice.disabled = true;
     }
+    transcribesUser = Boolean(info && info.session_transcript);
     const notice = info && (info.notice || (info.demo ? 'This server runs the tiny demo model: it babbles. Start `parley serve --model ...` with real weights to talk for real.' : ''));
     if (notice) {
       ui.serverNotice.textContent = notice;
