@@ -35,6 +35,7 @@ import torch
 from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.config import UNGENERATED_TOKEN
 from parley.models.lm_gen import LMGen, LMGenState
+from parley.models.sampling import UNSEEDED
 from parley.models.mimi import MimiState
 from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
 from parley.models.row_views import leading_rows
@@ -328,7 +329,9 @@ class ModelBackend:
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
         self._lm_state.set_sampling(self._device_mask({row}), text_temp=sampling.text_temperature,
                                     text_topk=sampling.text_top_k, audio_temp=sampling.audio_temperature,
-                                    audio_topk=sampling.audio_top_k)
+                                    audio_topk=sampling.audio_top_k,
+                                    text_seed=UNSEEDED if sampling.text_seed is None else sampling.text_seed,
+                                    audio_seed=UNSEEDED if sampling.audio_seed is None else sampling.audio_seed)
 
     def prefill(self, row: int, options: SessionOptions) -> None:
         """The whole prompt at once (offline runs, benchmarks)."""

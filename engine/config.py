@@ -25,6 +25,16 @@ def _check_temperature(name: str, value: float) -> None:
         raise OptionsError(f"{name} must be 0 (greedy) or more, got {value}.")
 
 
+MAX_SEED = 2 ** 63 - 1
+
+
+def _check_seed(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise OptionsError(f"{name} must be a whole number from 0 to {MAX_SEED}, got {value!r}.")
+
+
 def _check_top_k(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
@@ -39,12 +49,17 @@ class SamplingOptions:
     text_top_k: int = SamplingDefaults.text_top_k
     audio_temperature: float = SamplingDefaults.audio_temperature
     audio_top_k: int = SamplingDefaults.audio_top_k
+    # Seeds make a session's sampling reproducible for the same input (None: the shared generator).
+    text_seed: int | None = None
+    audio_seed: int | None = None
 
     def __post_init__(self) -> None:
         _check_temperature("text_temperature", self.text_temperature)
         _check_temperature("audio_temperature", self.audio_temperature)
         _check_top_k("text_top_k", self.text_top_k)
         _check_top_k("audio_top_k", self.audio_top_k)
+        _check_seed("text_seed", self.text_seed)
+        _check_seed("audio_seed", self.audio_seed)
 
     @classmethod
     def greedy(cls) -> "SamplingOptions":

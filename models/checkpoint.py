@@ -37,7 +37,7 @@ import struct
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from huggingface_hub import hf_hub_download, snapshot_download
@@ -97,6 +97,7 @@ class _SafetensorsFile:
 
     def __init__(self, path: Path, role: str) -> None:
         self.path = path
+        self.role = role
         if not path.is_file():
             raise CheckpointError(f"{role} file {path} does not exist")
         try:
@@ -218,8 +219,12 @@ def _plan(expected: dict[str, torch.Size], st: _SafetensorsFile, role: str, what
     return plan
 
 
+# A load-progress callback: (what, tensors done, tensors in total), called after each tensor.
+Progress = Callable[[str, int, int], None]
+
+
 def _load_weights(model: nn.Module, st: _SafetensorsFile, plan: dict[str, _Source],
-                  device: torch.device, dtype: torch.dtype) -> None:
+                  device: torch.device, dtype: torch.dtype, progress: Progress | None = None) -> None:
     """Read each planned tensor, convert, move, and assign it over the meta parameter.
 
     Non-persistent buffers (not in the file) are materialised as zeros first; a module that
@@ -231,7 +236,7 @@ def _load_weights(model: nn.Module, st: _SafetensorsFile, plan: dict[str, _Sourc
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
     state: dict[str, torch.Tensor] = {}
-    for key, source in plan.items():
+    for done, (key, source) in enumerate(plan.items(), 1):
         tensor = st.read(source.key)
         if source.tile_steps is not None:
             file_steps, model_steps = source.tile_steps
@@ -243,6 +248,8 @@ def _load_weights(model: nn.Module, st: _SafetensorsFile, plan: dict[str, _Sourc
         if tensor.dtype.is_floating_point:
             tensor = tensor.to(dtype)
         state[key] = tensor
+        if progress is not None:
+            progress(st.role, done, len(plan))
     model.load_state_dict(state, strict=True, assign=True)
     leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
@@ -381,8 +388,9 @@ def _lm_config(raw: dict[str, Any], config_path: Path | None, personaplex_eviden
 def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, *, lm_file: str | Path | None = None,
                     mimi_file: str | Path | None = None,
-                    tokenizer_file: str | Path | None = None) -> Checkpoint:
-    """Load LM (in `dtype`), Mimi (fp32), tokenizer and voices from a directory or HF repo id."""
+                    tokenizer_file: str | Path | None = None, progress: Progress | None = None) -> Checkpoint:
+    """Load LM (in `dtype`), Mimi (fp32), tokenizer and voices from a directory or HF repo id.
+    `progress`, if given, is told after each tensor read (a large LM takes a while)."""
     device = torch.device(device)
     directory = _resolve_source(source)
 
@@ -443,8 +451,8 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     fill = (lm_config.n_agent, lm_config.dep_q) if model_type == "personaplex" else None
     lm_plan = _plan(_meta_shapes(lm), lm_st, "LM weights", f"LM config ({_describe(lm_config)})", fill)
     mimi_plan = _plan(_meta_shapes(mimi), mimi_st, "Mimi weights", "Mimi config", legacy=_MIMI_LEGACY_NAMES)
-    _load_weights(lm, lm_st, lm_plan, device, dtype)
-    _load_weights(mimi, mimi_st, mimi_plan, device, torch.float32)
+    _load_weights(lm, lm_st, lm_plan, device, dtype, progress)
+    _load_weights(mimi, mimi_st, mimi_plan, device, torch.float32, progress)
 
     return Checkpoint(
         lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,

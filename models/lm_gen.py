@@ -36,7 +36,7 @@ import torch
 
 from .config import UNGENERATED_TOKEN, SamplingDefaults
 from .lm import LMModel
-from .sampling import sample_tokens
+from .sampling import UNSEEDED, sample_tokens
 from .transformer import TransformerState
 
 
@@ -59,6 +59,10 @@ class LMGenState:
     audio_temp: torch.Tensor  # [B] float
     audio_topk: torch.Tensor  # [B] long
     defaults: tuple[float, int, float, int]  # (text_temp, text_topk, audio_temp, audio_topk)
+    # Per-row seeds, UNSEEDED (-1) for the shared generator: a seeded row's draws depend only on
+    # (seed, its step, the sampler), so the same input gives the same output (models/sampling.py).
+    text_seed: torch.Tensor  # [B] long
+    audio_seed: torch.Tensor  # [B] long
 
     @property
     def batch_size(self) -> int:
@@ -69,13 +73,16 @@ class LMGenState:
         self.transformer.reset(mask)
         self.ring.masked_fill_(mask[:, None, None], UNGENERATED_TOKEN)
         self.offsets.masked_fill_(mask, 0)
-        self.set_sampling(mask, *self.defaults)
+        self.set_sampling(mask, *self.defaults, text_seed=UNSEEDED, audio_seed=UNSEEDED)
 
     def set_sampling(self, mask: torch.Tensor, text_temp: float | None = None, text_topk: int | None = None,
-                     audio_temp: float | None = None, audio_topk: int | None = None) -> None:
-        """Write sampling settings into the masked rows (None leaves a setting unchanged)."""
+                     audio_temp: float | None = None, audio_topk: int | None = None,
+                     text_seed: int | None = None, audio_seed: int | None = None) -> None:
+        """Write sampling settings into the masked rows (None leaves a setting unchanged;
+        a seed of UNSEEDED returns the row to the shared generator)."""
         for tensor, value in ((self.text_temp, text_temp), (self.text_topk, text_topk),
-                              (self.audio_temp, audio_temp), (self.audio_topk, audio_topk)):
+                              (self.audio_temp, audio_temp), (self.audio_topk, audio_topk),
+                              (self.text_seed, text_seed), (self.audio_seed, audio_seed)):
             if value is not None:
                 tensor.masked_fill_(mask, value)
 
@@ -114,7 +121,7 @@ class LMGen:
             offsets=full(0, torch.long),
             text_temp=full(text_temp, torch.float32), text_topk=full(text_topk, torch.long),
             audio_temp=full(audio_temp, torch.float32), audio_topk=full(audio_topk, torch.long),
-            defaults=self.defaults,
+            defaults=self.defaults, text_seed=full(UNSEEDED, torch.long), audio_seed=full(UNSEEDED, torch.long),
         )
 
     def reset(self, state: LMGenState, mask: torch.Tensor) -> None:
@@ -143,11 +150,12 @@ class LMGen:
         # 3. Temporal transformer and text.
         hidden, text_logits = self.model.temporal(self.model.embed(tokens)[:, None], state.transformer, exec_mask)
         hidden = hidden[:, 0]
-        text = sample_tokens(text_logits[:, 0], state.text_temp, state.text_topk, self.generator)
+        text = sample_tokens(text_logits[:, 0], state.text_temp, state.text_topk, self.generator,
+                             seeds=state.text_seed, counter=offsets, stream=0)
         text = _forced(text, force_text)
 
         # 4. Depformer: agent codes, autoregressive over codebooks.
-        audio = self.depformer(state, hidden, text, force_audio)
+        audio = self.depformer(state, hidden, text, force_audio, offsets)
 
         # 5. Outputs go to column offset + 1.
         new_offsets = torch.where(exec_mask, offsets + 1, offsets)
@@ -162,9 +170,11 @@ class LMGen:
         return LMStepOutput(text=frame[:, 0], audio=frame[:, 1:], valid=valid)
 
     def depformer(self, state: LMGenState, hidden: torch.Tensor, text: torch.Tensor,
-                  force_audio: torch.Tensor | None = None) -> torch.Tensor:
+                  force_audio: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """Step 4 of a frame alone (the frame profiler times it): hidden [B, dim] and the text
-        token [B] -> agent codes [B, n_agent]."""
+        token [B] -> agent codes [B, n_agent]. `offsets`: the rows' steps before this frame (for
+        seeded rows' draws; default the state's)."""
+        offsets = state.offsets if offsets is None else offsets
         # PersonaPlex has dep_q = 16: steps n_agent..15 predict the user's codebooks, which we
         # teacher-force with the real user codes anyway. The depformer is causal over its steps
         # (step k attends to steps <= k only, with step-k weights), so those later steps cannot
@@ -174,7 +184,8 @@ class LMGen:
         codes = []
         for k in range(self.cfg.n_agent):
             logits = self.model.depformer_logits(k, hidden, prev, state.depformer)
-            token = sample_tokens(logits, state.audio_temp, state.audio_topk, self.generator)
+            token = sample_tokens(logits, state.audio_temp, state.audio_topk, self.generator,
+                                  seeds=state.audio_seed, counter=offsets, stream=1 + k)
             token = _forced(token, None if force_audio is None else force_audio[:, k])
             codes.append(token)
             prev = token

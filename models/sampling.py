@@ -9,6 +9,14 @@
   torch.multinomial it needs no device-to-host sync, so a CUDA graph can capture it; and since the
   settings are tensors, values written into them after capture are honoured on replay.
 - Ties at the k-th largest logit may let a few more than k tokens through (all with that logit).
+
+Per-row seeds (`seeds[B]` long, -1 = unseeded): a seeded row's noise is not drawn from the
+shared generator but computed from a counter-based hash of (seed, counter, stream, token
+index), with `counter` the row's step and `stream` which sampler of the step it is (text,
+audio codebook k). So a seeded session samples the same tokens for the same input whatever
+the other rows do, and it needs no RNG state: a captured CUDA graph replays it with the
+current seed and step tensors. On CUDA a per-row kernel rewrites only the seeded rows (an
+unseeded row costs one load and a branch); the default, unseeded path is otherwise unchanged.
 """
 
 from __future__ import annotations
@@ -17,13 +25,95 @@ import torch
 
 from . import kernels
 
+try:
+    import triton
+    import triton.language as tl
+    _HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the torch version below
+    _HAVE_TRITON = False
+
+UNSEEDED = -1
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: the splitmix64 increment
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser constants
+
+
+def _signed(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 bit patterns (multiplication wraps like uint64)."""
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    return z ^ _shr(z, 31)
+
+
+def _row_keys(seeds: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
+    return _mix(seeds * _signed(_GOLDEN) + _mix(counter * 131 + (stream + 1)))
+
+
+def hashed_noise(seeds: torch.Tensor, counter: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
+    """[R, vocab] Exp(1) noise for R seeded rows: the reference the CUDA kernel matches."""
+    index = torch.arange(1, vocab + 1, dtype=torch.long, device=seeds.device)
+    h = _mix(_row_keys(seeds.long(), counter.long(), stream)[:, None] + index[None] * _signed(_GOLDEN))
+    uniform = (_shr(h, 40).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+    return -torch.log(uniform)
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _mix_tl(z):
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
+
+    @triton.jit
+    def _seeded_noise_kernel(NOISE, SEEDS, COUNTER, V, sn, stream, BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        seed = tl.load(SEEDS + b)
+        if seed >= 0:
+            counter = tl.load(COUNTER + b).to(tl.uint64)
+            key = _mix_tl(seed.to(tl.uint64) * 0x9E3779B97F4A7C15 + _mix_tl(counter * 131 + (stream + 1)))
+            for start in range(0, V, BLOCK):
+                o = start + tl.arange(0, BLOCK)
+                h = _mix_tl(key + (o + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
+                uniform = ((h >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                tl.store(NOISE + b * sn + o, -tl.log(uniform), mask=o < V)
+
+
+def seed_noise_(noise: torch.Tensor, seeds: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
+    """Overwrite the rows of `noise` [B, V] whose seed is >= 0 with their hashed noise (in place)."""
+    B, V = noise.shape
+    if noise.is_cuda and _HAVE_TRITON:
+        _seeded_noise_kernel[(B,)](noise, seeds, counter, V, noise.stride(0), stream, BLOCK=2048, num_warps=4)
+    elif noise.is_cuda:  # no Triton: every row, selected on the device (no host sync: graph-safe)
+        seeded = (seeds >= 0)[:, None]
+        noise.copy_(torch.where(seeded, hashed_noise(seeds.clamp(min=0), counter, stream, V), noise))
+    else:  # the CPU: hash only the seeded rows
+        rows = (seeds >= 0).nonzero()[:, 0]
+        if rows.numel():
+            noise[rows] = hashed_noise(seeds[rows], counter[rows], stream, V)
+    return noise
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
+                  counter: torch.Tensor | None = None, stream: int = 0) -> torch.Tensor:
+    """`seeds` / `counter` ([B] long) / `stream`: per-row reproducible draws (module docstring)."""
     if kernels.available(logits) and logits.dim() == 2:
         # One fused kernel (k-th largest by bisection instead of a full sort); the noise is drawn
         # exactly as below, so the generator advances the same way.
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(
             1.0, generator=generator)
+        if seeds is not None:
+            seed_noise_(noise, seeds, counter, stream)
         return kernels.sample(logits.contiguous(), temperature, top_k, noise)
     logits = logits.float()
     vocab = logits.shape[-1]
@@ -38,5 +128,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    if seeds is not None:
+        seed_noise_(noise, seeds, counter, stream)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)

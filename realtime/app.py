@@ -110,7 +110,8 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
 
     async def api_info(request: Request) -> Response:
-        body = {"model": info.model, "demo": info.demo, "max_sessions": engine.max_sessions}
+        body = {"model": info.model, "demo": info.demo, "max_sessions": engine.max_sessions,
+                "prompts": defaults.prompts}  # whether a persona / voice prompt can be given
         if info.demo:
             body["notice"] = DEMO_NOTICE
         body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions

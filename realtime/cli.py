@@ -10,15 +10,17 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, Sequence
 
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
 
+from . import cli_sources
 from .help_format import HelpFormatter
 from .launch import add_launch
+from .log_format import LOG_FORMATS, configure_logging
 from .offline_cli import add_offline
 from .transcribe_cli import add_transcribe
 from .server import ServeConfig, serve
@@ -43,7 +45,8 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8998, help="TCP port to listen on")
     p.add_argument("--max-sessions", type=int, default=8,
                    help="concurrent conversations (engine slots); one more is refused (HTTP 503 at the upgrade)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto",
+                   help="torch device: auto (CUDA when present, else CPU; the log says which), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--kv-dtype", choices=("fp8",), default=None,
@@ -84,6 +87,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
                         "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                   help="log lines (Parley's and uvicorn's alike): text with timestamps, or json (one object a "
+                        "line, for log collectors)")
     # -- speech-to-text (transcription) --
     p.add_argument("--stt-model", default=None,
                    help="Kyutai STT checkpoint directory or Hugging Face repo id (e.g. kyutai/stt-1b-en_fr) "
@@ -154,13 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     for add in SUBCOMMANDS:
         add(subparsers)
+    # After every flag is registered, so flags added to `serve` later get env/file settings too.
+    cli_sources.install(subparsers.choices["serve"])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = cli_sources.parse_args(build_parser(), argv, os.environ)
+    configure_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     return int(args.handler(args) or 0)
 
 

@@ -11,8 +11,12 @@ Every message is binary; byte 0 is a tag:
 
 Query parameters: `text_prompt` (persona), `voice_prompt` (voice file name), and the
 Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
-`audio_temperature`, `audio_topk`; `pad_mult`, `text_seed`, `audio_seed`,
-`repetition_penalty_context`, `repetition_penalty` are accepted and ignored).
+`audio_temperature`, `audio_topk`, `seed` / `text_seed` / `audio_seed`). `pad_mult`,
+`repetition_penalty` and `repetition_penalty_context` are accepted at their neutral values
+only (what the web client sends by default); other values close 1008. Parameters with no
+effect on the session (`worker_auth_id`, `email`, anything unknown) are listed in
+docs/protocols.md. On a model without persona / voice prompts (Moshi), a non-empty
+`text_prompt` or any `voice_prompt` closes 1008 instead of being dropped.
 
 Refusals before the upgrade (capacity.py): HTTP 503 + Retry-After when every slot is taken
 or the server is draining. Closes: 1013 when the last slot went between upgrade and admission, 1008 for options the model cannot serve, 1007 for
@@ -57,27 +61,31 @@ SAMPLING_PARAMS = {
     "text_topk": ("text_top_k", int),
     "audio_temperature": ("audio_temperature", float),
     "audio_topk": ("audio_top_k", int),
+    "text_seed": ("text_seed", int),
+    "audio_seed": ("audio_seed", int),
 }
-# Other parameters the Moshi web client sends (pad_mult, text_seed, audio_seed,
-# repetition_penalty_context, repetition_penalty, worker_auth_id, email) are accepted and ignored.
+SEED_PARAM = "seed"  # both seeds at once; text_seed / audio_seed override it
+# Features Parley's sampler does not have, accepted only at the value that means "off".
+NEUTRAL_PARAMS = {"pad_mult": 0.0, "repetition_penalty": 1.0}
+# repetition_penalty_context means nothing while the penalty is off: any value is accepted.
 
 
 def options_from_query(query: Mapping[str, str], defaults: SessionOptions) -> SessionOptions:
     """The session a client asks for; raises OptionsError with a sentence naming the parameter."""
     sampling_kwargs: dict[str, float | int] = {}
+    if query.get(SEED_PARAM):
+        seed = _number(SEED_PARAM, query[SEED_PARAM], int)
+        sampling_kwargs.update(text_seed=seed, audio_seed=seed)
     for param, (field_name, parse) in SAMPLING_PARAMS.items():
         raw = query.get(param)
         if raw is None or raw == "":
             continue
-        try:
-            value = float(raw)
-        except ValueError:
-            raise OptionsError(f"query parameter {param} must be a number, got {raw!r}.") from None
-        if parse is int:
-            if not value.is_integer():
-                raise OptionsError(f"query parameter {param} must be a whole number, got {raw!r}.")
-            value = int(value)
-        sampling_kwargs[field_name] = value
+        sampling_kwargs[field_name] = _number(param, raw, parse)
+    for param, neutral in NEUTRAL_PARAMS.items():
+        raw = query.get(param)
+        if raw and _number(param, raw, float) != neutral:
+            raise OptionsError(f"query parameter {param}={raw} is not supported: Parley's sampler has no "
+                               f"{param.replace('_', ' ')}; leave it out or send {neutral:g}.")
     sampling = defaults.sampling
     if sampling_kwargs:  # on top of the server's defaults (the engine's when it has none)
         sampling = dataclasses.replace(sampling or SamplingOptions(), **sampling_kwargs)  # validates again
@@ -86,6 +94,20 @@ def options_from_query(query: Mapping[str, str], defaults: SessionOptions) -> Se
     return SessionOptions(persona=defaults.persona if persona is None else persona,
                           voice=voice if voice is not None else defaults.voice,
                           sampling=sampling)
+
+
+def _number(param: str, raw: str, parse: type) -> float | int:
+    if parse is int and raw.strip().lstrip("+-").isdigit():
+        return int(raw)  # exact: a 64-bit seed does not survive a float
+    try:
+        value = float(raw)
+    except ValueError:
+        raise OptionsError(f"query parameter {param} must be a number, got {raw!r}.") from None
+    if parse is int:
+        if not value.is_integer():
+            raise OptionsError(f"query parameter {param} must be a whole number, got {raw!r}.")
+        return int(value)
+    return value
 
 
 async def chat_endpoint(websocket: WebSocket) -> None:

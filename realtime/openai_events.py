@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from parley.models.config import SAMPLE_RATE
+from .audio_formats import AudioFormat
 
 Event = dict[str, Any]
 
@@ -44,21 +44,21 @@ class TurnDetection:
     """The client's turn-detection settings. Parley's model decides for itself when to speak;
     these only drive the `input_audio_buffer.speech_*` events (an energy detector)."""
 
-    type: str = "server_vad"
+    type: str = "server_vad"  # or semantic_vad: the same detector, its pause length from eagerness
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
-    create_response: bool = True
-    interrupt_response: bool = True
+    create_response: bool = True  # False: the model's speech is sent only inside response.create's responses
+    interrupt_response: bool = True  # the user's speech cancels the open response
     eagerness: str = "auto"  # semantic_vad only
 
     def to_dict(self) -> Event:
+        common = {"type": self.type, "create_response": self.create_response,
+                  "interrupt_response": self.interrupt_response}
         if self.type == "semantic_vad":
-            return {"type": self.type, "eagerness": self.eagerness, "create_response": self.create_response,
-                    "interrupt_response": self.interrupt_response}
-        return {"type": self.type, "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
-                "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
-                "interrupt_response": self.interrupt_response}
+            return {**common, "eagerness": self.eagerness}
+        return {**common, "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                "silence_duration_ms": self.silence_duration_ms, "idle_timeout_ms": None}
 
 
 @dataclass
@@ -72,25 +72,36 @@ class SessionConfig:
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     temperature: float = 0.8  # the audio sampling temperature
+    input_format: AudioFormat = AudioFormat()
+    output_format: AudioFormat = AudioFormat()
+    max_output_tokens: int | None = None  # per response; None is "inf"
+    tracing: Any = None  # None, "auto" or {workflow_name, group_id, metadata}: logged with the session
     transcription: Event | None = None  # input audio transcription settings, as the client gave them
+
+    @property
+    def needs_stt(self) -> bool:
+        """Input transcription and semantic_vad read the session's paired STT row."""
+        return self.transcription is not None or (
+            self.turn_detection is not None and self.turn_detection.type == "semantic_vad")
 
     def to_dict(self, dialect: Dialect) -> Event:
         td = self.turn_detection.to_dict() if self.turn_detection is not None else None
+        max_tokens = "inf" if self.max_output_tokens is None else self.max_output_tokens
         if dialect is Dialect.BETA:
             modalities = ["text", "audio"] if "audio" in self.output_modalities else ["text"]
             return {"id": self.id, "object": "realtime.session", "model": self.model,
                     "modalities": modalities, "instructions": self.instructions, "voice": self.voice,
-                    "input_audio_format": "pcm16", "output_audio_format": "pcm16",
+                    "input_audio_format": self.input_format.to_beta(),
+                    "output_audio_format": self.output_format.to_beta(),
                     "input_audio_transcription": self.transcription, "turn_detection": td, "tools": [],
                     "tool_choice": "auto", "temperature": self.temperature,
-                    "max_response_output_tokens": "inf", "speed": 1.0, "tracing": None}
-        pcm = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+                    "max_response_output_tokens": max_tokens, "speed": 1.0, "tracing": self.tracing}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": list(self.output_modalities), "instructions": self.instructions,
-                "audio": {"input": {"format": pcm, "transcription": self.transcription, "noise_reduction": None,
-                                    "turn_detection": td},
-                          "output": {"format": pcm, "voice": self.voice, "speed": 1.0}},
-                "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "tracing": None,
+                "audio": {"input": {"format": self.input_format.to_ga(), "transcription": self.transcription,
+                                    "noise_reduction": None, "turn_detection": td},
+                          "output": {"format": self.output_format.to_ga(), "voice": self.voice, "speed": 1.0}},
+                "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": self.tracing,
                 "prompt": None, "expires_at": 0, "include": None}
 
 
@@ -150,27 +161,35 @@ class ResponseState:
     audio_frames: int = 0  # 80 ms frames sent in this response
     text_pieces: int = 0
     input_frames: int = 0  # user frames heard while this response was open
+    max_output_tokens: int | None = None  # None: "inf"
+    metadata: dict[str, str] | None = None
+    in_conversation: bool = True  # False: conversation "none" (out of band)
+
+    @property
+    def output_tokens(self) -> int:
+        """One per 80 ms audio frame sent and one per text piece (the `usage` figures)."""
+        return self.audio_frames + self.text_pieces
 
     def to_dict(self, dialect: Dialect, config: SessionConfig) -> Event:
         output = [self.item.to_dict(dialect)] if self.status != "in_progress" or self.audio_frames else []
         usage = None
         if self.status != "in_progress":
-            out_tokens = self.audio_frames + self.text_pieces
+            out_tokens = self.output_tokens
             usage = {"total_tokens": out_tokens + self.input_frames, "input_tokens": self.input_frames,
                      "output_tokens": out_tokens,
                      "input_token_details": {"cached_tokens": 0, "text_tokens": 0, "audio_tokens": self.input_frames},
                      "output_token_details": {"text_tokens": self.text_pieces, "audio_tokens": self.audio_frames}}
         common = {"object": "realtime.response", "id": self.id, "status": self.status,
                   "status_details": self.status_details, "output": output,
-                  "conversation_id": self.conversation_id, "max_output_tokens": "inf",
-                  "usage": usage, "metadata": None}
+                  "conversation_id": self.conversation_id if self.in_conversation else None,
+                  "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
+                  "usage": usage, "metadata": self.metadata}
         if dialect is Dialect.BETA:
             modalities = ["text", "audio"] if self.item.audio else ["text"]
-            return {**common, "modalities": modalities, "voice": config.voice, "output_audio_format": "pcm16",
-                    "temperature": config.temperature}
+            return {**common, "modalities": modalities, "voice": config.voice,
+                    "output_audio_format": config.output_format.to_beta(), "temperature": config.temperature}
         return {**common, "output_modalities": ["audio"] if self.item.audio else ["text"],
-                "audio": {"output": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE},
-                                     "voice": config.voice}}}
+                "audio": {"output": {"format": config.output_format.to_ga(), "voice": config.voice}}}
 
 
 # ---- the event factory ---------------------------------------------------------------------
@@ -289,6 +308,9 @@ class Events:
 
     def content_part_done(self, response: ResponseState) -> Event:
         return self._event("response.content_part.done", **self._part_fields(response), part=response.item.part())
+
+    def is_audio_delta(self, event: Event) -> bool:
+        return event["type"] == self._audio_delta
 
     def audio_delta(self, response: ResponseState, b64_pcm16: str) -> Event:
         return self._event(self._audio_delta, **self._part_fields(response), delta=b64_pcm16)

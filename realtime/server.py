@@ -38,6 +38,7 @@ from .app import DEMO_NOTICE, ServerInfo, create_app
 from .demo_model import STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
 from .drain import DrainingServer
 from .images_api import ImageService
+from .load_progress import LoadProgress
 from .sessions import ServerDefaults
 
 log = logging.getLogger("parley.server")
@@ -57,7 +58,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8998
     max_sessions: int = 8
-    device: str = "cpu"
+    device: str = "auto"  # auto: CUDA when present, else CPU
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     kv_dtype: str | None = None  # temporal KV cache: None = the weights' dtype, "fp8" = float8 e4m3
     defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
@@ -84,16 +85,29 @@ class ServeConfig:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(name: str) -> torch.device:
+    """`auto` is CUDA when a device is present, else the CPU; the log says which and why."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        log.info("device auto: CUDA is present, using cuda (%s)", torch.cuda.get_device_name(0))
+        return torch.device("cuda")
+    log.info("device auto: no CUDA device, using the CPU")
+    return torch.device("cpu")
+
+
 def resolve_dtype(name: str | None, device: str) -> torch.dtype:
     return default_dtype(device) if name is None else DTYPES[name]
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    # log_config=None: uvicorn installs no handlers; its lines go through the root handler
+    # (log_format.configure_logging), in the same format as Parley's.
     return uvicorn.Config(app, host=host, port=port, loop=loop, ws="websockets-sansio",
                           ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=False,
                           ws_ping_interval=20.0, ws_ping_timeout=20.0, log_level=log_level,
-                          timeout_graceful_shutdown=10, lifespan="on")
+                          log_config=None, timeout_graceful_shutdown=10, lifespan="on")
 
 
 def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
@@ -109,10 +123,14 @@ def build_app(config: ServeConfig):
         log.warning(DEMO_NOTICE)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
-    device = torch.device(config.device)
-    dtype = resolve_dtype(config.dtype, config.device)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device.type)
     log.info("loading %s on %s (%s)", source, device, str(dtype).removeprefix("torch."))
-    checkpoint = load_checkpoint(source, device=device, dtype=dtype)
+    progress = LoadProgress()
+    try:
+        checkpoint = load_checkpoint(source, device=device, dtype=dtype, progress=progress)
+    finally:
+        progress.close()
     prompts = checkpoint.model_type == "personaplex"
     if not prompts and (config.defaults.persona or config.defaults.voice):
         raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "

@@ -13,7 +13,6 @@ immediately; the engine frees the slot at once and drops the row at its next pla
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -22,7 +21,9 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from parley.engine import Engine, EngineClosed, EngineFull, Session, SessionOptions, SessionRejected
+from parley.engine import (
+    Engine, EngineClosed, EngineFull, OptionsError, Session, SessionOptions, SessionRejected,
+)
 
 from .capacity import Admission, Reservation
 from .health import EdgeMetrics
@@ -56,14 +57,18 @@ class ServerDefaults:
     model_name: str = "parley"  # reported to OpenAI clients as the session's model
     api_key: str | None = None  # when set, /v1/realtime requires `Authorization: Bearer <key>`
     # Whether the model takes a persona / voice prompt (PersonaPlex). Moshi does not: a client's
-    # persona and voice are then recorded (OpenAI clients always send instructions) but not applied.
+    # persona or voice is then refused, never dropped.
     prompts: bool = True
 
     def client_options(self, options: SessionOptions) -> SessionOptions:
-        """What the engine is asked for, given what a client chose."""
-        if self.prompts:
-            return options
-        return dataclasses.replace(options, persona="", voice=None)
+        """What the engine is asked for, given what a client chose; OptionsError for what this
+        model cannot take."""
+        if not self.prompts and options.voice is not None:
+            raise OptionsError(f"voice {options.voice!r} is not available: this model has one voice and takes "
+                               "no voice prompt.")
+        if not self.prompts and options.persona:
+            raise OptionsError("this model takes no persona (text prompt); leave it empty.")
+        return options
 
 
 class SessionManager:

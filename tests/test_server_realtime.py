@@ -237,6 +237,10 @@ def test_response_create_and_item_events():
             await rec.wait_type("session.created")
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": "hello"}]})
+            refused = await rec.wait_type("error")  # the model cannot read text
+            assert refused["error"]["param"] == "item.content[0].type"
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": pcm16_b64(tone(440, 0.2))}]})
             added = await rec.wait_type("conversation.item.added")
             item_id = added["item"]["id"]
             await conn.conversation.item.retrieve(item_id=item_id)
@@ -244,11 +248,10 @@ def test_response_create_and_item_events():
             await conn.conversation.item.delete(item_id=item_id)
             await rec.wait_type("conversation.item.deleted")
             await conn.conversation.item.retrieve(item_id=item_id)
-            err = await rec.wait_type("error")
+            err = await rec.wait(lambda e: e["type"] == "error" and e is not refused)
             assert err["error"]["code"] == "item_not_found"
             await conn.input_audio_buffer.commit()
-            err = await rec.wait(lambda e: e["type"] == "error" and e is not err)
-            assert err["error"]["code"] == "input_audio_buffer_commit_empty"
+            await rec.wait(lambda e: e["type"] == "error" and e["error"]["code"] == "input_audio_buffer_commit_empty")
             await conn.input_audio_buffer.append(audio=pcm16_b64(np.zeros(4800, np.float32)))
             await conn.input_audio_buffer.commit()
             await rec.wait_type("input_audio_buffer.committed")

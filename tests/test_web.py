@@ -294,7 +294,11 @@ def run_page_scenario(base_url: str, tmp_path: Path, *, expect_voices: list[str]
                 page.select_option("#voice", expect_voices[-1])
             else:
                 page.wait_for_timeout(300)
-            page.fill("#persona", PERSONA)
+            page.wait_for_load_state("networkidle")  # /api/info says whether a persona can be given
+            if _stats(page)["prompts"]:
+                page.fill("#persona", PERSONA)
+            else:  # a Moshi checkpoint: the page sends neither persona nor voice
+                assert page.locator("#persona").is_disabled() and page.locator("#voice").is_disabled()
             page.click("#connect")
             _wait_state(page, "live", 20000)
             assert page.locator("#status-text").inner_text() == "Live"
@@ -557,3 +561,61 @@ def test_ogg_module_against_python(tmp_path):
     assert out["durs"] == [960] * len(packets)
     assert [bytes(x) for x in out["read"]] == [small[0], small[1], big, small[2], b"good"]
     assert out["bad"] >= 1
+
+
+# --------------------------------------------------------------------------- download recording
+
+
+def test_page_recording_downloads_both_sides_as_heard(tmp_path):
+    """After a call with the echo stub, "Download recording" saves a stereo WAV: the microphone
+    left, the agent as played right, the echo lined up a round trip later."""
+    _need_browser()
+    import soundfile
+    from playwright.sync_api import sync_playwright
+
+    wav = tmp_path / "mic.wav"
+    write_speechlike_wav(wav)
+    with StubServer(max_sessions=1) as server, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=CHROME_FLAGS + [f"--use-file-for-fake-audio-capture={wav}"])
+        try:
+            context = browser.new_context(accept_downloads=True)
+            origin = "{0.scheme}://{0.netloc}".format(urllib.parse.urlsplit(server.url))
+            context.grant_permissions(["microphone"], origin=origin)
+            page = context.new_page()
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(server.url)
+            assert page.locator("#download").is_disabled()  # nothing recorded yet
+            page.click("#connect")
+            _wait_state(page, "live", 20000)
+            try:
+                page.wait_for_function("() => window.parleyStats.recordedMs > 2500"
+                                       " && window.parleyStats.playedFrames > 20", timeout=20000)
+            except Exception as e:
+                raise AssertionError(f"nothing recorded: {_stats(page)}\n" + "\n".join(console[-20:])) from e
+            page.keyboard.press("Escape")
+            _wait_state(page, "disconnected", 5000)
+            stats = _stats(page)
+            with page.expect_download() as download:
+                page.click("#download")  # still there after the call ended
+            path = tmp_path / "recording.wav"
+            download.value.save_as(path)
+            assert download.value.suggested_filename.startswith("parley-")
+        finally:
+            browser.close()
+    audio, rate = soundfile.read(path, dtype="float32")
+    assert rate == stats["sampleRate"] and audio.ndim == 2 and audio.shape[1] == 2
+    assert abs(audio.shape[0] / rate * 1000 - stats["recordedMs"]) < 50
+    mic, agent = audio[:, 0], audio[:, 1]
+    assert np.sqrt(np.mean(mic ** 2)) > 0.005 and np.sqrt(np.mean(agent ** 2)) > 0.005
+    # the agent's channel is the microphone's echo, one round trip (< 0.6 s) later
+    env = [np.convolve(np.abs(x), np.ones(rate // 100) / (rate // 100), mode="same")[::rate // 100] for x in (mic, agent)]
+    env = [(e - e.mean()) / (e.std() or 1) for e in env]
+    lags = range(0, 60)  # 10 ms steps
+    corr = [float(np.mean(env[0][:len(env[0]) - lag] * env[1][lag:])) for lag in lags]
+    best = int(np.argmax(corr))
+    print("recording: %.2f s at %d Hz, echo lag %d ms, envelope correlation %.2f" % (
+        audio.shape[0] / rate, rate, best * 10, corr[best]))
+    assert corr[best] > 0.5, corr[best]

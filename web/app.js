@@ -7,6 +7,7 @@
 
 import { OggOpusWriter, OggReader, isOpusHead, isOpusTags, parseOpusHead, opusPacketSamples48k } from './ogg.js';
 import { Resampler, levels, meterValue } from './dsp.js';
+import { Recording } from './recorder.js';
 
 const MODEL_RATE = 24000;
 const FRAME_SAMPLES = 480; // 20 ms Opus frames, as the Moshi browser client sends
@@ -59,6 +60,8 @@ const stats = {
   userText: '', // the user's words (0x07), as received
   voices: [],
   errors: [],
+  recordedMs: 0, // the conversation recording's length (both sides, as heard)
+  prompts: true, // the model takes a persona / voice prompt (from /api/info)
 };
 window.parleyStats = stats;
 
@@ -70,6 +73,7 @@ const ui = {
   detail: $('status-detail'),
   persona: $('persona'),
   voice: $('voice'),
+  download: $('download'),
   voiceNote: $('voice-note'),
   transcript: $('transcript'),
   clear: $('clear'),
@@ -103,8 +107,8 @@ function setState(state, detail = '') {
   const active = state === 'connecting' || state === 'waiting' || state === 'live';
   ui.connect.textContent = active ? 'Disconnect' : 'Connect';
   ui.connect.classList.toggle('stop', active);
-  ui.persona.disabled = active;
-  ui.voice.disabled = active;
+  ui.persona.disabled = active || !stats.prompts;
+  ui.voice.disabled = active || !stats.prompts;
   ui.mute.disabled = state !== 'live';
   if (state !== 'live') setMuted(false);
   if (state === 'error') stats.errors.push(detail);
@@ -191,7 +195,7 @@ class Session {
   url() {
     const u = new URL('/api/chat', apiBase);
     u.protocol = u.protocol === 'https:' ? 'wss:' : 'ws:';
-    u.searchParams.set('text_prompt', this.persona);
+    if (stats.prompts) u.searchParams.set('text_prompt', this.persona);
     if (this.voice) u.searchParams.set('voice_prompt', this.voice);
     if (transcribesUser) u.searchParams.set('transcript', '1');
     for (const name of SAMPLING_PARAMS) {
@@ -248,7 +252,9 @@ class Session {
     if (ctx.sampleRate !== MODEL_RATE) this.micResampler = new Resampler(ctx.sampleRate, MODEL_RATE);
 
     const capture = new AudioWorkletNode(ctx, 'parley-capture', { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1] });
-    capture.port.onmessage = (e) => this.onMicBlock(e.data.pcm);
+    this.recording = new Recording(ctx.sampleRate);
+    recording = this.recording;
+    capture.port.onmessage = (e) => this.onMicBlock(e.data.pcm, e.data.start);
     source.connect(capture);
     const sink = ctx.createGain(); // keeps the capture node pulled; it outputs silence
     sink.gain.value = 0;
@@ -262,7 +268,10 @@ class Session {
         marginMs: 20, marginStepMs: 10, marginMaxMs: 60, calmMs: 5000, slackMs: 30, hardLimitMs: 200, hardKeepMs: 80, windowMs: 1000,
       },
     });
-    player.port.onmessage = (e) => this.onPlayerStats(e.data.stats);
+    player.port.onmessage = (e) => {
+      if (e.data.played) this.onPlayed(e.data.played, e.data.time);
+      else this.onPlayerStats(e.data.stats);
+    };
     const analyser = ctx.createAnalyser();
     analyser.fftSize = 1024;
     player.connect(analyser).connect(ctx.destination);
@@ -389,13 +398,15 @@ class Session {
     stats.marginMs = s.marginMs;
   }
 
-  onMicBlock(block) {
+  onMicBlock(block, start) {
     if (this.closed) return;
     const { rms } = levels(block);
     stats.inputLevel = rms;
     if (rms > stats.inputLevelMax) stats.inputLevelMax = rms;
     // Audio before the handshake is discarded, as in the Moshi client.
     if (stats.state !== 'live' || !this.encoder || this.encoder.state !== 'configured') return;
+    this.recording.add(0, muted ? new Float32Array(block.length) : block, start);
+    this.onRecorded();
     let pcm = this.micResampler ? this.micResampler.process(block) : block;
     if (muted) pcm = new Float32Array(pcm.length);
     let i = 0;
@@ -541,6 +552,18 @@ class Session {
     if (session === this) session = null;
   }
 
+  // The agent as played; recorded from the first live moment on, like the microphone.
+  onPlayed(pcm, time) {
+    if (this.closed || stats.state !== 'live') return;
+    this.recording.add(1, pcm, time);
+    this.onRecorded();
+  }
+
+  onRecorded() {
+    stats.recordedMs = this.recording.seconds * 1000;
+    ui.download.disabled = false;
+  }
+
   teardown() {
     this.closed = true;
     for (const t of this.timers) clearInterval(t);
@@ -561,13 +584,27 @@ class Session {
 }
 
 let session = null;
+let recording = null; // the last conversation's, downloadable after it ends too
+
+function downloadRecording() {
+  if (!recording || !recording.length) return;
+  const url = URL.createObjectURL(recording.wav());
+  const a = document.createElement('a');
+  const stamp = new Date().toISOString().replace(/[:.]/g, '-').slice(0, 19);
+  a.href = url;
+  a.download = `parley-${stamp}.wav`;
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10000);
+}
 
 function resetStats() {
   Object.assign(stats, {
     closeCode: null, closeReason: '', micFrames: 0, encodedFrames: 0, sentPages: 0, sendDropped: 0,
     receivedPages: 0, receivedPackets: 0, decodedFrames: 0, decodedMs: 0, playedFrames: 0, playedMs: 0,
     bufferedMs: 0, avgBufferedMs: 0, droppedMs: 0, underruns: 0, latencyMs: 0, rxRealtime: 0, inputLevelMax: 0,
-    outputLevelMax: 0,
+    outputLevelMax: 0, recordedMs: 0,
   });
   for (const el of [ui.latTotal, ui.latBuffer, ui.latDevice, ui.frames, ui.glitches]) el.textContent = '–';
 }
@@ -579,8 +616,8 @@ function connect() {
     setState('error', `This browser or page lacks ${missing.join(', ')}.`);
     return;
   }
-  const persona = ui.persona.value.trim();
-  const voice = ui.voice.value;
+  const persona = stats.prompts ? ui.persona.value.trim() : '';
+  const voice = stats.prompts ? ui.voice.value : '';
   try {
     localStorage.setItem('parley.persona', persona);
     localStorage.setItem('parley.voice', voice);
@@ -597,6 +634,7 @@ function disconnect() {
 ui.connect.addEventListener('click', () => (session ? disconnect() : connect()));
 ui.mute.addEventListener('click', () => setMuted(!muted));
 ui.clear.addEventListener('click', () => { ui.transcript.textContent = ''; stats.text = ''; stats.userText = ''; lastSpeaker = 'agent'; });
+ui.download.addEventListener('click', downloadRecording);
 document.addEventListener('keydown', (e) => {
   if (e.key === 'Escape' && session) { e.preventDefault(); disconnect(); return; }
   const inField = e.target instanceof HTMLElement && e.target.matches('textarea, input, select');
@@ -643,6 +681,13 @@ async function loadInfo() {
     const r = await fetch(new URL('/api/info', apiBase), { headers: { Accept: 'application/json' } });
     if (!r.ok) return;
     const info = await r.json();
+    if (info && info.prompts === false) { // a Moshi checkpoint: no persona, no voice prompt
+      stats.prompts = false;
+      ui.persona.value = '';
+      ui.persona.disabled = true;
+      ui.persona.placeholder = 'This model takes no persona.';
+      ui.voice.disabled = true;
+    }
     transcribesUser = Boolean(info && info.session_transcript);
     const notice = info && (info.notice || (info.demo ? 'This server runs the tiny demo model: it babbles. Start `parley serve --model ...` with real weights to talk for real.' : ''));
     if (notice) {

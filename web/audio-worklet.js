@@ -1,10 +1,12 @@
 // Parley web client: AudioWorklet processors.
 //
 // parley-capture: collects microphone samples into ~20 ms blocks and posts them (with
-//   their level) to the main thread, which encodes them.
+//   the audio-clock time of their first sample) to the main thread, which encodes them.
 // parley-player: the jitter buffer. The main thread posts decoded PCM at the context's
 //   rate; the processor plays it out after a short hold-off, holds off a little longer
 //   after an underrun, and drops audio when the buffer's floor stays high (lag must not grow).
+//   It also posts what it played, ~100 ms at a time with its audio-clock time, for the
+//   page's recording.
 
 class CaptureProcessor extends AudioWorkletProcessor {
   constructor() {
@@ -12,6 +14,7 @@ class CaptureProcessor extends AudioWorkletProcessor {
     this.blockSize = Math.round(sampleRate * 0.02);
     this.buf = new Float32Array(this.blockSize);
     this.fill = 0;
+    this.start = 0; // audio-clock time of buf[0]
   }
 
   process(inputs) {
@@ -20,13 +23,14 @@ class CaptureProcessor extends AudioWorkletProcessor {
     if (ch) {
       let i = 0;
       while (i < ch.length) {
+        if (this.fill === 0) this.start = currentTime + i / sampleRate;
         const n = Math.min(ch.length - i, this.blockSize - this.fill);
         this.buf.set(ch.subarray(i, i + n), this.fill);
         this.fill += n;
         i += n;
         if (this.fill === this.blockSize) {
           const block = this.buf;
-          this.port.postMessage({ pcm: block, time: currentTime }, [block.buffer]);
+          this.port.postMessage({ pcm: block, time: currentTime, start: this.start }, [block.buffer]);
           this.buf = new Float32Array(this.blockSize);
           this.fill = 0;
         }
@@ -71,6 +75,10 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.dropped = 0; // samples dropped to keep latency down
     this.underruns = 0;
     this.statsCountdown = 0;
+    this.recSize = Math.round(sampleRate * 0.1); // what was played, for the recording
+    this.rec = new Float32Array(this.recSize);
+    this.recFill = 0;
+    this.recStart = 0;
     this.port.onmessage = (e) => {
       const d = e.data;
       if (d.pcm) {
@@ -95,6 +103,24 @@ class PlayerProcessor extends AudioWorkletProcessor {
       const head = this.queue[0];
       const left = head.pcm.length - head.off;
       if (left <= n) { this.queue.shift(); n -= left; } else { head.off += n; n = 0; }
+    }
+  }
+
+  // Posts what was played (silence where the buffer ran dry), ~100 ms at a time.
+  record(out) {
+    let i = 0;
+    while (i < out.length) {
+      if (this.recFill === 0) this.recStart = currentTime + i / sampleRate;
+      const n = Math.min(out.length - i, this.rec.length - this.recFill);
+      this.rec.set(out.subarray(i, i + n), this.recFill);
+      this.recFill += n;
+      i += n;
+      if (this.recFill === this.rec.length) {
+        const chunk = this.rec;
+        this.port.postMessage({ played: chunk, time: this.recStart }, [chunk.buffer]);
+        this.rec = new Float32Array(this.recSize); // (the posted chunk's buffer is transferred)
+        this.recFill = 0;
+      }
     }
   }
 
@@ -145,6 +171,7 @@ class PlayerProcessor extends AudioWorkletProcessor {
       }
     }
     for (let c = 1; c < outputs[0].length; c++) outputs[0][c].set(out);
+    this.record(out);
     this.statsCountdown -= len;
     if (this.statsCountdown <= 0) {
       this.statsCountdown = Math.round(sampleRate * 0.1);

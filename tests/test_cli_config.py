@@ -1,0 +1,141 @@
+"""`parley serve` settings from flags, PARLEY_* environment variables and a TOML file: the same
+effective settings whichever way they come, precedence flag > env > file > default, and a flag
+nobody taught the mechanism about works the same way."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+
+from parley.realtime import cli_sources
+from parley.realtime.cli import build_parser
+from parley.realtime.log_format import configure_logging
+
+FLAGS = ["--max-sessions", "3", "--port", "9100", "--device", "cpu", "--kv-dtype", "fp8", "--text-temperature",
+         "0.5", "--persona", "Be brief.", "--log-level", "debug", "--log-format", "json"]
+ENV = {"PARLEY_MAX_SESSIONS": "3", "PARLEY_PORT": "9100", "PARLEY_DEVICE": "cpu", "PARLEY_KV_DTYPE": "fp8",
+       "PARLEY_TEXT_TEMPERATURE": "0.5", "PARLEY_PERSONA": "Be brief.", "PARLEY_LOG_LEVEL": "debug",
+       "PARLEY_LOG_FORMAT": "json"}
+TOML = '''max_sessions = 3
+port = 9100
+device = "cpu"
+kv_dtype = "fp8"
+text_temperature = 0.5
+persona = "Be brief."
+log_level = "debug"
+log-format = "json"
+'''
+
+
+def parse(argv, environ=None):
+    args = cli_sources.parse_args(build_parser(), ["serve", *argv], environ or {})
+    return {k: v for k, v in vars(args).items() if k not in ("handler", "config")}
+
+
+def test_flags_env_and_file_give_the_same_settings(tmp_path):
+    path = tmp_path / "parley.toml"
+    path.write_text(TOML)
+    from_flags = parse(FLAGS)
+    assert from_flags["max_sessions"] == 3 and from_flags["text_temperature"] == 0.5
+    assert parse([], ENV) == from_flags
+    assert parse(["--config", str(path)]) == from_flags
+    assert parse([], {"PARLEY_CONFIG": str(path)}) == from_flags
+    defaults = parse([])
+    assert defaults["max_sessions"] == 8 and defaults["device"] == "auto" and defaults["log_format"] == "text"
+
+
+def test_precedence_flag_then_env_then_file_then_default(tmp_path):
+    path = tmp_path / "parley.toml"
+    path.write_text("max_sessions = 2\nport = 7000\nhost = '0.0.0.0'\n")
+    got = parse(["--config", str(path), "--max-sessions", "5"], {"PARLEY_MAX_SESSIONS": "4", "PARLEY_PORT": "7100"})
+    assert got["max_sessions"] == 5  # flag
+    assert got["port"] == 7100  # env over file
+    assert got["host"] == "0.0.0.0"  # file over default
+    assert got["torch_threads"] == 1  # default
+
+
+@pytest.mark.parametrize("environ,toml,needle", [
+    ({"PARLEY_MAX_SESSIONS": "many"}, None, "PARLEY_MAX_SESSIONS"),
+    ({"PARLEY_KV_DTYPE": "int4"}, None, "PARLEY_KV_DTYPE"),
+    ({}, "max_sesions = 3\n", "unknown setting 'max_sesions'"),
+    ({}, "port = [1, 2]\n", "port"),
+    ({}, "port = \n", "not valid TOML"),
+])
+def test_bad_values_are_refused_naming_their_source(tmp_path, capsys, environ, toml, needle):
+    argv = []
+    if toml is not None:
+        path = tmp_path / "parley.toml"
+        path.write_text(toml)
+        argv = ["--config", str(path)]
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv, environ)
+    assert exit_.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_flag_added_later_gets_env_and_file_for_free(tmp_path):
+    parser = argparse.ArgumentParser(prog="parley")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve")
+    serve.add_argument("--rate-limit-per-s", type=int, default=100)
+    serve.add_argument("--strict-origin", action="store_true")
+    serve.add_argument("--no-ping", dest="ping", action="store_false")
+    cli_sources.install(serve)
+    args = cli_sources.parse_args(parser, ["serve"], {"PARLEY_RATE_LIMIT_PER_S": "7", "PARLEY_STRICT_ORIGIN": "true"})
+    assert args.rate_limit_per_s == 7 and args.strict_origin is True and args.ping is True
+    assert cli_sources.parse_args(parser, ["serve"], {"PARLEY_PING": "off"}).ping is False
+    path = tmp_path / "p.toml"
+    path.write_text("strict_origin = true\nrate_limit_per_s = 9\n")
+    args = cli_sources.parse_args(parser, ["serve", "--config", str(path), "--rate-limit-per-s", "1"], {})
+    assert args.rate_limit_per_s == 1 and args.strict_origin is True
+
+
+def test_help_names_the_environment_variables(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "[env PARLEY_MAX_SESSIONS]" in text and "--config" in text and "Precedence: flag" in text
+
+
+def test_json_logs_carry_uvicorns_lines_too(capsys):
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    configure_logging("info", "json")
+    try:
+        logging.getLogger("uvicorn.error").info("Uvicorn running")
+        logging.getLogger("parley.server").warning("hello %s", "there")
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert [(e["logger"], e["level"], e["message"]) for e in lines] == [
+        ("uvicorn.error", "INFO", "Uvicorn running"), ("parley.server", "WARNING", "hello there")]
+    assert all(e["time"].endswith("+00:00") for e in lines)
+
+
+def test_checkpoint_load_reports_progress_as_log_lines_off_a_terminal(tiny_moshi_dir, caplog):
+    import io
+
+    import torch
+
+    from parley.models.checkpoint import load_checkpoint
+    from parley.realtime.load_progress import LoadProgress
+
+    calls = []
+    progress = LoadProgress(io.StringIO())  # not a terminal: periodic log lines, no bar
+
+    def spy(what, done, total):
+        calls.append((what, done, total))
+        progress(what, done, total)
+
+    with caplog.at_level(logging.INFO, logger="parley.server"):
+        load_checkpoint(tiny_moshi_dir, dtype=torch.float32, progress=spy)
+    assert {c[0] for c in calls} == {"LM weights", "Mimi weights"}
+    assert all(c[1] == i + 1 for what in ("LM weights", "Mimi weights")
+               for i, c in enumerate(c for c in calls if c[0] == what))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("loading LM weights: 100%") for line in lines)
+    assert any(line.startswith("loading Mimi weights: 100%") for line in lines)
