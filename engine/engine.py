@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from parley.models.config import FRAME_SAMPLES
 
@@ -46,6 +47,16 @@ class EngineClosed(RuntimeError):
     """The engine is shut down or unhealthy and takes no new sessions."""
 
 
+class RequestFailed(RuntimeError):
+    """One request's own work raised (its options, prefill start or a prompt chunk): that
+    request ended with Terminal(FAILED); the engine serves on. The message carries the
+    request id to look up in the server log, never the exception text."""
+
+
+def request_failure(request_id: str) -> str:
+    return f"internal error; request id {request_id} in the server log"
+
+
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
                  clock: TickClock | None = None) -> None:
@@ -68,6 +79,9 @@ class Engine:
         self._tick = 0
         self._prefilling: _Prefilling | None = None  # the session whose prompt is running
         self._prefill_frame_s: float | None = None  # last chunk's cost per prompt frame
+        # Called once, on the engine thread, after a fatal error: `parley serve` uses it to exit
+        # non-zero so a supervisor restarts the process instead of it staying up and dead.
+        self.on_fatal: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle ----
 
@@ -256,7 +270,12 @@ class Engine:
                 if frames == 0:
                     return
                 start = self._clock.now()
-                pending.job.run(frames)
+                try:
+                    pending.job.run(frames)
+                except Exception as exc:  # this row's prompt only: the shared frame is untouched
+                    self._prefilling = None
+                    self._request_failed(pending.session, "prefill chunk", exc)
+                    continue
                 spent = self._clock.now() - start
                 pending.seconds += spent
                 self._prefill_frame_s = spent / frames
@@ -290,15 +309,29 @@ class Engine:
             reason = str(exc)
             self._end_session(session, Terminal(Status.FAILED, reason), SessionRejected(reason))
             return None
+        except Exception as exc:  # request-scoped: the row is reset when its slot is reused
+            self._request_failed(session, "prefill start", exc)
+            return None
         return _Prefilling(session, job, self._clock.now() - start)
 
+    def _request_failed(self, session: Session, phase: str, exc: Exception) -> None:
+        """One request's work raised: end that request only (its row is reset on reuse)."""
+        log.error("request %s failed in %s; other sessions unaffected", session.request_id, phase, exc_info=exc)
+        self.metrics.inc("request_failures")
+        reason = request_failure(session.request_id)
+        self._end_session(session, Terminal(Status.FAILED, reason), RequestFailed(reason))
+
     def _fatal(self, exc: BaseException) -> None:
-        log.error("fatal engine error; failing every session", exc_info=exc)
+        log.error("fatal engine error in the shared frame step; failing every session", exc_info=exc)
         self._healthy = False
-        reason = f"engine failure: {type(exc).__name__}: {exc}"
         for session in self._open_sessions():
-            self._fail_session(session, reason)
+            self._fail_session(session, "engine failure; " + request_failure(session.request_id))
         self._stop.set()
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(exc)
+            except Exception:  # the engine is already down; the hook must not hide that
+                log.exception("on_fatal hook failed")
 
 
 @dataclass

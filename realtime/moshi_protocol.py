@@ -57,28 +57,38 @@ SAMPLING_PARAMS = {
 
 def options_from_query(query: Mapping[str, str], defaults: SessionOptions) -> SessionOptions:
     """The session a client asks for; raises OptionsError with a sentence naming the parameter."""
-    sampling_kwargs: dict[str, float | int] = {}
+    sampling = defaults.sampling
     for param, (field_name, parse) in SAMPLING_PARAMS.items():
         raw = query.get(param)
         if raw is None or raw == "":
             continue
-        try:
-            value = float(raw)
-        except ValueError:
-            raise OptionsError(f"query parameter {param} must be a number, got {raw!r}.") from None
-        if parse is int:
-            if not value.is_integer():
-                raise OptionsError(f"query parameter {param} must be a whole number, got {raw!r}.")
-            value = int(value)
-        sampling_kwargs[field_name] = value
-    sampling = defaults.sampling
-    if sampling_kwargs:  # on top of the server's defaults (the engine's when it has none)
-        sampling = dataclasses.replace(sampling or SamplingOptions(), **sampling_kwargs)  # validates again
+        value = _query_number(param, raw, parse)
+        try:  # on top of the server's defaults (the engine's when it has none); validates the range
+            sampling = dataclasses.replace(sampling or SamplingOptions(), **{field_name: value})
+        except OptionsError as exc:
+            raise OptionsError(f"query parameter {param}: {exc}") from None
     persona = query.get("text_prompt")
     voice = query.get("voice_prompt") or None
     return SessionOptions(persona=defaults.persona if persona is None else persona,
                           voice=voice if voice is not None else defaults.voice,
                           sampling=sampling)
+
+
+def _query_number(param: str, raw: str, parse: type) -> float | int:
+    if parse is int:
+        try:
+            return int(raw)  # exact, however large (the range check is SamplingOptions')
+        except ValueError:
+            pass
+    try:
+        value = float(raw)
+    except ValueError:
+        raise OptionsError(f"query parameter {param} must be a number, got {raw[:40]!r}.") from None
+    if parse is int:
+        if not value.is_integer():
+            raise OptionsError(f"query parameter {param} must be a whole number, got {raw[:40]!r}.")
+        return int(value)
+    return value
 
 
 async def chat_endpoint(websocket: WebSocket) -> None:
