@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -33,6 +34,7 @@ from . import health
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
+from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager
 
 log = logging.getLogger("parley.app")
@@ -99,9 +101,14 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         Route("/ready", health.ready),
         Route("/metrics", health.metrics),
     ]
-    if web_dir is not None and (web_dir / "index.html").is_file():
+    if web_dir is not None and (web_dir / "index.html").is_file():  # public: see security.py
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
-    app = Starlette(routes=routes, lifespan=lifespan)
+    has_page = web_dir is not None and (web_dir / "index.html").is_file()
+    access = Middleware(AccessMiddleware, keys=defaults.api_keys, protect_metrics=defaults.protect_metrics,
+                        allowed_origins=defaults.allowed_origins,
+                        static_paths=static_paths(web_dir) if has_page else (),
+                        on_refused=lambda reason: metrics.refused_requests.labels(reason).inc())
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[access])
     app.state.sessions = manager
     app.state.codec = codec
     app.state.info = info

@@ -5,6 +5,7 @@ Every message is binary; byte 0 is a tag:
     0x01 audio      both ways: Ogg pages of Opus, 24 kHz mono (any page size in)
     0x02 text       server -> client: UTF-8 piece of the agent's inner monologue
     other tags      ignored (0x03 control .. 0x06 ping are not needed for full duplex)
+Text frames are not part of the protocol: they are ignored (but count against the rate limits).
 
 Query parameters: `text_prompt` (persona), `voice_prompt` (voice file name), and the
 Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
@@ -13,7 +14,8 @@ Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
 
 Closes: 1013 when every slot is taken, 1008 for options the model cannot serve, 1007 for
 bytes that are not Ogg-Opus, 1009 for a message over `MAX_MESSAGE_BYTES`, 1011 when the
-engine fails the session or its codec worker is lost. Each affects only its own connection.
+engine fails the session or its codec worker is lost, 1008 for a client over its message or
+byte rate (limits.py). Each affects only its own connection.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from typing import Mapping
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import (
-    EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal,
+    EngineClosed, EngineFull, FrameOut, OptionsError, RequestFailed, SamplingOptions, SessionOptions, SessionRejected,
+    Status, Terminal,
 )
 
 from .opus import CodecUnavailable, OpusError
+from .security import choose_subprotocol
 from .sessions import (
     CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG,
     CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now,
@@ -93,10 +97,16 @@ def _query_number(param: str, raw: str, parse: type) -> float | int:
 
 async def chat_endpoint(websocket: WebSocket) -> None:
     manager: SessionManager = websocket.app.state.sessions
-    await websocket.accept()
+    try:  # keys and Origins were checked before (security.AccessMiddleware)
+        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
+    except (WebSocketDisconnect, OSError):
+        log.info("chat client left during the handshake")
+        return
     edge = manager.attach(websocket, PROTOCOL)
     try:
         await _serve(edge, manager)
+    except WebSocketDisconnect:  # e.g. gone before the handshake byte: nothing to report
+        log.info("chat session %d: the client left", edge.number)
     finally:
         edge.close()
 
@@ -115,6 +125,9 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         return
     except EngineClosed as exc:
         await edge.close_socket(CLOSE_INTERNAL, f"engine unavailable: {exc}")
+        return
+    except RequestFailed as exc:
+        await edge.close_socket(CLOSE_INTERNAL, f"session failed: {exc}")
         return
 
     try:
@@ -138,11 +151,12 @@ async def _receive(edge: EdgeSession) -> None:
         if message["type"] == "websocket.disconnect":
             return
         data = message.get("bytes")
-        if data is None:  # a text frame: not part of this protocol
-            data = (message.get("text") or "").encode()
-            if not data:
-                continue
-        edge.count_in(len(data))
+        if data is None:  # a text frame: not part of this protocol, ignored (the docs say so)
+            if not await edge.admit_message(len(message.get("text") or "")):
+                return
+            continue
+        if not await edge.admit_message(len(data)):
+            return
         if len(data) > MAX_MESSAGE_BYTES:
             manager.metrics.protocol_errors.labels(PROTOCOL).inc()
             await edge.close_socket(CLOSE_TOO_BIG, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -177,14 +191,16 @@ async def _send_frames(edge: EdgeSession) -> None:
             return
         assert isinstance(event, FrameOut)
         start = now()
+        lagging = edge.drop_if_lagging()  # the client is behind: skip this (oldest unsent) audio
         try:
-            page = await edge.codec.encode(event.pcm)
+            page = b"" if lagging else await edge.codec.encode(event.pcm)
         except CodecUnavailable as exc:
             await _codec_lost(edge, exc)
             return
         try:
             if page:
                 await edge.send_bytes(bytes([TAG_AUDIO]) + page)
+                edge.lag.sent(len(page) + 1)
             if event.text:
                 await edge.send_bytes(bytes([TAG_TEXT]) + event.text.encode())
         except (WebSocketDisconnect, RuntimeError, OSError):

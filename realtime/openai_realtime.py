@@ -37,18 +37,19 @@ from collections import OrderedDict
 from typing import Any, Awaitable, Callable
 
 import numpy as np
-from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import (
-    EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
-    Terminal,
+    EngineClosed, EngineFull, FrameOut, OptionsError, RequestFailed, SamplingOptions, SessionOptions, SessionRejected,
+    Status, Terminal,
 )
 from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 from .openai_events import (
     AssistantItem, Dialect, Event, Events, ResponseState, SessionConfig, TurnDetection, UserItem, new_id,
 )
+from .limits import ConversationBudget, JSONLimitError, parse_json_event
+from .security import choose_subprotocol
 from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now
 
 log = logging.getLogger("parley.realtime")
@@ -56,7 +57,6 @@ log = logging.getLogger("parley.realtime")
 PROTOCOL = "openai"
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 REALTIME_SUBPROTOCOL = "realtime"
-KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 
 FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE  # 80
 ACTIVITY_RMS = 0.01  # ~ -40 dBFS: agent audio above this (or any transcript text) is speech
@@ -64,8 +64,6 @@ END_QUIET_FRAMES = 10  # 800 ms of quiet ends a response (and lifts the mute aft
 CREATE_GRACE_FRAMES = 25  # a response.create with no speech completes empty after 2 s
 SPEECH_RMS_AT_HALF = 0.02  # input energy detector: RMS at OpenAI's default threshold 0.5
 MIN_COMMIT_SAMPLES = SAMPLE_RATE // 10  # 100 ms: less is input_audio_buffer_commit_empty
-MAX_EVENT_BYTES = 8 * 1024 * 1024  # larger client events are refused with an error (the
-# transport closes with 1009 only past uvicorn's ws_max_size, set higher than this)
 MAX_ITEMS = 256  # conversation items remembered for retrieve / truncate / delete
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar"})
 
@@ -90,30 +88,22 @@ def select_dialect(websocket: WebSocket) -> Dialect:
     return Dialect.GA
 
 
-def offered_key(websocket: WebSocket) -> str | None:
-    auth = websocket.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    for proto in websocket.scope.get("subprotocols", []):
-        if proto.startswith(KEY_SUBPROTOCOL_PREFIX):
-            return proto[len(KEY_SUBPROTOCOL_PREFIX):]
-    return None
-
-
 async def realtime_endpoint(websocket: WebSocket) -> None:
+    """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = websocket.app.state.sessions
-    required = manager.defaults.api_key
-    if required is not None and offered_key(websocket) != required:
-        await websocket.send_denial_response(PlainTextResponse(
-            "invalid or missing API key: send Authorization: Bearer <key>", status_code=401))
+    try:
+        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", []),
+                                                              REALTIME_SUBPROTOCOL))
+    except (WebSocketDisconnect, OSError):
+        log.info("realtime client left during the handshake")
         return
-    offered = websocket.scope.get("subprotocols", [])
-    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
     edge = manager.attach(websocket, PROTOCOL)
     try:
         connection = RealtimeConnection(edge, select_dialect(websocket),
                                         websocket.query_params.get("model") or manager.defaults.model_name)
         await connection.run()
+    except WebSocketDisconnect:
+        log.info("realtime session %d: the client left", edge.number)
     finally:
         edge.close()
 
@@ -147,6 +137,7 @@ class RealtimeConnection:
         self.muted = False  # after response.cancel, until the agent goes quiet
         self.mute_quiet = 0
         self.items: OrderedDict[str, Event] = OrderedDict()
+        self.budget = ConversationBudget(self.manager.defaults.limits.max_conversation_bytes)
         self.last_item_id: str | None = None
         self.input = InputTracker()
         self._reprefill_lock = asyncio.Lock()
@@ -174,7 +165,7 @@ class RealtimeConnection:
             await self.send(self.events.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
             await edge.close_socket(CLOSE_TRY_AGAIN_LATER, "server full: every session slot is taken")
             return
-        except (OptionsError, SessionRejected, EngineClosed) as exc:
+        except (OptionsError, SessionRejected, EngineClosed, RequestFailed) as exc:
             await self.send(self.events.error(f"cannot start the session: {exc}", "session_failed",
                                               kind="server_error"))
             await edge.close_socket(CLOSE_INTERNAL, str(exc))
@@ -182,11 +173,14 @@ class RealtimeConnection:
         await self.send(self.events.session_created(self.config))
         await edge.run_duplex(self._send_loop(), self._receive_loop())
 
-    async def send(self, event: Event) -> None:
+    async def send(self, event: Event) -> int:
+        """Send one event; returns its size (0 if the client has left)."""
+        text = json.dumps(event, separators=(",", ":"))
         try:
-            await self.edge.send_text(json.dumps(event, separators=(",", ":")))
+            await self.edge.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError):
-            pass  # the client left; the receive loop sees the disconnect and ends the session
+            return 0  # the client left; the receive loop sees the disconnect and ends the session
+        return len(text)
 
     async def send_all(self, events: list[Event]) -> None:
         for event in events:
@@ -207,14 +201,15 @@ class RealtimeConnection:
             raw = message.get("text")
             if raw is None:
                 data = message.get("bytes") or b""
-                self.edge.count_in(len(data))
+                if not await self.edge.admit_message(len(data)):
+                    return
                 try:
                     raw = data.decode()
                 except UnicodeDecodeError:
                     await self.error(ClientError("binary messages must be UTF-8 JSON events", "invalid_json"), None)
                     continue
-            else:
-                self.edge.count_in(len(raw))
+            elif not await self.edge.admit_message(len(raw)):
+                return
             try:
                 await self._handle_raw(raw)
             except SessionLost:
@@ -223,11 +218,10 @@ class RealtimeConnection:
     async def _handle_raw(self, raw: str) -> None:
         client_event_id = None
         try:
-            if len(raw) > MAX_EVENT_BYTES:
-                raise ClientError(f"event of {len(raw)} bytes exceeds the {MAX_EVENT_BYTES}-byte limit",
-                                  "message_too_large")
             try:
-                event = json.loads(raw)
+                event = parse_json_event(raw, self.manager.defaults.limits)
+            except JSONLimitError as exc:
+                raise ClientError(str(exc), exc.code) from None
             except json.JSONDecodeError as exc:
                 raise ClientError(f"invalid JSON: {exc}", "invalid_json") from None
             if not isinstance(event, dict):
@@ -306,7 +300,7 @@ class RealtimeConnection:
                 await self.edge.reopen(options)
             except SessionRejected as exc:
                 raise ClientError(f"the model cannot use these settings: {exc}", "invalid_value", "session") from None
-            except (EngineFull, EngineClosed) as exc:
+            except (EngineFull, EngineClosed, RequestFailed) as exc:
                 await self.send(self.events.error(f"lost the session slot while re-prefilling: {exc}",
                                                   "session_failed", kind="server_error"))
                 await self.edge.close_socket(CLOSE_TRY_AGAIN_LATER, "session slot lost while re-prefilling")
@@ -390,7 +384,12 @@ class RealtimeConnection:
         if stored["type"] == "message" and stored.get("role") not in ("user", "assistant", "system"):
             raise ClientError("a message item needs a role: user, assistant or system", "invalid_value", "item.role")
         previous = event.get("previous_item_id") or self.last_item_id
-        self._remember(stored)
+        size = self.budget.size_of(stored)
+        if not self.budget.fits(stored["id"], size):
+            raise ClientError(f"the item ({size} bytes) would take this session's conversation past its "
+                              f"{self.budget.max_bytes}-byte budget; delete items first", "conversation_too_large",
+                              "item")
+        self._remember(stored, size)
         await self.send_all(self.events.item_entered(stored, previous))
 
     def _item(self, event: Event) -> tuple[str, Event]:
@@ -415,6 +414,7 @@ class RealtimeConnection:
     async def _on_item_delete(self, event: Event) -> None:
         item_id, _ = self._item(event)
         del self.items[item_id]
+        self.budget.discard(item_id)
         await self.send(self.events.item_deleted(item_id))
 
     async def _on_response_create(self, event: Event) -> None:
@@ -437,11 +437,15 @@ class RealtimeConnection:
         await self._finish_response("cancelled", {"type": "cancelled", "reason": "client_cancelled"})
         self.muted, self.mute_quiet = True, 0
 
-    def _remember(self, item: Event) -> None:
+    def _remember(self, item: Event, size: int | None = None) -> None:
+        """Store an item; the oldest go when over MAX_ITEMS or the byte budget (a client's own
+        items were checked against the budget before; the server's are small)."""
         self.items[item["id"]] = item
         self.items.move_to_end(item["id"])
-        while len(self.items) > MAX_ITEMS:
-            self.items.popitem(last=False)
+        self.budget.set(item["id"], self.budget.size_of(item) if size is None else size)
+        while len(self.items) > MAX_ITEMS or (self.budget.used > self.budget.max_bytes and len(self.items) > 1):
+            old_id, _ = self.items.popitem(last=False)
+            self.budget.discard(old_id)
         self.last_item_id = item["id"]
 
     # ---- engine -> client ----
@@ -484,9 +488,9 @@ class RealtimeConnection:
             await self._start_response()
         response = self.response
         assert response is not None
-        if response.item.audio:
+        if response.item.audio and not self.edge.drop_if_lagging():
             pcm16 = (np.clip(frame.pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
-            await self.send(self.events.audio_delta(response, base64.b64encode(pcm16).decode()))
+            self.edge.lag.sent(await self.send(self.events.audio_delta(response, base64.b64encode(pcm16).decode())))
             response.audio_frames += 1
             self.manager.metrics.frames_out.labels(PROTOCOL).inc()
             self.edge.observe_frame_sent(frame.produced_at)
@@ -536,6 +540,7 @@ class RealtimeConnection:
     def _remember_existing(self, item: Event) -> None:
         if item["id"] in self.items:
             self.items[item["id"]] = item
+            self.budget.set(item["id"], self.budget.size_of(item))
 
 
 def _check_format(where: str, fmt: Any) -> None:
