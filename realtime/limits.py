@@ -2,10 +2,12 @@
 
 - `RateLimiter`: two token buckets per connection (messages and bytes), refilled at the
   configured rate and holding `BURST_SECONDS` of it. A client past either is closed (1008).
-- `send_backlog` + `LagMeter`: how far a session's output is behind, measured in the bytes
-  queued for it (the transport's write buffer plus the kernel's unsent queue), converted to
+- `send_backlog` + `LagMeter`: how far a session's output is behind: the age of the next
+  frame to send (time it waited in the engine's queue and the edge) plus the bytes queued for
+  the client (the transport's write buffer and the kernel's unsent queue), converted to
   seconds of audio with the session's own bytes per frame. Past the limit, the oldest unsent
-  frames are dropped (counted) until the client catches up.
+  frames are dropped (counted) until the client catches up. Bytes the client's own kernel
+  has already acknowledged are out of the server's sight (a fixed receive window).
 - `parse_json_event`: size and nesting-depth limits for realtime events (`JSONLimitError`).
 - `ConversationBudget`: the bytes a realtime session's conversation items hold, bounded.
 
@@ -107,7 +109,9 @@ def send_backlog(transport: Any) -> int:
 class LagMeter:
     """Seconds of output queued for one client, from its backlog and its own bytes per frame."""
 
-    def __init__(self, max_lag_s: float, frame_seconds: float, backlog: Callable[[], int] | None) -> None:
+    def __init__(self, max_lag_s: float, frame_seconds: float, backlog: Callable[[], int] | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._max_lag_s = max_lag_s
         self._frame_seconds = frame_seconds
         self._backlog = backlog
@@ -119,14 +123,16 @@ class LagMeter:
         self._bytes += n_bytes
         self._frames += 1
 
-    def lag_seconds(self) -> float:
-        if self._backlog is None or self._frames == 0:
+    def backlog_seconds(self) -> float:
+        if self._backlog is None or self._frames == 0 or self._bytes == 0:
             return 0.0
         return self._backlog() / (self._bytes / self._frames) * self._frame_seconds
 
-    def should_drop(self) -> bool:
-        """True (and counted) when the next frame would be sent behind the limit."""
-        if self.lag_seconds() <= self._max_lag_s:
+    def should_drop(self, produced_at: float) -> bool:
+        """True (and counted) when a frame produced at `produced_at` (the clock's time) would
+        reach the client more than the limit late."""
+        age = max(0.0, self._clock() - produced_at)
+        if age + self.backlog_seconds() <= self._max_lag_s:
             return False
         self.dropped += 1
         return True

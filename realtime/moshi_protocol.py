@@ -191,7 +191,7 @@ async def _send_frames(edge: EdgeSession) -> None:
             return
         assert isinstance(event, FrameOut)
         start = now()
-        lagging = edge.drop_if_lagging()  # the client is behind: skip this (oldest unsent) audio
+        lagging = edge.drop_if_lagging(event.produced_at)  # the client is behind: skip this (oldest unsent) audio
         try:
             page = b"" if lagging else await edge.codec.encode(event.pcm)
         except CodecUnavailable as exc:

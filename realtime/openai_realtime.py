@@ -275,10 +275,14 @@ class RealtimeConnection:
                 raise ClientError("temperature must be a number", "invalid_type", "session.temperature")
             config.temperature = float(temperature)
         try:
+            sampling = self._sampling(config.temperature)  # range-checked by SamplingOptions
+        except OptionsError as exc:
+            raise ClientError(f"temperature: {exc}", "invalid_value", "session.temperature") from None
+        try:
             options = self.manager.defaults.client_options(SessionOptions(
                 persona=config.instructions,
                 voice=None if config.voice in OPENAI_VOICES else config.voice,
-                sampling=self._sampling(config.temperature)))
+                sampling=sampling))
         except OptionsError as exc:
             raise ClientError(str(exc), "invalid_value", "session") from None
         if options != self.options:
@@ -488,7 +492,7 @@ class RealtimeConnection:
             await self._start_response()
         response = self.response
         assert response is not None
-        if response.item.audio and not self.edge.drop_if_lagging():
+        if response.item.audio and not self.edge.drop_if_lagging(frame.produced_at):
             pcm16 = (np.clip(frame.pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
             self.edge.lag.sent(await self.send(self.events.audio_delta(response, base64.b64encode(pcm16).decode())))
             response.audio_frames += 1

@@ -213,10 +213,11 @@ class EdgeSession:
         await asyncio.sleep(0)
         return True
 
-    def drop_if_lagging(self) -> bool:
-        """True when the client is more than the lag limit behind: the caller drops this (the
-        oldest unsent) frame's audio, counted, instead of queueing it behind stale audio."""
-        if not self.lag.should_drop():
+    def drop_if_lagging(self, produced_at: float) -> bool:
+        """True when this frame (FrameOut.produced_at) would reach the client more than the lag
+        limit late: the caller drops its audio (the oldest unsent), counted, rather than queue
+        it behind stale audio."""
+        if not self.lag.should_drop(produced_at):
             return False
         self.manager.metrics.lag_dropped.labels(self.protocol).inc()
         return True

@@ -1,0 +1,163 @@
+"""/api/chat under attack, each case with an observer session measuring its own cadence and
+output at the same time (echo backend). The attacked connection gets its clear close; the
+observer notices nothing; the engine stays healthy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from battery import assert_observer_ok, engine_healthy, observer
+from server_harness import delay_app, serve
+
+pytestmark = pytest.mark.timeout(90)
+
+# The critical case and its siblings: each once ended every live session and left the engine dead.
+OVERFLOWING = [
+    ("text_temperature", "1e39"), ("text_topk", "1e19"), ("audio_topk", "9223372036854775808"),
+    ("audio_topk", "1e30"), ("audio_temperature", "4e38"),
+]
+
+
+async def _close_of(base: str, query: str) -> tuple[int | None, str]:
+    async with connect(f"ws://{base}/api/chat?{query}", open_timeout=10) as ws:
+        try:
+            while True:
+                await asyncio.wait_for(ws.recv(), 10)
+        except ConnectionClosed:
+            pass
+        return ws.close_code, ws.close_reason or ""
+
+
+def test_unrepresentable_sampling_settings_close_1008_and_nobody_else_notices():
+    app, _ = delay_app(4)
+
+    async def scenario(base):
+        watch = asyncio.create_task(observer(base, seconds=3.0))
+        await asyncio.sleep(0.8)  # the observer is live when the attacks come
+        closes = []
+        for param, value in OVERFLOWING:
+            closes.append(await _close_of(base, f"{param}={value}"))
+        sent, res = await watch
+        return closes, sent, res
+
+    with serve(app) as base:
+        closes, sent, res = asyncio.run(scenario(base))
+        healthy = engine_healthy(base)
+    for (param, _), (code, reason) in zip(OVERFLOWING, closes):
+        assert code == 1008, (param, code, reason)
+        assert param in reason, reason
+    assert_observer_ok(sent, res)
+    assert healthy
+
+
+FLOODS = {
+    "ping tag": lambda i: b"\x06",
+    "empty audio": lambda i: b"\x01",
+    "text frame": lambda i: "\x01x",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FLOODS))
+def test_a_flooding_client_is_closed_1008_and_others_keep_cadence(kind):
+    app, _ = delay_app(4)
+    payload = FLOODS[kind]
+
+    async def flood(base):
+        sent = 0
+        async with connect(f"ws://{base}/api/chat", open_timeout=10) as ws:
+            await asyncio.wait_for(ws.recv(), 10)  # handshake
+            deadline = time.monotonic() + 6
+            try:
+                while time.monotonic() < deadline:
+                    await ws.send(payload(sent))
+                    sent += 1
+                    if sent % 64 == 0:
+                        await asyncio.sleep(0)  # let the observer's client run too
+                await asyncio.wait_for(ws.recv(), 5)
+            except (ConnectionClosed, asyncio.TimeoutError):
+                pass
+            try:
+                await asyncio.wait_for(ws.wait_closed(), 5)
+            except asyncio.TimeoutError:
+                pass
+            return ws.close_code, ws.close_reason or "", sent
+
+    async def scenario(base):
+        watch = asyncio.create_task(observer(base, seconds=3.5))
+        await asyncio.sleep(0.5)
+        closed = await flood(base)
+        return closed, await watch
+
+    with serve(app) as base:
+        (code, reason, sent_count), (sent, res) = asyncio.run(scenario(base))
+        metrics = _metrics(base)
+    assert code == 1008 and "rate limit" in reason, (code, reason, sent_count)
+    assert 'parley_rate_limited_total{protocol="moshi"} 1.0' in metrics
+    assert_observer_ok(sent, res)
+
+
+def _metrics(base: str) -> str:
+    import urllib.request
+    return urllib.request.urlopen(f"http://{base}/metrics", timeout=5).read().decode()
+
+
+def test_text_frames_are_ignored_not_decoded_as_audio():
+    """A text frame starting with 0x01 is not Ogg audio (the docs say text frames are ignored)."""
+    app, _ = delay_app(1)
+
+    async def scenario(base):
+        async with connect(f"ws://{base}/api/chat", open_timeout=10) as ws:
+            await asyncio.wait_for(ws.recv(), 10)
+            await ws.send("\x01OggS not really")
+            await ws.send("\x01garbage")
+            got = [await asyncio.wait_for(ws.recv(), 5) for _ in range(4)]  # frames keep coming
+            return got, ws.close_code
+
+    with serve(app) as base:
+        got, code = asyncio.run(scenario(base))
+    assert code is None and len(got) == 4
+
+
+def test_disconnect_right_after_upgrade_logs_no_traceback(caplog):
+    app, _ = delay_app(1)
+    caplog.set_level(logging.INFO)
+
+    with serve(app) as base:
+        host, port = base.split(":")
+        for _ in range(5):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(f"GET /api/chat HTTP/1.1\r\nHost: {base}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+            s.recv(200)  # the 101, then gone before the handshake byte
+            s.close()
+        time.sleep(1.0)
+        healthy = engine_healthy(base)
+    assert healthy
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def test_oversized_request_line_is_answered_414_and_closed():
+    app, _ = delay_app(1)
+    with serve(app) as base:
+        host, port = base.split(":")
+        s = socket.create_connection((host, int(port)))
+        s.settimeout(5)
+        s.sendall(f"GET /api/chat?text_prompt={'a' * 9000} HTTP/1.1\r\nHost: {base}\r\nUpgrade: websocket\r\n"
+                  "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                  "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(4096):  # ends: the server closed the connection
+            data += chunk
+        s.close()
+        healthy = engine_healthy(base)
+    assert data.startswith(b"HTTP/1.1 414 ")
+    assert b"persona" in data  # says what to do instead
+    assert healthy
