@@ -41,16 +41,17 @@ def assert_observer_ok(sent: np.ndarray, res: ChatResult) -> None:
 
 
 def get_json(base: str, path: str, headers: dict | None = None) -> tuple[int, dict]:
+    """(status, body as JSON, or {"text": ...} when it is not JSON)."""
     req = urllib.request.Request(f"http://{base}{path}", headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status, json.loads(r.read() or b"{}")
+            status, body = r.status, r.read()
     except urllib.error.HTTPError as e:
-        body = e.read()
-        try:
-            return e.code, json.loads(body)
-        except ValueError:
-            return e.code, {"text": body.decode(errors="replace")}
+        status, body = e.code, e.read()
+    try:
+        return status, json.loads(body)
+    except ValueError:  # a page, a file, Prometheus text or a plain-text refusal
+        return status, {"text": body.decode(errors="replace")}
 
 
 def engine_healthy(base: str) -> bool:
