@@ -6,7 +6,7 @@ See docs/engine.md. The network edge uses only the names exported here.
 from .backend import BackendOutput, FrameBackend, HostOutput, RowFailure, SessionRejected
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SamplingOptions, SessionOptions
-from .engine import Engine, EngineClosed, RequestFailed
+from .engine import Engine, EngineClosed
 from .input_buffer import InputError
 from .session import FrameOut, Session
 from .slots import EngineFull
@@ -14,7 +14,7 @@ from .stream import OutputStream, Status, Terminal
 
 __all__ = [
     "BackendOutput", "Engine", "EngineClosed", "EngineConfig", "EngineFull", "FrameBackend",
-    "FrameOut", "HostOutput", "InputError", "OptionsError", "OutputStream", "RequestFailed", "RowFailure",
+    "FrameOut", "HostOutput", "InputError", "OptionsError", "OutputStream", "RowFailure",
     "SamplingOptions", "Session", "SessionOptions", "SessionRejected", "Status", "Terminal",
     "TickClock",
 ]

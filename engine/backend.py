@@ -115,6 +115,9 @@ class FrameBackend(Protocol):
     def text_piece(self, token: int) -> str:
         """The text a token adds to the transcript ("" for padding)."""
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (slack items are timed after it)."""
+
     def close(self) -> None:
         """Free device memory. Called once, after the engine thread has stopped."""
 
@@ -309,6 +312,10 @@ class ModelBackend:
 
     def text_piece(self, token: int) -> str:
         return self._tokenizer.piece(token)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         if self._graph is not None:

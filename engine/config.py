@@ -82,12 +82,17 @@ class EngineConfig:
     input_frames: int = 25  # per-session input bound: 2 s of audio before overrun drops the oldest
     output_events: int = 64  # per-request output bound: ~5 s of frames before the oldest are dropped
     shutdown_timeout_s: float = 5.0  # how long shutdown waits for the engine thread
+    # Slack work must end this long before the next boundary: room for the host to launch the
+    # next frame and for estimate noise (engine/slack.py).
+    slack_guard_s: float = 0.003
 
     def __post_init__(self) -> None:
         for name in ("max_sessions", "input_frames", "output_events"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
+        if not isinstance(self.slack_guard_s, (int, float)) or not 0 <= self.slack_guard_s < self.tick_seconds:
+            raise OptionsError(f"slack_guard_s must be at least 0 and less than a tick, got {self.slack_guard_s!r}.")
         for name in ("tick_seconds", "shutdown_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

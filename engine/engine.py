@@ -4,9 +4,16 @@
     host = backend.step(...).to_host()   # one batched step, one device->host copy
     output.route(plan, host)             # fan out to streams by request id
 
-New sessions are prefilled after the tick's outputs are out, in the slack before the
-next boundary, a chunk of the prompt at a time, so a prefill never delays the frame other
-sessions are waiting for.
+    slack.run_until(next boundary)       # prefill, TTS, ... : work items that fit (slack.py)
+
+Everything besides the frame is slack work (engine/slack.py): new sessions' prompts
+(admission.py) and any source added with `add_slack_source`, run after the tick's outputs
+are out and only when their estimated cost ends before the next boundary.
+
+Failure containment: an error in one request's work (its options, its prompt, its slack
+item) fails that request only; an error in the shared frame step is fatal: every stream
+fails, the engine turns unhealthy and `fatal_error` says why (the server then exits
+non-zero so a supervisor restarts it).
 
 Threads: the event loop calls `open`, `Session.push_audio`, `Session.close`,
 `counters` and `shutdown`; everything that touches the backend runs on the engine
@@ -21,12 +28,12 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Callable
 
 from parley.models.config import FRAME_SAMPLES
 
-from .backend import FrameBackend, HostOutput, PrefillJob, RowFailure, SessionRejected, rows_mask
+from .admission import PrefillSource
+from .backend import FrameBackend, HostOutput, RowFailure, SessionRejected, rows_mask
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
 from .input_buffer import InputBuffer
@@ -34,27 +41,15 @@ from .metrics import EngineMetrics
 from .output import OutputProcessor
 from .scheduler import Scheduler, TickPlan
 from .session import Session
+from .slack import SlackRunner, SlackSource
 from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 
 log = logging.getLogger("parley.engine")
 
-MIN_PREFILL_FRAMES = 8  # prompt frames every tick runs at least, so admissions progress
-PREFILL_SLACK_SHARE = 0.8  # of the time left before the next boundary, a margin for the estimate
-
 
 class EngineClosed(RuntimeError):
     """The engine is shut down or unhealthy and takes no new sessions."""
-
-
-class RequestFailed(RuntimeError):
-    """One request's own work raised (its options, prefill start or a prompt chunk): that
-    request ended with Terminal(FAILED); the engine serves on. The message carries the
-    request id to look up in the server log, never the exception text."""
-
-
-def request_failure(request_id: str) -> str:
-    return f"internal error; request id {request_id} in the server log"
 
 
 class Engine:
@@ -77,11 +72,14 @@ class Engine:
         self._closed = False
         self._healthy = True
         self._tick = 0
-        self._prefilling: _Prefilling | None = None  # the session whose prompt is running
-        self._prefill_frame_s: float | None = None  # last chunk's cost per prompt frame
+        self.fatal_error: str | None = None  # why the engine stopped serving, once it has
         # Called once, on the engine thread, after a fatal error: `parley serve` uses it to exit
         # non-zero so a supervisor restarts the process instead of it staying up and dead.
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
+        self._slack.add_source(PrefillSource(backend, self._scheduler, self.metrics,
+                                             ready=lambda s: _settle(s.ready, result=s),
+                                             failed=self._prefill_failed))
 
     # ---- lifecycle ----
 
@@ -100,7 +98,17 @@ class Engine:
         return self._healthy
 
     def counters(self) -> dict:
-        return self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy)
+        stats = self._slack.stats
+        return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
+                "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
+                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed}
+
+    def add_slack_source(self, source: SlackSource) -> None:
+        """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
+        order after every tick. Call before `start`."""
+        if self._thread is not None:
+            raise RuntimeError("add slack sources before the engine starts.")
+        self._slack.add_source(source)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread (bounded), end every stream, free the backend. Idempotent.
@@ -226,7 +234,7 @@ class Engine:
                 self._output.route(plan, host)
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)
-        self._admit_pending(deadline)
+        self._slack.run_until(deadline)
 
     def _execute(self, plan: TickPlan) -> HostOutput | None:
         # A RowFailure means those rows were refused before any state changed: end those
@@ -247,98 +255,30 @@ class Engine:
                     return None
         raise RuntimeError("backend kept refusing rows")
 
-    def _admit_pending(self, deadline: float | None) -> None:
-        """Prefill queued sessions in the slack before the next boundary, a chunk at a time.
-        Chunks are sized to the time left from the last chunk's cost per frame (with a
-        margin); at least MIN_PREFILL_FRAMES run per tick, so admissions always progress, and a
-        long prompt spreads over several ticks instead of making the next one late. Manual
-        mode (no deadline): every prompt at once."""
-        ran_this_tick = False
-        while True:
-            if self._prefilling is None:
-                session = self._scheduler.next_admission()
-                if session is None:
-                    return
-                self._prefilling = self._start_prefill(session)
-                continue
-            pending = self._prefilling
-            if pending.session.events.finished:  # closed while prefilling; its slot is already free
-                self._prefilling = None
-                continue
-            if pending.job.frames_left > 0:
-                frames = self._chunk_frames(pending.job.frames_left, deadline, ran_this_tick)
-                if frames == 0:
-                    return
-                start = self._clock.now()
-                try:
-                    pending.job.run(frames)
-                except Exception as exc:  # this row's prompt only: the shared frame is untouched
-                    self._prefilling = None
-                    self._request_failed(pending.session, "prefill chunk", exc)
-                    continue
-                spent = self._clock.now() - start
-                pending.seconds += spent
-                self._prefill_frame_s = spent / frames
-                ran_this_tick = True
-            if pending.job.frames_left == 0:
-                self._prefilling = None
-                self.metrics.observe_prefill(pending.seconds)
-                self._scheduler.activate(pending.session)
-                _settle(pending.session.ready, result=pending.session)
-
-    def _chunk_frames(self, frames_left: int, deadline: float | None, ran_this_tick: bool) -> int:
-        if deadline is None:
-            return frames_left
-        fit = 0
-        if self._prefill_frame_s is not None:
-            fit = int(PREFILL_SLACK_SHARE * (deadline - self._clock.now()) / max(self._prefill_frame_s, 1e-6))
-        if not ran_this_tick:
-            fit = max(fit, MIN_PREFILL_FRAMES)
-        return max(0, min(fit, frames_left))
-
-    def _start_prefill(self, session: Session) -> "_Prefilling | None":
-        if session.events.finished:
-            return None  # closed before it was prefilled; its slot is already free
-        start = self._clock.now()
-        try:
-            self._backend.reset_rows(rows_mask(self.config.max_sessions, [session.row]))  # a reused slot starts clean
-            if session.options.sampling is not None:  # else reset left the model's defaults
-                self._backend.set_sampling(session.row, session.options.sampling)
-            job = self._backend.start_prefill(session.row, session.options)
-        except SessionRejected as exc:
-            reason = str(exc)
-            self._end_session(session, Terminal(Status.FAILED, reason), SessionRejected(reason))
-            return None
-        except Exception as exc:  # request-scoped: the row is reset when its slot is reused
-            self._request_failed(session, "prefill start", exc)
-            return None
-        return _Prefilling(session, job, self._clock.now() - start)
-
-    def _request_failed(self, session: Session, phase: str, exc: Exception) -> None:
-        """One request's work raised: end that request only (its row is reset on reuse)."""
-        log.error("request %s failed in %s; other sessions unaffected", session.request_id, phase, exc_info=exc)
-        self.metrics.inc("request_failures")
-        reason = request_failure(session.request_id)
-        self._end_session(session, Terminal(Status.FAILED, reason), RequestFailed(reason))
+    def _prefill_failed(self, session: Session, exc: Exception) -> None:
+        """One session's options or prompt failed: that session ends, nothing else does."""
+        if isinstance(exc, SessionRejected):
+            reason, error = str(exc), SessionRejected(str(exc))
+        else:
+            ref = uuid.uuid4().hex[:8]
+            log.error("session %s: prompt failed (error %s)", session.request_id, ref, exc_info=exc)
+            reason = f"the session could not be started (error {ref}, see the server log)"
+            error = EngineClosed(reason)
+        self._end_session(session, Terminal(Status.FAILED, reason), error)
 
     def _fatal(self, exc: BaseException) -> None:
-        log.error("fatal engine error in the shared frame step; failing every session", exc_info=exc)
+        log.error("fatal engine error; failing every session", exc_info=exc)
+        self.fatal_error = f"{type(exc).__name__}: {exc}"
         self._healthy = False
+        reason = "engine failure (see the server log)"
         for session in self._open_sessions():
-            self._fail_session(session, "engine failure; " + request_failure(session.request_id))
+            self._fail_session(session, reason)
         self._stop.set()
         if self.on_fatal is not None:
             try:
                 self.on_fatal(exc)
             except Exception:  # the engine is already down; the hook must not hide that
                 log.exception("on_fatal hook failed")
-
-
-@dataclass
-class _Prefilling:
-    session: Session
-    job: PrefillJob
-    seconds: float  # prefill work so far (the prefill_seconds counter)
 
 
 def _settle(future: asyncio.Future, result: object = None, error: Exception | None = None) -> None:

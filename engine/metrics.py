@@ -47,7 +47,6 @@ COUNTERS = (
     "dropped_events",   # output events dropped because a consumer was too slow
     "sessions_opened",
     "sessions_failed",
-    "request_failures",  # requests ended because their own work raised (the engine served on)
 )
 
 

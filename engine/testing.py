@@ -8,7 +8,8 @@ input history only), its text token counts the frames the row has seen since its
 `live_mask` are left untouched.
 
 Knobs for failure tests: samples outside [-1, 1] are refused per row (RowFailure), the
-voice "unknown" is rejected at prefill (SessionRejected), `fail_at_step` raises a fatal
+voice "unknown" is rejected at prefill (SessionRejected), the voice "crash" makes the
+prompt's first chunk raise (a request-scoped failure), `fail_at_step` raises a fatal
 error, `step_seconds` / `prefill_seconds` sleep to simulate slow work (a prompt of
 `prompt_frames` frames, run in chunks like the real one), and `on_step` / `on_prefill` let a
 test observe each call (or advance a fake clock). `fail_rows` injects a one-shot error into one
@@ -96,6 +97,9 @@ class DelayBackend:
     def text_piece(self, token: int) -> str:
         return "" if token == 0 else f"<{token}>"
 
+    def synchronize(self) -> None:
+        pass  # host-only: nothing is queued
+
     def close(self) -> None:
         self.close_calls += 1
 
@@ -107,6 +111,8 @@ class _DelayPrompt:
 
     def run(self, max_frames: int | None = None) -> None:
         n = self.frames_left if max_frames is None else min(max_frames, self.frames_left)
+        if self.options.voice == "crash":
+            raise RuntimeError("simulated prompt failure")
         backend = self.backend
         backend._maybe_fail(self.row, "chunk")
         backend.prefill_chunks.append((self.row, n))

@@ -27,8 +27,7 @@ from typing import Mapping
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import (
-    EngineClosed, EngineFull, FrameOut, OptionsError, RequestFailed, SamplingOptions, SessionOptions, SessionRejected,
-    Status, Terminal,
+    EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal,
 )
 
 from .opus import CodecUnavailable, OpusError
@@ -125,9 +124,6 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         return
     except EngineClosed as exc:
         await edge.close_socket(CLOSE_INTERNAL, f"engine unavailable: {exc}")
-        return
-    except RequestFailed as exc:
-        await edge.close_socket(CLOSE_INTERNAL, f"session failed: {exc}")
         return
 
     try:

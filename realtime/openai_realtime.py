@@ -40,8 +40,8 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import (
-    EngineClosed, EngineFull, FrameOut, OptionsError, RequestFailed, SamplingOptions, SessionOptions, SessionRejected,
-    Status, Terminal,
+    EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
+    Terminal,
 )
 from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
@@ -165,7 +165,7 @@ class RealtimeConnection:
             await self.send(self.events.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
             await edge.close_socket(CLOSE_TRY_AGAIN_LATER, "server full: every session slot is taken")
             return
-        except (OptionsError, SessionRejected, EngineClosed, RequestFailed) as exc:
+        except (OptionsError, SessionRejected, EngineClosed) as exc:
             await self.send(self.events.error(f"cannot start the session: {exc}", "session_failed",
                                               kind="server_error"))
             await edge.close_socket(CLOSE_INTERNAL, str(exc))
@@ -304,7 +304,7 @@ class RealtimeConnection:
                 await self.edge.reopen(options)
             except SessionRejected as exc:
                 raise ClientError(f"the model cannot use these settings: {exc}", "invalid_value", "session") from None
-            except (EngineFull, EngineClosed, RequestFailed) as exc:
+            except (EngineFull, EngineClosed) as exc:
                 await self.send(self.events.error(f"lost the session slot while re-prefilling: {exc}",
                                                   "session_failed", kind="server_error"))
                 await self.edge.close_socket(CLOSE_TRY_AGAIN_LATER, "session slot lost while re-prefilling")

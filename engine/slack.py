@@ -1,0 +1,168 @@
+"""Slack work: everything the engine runs besides the duplex frame.
+
+The duplex frame is the only hard deadline. Prefill chunks, TTS steps, standalone
+transcription and diffusion steps are *work items* that run on the engine thread after
+the tick's outputs are out, and only when their estimated cost ends before the next
+boundary (minus a guard). The rules, one per concern:
+
+1. Sources offer items in priority order (`Priority`): prefill, then TTS, then
+   standalone transcription, then images. The runner runs the first offered item that
+   fits in the time left, then asks again from the top, until nothing fits.
+2. A cost estimate is the maximum of the last `COST_WINDOW` observed costs for the
+   item's key, per unit of work (a prefill chunk's unit is one prompt frame, a graphed
+   step's is the step). Sources should seed their keys with a warm-up at start; an item
+   whose key has no estimate yet runs only as the first item of a tick's slack (so a
+   first measurement can cost at most one unknown item a tick).
+3. A source may mark an item `forced`: it runs as the first item of a tick even when it
+   does not fit. Only admission progress uses this (a prompt must advance even when the
+   frame leaves no slack); everything else waits.
+4. Every item is measured after a device synchronisation (its cost is real, not launch
+   time). An item that took longer than its estimate is an overrun, and one that ended
+   after the boundary is counted too (`/metrics`).
+5. Failure containment: an exception from an item is that item's request's failure
+   (`WorkItem.fail`), unless it leaves shared device state unknown (a CUDA error), which
+   is fatal and propagates to the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol
+
+import torch
+
+log = logging.getLogger("parley.engine.slack")
+
+COST_WINDOW = 32  # observed costs kept per key; the estimate is their maximum
+
+
+class Priority(enum.IntEnum):
+    """The order sources are asked in (lower first)."""
+
+    PREFILL = 0
+    TTS = 1
+    TRANSCRIPTION = 2
+    IMAGES = 3
+
+
+@dataclass
+class WorkItem:
+    """One bounded, GPU-synchronous piece of slack work."""
+
+    key: Hashable  # what its cost is estimated by, e.g. ("tts", pool, batch_bucket, kind)
+    run: Callable[[], None]  # does the work; the runner synchronises the device afterwards
+    fail: Callable[[Exception], None]  # ends the item's request(s) after `run` raised
+    units: int = 1  # units of work under `key` (prefill: prompt frames)
+    forced: bool = False  # may run as a tick's first item even when it does not fit (rule 3)
+
+
+class SlackSource(Protocol):
+    priority: Priority
+
+    def offer(self, left_s: float | None, costs: "CostModel") -> WorkItem | None:
+        """The next item this source wants to run, sized to `left_s` seconds where it can be
+        (None: no deadline, e.g. manual ticks in tests), or None when it has nothing to do."""
+
+
+class CostModel:
+    """Per-key cost estimates: the maximum of the last COST_WINDOW costs per unit."""
+
+    def __init__(self, window: int = COST_WINDOW) -> None:
+        self._seen: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+
+    def estimate(self, key: Hashable, units: int = 1) -> float | None:
+        seen = self._seen.get(key)
+        return max(seen) * units if seen else None
+
+    def record(self, key: Hashable, seconds: float, units: int = 1) -> None:
+        self._seen[key].append(seconds / max(units, 1))
+
+
+def fatal_for_device(exc: BaseException) -> bool:
+    """Errors after which shared device state is unknown (a CUDA error poisons the context)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+
+
+@dataclass
+class SlackStats:
+    """What the runner did, for /metrics and benchmarks (monotonic counters)."""
+
+    items: int = 0
+    seconds: float = 0.0  # time spent in items
+    overruns: int = 0  # items that took longer than their estimate
+    past_boundary: int = 0  # items that ended after the next tick's boundary
+    failed: int = 0  # items whose request failed
+
+
+class SlackRunner:
+    """Runs sources' items after each tick until nothing more fits before the deadline."""
+
+    def __init__(self, now: Callable[[], float], synchronize: Callable[[], None],
+                 guard_s: float) -> None:
+        self._now = now
+        self._synchronize = synchronize
+        self.guard_s = guard_s
+        self.costs = CostModel()
+        self.stats = SlackStats()
+        self._sources: list[SlackSource] = []
+
+    def add_source(self, source: SlackSource) -> None:
+        self._sources.append(source)
+        self._sources.sort(key=lambda s: s.priority)  # stable: equal priorities keep their order
+
+    def run_until(self, deadline: float | None) -> None:
+        """deadline: the next tick's boundary (None: run everything offered, manual mode)."""
+        first = True
+        while True:
+            item = self._next_fitting(deadline, first)
+            if item is None:
+                return
+            self._run(item, deadline)
+            first = False
+
+    def _next_fitting(self, deadline: float | None, first: bool) -> WorkItem | None:
+        left = None if deadline is None else deadline - self.guard_s - self._now()
+        for source in self._sources:
+            item = source.offer(left, self.costs)
+            if item is None:
+                continue
+            if left is None:
+                return item
+            estimate = self.costs.estimate(item.key, item.units)
+            if estimate is None or item.forced:
+                if first:
+                    return item
+            elif estimate <= left:
+                return item
+            # Offered but does not fit: lower-priority sources may still have something smaller.
+        return None
+
+    def _run(self, item: WorkItem, deadline: float | None) -> None:
+        estimate = self.costs.estimate(item.key, item.units)
+        start = self._now()
+        try:
+            item.run()
+            self._synchronize()
+        except Exception as exc:
+            if fatal_for_device(exc):
+                raise
+            self.stats.failed += 1
+            log.warning("slack item %r failed; ending its request: %s: %s", item.key, type(exc).__name__, exc)
+            item.fail(exc)
+            return
+        end = self._now()
+        spent = end - start
+        self.costs.record(item.key, spent, item.units)
+        stats = self.stats
+        stats.items += 1
+        stats.seconds += spent
+        if estimate is not None and spent > estimate:
+            stats.overruns += 1
+        if deadline is not None and end > deadline:
+            stats.past_boundary += 1

@@ -1,0 +1,168 @@
+"""The slack runner (engine/slack.py): what runs after a tick, in what order, and what a
+failure takes down. A fake clock makes every decision exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from parley.engine import Engine, EngineConfig, EngineClosed, SessionOptions, Status
+from parley.engine.slack import CostModel, Priority, SlackRunner, WorkItem
+from parley.engine.testing import DelayBackend
+
+from test_engine_core import baseline_outputs, frames_of, make_engine, open_ready, signal
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+class ScriptedSource:
+    """Offers items of known cost (advancing the fake clock when run), in order."""
+
+    def __init__(self, clock: FakeClock, priority: Priority, costs: list[float], name: str,
+                 ran: list[str], fail_at: int | None = None, error: Exception | None = None) -> None:
+        self.clock, self.priority, self.costs, self.name, self.ran = clock, priority, list(costs), name, ran
+        self.fail_at, self.error, self.failures, self.offers = fail_at, error, [], 0
+
+    def offer(self, left_s, costs: CostModel):
+        self.offers += 1
+        if not self.costs:
+            return None
+        cost = self.costs[0]
+
+        def run():
+            self.costs.pop(0)
+            self.clock.t += cost
+            self.ran.append(f"{self.name}:{cost}")
+            if self.fail_at is not None and len(self.ran) == self.fail_at:
+                raise self.error
+
+        return WorkItem(key=(self.name, cost), run=run, fail=self.failures.append)
+
+
+def runner(clock: FakeClock, guard: float = 0.003) -> SlackRunner:
+    return SlackRunner(clock.now, lambda: None, guard)
+
+
+def test_an_item_whose_estimate_exceeds_the_slack_left_never_starts():
+    clock, ran = FakeClock(), []
+    slack = runner(clock)
+    slack.costs.record(("tts", 0.030), 0.030)
+    source = ScriptedSource(clock, Priority.TTS, [0.030, 0.030, 0.030], "tts", ran)
+    slack.add_source(source)
+    slack.run_until(deadline=0.070)  # 67 ms usable: two 30 ms items fit, the third would end at 90 ms
+    assert ran == ["tts:0.03", "tts:0.03"]
+    assert clock.t == pytest.approx(0.060)
+    assert slack.stats.past_boundary == 0 and slack.stats.overruns == 0
+
+
+def test_sources_are_asked_in_priority_order_and_a_smaller_lower_item_fills_the_gap():
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    for key, cost in ((("images", 0.050), 0.050), (("prefill", 0.020), 0.020), (("tts", 0.010), 0.010)):
+        slack.costs.record(key, cost)
+    slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.050], "images", ran))
+    slack.add_source(ScriptedSource(clock, Priority.TTS, [0.010, 0.010], "tts", ran))
+    slack.add_source(ScriptedSource(clock, Priority.PREFILL, [0.020, 0.020], "prefill", ran))
+    slack.run_until(deadline=0.065)
+    # prefill first (both), then TTS (both); the 50 ms image no longer fits in what is left.
+    assert ran == ["prefill:0.02", "prefill:0.02", "tts:0.01", "tts:0.01"]
+    clock.t = 0.080
+    slack.run_until(deadline=0.160)  # next tick: the image fits now
+    assert ran[-1] == "images:0.05"
+
+
+def test_an_item_with_no_estimate_runs_only_as_the_first_of_a_tick():
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    slack.add_source(ScriptedSource(clock, Priority.TTS, [0.001, 0.002], "new", ran))
+    slack.run_until(deadline=1.0)
+    assert ran == ["new:0.001"]  # the second key is unknown too, and something already ran
+    slack.run_until(deadline=2.0)
+    assert ran == ["new:0.001", "new:0.002"]
+
+
+def test_a_failing_item_fails_its_request_only_and_the_runner_goes_on():
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    bad = ScriptedSource(clock, Priority.PREFILL, [0.001], "bad", ran, fail_at=1, error=ValueError("boom"))
+    good = ScriptedSource(clock, Priority.TTS, [0.001], "good", ran)
+    slack.add_source(bad)
+    slack.add_source(good)
+    slack.run_until(deadline=None)
+    assert ran == ["bad:0.001", "good:0.001"]
+    assert [str(e) for e in bad.failures] == ["boom"] and good.failures == []
+    assert slack.stats.failed == 1
+
+
+def test_a_cuda_error_in_an_item_is_fatal():
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    source = ScriptedSource(clock, Priority.TTS, [0.001], "gpu", ran, fail_at=1,
+                            error=RuntimeError("CUDA error: an illegal memory access was encountered"))
+    slack.add_source(source)
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        slack.run_until(deadline=None)
+    assert source.failures == []
+
+
+def test_overruns_and_items_past_the_boundary_are_counted():
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    slack.costs.record(("slow", 0.050), 0.010)  # the estimate says 10 ms; it takes 50
+    slack.add_source(ScriptedSource(clock, Priority.TTS, [0.050], "slow", ran))
+    slack.run_until(deadline=0.020)
+    assert slack.stats.overruns == 1 and slack.stats.past_boundary == 1
+
+
+def test_cost_estimate_is_the_max_of_the_recent_window_per_unit():
+    costs = CostModel(window=3)
+    for seconds in (0.004, 0.009, 0.002, 0.003, 0.001):
+        costs.record("k", seconds * 2, units=2)
+    assert costs.estimate("k") == pytest.approx(0.003)  # 0.009 fell out of the window
+    assert costs.estimate("k", units=10) == pytest.approx(0.030)
+    assert costs.estimate("other") is None
+
+
+def test_a_prompt_that_raises_fails_its_session_only_and_others_stay_bit_identical():
+    baseline = baseline_outputs(8)
+
+    async def main():
+        engine, _ = make_engine(4)
+        sessions = await open_ready(engine, 3)
+        for i, s in enumerate(sessions):
+            s.push_audio(signal(i, 8))
+        engine.run_ticks(3)
+        crashing = engine.open_nowait(SessionOptions(voice="crash"))
+        engine.run_ticks(5)
+        with pytest.raises(EngineClosed, match="could not be started"):
+            await crashing.ready
+        out = [frames_of(s.events.drain()) for s in sessions]
+        end = crashing.events.drain()[-1]
+        counters = engine.counters()
+        healthy = engine.healthy
+        engine.shutdown()
+        return out, end, counters, healthy
+
+    out, end, counters, healthy = asyncio.run(main())
+    assert healthy and counters["free_slots"] == 1
+    assert end.status is Status.FAILED and "simulated" not in end.reason  # no exception text to clients
+    for i in range(3):
+        assert [f.pcm.tobytes() for f in out[i]] == [f.pcm.tobytes() for f in baseline[i]]
+        assert [f.text_token for f in out[i]] == [f.text_token for f in baseline[i]]
+
+
+def test_slack_sources_are_registered_before_start_only():
+    engine = Engine(DelayBackend(1), EngineConfig(max_sessions=1, tick_seconds=0.01))
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="before the engine starts"):
+            engine.add_slack_source(ScriptedSource(FakeClock(), Priority.TTS, [], "late", []))
+    finally:
+        engine.shutdown()
