@@ -13,7 +13,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from battery import assert_observer_ok, engine_healthy, observer
+from battery import assert_observer_ok, engine_healthy, flood_until_closed, oversized_handshake, under_observation
 from server_harness import delay_app, serve
 
 pytestmark = pytest.mark.timeout(90)
@@ -38,17 +38,11 @@ async def _close_of(base: str, query: str) -> tuple[int | None, str]:
 def test_unrepresentable_sampling_settings_close_1008_and_nobody_else_notices():
     app, _ = delay_app(4)
 
-    async def scenario(base):
-        watch = asyncio.create_task(observer(base, seconds=3.0))
-        await asyncio.sleep(0.8)  # the observer is live when the attacks come
-        closes = []
-        for param, value in OVERFLOWING:
-            closes.append(await _close_of(base, f"{param}={value}"))
-        sent, res = await watch
-        return closes, sent, res
+    async def attacks(base):
+        return [await _close_of(base, f"{param}={value}") for param, value in OVERFLOWING]
 
     with serve(app) as base:
-        closes, sent, res = asyncio.run(scenario(base))
+        closes, (sent, res) = asyncio.run(under_observation(base, attacks, seconds=3.0, lead=0.8))
         healthy = engine_healthy(base)
     for (param, _), (code, reason) in zip(OVERFLOWING, closes):
         assert code == 1008, (param, code, reason)
@@ -57,11 +51,7 @@ def test_unrepresentable_sampling_settings_close_1008_and_nobody_else_notices():
     assert healthy
 
 
-FLOODS = {
-    "ping tag": lambda i: b"\x06",
-    "empty audio": lambda i: b"\x01",
-    "text frame": lambda i: "\x01x",
-}
+FLOODS = {"ping tag": b"\x06", "empty audio": b"\x01", "text frame": "\x01x"}
 
 
 @pytest.mark.parametrize("kind", sorted(FLOODS))
@@ -70,33 +60,13 @@ def test_a_flooding_client_is_closed_1008_and_others_keep_cadence(kind):
     payload = FLOODS[kind]
 
     async def flood(base):
-        sent = 0
         async with connect(f"ws://{base}/api/chat", open_timeout=10) as ws:
             await asyncio.wait_for(ws.recv(), 10)  # handshake
-            deadline = time.monotonic() + 6
-            try:
-                while time.monotonic() < deadline:
-                    await ws.send(payload(sent))
-                    sent += 1
-                    if sent % 64 == 0:
-                        await asyncio.sleep(0)  # let the observer's client run too
-                await asyncio.wait_for(ws.recv(), 5)
-            except (ConnectionClosed, asyncio.TimeoutError):
-                pass
-            try:
-                await asyncio.wait_for(ws.wait_closed(), 5)
-            except asyncio.TimeoutError:
-                pass
+            sent = await flood_until_closed(ws, payload)
             return ws.close_code, ws.close_reason or "", sent
 
-    async def scenario(base):
-        watch = asyncio.create_task(observer(base, seconds=3.5))
-        await asyncio.sleep(0.5)
-        closed = await flood(base)
-        return closed, await watch
-
     with serve(app) as base:
-        (code, reason, sent_count), (sent, res) = asyncio.run(scenario(base))
+        (code, reason, sent_count), (sent, res) = asyncio.run(under_observation(base, flood))
         metrics = _metrics(base)
     assert code == 1008 and "rate limit" in reason, (code, reason, sent_count)
     assert 'parley_rate_limited_total{protocol="moshi"} 1.0' in metrics
@@ -148,15 +118,7 @@ def test_oversized_request_line_is_answered_414_and_closed():
     app, _ = delay_app(1)
     with serve(app) as base:
         host, port = base.split(":")
-        s = socket.create_connection((host, int(port)))
-        s.settimeout(5)
-        s.sendall(f"GET /api/chat?text_prompt={'a' * 9000} HTTP/1.1\r\nHost: {base}\r\nUpgrade: websocket\r\n"
-                  "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                  "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(4096):  # ends: the server closed the connection
-            data += chunk
-        s.close()
+        data = oversized_handshake(host, int(port))
         healthy = engine_healthy(base)
     assert data.startswith(b"HTTP/1.1 414 ")
     assert b"persona" in data  # says what to do instead

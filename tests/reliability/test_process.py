@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,35 +16,11 @@ from pathlib import Path
 import pytest
 
 from parley.realtime.server import run_app, uvicorn_config
-from server_harness import chat_session, delay_app, free_port, tone
+from battery import oversized_handshake
+from server_harness import chat_session, delay_app, free_port, tone, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"parley serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not healthy in {timeout} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-
-
-def _oversized_handshake(port: int) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(f"GET /api/chat?text_prompt={'p' * 9000} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                  "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                  "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(4096):
-            data += chunk
-        return data
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -58,8 +33,8 @@ def test_serve_exits_0_without_traceback_after_an_oversized_handshake(tmp_path_f
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(proc, port, log)
-            answers = [_oversized_handshake(port) for _ in range(3)]
+            wait_healthy(proc, port, log)
+            answers = [oversized_handshake("127.0.0.1", port) for _ in range(3)]
             proc.send_signal(sig)
             code = proc.wait(30)
         finally:

@@ -13,9 +13,8 @@ import time
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
-from battery import assert_observer_ok, engine_healthy, observer
+from battery import assert_observer_ok, engine_healthy, flood_until_closed, under_observation
 from parley.realtime.limits import EdgeLimits
 from parley.realtime.sessions import ServerDefaults
 from server_harness import FRAME, delay_app, serve, tone
@@ -84,14 +83,8 @@ def test_bad_events_get_error_events_and_the_session_goes_on():
         await ws.close()
         return errors, ids, event, serving
 
-    async def scenario(base):
-        watch = asyncio.create_task(observer(base, seconds=3.0))
-        await asyncio.sleep(0.5)
-        result = await attack(base)
-        return result, await watch
-
     with serve(app) as base:
-        (errors, ids, after_delete, serving), (sent, res) = asyncio.run(scenario(base))
+        (errors, ids, after_delete, serving), (sent, res) = asyncio.run(under_observation(base, attack, seconds=3.0))
         healthy = engine_healthy(base)
     assert errors["temperature"]["code"] == "invalid_value"
     assert errors["temperature"]["param"] == "session.temperature"
@@ -112,28 +105,11 @@ def test_a_flooding_realtime_client_is_closed_1008():
 
     async def flood(base):
         ws = await _open(base)
-        deadline = time.monotonic() + 6
-        sent = 0
-        try:
-            while time.monotonic() < deadline:
-                await ws.send('{"type":"input_audio_buffer.clear"}')
-                sent += 1
-                if sent % 64 == 0:
-                    await asyncio.sleep(0)
-            while True:
-                await asyncio.wait_for(ws.recv(), 5)
-        except (ConnectionClosed, asyncio.TimeoutError):
-            pass
+        await flood_until_closed(ws, '{"type":"input_audio_buffer.clear"}')
         return ws.close_code, ws.close_reason or ""
 
-    async def scenario(base):
-        watch = asyncio.create_task(observer(base, seconds=3.5))
-        await asyncio.sleep(0.5)
-        closed = await flood(base)
-        return closed, await watch
-
     with serve(app) as base:
-        (code, reason), (sent, res) = asyncio.run(scenario(base))
+        (code, reason), (sent, res) = asyncio.run(under_observation(base, flood))
     assert code == 1008 and "rate limit" in reason, (code, reason)
     assert_observer_ok(sent, res)
 
