@@ -179,7 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before serving started (e.g. while loading): no traceback
+        return 130
 
 
 if __name__ == "__main__":

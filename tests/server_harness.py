@@ -35,9 +35,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(app, *, startup_timeout: float = 20.0) -> Iterator[str]:
+def serve(app, *, startup_timeout: float = 20.0, **config) -> Iterator[str]:
+    """`config`: more `uvicorn_config` keywords (ssl_certfile, ssl_keyfile)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning", **config))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import subprocess
+import urllib.request
 
 import pytest
 from websockets.asyncio.client import connect
@@ -99,3 +102,17 @@ def test_keys_are_redacted_from_log_lines_and_compared_whole():
     assert parse_origins("") is None and parse_origins("*") == ("*",)
     with pytest.raises(ValueError, match="not an origin"):
         parse_origins("a.example/path")
+
+
+def test_tls_serves_wss_and_https(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    context = ssl.create_default_context(cafile=str(cert))
+    context.check_hostname = False
+    app, _ = delay_app(1)
+    with serve(app, ssl_certfile=str(cert), ssl_keyfile=str(key)) as base:
+        status = asyncio.run(_ws_status(f"wss://{base}/api/chat", ssl=context))
+        with urllib.request.urlopen(f"https://{base}/health", context=context, timeout=5) as r:
+            health = r.status
+    assert str(status).startswith("101") and health == 200
