@@ -1,5 +1,5 @@
 """Soak with faults: many paced /api/chat sessions for minutes while, once a minute, one
-misbehaving client class (benchmarks/reliability.py's attacks, in turn) hits the server.
+misbehaving client class (benchmarks/attacks.py's attacks, in turn) hits the server.
 
     python benchmarks/soak.py --spawn DIR --device cuda --sessions 64 --minutes 8 --kv-dtype fp8
     python benchmarks/soak.py --url ws://127.0.0.1:8998 --sessions 64 --minutes 8
@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import FRAME_S, client, spawned_server  # noqa: E402
-from reliability import ATTACKS, metric  # noqa: E402
+from attacks import ATTACKS, metric  # noqa: E402
 
 SAMPLE_S = 10.0
 

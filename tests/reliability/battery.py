@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import urllib.request
 
@@ -59,19 +58,6 @@ async def flood_until_closed(ws, payload, seconds: float = 6.0) -> int:
     return sent
 
 
-def oversized_handshake(host: str, port: int, length: int = 9000) -> bytes:
-    """An upgrade request whose request line is over the 8 KiB limit; everything the server
-    answers until it closes the connection."""
-    with socket.create_connection((host, port), timeout=5) as s:
-        s.sendall(f"GET /api/chat?text_prompt={'p' * length} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                  "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                  "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(4096):
-            data += chunk
-        return data
-
-
 def assert_observer_ok(sent: np.ndarray, res: ChatResult) -> None:
     """The concurrent session kept its cadence and got its own audio back."""
     assert res.handshake_at is not None, "observer got no handshake"
@@ -107,4 +93,4 @@ def engine_healthy(base: str) -> bool:
 
 
 __all__ = ["FRAME", "SR", "assert_observer_ok", "engine_healthy", "flood_until_closed", "get_json", "observer",
-           "oversized_handshake", "under_observation"]
+           "under_observation"]

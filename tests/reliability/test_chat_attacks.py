@@ -13,7 +13,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from battery import assert_observer_ok, engine_healthy, flood_until_closed, oversized_handshake, under_observation
+from attacks import oversized_handshake
+from battery import assert_observer_ok, engine_healthy, flood_until_closed, under_observation
 from server_harness import delay_app, serve
 
 pytestmark = pytest.mark.timeout(90)

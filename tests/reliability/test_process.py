@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from attacks import oversized_handshake
 from parley.realtime.server import run_app, uvicorn_config
-from battery import oversized_handshake
 from server_harness import chat_session, delay_app, free_port, tone, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,8 @@
 """Misbehaving clients against a real `parley serve`, with observer sessions measuring their own
 cadence meanwhile: the figures in docs/reliability.md.
 
-    python benchmarks/reliability.py --spawn tiny                 # starts `parley serve` itself (CPU)
-    python benchmarks/reliability.py --url ws://127.0.0.1:8998    # against a running server
+    python benchmarks/attacks.py --spawn tiny                 # starts `parley serve` itself (CPU)
+    python benchmarks/attacks.py --url ws://127.0.0.1:8998    # against a running server
 
 For each attack, `--observers` /api/chat clients (benchmarks/load.py's paced client) stream for
 `--seconds` while one client misbehaves; printed per attack: what the attacker got (close code
@@ -123,6 +123,9 @@ async def deep_json(url: str, http: str, depth: int = 100_000) -> dict:
 
 
 async def stalled_reader(url: str, http: str, stall: float = 8.0) -> dict:
+    """A realtime client (small receive buffer) stops reading for `stall` s while its input keeps
+    coming, then reads for 3 s: how many audio deltas it gets (live would be ~38), and how many
+    frames the server dropped for lag (tests/reliability asserts on both)."""
     dropped0 = metric(http, "parley_lag_dropped_frames_total", '{protocol="openai"}')
     host, port = url.removeprefix("ws://").split(":")
     sock = socket.socket()
@@ -156,23 +159,25 @@ async def stalled_reader(url: str, http: str, stall: float = 8.0) -> dict:
             "frames_dropped": int(dropped)}
 
 
+def oversized_handshake(host: str, port: int, length: int = 9000) -> bytes:
+    """An upgrade request whose request line is over the 8 KiB limit; everything the server
+    answers until it closes the connection (tests/reliability uses it too)."""
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(f"GET /api/chat?text_prompt={'p' * length} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                  "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                  "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        return data
+
+
 async def oversized_handshakes(url: str, http: str, n: int = 20) -> dict:
     fds0 = metric(http, "process_open_fds")
     host, port = url.removeprefix("ws://").split(":")
     answers = []
-
-    def one() -> bytes:
-        with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(f"GET /api/chat?text_prompt={'p' * 9000} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                      "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                      "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-            data = b""
-            while chunk := s.recv(4096):
-                data += chunk
-            return data
-
     for _ in range(n):
-        answers.append(await asyncio.to_thread(one))
+        answers.append(await asyncio.to_thread(oversized_handshake, host, int(port)))
     await asyncio.sleep(1.0)
     return {"answered_414": sum(a.startswith(b"HTTP/1.1 414") for a in answers), "of": n,
             "open_fds_delta": int(metric(http, "process_open_fds") - fds0)}
