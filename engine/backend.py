@@ -76,7 +76,8 @@ class BackendOutput:
     valid: torch.Tensor  # [B] bool
     # Codes of this frame, kept on the device for tests and debugging (not copied to host).
     agent_codes: torch.Tensor | None = None  # [B, n_agent]: what was decoded into `pcm`
-    user_codes: torch.Tensor | None = None  # [B, n_user]: Mimi's encoding of the input frame
+    user_codes: torch.Tensor | None = None  # [B, >= n_user]: Mimi's encoding of the input frame
+    # (`encode_codebooks` of them: paired transcription reads more codebooks than the LM)
 
     def to_host(self) -> HostOutput:
         # Pack everything into one float32 tensor so the tick needs a single copy (and a
@@ -161,9 +162,17 @@ class ModelBackend:
     """
 
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
-                 seed: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+                 seed: int | None = None, kv_dtype: torch.dtype | None = None,
+                 encode_codebooks: int | None = None) -> None:
         # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
+        # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
+        # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
         self.max_sessions = max_sessions
+        levels = checkpoint.mimi.quantizer.levels
+        if encode_codebooks is not None and not checkpoint.lm_config.n_user <= encode_codebooks <= levels:
+            raise ValueError(f"encode_codebooks must be between {checkpoint.lm_config.n_user} and this Mimi's "
+                             f"{levels} codebooks, got {encode_codebooks}")
+        self.encode_codebooks = encode_codebooks or checkpoint.lm_config.n_user
         self.checkpoint = checkpoint
         self.cfg = checkpoint.lm_config
         self.device = next(checkpoint.lm.parameters()).device
@@ -210,9 +219,11 @@ class ModelBackend:
                prompt_user: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Device-only work for one tick (captured as one graph on CUDA)."""
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
-        user_codes = self._mimi.encode_step(frames, self._mimi_state, live & ~prompt_mask)
-        user_codes = torch.where(prompt_mask[:, None], prompt_user, user_codes)
+        codes = self._mimi.encode_step(frames, self._mimi_state, live & ~prompt_mask, self.encode_codebooks)
+        user_codes = torch.where(prompt_mask[:, None], prompt_user, codes[:, :self.cfg.n_user])
         out = self._gen.step(self._lm_state, user_codes, live, force_text, force_audio)
+        if codes.shape[1] > self.cfg.n_user:
+            user_codes = torch.cat([user_codes, codes[:, self.cfg.n_user:]], dim=1)
         # Decode only real frames: a row inside its delay holds "not generated" (-2) codes,
         # which would corrupt its decoder state (and index out of range).
         decode = live & out.valid

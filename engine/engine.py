@@ -44,6 +44,7 @@ from .session import Session
 from .slack import SlackRunner, SlackSource
 from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
+from .stt_paired import PairedTranscription
 
 log = logging.getLogger("parley.engine")
 
@@ -73,6 +74,7 @@ class Engine:
         self._healthy = True
         self._tick = 0
         self.fatal_error: str | None = None  # why the engine stopped serving, once it has
+        self._paired: PairedTranscription | None = None  # STT rows beside the duplex rows
         # Called once, on the engine thread, after a fatal error: `parley serve` uses it to exit
         # non-zero so a supervisor restarts the process instead of it staying up and dead.
         self.on_fatal: Callable[[BaseException], None] | None = None
@@ -109,6 +111,30 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)
+
+    def set_paired_transcription(self, paired: PairedTranscription) -> None:
+        """Transcribe sessions' audio in the frame (engine/stt_paired.py). Call before `start`."""
+        if self._thread is not None:
+            raise RuntimeError("set paired transcription before the engine starts.")
+        self._paired = paired
+
+    @property
+    def can_transcribe(self) -> bool:
+        """Whether sessions can be transcribed (a paired STT model is loaded)."""
+        return self._paired is not None
+
+    def enable_transcription(self, session: Session) -> OutputStream:
+        """Start transcribing what this session's user says: an OutputStream of SttPartial that
+        ends when the session does. OptionsError when no STT model is loaded."""
+        if self._paired is None:
+            raise OptionsError("no speech-to-text model is loaded (parley serve --stt-model), so the "
+                               "user's audio cannot be transcribed.")
+        return self._paired.enable(session.row, session.request_id, asyncio.get_running_loop())
+
+    @property
+    def slack_costs(self):
+        """The slack runner's cost model, for sources to seed their keys at start (warm-up)."""
+        return self._slack.costs
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread (bounded), end every stream, free the backend. Idempotent.
@@ -180,6 +206,8 @@ class Engine:
         with self._lock:
             self._sessions.pop(session.request_id, None)
         self._output.unregister(session.request_id)
+        if self._paired is not None:  # queued before the slot can be reused
+            self._paired.disable(session.row, session.request_id)
         self._scheduler.submit_close(session)  # the engine thread drops the row at its next plan
         self._slots.release(session.row, session.request_id)
         _settle(session.ready, error=ready_error)
@@ -241,7 +269,13 @@ class Engine:
         # sessions only and rerun the step for the rest (bounded: each retry removes a row).
         for _ in range(self.config.max_sessions + 1):
             try:
-                return self._backend.step(plan.frames, plan.live_mask).to_host()
+                out = self._backend.step(plan.frames, plan.live_mask)
+                if self._paired is not None:  # part of the frame: same codes, before the host copy
+                    self._paired.step(plan, out)
+                host = out.to_host()
+                if self._paired is not None:
+                    self._paired.publish()
+                return host
             except RowFailure as failure:
                 for row, reason in failure.reasons.items():
                     rid = plan.request_ids[row]

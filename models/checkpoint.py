@@ -52,6 +52,7 @@ from .config import (
 from .lm import LMModel
 from .mimi.codec import Mimi
 from .persona import PersonaError, unpack_voices
+from .stt import SttSettings, check_stt_config
 from .tokenizer import TextTokenizer, TokenizerError
 
 CONFIG_FILE = "config.json"
@@ -507,3 +508,66 @@ def write_checkpoint(directory: str | Path, lm_state: dict[str, torch.Tensor],
             for name, path in sorted(voices.items()):
                 tar.add(str(path), arcname=f"{VOICES_DIR}/{name}.pt", recursive=False)
     return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Speech-to-text checkpoints (Kyutai DSM STT: kyutai/stt-1b-en_fr, kyutai/stt-2.6b-en)
+
+
+@dataclass
+class SttCheckpoint:
+    lm: LMModel  # dep_q 0: temporal transformer, text head, extra heads
+    mimi: Mimi  # encodes the n_q codebooks the LM reads
+    tokenizer: TextTokenizer
+    lm_config: LMConfig
+    mimi_config: MimiConfig
+    settings: SttSettings  # config.json's stt_config
+    path: Path
+
+
+def load_stt_checkpoint(source: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.bfloat16) -> SttCheckpoint:
+    """Load an STT checkpoint: config.json (LM kwargs with dep_q 0, `stt_config`, and the file
+    names `moshi_name` / `mimi_name` / `tokenizer_name`), the LM file, Mimi and the tokenizer."""
+    device = torch.device(device)
+    directory = _resolve_source(source)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"STT checkpoint {directory} has no {CONFIG_FILE} (an STT model is described "
+                              f"by its config.json: dep_q 0, delays, stt_config)")
+    raw = _read_json(config_path, "config.json")
+    where = f"config.json {config_path}"
+    if raw.get("model_type", "stt") != "stt":
+        raise CheckpointError(f"{where}: model_type {raw['model_type']!r} is not a speech-to-text model")
+    if not isinstance(raw.get("stt_config", {}), dict):
+        raise CheckpointError(f"{where}: stt_config must be an object")
+    try:
+        settings = SttSettings.from_dict(raw.get("stt_config", {}))
+        lm_config = LMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
+        check_stt_config(lm_config)
+    except (ConfigError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: {err}") from err
+
+    lm_st = _SafetensorsFile(_file(directory, None, raw.get("moshi_name", LM_FILE), "LM weights"), "LM weights")
+    mimi_st = _SafetensorsFile(_file(directory, None, raw.get("mimi_name", MIMI_FILE), "Mimi weights"),
+                               "Mimi weights")
+    tok_path = _file(directory, None, raw.get("tokenizer_name", TOKENIZER_FILE), "tokenizer")
+    mimi_raw: dict[str, Any] = {}
+    if raw.get("mimi_config_name"):
+        mimi_raw = _read_json(_file(directory, None, raw["mimi_config_name"], "Mimi config"), "Mimi config")
+    try:
+        mimi_config = MimiConfig.from_dict(mimi_raw, num_codebooks=lm_config.n_q)
+        tokenizer = TextTokenizer(tok_path)
+        with torch.device("meta"):
+            lm, mimi = LMModel(lm_config), Mimi(mimi_config)
+    except (ConfigError, TokenizerError, TypeError, ValueError) as err:
+        raise CheckpointError(f"STT checkpoint {directory}: {err}") from err
+    if tokenizer.vocab_size > lm_config.text_card:
+        raise CheckpointError(f"tokenizer {tok_path} has {tokenizer.vocab_size} pieces, "
+                              f"more than the LM's text_card {lm_config.text_card}")
+    lm_plan = _plan(_meta_shapes(lm), lm_st, "LM weights", f"STT config ({_describe(lm_config)})")
+    mimi_plan = _plan(_meta_shapes(mimi), mimi_st, "Mimi weights", "Mimi config", legacy=_MIMI_LEGACY_NAMES)
+    _load_weights(lm, lm_st, lm_plan, device, dtype)
+    _load_weights(mimi, mimi_st, mimi_plan, device, torch.float32)
+    return SttCheckpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,
+                         settings=settings, path=directory)

@@ -73,6 +73,10 @@ class LMConfig:
     depformer_weights_per_step: bool = True
     depformer_weights_per_step_schedule: tuple[int, ...] | None = None
     delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+    # Extra linear heads on the normalised hidden state (Kyutai STT: end-of-turn / pause
+    # prediction, see models/stt.py); dep_q 0 means no depformer at all (an STT model).
+    extra_heads_num_heads: int = 0
+    extra_heads_dim: int = 6
 
     def __post_init__(self) -> None:
         if len(self.delays) != self.n_q + 1:
@@ -225,11 +229,12 @@ def tiny_lm_config(dep_q: int = 8, card: int = 2048) -> LMConfig:
     )
 
 
-def tiny_mimi_config(num_codebooks: int = 8) -> MimiConfig:
-    """A small Mimi with the real hop (1920 samples per frame), for CPU tests."""
+def tiny_mimi_config(num_codebooks: int = 8, levels: int | None = None) -> MimiConfig:
+    """A small Mimi with the real hop (1920 samples per frame), for CPU tests. `levels`: codebooks
+    in the weights (default `num_codebooks`; the real Mimi has 32 and Moshi uses 8)."""
     return MimiConfig(
         seanet=SEANetConfig(dimension=32, n_filters=4),
-        quantizer=QuantizerConfig(dimension=16, n_q=num_codebooks, bins=2048,
+        quantizer=QuantizerConfig(dimension=16, n_q=levels or num_codebooks, bins=2048,
                                   input_dimension=32, output_dimension=32),
         transformer=MimiTransformerConfig(d_model=32, num_heads=2, num_layers=2, context=20,
                                           dim_feedforward=64, input_dimension=32,

@@ -179,10 +179,7 @@ class LMGen:
 
     def _write(self, ring: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
                exec_mask: torch.Tensor) -> None:
-        """ring[b, s, positions[b, s] % CT] = values[b, s] for executing rows (in place; ring may be a view)."""
-        index = (positions % self.ring_size)[..., None]
-        old = ring.gather(2, index)
-        ring.scatter_(2, index, torch.where(exec_mask[:, None, None], values[..., None], old))
+        ring_write(ring, positions, values, exec_mask)
 
     # -- prefill (PersonaPlex prompts) ----------------------------------------------------------
 
@@ -214,6 +211,13 @@ class LMGen:
             assert k <= self.ring_size, f"ring_tokens has {k} columns, the ring holds {self.ring_size}"
             cols = (state.offsets[row] - k + 1 + torch.arange(k, device=ring.device)) % self.ring_size
             ring.scatter_(1, cols[None].expand(ring.shape[0], k), ring_tokens.to(ring.device))
+
+
+def ring_write(ring: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, exec_mask: torch.Tensor) -> None:
+    """ring[b, s, positions[b, s] % CT] = values[b, s] for executing rows (in place; ring may be a view)."""
+    index = (positions % ring.shape[2])[..., None]
+    old = ring.gather(2, index)
+    ring.scatter_(2, index, torch.where(exec_mask[:, None, None], values[..., None], old))
 
 
 def _forced(sampled: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:

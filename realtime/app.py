@@ -6,6 +6,7 @@
     GET  /api/voices   the model's voice prompts, for the page
     GET  /api/info     model name, and whether it is the babbling demo model
     GET  /health /ready /metrics                                    (health.py)
+    POST /v1/audio/transcriptions  OpenAI transcription, on the STT rows (transcriptions.py)
 
 The app does not build the engine (server.py does, from a checkpoint; tests hand in one
 over a fabricated backend); it starts it on startup if needed and shuts it down, bounded,
@@ -29,13 +30,16 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from parley.engine import Engine
+from parley.engine.stt_pool import SttPool
 
 from . import health
+from .demo_model import STT_NOTICE
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager
+from .transcriptions import transcriptions_endpoint
 
 log = logging.getLogger("parley.app")
 
@@ -57,9 +61,13 @@ class ServerInfo:
 
 def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info: ServerInfo = ServerInfo(),
                *, codec_workers: int | None = None, start_engine: bool = True,
-               web_dir: Path | None = WEB_DIR) -> Starlette:
+               web_dir: Path | None = WEB_DIR, stt_pool: SttPool | None = None) -> Starlette:
     """Build the app around an engine. With `start_engine`, the lifespan starts the engine
-    (if it is not running) and always shuts it down at exit."""
+    (if it is not running) and always shuts it down at exit. `stt_pool` (standalone
+    transcription rows) becomes the engine's transcription slack source, warmed up here."""
+    if stt_pool is not None:
+        stt_pool.warm_up(engine.slack_costs)
+        engine.add_slack_source(stt_pool)
     metrics: health.EdgeMetrics | None = None
 
     def count_restart() -> None:
@@ -90,6 +98,10 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         body = {"model": info.model, "demo": info.demo, "max_sessions": engine.config.max_sessions}
         if info.demo:
             body["notice"] = DEMO_NOTICE
+        body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
+        body["session_transcript"] = engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
+        if info.demo and stt_pool is not None:
+            body["transcription_notice"] = STT_NOTICE
         return JSONResponse(body)
 
     routes = [
@@ -100,6 +112,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         Route("/health", health.health),
         Route("/ready", health.ready),
         Route("/metrics", health.metrics),
+        Route("/v1/audio/transcriptions", transcriptions_endpoint, methods=["POST"]),
     ]
     if web_dir is not None and (web_dir / "index.html").is_file():  # public: see security.py
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
@@ -112,4 +125,5 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     app.state.sessions = manager
     app.state.codec = codec
     app.state.info = info
+    app.state.stt_pool = stt_pool
     return app

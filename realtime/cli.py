@@ -3,6 +3,7 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
 
     parley serve [--model DIR_OR_REPO] [--host H] [--port P] [--max-sessions N] ...
     parley offline --model DIR --input-wav IN --output-wav OUT [--output-text OUT.json] ...
+    parley transcribe --model STT_DIR_OR_REPO IN.wav [--format text|json]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .limits import EdgeLimits
 from .offline_cli import add_offline
 from .security import parse_origins, read_key_file
 from .server import WS_MAX_SIZE, ServeConfig, serve
+from .transcribe_cli import add_transcribe
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -73,6 +75,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
                         "network edge)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
+    # -- speech-to-text (transcription) --
+    p.add_argument("--stt-model", default=None,
+                   help="Kyutai STT checkpoint directory or Hugging Face repo id (e.g. kyutai/stt-1b-en_fr) "
+                        "for POST /v1/audio/transcriptions; the demo server includes a tiny random one")
+    p.add_argument("--stt-slots", type=int, default=16,
+                   help="transcription rows (requests transcribed at once; more wait in a queue)")
     add_reliability_flags(p)
     p.set_defaults(handler=run_serve)
 
@@ -140,6 +148,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1:
         print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
         return 2
+    if args.stt_slots < 1:
+        print("parley serve: --stt-slots must be at least 1", file=sys.stderr)
+        return 2
     try:
         reliability = reliability_settings(args)
     except (ValueError, OSError) as exc:
@@ -149,11 +160,12 @@ def run_serve(args: argparse.Namespace) -> int:
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None},
                          log_level=args.log_level, codec_workers=args.codec_workers,
-                         torch_threads=args.torch_threads, **reliability)
+                         torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
+                         **reliability)
     return serve(config)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_transcribe)
 
 
 def installed_version() -> str:

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from parley.models.synthetic import write_tiny_checkpoint
+from parley.models.synthetic import write_tiny_checkpoint, write_tiny_stt_checkpoint
 
 log = logging.getLogger("parley.demo")
 
@@ -28,20 +28,37 @@ def cache_dir() -> Path:
     return base / "demo"
 
 
+STT_NOTICE = ("the demo's speech-to-text model is tiny and random: it transcribes nonsense. For real "
+              "transcripts run `parley serve --stt-model kyutai/stt-1b-en_fr` (or a local STT checkpoint).")
+
+
 def ensure_demo_checkpoint(directory: Path | None = None) -> Path:
     """Return the demo checkpoint directory, writing it first if it is not there yet."""
     target = directory or cache_dir()
+    return _ensure(target, lambda scratch: write_tiny_checkpoint(scratch, kind="moshi"),
+                   "no --model given: writing the tiny demo checkpoint to %s (once). It babbles: its weights "
+                   "are random. For a real conversation run `parley serve --model <dir or HF repo id>`.")
+
+
+def ensure_demo_stt_checkpoint(directory: Path | None = None) -> Path:
+    """The demo's tiny STT (random; it transcribes nonsense), sharing the demo model's Mimi so
+    that duplex sessions can be transcribed from the same codes."""
+    duplex = ensure_demo_checkpoint()
+    target = directory or cache_dir().with_name("demo-stt")
+    return _ensure(target, lambda scratch: write_tiny_stt_checkpoint(scratch, mimi_from=duplex),
+                   "writing the tiny demo speech-to-text checkpoint to %s (once); " + STT_NOTICE)
+
+
+def _ensure(target: Path, write, message: str) -> Path:
     if (target / DONE_MARKER).is_file():
         return target
-    log.warning("no --model given: writing the tiny demo checkpoint to %s (once). It babbles: its "
-                "weights are random. For a real conversation run `parley serve --model <dir or HF repo id>`.",
-                target)
+    log.warning(message, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target, then rename: two servers starting at once cannot see a half checkpoint.
     scratch = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
     try:
-        write_tiny_checkpoint(scratch, kind="moshi")
-        (scratch / DONE_MARKER).write_text("tiny random Moshi-layout checkpoint written by parley serve\n")
+        write(scratch)
+        (scratch / DONE_MARKER).write_text("tiny random checkpoint written by parley serve\n")
         if (target / DONE_MARKER).is_file():  # another process finished first: keep its copy
             shutil.rmtree(scratch, ignore_errors=True)
             return target

@@ -4,6 +4,8 @@ Every message is binary; byte 0 is a tag:
     0x00 handshake  server -> client, once, after the session is prefilled
     0x01 audio      both ways: Ogg pages of Opus, 24 kHz mono (any page size in)
     0x02 text       server -> client: UTF-8 piece of the agent's inner monologue
+    0x07 user text  server -> client, with `?transcript=1`: UTF-8 piece of what the *user* said,
+                    as the paired STT row transcribes it (Parley's extension; clients ignore it)
     other tags      ignored (0x03 control .. 0x06 ping are not needed for full duplex)
 Text frames are not part of the protocol: they are ignored (but count against the rate limits).
 
@@ -20,6 +22,7 @@ byte rate (limits.py). Each affects only its own connection.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Mapping
@@ -43,6 +46,7 @@ PROTOCOL = "moshi"
 TAG_HANDSHAKE = 0x00
 TAG_AUDIO = 0x01
 TAG_TEXT = 0x02
+TAG_USER_TEXT = 0x07
 HANDSHAKE = bytes([TAG_HANDSHAKE])  # what the Python reference servers send
 # An Ogg page is at most ~64 KiB; a client may batch a few pages in one message.
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -126,6 +130,15 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         await edge.close_socket(CLOSE_INTERNAL, f"engine unavailable: {exc}")
         return
 
+    transcript = None
+    if websocket.query_params.get("transcript", "0") not in ("0", "", "false"):
+        try:
+            transcript = manager.engine.enable_transcription(edge.engine_session)
+        except OptionsError as exc:
+            manager.metrics.protocol_errors.labels(PROTOCOL).inc()
+            await edge.close_socket(CLOSE_POLICY, f"transcript=1: {exc}")
+            return
+
     try:
         edge.codec = manager.codec.open()  # pinned to one codec worker for the connection's life
     except CodecUnavailable as exc:
@@ -133,7 +146,13 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         return
     log.info("chat session %d open (persona %d chars, voice %s)", edge.number, len(options.persona), options.voice)
     await edge.send_bytes(HANDSHAKE)
-    await edge.run_duplex(_send_frames(edge), _receive(edge))
+    user_text = asyncio.create_task(_send_user_text(edge, transcript)) if transcript is not None else None
+    try:
+        await edge.run_duplex(_send_frames(edge), _receive(edge))
+    finally:
+        if user_text is not None:
+            user_text.cancel()
+            await asyncio.gather(user_text, return_exceptions=True)
     log.info("chat session %d closed", edge.number)
 
 
@@ -204,6 +223,18 @@ async def _send_frames(edge: EdgeSession) -> None:
         manager.metrics.frames_out.labels(PROTOCOL).inc()
         edge.observe_frame_delay(now() - start)
         edge.observe_frame_sent(event.produced_at)
+
+
+async def _send_user_text(edge: EdgeSession, transcript) -> None:
+    """Paired transcript -> client: each new piece of the user's words as a 0x07 message."""
+    async for event in transcript:
+        if isinstance(event, Terminal):
+            return
+        if event.text:
+            try:
+                await edge.send_bytes(bytes([TAG_USER_TEXT]) + event.text.encode())
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                return
 
 
 async def _codec_lost(edge: EdgeSession, exc: CodecUnavailable) -> None:

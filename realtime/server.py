@@ -33,10 +33,12 @@ import uvicorn
 
 from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
-from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from parley.engine.stt_paired import PairedTranscription
+from parley.engine.stt_pool import SttPool
+from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint, load_checkpoint, load_stt_checkpoint
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import ensure_demo_checkpoint
+from .demo_model import STT_NOTICE, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
 from .limits import EdgeLimits
 from .security import RedactKeys
 from .sessions import ServerDefaults
@@ -76,6 +78,10 @@ class ServeConfig:
     # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
     # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
     torch_threads: int | None = 1
+    # Speech-to-text (Kyutai STT) for /v1/audio/transcriptions: checkpoint dir or HF repo id;
+    # None: none, except for the demo server, which includes a tiny random one.
+    stt_model: str | None = None
+    stt_slots: int = 16
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,8 +136,16 @@ def build_app(config: ServeConfig):
         raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
-    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
+    stt = _load_stt(config, demo, device, dtype)
+    paired = stt is not None and _shares_mimi(checkpoint, stt)
+    if stt is not None and not paired:
+        log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
+                    "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
+    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
+                           encode_codebooks=stt.lm_config.n_q if paired else None)
     engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    if paired:
+        engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
     voices = voice_names(checkpoint)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
                       default_voice=config.defaults.voice)
@@ -139,7 +153,27 @@ def build_app(config: ServeConfig):
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts,
                               protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
                               limits=config.limits)
-    return create_app(engine, defaults, info, codec_workers=config.codec_workers)
+    return create_app(engine, defaults, info, codec_workers=config.codec_workers,
+                      stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None)
+
+
+def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
+    if config.stt_model is None and not demo:
+        return None
+    source = config.stt_model or str(ensure_demo_stt_checkpoint())
+    if config.stt_model is None:
+        log.warning("demo server: %s", STT_NOTICE)
+    log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)
+    return load_stt_checkpoint(source, device=device, dtype=dtype)
+
+
+def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:
+    """Paired transcription reads the duplex frame's codes: the two Mimis must be one (every
+    weight equal) and the duplex one must hold the codebooks the STT reads."""
+    ours, theirs = checkpoint.mimi.state_dict(), stt.mimi.state_dict()
+    if checkpoint.mimi.quantizer.levels < stt.lm_config.n_q or set(theirs) - set(ours):
+        return False
+    return all(ours[k].shape == v.shape and torch.equal(ours[k], v) for k, v in theirs.items())
 
 
 def serve(config: ServeConfig) -> int:

@@ -113,6 +113,7 @@ class ChatResult:
         self.handshake_at: float | None = None  # seconds after connect
         self.pcm_chunks: list[np.ndarray] = []
         self.text: list[str] = []
+        self.user_text: list[str] = []  # 0x07 pieces (?transcript=1)
         self.close_code: int | None = None
         self.close_reason: str = ""
         self.audio_messages = 0
@@ -155,6 +156,8 @@ async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", fr
                             result.pcm_chunks.append(out)
                     elif msg[0] == 2:
                         result.text.append(msg[1:].decode())
+                    elif msg[0] == 7:
+                        result.user_text.append(msg[1:].decode())
             except ConnectionClosed:
                 pass
             result.close_code = ws.close_code

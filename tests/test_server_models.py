@@ -4,6 +4,7 @@ and the `parley serve` command itself (a subprocess, stopped with SIGTERM)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -13,7 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
+import soundfile
 import torch
 
 from parley.engine import SessionOptions
@@ -70,6 +73,12 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
             assert info["demo"] is True and "babbles" in info["notice"]
             res = asyncio.run(chat_session(f"127.0.0.1:{port}", tone(300, 0.5), tail_seconds=0.2))
             assert res.handshake_at is not None and res.audio_messages > 0
+            # the demo includes a tiny STT: transcription works out of the box, and says it is nonsense
+            assert info["transcription"] is True and "nonsense" in info["transcription_notice"]
+            wav = io.BytesIO()
+            soundfile.write(wav, tone(300, 0.5), 24_000, format="WAV")
+            stt = openai.OpenAI(api_key="x", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=60)
+            assert isinstance(stt.audio.transcriptions.create(model="demo", file=("a.wav", wav.getvalue())).text, str)
             proc.send_signal(signal.SIGTERM)
             # uvicorn drains, runs the lifespan exit, then re-raises the signal (exit -15)
             assert proc.wait(20) in (0, -signal.SIGTERM)
@@ -78,7 +87,7 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
                 proc.kill()
                 proc.wait()
     text = log.read_text()
-    assert "babbles" in text and "--model" in text
+    assert "babbles" in text and "--model" in text and "transcribes nonsense" in text
     assert "Application shutdown complete" in text
     assert (tmp_path / "cache" / "demo" / "model.safetensors").is_file()
 

@@ -390,5 +390,8 @@ def test_openai_agents_realtime_runner_completes_without_validation_errors():
 
     with serve(app) as base:
         seen, errors = run(scenario(base))
-    assert not errors, errors
+    # openai-agents asks for input transcription and semantic_vad by default; this server has no
+    # STT model, so each gets an error naming it (never a silent drop) and the session goes on.
+    assert [getattr(e, "param", None) for e in errors] == ["session.audio.input.transcription",
+                                                          "session.audio.input.turn_detection.type"], errors
     assert "agent_start" in seen and seen.count("audio") >= 5, seen
