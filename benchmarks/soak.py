@@ -101,7 +101,8 @@ async def soak(url: str, sessions: int, minutes: float) -> None:
         print(f"frames lost per session: mean {np.mean(lost):.1f}, max {max(lost)}")
     first, last = samples[0], samples[-1]
     print(f"late ticks {last['late'] - first['late']:.0f}, skipped {last['skipped'] - first['skipped']:.0f}, "
-          f"engine-dropped {last['dropped'] - first['dropped']:.0f}, lag-dropped {last['lag_dropped'] - first['lag_dropped']:.0f}")
+          f"engine-dropped {last['dropped'] - first['dropped']:.0f}, "
+          f"lag-dropped {last['lag_dropped'] - first['lag_dropped']:.0f}")
     print(f"RSS: {trend(samples, 'rss_mb')}")
     print(f"GPU memory: {trend(samples, 'gpu_mb')}")
 

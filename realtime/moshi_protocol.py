@@ -206,7 +206,7 @@ async def _send_frames(edge: EdgeSession) -> None:
             return
         assert isinstance(event, FrameOut)
         start = now()
-        lagging = edge.drop_if_lagging(event.produced_at)  # the client is behind: skip this (oldest unsent) audio
+        lagging = edge.drop_if_lagging(event.produced_at)  # the client is behind: skip this (oldest) audio
         try:
             page = b"" if lagging else await edge.codec.encode(event.pcm)
         except CodecUnavailable as exc:
@@ -215,11 +215,13 @@ async def _send_frames(edge: EdgeSession) -> None:
         try:
             if page:
                 await edge.send_bytes(bytes([TAG_AUDIO]) + page)
-                edge.lag.sent(len(page) + 1)
-            if event.text:
+            if event.text:  # the text goes out even when the audio was dropped: it is tiny
                 await edge.send_bytes(bytes([TAG_TEXT]) + event.text.encode())
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client left; the receive side sees the disconnect
+        if lagging:
+            continue
+        edge.lag.sent(len(page) + 1 if page else 0)  # a frame's audio may finish a page only later
         manager.metrics.frames_out.labels(PROTOCOL).inc()
         edge.observe_frame_delay(now() - start)
         edge.observe_frame_sent(event.produced_at)

@@ -26,8 +26,7 @@ OBSERVER_MAX_GAP_S = 2.5  # loose: a 2-core box at load 14 shows gaps of 1.6 s w
 OBSERVER_TONE_HZ = 330.0
 
 
-async def observer(base: str, seconds: float = OBSERVER_SECONDS, start_delay: float = 0.0) -> tuple[np.ndarray, ChatResult]:
-    await asyncio.sleep(start_delay)
+async def observer(base: str, seconds: float = OBSERVER_SECONDS) -> tuple[np.ndarray, ChatResult]:
     sent = tone(OBSERVER_TONE_HZ, seconds)
     return sent, await chat_session(base, sent, tail_seconds=0.4)
 

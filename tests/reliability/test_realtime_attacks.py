@@ -75,7 +75,8 @@ def test_bad_events_get_error_events_and_the_session_goes_on():
         await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": ids[0]}))
         await _next(ws, "conversation.item.deleted")
         await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-            "id": "again", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y" * 20_000}]}}))
+            "id": "again", "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "y" * 20_000}]}}))
         event = json.loads(await asyncio.wait_for(ws.recv(), 10))
         serving = await _still_serving(ws)
         await ws.close()

@@ -40,7 +40,8 @@ def test_the_key_guards_every_door_but_the_page_and_health_probes(caplog):
         out = {}
         for path in ("/api/chat", "/v1/realtime"):
             out[path, "none"] = await _ws_status(f"ws://{base}{path}")
-            out[path, "wrong"] = await _ws_status(f"ws://{base}{path}", additional_headers={"Authorization": "Bearer no"})
+            out[path, "wrong"] = await _ws_status(f"ws://{base}{path}",
+                                                  additional_headers={"Authorization": "Bearer no"})
             out[path, "bearer"] = await _ws_status(f"ws://{base}{path}", additional_headers=bearer)
             out[path, "query"] = await _ws_status(f"ws://{base}{path}?api_key={KEY}")
             out[path, "subprotocol"] = await _ws_status(f"ws://{base}{path}",
