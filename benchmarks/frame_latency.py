@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.models.checkpoint import Checkpoint  # noqa: E402
-from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
+from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig, SamplingDefaults  # noqa: E402
 from parley.models.lm import LMModel, published_state  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
 from parley.models.transformer import ring_slot_positions  # noqa: E402
@@ -110,7 +110,7 @@ def place_rows(backend: ModelBackend, window: str, context: int) -> None:
 def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows,
                  kv_dtype: torch.dtype | None = None) -> dict:
     ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg,
-                      voices_dir=None, gen_defaults={}, model_type="moshi", path=Path("."))
+                      voices_dir=None, sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
     torch.cuda.reset_peak_memory_stats()
     backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1

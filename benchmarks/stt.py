@@ -31,7 +31,8 @@ from parley.engine.scheduler import TickPlan  # noqa: E402
 from parley.engine.stt_paired import PairedTranscription  # noqa: E402
 from parley.engine.stt_pool import SttPool  # noqa: E402
 from parley.models.checkpoint import Checkpoint, SttCheckpoint, mimi_config_dict  # noqa: E402
-from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig, QuantizerConfig, tiny_lm_config, tiny_mimi_config  # noqa: E402
+from parley.models.config import (FRAME_SAMPLES, LMConfig, MimiConfig, QuantizerConfig, SamplingDefaults,  # noqa: E402
+                                  tiny_lm_config, tiny_mimi_config)
 from parley.models.lm import LMModel  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
 from parley.models.stt import SttGen, SttSettings  # noqa: E402
@@ -85,7 +86,7 @@ def build(shapes: str, device: torch.device, dtype: torch.dtype, tokenizer: Text
     stt_mimi.load_state_dict(mimi.state_dict())
     stt_mimi.eval()
     duplex = Checkpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_cfg, mimi_config=mimi_cfg,
-                        voices_dir=None, gen_defaults={}, model_type="moshi", path=Path("."))
+                        voices_dir=None, sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
     stt = SttCheckpoint(lm=stt_lm, mimi=stt_mimi, tokenizer=tokenizer, lm_config=stt_cfg, mimi_config=mimi_cfg,
                         settings=SttSettings(0.0, 0.5), path=Path("."))
     return duplex, stt

@@ -27,8 +27,8 @@ import torch
 from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.config import UNGENERATED_TOKEN
 from parley.models.lm_gen import LMGen
-from parley.models.persona import (PersonaError, PromptPlan, VoicePrompt, build_prompt_frames, load_voice,
-                            persona_tokens, resolve_voice)
+from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
+from parley.models.voices import PersonaError, VoicePrompt, list_voices, load_voice, resolve_voice
 
 from .config import SamplingOptions, SessionOptions
 from .cuda_graph import CUDAGraphRunner
@@ -144,13 +144,10 @@ class PromptPrefill:
         if self.frames_left - n == 1:
             n += 1
         last = n == self.frames_left
-        backend = self._backend
-        backend._gen.prefill(backend._lm_state, self._row, self._inputs[self._done:self._done + n],
-                             ring_tokens=self._plan.ring_tokens if last else None)
+        self._backend.prefill_chunk(self._row, self._inputs[self._done:self._done + n],
+                                    self._plan if last else None)
         self._done += n
         self.frames_left -= n
-        if last:
-            backend._arm_handoff(self._row, self._plan)
 
 
 class ModelBackend:
@@ -178,11 +175,11 @@ class ModelBackend:
         self.device = next(checkpoint.lm.parameters()).device
         self._mimi = checkpoint.mimi
         self._tokenizer = checkpoint.tokenizer
-        gen = checkpoint.gen_defaults
+        sampling = checkpoint.sampling  # a row's sampling after reset_rows, unless set_sampling
         if seed is not None:
             torch.manual_seed(seed)
-        self._gen = LMGen(checkpoint.lm, text_temp=gen.get("temp_text", 0.7), text_topk=gen.get("top_k_text", 25),
-                          audio_temp=gen.get("temp", 0.8), audio_topk=gen.get("top_k", 250))
+        self._gen = LMGen(checkpoint.lm, text_temp=sampling.text_temperature, text_topk=sampling.text_top_k,
+                          audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
         self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         self._voices: dict[str, VoicePrompt] = {}
@@ -295,6 +292,15 @@ class ModelBackend:
             x = torch.cat([plan.embeddings.to(self.device, dtype), x])
         return PromptPrefill(self, row, x, plan)
 
+    def prefill_chunk(self, row: int, inputs: torch.Tensor, last_of: PromptPlan | None) -> None:
+        """Run `inputs` (the next temporal inputs of `row`'s prompt) through `LMGen.prefill`.
+        `last_of` is the plan when this is its last chunk: the ring then takes the plan's last
+        column and the handoff frame is armed for the row's next tick."""
+        ring_tokens = last_of.ring_tokens if last_of is not None else None
+        self._gen.prefill(self._lm_state, row, inputs, ring_tokens=ring_tokens)
+        if last_of is not None:
+            self._arm_handoff(row, last_of)
+
     def _arm_handoff(self, row: int, plan: PromptPlan) -> None:
         """The prompt's last frame runs in the row's first tick (see _frame); it outputs the
         last silence frame, which PersonaPlex too sends first after the handshake."""
@@ -303,6 +309,12 @@ class ModelBackend:
         self._prompt_user[row] = plan.first_step_user.to(self.device)
         self._prompt_mask[row] = True
         self._handoff_rows.add(row)
+
+    def voice_names(self) -> tuple[str, ...]:
+        """File names of every voice `start_prefill` can load (`.pt` and audio), sorted."""
+        if self.checkpoint.voices_dir is None:
+            return ()
+        return tuple(list_voices(self.checkpoint.voices_dir))
 
     def _voice(self, name: str) -> VoicePrompt:
         if name not in self._voices:  # voices are small and reused: load each once

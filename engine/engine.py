@@ -56,14 +56,15 @@ class EngineClosed(RuntimeError):
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
                  clock: TickClock | None = None) -> None:
-        if backend.max_sessions != config.max_sessions:
-            raise OptionsError(f"the backend holds {backend.max_sessions} rows but max_sessions is "
-                               f"{config.max_sessions}; build both with the same number.")
+        rows = backend.max_sessions
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
+        self.max_sessions = rows  # slots, fixed at start: the batch every tick runs (the backend's rows)
         self.config = config
         self.metrics = EngineMetrics()
         self._backend = backend
-        self._slots = SlotTable(config.max_sessions)
-        self._scheduler = Scheduler(config.max_sessions, FRAME_SAMPLES)
+        self._slots = SlotTable(rows)
+        self._scheduler = Scheduler(rows, FRAME_SAMPLES)
         self._output = OutputProcessor(backend.text_piece, self.metrics)
         self._clock = clock or TickClock(config.tick_seconds)
         self._stop = threading.Event()
@@ -195,8 +196,13 @@ class Engine:
         self.metrics.inc("sessions_opened")
         return session
 
-    def _fail_session(self, session: Session, reason: str) -> None:
+    def fail_session(self, session: Session, reason: str) -> None:
+        """End one session with Terminal(failed, reason), from any thread. Idempotent."""
         self._end_session(session, Terminal(Status.FAILED, reason), EngineClosed(reason))
+
+    def close_session(self, session: Session) -> None:
+        """End one session at its client's request: Terminal(cancelled). Idempotent."""
+        self._end_session(session, Terminal(Status.CANCELLED, "closed by the client"))
 
     def _end_session(self, session: Session, terminal: Terminal,
                      ready_error: Exception | None = None) -> None:
@@ -253,7 +259,7 @@ class Engine:
         plan = self._scheduler.plan(self._tick)
         self._tick += 1
         if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
-            self._backend.reset_rows(rows_mask(self.config.max_sessions, plan.released))
+            self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
@@ -267,7 +273,7 @@ class Engine:
     def _execute(self, plan: TickPlan) -> HostOutput | None:
         # A RowFailure means those rows were refused before any state changed: end those
         # sessions only and rerun the step for the rest (bounded: each retry removes a row).
-        for _ in range(self.config.max_sessions + 1):
+        for _ in range(self.max_sessions + 1):
             try:
                 out = self._backend.step(plan.frames, plan.live_mask)
                 if self._paired is not None:  # part of the frame: same codes, before the host copy
@@ -279,10 +285,11 @@ class Engine:
             except RowFailure as failure:
                 for row, reason in failure.reasons.items():
                     rid = plan.request_ids[row]
-                    session = self._sessions.get(rid) if rid is not None else None
+                    with self._lock:
+                        session = self._sessions.get(rid) if rid is not None else None
                     if session is None or not plan.live_mask[row]:
                         raise RuntimeError(f"backend refused row {row}, which is not live") from failure
-                    self._fail_session(session, f"input rejected: {reason}")
+                    self.fail_session(session, f"input rejected: {reason}")
                     plan.live_mask[row] = False
                     plan.request_ids[row] = None
                 if not plan.any_live:
@@ -306,7 +313,7 @@ class Engine:
         self._healthy = False
         reason = "engine failure (see the server log)"
         for session in self._open_sessions():
-            self._fail_session(session, reason)
+            self.fail_session(session, reason)
         self._stop.set()
         if self.on_fatal is not None:
             try:

@@ -47,13 +47,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import (
-    LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, ConfigError, LMConfig, MimiConfig,
+    LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, ConfigError, LMConfig, MimiConfig, SamplingDefaults,
 )
 from .lm import LMModel
 from .mimi.codec import Mimi
-from .persona import PersonaError, unpack_voices
 from .stt import SttSettings, check_stt_config
 from .tokenizer import TextTokenizer, TokenizerError
+from .voices import PersonaError, unpack_voices
 
 CONFIG_FILE = "config.json"
 MIMI_CONFIG_FILE = "mimi_config.json"  # what write_checkpoint names a Mimi config (mimi_config_name)
@@ -75,7 +75,7 @@ class Checkpoint:
     lm_config: LMConfig
     mimi_config: MimiConfig
     voices_dir: Path | None  # extracted PersonaPlex voices (NAME.pt), None for Moshi
-    gen_defaults: dict[str, Any]  # config.json's lm_gen_config (sampling defaults), may be empty
+    sampling: SamplingDefaults  # config.json's lm_gen_config over the reference defaults
     model_type: ModelType
     path: Path  # the local checkpoint directory
 
@@ -390,6 +390,10 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     raw = _read_json(config_path, "config.json") if config_path.is_file() else {}
     if not isinstance(raw.get("lm_gen_config", {}), dict):
         raise CheckpointError(f"config.json {config_path}: lm_gen_config must be an object")
+    try:
+        sampling = SamplingDefaults.from_lm_gen_config(raw.get("lm_gen_config", {}))
+    except ConfigError as err:
+        raise CheckpointError(f"config.json {config_path}: {err}") from err
 
     lm_path = _file(directory, lm_file, raw.get("moshi_name", LM_FILE), "LM weights")
     mimi_path = _file(directory, mimi_file, raw.get("mimi_name", MIMI_FILE), "Mimi weights")
@@ -445,7 +449,7 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     return Checkpoint(
         lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,
         voices_dir=voices_dir,
-        gen_defaults=dict(raw.get("lm_gen_config", {})), model_type=model_type, path=directory,
+        sampling=sampling, model_type=model_type, path=directory,
     )
 
 

@@ -133,6 +133,41 @@ class LMConfig:
         return cls(**kwargs)
 
 
+# config.json's lm_gen_config keys (the reference's names) -> SamplingDefaults fields.
+LM_GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
+                      "temp": "audio_temperature", "top_k": "audio_top_k"}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling a session gets unless it asks for other: the reference LMGen's defaults,
+    or a checkpoint's `lm_gen_config`. The one source of these numbers; temperature 0 is greedy."""
+
+    text_temperature: float = 0.7
+    text_top_k: int = 25
+    audio_temperature: float = 0.8
+    audio_top_k: int = 250
+
+    @classmethod
+    def from_lm_gen_config(cls, raw: dict[str, Any]) -> "SamplingDefaults":
+        """Read config.json's `lm_gen_config`: keys it lacks keep the reference defaults,
+        keys that are not sampling settings are ignored (as the reference loader does)."""
+        values = {}
+        for key, name in LM_GEN_CONFIG_KEYS.items():
+            if key not in raw:
+                continue
+            value, integer = raw[key], name.endswith("top_k")
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                raise ConfigError(f"lm_gen_config: {key} must be {'a whole number' if integer else 'a number'}, "
+                                  f"got {value!r}")
+            values[name] = value
+        return cls(**values)
+
+    def to_lm_gen_config(self) -> dict[str, Any]:
+        """The `lm_gen_config` object a checkpoint's config.json would hold for these settings."""
+        return {key: getattr(self, name) for key, name in LM_GEN_CONFIG_KEYS.items()}
+
+
 @dataclass(frozen=True)
 class SEANetConfig:
     channels: int = 1

@@ -1,6 +1,6 @@
 """One LM frame for a batch of independent rows: token ring, temporal step, sampling, depformer.
 
-    gen = LMGen(model, text_temp=0.7, text_topk=25, audio_temp=0.8, audio_topk=250, generator=None)
+    gen = LMGen(model, text_temp=..., text_topk=..., audio_temp=..., audio_topk=..., generator=None)
     state = gen.init_state(batch_size)
     out = gen.step(state, user_codes[B, n_user], exec_mask[B], force_text=None, force_audio=None)
     out.text [B], out.audio [B, n_agent], out.valid [B]
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import UNGENERATED_TOKEN
+from .config import UNGENERATED_TOKEN, SamplingDefaults
 from .lm import LMModel
 from .sampling import sample_tokens
 from .transformer import TransformerState
@@ -81,8 +81,9 @@ class LMGenState:
 
 
 class LMGen:
-    def __init__(self, model: LMModel, *, text_temp: float = 0.7, text_topk: int = 25,
-                 audio_temp: float = 0.8, audio_topk: int = 250, generator: torch.Generator | None = None):
+    def __init__(self, model: LMModel, *, text_temp: float = SamplingDefaults.text_temperature,
+                 text_topk: int = SamplingDefaults.text_top_k, audio_temp: float = SamplingDefaults.audio_temperature,
+                 audio_topk: int = SamplingDefaults.audio_top_k, generator: torch.Generator | None = None):
         self.model = model
         self.cfg = model.cfg
         self.generator = generator

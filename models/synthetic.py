@@ -52,17 +52,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 from .checkpoint import lm_config_dict, mimi_config_dict, write_checkpoint
-from .config import MIMI_FILE, TOKENIZER_FILE, LMConfig, MimiConfig, tiny_lm_config, tiny_mimi_config
+from .config import MIMI_FILE, TOKENIZER_FILE, LMConfig, MimiConfig, SamplingDefaults, tiny_lm_config, tiny_mimi_config
 from .lm import LMModel
 from .mimi.codec import Mimi
-from .persona import VoicePrompt, save_voice_pt, voice_to_pt
+from .persona_prompt import voice_to_pt
 from .tokenizer import TextTokenizer, train_tiny_tokenizer
+from .voices import VoicePrompt, save_voice_pt
 
 ECHO_DELAY_FRAMES = 1  # agent frame f repeats user frame f - 1
 ECHO_FIRST_FRAME = 2  # the first frame (as returned by LMGen) that is an exact echo
-
-# Default sampling written into config.json's lm_gen_config (the reference's defaults).
-GEN_DEFAULTS = {"temp": 0.8, "temp_text": 0.7, "top_k": 250, "top_k_text": 25}
 
 _DIGIT_BASES = (8, 16, 16)  # 8 * 16 * 16 = 2048 codes; each digit is one angle (2 dims)
 _CODE_DIMS = 2 * len(_DIGIT_BASES)  # 6 dims per user codebook
@@ -121,7 +119,7 @@ def _random_lm(cfg: LMConfig, seed: int) -> LMModel:
 
 
 def _config_json(cfg: LMConfig) -> dict:
-    return {**lm_config_dict(cfg), "lm_gen_config": dict(GEN_DEFAULTS)}
+    return {**lm_config_dict(cfg), "lm_gen_config": SamplingDefaults().to_lm_gen_config()}
 
 
 def _tiny_layout(directory: str | Path, kind: str, mimi_levels: int | None = None) -> tuple[Path, LMConfig, MimiConfig]:

@@ -4,6 +4,7 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
     parley serve [--model DIR_OR_REPO] [--host H] [--port P] [--max-sessions N] ...
     parley offline --model DIR --input-wav IN --output-wav OUT [--output-text OUT.json] ...
     parley transcribe --model STT_DIR_OR_REPO IN.wav [--format text|json]
+    parley launch (--gpus 0-7 | --workers N --device cpu) [--port P] [--base-port B] -- [serve flags]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Sequence
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
 
 from .help_format import HelpFormatter
+from .launch import add_launch
 from .limits import EdgeLimits
 from .offline_cli import add_offline
 from .security import parse_origins, read_key_file
@@ -30,7 +32,7 @@ DEFAULT_SAMPLING = SamplingOptions()
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="run the realtime server (/api/chat, /v1/realtime, /health, /ready, /metrics)",
+        "serve", help="run the realtime server (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics)",
         description="Serve a Moshi-family model over WebSockets: the Moshi/PersonaPlex protocol on "
                     "/api/chat and the OpenAI Realtime API on /v1/realtime. With no --model, a tiny "
                     "demo model is generated on first run and served: it babbles.",
@@ -42,7 +44,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="address to listen on; 0.0.0.0 to accept connections from other machines")
     p.add_argument("--port", type=int, default=8998, help="TCP port to listen on")
     p.add_argument("--max-sessions", type=int, default=8,
-                   help="concurrent conversations (engine slots); one more is refused (close 1013)")
+                   help="concurrent conversations (engine slots); one more is refused (HTTP 503 at the upgrade)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -74,6 +76,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
                         "network edge)")
+    p.add_argument("--ready-min-free", type=int, default=1,
+                   help="/readyz answers 503 when fewer slots than this are free (a balancer then sends "
+                        "new sessions elsewhere); 0: ready even when full")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
+                        "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
     # -- speech-to-text (transcription) --
     p.add_argument("--stt-model", default=None,
@@ -151,6 +159,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.stt_slots < 1:
         print("parley serve: --stt-slots must be at least 1", file=sys.stderr)
         return 2
+    if args.ready_min_free < 0 or args.drain_timeout < 0:
+        print("parley serve: --ready-min-free and --drain-timeout must be 0 or more", file=sys.stderr)
+        return 2
     try:
         reliability = reliability_settings(args)
     except (ValueError, OSError) as exc:
@@ -161,11 +172,12 @@ def run_serve(args: argparse.Namespace) -> int:
                          sampling={k: v for k, v in given.items() if v is not None},
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
-                         **reliability)
+                         ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout, **reliability)
     return serve(config)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_transcribe)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_transcribe,
+                                                                         add_launch)
 
 
 def installed_version() -> str:

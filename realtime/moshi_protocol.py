@@ -6,6 +6,7 @@ Every message is binary; byte 0 is a tag:
     0x02 text       server -> client: UTF-8 piece of the agent's inner monologue
     0x07 user text  server -> client, with `?transcript=1`: UTF-8 piece of what the *user* said,
                     as the paired STT row transcribes it (Parley's extension; clients ignore it)
+    0x05 error      server -> client: UTF-8 message (sent before close 1001 when the server goes away)
     other tags      ignored (0x03 control .. 0x06 ping are not needed for full duplex)
 Text frames are not part of the protocol: they are ignored (but count against the rate limits).
 
@@ -14,7 +15,8 @@ Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
 `audio_temperature`, `audio_topk`; `pad_mult`, `text_seed`, `audio_seed`,
 `repetition_penalty_context`, `repetition_penalty` are accepted and ignored).
 
-Closes: 1013 when every slot is taken, 1008 for options the model cannot serve, 1007 for
+Refusals before the upgrade (capacity.py): HTTP 503 + Retry-After when every slot is taken
+or the server is draining. Closes: 1013 when the last slot went between upgrade and admission, 1008 for options the model cannot serve, 1007 for
 bytes that are not Ogg-Opus, 1009 for a message over `MAX_MESSAGE_BYTES`, 1011 when the
 engine fails the session or its codec worker is lost, 1008 for a client over its message or
 byte rate (limits.py). Each affects only its own connection.
@@ -47,6 +49,7 @@ TAG_HANDSHAKE = 0x00
 TAG_AUDIO = 0x01
 TAG_TEXT = 0x02
 TAG_USER_TEXT = 0x07
+TAG_ERROR = 0x05
 HANDSHAKE = bytes([TAG_HANDSHAKE])  # what the Python reference servers send
 # An Ogg page is at most ~64 KiB; a client may batch a few pages in one message.
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -99,16 +102,17 @@ def _query_number(param: str, raw: str, parse: type) -> float | int:
 
 
 async def chat_endpoint(websocket: WebSocket) -> None:
+    """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = websocket.app.state.sessions
-    try:  # keys and Origins were checked before (security.AccessMiddleware)
-        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
-    except (WebSocketDisconnect, OSError):
-        log.info("chat client left during the handshake")
+    reservation = await manager.admission.reserve_or_deny(websocket)
+    if reservation is None:
         return
-    edge = manager.attach(websocket, PROTOCOL)
+    edge = manager.attach(websocket, PROTOCOL, reservation)
+    edge.notice = lambda reason: edge.send_bytes(bytes([TAG_ERROR]) + reason.encode())
     try:
+        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
         await _serve(edge, manager)
-    except WebSocketDisconnect:  # e.g. gone before the handshake byte: nothing to report
+    except (WebSocketDisconnect, OSError):  # e.g. gone before the handshake byte: nothing to report
         log.info("chat session %d: the client left", edge.number)
     finally:
         edge.close()

@@ -30,7 +30,9 @@ Mapping a full-duplex model onto a turn-shaped protocol (Parley's own design):
   Both need a paired STT model (`parley serve --stt-model`); without one each such setting gets an
   `error` naming its parameter and is not applied; the rest of the update is, and the session goes on.
 - Errors are OpenAI-shaped `error` events and never close the session. When every slot is
-  taken: an `error` (code `session_limit_reached`), then close 1013.
+  taken the upgrade is refused with HTTP 503 + Retry-After (capacity.py); if the last slot
+  goes between upgrade and admission: an `error` (code `session_limit_reached`), then close
+  1013. A server going away (drain) sends an `error` (code `server_shutting_down`), then 1001.
 """
 
 from __future__ import annotations
@@ -105,18 +107,19 @@ def select_dialect(websocket: WebSocket) -> Dialect:
 async def realtime_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = websocket.app.state.sessions
+    reservation = await manager.admission.reserve_or_deny(websocket)
+    if reservation is None:
+        return
+    edge = manager.attach(websocket, PROTOCOL, reservation)
     try:
         await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", []),
                                                               REALTIME_SUBPROTOCOL))
-    except (WebSocketDisconnect, OSError):
-        log.info("realtime client left during the handshake")
-        return
-    edge = manager.attach(websocket, PROTOCOL)
-    try:
         connection = RealtimeConnection(edge, select_dialect(websocket),
                                         websocket.query_params.get("model") or manager.defaults.model_name)
+        edge.notice = lambda reason: connection.send(connection.events.error(
+            reason, "server_shutting_down", kind="server_error"))
         await connection.run()
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, OSError):
         log.info("realtime session %d: the client left", edge.number)
     finally:
         edge.close()

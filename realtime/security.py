@@ -29,9 +29,11 @@ from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from .capacity import DENIAL_LOG_FILTER
+
 log = logging.getLogger("parley.security")
 
-PUBLIC_PATHS = frozenset({"/", "/livez", "/readyz", "/health", "/ready"})
+PUBLIC_PATHS = frozenset({"/", "/livez", "/readyz", "/health", "/ready", "/load"})  # probes: no key
 METRICS_PATH = "/metrics"
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 KEY_QUERY_PARAM = "api_key"
@@ -152,6 +154,7 @@ class AccessMiddleware:
         response = PlainTextResponse(text, status_code=status)
         if scope["type"] == "websocket":
             await WebSocket(scope, receive, send).send_denial_response(response)
+            DENIAL_LOG_FILTER.expected += 1  # uvicorn logs every denial at ERROR; this one is routine
         else:
             await response(scope, receive, send)
 

@@ -1,5 +1,6 @@
 """`parley serve`, top to bottom: load the checkpoint -> build the engine -> build the app ->
-run uvicorn (uvloop, websockets sans-I/O) until SIGINT/SIGTERM -> uvicorn's graceful
+run uvicorn (uvloop, websockets sans-I/O) until SIGINT, or SIGTERM which first drains
+(drain.py: no new sessions, live ones run up to --drain-timeout) -> uvicorn's graceful
 shutdown runs the app's lifespan exit, which closes every connection and shuts the engine
 down (bounded by `EngineConfig.shutdown_timeout_s`), and `parley serve` exits 0. A fatal
 engine error (the shared frame step raised) makes it exit 1 instead, so a supervisor restarts
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
+from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
 from parley.engine.stt_paired import PairedTranscription
 from parley.engine.stt_pool import SttPool
@@ -39,6 +40,7 @@ from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint,
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
 from .demo_model import STT_NOTICE, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
+from .drain import DrainingServer
 from .limits import EdgeLimits
 from .security import RedactKeys
 from .sessions import ServerDefaults
@@ -82,6 +84,8 @@ class ServeConfig:
     # None: none, except for the demo server, which includes a tiny random one.
     stt_model: str | None = None
     stt_slots: int = 16
+    ready_min_free: int = 1  # /readyz is 503 below this many free slots
+    drain_timeout: float = 30.0  # SIGTERM / POST /admin/drain: seconds live sessions may run on
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,22 +105,9 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info", *, ssl_ce
                           ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
 
-# lm_gen_config keys (the reference's names) -> SamplingOptions fields.
-GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
-                   "temp": "audio_temperature", "top_k": "audio_top_k"}
-
-
 def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
-    """The checkpoint's lm_gen_config, then the command line's flags on top."""
-    from_checkpoint = {field: checkpoint.gen_defaults[key] for key, field in GEN_CONFIG_KEYS.items()
-                       if key in checkpoint.gen_defaults}
-    return SamplingOptions(**{**from_checkpoint, **overrides})
-
-
-def voice_names(checkpoint: Checkpoint) -> tuple[str, ...]:
-    if checkpoint.voices_dir is None:
-        return ()
-    return tuple(sorted(p.name for p in Path(checkpoint.voices_dir).glob("*.pt")))
+    """The checkpoint's sampling (its lm_gen_config), then the command line's flags on top."""
+    return SamplingOptions(**{**dataclasses.asdict(checkpoint.sampling), **overrides})
 
 
 def build_app(config: ServeConfig):
@@ -143,18 +134,18 @@ def build_app(config: ServeConfig):
                     "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
                            encode_codebooks=stt.lm_config.n_q if paired else None)
-    engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    engine = Engine(backend)
     if paired:
         engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
-    voices = voice_names(checkpoint)
-    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
-                      default_voice=config.defaults.voice)
+    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
+                      voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts,
                               protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
                               limits=config.limits)
     return create_app(engine, defaults, info, codec_workers=config.codec_workers,
-                      stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None)
+                      stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None,
+                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout)
 
 
 def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
@@ -183,19 +174,20 @@ def serve(config: ServeConfig) -> int:
         log.error("%s", exc)
         return 2
     scheme = "https" if config.ssl_certfile else "http"
-    log.info("serving on %s://%s:%d  (/api/chat, /v1/realtime, /health, /ready, /metrics; %d sessions)",
+    log.info("serving on %s://%s:%d  (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics; %d sessions)",
              scheme, config.host, config.port, config.max_sessions)
     return run_app(app, uvicorn_config(app, config.host, config.port, config.log_level,
                                        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
 
 
 def run_app(app, uv_config: uvicorn.Config) -> int:
-    """Run uvicorn until SIGINT/SIGTERM (exit 0, no traceback) or a fatal engine error (exit 1)."""
+    """Run uvicorn (SIGTERM drains, drain.py) until it stops: exit 0 with no traceback, or 1
+    after a fatal engine error."""
     for name in ("uvicorn.access", "uvicorn.error"):  # they log request paths, query strings included
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactKeys) for f in logger.filters):
             logger.addFilter(RedactKeys())
-    server = uvicorn.Server(uv_config)
+    server = DrainingServer(uv_config, app.state.drainer)
     fatal: list[BaseException] = []
 
     def on_fatal(exc: BaseException) -> None:  # engine thread: ask uvicorn to stop (it polls the flag)

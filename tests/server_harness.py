@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 import uvicorn
 
-from parley.engine import Engine, EngineConfig
+from parley.engine import Engine
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.server import uvicorn_config
@@ -57,7 +57,7 @@ def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefault
     """An app over the fabricated echo backend: output frame t == input frame t - 1,
     text piece '<n>' on every frame (n counts the row's frames since its reset)."""
     backend = DelayBackend(max_sessions, **backend_kwargs)
-    engine = Engine(backend, EngineConfig(max_sessions=max_sessions))
+    engine = Engine(backend)
     # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     return create_app(engine, defaults, ServerInfo(model="delay"), codec_workers=2), backend
 

@@ -45,7 +45,7 @@ def wav_bytes(pcm: np.ndarray) -> bytes:
 
 
 def app_with(pool: SttPool | None):
-    engine = Engine(DelayBackend(2), EngineConfig(max_sessions=2))
+    engine = Engine(DelayBackend(2), EngineConfig())
     return create_app(engine, info=ServerInfo(model="delay"), codec_workers=0, stt_pool=pool)
 
 

@@ -39,7 +39,7 @@ def run(dirs, paired: bool):
     duplex, stt_dir = dirs
     backend = ModelBackend(load_checkpoint(duplex, dtype=torch.float32), 2, seed=7,
                            encode_codebooks=12 if paired else None)
-    engine = Engine(backend, EngineConfig(max_sessions=2))
+    engine = Engine(backend, EngineConfig())
     if paired:
         engine.set_paired_transcription(PairedTranscription(load_stt_checkpoint(stt_dir, dtype=torch.float32), 2))
 
@@ -92,7 +92,7 @@ def test_duplex_output_is_bit_identical_with_paired_transcription(dirs):
 
 
 def test_enable_without_stt_model_names_it(dirs):
-    engine = Engine(ModelBackend(load_checkpoint(dirs[0], dtype=torch.float32), 1), EngineConfig(max_sessions=1))
+    engine = Engine(ModelBackend(load_checkpoint(dirs[0], dtype=torch.float32), 1), EngineConfig())
 
     async def main():
         session = engine.open_nowait(SessionOptions())

@@ -121,7 +121,7 @@ def test_queue_bound_bad_input_and_cancel(stt):
 
 def test_runs_as_engine_slack_work(stt):
     async def main():
-        engine = Engine(DelayBackend(2), EngineConfig(max_sessions=2))
+        engine = Engine(DelayBackend(2), EngineConfig())
         pool = SttPool(stt, slots=2)
         engine.add_slack_source(pool)
         clip = audio(0.8, 7)

@@ -500,7 +500,22 @@ class Session {
     if (e.code === 1013) {
       this.finish('full', `Every conversation slot is busy (code 1013${reason}). Try again in a moment.`);
     } else if (!this.opened) {
-      this.finish('error', `Could not connect to the server (code ${e.code}${reason}). Is it running, and is this its address?`);
+      // A full or draining server refuses the upgrade with HTTP 503, which a browser reports
+      // only as a failed connection: ask /readyz which it was.
+      fetch(new URL('/readyz', apiBase)).then((r) => r.json()).then((ready) => {
+        if (this.closed) return;
+        if (ready.draining) {
+          this.finish('full', 'This server is shutting down and takes no new conversations. Try again in a moment.');
+        } else if (ready.free === 0) {
+          this.finish('full', 'Every conversation slot is busy (the server answered 503). Try again in a moment.');
+        } else {
+          this.finish('error', `Could not connect to the server (code ${e.code}${reason}).`);
+        }
+      }).catch(() => {
+        if (!this.closed) {
+          this.finish('error', `Could not connect to the server (code ${e.code}${reason}). Is it running, and is this its address?`);
+        }
+      });
     } else if (stats.state === 'waiting') {
       this.finish('error', `The server closed the connection before the model was ready (code ${e.code}${reason}).`);
     } else {

@@ -51,12 +51,14 @@ def test_the_key_guards_every_door_but_the_page_and_health_probes(caplog):
     with serve(app) as base:
         http = {path: get_json(base, path)[0] for path in
                 ("/", "/app.js", "/health", "/ready", "/metrics", "/api/info", "/api/voices", "/no/such/door")}
+        probes = {path: get_json(base, path)[0] for path in ("/livez", "/readyz", "/load")}
         with_key = {path: get_json(base, path, bearer)[0] for path in ("/api/info", "/api/voices")}
         by_query = get_json(base, f"/api/info?api_key={KEY}")[0]
         ws = asyncio.run(sockets(base))
     assert http == {"/": 200, "/app.js": 200, "/health": 200, "/ready": 200, "/metrics": 200,
                     "/api/info": 401, "/api/voices": 401, "/no/such/door": 401}  # default-deny
     assert with_key == {"/api/info": 200, "/api/voices": 200} and by_query == 200
+    assert 401 not in probes.values(), probes  # load balancer probes carry no key
     for path in ("/api/chat", "/v1/realtime"):
         assert ws[path, "none"] == 401 and ws[path, "wrong"] == 401
         assert ws[path, "bearer"].startswith("101") and ws[path, "query"].startswith("101")
