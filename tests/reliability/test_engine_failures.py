@@ -34,7 +34,7 @@ def run(visitor_options: SessionOptions | None, fail_phase: str | None = None):
 
     async def main():
         backend = DelayBackend(4, prompt_frames=3)
-        engine = Engine(backend, EngineConfig(max_sessions=4, input_frames=64, output_events=256))
+        engine = Engine(backend, EngineConfig(input_frames=64, output_events=256))
         others = [engine.open_nowait(SessionOptions()) for _ in range(3)]
         engine.run_ticks(1)
         for i, s in enumerate(others):
@@ -113,7 +113,7 @@ def test_settings_the_model_cannot_hold_are_refused_before_the_engine(field, val
 def test_the_largest_representable_settings_are_served():
     """At the limits the values are honoured (top-k at or past the vocabulary: no restriction)."""
     backend = DelayBackend(1)
-    engine = Engine(backend, EngineConfig(max_sessions=1))
+    engine = Engine(backend)
     sampling = SamplingOptions(text_temperature=3.4e38, audio_temperature=3.4e38, text_top_k=2**63 - 1,
                                audio_top_k=2**63 - 1)
 
