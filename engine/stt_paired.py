@@ -24,6 +24,7 @@ import torch
 
 from parley.models.checkpoint import SttCheckpoint
 from parley.models.config import FRAME_RATE
+from parley.models.row_views import leading_rows
 from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
@@ -81,8 +82,11 @@ class PairedTranscription:
         if out.user_codes.shape[1] < self.n_q:
             raise RuntimeError(f"the frame encodes {out.user_codes.shape[1]} codebooks; the STT reads {self.n_q} "
                                f"(build the backend with encode_codebooks >= {self.n_q})")
-        mask = torch.tensor(run, device=out.user_codes.device)
-        res = self.gen.step(self._state, out.user_codes, mask)
+        # A row bucket: the frame ran only its lowest n rows (every live one); step those alone.
+        n = out.user_codes.shape[0]
+        mask = torch.tensor(run[:n], device=out.user_codes.device)
+        state = self._state if n == self.max_sessions else leading_rows(self._state, n)
+        res = self.gen.step(state, out.user_codes, mask)
         self._out = torch.stack([res.text.float(), res.valid.float(), res.end_of_turn.float()], dim=1)
 
     def publish(self) -> None:

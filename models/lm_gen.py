@@ -147,7 +147,7 @@ class LMGen:
         text = _forced(text, force_text)
 
         # 4. Depformer: agent codes, autoregressive over codebooks.
-        audio = self._depformer(state, hidden, text, force_audio)
+        audio = self.depformer(state, hidden, text, force_audio)
 
         # 5. Outputs go to column offset + 1.
         new_offsets = torch.where(exec_mask, offsets + 1, offsets)
@@ -161,8 +161,10 @@ class LMGen:
         valid = (new_offsets > cfg.max_delay) & exec_mask
         return LMStepOutput(text=frame[:, 0], audio=frame[:, 1:], valid=valid)
 
-    def _depformer(self, state: LMGenState, hidden: torch.Tensor, text: torch.Tensor,
-                   force_audio: torch.Tensor | None) -> torch.Tensor:
+    def depformer(self, state: LMGenState, hidden: torch.Tensor, text: torch.Tensor,
+                  force_audio: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 4 of a frame alone (the frame profiler times it): hidden [B, dim] and the text
+        token [B] -> agent codes [B, n_agent]."""
         # PersonaPlex has dep_q = 16: steps n_agent..15 predict the user's codebooks, which we
         # teacher-force with the real user codes anyway. The depformer is causal over its steps
         # (step k attends to steps <= k only, with step-k weights), so those later steps cannot

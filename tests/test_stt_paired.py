@@ -35,13 +35,14 @@ def speech_like(seed: int) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * rng.uniform(100, 400) * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
 
 
-def run(dirs, paired: bool):
+def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None):
     duplex, stt_dir = dirs
-    backend = ModelBackend(load_checkpoint(duplex, dtype=torch.float32), 2, seed=7,
-                           encode_codebooks=12 if paired else None)
+    backend = ModelBackend(load_checkpoint(duplex, dtype=torch.float32), slots, seed=7,
+                           encode_codebooks=12 if paired else None, row_buckets=row_buckets)
     engine = Engine(backend, EngineConfig())
     if paired:
-        engine.set_paired_transcription(PairedTranscription(load_stt_checkpoint(stt_dir, dtype=torch.float32), 2))
+        stt = load_stt_checkpoint(stt_dir, dtype=torch.float32)
+        engine.set_paired_transcription(PairedTranscription(stt, slots))
 
     async def main():
         sessions = [engine.open_nowait(SessionOptions()) for _ in range(2)]  # sampled, fixed seed
@@ -105,3 +106,14 @@ def test_enable_without_stt_model_names_it(dirs):
 def test_backend_refuses_more_codebooks_than_mimi_has(dirs):
     with pytest.raises(ValueError, match="encode_codebooks"):
         ModelBackend(load_checkpoint(dirs[0], dtype=torch.float32), 1, encode_codebooks=17)
+
+
+def test_paired_transcription_in_a_row_bucket(dirs):
+    """Two sessions in a 4-slot backend with row buckets: the frame runs rows 0-1 only, the STT
+    steps the same rows of its state, and both give what a 2-slot backend gives."""
+    frames2, transcript2 = run(dirs, paired=True)
+    frames4, transcript4 = run(dirs, paired=True, slots=4, row_buckets=True)
+    for a, b in zip(frames2, frames4):
+        assert len(a) == len(b) == TICKS - 1
+        assert all(np.array_equal(x.pcm, y.pcm) and x.text_token == y.text_token for x, y in zip(a, b))
+    assert len(transcript4) > TICKS and list(map(repr, transcript4)) == list(map(repr, transcript2))  # NaN eot
