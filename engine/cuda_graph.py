@@ -28,8 +28,11 @@ class GraphError(RuntimeError):
 
 class CUDAGraphRunner:
     def __init__(self, fn: Callable[..., Sequence[torch.Tensor]], example_inputs: Sequence[torch.Tensor],
-                 warmup_steps: int = 2, pool: tuple | None = None) -> None:
+                 warmup_steps: int = 2, pool: tuple | None = None,
+                 capture_stream: "torch.cuda.Stream | None" = None) -> None:
         # pool: a torch.cuda.graph_pool_handle() shared with graphs that never replay concurrently.
+        # capture_stream: give each of several graphs its own (graphs captured through the shared
+        # default capture stream share its cuBLAS workspace, which hung concurrent replays).
         if not all(t.is_cuda for t in example_inputs):
             raise GraphError("CUDA graphs need every input on a CUDA device; on CPU the backend runs eagerly.")
         self._signature = [(tuple(t.shape), t.dtype, t.device) for t in example_inputs]
@@ -43,7 +46,7 @@ class CUDAGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self._graph, pool=pool):
+            with torch.cuda.graph(self._graph, pool=pool, stream=capture_stream):
                 self._outputs = tuple(fn(*self._inputs))
         except Exception as exc:
             raise GraphError(f"capturing the frame in a CUDA graph failed ({exc}); {DISABLE_HINT}.") from exc

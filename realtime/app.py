@@ -3,6 +3,7 @@
     GET  /             the browser voice-chat page (web/), when that folder exists
     WS   /api/chat     Moshi / PersonaPlex binary protocol          (moshi_protocol.py)
     WS   /v1/realtime  OpenAI Realtime API, GA and beta dialects     (openai_realtime.py)
+    POST /v1/images/generations  OpenAI Images, through the engine's image queue (images_api.py)
     GET  /api/voices   the model's voice prompts, for the page
     GET  /api/info     model name, and whether it is the babbling demo model
     GET  /health /ready /metrics                                    (health.py)
@@ -40,6 +41,7 @@ from .demo_model import STT_NOTICE
 from . import capacity, health
 from .capacity import Admission
 from .drain import Drainer, drain_endpoint
+from .images_api import ImageService, images_generations
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
@@ -68,7 +70,7 @@ class ServerInfo:
 def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info: ServerInfo = ServerInfo(),
                *, codec_workers: int | None = None, start_engine: bool = True,
                web_dir: Path | None = WEB_DIR, stt_pool: SttPool | None = None, ready_min_free: int = 1,
-               drain_timeout: float = 30.0) -> Starlette:
+               drain_timeout: float = 30.0, images: ImageService | None = None) -> Starlette:
     """Build the app around an engine. With `start_engine`, the lifespan starts the engine
     (if it is not running) and always shuts it down at exit. `stt_pool` (standalone
     transcription rows) becomes the engine's transcription slack source, warmed up here.
@@ -86,6 +88,8 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     codec = make_codec_runner(codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
     metrics = health.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                  if isinstance(codec, CodecProcessPool) else None)
+    if images is not None:
+        metrics.registry.register(images)  # parley_images_* (images_api.ImageService.collect)
     manager = SessionManager(engine, defaults, codec, metrics,
                              Admission(engine, metrics.registry, ready_min_free=ready_min_free))
     drainer = Drainer(manager, drain_timeout)
@@ -100,6 +104,8 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         finally:
             await manager.shutdown()
             await asyncio.to_thread(engine.shutdown)
+            if images is not None:
+                images.close()  # the engine thread is gone: end what it will never finish
             await codec.aclose()
 
     async def voices(request: Request) -> Response:
@@ -128,6 +134,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         Route("/metrics", health.metrics),
         Route("/v1/audio/transcriptions", transcriptions_endpoint, methods=["POST"]),
         Route("/admin/drain", drain_endpoint, methods=["POST"]),
+        Route("/v1/images/generations", images_generations, methods=["POST"]),
     ]
     if web_dir is not None and (web_dir / "index.html").is_file():  # public: see security.py
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
@@ -142,4 +149,5 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     app.state.codec = codec
     app.state.info = info
     app.state.stt_pool = stt_pool
+    app.state.images = images
     return app

@@ -89,6 +89,13 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "for POST /v1/audio/transcriptions; the demo server includes a tiny random one")
     p.add_argument("--stt-slots", type=int, default=16,
                    help="transcription rows (requests transcribed at once; more wait in a queue)")
+    # ---- images (/v1/images/generations; docs/images.md) ----
+    p.add_argument("--image-model", default=None,
+                   help="diffusers text-to-image pipeline (directory or Hugging Face id; Stable Diffusion 1.x/2.x "
+                        "or 3) served on /v1/images/generations in the voice ticks' slack. Omitted: the tiny "
+                        "demo pipeline (noise) when --model is omitted too, else no image endpoint")
+    p.add_argument("--image-queue", type=int, default=16,
+                   help="images waiting or running at once; more are refused with 429 and Retry-After")
     add_reliability_flags(p)
     p.set_defaults(handler=run_serve)
 
@@ -162,6 +169,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.ready_min_free < 0 or args.drain_timeout < 0:
         print("parley serve: --ready-min-free and --drain-timeout must be 0 or more", file=sys.stderr)
         return 2
+    if args.image_queue < 1:
+        print("parley serve: --image-queue must be at least 1", file=sys.stderr)
+        return 2
     try:
         reliability = reliability_settings(args)
     except (ValueError, OSError) as exc:
@@ -172,7 +182,8 @@ def run_serve(args: argparse.Namespace) -> int:
                          sampling={k: v for k, v in given.items() if v is not None},
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
-                         ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout, **reliability)
+                         ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
+                         image_model=args.image_model, image_queue=args.image_queue, **reliability)
     return serve(config)
 
 

@@ -15,7 +15,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
+from parley.models.image_pipeline import ImageStepper, stepper_for
 from parley.models.synthetic import write_tiny_checkpoint, write_tiny_stt_checkpoint
+from parley.models.tiny_diffusion import tiny_pipeline
 
 log = logging.getLogger("parley.demo")
 
@@ -73,3 +77,12 @@ def _ensure(target: Path, write, message: str) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return target
+
+
+DEMO_IMAGE_MODEL = "parley-demo-image"
+
+
+def demo_image_stepper(device: str | torch.device = "cpu") -> ImageStepper:
+    """The demo server's image model: the tiny random SD-1.5-shaped pipeline, built in memory
+    from configs (a fraction of a second, no files). Its images are noise."""
+    return stepper_for(tiny_pipeline("sd").to(device), DEMO_IMAGE_MODEL)

@@ -34,13 +34,16 @@ import uvicorn
 
 from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
+from parley.engine.image_queue import ImageQueue
 from parley.engine.stt_paired import PairedTranscription
 from parley.engine.stt_pool import SttPool
 from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint, load_checkpoint, load_stt_checkpoint
+from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import STT_NOTICE, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
+from .demo_model import STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
 from .drain import DrainingServer
+from .images_api import ImageService
 from .limits import EdgeLimits
 from .security import RedactKeys
 from .sessions import ServerDefaults
@@ -86,6 +89,10 @@ class ServeConfig:
     stt_slots: int = 16
     ready_min_free: int = 1  # /readyz is 503 below this many free slots
     drain_timeout: float = 30.0  # SIGTERM / POST /admin/drain: seconds live sessions may run on
+    # Images (/v1/images/generations): a diffusers pipeline dir or HF id; None: the tiny demo
+    # pipeline when the voice model is the demo too, else no image endpoint.
+    image_model: str | None = None
+    image_queue: int = 16  # images waiting or running; beyond that 429
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,6 +144,7 @@ def build_app(config: ServeConfig):
     engine = Engine(backend)
     if paired:
         engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
+    images = build_images(config, engine, device, dtype, demo)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
                       voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
@@ -145,7 +153,7 @@ def build_app(config: ServeConfig):
                               limits=config.limits)
     return create_app(engine, defaults, info, codec_workers=config.codec_workers,
                       stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None,
-                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout)
+                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, images=images)
 
 
 def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
@@ -167,6 +175,30 @@ def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:
     return all(ours[k].shape == v.shape and torch.equal(ours[k], v) for k, v in theirs.items())
 
 
+def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtype: torch.dtype,
+                 demo: bool) -> ImageService | None:
+    """Load the image pipeline, measure its items once (warm-up) and register its queue."""
+    if config.image_model is None and not demo:
+        return None
+    if config.image_model is None:
+        stepper = demo_image_stepper(device)
+    else:
+        log.info("loading image model %s on %s", config.image_model, device)
+        try:
+            stepper = load_image_pipeline(config.image_model, device, dtype)
+        except ImagePipelineError as exc:
+            raise ServeError(f"--image-model: {exc}") from exc
+    slack = engine.config.tick_seconds - engine.config.slack_guard_s
+    queue = ImageQueue(stepper, max_slack_s=slack, capacity=config.image_queue)
+    measured = queue.warm_up()
+    log.info("image model %s (%s): default %dpx, latent stride %d; warm-up: %s", stepper.name, stepper.family,
+             stepper.default_size, stepper.latent_stride,
+             ", ".join(f"{k[1]}{'x' + str(k[-1]) if k[1] == 'denoise' else ''} {v * 1e3:.1f} ms"
+                       for k, v in measured.items()))
+    engine.add_slack_source(queue)
+    return ImageService(queue, engine, stepper.name)
+
+
 def serve(config: ServeConfig) -> int:
     try:
         app = build_app(config)
@@ -174,8 +206,9 @@ def serve(config: ServeConfig) -> int:
         log.error("%s", exc)
         return 2
     scheme = "https" if config.ssl_certfile else "http"
-    log.info("serving on %s://%s:%d  (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics; %d sessions)",
-             scheme, config.host, config.port, config.max_sessions)
+    images = ", /v1/images/generations" if app.state.images is not None else ""
+    log.info("serving on %s://%s:%d  (/api/chat, /v1/realtime%s, /livez, /readyz, /load, /metrics; %d sessions)",
+             scheme, config.host, config.port, images, config.max_sessions)
     return run_app(app, uvicorn_config(app, config.host, config.port, config.log_level,
                                        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
 
