@@ -349,8 +349,8 @@ class ModelBackend:
         try:
             voice = self._voice(options.voice) if options.voice else None
             plan = build_prompt_frames(self.cfg, voice, persona_tokens(self._tokenizer, options.persona))
-        except PersonaError as exc:
-            raise SessionRejected(str(exc)) from exc
+        except PersonaError as exc:  # told to the client: the server's directory stays out of it
+            raise SessionRejected(str(exc).replace(str(self.checkpoint.voices_dir), "the voices folder")) from exc
         if plan.num_frames > self.cfg.context:
             raise SessionRejected(f"the persona prompt takes {plan.num_frames} frames, more than the model's "
                                   f"{self.cfg.context}-frame context; shorten the persona.")

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE, SamplingDefaults
 
 TICK_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08: one frame of audio per tick
+# What the model can hold: sampling settings live in float32 / int64 device tensors, and a value
+# past these does not fit (writing it raises on the engine thread, in every session's tick).
+MAX_TEMPERATURE = 3.4028234663852886e38  # the largest finite float32
+MAX_TOP_K = 2**63 - 1  # int64; any top-k at or above the vocabulary size means "no restriction"
 
 
 class OptionsError(ValueError):
@@ -23,6 +27,8 @@ def _check_temperature(name: str, value: float) -> None:
         raise OptionsError(f"{name} must be a finite number, got {value!r}.")
     if value < 0:
         raise OptionsError(f"{name} must be 0 (greedy) or more, got {value}.")
+    if value > MAX_TEMPERATURE:
+        raise OptionsError(f"{name} must be at most {MAX_TEMPERATURE:.4g} (a float32), got {value:.4g}.")
 
 
 MAX_SEED = 2 ** 63 - 1
@@ -36,8 +42,8 @@ def _check_seed(name: str, value: int | None) -> None:
 
 
 def _check_top_k(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOP_K:
+        raise OptionsError(f"{name} must be a whole number from 1 to {MAX_TOP_K}, got {value!r}.")
 
 
 @dataclass(frozen=True)

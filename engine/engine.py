@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Callable
 
 from parley.models.config import FRAME_SAMPLES
 
@@ -75,6 +76,9 @@ class Engine:
         self._tick = 0
         self.fatal_error: str | None = None  # why the engine stopped serving, once it has
         self._paired: PairedTranscription | None = None  # STT rows beside the duplex rows
+        # Called once, on the engine thread, after a fatal error: `parley serve` uses it to exit
+        # non-zero so a supervisor restarts the process instead of it staying up and dead.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
         self._slack.add_source(PrefillSource(backend, self._scheduler, self.metrics,
                                              ready=lambda s: _settle(s.ready, result=s),
@@ -311,6 +315,11 @@ class Engine:
         for session in self._open_sessions():
             self.fail_session(session, reason)
         self._stop.set()
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(exc)
+            except Exception:  # the engine is already down; the hook must not hide that
+                log.exception("on_fatal hook failed")
 
 
 def _settle(future: asyncio.Future, result: object = None, error: Exception | None = None) -> None:

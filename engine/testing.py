@@ -12,7 +12,9 @@ voice "unknown" is rejected at prefill (SessionRejected), the voice "crash" make
 prompt's first chunk raise (a request-scoped failure), `fail_at_step` raises a fatal
 error, `step_seconds` / `prefill_seconds` sleep to simulate slow work (a prompt of
 `prompt_frames` frames, run in chunks like the real one), and `on_step` / `on_prefill` let a
-test observe each call (or advance a fake clock).
+test observe each call (or advance a fake clock). `fail_rows` injects a one-shot error into one
+request-scoped phase of a row ({row: "sampling" | "start" | "chunk"}); like the model's
+float32 / int64 setting tensors, `set_sampling` refuses values those cannot hold.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 from parley.models.config import FRAME_SAMPLES
 
 from .backend import BackendOutput, RowFailure, SessionRejected
-from .config import SamplingOptions, SessionOptions
+from .config import MAX_TEMPERATURE, MAX_TOP_K, SamplingOptions, SessionOptions
+
+FAIL_PHASES = ("sampling", "start", "chunk")
 
 
 class DelayBackend:
@@ -48,6 +52,7 @@ class DelayBackend:
         self.prefills: list[tuple[int, SessionOptions]] = []  # completed prompts
         self.prefill_chunks: list[tuple[int, int]] = []  # (row, frames) per chunk run
         self.close_calls = 0
+        self.fail_rows: dict[int, str] = {}  # row -> phase that raises once (FAIL_PHASES)
 
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
         if self.on_step is not None:
@@ -70,12 +75,23 @@ class DelayBackend:
         self.prev[mask] = 0.0
         self.count[mask] = 0
 
+    def _maybe_fail(self, row: int, phase: str) -> None:
+        if self.fail_rows.get(row) == phase:
+            del self.fail_rows[row]
+            raise RuntimeError(f"simulated {phase} failure in row {row}")
+
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
+        self._maybe_fail(row, "sampling")
+        for value, limit in ((sampling.text_temperature, MAX_TEMPERATURE), (sampling.audio_temperature,
+                             MAX_TEMPERATURE), (sampling.text_top_k, MAX_TOP_K), (sampling.audio_top_k, MAX_TOP_K)):
+            if value > limit:  # what torch's masked_fill_ raises for a value its dtype cannot hold
+                raise RuntimeError("value cannot be converted to the tensor's type without overflow")
         self.sampling[row] = sampling
 
     def start_prefill(self, row: int, options: SessionOptions) -> "_DelayPrompt":
         if options.voice == "unknown":
             raise SessionRejected("voice 'unknown' is not one of this model's voices.")
+        self._maybe_fail(row, "start")
         return _DelayPrompt(self, row, options)
 
     def text_piece(self, token: int) -> str:
@@ -98,6 +114,7 @@ class _DelayPrompt:
         if self.options.voice == "crash":
             raise RuntimeError("simulated prompt failure")
         backend = self.backend
+        backend._maybe_fail(self.row, "chunk")
         backend.prefill_chunks.append((self.row, n))
         if backend.on_prefill is not None:
             backend.on_prefill(self.row, n)

@@ -247,7 +247,7 @@ def resolve_voice(voices_dir: str | Path, name: str) -> Path:
             return cand
     available = list_voices(root)
     shown = ", ".join(Path(v).stem if v.endswith(VOICE_PT_SUFFIX) else v for v in available) or "none"
-    raise PersonaError(f"voice {name!r} not found in {root}; available voices: {shown}")
+    raise PersonaError(f"voice {name!r} not found; available voices: {shown}")
 
 
 def unpack_voices(archive: str | Path, dest: str | Path | None = None) -> Path:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -35,15 +36,15 @@ from starlette.staticfiles import StaticFiles
 from parley.engine import Engine
 from parley.engine.stt_pool import SttPool
 
-from . import health
-from .demo_model import STT_NOTICE
 from . import capacity, health
+from .demo_model import STT_NOTICE
 from .capacity import Admission
 from .drain import Drainer, drain_endpoint
 from .images_api import ImageService, images_generations
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
+from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager
 from .transcriptions import transcriptions_endpoint
 
@@ -135,9 +136,14 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         Route("/admin/drain", drain_endpoint, methods=["POST"]),
         Route("/v1/images/generations", images_generations, methods=["POST"]),
     ]
-    if web_dir is not None and (web_dir / "index.html").is_file():
+    if web_dir is not None and (web_dir / "index.html").is_file():  # public: see security.py
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
-    app = Starlette(routes=routes, lifespan=lifespan)
+    has_page = web_dir is not None and (web_dir / "index.html").is_file()
+    access = Middleware(AccessMiddleware, keys=defaults.api_keys, protect_metrics=defaults.protect_metrics,
+                        allowed_origins=defaults.allowed_origins,
+                        static_paths=static_paths(web_dir) if has_page else (),
+                        on_refused=lambda reason: metrics.refused_requests.labels(reason).inc())
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[access])
     app.state.sessions = manager
     app.state.drainer = drainer
     app.state.codec = codec

@@ -20,10 +20,12 @@ from parley.engine import OptionsError, SamplingOptions, SessionOptions
 from . import cli_sources
 from .help_format import HelpFormatter
 from .launch import add_launch
+from .limits import EdgeLimits
 from .log_format import LOG_FORMATS, configure_logging
 from .offline_cli import add_offline
+from .security import parse_origins, read_key_file
+from .server import WS_MAX_SIZE, ServeConfig, serve
 from .transcribe_cli import add_transcribe
-from .server import ServeConfig, serve
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -69,9 +71,6 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         f"else {DEFAULT_SAMPLING.audio_temperature})")
     p.add_argument("--audio-topk", type=int, default=None,
                    help=f"default audio top-k (default: the checkpoint's, else {DEFAULT_SAMPLING.audio_top_k})")
-    p.add_argument("--api-key", default=None,
-                   help="if set, /v1/realtime requires 'Authorization: Bearer <key>' (or the browser "
-                        "subprotocol openai-insecure-api-key.<key>)")
     p.add_argument("--codec-workers", type=int, default=None,
                    help="Ogg-Opus codec worker processes (sessions pinned to one each, off the server's GIL); "
                         "0: a thread pool in the server process (fine for a few sessions). Default: 0 up to 8 "
@@ -103,7 +102,56 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "demo pipeline (noise) when --model is omitted too, else no image endpoint")
     p.add_argument("--image-queue", type=int, default=16,
                    help="images waiting or running at once; more are refused with 429 and Retry-After")
+    add_reliability_flags(p)
     p.set_defaults(handler=run_serve)
+
+
+# ---- security and per-connection limits (docs/reliability.md) ----
+
+def add_reliability_flags(p: argparse.ArgumentParser) -> None:
+    limits = EdgeLimits()
+    p.add_argument("--api-key", default=None,
+                   help="require this key on every door except the page, its files and the health probes "
+                        "(/api/chat, /v1/realtime, /api/*, ...): 'Authorization: Bearer <key>', ?api_key=<key> "
+                        "or the WebSocket subprotocol openai-insecure-api-key.<key>")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the key(s) from this file instead, one per line (several: rotation)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics needs the key too (default: open, for scrapers)")
+    p.add_argument("--allowed-origins", default=None,
+                   help="browser Origins allowed to open WebSockets, comma-separated (https://app.example.com), "
+                        "* for any. Default: the server's own origin (the built-in page works); requests "
+                        "without an Origin header (non-browser clients) are not checked")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS/WSS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    p.add_argument("--max-messages-per-s", type=float, default=limits.max_messages_per_s,
+                   help="per-connection message rate (bursts of 2 s allowed); over it: close 1008")
+    p.add_argument("--max-bytes-per-s", type=float, default=limits.max_bytes_per_s,
+                   help="per-connection byte rate (bursts of 2 s allowed); over it: close 1008")
+    p.add_argument("--max-lag-s", type=float, default=limits.max_lag_s,
+                   help="output a client may fall behind (bytes queued for it, in seconds of audio) before "
+                        "its oldest unsent frames are dropped, counted")
+    p.add_argument("--max-event-bytes", type=int, default=limits.max_event_bytes,
+                   help="largest /v1/realtime event (larger: an error event)")
+    p.add_argument("--max-conversation-bytes", type=int, default=limits.max_conversation_bytes,
+                   help="/v1/realtime conversation items kept per session (over it: the item is refused)")
+
+
+def reliability_settings(args: argparse.Namespace) -> dict:
+    """ServeConfig fields from the flags above; raises ValueError with a sentence naming the flag."""
+    if args.api_key and args.api_key_file:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    keys = read_key_file(args.api_key_file) if args.api_key_file else args.api_key
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    if args.max_event_bytes > WS_MAX_SIZE:
+        raise ValueError(f"--max-event-bytes must be at most {WS_MAX_SIZE} (the WebSocket message cap)")
+    limits = EdgeLimits(max_messages_per_s=args.max_messages_per_s, max_bytes_per_s=args.max_bytes_per_s,
+                        max_lag_s=args.max_lag_s, max_event_bytes=args.max_event_bytes,
+                        max_conversation_bytes=args.max_conversation_bytes)
+    return {"api_key": keys, "protect_metrics": args.protect_metrics,
+            "allowed_origins": parse_origins(args.allowed_origins), "ssl_certfile": args.ssl_certfile,
+            "ssl_keyfile": args.ssl_keyfile, "limits": limits}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -130,13 +178,18 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.image_queue < 1:
         print("parley serve: --image-queue must be at least 1", file=sys.stderr)
         return 2
+    try:
+        reliability = reliability_settings(args)
+    except (ValueError, OSError) as exc:
+        print(f"parley serve: {exc}", file=sys.stderr)
+        return 2
     config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, defaults=defaults,
-                         sampling={k: v for k, v in given.items() if v is not None}, api_key=args.api_key,
+                         sampling={k: v for k, v in given.items() if v is not None},
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
                          ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
-                         image_model=args.image_model, image_queue=args.image_queue)
+                         image_model=args.image_model, image_queue=args.image_queue, **reliability)
     return serve(config)
 
 
@@ -168,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = cli_sources.parse_args(build_parser(), argv, os.environ)
     configure_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before serving started (e.g. while loading): no traceback
+        return 130
 
 
 if __name__ == "__main__":

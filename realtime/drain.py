@@ -16,7 +16,6 @@ always stops at once; a second SIGTERM while draining is ignored.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 from types import FrameType
@@ -26,6 +25,7 @@ import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .security import key_matches
 from .sessions import SessionManager
 
 log = logging.getLogger("parley.drain")
@@ -118,10 +118,9 @@ def _bearer(request: Request) -> str | None:
 async def drain_endpoint(request: Request) -> Response:
     """POST /admin/drain: 202 and the drain starts (or is already under way)."""
     manager: SessionManager = request.app.state.sessions
-    key = manager.defaults.api_key
-    if key is not None:
-        offered = _bearer(request)
-        if offered is None or not hmac.compare_digest(offered.encode(), key.encode()):
+    keys = manager.defaults.api_keys
+    if keys:  # security.AccessMiddleware has checked it already; kept so this door stands alone
+        if not key_matches(_bearer(request), keys):
             return JSONResponse({"error": "invalid or missing API key: send Authorization: Bearer <key>"},
                                 status_code=401)
     elif request.client is None or request.client.host not in LOOPBACK:

@@ -104,6 +104,12 @@ class EdgeMetrics:
             r.register(_CodecCPUCollector(codec_cpu_seconds))
         self.protocol_errors = Counter("parley_protocol_errors", "bad client input answered with an error or close",
                                        ["protocol"], registry=r)
+        self.rate_limited = Counter("parley_rate_limited", "connections closed for sending over the message or "
+                                    "byte rate limit", ["protocol"], registry=r)
+        self.lag_dropped = Counter("parley_lag_dropped_frames", "output frames dropped because their client was "
+                                   "more than the lag limit behind", ["protocol"], registry=r)
+        self.refused_requests = Counter("parley_refused_requests", "requests refused for a missing/wrong API key "
+                                        "or a disallowed Origin", ["reason"], registry=r)
         ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: benchmarks/load.py reads CPU here
         if engine_counters is not None:
             r.register(EngineCollector(engine_counters))

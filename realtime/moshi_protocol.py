@@ -8,6 +8,7 @@ Every message is binary; byte 0 is a tag:
                     as the paired STT row transcribes it (Parley's extension; clients ignore it)
     0x05 error      server -> client: UTF-8 message (sent before close 1001 when the server goes away)
     other tags      ignored (0x03 control .. 0x06 ping are not needed for full duplex)
+Text frames are not part of the protocol: they are ignored (but count against the rate limits).
 
 Query parameters: `text_prompt` (persona), `voice_prompt` (voice file name), and the
 Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
@@ -21,7 +22,8 @@ docs/protocols.md. On a model without persona / voice prompts (Moshi), a non-emp
 Refusals before the upgrade (capacity.py): HTTP 503 + Retry-After when every slot is taken
 or the server is draining. Closes: 1013 when the last slot went between upgrade and admission, 1008 for options the model cannot serve, 1007 for
 bytes that are not Ogg-Opus, 1009 for a message over `MAX_MESSAGE_BYTES`, 1011 when the
-engine fails the session or its codec worker is lost. Each affects only its own connection.
+engine fails the session or its codec worker is lost, 1008 for a client over its message or
+byte rate (limits.py). Each affects only its own connection.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from parley.engine import (
 )
 
 from .opus import CodecUnavailable, OpusError
+from .security import choose_subprotocol
 from .sessions import (
     CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG,
     CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now,
@@ -72,23 +75,26 @@ NEUTRAL_PARAMS = {"pad_mult": 0.0, "repetition_penalty": 1.0}
 
 def options_from_query(query: Mapping[str, str], defaults: SessionOptions) -> SessionOptions:
     """The session a client asks for; raises OptionsError with a sentence naming the parameter."""
-    sampling_kwargs: dict[str, float | int] = {}
+    given: list[tuple[str, str, float | int]] = []  # (query parameter, SamplingOptions field, value)
     if query.get(SEED_PARAM):
         seed = _number(SEED_PARAM, query[SEED_PARAM], int)
-        sampling_kwargs.update(text_seed=seed, audio_seed=seed)
+        given += [(SEED_PARAM, "text_seed", seed), (SEED_PARAM, "audio_seed", seed)]
     for param, (field_name, parse) in SAMPLING_PARAMS.items():
         raw = query.get(param)
         if raw is None or raw == "":
             continue
-        sampling_kwargs[field_name] = _number(param, raw, parse)
+        given.append((param, field_name, _number(param, raw, parse)))
     for param, neutral in NEUTRAL_PARAMS.items():
         raw = query.get(param)
         if raw and _number(param, raw, float) != neutral:
-            raise OptionsError(f"query parameter {param}={raw} is not supported: Parley's sampler has no "
+            raise OptionsError(f"query parameter {param}={raw[:40]} is not supported: Parley's sampler has no "
                                f"{param.replace('_', ' ')}; leave it out or send {neutral:g}.")
     sampling = defaults.sampling
-    if sampling_kwargs:  # on top of the server's defaults (the engine's when it has none)
-        sampling = dataclasses.replace(sampling or SamplingOptions(), **sampling_kwargs)  # validates again
+    for param, field_name, value in given:  # on top of the server's defaults (the engine's when it has none)
+        try:  # one at a time, so a range error names its parameter
+            sampling = dataclasses.replace(sampling or SamplingOptions(), **{field_name: value})
+        except OptionsError as exc:
+            raise OptionsError(f"query parameter {param}: {exc}") from None
     persona = query.get("text_prompt")
     voice = query.get("voice_prompt") or None
     return SessionOptions(persona=defaults.persona if persona is None else persona,
@@ -97,20 +103,24 @@ def options_from_query(query: Mapping[str, str], defaults: SessionOptions) -> Se
 
 
 def _number(param: str, raw: str, parse: type) -> float | int:
-    if parse is int and raw.strip().lstrip("+-").isdigit():
-        return int(raw)  # exact: a 64-bit seed does not survive a float
+    if parse is int:
+        try:
+            return int(raw)  # exact, however large: a 64-bit seed does not survive a float (range: SamplingOptions)
+        except ValueError:
+            pass
     try:
         value = float(raw)
     except ValueError:
-        raise OptionsError(f"query parameter {param} must be a number, got {raw!r}.") from None
+        raise OptionsError(f"query parameter {param} must be a number, got {raw[:40]!r}.") from None
     if parse is int:
         if not value.is_integer():
-            raise OptionsError(f"query parameter {param} must be a whole number, got {raw!r}.")
+            raise OptionsError(f"query parameter {param} must be a whole number, got {raw[:40]!r}.")
         return int(value)
     return value
 
 
 async def chat_endpoint(websocket: WebSocket) -> None:
+    """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = websocket.app.state.sessions
     reservation = await manager.admission.reserve_or_deny(websocket)
     if reservation is None:
@@ -118,8 +128,10 @@ async def chat_endpoint(websocket: WebSocket) -> None:
     edge = manager.attach(websocket, PROTOCOL, reservation)
     edge.notice = lambda reason: edge.send_bytes(bytes([TAG_ERROR]) + reason.encode())
     try:
-        await websocket.accept()
+        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
         await _serve(edge, manager)
+    except (WebSocketDisconnect, OSError):  # e.g. gone before the handshake byte: nothing to report
+        log.info("chat session %d: the client left", edge.number)
     finally:
         edge.close()
 
@@ -176,11 +188,12 @@ async def _receive(edge: EdgeSession) -> None:
         if message["type"] == "websocket.disconnect":
             return
         data = message.get("bytes")
-        if data is None:  # a text frame: not part of this protocol
-            data = (message.get("text") or "").encode()
-            if not data:
-                continue
-        edge.count_in(len(data))
+        if data is None:  # a text frame: not part of this protocol, ignored (the docs say so)
+            if not await edge.admit_message(len(message.get("text") or "")):
+                return
+            continue
+        if not await edge.admit_message(len(data)):
+            return
         if len(data) > MAX_MESSAGE_BYTES:
             manager.metrics.protocol_errors.labels(PROTOCOL).inc()
             await edge.close_socket(CLOSE_TOO_BIG, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -215,18 +228,22 @@ async def _send_frames(edge: EdgeSession) -> None:
             return
         assert isinstance(event, FrameOut)
         start = now()
+        lagging = edge.drop_if_lagging(event.produced_at)  # the client is behind: skip this (oldest) audio
         try:
-            page = await edge.codec.encode(event.pcm)
+            page = b"" if lagging else await edge.codec.encode(event.pcm)
         except CodecUnavailable as exc:
             await _codec_lost(edge, exc)
             return
         try:
             if page:
                 await edge.send_bytes(bytes([TAG_AUDIO]) + page)
-            if event.text:
+            if event.text:  # the text goes out even when the audio was dropped: it is tiny
                 await edge.send_bytes(bytes([TAG_TEXT]) + event.text.encode())
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client left; the receive side sees the disconnect
+        if lagging:
+            continue
+        edge.lag.sent(len(page) + 1 if page else 0)  # a frame's audio may finish a page only later
         manager.metrics.frames_out.labels(PROTOCOL).inc()
         edge.observe_frame_delay(now() - start)
         edge.observe_frame_sent(event.produced_at)

@@ -33,7 +33,6 @@ import time
 from typing import Awaitable, Callable
 
 import numpy as np
-from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import (
@@ -47,7 +46,9 @@ from .openai_events import Dialect, Event, Events, SessionConfig, new_id
 from .realtime_session import (
     ClientError, ModelCaps, OPENAI_VOICES, apply_session_update, parse_item, parse_response_options,
 )
+from .limits import ConversationBudget, JSONLimitError, parse_json_event
 from .realtime_turns import Turns
+from .security import choose_subprotocol
 from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now
 
 log = logging.getLogger("parley.realtime")
@@ -55,10 +56,7 @@ log = logging.getLogger("parley.realtime")
 PROTOCOL = "openai"
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 REALTIME_SUBPROTOCOL = "realtime"
-KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 
-MAX_EVENT_BYTES = 8 * 1024 * 1024  # larger client events are refused with an error (the
-# transport closes with 1009 only past uvicorn's ws_max_size, set higher than this)
 MAX_QUEUED_ITEM_SAMPLES = 120 * SAMPLE_RATE  # audio waiting to be heard behind items: at most 2 minutes
 
 
@@ -79,35 +77,23 @@ def select_dialect(websocket: WebSocket) -> Dialect:
     return Dialect.GA
 
 
-def offered_key(websocket: WebSocket) -> str | None:
-    auth = websocket.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    for proto in websocket.scope.get("subprotocols", []):
-        if proto.startswith(KEY_SUBPROTOCOL_PREFIX):
-            return proto[len(KEY_SUBPROTOCOL_PREFIX):]
-    return None
-
-
 async def realtime_endpoint(websocket: WebSocket) -> None:
+    """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = websocket.app.state.sessions
-    required = manager.defaults.api_key
-    if required is not None and offered_key(websocket) != required:
-        await websocket.send_denial_response(PlainTextResponse(
-            "invalid or missing API key: send Authorization: Bearer <key>", status_code=401))
-        return
     reservation = await manager.admission.reserve_or_deny(websocket)
     if reservation is None:
         return
-    offered = websocket.scope.get("subprotocols", [])
     edge = manager.attach(websocket, PROTOCOL, reservation)
     try:
-        await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
+        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", []),
+                                                              REALTIME_SUBPROTOCOL))
         connection = RealtimeConnection(edge, select_dialect(websocket),
                                         websocket.query_params.get("model") or manager.defaults.model_name)
         edge.notice = lambda reason: connection.send(connection.events.error(
             reason, "server_shutting_down", kind="server_error"))
         await connection.run()
+    except (WebSocketDisconnect, OSError):
+        log.info("realtime session %d: the client left", edge.number)
     finally:
         edge.close()
 
@@ -123,7 +109,8 @@ class RealtimeConnection:
         defaults = self.manager.defaults.options
         config = SessionConfig(id=new_id("sess"), model=model, instructions=defaults.persona, voice=defaults.voice,
                                temperature=(defaults.sampling or SamplingOptions()).audio_temperature)
-        self.turns = Turns(self.events, config)
+        self.turns = Turns(self.events, config,
+                           ConversationBudget(self.manager.defaults.limits.max_conversation_bytes))
         self.options = self.manager.defaults.client_options(defaults)
         self._client_event_id: str | None = None
         self._transcript: asyncio.Task | None = None  # reads the paired STT stream while a setting needs it
@@ -174,11 +161,14 @@ class RealtimeConnection:
             feeder.cancel()
             self._stop_transcript()
 
-    async def send(self, event: Event) -> None:
+    async def send(self, event: Event) -> int:
+        """Send one event; returns its size (0 if the client has left)."""
+        text = json.dumps(event, separators=(",", ":"))
         try:
-            await self.edge.send_text(json.dumps(event, separators=(",", ":")))
+            await self.edge.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError):
-            pass  # the client left; the receive loop sees the disconnect and ends the session
+            return 0  # the client left; the receive loop sees the disconnect and ends the session
+        return len(text)
 
     async def send_all(self, events: list[Event]) -> None:
         for event in events:
@@ -199,15 +189,16 @@ class RealtimeConnection:
             raw = message.get("text")
             if raw is None:
                 data = message.get("bytes") or b""
-                self.edge.count_in(len(data))
+                if not await self.edge.admit_message(len(data)):
+                    return
                 try:
                     raw = data.decode()
                 except UnicodeDecodeError:
                     self._client_event_id = None
                     await self.error(ClientError("binary messages must be UTF-8 JSON events", "invalid_json"))
                     continue
-            else:
-                self.edge.count_in(len(raw))
+            elif not await self.edge.admit_message(len(raw)):
+                return
             try:
                 await self._handle_raw(raw)
             except SessionLost:
@@ -216,11 +207,10 @@ class RealtimeConnection:
     async def _handle_raw(self, raw: str) -> None:
         self._client_event_id = None
         try:
-            if len(raw) > MAX_EVENT_BYTES:
-                raise ClientError(f"event of {len(raw)} bytes exceeds the {MAX_EVENT_BYTES}-byte limit",
-                                  "message_too_large")
             try:
-                event = json.loads(raw)
+                event = parse_json_event(raw, self.manager.defaults.limits)
+            except JSONLimitError as exc:
+                raise ClientError(str(exc), exc.code) from None
             except json.JSONDecodeError as exc:
                 raise ClientError(f"invalid JSON: {exc}", "invalid_json") from None
             if not isinstance(event, dict):
@@ -241,9 +231,12 @@ class RealtimeConnection:
         config, refused = apply_session_update(event.get("session"), previous, self.caps)
         for exc in refused:
             await self.error(exc)
-        options = self.manager.defaults.client_options(SessionOptions(
-            persona=config.instructions, voice=None if config.voice in OPENAI_VOICES else config.voice,
-            sampling=self._sampling(config.temperature)))
+        try:  # SamplingOptions range-checks what the parser let through
+            options = self.manager.defaults.client_options(SessionOptions(
+                persona=config.instructions, voice=None if config.voice in OPENAI_VOICES else config.voice,
+                sampling=self._sampling(config.temperature)))
+        except OptionsError as exc:
+            raise ClientError(str(exc), "invalid_value", "session") from None
         if options != self.options:
             try:
                 await self._reprefill(options)
@@ -443,7 +436,15 @@ class RealtimeConnection:
 
     async def _on_frame(self, frame: FrameOut) -> None:
         events = self.turns.output_frame(frame.pcm, frame.text)
-        await self.send_all(events)
-        if any(self.events.is_audio_delta(e) for e in events):
+        audio = any(self.events.is_audio_delta(e) for e in events)
+        # A client that reads too slowly loses its oldest audio (counted), never falls behind by more
+        # than the lag limit; its text still goes out.
+        dropped = audio and self.edge.drop_if_lagging(frame.produced_at)
+        for event in events:
+            if not self.events.is_audio_delta(event):
+                await self.send(event)
+            elif not dropped:
+                self.edge.lag.sent(await self.send(event))
+        if audio and not dropped:
             self.manager.metrics.frames_out.labels(PROTOCOL).inc()
             self.edge.observe_frame_sent(frame.produced_at)

@@ -30,6 +30,7 @@ import numpy as np
 from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 from .audio_formats import InputDecoder, OutputEncoder
+from .limits import ConversationBudget
 from .openai_events import AssistantItem, Event, Events, ResponseState, SessionConfig, UserItem, new_id
 from .realtime_session import EAGERNESS, ClientError, ResponseOptions
 
@@ -65,8 +66,9 @@ class InputState:
 class Turns:
     """One connection's responses, conversation items and voice activity."""
 
-    def __init__(self, events: Events, config: SessionConfig) -> None:
+    def __init__(self, events: Events, config: SessionConfig, budget: ConversationBudget) -> None:
         self.events = events
+        self.budget = budget  # bytes the conversation's items may hold (reliability: bounded memory)
         self.config = config
         self.conversation_id = new_id("conv")
         self.response: ResponseState | None = None
@@ -161,6 +163,7 @@ class Turns:
         item = response.item.to_dict(self.events.dialect)
         if response.in_conversation and item["id"] in self.items:
             self.items[item["id"]] = item
+            self.budget.set(item["id"], self.budget.size_of(item))
         if response.item.audio:
             out = [self.events.audio_done(response), self.events.transcript_done(response)]
         else:
@@ -272,8 +275,13 @@ class Turns:
         if previous_item_id is not None and previous_item_id != self.last_item_id:
             raise ClientError("items can only be appended: previous_item_id must be the last item's id or left "
                               "out (the model hears the conversation in order)", "invalid_value", "previous_item_id")
+        size = self.budget.size_of(item)
+        if not self.budget.fits(item["id"], size):
+            raise ClientError(f"the item ({size} bytes) would take this session's conversation past its "
+                              f"{self.budget.max_bytes}-byte budget; delete items first", "conversation_too_large",
+                              "item")
         previous = self.last_item_id
-        self._remember(item)
+        self._remember(item, size)
         return self.events.item_entered(item, previous)
 
     def item(self, item_id: object) -> Event:
@@ -284,13 +292,18 @@ class Turns:
     def delete(self, item_id: object) -> list[Event]:
         item = self.item(item_id)
         del self.items[item["id"]]
+        self.budget.discard(item["id"])
         if self.last_item_id == item["id"]:
             self.last_item_id = next(reversed(self.items), None)
         return [self.events.item_deleted(item["id"])]
 
-    def _remember(self, item: Event) -> None:
+    def _remember(self, item: Event, size: int | None = None) -> None:
+        """Store an item; the oldest go when over MAX_ITEMS or the byte budget (a client's own
+        items were checked against the budget before; the server's are small)."""
         self.items[item["id"]] = item
         self.items.move_to_end(item["id"])
-        while len(self.items) > MAX_ITEMS:
-            self.items.popitem(last=False)
+        self.budget.set(item["id"], self.budget.size_of(item) if size is None else size)
+        while len(self.items) > MAX_ITEMS or (self.budget.used > self.budget.max_bytes and len(self.items) > 1):
+            old_id, _ = self.items.popitem(last=False)
+            self.budget.discard(old_id)
         self.last_item_id = item["id"]

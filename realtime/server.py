@@ -2,10 +2,14 @@
 run uvicorn (uvloop, websockets sans-I/O) until SIGINT, or SIGTERM which first drains
 (drain.py: no new sessions, live ones run up to --drain-timeout) -> uvicorn's graceful
 shutdown runs the app's lifespan exit, which closes every connection and shuts the engine
-down (bounded by `EngineConfig.shutdown_timeout_s`).
+down (bounded by `EngineConfig.shutdown_timeout_s`), and `parley serve` exits 0. A fatal
+engine error (the shared frame step raised) makes it exit 1 instead, so a supervisor restarts
+it rather than it staying up and unhealthy.
 
 WebSocket settings, and why:
-- `ws="websockets-sansio"`: each `send` is written to the transport at once (no
+- `ws=ParleyWebSocketProtocol` (ws_protocol.py): uvicorn's websockets-sansio, plus a 414/400
+  answer to a handshake its parser refuses and the send backlog the edge bounds lag with.
+  websockets-sansio: each `send` is written to the transport at once (no
   write coalescing: one 80 ms frame is one write), and `send` waits while the transport
   is paused, so a slow client back-pressures its own sender only (the engine's bounded
   output stream then drops that client's oldest frames, counted).
@@ -20,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +44,11 @@ from .app import DEMO_NOTICE, ServerInfo, create_app
 from .demo_model import STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
 from .drain import DrainingServer
 from .images_api import ImageService
+from .limits import EdgeLimits
 from .load_progress import LoadProgress
+from .security import RedactKeys
 from .sessions import ServerDefaults
+from .ws_protocol import ParleyWebSocketProtocol
 
 log = logging.getLogger("parley.server")
 
@@ -63,7 +72,12 @@ class ServeConfig:
     kv_dtype: str | None = None  # temporal KV cache: None = the weights' dtype, "fp8" = float8 e4m3
     defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
     sampling: dict = dataclasses.field(default_factory=dict)  # SamplingOptions fields set by flags
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key or several (--api-key-file: rotation)
+    protect_metrics: bool = False
+    allowed_origins: tuple[str, ...] | None = None  # None: same origin only
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    limits: EdgeLimits = EdgeLimits()
     log_level: str = "info"
     codec_workers: int | None = None
     # torch intra-op threads. 1 by default: OpenMP workers busy-wait between ops and starve the
@@ -100,14 +114,16 @@ def resolve_dtype(name: str | None, device: str) -> torch.dtype:
     return default_dtype(device) if name is None else DTYPES[name]
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(app, host: str, port: int, log_level: str = "info", *, ssl_certfile: str | None = None,
+                   ssl_keyfile: str | None = None) -> uvicorn.Config:
     loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     # log_config=None: uvicorn installs no handlers; its lines go through the root handler
     # (log_format.configure_logging), in the same format as Parley's.
-    return uvicorn.Config(app, host=host, port=port, loop=loop, ws="websockets-sansio",
+    return uvicorn.Config(app, host=host, port=port, loop=loop, ws=ParleyWebSocketProtocol,
                           ws_max_size=WS_MAX_SIZE, ws_per_message_deflate=False,
                           ws_ping_interval=20.0, ws_ping_timeout=20.0, log_level=log_level,
-                          log_config=None, timeout_graceful_shutdown=10, lifespan="on")
+                          log_config=None, timeout_graceful_shutdown=10, lifespan="on",
+                          ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile)
 
 
 def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
@@ -150,7 +166,9 @@ def build_app(config: ServeConfig):
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
                       voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
-    defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
+    defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts,
+                              protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
+                              limits=config.limits)
     return create_app(engine, defaults, info, codec_workers=config.codec_workers,
                       stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None,
                       ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, images=images)
@@ -205,9 +223,36 @@ def serve(config: ServeConfig) -> int:
     except (ServeError, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
+    scheme = "https" if config.ssl_certfile else "http"
     images = ", /v1/images/generations" if app.state.images is not None else ""
-    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime%s, /livez, /readyz, /load, /metrics; %d sessions)",
-             config.host, config.port, images, config.max_sessions)
-    server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level), app.state.drainer)
+    log.info("serving on %s://%s:%d  (/api/chat, /v1/realtime%s, /livez, /readyz, /load, /metrics; %d sessions)",
+             scheme, config.host, config.port, images, config.max_sessions)
+    return run_app(app, uvicorn_config(app, config.host, config.port, config.log_level,
+                                       ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
+
+
+def run_app(app, uv_config: uvicorn.Config) -> int:
+    """Run uvicorn (SIGTERM drains, drain.py) until it stops: exit 0 with no traceback, or 1
+    after a fatal engine error."""
+    for name in ("uvicorn.access", "uvicorn.error"):  # they log request paths, query strings included
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactKeys) for f in logger.filters):
+            logger.addFilter(RedactKeys())
+    server = DrainingServer(uv_config, app.state.drainer)
+    fatal: list[BaseException] = []
+
+    def on_fatal(exc: BaseException) -> None:  # engine thread: ask uvicorn to stop (it polls the flag)
+        fatal.append(exc)
+        server.should_exit = True
+
+    app.state.sessions.engine.on_fatal = on_fatal
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises the signal it stopped for once shut down; a no-op handler turns that
+        # into a clean exit (no KeyboardInterrupt traceback, no death by SIGTERM).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
     server.run()
+    if fatal:
+        log.error("exiting with status 1 after a fatal engine error, so a supervisor can restart the server")
+        return 1
     return 0 if server.started else 1

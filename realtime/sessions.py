@@ -19,14 +19,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
 
-from starlette.websockets import WebSocket, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from parley.engine import (
     Engine, EngineClosed, EngineFull, OptionsError, Session, SessionOptions, SessionRejected,
 )
+from parley.engine.config import TICK_SECONDS
 
 from .capacity import Admission, Reservation
 from .health import EdgeMetrics
+from .limits import EdgeLimits, LagMeter, RateLimiter
 from .opus import CodecRunner, CodecStream
 
 log = logging.getLogger("parley.sessions")
@@ -41,6 +43,8 @@ CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
 MAX_CLOSE_REASON_BYTES = 123  # a close frame's reason is at most 123 bytes of UTF-8
+# ASGI scope extension set by ws_protocol.py: a callable giving the bytes queued for the peer.
+SEND_BACKLOG_EXTENSION = "parley.send_backlog"
 
 
 def close_reason(text: str) -> str:
@@ -55,10 +59,20 @@ class ServerDefaults:
 
     options: SessionOptions = field(default_factory=SessionOptions)
     model_name: str = "parley"  # reported to OpenAI clients as the session's model
-    api_key: str | None = None  # when set, /v1/realtime requires `Authorization: Bearer <key>`
+    api_key: str | tuple[str, ...] | None = None  # when set, every door but the page and health needs one
+    protect_metrics: bool = False  # /metrics needs the key too
+    allowed_origins: tuple[str, ...] | None = None  # browser Origins allowed; None: same origin; ("*",): any
+    limits: EdgeLimits = field(default_factory=EdgeLimits)  # per-connection limits (limits.py)
     # Whether the model takes a persona / voice prompt (PersonaPlex). Moshi does not: a client's
     # persona or voice is then refused, never dropped.
     prompts: bool = True
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted keys (several: rotation); empty when the server is open (security.py)."""
+        if self.api_key is None:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else tuple(self.api_key)
 
     def client_options(self, options: SessionOptions) -> SessionOptions:
         """What the engine is asked for, given what a client chose; OptionsError for what this
@@ -128,6 +142,10 @@ class EdgeSession:
         self._send_lock = asyncio.Lock()
         self._reopen_lock = asyncio.Lock()
         self._closed = False
+        limits = manager.defaults.limits
+        self._rate = RateLimiter(limits)
+        backlog = websocket.scope.get("extensions", {}).get(SEND_BACKLOG_EXTENSION)
+        self.lag = LagMeter(limits.max_lag_s, TICK_SECONDS, backlog)
 
     # ---- admission ----
 
@@ -195,6 +213,29 @@ class EdgeSession:
     def count_in(self, n: int) -> None:
         self.manager.metrics.bytes_in.labels(self.protocol).inc(n)
 
+    async def admit_message(self, n_bytes: int) -> bool:
+        """Count one received message against the connection's rate limits. False: it was over,
+        and the socket is closed (1008). Yields once per message, so a flooding connection
+        never holds the event loop for more than one message at a time."""
+        self.count_in(n_bytes)
+        why = self._rate.admit(n_bytes)
+        if why is not None:
+            self.manager.metrics.rate_limited.labels(self.protocol).inc()
+            log.warning("%s session %d closed: %s", self.protocol, self.number, why)
+            await self.close_socket(CLOSE_POLICY, f"rate limit: {why}")
+            return False
+        await asyncio.sleep(0)
+        return True
+
+    def drop_if_lagging(self, produced_at: float) -> bool:
+        """True when this frame (FrameOut.produced_at) would reach the client more than the lag
+        limit late: the caller drops its audio (the oldest unsent), counted, rather than queue
+        it behind stale audio."""
+        if not self.lag.should_drop(produced_at):
+            return False
+        self.manager.metrics.lag_dropped.labels(self.protocol).inc()
+        return True
+
     def observe_frame_delay(self, seconds: float) -> None:
         self.manager.metrics.frame_send_delay.observe(seconds)
 
@@ -238,8 +279,11 @@ class EdgeSession:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                log.error("%s session %d failed", self.protocol, self.number, exc_info=task.exception())
+            exc = None if task.cancelled() else task.exception()
+            if isinstance(exc, (WebSocketDisconnect, OSError)):
+                log.info("%s session %d: the client left mid-send", self.protocol, self.number)
+            elif exc is not None:
+                log.error("%s session %d failed", self.protocol, self.number, exc_info=exc)
 
     def close(self) -> None:
         """End the engine session and forget this connection. Idempotent, never blocks."""

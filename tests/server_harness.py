@@ -12,6 +12,7 @@ import contextlib
 import socket
 import threading
 import time
+import urllib.request
 from typing import Iterator
 
 import numpy as np
@@ -34,9 +35,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(app, *, startup_timeout: float = 20.0) -> Iterator[str]:
+def serve(app, *, startup_timeout: float = 20.0, **config) -> Iterator[str]:
+    """`config`: more `uvicorn_config` keywords (ssl_certfile, ssl_keyfile)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning", **config))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout
@@ -78,6 +80,21 @@ def best_lag_correlation(sent: np.ndarray, received: np.ndarray, max_lag: int) -
         if c > best:
             best, best_lag = c, lag
     return best, best_lag
+
+
+def wait_healthy(proc, port: int, log, timeout: float = 60) -> None:
+    """Until a spawned `parley serve` answers /health (its log, `log`, is shown if it does not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"parley serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"parley serve not healthy in {timeout} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
 
 
 async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> None:

@@ -325,7 +325,7 @@ def test_resolve_voice_accepts_names_with_or_without_suffix(tmp_path):
     assert resolve_voice(tmp_path, "NATF0") == tmp_path / "NATF0.pt"
     assert resolve_voice(tmp_path, "NATF0.pt") == tmp_path / "NATF0.pt"
     assert resolve_voice(tmp_path, "custom") == tmp_path / "custom.wav"
-    with pytest.raises(PersonaError, match=r"voice 'VARF9' not found in .*; available voices: NATF0, NATM1, custom\.wav"):
+    with pytest.raises(PersonaError, match=r"voice 'VARF9' not found; available voices: NATF0, NATM1, custom\.wav"):
         resolve_voice(tmp_path, "VARF9")
     with pytest.raises(PersonaError, match=r"invalid voice name '\.\./NATF0\.pt'"):
         resolve_voice(tmp_path, "../NATF0.pt")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from parley.models.config import FRAME_SAMPLES
+from parley.realtime.limits import ConversationBudget, EdgeLimits
 from parley.realtime.openai_events import Dialect, Events, SessionConfig
 from parley.realtime.realtime_session import ClientError, ResponseOptions
 from parley.realtime.realtime_turns import END_QUIET_FRAMES, Turns
@@ -17,7 +18,8 @@ QUIET = np.zeros(FRAME_SAMPLES, np.float32)
 
 
 def turns(**config) -> Turns:
-    return Turns(Events(Dialect.GA), SessionConfig(id="sess_1", model="m", **config))
+    return Turns(Events(Dialect.GA), SessionConfig(id="sess_1", model="m", **config),
+                 ConversationBudget(EdgeLimits().max_conversation_bytes))
 
 
 def types(events) -> list[str]:
@@ -96,3 +98,16 @@ def test_cancel_delete_and_item_lookup():
     with pytest.raises(ClientError) as err:
         t.item(item_id)
     assert err.value.param == "item_id"
+
+
+def test_an_item_over_the_conversation_budget_is_refused_and_deleting_makes_room():
+    t = Turns(Events(Dialect.GA), SessionConfig(id="sess_1", model="m"), ConversationBudget(400))
+    item = {"id": "item_a", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 200}]}
+    t.add_item(item, None)
+    with pytest.raises(ClientError) as refused:
+        t.add_item({**item, "id": "item_b"}, None)
+    assert refused.value.code == "conversation_too_large" and "item_b" not in t.items
+    t.delete("item_a")
+    assert t.budget.used == 0
+    t.add_item({**item, "id": "item_b"}, None)
+    assert list(t.items) == ["item_b"]

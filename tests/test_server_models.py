@@ -8,11 +8,10 @@ import importlib.metadata
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import re
-import time
 import urllib.request
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from parley.models.persona_prompt import SILENCE_FRAMES
 from parley.models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
 from parley.models.voices import unpack_voices
 from parley.realtime.server import ServeConfig, build_app
-from server_harness import FRAME, SR, chat_session, free_port, serve, tone
+from server_harness import FRAME, SR, chat_session, free_port, serve, tone, wait_healthy
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,20 +82,6 @@ def test_moshi_checkpoint_refuses_a_default_persona(tiny_moshi_dir):
         build_app(ServeConfig(model=str(tiny_moshi_dir), defaults=SessionOptions(persona="x")))
 
 
-def _wait_healthy(proc, port: int, log: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"parley serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"parley serve not healthy in {timeout} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-
-
 def test_parley_serve_demo_model_then_sigterm(tmp_path):
     """No --model: the demo checkpoint is written to $PARLEY_CACHE, the log says it babbles,
     /api/info says so too, a session works, and SIGTERM stops the server cleanly."""
@@ -107,7 +92,7 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(proc, port, log)
+            wait_healthy(proc, port, log)
             info = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/info", timeout=5).read())
             assert info["demo"] is True and "babbles" in info["notice"]
             res = asyncio.run(chat_session(f"127.0.0.1:{port}", tone(300, 0.5), tail_seconds=0.2))
