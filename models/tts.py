@@ -358,7 +358,7 @@ class TtsGen:
 
     def __init__(self, lm: TtsLM, batch: int, max_entries: int, max_tokens: int, *,
                  max_padding: int = 8, initial_padding: int = 2, generator: torch.Generator | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, voice_frames: int | None = None):
         self.lm = lm
         cfg = self.cfg = lm.cfg
         self.generator = generator
@@ -378,7 +378,14 @@ class TtsGen:
         self.ring = torch.full((batch, n, self.ring_size), UNGENERATED_TOKEN, dtype=torch.long, device=device)
         self.offsets = torch.zeros(batch, dtype=torch.long, device=device)
         self.cond_sum = torch.zeros(batch, cfg.lm.dim, dtype=lm.dtype, device=device)
-        self.cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [B, H, S, D], at first start
+        # Cross-attention keys / values per layer [B, H, S, D]: allocated now when `voice_frames` is
+        # known (a CUDA graph needs them before capture), else at the first start.
+        self.cross: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if cfg.cross_attention and voice_frames is not None:
+            lm_cfg = cfg.lm
+            shape = (batch, lm_cfg.num_heads, MAX_SPEAKERS * voice_frames, lm_cfg.dim // lm_cfg.num_heads)
+            self.cross = [(torch.zeros(shape, dtype=lm.dtype, device=device),
+                           torch.zeros(shape, dtype=lm.dtype, device=device)) for _ in range(lm_cfg.num_layers)]
         self.padding_bonus = torch.zeros(batch, dtype=torch.float32, device=device)
         self.text_temp = torch.full((batch,), 0.6, device=device)
         self.text_topk = torch.full((batch,), 25, dtype=torch.long, device=device)
