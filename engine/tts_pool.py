@@ -1,7 +1,7 @@
 """TTS requests as slack work: a fixed pool of rows over one DSM TTS model (models/tts.py).
 
-    pool = TtsPool(lm, mimi, slots=16)               # its own rows, state, Mimi stream, graphs
-    engine.add_slack_source(pool); pool.warm_up(engine_costs)   # before engine.start()
+    pool = TtsPool(lm, mimi, slots=16, voice_frames=125)   # its own rows, state, Mimi stream
+    pool.warm_up(); engine.add_slack_source(pool)    # graphs captured and costed before engine.start()
     job = pool.submit(TtsRequest(...), loop)         # event loop; TtsPoolFull when every slot is taken
     async for event in job.stream: ...               # TtsAudio / TtsWord partials, then one Terminal
     job.cancel()                                     # the row is freed at the next tick
@@ -19,7 +19,10 @@ Scheduling (engine/slack.py asks this source after prefill, before transcription
   (nothing is ever dropped: a row waits instead). A client reading in real time gets its row
   stepped only as fast as it listens; one reading faster gets audio as fast as the slack allows.
 - When a tick's slack cannot give an eligible row a step, the duplex tick still wins; that row
-  is counted in `starved`.
+  is counted in `starved`. After `force_after_ticks` ticks in a row without any step (a cost
+  estimate above the slack never gets measured again, so without this a pool could stall for
+  good), one step is forced as a tick's first slack item (slack.py rule 3) and counted in
+  `forced`: liveness over one possibly late tick, only under overload.
 - Admission (voice -> cross-attention keys, script -> the row's DSM arrays) is its own work item.
 - A failure inside a step ends the requests of that step's rows (FAILED) and nothing else.
 """
@@ -48,6 +51,7 @@ from .stream import OutputStream, Status, Terminal
 
 log = logging.getLogger("parley.engine.tts")
 
+FORCE_AFTER_TICKS = 25  # 2 s without a step: force one (see the module docstring)
 LEAD_FRAMES = 38  # ~3 s of undelivered audio per row, at most
 MAX_ENTRIES = 2400  # words and breaks per request (4096 characters make at most ~2050 words)
 MAX_TOKENS = 8300  # text tokens per request
@@ -122,7 +126,8 @@ class TtsPool:
 
     def __init__(self, lm: TtsLM, mimi: Mimi, slots: int, *, lead_frames: int = LEAD_FRAMES,
                  voice_frames: int | None = None, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS,
-                 cuda_graphs: bool = True, output_events: int | None = None) -> None:
+                 cuda_graphs: bool = True, output_events: int | None = None,
+                 force_after_ticks: int = FORCE_AFTER_TICKS) -> None:
         if slots < 1:
             raise ValueError("a TTS pool needs at least one slot")
         if lm.cfg.cross_attention and voice_frames is None:
@@ -142,14 +147,18 @@ class TtsPool:
         self._reserved = 0  # pending + live, so submit can refuse at once
         self._rows: list[_Row | None] = [None] * slots
         self._graphs: dict[str, CUDAGraphRunner] = {}
+        self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._last_left: float | None = None
         self._wanted: set[int] = set()  # rows eligible at this tick's first offer
         self._stepped: set[int] = set()
+        self.force_after_ticks = force_after_ticks
+        self._idle_ticks = 0  # consecutive ticks where rows wanted a step and none ran
         # Counters (engine thread writes, anyone reads).
         self.steps = {"text": 0, "full": 0}
         self.frames_out = 0
         self.starved = 0
+        self.forced = 0
         self.completed = 0
         self.cancelled = 0
         self.failed = 0
@@ -172,13 +181,15 @@ class TtsPool:
     def counters(self) -> dict:
         return {"tts_live": self.live, "tts_slots": self.slots, "tts_steps_text": self.steps["text"],
                 "tts_steps_full": self.steps["full"], "tts_frames": self.frames_out, "tts_starved": self.starved,
+                "tts_forced": self.forced,
                 "tts_completed": self.completed, "tts_cancelled": self.cancelled, "tts_failed": self.failed}
 
     # ---- engine thread ----
 
-    def warm_up(self, costs: CostModel | None = None) -> None:
-        """Capture the graphs (CUDA) and run each step kind once with no row active, recording
-        its cost, so the first live step already has an estimate (slack.py rule 2)."""
+    def warm_up(self) -> None:
+        """Capture the graphs (CUDA) and run each step kind with no row active, measuring its
+        cost; the first `offer` hands those to the runner's cost model, so the first live step
+        already has an estimate (slack.py rule 2)."""
         idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         for kind in ("text", "full"):
             if self._use_graphs:
@@ -188,10 +199,12 @@ class TtsPool:
                 self._run_device(idle, kind)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                if costs is not None:
-                    costs.record(("tts", kind), time.perf_counter() - start)
+                self._warm_costs.append((("tts", kind), time.perf_counter() - start))
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
+        for key, seconds in self._warm_costs:
+            costs.record(key, seconds)
+        self._warm_costs.clear()
         self._track_tick(left_s)
         self._drop_cancelled()
         job = self._next_admission()
@@ -207,8 +220,12 @@ class TtsPool:
             estimate = costs.estimate(("tts", "full"))
             if estimate is not None and estimate > left_s:
                 kind, rows = "text", warm  # warm-up rows first: a text step may still fit
+        forced = self._idle_ticks >= self.force_after_ticks
+        if forced:
+            self._idle_ticks = 0
+            self.forced += 1
         return WorkItem(key=("tts", kind), run=lambda: self._step(rows, kind),
-                        fail=lambda exc: self._fail_rows(rows, exc))
+                        fail=lambda exc: self._fail_rows(rows, exc), forced=forced)
 
     def _track_tick(self, left_s: float | None) -> None:
         """A new tick's slack starts with more time left than the last offer saw: count the rows
@@ -217,6 +234,7 @@ class TtsPool:
             return
         if self._last_left is None or left_s > self._last_left:
             self.starved += len(self._wanted - self._stepped)
+            self._idle_ticks = self._idle_ticks + 1 if self._wanted and not self._stepped else 0
             self._wanted = set(self._eligible())
             self._stepped = set()
         self._last_left = left_s

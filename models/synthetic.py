@@ -245,7 +245,7 @@ def write_echo_checkpoint(directory: str | Path, kind: str = "moshi", seed: int 
 TINY_TTS_VOICES = ("tiny/alpha", "tiny/bravo", "tiny/charlie")
 TINY_TTS_SUFFIX = ".tiny0000@0.safetensors"
 _TINY_TTS_VOICE_DIM, _TINY_TTS_VOICE_FRAMES = 16, 10
-_WORD_LOGIT_GAIN = 6.0  # scales the NEW_WORD and PAD rows of text_linear so both get sampled
+_WORD_LOGIT_GAIN = 3.0  # scales the NEW_WORD and PAD rows of text_linear so both get sampled
 
 
 def tiny_tts_config(n_q: int = 4) -> dict:

@@ -5,6 +5,7 @@
     WS   /v1/realtime  OpenAI Realtime API, GA and beta dialects     (openai_realtime.py)
     GET  /api/voices   the model's voice prompts, for the page
     GET  /api/info     model name, and whether it is the babbling demo model
+    POST /v1/audio/speech, GET /v1/audio/voices   OpenAI speech API on the TTS pool (speech_api.py)
     GET  /health /ready /metrics                                    (health.py)
 
 The app does not build the engine (server.py does, from a checkpoint; tests hand in one
@@ -34,6 +35,7 @@ from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .sessions import ServerDefaults, SessionManager
+from .speech_api import SpeechService, speech_routes
 
 log = logging.getLogger("parley.app")
 
@@ -55,7 +57,7 @@ class ServerInfo:
 
 def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info: ServerInfo = ServerInfo(),
                *, codec_workers: int | None = None, start_engine: bool = True,
-               web_dir: Path | None = WEB_DIR) -> Starlette:
+               web_dir: Path | None = WEB_DIR, speech: SpeechService | None = None) -> Starlette:
     """Build the app around an engine. With `start_engine`, the lifespan starts the engine
     (if it is not running) and always shuts it down at exit."""
     metrics: health.EdgeMetrics | None = None
@@ -98,6 +100,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         Route("/health", health.health),
         Route("/ready", health.ready),
         Route("/metrics", health.metrics),
+        *speech_routes(speech, defaults.api_key),
     ]
     if web_dir is not None and (web_dir / "index.html").is_file():
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))

@@ -3,6 +3,7 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
 
     parley serve [--model DIR_OR_REPO] [--host H] [--port P] [--max-sessions N] ...
     parley offline --model DIR --input-wav IN --output-wav OUT [--output-text OUT.json] ...
+    parley tts --model DIR --text TEXT --voice NAME --output OUT.wav [--voices DIR] ...
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from parley.engine import OptionsError, SamplingOptions, SessionOptions
 from .help_format import HelpFormatter
 from .offline_cli import add_offline
 from .server import ServeConfig, serve
+from .tts_cli import add_tts
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -74,6 +76,16 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
                         "network edge)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
+    # ---- TTS: POST /v1/audio/speech (realtime/speech_api.py) ----
+    p.add_argument("--tts-model", default=None,
+                   help="DSM TTS checkpoint directory or Hugging Face repo id (e.g. kyutai/tts-1.6b-en_fr), "
+                        "served on /v1/audio/speech beside --model, or alone without it; the demo (no --model, "
+                        "no --tts-model) includes a tiny TTS")
+    p.add_argument("--tts-slots", type=int, default=4, help="concurrent TTS requests; one more gets 429")
+    p.add_argument("--tts-voices", default=None,
+                   help="voice set for --tts-model: a directory or Hugging Face repo id (default kyutai/tts-voices)")
+    p.add_argument("--tts-voice-map", default=None,
+                   help="JSON file mapping voice aliases (e.g. OpenAI's alloy, ash, ...) to voice names")
     p.set_defaults(handler=run_serve)
 
 
@@ -92,15 +104,22 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1:
         print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
         return 2
+    if args.tts_slots < 1:
+        print("parley serve: --tts-slots must be at least 1", file=sys.stderr)
+        return 2
+    if args.tts_model is None and (args.tts_voices or args.tts_voice_map):
+        print("parley serve: --tts-voices and --tts-voice-map need --tts-model", file=sys.stderr)
+        return 2
     config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None}, api_key=args.api_key,
                          log_level=args.log_level, codec_workers=args.codec_workers,
-                         torch_threads=args.torch_threads)
+                         torch_threads=args.torch_threads, tts_model=args.tts_model, tts_slots=args.tts_slots,
+                         tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map)
     return serve(config)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_tts)
 
 
 def installed_version() -> str:

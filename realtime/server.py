@@ -27,11 +27,14 @@ import uvicorn
 
 from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
+from parley.engine.no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
 from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import ensure_demo_checkpoint
+from .demo_model import DEMO_TTS_VOICE_MAP, ensure_demo_checkpoint, ensure_demo_tts
 from .sessions import ServerDefaults
+from .speech_api import SpeechService
+from .speech_setup import load_speech_service
 
 log = logging.getLogger("parley.server")
 
@@ -62,6 +65,11 @@ class ServeConfig:
     # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
     # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
     torch_threads: int | None = 1
+    # TTS (POST /v1/audio/speech): a DSM TTS checkpoint beside (or without) the duplex model.
+    tts_model: str | None = None
+    tts_slots: int = 4
+    tts_voices: str | None = None  # voice set directory or HF repo id; None: kyutai/tts-voices
+    tts_voice_map: str | None = None  # JSON {alias: voice name}, e.g. OpenAI's names
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,16 +105,36 @@ def voice_names(checkpoint: Checkpoint) -> tuple[str, ...]:
     return tuple(sorted(p.name for p in Path(checkpoint.voices_dir).glob("*.pt")))
 
 
+def build_speech(config: ServeConfig, demo: bool, dtype: torch.dtype) -> SpeechService | None:
+    """The TTS pool and voices: --tts-model, or the demo TTS when no model at all was given."""
+    if config.tts_model is None and not demo:
+        return None
+    if config.tts_model is None:
+        directory = ensure_demo_tts()
+        return load_speech_service(directory, slots=config.tts_slots, voices=directory / "voices",
+                                   voice_map=directory / DEMO_TTS_VOICE_MAP, device=config.device, dtype=dtype)
+    log.info("loading TTS %s on %s", config.tts_model, config.device)
+    return load_speech_service(config.tts_model, slots=config.tts_slots, voices=config.tts_voices,
+                               voice_map=config.tts_voice_map, device=config.device, dtype=dtype)
+
+
 def build_app(config: ServeConfig):
-    """Load the model and wire engine + app (no sockets yet)."""
-    demo = config.model is None
+    """Load the model(s) and wire engine + app (no sockets yet)."""
+    demo = config.model is None and config.tts_model is None
+    if config.torch_threads is not None:
+        torch.set_num_threads(config.torch_threads)
+    dtype = resolve_dtype(config.dtype, config.device)
+    speech = build_speech(config, demo, dtype)
+    if config.model is None and not demo:  # TTS only: the duplex routes refuse sessions, saying why
+        engine = Engine(NoDuplexBackend(config.device), EngineConfig(max_sessions=1))
+        engine.add_slack_source(speech.pool)
+        info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON])
+        defaults = ServerDefaults(options=config.defaults, model_name=info.model, api_key=config.api_key)
+        return create_app(engine, defaults, info, codec_workers=config.codec_workers, speech=speech)
     source = str(ensure_demo_checkpoint()) if demo else config.model
     if demo:
         log.warning(DEMO_NOTICE)
-    if config.torch_threads is not None:
-        torch.set_num_threads(config.torch_threads)
     device = torch.device(config.device)
-    dtype = resolve_dtype(config.dtype, config.device)
     log.info("loading %s on %s (%s)", source, device, str(dtype).removeprefix("torch."))
     checkpoint = load_checkpoint(source, device=device, dtype=dtype)
     prompts = checkpoint.model_type == "personaplex"
@@ -116,12 +144,14 @@ def build_app(config: ServeConfig):
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
     engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    if speech is not None:
+        engine.add_slack_source(speech.pool)
     voices = voice_names(checkpoint)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
                       default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
-    return create_app(engine, defaults, info, codec_workers=config.codec_workers)
+    return create_app(engine, defaults, info, codec_workers=config.codec_workers, speech=speech)
 
 
 def serve(config: ServeConfig) -> int:
