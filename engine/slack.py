@@ -66,6 +66,9 @@ class SlackSource(Protocol):
         """The next item this source wants to run, sized to `left_s` seconds where it can be
         (None: no deadline, e.g. manual ticks in tests), or None when it has nothing to do."""
 
+    # Optional: `slack_started(deadline: float | None) -> None`, called once at the start of each
+    # tick's slack, before any offer (for per-tick accounting).
+
 
 class CostModel:
     """Per-key cost estimates: the maximum of the last COST_WINDOW costs per unit."""
@@ -118,6 +121,10 @@ class SlackRunner:
 
     def run_until(self, deadline: float | None) -> None:
         """deadline: the next tick's boundary (None: run everything offered, manual mode)."""
+        for source in self._sources:  # sources that account per tick (e.g. TTS starvation) hear of it
+            started = getattr(source, "slack_started", None)
+            if started is not None:
+                started(deadline)
         first = True
         while True:
             item = self._next_fitting(deadline, first)

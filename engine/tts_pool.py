@@ -149,7 +149,6 @@ class TtsPool:
         self._graphs: dict[str, CUDAGraphRunner] = {}
         self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
-        self._last_left: float | None = None
         self._wanted: set[int] = set()  # rows eligible at this tick's first offer
         self._stepped: set[int] = set()
         self.force_after_ticks = force_after_ticks
@@ -205,7 +204,6 @@ class TtsPool:
         for key, seconds in self._warm_costs:
             costs.record(key, seconds)
         self._warm_costs.clear()
-        self._track_tick(left_s)
         self._drop_cancelled()
         job = self._next_admission()
         if job is not None:
@@ -227,17 +225,16 @@ class TtsPool:
         return WorkItem(key=("tts", kind), run=lambda: self._step(rows, kind),
                         fail=lambda exc: self._fail_rows(rows, exc), forced=forced)
 
-    def _track_tick(self, left_s: float | None) -> None:
-        """A new tick's slack starts with more time left than the last offer saw: count the rows
-        the last tick could not step (starved), and note who wants a step in this one."""
-        if left_s is None:
+    def slack_started(self, deadline: float | None) -> None:
+        """A tick's slack begins (slack.py): count the rows the last tick could not step
+        (starved), and note who wants a step in this one. Manual mode (no deadline) never starves."""
+        if deadline is None:
+            self._wanted, self._stepped = set(), set()
             return
-        if self._last_left is None or left_s > self._last_left:
-            self.starved += len(self._wanted - self._stepped)
-            self._idle_ticks = self._idle_ticks + 1 if self._wanted and not self._stepped else 0
-            self._wanted = set(self._eligible())
-            self._stepped = set()
-        self._last_left = left_s
+        self.starved += len(self._wanted - self._stepped)
+        self._idle_ticks = self._idle_ticks + 1 if self._wanted and not self._stepped else 0
+        self._wanted = set(self._eligible())
+        self._stepped = set()
 
     def _eligible(self) -> list[int]:
         return [b for b, row in enumerate(self._rows)
