@@ -17,6 +17,7 @@ from parley.models.audio_io import write_wav
 from parley.models.checkpoint import CheckpointError
 
 from .help_format import HelpFormatter
+from .offline_cli import add_run_flags
 from .server import resolve_dtype
 from .speech_api import SPEED_MAX, SPEED_MIN, SpeechError, SpeechParams, build_request
 from .speech_setup import DEFAULT_VOICES, load_speech_service
@@ -38,12 +39,7 @@ def add_tts(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--voice-map", default=None, help="JSON file mapping aliases to voice names")
     p.add_argument("--speed", type=float, default=1.0, help=f"speaking rate, {SPEED_MIN} to {SPEED_MAX}")
     p.add_argument("--words-json", type=Path, default=None, help="where to write the word timings as JSON")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding: the run is deterministic")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    add_run_flags(p)
     p.set_defaults(handler=run_tts_command)
 
 

@@ -24,7 +24,7 @@ import torch
 from parley.engine import Engine, EngineConfig
 from parley.engine.testing import DelayBackend
 from parley.engine.tts_offline import synthesize
-from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_tts_checkpoint
+from parley.models.synthetic import TINY_TTS_VOICES
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.demo_model import OPENAI_VOICE_NAMES
 from parley.realtime.speech_api import SpeechParams, build_request
@@ -35,26 +35,21 @@ from server_harness import serve
 TEXT = "Hello there, how are you?"
 GREEDY = {"text_temperature": 0.0, "audio_temperature": 0.0}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tts_dir(tmp_path_factory):
-    directory = write_tiny_tts_checkpoint(tmp_path_factory.mktemp("tts"), seed=3)
-    voice_map = {name: TINY_TTS_VOICES[i % 3] for i, name in enumerate(OPENAI_VOICE_NAMES)}
-    (directory / "voice_map.json").write_text(json.dumps(voice_map))
-    return directory
+def tts_dir(tiny_tts_dir, tmp_path_factory):
+    """The tiny TTS, and a voice map giving it OpenAI's 13 names (beside it, not inside it)."""
+    voice_map = tmp_path_factory.mktemp("voice_map") / "voice_map.json"
+    voice_map.write_text(json.dumps({name: TINY_TTS_VOICES[i % 3] for i, name in enumerate(OPENAI_VOICE_NAMES)}))
+    return tiny_tts_dir, voice_map
 
 
 def make_service(tts_dir, slots):
-    service = load_speech_service(tts_dir, slots=slots, voices=tts_dir / "voices",
-                                  voice_map=tts_dir / "voice_map.json", device="cpu", dtype=torch.float32)
+    directory, voice_map = tts_dir
+    service = load_speech_service(directory, slots=slots, voices=directory / "voices",
+                                  voice_map=voice_map, device="cpu", dtype=torch.float32)
     service.sampling = dict(GREEDY)
     return service
 

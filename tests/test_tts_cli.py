@@ -11,29 +11,17 @@ import pytest
 import soundfile as sf
 import torch
 
-from parley.models.synthetic import write_tiny_tts_checkpoint
 from parley.realtime import cli
 from parley.realtime.demo_model import OPENAI_VOICE_NAMES
 from parley.realtime.server import ServeConfig, build_app
 from server_harness import serve
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def tts_dir(tmp_path_factory):
-    return write_tiny_tts_checkpoint(tmp_path_factory.mktemp("tts"), seed=2)
-
-
-def test_parley_tts_writes_a_wav_and_word_timings(tts_dir, tmp_path):
+def test_parley_tts_writes_a_wav_and_word_timings(tiny_tts_dir, tmp_path):
     out, words = tmp_path / "out.wav", tmp_path / "words.json"
-    rc = cli.main(["tts", "--model", str(tts_dir), "--voices", str(tts_dir / "voices"), "--voice", "tiny/alpha",
+    rc = cli.main(["tts", "--model", str(tiny_tts_dir), "--voices", str(tiny_tts_dir / "voices"), "--voice", "tiny/alpha",
                    "--text", "Hello there, my friend.", "--output", str(out), "--words-json", str(words), "--greedy"])
     assert rc == 0
     pcm, sr = sf.read(out)
@@ -44,8 +32,8 @@ def test_parley_tts_writes_a_wav_and_word_timings(tts_dir, tmp_path):
     assert timings[-1]["stop_s"] <= pcm.size / 24000
 
 
-def test_parley_tts_refuses_an_unknown_voice(tts_dir, tmp_path, capsys):
-    rc = cli.main(["tts", "--model", str(tts_dir), "--voices", str(tts_dir / "voices"), "--voice", "nobody",
+def test_parley_tts_refuses_an_unknown_voice(tiny_tts_dir, tmp_path, capsys):
+    rc = cli.main(["tts", "--model", str(tiny_tts_dir), "--voices", str(tiny_tts_dir / "voices"), "--voice", "nobody",
                    "--text", "Hi.", "--output", str(tmp_path / "x.wav")])
     assert rc == 2 and "unknown voice 'nobody'" in capsys.readouterr().err
 
@@ -71,10 +59,10 @@ def test_demo_serves_tts_with_all_openai_voice_names(tmp_path, monkeypatch):
             assert r.status_code == 200 and len(r.content) > 0, voice
 
 
-def test_tts_only_server_refuses_duplex_sessions_with_a_reason(tts_dir):
+def test_tts_only_server_refuses_duplex_sessions_with_a_reason(tiny_tts_dir):
     import websockets.sync.client as ws_client
 
-    app = build_app(ServeConfig(model=None, tts_model=str(tts_dir), tts_voices=str(tts_dir / "voices"),
+    app = build_app(ServeConfig(model=None, tts_model=str(tiny_tts_dir), tts_voices=str(tiny_tts_dir / "voices"),
                                 codec_workers=0, torch_threads=1, tts_slots=1))
     with serve(app) as url:
         r = httpx.post(f"http://{url}/v1/audio/speech", timeout=120,

@@ -14,25 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from parley.models.checkpoint import CheckpointError
 from parley.models.dsm import split_words
-from parley.models.synthetic import TINY_TTS_SUFFIX, TINY_TTS_VOICES, write_tiny_tts_checkpoint
+from parley.models.synthetic import TINY_TTS_SUFFIX, TINY_TTS_VOICES
 from parley.models.tts import TtsGen
 from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
 
 TEXTS = ["Hello, how are you doing today?", "The quick brown fox <break time=\"0.3s\"/> jumps over."]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: intra-op threads only spin against each other on a shared box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_tts(tmp_path_factory) -> Path:
-    return write_tiny_tts_checkpoint(tmp_path_factory.mktemp("tts"), seed=3)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _reference_model(directory: Path) -> ref_tts.TTSModel:
@@ -48,16 +36,16 @@ def _reference_model(directory: Path) -> ref_tts.TTSModel:
                                                  dtype=torch.float32, n_q=raw["n_q"])
 
 
-def test_greedy_tokens_equal_the_reference(tiny_tts):
-    ref = _reference_model(tiny_tts)
-    voices = [tiny_tts / "voices" / f"{name}{TINY_TTS_SUFFIX}" for name in TINY_TTS_VOICES[:2]]
+def test_greedy_tokens_equal_the_reference(tiny_tts_dir):
+    ref = _reference_model(tiny_tts_dir)
+    voices = [tiny_tts_dir / "voices" / f"{name}{TINY_TTS_SUFFIX}" for name in TINY_TTS_VOICES[:2]]
     entries = [ref.prepare_script([t], padding_between=1) for t in TEXTS]
     attributes = [ref.make_condition_attributes([v], cfg_coef=2.0) for v in voices]
     result = ref.generate(entries, attributes, use_sampling=False)
     want = torch.stack([f[:, :, 0] for f in result.frames], dim=1)  # [B, frames, 1 + n_q]
 
-    ck = load_tts_checkpoint(tiny_tts, dtype=torch.float32)
-    store = VoiceStore.open(tiny_tts / "voices", ck.config.voice_suffix, 16)
+    ck = load_tts_checkpoint(tiny_tts_dir, dtype=torch.float32)
+    store = VoiceStore.open(tiny_tts_dir / "voices", ck.config.voice_suffix, 16)
     ours = [split_words(t, ck.tokenizer.encode, 12.5, padding_between=1) for t in TEXTS]
     assert [[(list(e.tokens), e.padding) for e in es] for es in ours] == \
         [[(e.tokens, e.padding) for e in es] for es in entries]
@@ -85,17 +73,17 @@ def test_greedy_tokens_equal_the_reference(tiny_tts):
     assert (want[:, delay + 2:, 1:] >= 0).all()  # real audio codes came out after the delay
 
 
-def test_layout_loads_strictly_into_the_reference(tiny_tts):
-    ref = _reference_model(tiny_tts)  # get_moshi_lm loads the file with strict key checking
-    state = load_file(str(tiny_tts / json.loads((tiny_tts / "config.json").read_text())["moshi_name"]))
+def test_layout_loads_strictly_into_the_reference(tiny_tts_dir):
+    ref = _reference_model(tiny_tts_dir)  # get_moshi_lm loads the file with strict key checking
+    state = load_file(str(tiny_tts_dir / json.loads((tiny_tts_dir / "config.json").read_text())["moshi_name"]))
     assert set(state) == set(ref.lm.state_dict())
     assert any(".self_attn.in_projs.2.weight" in k for k in state)  # unpacked per-step names
 
 
-def test_packed_attention_names_load_too(tiny_tts, tmp_path):
+def test_packed_attention_names_load_too(tiny_tts_dir, tmp_path):
     import shutil
     copy = tmp_path / "packed"
-    shutil.copytree(tiny_tts, copy)
+    shutil.copytree(tiny_tts_dir, copy)
     name = json.loads((copy / "config.json").read_text())["moshi_name"]
     ck = load_tts_checkpoint(copy, dtype=torch.float32)
     save_file({k: v.contiguous() for k, v in ck.lm.state_dict().items()}, str(copy / name))
@@ -104,10 +92,10 @@ def test_packed_attention_names_load_too(tiny_tts, tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_checkpoint_errors_name_the_problem(tiny_tts, tmp_path):
+def test_checkpoint_errors_name_the_problem(tiny_tts_dir, tmp_path):
     import shutil
     bad = tmp_path / "bad"
-    shutil.copytree(tiny_tts, bad)
+    shutil.copytree(tiny_tts_dir, bad)
     raw = json.loads((bad / "config.json").read_text())
     state = load_file(str(bad / raw["moshi_name"]))
     state.pop("text_emb.out2.weight")
@@ -125,8 +113,8 @@ def test_checkpoint_errors_name_the_problem(tiny_tts, tmp_path):
         load_tts_checkpoint(bad)
 
 
-def test_voice_errors(tiny_tts, tmp_path):
-    store = VoiceStore.open(tiny_tts / "voices", TINY_TTS_SUFFIX, 16)
+def test_voice_errors(tiny_tts_dir, tmp_path):
+    store = VoiceStore.open(tiny_tts_dir / "voices", TINY_TTS_SUFFIX, 16)
     assert store.names() == list(TINY_TTS_VOICES)
     with pytest.raises(KeyError):
         store.load("nobody")
@@ -139,4 +127,4 @@ def test_voice_errors(tiny_tts, tmp_path):
     with pytest.raises(CheckpointError, match=r"expected \[1, 16, frames\]"):
         VoiceStore.open(bad, TINY_TTS_SUFFIX, 16).load("x")
     with pytest.raises(CheckpointError, match="voice map names voices not in"):
-        VoiceStore(tiny_tts / "voices", TINY_TTS_SUFFIX, 16, {"alloy": "nope"})
+        VoiceStore(tiny_tts_dir / "voices", TINY_TTS_SUFFIX, 16, {"alloy": "nope"})

@@ -17,26 +17,19 @@ from parley.engine.testing import DelayBackend
 from parley.engine.tts_pool import ADMIT_KEY, TtsAudio, TtsPool, TtsRequest, TtsWord
 from parley.models.config import FRAME_SAMPLES
 from parley.models.dsm import split_words
-from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_tts_checkpoint
+from parley.models.synthetic import TINY_TTS_VOICES
 from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
 
 TEXTS = ["Hello there.", "How are you doing today?", "The quick brown fox jumps.", "Good morning!",
          "Tell me a story.", "Yes, of course.", "See you tomorrow.", "What would you like?"]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tts(tmp_path_factory):
-    directory = write_tiny_tts_checkpoint(tmp_path_factory.mktemp("tts"), seed=1)
-    ck = load_tts_checkpoint(directory, dtype=torch.float32)
-    return ck, VoiceStore.open(directory / "voices", ck.config.voice_suffix, 16)
+def tts(tiny_tts_dir):
+    ck = load_tts_checkpoint(tiny_tts_dir, dtype=torch.float32)
+    return ck, VoiceStore.open(tiny_tts_dir / "voices", ck.config.voice_suffix, 16)
 
 
 def request(tts, text, voice=0, **kw):
