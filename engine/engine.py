@@ -97,7 +97,8 @@ class Engine:
         stats = self._slack.stats
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
                 "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
-                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed}
+                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
+                **self._slack.source_counters()}
 
     def add_slack_source(self, source: SlackSource) -> None:
         """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`

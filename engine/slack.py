@@ -115,6 +115,15 @@ class SlackRunner:
         self.stats = SlackStats()
         self._sources: list[SlackSource] = []
 
+    def source_counters(self) -> dict:
+        """Counters of the sources that keep some (`counters()`), for /metrics."""
+        out: dict = {}
+        for source in self._sources:
+            counters = getattr(source, "counters", None)
+            if counters is not None:
+                out.update(counters())
+        return out
+
     def add_source(self, source: SlackSource) -> None:
         self._sources.append(source)
         self._sources.sort(key=lambda s: s.priority)  # stable: equal priorities keep their order

@@ -10,6 +10,8 @@ API
     state = tr.init_state(batch_size, device, dtype)      # TransformerState
     y = tr(x[B, T, d], state, exec_mask=None, step=None)  # streaming
     y = tr(x[B, T, d])                                    # no state: plain causal pass over x
+    tr = StreamingTransformer(..., cross_attention=True)  # + a cross-attention block per layer (DSM TTS)
+    y = tr(x, state, exec_mask, cross_kv=tr.cross_kv(source[B, S, d]))
     state.reset(mask[B])       # masked rows back to position 0 with an empty KV ring
     state.clear()              # every row (the depformer clears once per frame)
     state.row(i)               # a B=1 view of row i: stepping it updates row i in place
@@ -30,7 +32,9 @@ Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
 Parameter names are the published checkpoint keys: `layers.{i}.self_attn.in_proj_weight`
 (fused QKV, per-step weights stacked on dim 0), `layers.{i}.self_attn.out_proj.weight`,
 `layers.{i}.norm{1,2}.{alpha | weight, bias}`, `layers.{i}.gating[.{k}].linear_{in,out}.weight`
-or `layers.{i}.linear{1,2}.weight`, `layers.{i}.layer_scale_{1,2}.scale`.
+or `layers.{i}.linear{1,2}.weight`, `layers.{i}.layer_scale_{1,2}.scale`; with cross-attention
+`layers.{i}.cross_attention.{in_proj_weight, out_proj.weight}` and `layers.{i}.norm_cross.{weight, bias}`
+(LayerNorm after self-attention, before the FFN; no mask, no RoPE; the fused CUDA decode is not used).
 """
 
 from __future__ import annotations

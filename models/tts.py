@@ -121,7 +121,7 @@ class TtsConfig:
             conditioners=tuple(conditioners), fuse_sum=fuse_sum, fuse_cross=fuse_cross,
             cross_pos_emb=bool(fuser.get("cross_attention_pos_emb", False)),
             cross_pos_emb_scale=float(fuser.get("cross_attention_pos_emb_scale", 1.0)),
-            audio_delay_frames=int(float(tts["audio_delay"]) * FRAME_RATE),
+            audio_delay_frames=round(float(tts["audio_delay"]) * FRAME_RATE),
             second_stream_ahead=int(tts.get("second_stream_ahead", 0)), voice_suffix=suffix)
 
     @property

@@ -249,7 +249,8 @@ async def _audio(job: TtsJob, first: TtsAudio | None, fmt: str) -> AsyncIterator
         yield tail
 
 
-async def _sse(job: TtsJob, first: TtsAudio | None, fmt: str, input_tokens: int, codebooks: int) -> AsyncIterator[bytes]:
+async def _sse(job: TtsJob, first: TtsAudio | None, fmt: str, input_tokens: int,
+               codebooks: int) -> AsyncIterator[bytes]:
     encoder = make_encoder(fmt)
     frames = 0
 

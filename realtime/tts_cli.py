@@ -35,7 +35,8 @@ def add_tts(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text", required=True, help="what to say (at most 4096 characters)")
     p.add_argument("--voice", required=True, help="a voice name from --voices (or an alias from --voice-map)")
     p.add_argument("--output", required=True, type=Path, help="where to write the WAV (24 kHz mono)")
-    p.add_argument("--voices", default=None, help=f"voice set directory or Hugging Face repo id (default {DEFAULT_VOICES})")
+    p.add_argument("--voices", default=None,
+                   help=f"voice set directory or Hugging Face repo id (default {DEFAULT_VOICES})")
     p.add_argument("--voice-map", default=None, help="JSON file mapping aliases to voice names")
     p.add_argument("--speed", type=float, default=1.0, help=f"speaking rate, {SPEED_MIN} to {SPEED_MAX}")
     p.add_argument("--words-json", type=Path, default=None, help="where to write the word timings as JSON")

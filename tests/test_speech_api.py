@@ -170,6 +170,12 @@ def test_openai_sdk_round_trip(server):
     np.testing.assert_array_equal(np.frombuffer(streamed[44:], "<i2"), to_int16(oracle.pcm))
 
 
+def test_tts_counters_reach_metrics(server):
+    url, _, _ = server
+    text = httpx.get(f"{url}/metrics").text
+    assert "parley_engine_tts_completed_total" in text and "parley_engine_tts_slots 2.0" in text
+
+
 def test_voices_list_and_every_openai_name_speaks(server):
     url, _, _ = server
     names = [v["id"] for v in httpx.get(f"{url}/v1/audio/voices").json()["data"]]
@@ -229,7 +235,8 @@ def test_speed_changes_the_speech_rate(tts_dir):
     service = make_service(tts_dir, slots=1)
     frames = {}
     for speed in (0.5, 1.0, 2.0):
-        request, _ = build_request(service, SpeechParams(TEXT + " The quick brown fox.", "alloy", "pcm", speed, "audio"))
+        params = SpeechParams(TEXT + " The quick brown fox.", "alloy", "pcm", speed, "audio")
+        request, _ = build_request(service, params)
         frames[speed] = synthesize(service.pool, request).pcm.size // 1920
     assert frames[0.5] > frames[1.0] >= frames[2.0]
 
@@ -237,4 +244,5 @@ def test_speed_changes_the_speech_rate(tts_dir):
 def test_the_dataclass_request_is_greedy_here(tts_dir):
     service = make_service(tts_dir, slots=1)
     request, tokens = build_request(service, SpeechParams(TEXT, "alloy", "pcm", 1.0, "audio"))
-    assert dataclasses.asdict(request)["text_temperature"] == 0.0 and tokens == sum(len(e.tokens) for e in request.entries)
+    assert dataclasses.asdict(request)["text_temperature"] == 0.0
+    assert tokens == sum(len(e.tokens) for e in request.entries)

@@ -9,7 +9,6 @@ import httpx2 as httpx  # what the pinned openai SDK ships on
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 
 from parley.realtime import cli
 from parley.realtime.demo_model import OPENAI_VOICE_NAMES
@@ -21,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_parley_tts_writes_a_wav_and_word_timings(tiny_tts_dir, tmp_path):
     out, words = tmp_path / "out.wav", tmp_path / "words.json"
-    rc = cli.main(["tts", "--model", str(tiny_tts_dir), "--voices", str(tiny_tts_dir / "voices"), "--voice", "tiny/alpha",
+    rc = cli.main(["tts", "--model", str(tiny_tts_dir), "--voices", str(tiny_tts_dir / "voices"),
+                   "--voice", "tiny/alpha",
                    "--text", "Hello there, my friend.", "--output", str(out), "--words-json", str(words), "--greedy"])
     assert rc == 0
     pcm, sr = sf.read(out)
