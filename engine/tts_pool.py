@@ -269,6 +269,7 @@ class TtsPool:
         self._mimi_state.reset(mask)
         self._rows[row] = _Row(job, budget=step_budget(req.entries, self.delay))
 
+    @torch.no_grad()
     def _device_step(self, active: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
         """Device-only work of one step (captured per kind on CUDA)."""
         out = self._gen.step(active, full=kind == "full")
