@@ -123,6 +123,7 @@ class Engine:
         for session in self._open_sessions():
             self._end_session(session, Terminal(Status.CANCELLED, "the engine is shutting down"),
                               EngineClosed("the engine is shutting down"))
+        self._slack.stop_sources(Terminal(Status.CANCELLED, "the engine is shutting down"))
         if not joined:
             # A step is stuck on the device; freeing its memory under it would be worse.
             self._healthy = False
@@ -270,6 +271,7 @@ class Engine:
         reason = "engine failure (see the server log)"
         for session in self._open_sessions():
             self._fail_session(session, reason)
+        self._slack.stop_sources(Terminal(Status.FAILED, reason))
         self._stop.set()
 
 

@@ -115,6 +115,14 @@ class SlackRunner:
         self.stats = SlackStats()
         self._sources: list[SlackSource] = []
 
+    def stop_sources(self, terminal) -> None:
+        """The engine stopped (shutdown or a fatal error): sources with a `stop(terminal)` end
+        their requests with it, so no client waits on work that will never run."""
+        for source in self._sources:
+            stop = getattr(source, "stop", None)
+            if stop is not None:
+                stop(terminal)
+
     def source_counters(self) -> dict:
         """Counters of the sources that keep some (`counters()`), for /metrics."""
         out: dict = {}

@@ -344,6 +344,17 @@ class TtsPool:
             self._reserved -= 1
         row.job.stream.finish(terminal)
 
+    def stop(self, terminal: Terminal) -> None:
+        """The engine stopped: every live and pending request ends with `terminal`."""
+        for b, row in enumerate(self._rows):
+            if row is not None:
+                self._free(b, terminal)
+        with self._lock:
+            pending, self._pending = list(self._pending), deque()
+            self._reserved -= len(pending)
+        for job in pending:
+            job.stream.finish(terminal)
+
     def _fail_rows(self, rows: list[int], exc: Exception) -> None:
         for b in rows:
             if self._rows[b] is not None:

@@ -163,3 +163,45 @@ def test_starved_rows_are_counted_then_one_step_is_forced(tts):
         for job in jobs:
             job.cancel()
     asyncio.run(main())
+
+
+def test_engine_shutdown_ends_every_tts_request(tts):
+    async def main():
+        ck, _ = tts
+        engine = Engine(DelayBackend(1), EngineConfig(max_sessions=1))
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10)
+        engine.add_slack_source(pool)
+        loop = asyncio.get_running_loop()
+        live = pool.submit(request(tts, "a sentence long enough to still be running"), loop)
+        run_items(pool, 3)
+        assert pool.live == 1
+        engine.shutdown()
+        assert live.stream.drain()[-1] == Terminal(Status.CANCELLED, "the engine is shutting down")
+        assert pool.live == 0
+        queued = pool.submit(request(tts, "Hi."), loop)
+        pool.stop(Terminal(Status.FAILED, "engine failure"))
+        assert queued.stream.drain() == [Terminal(Status.FAILED, "engine failure")]
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_give_the_eager_tokens(tiny_tts_dir):
+    """Both step kinds captured as CUDA graphs produce what the eager pool produces (greedy)."""
+    from parley.engine.tts_offline import synthesize
+
+    ck = load_tts_checkpoint(tiny_tts_dir, device="cuda", dtype=torch.float32)
+    store = VoiceStore.open(tiny_tts_dir / "voices", ck.config.voice_suffix, 16)
+    entries = tuple(split_words("Hello there, how are you?", ck.tokenizer.encode, 12.5))
+    req = TtsRequest(entries, (store.load(TINY_TTS_VOICES[0]),), {"control": "ok", "cfg": "2.0"},
+                     text_temperature=0.0, audio_temperature=0.0)
+    results = []
+    for graphs in (False, True):
+        pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10, cuda_graphs=graphs)
+        pool.warm_up()
+        assert bool(pool._graphs) == graphs
+        results.append(synthesize(pool, req))
+    eager, graphed = results
+    assert graphed.terminal.status is Status.COMPLETED
+    assert [w.text for w in graphed.words] == [w.text for w in eager.words]
+    np.testing.assert_allclose(graphed.pcm, eager.pcm, atol=1e-4)
