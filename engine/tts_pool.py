@@ -174,6 +174,11 @@ class TtsPool:
         return job
 
     @property
+    def graphed(self) -> bool:
+        """Whether the steps replay CUDA graphs (CUDA, after `warm_up`)."""
+        return bool(self._graphs)
+
+    @property
     def live(self) -> int:
         return sum(row is not None for row in self._rows)
 

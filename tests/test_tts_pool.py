@@ -199,7 +199,7 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_tts_dir):
     for graphs in (False, True):
         pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10, cuda_graphs=graphs)
         pool.warm_up()
-        assert bool(pool._graphs) == graphs
+        assert pool.graphed == graphs
         results.append(synthesize(pool, req))
     eager, graphed = results
     assert graphed.terminal.status is Status.COMPLETED
