@@ -9,7 +9,11 @@ Windows: `empty` (rows start at position 0), `spread` (rows evenly over 0..conte
 (every row past the context, the KV ring full). The reference attends over its whole ring every
 step, so its time does not depend on the window; it is measured once per B.
 
-    python benchmarks/frame_latency.py --batches 1,8,16,32,64,128 --frames 60
+Each row also shows the memory-bandwidth floor of that frame (weights + the filled KV windows
+at the copy bandwidth, see frame_setup.py) and the fraction of it reached (floor / p50).
+`--json` writes every figure; `benchmarks/plot_frames.py` draws them.
+
+    python benchmarks/frame_latency.py --batches 1,8,16,32,64,128 --frames 60 --json frames.json
 """
 
 from __future__ import annotations
@@ -17,26 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from frame_setup import (H200_COPY_TBPS, WINDOWS, floor_ms, kv_bytes, percentile, place_rows,  # noqa: E402
+                         time_frames, weight_bytes, window_positions)
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.models.checkpoint import Checkpoint  # noqa: E402
-from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
+from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig, SamplingDefaults  # noqa: E402
 from parley.models.lm import LMModel, published_state  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
-from parley.models.transformer import ring_slot_positions  # noqa: E402
-
-WINDOWS = ("empty", "spread", "full")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
 def build_models(device: str, dtype: torch.dtype):
@@ -60,18 +58,6 @@ def build_models(device: str, dtype: torch.dtype):
     return ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg
 
 
-def time_frames(run_frame, frames: int, warmup: int) -> list[float]:
-    times = []
-    for i in range(warmup + frames):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run_frame()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1000)
-    return times
-
-
 @torch.no_grad()
 def bench_reference(ref_lm, ref_mimi, batch: int, frames: int, warmup: int) -> dict:
     from moshi.models import LMGen
@@ -91,35 +77,24 @@ def bench_reference(ref_lm, ref_mimi, batch: int, frames: int, warmup: int) -> d
     return {"p50": percentile(times, 50), "p99": percentile(times, 99), "peak_gib": peak / 2**30}
 
 
-def place_rows(backend: ModelBackend, window: str, context: int) -> None:
-    """Move every row to its window position (KV contents are left as they are: timing only)."""
-    state = backend._lm_state.transformer
-    batch, capacity = state.slot_pos.shape
-    if window == "empty":
-        pos = torch.zeros(batch, dtype=torch.long, device=state.pos.device)
-    elif window == "spread":
-        pos = torch.linspace(0, context, batch, device=state.pos.device).long()
-    else:
-        pos = torch.full((batch,), 10 * context, dtype=torch.long, device=state.pos.device)
-    state.pos.copy_(pos)
-    state.slot_pos.copy_(ring_slot_positions(pos, capacity))
-    backend._lm_state.offsets.copy_(pos)
-
-
 @torch.no_grad()
 def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows,
-                 kv_dtype: torch.dtype | None = None) -> dict:
+                 kv_dtype: torch.dtype | None = None, live_rows: int | None = None) -> dict:
+    """`live_rows`: only the lowest rows are live (the others are idle slots), default all."""
     ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg,
-                      voices_dir=None, gen_defaults={}, model_type="moshi", path=Path("."))
+                      voices_dir=None, sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
     torch.cuda.reset_peak_memory_stats()
     backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
-    live = torch.ones(batch, dtype=torch.bool)
+    live = torch.zeros(batch, dtype=torch.bool)
+    live[:batch if live_rows is None else live_rows] = True
     results = {}
     for window in windows:
-        place_rows(backend, window, lm_cfg.context)
+        place_rows(backend._lm_state, window, lm_cfg.context)
         times = time_frames(lambda: backend.step(pcm, live).to_host(), frames, warmup)
-        results[window] = {"p50": percentile(times, 50), "p99": percentile(times, 99)}
+        live_pos = window_positions(batch, window, lm_cfg.context, "cpu")[live]
+        floor = floor_ms(weight_bytes(lm, mimi), kv_bytes(lm_cfg, live_pos, kv_dtype))
+        results[window] = {"p50": percentile(times, 50), "p99": percentile(times, 99), "floor": floor}
     results["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     backend.close()
     return results
@@ -133,6 +108,8 @@ def main() -> None:
     parser.add_argument("--windows", default=",".join(WINDOWS), help="subset of empty,spread,full")
     parser.add_argument("--no-reference", action="store_true", help="time Parley only")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--live", type=int, help="live sessions per case (the lowest rows; the rest of the B slots "
+                        "idle), default all B; with it the reference is not run")
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="Parley's LM KV cache dtype (fp8: float8_e4m3fn with per-vector scales)")
     args = parser.parse_args()
@@ -140,6 +117,10 @@ def main() -> None:
         sys.exit("frame_latency needs a CUDA GPU")
     windows = [w for w in args.windows.split(",") if w]
     batches = [int(b) for b in args.batches.split(",")]
+    if args.live is not None and not 1 <= args.live <= min(batches):
+        sys.exit(f"--live {args.live}: must be between 1 and the smallest batch {min(batches)}")
+    if args.live is not None:
+        args.no_reference = True
     ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16"
           f"  Parley KV cache: {args.kv_dtype}")
@@ -148,7 +129,7 @@ def main() -> None:
         row = {"B": batch}
         try:
             row["parley"] = bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch, args.frames, args.warmup, windows,
-                                         torch.float8_e4m3fn if args.kv_dtype == "fp8" else None)
+                                         torch.float8_e4m3fn if args.kv_dtype == "fp8" else None, args.live)
         except torch.cuda.OutOfMemoryError:
             row["parley"] = "OOM"
         torch.cuda.empty_cache()
@@ -161,9 +142,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print("\n| B | window | Parley p50 | Parley p99 | reference p50 | reference p99 | ratio (ref/Parley p50) "
-          "| Parley peak GiB | reference peak GiB |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\n| B | window | Parley p50 | Parley p99 | floor ({H200_COPY_TBPS} TB/s) | of floor | reference p50 "
+          "| reference p99 | ratio (ref/Parley p50) | Parley peak GiB | reference peak GiB |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         ref = row.get("reference")
         for window in windows:
@@ -172,6 +153,7 @@ def main() -> None:
             r = ref if isinstance(ref, dict) else None
             cells = [
                 f"{p['p50']:.2f}" if p else str(par), f"{p['p99']:.2f}" if p else "",
+                f"{p['floor']:.2f}" if p else "", f"{p['floor'] / p['p50']:.0%}" if p else "",
                 f"{r['p50']:.2f}" if r else str(ref or "-"), f"{r['p99']:.2f}" if r else "",
                 f"{r['p50'] / p['p50']:.2f}x" if (p and r) else "",
                 f"{par['peak_gib']:.1f}" if p else "", f"{r['peak_gib']:.1f}" if r else "",
@@ -181,7 +163,9 @@ def main() -> None:
                 and "full" in row["parley"] and row["parley"]["full"]["p99"] < 80.0]
     print(f"\nLargest B with full windows and p99 < 80 ms: {max(realtime) if realtime else 'none'}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kv_dtype": args.kv_dtype,
+                "frames": args.frames, "live": args.live, "warmup": args.warmup, "bandwidth_tbps": H200_COPY_TBPS}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -17,11 +17,18 @@ what comes back. Printed, over all clients:
   `parley_frame_delay_seconds`) is printed;
 - underruns (from the server's counters: ticks a session had no input), frames lost
   (input frames sent minus output frames received, plus frames the engine dropped);
+- ready time: from opening the socket to the server's handshake byte (the session's prompt,
+  if any, has been prefilled by then), p50 / max;
 - server CPU per session: the server process's CPU seconds (its /metrics
   process_cpu_seconds_total) over the run, per session, as a share of one core.
 
 `--spawn tiny|echo|DIR` writes the tiny or echo checkpoint (or uses DIR) and runs
 `parley serve` on a free 127.0.0.1 port for the run, then stops it. Only 127.0.0.1 is used.
+`--text-prompt` / `--voice-prompt` send every client a persona and a voice (PersonaPlex), so an
+admission burst of prefills is measured:
+
+    python benchmarks/load.py --spawn /tmp/pp7b --clients 64 --procs 4 --device cuda \
+        --text-prompt "You are a helpful assistant." --voice-prompt NATF0.pt
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +70,7 @@ class ClientStats:
     texts: list[tuple[float, str]] = field(default_factory=list)  # (arrival, piece)
     refused: bool = False
     close_code: int | None = None
+    ready_s: float | None = None  # socket open -> handshake byte
 
     def switch_delays(self) -> list[float]:
         """Echo only: for each silence/tone switch, the time from sending the switch frame to
@@ -78,7 +87,7 @@ class ClientStats:
         return delays
 
 
-async def client(url: str, index: int, duration: float, start_gate: asyncio.Event) -> ClientStats:
+async def client(url: str, index: int, duration: float, start_gate: asyncio.Event, query: str = "") -> ClientStats:
     stats = ClientStats()
     freq = 200 + 37 * index
     n = int(duration / FRAME_S)
@@ -86,13 +95,15 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
     tone_on = (np.arange(n * FRAME) // (BLOCK_FRAMES * FRAME)) % 2 == 1  # silence, tone, silence...
     pcm = (0.3 * np.sin(2 * np.pi * freq * t) * tone_on).astype(np.float32)
     writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
-    async with connect(f"{url}/api/chat", max_size=None, compression=None, open_timeout=30) as ws:
+    opened = time.monotonic()
+    async with connect(f"{url}/api/chat{query}", max_size=None, compression=None, open_timeout=30) as ws:
         try:
             first = await asyncio.wait_for(ws.recv(), 60)
         except ConnectionClosed:
             stats.refused, stats.close_code = True, ws.close_code
             return stats
         assert first[:1] == b"\x00", first[:8]
+        stats.ready_s = time.monotonic() - opened
 
         async def receive() -> None:
             try:
@@ -184,13 +195,14 @@ def pct(values, q) -> float:
     return float(np.percentile(values, q)) * 1000 if len(values) else float("nan")
 
 
-def _client_group(url: str, indices: list[int], duration: float, start_at: float) -> list[ClientStats]:
+def _client_group(url: str, indices: list[int], duration: float, start_at: float,
+                  query: str = "") -> list[ClientStats]:
     """Run some of the clients in this process; all groups start streaming at `start_at`
     (time.monotonic() is one clock for every process on the host)."""
 
     async def main() -> list[ClientStats]:
         gate = asyncio.Event()
-        tasks = [asyncio.create_task(client(url, i, duration, gate)) for i in indices]
+        tasks = [asyncio.create_task(client(url, i, duration, gate, query)) for i in indices]
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         gate.set()
         return list(await asyncio.gather(*tasks))
@@ -198,14 +210,16 @@ def _client_group(url: str, indices: list[int], duration: float, start_at: float
     return asyncio.run(main())
 
 
-async def run_load(url: str, clients: int, duration: float, echo: bool = False, procs: int = 1) -> dict:
+async def run_load(url: str, clients: int, duration: float, echo: bool = False, procs: int = 1,
+                   query: str = "") -> dict:
+    """`query`: the /api/chat query string (e.g. "?text_prompt=...&voice_prompt=..."), or ""."""
     http = url.replace("ws://", "http://").replace("wss://", "https://")
     # Handshakes first, then everyone streams from one instant; spread over `procs` processes
     # because each client's Opus work holds its process's GIL (one process tops out near 64).
     start_at = time.monotonic() + 1.0 + 0.02 * clients
     groups = [list(range(clients))[p::procs] for p in range(procs)]
     with concurrent.futures.ProcessPoolExecutor(procs) as pool:
-        futures = [asyncio.wrap_future(pool.submit(_client_group, url, g, duration, start_at)) for g in groups]
+        futures = [asyncio.wrap_future(pool.submit(_client_group, url, g, duration, start_at, query)) for g in groups]
         await asyncio.sleep(max(0.0, start_at - 0.05 - time.monotonic()))
         before, t_before = await asyncio.to_thread(scrape, http), time.monotonic()
         results = [stats for group in await asyncio.gather(*futures) for stats in group]
@@ -220,10 +234,11 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
             delay.extend(r.switch_delays())
         lost += max(0, len(r.sent_at) - len(arrivals))
         sent += len(r.sent_at)
+    ready = [r.ready_s for r in served if r.ready_s is not None]
     d = {k: after[k] - before[k] for k in after}
     cpu = d["process_cpu_seconds_total"] / (t_after - t_before)
     return {"clients": clients, "served": len(served), "refused": len(results) - len(served),
-            "frames_sent": sent, "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
+            "frames_sent": sent, "ready_p50_ms": pct(ready, 50), "ready_max_ms": pct(ready, 100), "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
             "e2e_p50_ms": pct(delay, 50), "e2e_p99_ms": pct(delay, 99), "e2e_probes": len(delay),
             "server_send_delay_mean_ms": 1000 * d["parley_frame_delay_seconds_sum"]
             / max(1.0, d["parley_frame_delay_seconds_count"]),
@@ -244,16 +259,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=1, help="client processes (use several beyond ~48 clients)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="with --spawn: an extra `parley serve` argument (repeat), e.g. --serve-arg=--kv-dtype=fp8")
+    p.add_argument("--text-prompt", help="persona every client sends (/api/chat text_prompt; PersonaPlex)")
+    p.add_argument("--voice-prompt", help="voice every client asks for (/api/chat voice_prompt; PersonaPlex)")
     p.add_argument("--echo", action="store_true",
                    help="the server at --url runs the echo checkpoint: measure end-to-end delay by content")
     args = p.parse_args(argv)
+    params = {k: v for k, v in (("text_prompt", args.text_prompt), ("voice_prompt", args.voice_prompt)) if v}
+    query = "?" + urllib.parse.urlencode(params) if params else ""
     if args.spawn:
         with spawned_server(args.spawn, args.clients, args.device, args.serve_arg) as url:
             report = asyncio.run(run_load(url, args.clients, args.duration, echo=args.spawn == "echo" or args.echo,
-                                          procs=args.procs))
+                                          procs=args.procs, query=query))
     else:
         report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration, echo=args.echo,
-                                      procs=args.procs))
+                                      procs=args.procs, query=query))
     width = max(map(len, report))
     for key, value in report.items():
         print(f"{key:<{width}}  {value:.2f}" if isinstance(value, float) else f"{key:<{width}}  {value}")

@@ -26,7 +26,8 @@ from parley.models.checkpoint import load_checkpoint, lm_config_dict, write_chec
 from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
 from parley.models.lm import LMModel  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
-from parley.models.persona import VoicePrompt, save_voice_pt, voice_to_pt  # noqa: E402
+from parley.models.persona_prompt import voice_to_pt  # noqa: E402
+from parley.models.voices import VoicePrompt, save_voice_pt  # noqa: E402
 from parley.models.tokenizer import train_tiny_tokenizer  # noqa: E402
 
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK ships on)
 import uvicorn  # noqa: E402
 
-from parley.engine import Engine, EngineConfig  # noqa: E402
+from parley.engine import Engine  # noqa: E402
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
 from parley.engine.testing import DelayBackend  # noqa: E402
 from parley.engine.tts_pool import TtsPool  # noqa: E402
@@ -180,7 +180,7 @@ async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) 
     cfg, _, _, lm, mimi = models
     backend, rows = build_duplex(args.duplex, sessions, args.device)
     timed = TimedBackend(backend)
-    engine = Engine(timed, EngineConfig(max_sessions=rows))
+    engine = Engine(timed)
     pool = TtsPool(lm, mimi, max(streams, 1), voice_frames=args.voice_frames)
     pool.warm_up()
     engine.add_slack_source(pool)
@@ -217,7 +217,7 @@ async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) 
         stop.set()
         await feeder
         frame_ms = [t * 1000 for t in timed.times]
-        counters = pool.counters()
+        counters = pool.slack_counters()
         return {
             "streams": streams, "sessions": sessions,
             "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),

@@ -6,6 +6,13 @@ it every row's input frame plus the live mask; rows outside the mask are compute
 left untouched. Outputs stay on the device until `BackendOutput.to_host()`, which is the
 tick's single device->host copy.
 
+Idle rows are free (`ModelBackend`, row buckets): rows are allocated lowest first, so a tick
+runs only the lowest `n` rows that hold every live row, `n` the smallest bucket (1, 2, 4, ...,
+max_sessions) that fits, each bucket with its own CUDA graph over views of the state's lowest
+rows. Rows above `n` are neither read nor written; `to_host` reports them not valid. The cost
+of a bucket switch: the batch size of the matmuls changes, and on CUDA a different batch size
+may round a row's last bits differently (the same holds for any batch-size change).
+
 Error contract, so the engine can tell one bad session from a broken engine:
 - `RowFailure` from `step`: the listed rows' inputs were refused *before* any state
   changed; the engine fails those sessions and reruns the step without them.
@@ -18,20 +25,27 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 import torch
 
 from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.config import UNGENERATED_TOKEN
-from parley.models.lm_gen import LMGen
-from parley.models.persona import (PersonaError, PromptPlan, VoicePrompt, build_prompt_frames, load_voice,
-                            persona_tokens, resolve_voice)
+from parley.models.lm_gen import LMGen, LMGenState
+from parley.models.mimi import MimiState
+from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
+from parley.models.row_views import leading_rows
+from parley.models.voices import PersonaError, VoicePrompt, list_voices, load_voice, resolve_voice
 
 from .config import SamplingOptions, SessionOptions
 from .cuda_graph import CUDAGraphRunner
+
+
+# Prompt chunk lengths the warm-up runs at start (the engine sizes chunks to each tick's slack).
+PREFILL_WARMUP_FRAMES = (2, 8, 32, 128)
 
 
 class RowFailure(Exception):
@@ -49,6 +63,15 @@ class SessionRejected(ValueError):
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """Weights in bfloat16 on CUDA, float32 on CPU (where bf16 matmuls are slow and inexact)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def bucket_sizes(max_sessions: int) -> list[int]:
+    """1, 2, 4, ... below max_sessions, then max_sessions: the row counts a tick may run."""
+    buckets, n = [], 1
+    while n < max_sessions:
+        buckets.append(n)
+        n *= 2
+    return buckets + [max_sessions]
 
 
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
@@ -76,13 +99,19 @@ class BackendOutput:
     valid: torch.Tensor  # [B] bool
     # Codes of this frame, kept on the device for tests and debugging (not copied to host).
     agent_codes: torch.Tensor | None = None  # [B, n_agent]: what was decoded into `pcm`
-    user_codes: torch.Tensor | None = None  # [B, n_user]: Mimi's encoding of the input frame
+    user_codes: torch.Tensor | None = None  # [B, >= n_user]: Mimi's encoding of the input frame
+    # (`encode_codebooks` of them: paired transcription reads more codebooks than the LM)
+    # The backend's row count when the tensors above hold only its lowest rows (a row bucket):
+    # to_host pads the rows above with silence, text 0, not valid. None: they hold every row.
+    rows: int | None = None
 
     def to_host(self) -> HostOutput:
         # Pack everything into one float32 tensor so the tick needs a single copy (and a
         # single sync). Text ids (< 2**24) and 0/1 flags are exact in float32.
         packed = torch.cat([self.pcm.float(), self.text_tokens.float()[:, None],
                             self.valid.float()[:, None]], dim=1).cpu().numpy()
+        if self.rows is not None and self.rows > packed.shape[0]:
+            packed = np.concatenate([packed, np.zeros((self.rows - packed.shape[0], packed.shape[1]), np.float32)])
         return HostOutput(pcm=packed[:, :-2], text_tokens=packed[:, -2].astype(np.int64),
                           valid=packed[:, -1] > 0.5)
 
@@ -143,37 +172,44 @@ class PromptPrefill:
         if self.frames_left - n == 1:
             n += 1
         last = n == self.frames_left
-        backend = self._backend
-        backend._gen.prefill(backend._lm_state, self._row, self._inputs[self._done:self._done + n],
-                             ring_tokens=self._plan.ring_tokens if last else None)
+        self._backend.prefill_chunk(self._row, self._inputs[self._done:self._done + n],
+                                    self._plan if last else None)
         self._done += n
         self.frames_left -= n
-        if last:
-            backend._arm_handoff(self._row, self._plan)
 
 
 class ModelBackend:
     """The real frame: Mimi encode -> LMGen.step -> Mimi decode for `max_sessions` rows.
 
     All per-row state (LM KV ring, token ring, offsets, sampling, Mimi streams) lives in
-    device tensors allocated once here. On CUDA the whole frame is one graph (see
-    cuda_graph.py); on CPU it runs eagerly with the same code.
+    device tensors allocated once here. On CUDA the whole frame is one graph per row bucket
+    (see cuda_graph.py and the module doc); on CPU it runs eagerly with the same code.
     """
 
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
-                 seed: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+                 seed: int | None = None, kv_dtype: torch.dtype | None = None,
+                 encode_codebooks: int | None = None, row_buckets: bool | None = None) -> None:
         # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
+        # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
+        # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
+        # row_buckets: run each tick on the lowest rows that hold every live row (default: on CUDA;
+        # off on CPU, where every tick runs all rows, bit for bit as before).
         self.max_sessions = max_sessions
+        levels = checkpoint.mimi.quantizer.levels
+        if encode_codebooks is not None and not checkpoint.lm_config.n_user <= encode_codebooks <= levels:
+            raise ValueError(f"encode_codebooks must be between {checkpoint.lm_config.n_user} and this Mimi's "
+                             f"{levels} codebooks, got {encode_codebooks}")
+        self.encode_codebooks = encode_codebooks or checkpoint.lm_config.n_user
         self.checkpoint = checkpoint
         self.cfg = checkpoint.lm_config
         self.device = next(checkpoint.lm.parameters()).device
         self._mimi = checkpoint.mimi
         self._tokenizer = checkpoint.tokenizer
-        gen = checkpoint.gen_defaults
+        sampling = checkpoint.sampling  # a row's sampling after reset_rows, unless set_sampling
         if seed is not None:
             torch.manual_seed(seed)
-        self._gen = LMGen(checkpoint.lm, text_temp=gen.get("temp_text", 0.7), text_topk=gen.get("top_k_text", 25),
-                          audio_temp=gen.get("temp", 0.8), audio_topk=gen.get("top_k", 250))
+        self._gen = LMGen(checkpoint.lm, text_temp=sampling.text_temperature, text_topk=sampling.text_top_k,
+                          audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
         self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         self._voices: dict[str, VoicePrompt] = {}
@@ -189,11 +225,23 @@ class ModelBackend:
         self._prompt_user = torch.zeros(b, self.cfg.n_user, dtype=torch.long, device=self.device)
         self._prompt_mask = torch.zeros(b, dtype=torch.bool, device=self.device)
         self._handoff_rows: set[int] = set()  # rows whose handoff frame is still to run
-        self._graph: CUDAGraphRunner | None = None
+        if checkpoint.model_type == "personaplex" and self.device.type == "cuda":
+            self.warm_up_prefill()
+        if row_buckets is None:
+            row_buckets = self.device.type == "cuda"
+        self._buckets = bucket_sizes(max_sessions) if row_buckets else [max_sessions]
+        # Per bucket n: the frame over views of the lowest n rows, and its CUDA graph.
+        self._frames_of: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {
+            n: partial(self._frame, leading_rows(self._lm_state, n), leading_rows(self._mimi_state, n))
+            for n in self._buckets}
+        self._graphs: dict[int, CUDAGraphRunner] = {}
         if cuda_graphs and self.device.type == "cuda":
-            idle = torch.zeros(max_sessions, dtype=torch.bool, device=self.device)
-            frames = torch.zeros(max_sessions, self._mimi.frame_size, device=self.device)
-            self._graph = CUDAGraphRunner(self._frame, (frames, idle, *self._handoff_inputs()))
+            pool = torch.cuda.graph_pool_handle()  # one tick runs at a time: the graphs share memory
+            for n in reversed(self._buckets):  # largest first, so the pool is sized once
+                idle = torch.zeros(n, dtype=torch.bool, device=self.device)
+                frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
+                self._graphs[n] = CUDAGraphRunner(self._frames_of[n], (frames, idle, *self._handoff_inputs(n)),
+                                                  pool=pool)
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -203,37 +251,62 @@ class ModelBackend:
 
     # ---- the frame ----
 
-    def _handoff_inputs(self) -> tuple[torch.Tensor, ...]:
-        return self._force_text, self._force_audio, self._prompt_user, self._prompt_mask
+    def _handoff_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
+        return self._force_text[:n], self._force_audio[:n], self._prompt_user[:n], self._prompt_mask[:n]
 
-    def _frame(self, frames: torch.Tensor, live: torch.Tensor, force_text: torch.Tensor, force_audio: torch.Tensor,
-               prompt_user: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Device-only work for one tick (captured as one graph on CUDA)."""
+    def _frame(self, lm_state: LMGenState, mimi_state: MimiState, frames: torch.Tensor, live: torch.Tensor,
+               force_text: torch.Tensor, force_audio: torch.Tensor, prompt_user: torch.Tensor,
+               prompt_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Device-only work for one tick over the rows of `lm_state` / `mimi_state` (a bucket's
+        views of the lowest rows); captured as one graph per bucket on CUDA."""
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
-        user_codes = self._mimi.encode_step(frames, self._mimi_state, live & ~prompt_mask)
-        user_codes = torch.where(prompt_mask[:, None], prompt_user, user_codes)
-        out = self._gen.step(self._lm_state, user_codes, live, force_text, force_audio)
+        codes = self._mimi.encode_step(frames, mimi_state, live & ~prompt_mask, self.encode_codebooks)
+        user_codes = torch.where(prompt_mask[:, None], prompt_user, codes[:, :self.cfg.n_user])
+        out = self._gen.step(lm_state, user_codes, live, force_text, force_audio)
+        if codes.shape[1] > self.cfg.n_user:
+            user_codes = torch.cat([user_codes, codes[:, self.cfg.n_user:]], dim=1)
         # Decode only real frames: a row inside its delay holds "not generated" (-2) codes,
         # which would corrupt its decoder state (and index out of range).
         decode = live & out.valid
         agent = torch.where(decode[:, None], out.audio, torch.zeros_like(out.audio)).clamp(0, self.cfg.card - 1)
-        pcm = self._mimi.decode_step(agent, self._mimi_state, decode)
+        pcm = self._mimi.decode_step(agent, mimi_state, decode)
         return pcm, out.text, decode, agent, user_codes
+
+    @torch.no_grad()
+    def warm_up_prefill(self, chunks: tuple[int, ...] = PREFILL_WARMUP_FRAMES) -> None:
+        """Run the prompt path once per chunk-size class on row 0, then reset it, so the first
+        session's prefill does not pay for loading kernels and picking matmul algorithms (0.15-1.2 s
+        on an H200), which would make the tick it runs in late."""
+        initial = self._gen.initial[None]  # [1, n_q + 1]
+        for frames in chunks:
+            if frames <= self.cfg.context:
+                self._gen.prefill(self._lm_state, 0, self._gen.embed_frames(initial.expand(frames, -1)))
+                self.reset_rows(rows_mask(self.max_sessions, [0]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def bucket(self, live_mask: torch.Tensor) -> int:
+        """The rows a tick with this host live mask runs: the smallest bucket holding every live row."""
+        live = live_mask.nonzero()
+        top = int(live.max()) + 1 if live.numel() else 1
+        return next(n for n in self._buckets if n >= top)
 
     @torch.no_grad()
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
         stepped = {row for row in self._handoff_rows if live_mask[row]}
+        n = self.bucket(live_mask)
         if self._pinned:  # staged through pinned memory so the upload is asynchronous
-            self._frames_host.copy_(frames)
-            self._mask_host.copy_(live_mask)
+            self._frames_host[:n].copy_(frames[:n])
+            self._mask_host[:n].copy_(live_mask[:n])
             frames, live_mask = self._frames_host, self._mask_host
-        frames = frames.to(self.device, non_blocking=True)
-        live_mask = live_mask.to(self.device, non_blocking=True)
-        run = self._graph if self._graph is not None else self._frame
-        pcm, text, valid, agent, user = run(frames, live_mask, *self._handoff_inputs())
+        frames = frames[:n].to(self.device, non_blocking=True)
+        live_mask = live_mask[:n].to(self.device, non_blocking=True)
+        run = self._graphs.get(n) or self._frames_of[n]
+        pcm, text, valid, agent, user = run(frames, live_mask, *self._handoff_inputs(n))
         if stepped:  # their handoff frame is done
             self._clear_handoff(stepped)
-        return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user)
+        return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user,
+                             rows=self.max_sessions if n < self.max_sessions else None)
 
     # ---- per-row control (engine thread, between ticks) ----
 
@@ -284,6 +357,15 @@ class ModelBackend:
             x = torch.cat([plan.embeddings.to(self.device, dtype), x])
         return PromptPrefill(self, row, x, plan)
 
+    def prefill_chunk(self, row: int, inputs: torch.Tensor, last_of: PromptPlan | None) -> None:
+        """Run `inputs` (the next temporal inputs of `row`'s prompt) through `LMGen.prefill`.
+        `last_of` is the plan when this is its last chunk: the ring then takes the plan's last
+        column and the handoff frame is armed for the row's next tick."""
+        ring_tokens = last_of.ring_tokens if last_of is not None else None
+        self._gen.prefill(self._lm_state, row, inputs, ring_tokens=ring_tokens)
+        if last_of is not None:
+            self._arm_handoff(row, last_of)
+
     def _arm_handoff(self, row: int, plan: PromptPlan) -> None:
         """The prompt's last frame runs in the row's first tick (see _frame); it outputs the
         last silence frame, which PersonaPlex too sends first after the handshake."""
@@ -292,6 +374,12 @@ class ModelBackend:
         self._prompt_user[row] = plan.first_step_user.to(self.device)
         self._prompt_mask[row] = True
         self._handoff_rows.add(row)
+
+    def voice_names(self) -> tuple[str, ...]:
+        """File names of every voice `start_prefill` can load (`.pt` and audio), sorted."""
+        if self.checkpoint.voices_dir is None:
+            return ()
+        return tuple(list_voices(self.checkpoint.voices_dir))
 
     def _voice(self, name: str) -> VoicePrompt:
         if name not in self._voices:  # voices are small and reused: load each once
@@ -318,9 +406,10 @@ class ModelBackend:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        if self._graph is not None:
-            self._graph.close()
-        self._graph = None
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
+        self._frames_of.clear()
         self._lm_state = self._mimi_state = None  # type: ignore[assignment]
         self.checkpoint = None  # type: ignore[assignment]
         self._gen = None  # type: ignore[assignment]

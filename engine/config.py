@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE, SamplingDefaults
 
 TICK_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08: one frame of audio per tick
 
@@ -32,12 +32,13 @@ def _check_top_k(name: str, value: int) -> None:
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Per-session sampling. Defaults are the reference LMGen's; temperature 0 is greedy."""
+    """Per-session sampling, validated; temperature 0 is greedy. Defaults: `SamplingDefaults`
+    (the reference LMGen's); a checkpoint's own come from `Checkpoint.sampling`."""
 
-    text_temperature: float = 0.7
-    text_top_k: int = 25
-    audio_temperature: float = 0.8
-    audio_top_k: int = 250
+    text_temperature: float = SamplingDefaults.text_temperature
+    text_top_k: int = SamplingDefaults.text_top_k
+    audio_temperature: float = SamplingDefaults.audio_temperature
+    audio_top_k: int = SamplingDefaults.audio_top_k
 
     def __post_init__(self) -> None:
         _check_temperature("text_temperature", self.text_temperature)
@@ -69,9 +70,9 @@ class SessionOptions:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizing. Everything is bounded: slots, input per session, output per request."""
+    """Engine clock and bounds: input per session, output per request. The number of slots is
+    not here: the backend owns it (it allocates the rows), and the engine reads `backend.max_sessions`."""
 
-    max_sessions: int = 8  # slots, fixed at start: the batch every tick runs
     tick_seconds: float = TICK_SECONDS  # the clock period (tests may shorten it)
     input_frames: int = 25  # per-session input bound: 2 s of audio before overrun drops the oldest
     output_events: int = 64  # per-request output bound: ~5 s of frames before the oldest are dropped
@@ -81,7 +82,7 @@ class EngineConfig:
     slack_guard_s: float = 0.003
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "input_frames", "output_events"):
+        for name in ("input_frames", "output_events"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")

@@ -2,11 +2,12 @@
 
 Why: an eager frame is hundreds of tiny kernel launches (Mimi alone), which costs more than
 the math at small batch. A graph replays them all with one launch. What a graph needs:
-fixed shapes (the batch is always `max_sessions` rows), no host syncs inside, and every
+fixed shapes (each graph has its own fixed row count), no host syncs inside, and every
 per-row setting (live mask, sampling) read from device tensors, so changes made after
 capture are seen on replay.
 
-Capture happens once, at backend construction, with an all-False live mask: by the model
+Capture happens once per graph (the backend has one per row bucket), at backend construction,
+with an all-False live mask: by the model
 contract those rows' state is untouched, so warm-up and capture cannot disturb a session.
 On replay the inputs are copied into the captured buffers; a shape, dtype or device that
 differs from capture raises `GraphError` instead of silently reading stale memory.
@@ -27,7 +28,11 @@ class GraphError(RuntimeError):
 
 class CUDAGraphRunner:
     def __init__(self, fn: Callable[..., Sequence[torch.Tensor]], example_inputs: Sequence[torch.Tensor],
-                 warmup_steps: int = 2) -> None:
+                 warmup_steps: int = 2, pool: tuple | None = None,
+                 capture_stream: "torch.cuda.Stream | None" = None) -> None:
+        # pool: a torch.cuda.graph_pool_handle() shared with graphs that never replay concurrently.
+        # capture_stream: give each of several graphs its own (graphs captured through the shared
+        # default capture stream share its cuBLAS workspace, which hung concurrent replays).
         if not all(t.is_cuda for t in example_inputs):
             raise GraphError("CUDA graphs need every input on a CUDA device; on CPU the backend runs eagerly.")
         self._signature = [(tuple(t.shape), t.dtype, t.device) for t in example_inputs]
@@ -41,7 +46,7 @@ class CUDAGraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self._graph):
+            with torch.cuda.graph(self._graph, pool=pool, stream=capture_stream):
                 self._outputs = tuple(fn(*self._inputs))
         except Exception as exc:
             raise GraphError(f"capturing the frame in a CUDA graph failed ({exc}); {DISABLE_HINT}.") from exc
@@ -52,8 +57,8 @@ class CUDAGraphRunner:
         for i, (tensor, (shape, dtype, device)) in enumerate(zip(inputs, self._signature)):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise GraphError(f"CUDA graph input {i} was captured as {list(shape)} {dtype}, got "
-                                 f"{list(tensor.shape)} {tensor.dtype}; shapes must stay fixed at "
-                                 f"max_sessions rows; {DISABLE_HINT}.")
+                                 f"{list(tensor.shape)} {tensor.dtype}; shapes must stay as "
+                                 f"captured; {DISABLE_HINT}.")
             if tensor.is_cuda and tensor.device != device:
                 raise GraphError(f"CUDA graph input {i} is on {tensor.device}, captured on {device}; {DISABLE_HINT}.")
         for static, tensor in zip(self._inputs, inputs):

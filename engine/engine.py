@@ -43,6 +43,7 @@ from .session import Session
 from .slack import SlackRunner, SlackSource
 from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
+from .stt_paired import PairedTranscription
 
 log = logging.getLogger("parley.engine")
 
@@ -54,14 +55,15 @@ class EngineClosed(RuntimeError):
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
                  clock: TickClock | None = None) -> None:
-        if backend.max_sessions != config.max_sessions:
-            raise OptionsError(f"the backend holds {backend.max_sessions} rows but max_sessions is "
-                               f"{config.max_sessions}; build both with the same number.")
+        rows = backend.max_sessions
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
+        self.max_sessions = rows  # slots, fixed at start: the batch every tick runs (the backend's rows)
         self.config = config
         self.metrics = EngineMetrics()
         self._backend = backend
-        self._slots = SlotTable(config.max_sessions)
-        self._scheduler = Scheduler(config.max_sessions, FRAME_SAMPLES)
+        self._slots = SlotTable(rows)
+        self._scheduler = Scheduler(rows, FRAME_SAMPLES)
         self._output = OutputProcessor(backend.text_piece, self.metrics)
         self._clock = clock or TickClock(config.tick_seconds)
         self._stop = threading.Event()
@@ -72,6 +74,7 @@ class Engine:
         self._healthy = True
         self._tick = 0
         self.fatal_error: str | None = None  # why the engine stopped serving, once it has
+        self._paired: PairedTranscription | None = None  # STT rows beside the duplex rows
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
         self._slack.add_source(PrefillSource(backend, self._scheduler, self.metrics,
                                              ready=lambda s: _settle(s.ready, result=s),
@@ -106,6 +109,30 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)
+
+    def set_paired_transcription(self, paired: PairedTranscription) -> None:
+        """Transcribe sessions' audio in the frame (engine/stt_paired.py). Call before `start`."""
+        if self._thread is not None:
+            raise RuntimeError("set paired transcription before the engine starts.")
+        self._paired = paired
+
+    @property
+    def can_transcribe(self) -> bool:
+        """Whether sessions can be transcribed (a paired STT model is loaded)."""
+        return self._paired is not None
+
+    def enable_transcription(self, session: Session) -> OutputStream:
+        """Start transcribing what this session's user says: an OutputStream of SttPartial that
+        ends when the session does. OptionsError when no STT model is loaded."""
+        if self._paired is None:
+            raise OptionsError("no speech-to-text model is loaded (parley serve --stt-model), so the "
+                               "user's audio cannot be transcribed.")
+        return self._paired.enable(session.row, session.request_id, asyncio.get_running_loop())
+
+    @property
+    def slack_costs(self):
+        """The slack runner's cost model, for sources to seed their keys at start (warm-up)."""
+        return self._slack.costs
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread (bounded), end every stream, free the backend. Idempotent.
@@ -167,8 +194,13 @@ class Engine:
         self.metrics.inc("sessions_opened")
         return session
 
-    def _fail_session(self, session: Session, reason: str) -> None:
+    def fail_session(self, session: Session, reason: str) -> None:
+        """End one session with Terminal(failed, reason), from any thread. Idempotent."""
         self._end_session(session, Terminal(Status.FAILED, reason), EngineClosed(reason))
+
+    def close_session(self, session: Session) -> None:
+        """End one session at its client's request: Terminal(cancelled). Idempotent."""
+        self._end_session(session, Terminal(Status.CANCELLED, "closed by the client"))
 
     def _end_session(self, session: Session, terminal: Terminal,
                      ready_error: Exception | None = None) -> None:
@@ -178,6 +210,8 @@ class Engine:
         with self._lock:
             self._sessions.pop(session.request_id, None)
         self._output.unregister(session.request_id)
+        if self._paired is not None:  # queued before the slot can be reused
+            self._paired.disable(session.row, session.request_id)
         self._scheduler.submit_close(session)  # the engine thread drops the row at its next plan
         self._slots.release(session.row, session.request_id)
         _settle(session.ready, error=ready_error)
@@ -223,7 +257,7 @@ class Engine:
         plan = self._scheduler.plan(self._tick)
         self._tick += 1
         if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
-            self._backend.reset_rows(rows_mask(self.config.max_sessions, plan.released))
+            self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
@@ -237,16 +271,23 @@ class Engine:
     def _execute(self, plan: TickPlan) -> HostOutput | None:
         # A RowFailure means those rows were refused before any state changed: end those
         # sessions only and rerun the step for the rest (bounded: each retry removes a row).
-        for _ in range(self.config.max_sessions + 1):
+        for _ in range(self.max_sessions + 1):
             try:
-                return self._backend.step(plan.frames, plan.live_mask).to_host()
+                out = self._backend.step(plan.frames, plan.live_mask)
+                if self._paired is not None:  # part of the frame: same codes, before the host copy
+                    self._paired.step(plan, out)
+                host = out.to_host()
+                if self._paired is not None:
+                    self._paired.publish()
+                return host
             except RowFailure as failure:
                 for row, reason in failure.reasons.items():
                     rid = plan.request_ids[row]
-                    session = self._sessions.get(rid) if rid is not None else None
+                    with self._lock:
+                        session = self._sessions.get(rid) if rid is not None else None
                     if session is None or not plan.live_mask[row]:
                         raise RuntimeError(f"backend refused row {row}, which is not live") from failure
-                    self._fail_session(session, f"input rejected: {reason}")
+                    self.fail_session(session, f"input rejected: {reason}")
                     plan.live_mask[row] = False
                     plan.request_ids[row] = None
                 if not plan.any_live:
@@ -270,7 +311,7 @@ class Engine:
         self._healthy = False
         reason = "engine failure (see the server log)"
         for session in self._open_sessions():
-            self._fail_session(session, reason)
+            self.fail_session(session, reason)
         self._slack.stop_sources(Terminal(Status.FAILED, reason))
         self._stop.set()
 

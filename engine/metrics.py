@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 # Bucket upper bounds in seconds. Ticks: around the 80 ms budget. Prefill: up to seconds.
 TICK_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5)
 PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RECENT_TICKS = 256  # ~20 s of ticks: the window of /load's tick_ms_p50 / tick_ms_p99
 
 
 @dataclass
@@ -56,6 +59,8 @@ class EngineMetrics:
         self._counts = dict.fromkeys(COUNTERS, 0)
         self.tick_seconds = Histogram(TICK_BUCKETS)
         self.prefill_seconds = Histogram(PREFILL_BUCKETS)
+        self._recent_ticks: deque[float] = deque(maxlen=RECENT_TICKS)
+        self._last_tick_at: float | None = None  # time.monotonic() of the last tick's end
 
     def inc(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -68,6 +73,8 @@ class EngineMetrics:
     def observe_tick(self, seconds: float) -> None:
         with self._lock:
             self.tick_seconds.observe(seconds)
+            self._recent_ticks.append(seconds)
+            self._last_tick_at = time.monotonic()
 
     def observe_prefill(self, seconds: float) -> None:
         with self._lock:
@@ -77,4 +84,16 @@ class EngineMetrics:
         with self._lock:
             return {**self._counts, "live_slots": live_slots, "free_slots": free_slots,
                     "healthy": healthy, "tick_seconds": self.tick_seconds.snapshot(),
-                    "prefill_seconds": self.prefill_seconds.snapshot()}
+                    "prefill_seconds": self.prefill_seconds.snapshot(),
+                    "tick_ms_p50": _quantile_ms(self._recent_ticks, 0.50),
+                    "tick_ms_p99": _quantile_ms(self._recent_ticks, 0.99),
+                    "seconds_since_tick": (None if self._last_tick_at is None
+                                           else time.monotonic() - self._last_tick_at)}
+
+
+def _quantile_ms(values: deque[float], q: float) -> float | None:
+    """Nearest-rank quantile of recent tick durations, in ms (None before the first tick)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return 1000.0 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]

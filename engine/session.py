@@ -11,7 +11,7 @@ import numpy as np
 
 from .config import SessionOptions
 from .input_buffer import InputBuffer, InputError
-from .stream import OutputStream, Status, Terminal
+from .stream import OutputStream
 
 if TYPE_CHECKING:  # only for annotations: the engine imports this module, not the reverse
     from .engine import Engine
@@ -50,7 +50,7 @@ class Session:
         try:
             dropped = self.input.push(pcm)
         except InputError as exc:
-            self._engine._fail_session(self, str(exc))
+            self._engine.fail_session(self, str(exc))
             return
         if dropped:
             self._engine.metrics.inc("overruns", dropped)
@@ -58,7 +58,7 @@ class Session:
     def close(self) -> None:
         """End the session: the stream ends with Terminal(cancelled) and the slot is free
         for the next open(). Idempotent."""
-        self._engine._end_session(self, Terminal(Status.CANCELLED, "closed by the client"))
+        self._engine.close_session(self)
 
     @property
     def closed(self) -> bool:

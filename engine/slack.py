@@ -67,7 +67,8 @@ class SlackSource(Protocol):
         (None: no deadline, e.g. manual ticks in tests), or None when it has nothing to do."""
 
     # Optional: `slack_started(deadline: float | None) -> None`, called once at the start of each
-    # tick's slack, before any offer (for per-tick accounting).
+    # tick's slack, before any offer (for per-tick accounting); `slack_stop(terminal)` when the
+    # engine stops (end every request with that terminal); `slack_counters() -> dict` for /metrics.
 
 
 class CostModel:
@@ -116,18 +117,18 @@ class SlackRunner:
         self._sources: list[SlackSource] = []
 
     def stop_sources(self, terminal) -> None:
-        """The engine stopped (shutdown or a fatal error): sources with a `stop(terminal)` end
-        their requests with it, so no client waits on work that will never run."""
+        """The engine stopped (shutdown or a fatal error): sources with a `slack_stop(terminal)`
+        end their requests with it, so no client waits on work that will never run."""
         for source in self._sources:
-            stop = getattr(source, "stop", None)
+            stop = getattr(source, "slack_stop", None)
             if stop is not None:
                 stop(terminal)
 
     def source_counters(self) -> dict:
-        """Counters of the sources that keep some (`counters()`), for /metrics."""
+        """Counters of the sources that report some (`slack_counters()`), for /metrics."""
         out: dict = {}
         for source in self._sources:
-            counters = getattr(source, "counters", None)
+            counters = getattr(source, "slack_counters", None)
             if counters is not None:
                 out.update(counters())
         return out

@@ -82,6 +82,12 @@ class OutputStream(Generic[T]):
             self._schedule_wake()
         return True
 
+    def room(self) -> int:
+        """Partials that fit before the buffer is full. Producers that must not drop (transcripts,
+        TTS audio) stop producing for a request while this is 0: back-pressure, bounded memory."""
+        with self._lock:
+            return self._max - len(self._items)
+
     @property
     def buffered(self) -> int:
         """Partials not yet taken by the consumer. A producer that must not drop (TTS, images)

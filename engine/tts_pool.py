@@ -182,7 +182,7 @@ class TtsPool:
     def live(self) -> int:
         return sum(row is not None for row in self._rows)
 
-    def counters(self) -> dict:
+    def slack_counters(self) -> dict:
         return {"tts_live": self.live, "tts_slots": self.slots, "tts_steps_text": self.steps["text"],
                 "tts_steps_full": self.steps["full"], "tts_frames": self.frames_out, "tts_starved": self.starved,
                 "tts_forced": self.forced,
@@ -349,7 +349,7 @@ class TtsPool:
             self._reserved -= 1
         row.job.stream.finish(terminal)
 
-    def stop(self, terminal: Terminal) -> None:
+    def slack_stop(self, terminal: Terminal) -> None:
         """The engine stopped: every live and pending request ends with `terminal`."""
         for b, row in enumerate(self._rows):
             if row is not None:

@@ -6,6 +6,7 @@ this module is the only place that meets other rates and channel counts.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -40,12 +41,21 @@ def read_wav(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise AudioFileError(f"audio file {path} does not exist")
+    return _read(str(path), f"audio file {path}", sample_rate)
+
+
+def read_audio_bytes(data: bytes, name: str = "upload", sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    """An uploaded WAV/FLAC/OGG file's bytes as mono float32 `[T]` at `sample_rate`."""
+    return _read(io.BytesIO(data), f"audio file {name!r}", sample_rate)
+
+
+def _read(source, what: str, sample_rate: int) -> torch.Tensor:
     try:
-        data, file_sr = soundfile.read(str(path), dtype="float32", always_2d=True)
+        data, file_sr = soundfile.read(source, dtype="float32", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError) as err:
-        raise AudioFileError(f"audio file {path} could not be read: {err}") from err
+        raise AudioFileError(f"{what} could not be read: {err}") from err
     if data.shape[0] == 0:
-        raise AudioFileError(f"audio file {path} holds no samples")
+        raise AudioFileError(f"{what} holds no samples")
     mono = torch.from_numpy(np.ascontiguousarray(data.mean(axis=1), dtype=np.float32))
     return resample(mono, int(file_sr), sample_rate)
 

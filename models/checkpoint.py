@@ -47,12 +47,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import (
-    LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, ConfigError, LMConfig, MimiConfig,
+    LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, ConfigError, LMConfig, MimiConfig, SamplingDefaults,
 )
 from .lm import LMModel
 from .mimi.codec import Mimi
-from .persona import PersonaError, unpack_voices
+from .stt import SttSettings, check_stt_config
 from .tokenizer import TextTokenizer, TokenizerError
+from .voices import PersonaError, unpack_voices
 
 CONFIG_FILE = "config.json"
 MIMI_CONFIG_FILE = "mimi_config.json"  # what write_checkpoint names a Mimi config (mimi_config_name)
@@ -74,7 +75,7 @@ class Checkpoint:
     lm_config: LMConfig
     mimi_config: MimiConfig
     voices_dir: Path | None  # extracted PersonaPlex voices (NAME.pt), None for Moshi
-    gen_defaults: dict[str, Any]  # config.json's lm_gen_config (sampling defaults), may be empty
+    sampling: SamplingDefaults  # config.json's lm_gen_config over the reference defaults
     model_type: ModelType
     path: Path  # the local checkpoint directory
 
@@ -414,6 +415,10 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     raw = _read_json(config_path, "config.json") if config_path.is_file() else {}
     if not isinstance(raw.get("lm_gen_config", {}), dict):
         raise CheckpointError(f"config.json {config_path}: lm_gen_config must be an object")
+    try:
+        sampling = SamplingDefaults.from_lm_gen_config(raw.get("lm_gen_config", {}))
+    except ConfigError as err:
+        raise CheckpointError(f"config.json {config_path}: {err}") from err
 
     lm_path = _file(directory, lm_file, raw.get("moshi_name", LM_FILE), "LM weights")
     mimi_path = _file(directory, mimi_file, raw.get("mimi_name", MIMI_FILE), "Mimi weights")
@@ -469,7 +474,7 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     return Checkpoint(
         lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,
         voices_dir=voices_dir,
-        gen_defaults=dict(raw.get("lm_gen_config", {})), model_type=model_type, path=directory,
+        sampling=sampling, model_type=model_type, path=directory,
     )
 
 
@@ -564,3 +569,66 @@ def load_module_weights(module: nn.Module, path: Path, role: str, what: str, dev
 
 
 MIMI_LEGACY_NAMES = _MIMI_LEGACY_NAMES
+
+
+# ---------------------------------------------------------------------------------------------
+# Speech-to-text checkpoints (Kyutai DSM STT: kyutai/stt-1b-en_fr, kyutai/stt-2.6b-en)
+
+
+@dataclass
+class SttCheckpoint:
+    lm: LMModel  # dep_q 0: temporal transformer, text head, extra heads
+    mimi: Mimi  # encodes the n_q codebooks the LM reads
+    tokenizer: TextTokenizer
+    lm_config: LMConfig
+    mimi_config: MimiConfig
+    settings: SttSettings  # config.json's stt_config
+    path: Path
+
+
+def load_stt_checkpoint(source: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.bfloat16) -> SttCheckpoint:
+    """Load an STT checkpoint: config.json (LM kwargs with dep_q 0, `stt_config`, and the file
+    names `moshi_name` / `mimi_name` / `tokenizer_name`), the LM file, Mimi and the tokenizer."""
+    device = torch.device(device)
+    directory = _resolve_source(source)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"STT checkpoint {directory} has no {CONFIG_FILE} (an STT model is described "
+                              f"by its config.json: dep_q 0, delays, stt_config)")
+    raw = _read_json(config_path, "config.json")
+    where = f"config.json {config_path}"
+    if raw.get("model_type", "stt") != "stt":
+        raise CheckpointError(f"{where}: model_type {raw['model_type']!r} is not a speech-to-text model")
+    if not isinstance(raw.get("stt_config", {}), dict):
+        raise CheckpointError(f"{where}: stt_config must be an object")
+    try:
+        settings = SttSettings.from_dict(raw.get("stt_config", {}))
+        lm_config = LMConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
+        check_stt_config(lm_config)
+    except (ConfigError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: {err}") from err
+
+    lm_st = _SafetensorsFile(_file(directory, None, raw.get("moshi_name", LM_FILE), "LM weights"), "LM weights")
+    mimi_st = _SafetensorsFile(_file(directory, None, raw.get("mimi_name", MIMI_FILE), "Mimi weights"),
+                               "Mimi weights")
+    tok_path = _file(directory, None, raw.get("tokenizer_name", TOKENIZER_FILE), "tokenizer")
+    mimi_raw: dict[str, Any] = {}
+    if raw.get("mimi_config_name"):
+        mimi_raw = _read_json(_file(directory, None, raw["mimi_config_name"], "Mimi config"), "Mimi config")
+    try:
+        mimi_config = MimiConfig.from_dict(mimi_raw, num_codebooks=lm_config.n_q)
+        tokenizer = TextTokenizer(tok_path)
+        with torch.device("meta"):
+            lm, mimi = LMModel(lm_config), Mimi(mimi_config)
+    except (ConfigError, TokenizerError, TypeError, ValueError) as err:
+        raise CheckpointError(f"STT checkpoint {directory}: {err}") from err
+    if tokenizer.vocab_size > lm_config.text_card:
+        raise CheckpointError(f"tokenizer {tok_path} has {tokenizer.vocab_size} pieces, "
+                              f"more than the LM's text_card {lm_config.text_card}")
+    lm_plan = _plan(_meta_shapes(lm), lm_st, "LM weights", f"STT config ({_describe(lm_config)})")
+    mimi_plan = _plan(_meta_shapes(mimi), mimi_st, "Mimi weights", "Mimi config", legacy=_MIMI_LEGACY_NAMES)
+    _load_weights(lm, lm_st, lm_plan, device, dtype)
+    _load_weights(mimi, mimi_st, mimi_plan, device, torch.float32)
+    return SttCheckpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,
+                         settings=settings, path=directory)

@@ -73,6 +73,10 @@ class LMConfig:
     depformer_weights_per_step: bool = True
     depformer_weights_per_step_schedule: tuple[int, ...] | None = None
     delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
+    # Extra linear heads on the normalised hidden state (Kyutai STT: end-of-turn / pause
+    # prediction, see models/stt.py); dep_q 0 means no depformer at all (an STT model).
+    extra_heads_num_heads: int = 0
+    extra_heads_dim: int = 6
 
     def __post_init__(self) -> None:
         if len(self.delays) != self.n_q + 1:
@@ -127,6 +131,41 @@ class LMConfig:
                 value = tuple(value)
             kwargs[key] = value
         return cls(**kwargs)
+
+
+# config.json's lm_gen_config keys (the reference's names) -> SamplingDefaults fields.
+LM_GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
+                      "temp": "audio_temperature", "top_k": "audio_top_k"}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling a session gets unless it asks for other: the reference LMGen's defaults,
+    or a checkpoint's `lm_gen_config`. The one source of these numbers; temperature 0 is greedy."""
+
+    text_temperature: float = 0.7
+    text_top_k: int = 25
+    audio_temperature: float = 0.8
+    audio_top_k: int = 250
+
+    @classmethod
+    def from_lm_gen_config(cls, raw: dict[str, Any]) -> "SamplingDefaults":
+        """Read config.json's `lm_gen_config`: keys it lacks keep the reference defaults,
+        keys that are not sampling settings are ignored (as the reference loader does)."""
+        values = {}
+        for key, name in LM_GEN_CONFIG_KEYS.items():
+            if key not in raw:
+                continue
+            value, integer = raw[key], name.endswith("top_k")
+            if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+                raise ConfigError(f"lm_gen_config: {key} must be {'a whole number' if integer else 'a number'}, "
+                                  f"got {value!r}")
+            values[name] = value
+        return cls(**values)
+
+    def to_lm_gen_config(self) -> dict[str, Any]:
+        """The `lm_gen_config` object a checkpoint's config.json would hold for these settings."""
+        return {key: getattr(self, name) for key, name in LM_GEN_CONFIG_KEYS.items()}
 
 
 @dataclass(frozen=True)
@@ -225,11 +264,12 @@ def tiny_lm_config(dep_q: int = 8, card: int = 2048) -> LMConfig:
     )
 
 
-def tiny_mimi_config(num_codebooks: int = 8) -> MimiConfig:
-    """A small Mimi with the real hop (1920 samples per frame), for CPU tests."""
+def tiny_mimi_config(num_codebooks: int = 8, levels: int | None = None) -> MimiConfig:
+    """A small Mimi with the real hop (1920 samples per frame), for CPU tests. `levels`: codebooks
+    in the weights (default `num_codebooks`; the real Mimi has 32 and Moshi uses 8)."""
     return MimiConfig(
         seanet=SEANetConfig(dimension=32, n_filters=4),
-        quantizer=QuantizerConfig(dimension=16, n_q=num_codebooks, bins=2048,
+        quantizer=QuantizerConfig(dimension=16, n_q=levels or num_codebooks, bins=2048,
                                   input_dimension=32, output_dimension=32),
         transformer=MimiTransformerConfig(d_model=32, num_heads=2, num_layers=2, context=20,
                                           dim_feedforward=64, input_dimension=32,

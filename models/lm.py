@@ -73,6 +73,12 @@ class LMModel(nn.Module):
         self.out_norm = make_norm(cfg.norm, dim, **factory)
         self.text_linear = nn.Linear(dim, cfg.text_card, bias=False, **factory)
 
+        # Extra heads (STT end-of-turn), applied by their user to the normalised hidden state.
+        self.extra_heads = nn.ModuleList([nn.Linear(dim, cfg.extra_heads_dim, bias=False, **factory)
+                                          for _ in range(cfg.extra_heads_num_heads)])
+        if cfg.dep_q == 0:  # a speech-to-text model: text only, no depformer (as the reference)
+            return
+
         # Depformer: one step per codebook, its KV spans the steps of one frame only. The reference
         # ignores `depformer_context` (it forces context None, ring capacity dep_q), and so do we.
         schedule = cfg.depformer_weights_per_step_schedule

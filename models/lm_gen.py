@@ -1,6 +1,6 @@
 """One LM frame for a batch of independent rows: token ring, temporal step, sampling, depformer.
 
-    gen = LMGen(model, text_temp=0.7, text_topk=25, audio_temp=0.8, audio_topk=250, generator=None)
+    gen = LMGen(model, text_temp=..., text_topk=..., audio_temp=..., audio_topk=..., generator=None)
     state = gen.init_state(batch_size)
     out = gen.step(state, user_codes[B, n_user], exec_mask[B], force_text=None, force_audio=None)
     out.text [B], out.audio [B, n_agent], out.valid [B]
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import UNGENERATED_TOKEN
+from .config import UNGENERATED_TOKEN, SamplingDefaults
 from .lm import LMModel
 from .sampling import sample_tokens
 from .transformer import TransformerState
@@ -81,8 +81,9 @@ class LMGenState:
 
 
 class LMGen:
-    def __init__(self, model: LMModel, *, text_temp: float = 0.7, text_topk: int = 25,
-                 audio_temp: float = 0.8, audio_topk: int = 250, generator: torch.Generator | None = None):
+    def __init__(self, model: LMModel, *, text_temp: float = SamplingDefaults.text_temperature,
+                 text_topk: int = SamplingDefaults.text_top_k, audio_temp: float = SamplingDefaults.audio_temperature,
+                 audio_topk: int = SamplingDefaults.audio_top_k, generator: torch.Generator | None = None):
         self.model = model
         self.cfg = model.cfg
         self.generator = generator
@@ -146,7 +147,7 @@ class LMGen:
         text = _forced(text, force_text)
 
         # 4. Depformer: agent codes, autoregressive over codebooks.
-        audio = self._depformer(state, hidden, text, force_audio)
+        audio = self.depformer(state, hidden, text, force_audio)
 
         # 5. Outputs go to column offset + 1.
         new_offsets = torch.where(exec_mask, offsets + 1, offsets)
@@ -160,8 +161,10 @@ class LMGen:
         valid = (new_offsets > cfg.max_delay) & exec_mask
         return LMStepOutput(text=frame[:, 0], audio=frame[:, 1:], valid=valid)
 
-    def _depformer(self, state: LMGenState, hidden: torch.Tensor, text: torch.Tensor,
-                   force_audio: torch.Tensor | None) -> torch.Tensor:
+    def depformer(self, state: LMGenState, hidden: torch.Tensor, text: torch.Tensor,
+                  force_audio: torch.Tensor | None = None) -> torch.Tensor:
+        """Step 4 of a frame alone (the frame profiler times it): hidden [B, dim] and the text
+        token [B] -> agent codes [B, n_agent]."""
         # PersonaPlex has dep_q = 16: steps n_agent..15 predict the user's codebooks, which we
         # teacher-force with the real user codes anyway. The depformer is causal over its steps
         # (step k attends to steps <= k only, with step-k weights), so those later steps cannot
@@ -179,10 +182,7 @@ class LMGen:
 
     def _write(self, ring: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
                exec_mask: torch.Tensor) -> None:
-        """ring[b, s, positions[b, s] % CT] = values[b, s] for executing rows (in place; ring may be a view)."""
-        index = (positions % self.ring_size)[..., None]
-        old = ring.gather(2, index)
-        ring.scatter_(2, index, torch.where(exec_mask[:, None, None], values[..., None], old))
+        ring_write(ring, positions, values, exec_mask)
 
     # -- prefill (PersonaPlex prompts) ----------------------------------------------------------
 
@@ -214,6 +214,13 @@ class LMGen:
             assert k <= self.ring_size, f"ring_tokens has {k} columns, the ring holds {self.ring_size}"
             cols = (state.offsets[row] - k + 1 + torch.arange(k, device=ring.device)) % self.ring_size
             ring.scatter_(1, cols[None].expand(ring.shape[0], k), ring_tokens.to(ring.device))
+
+
+def ring_write(ring: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, exec_mask: torch.Tensor) -> None:
+    """ring[b, s, positions[b, s] % CT] = values[b, s] for executing rows (in place; ring may be a view)."""
+    index = (positions % ring.shape[2])[..., None]
+    old = ring.gather(2, index)
+    ring.scatter_(2, index, torch.where(exec_mask[:, None, None], values[..., None], old))
 
 
 def _forced(sampled: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    from . import attention as fused
-
-    if fused.available(logits) and logits.dim() == 2:
+    if kernels.available(logits) and logits.dim() == 2:
         # One fused kernel (k-th largest by bisection instead of a full sort); the noise is drawn
         # exactly as below, so the generator advances the same way.
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(
             1.0, generator=generator)
-        return fused.sample(logits.contiguous(), temperature, top_k, noise)
+        return kernels.sample(logits.contiguous(), temperature, top_k, noise)
     logits = logits.float()
     vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)

@@ -42,29 +42,27 @@ Mimi is the tiny random Mimi. The LM file is fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import lm_config_dict, mimi_config_dict, write_checkpoint
-from .config import MIMI_FILE
-from .config import LMConfig, MimiConfig, tiny_lm_config, tiny_mimi_config
+from .config import MIMI_FILE, TOKENIZER_FILE, LMConfig, MimiConfig, SamplingDefaults, tiny_lm_config, tiny_mimi_config
 from .lm import LMModel
 from .mimi.codec import Mimi
-from .persona import VoicePrompt, save_voice_pt, voice_to_pt
+from .persona_prompt import voice_to_pt
 from .tokenizer import TextTokenizer, train_tiny_tokenizer
 from .tts import TtsConfig, TtsLM
 from .tts_checkpoint import write_tts_lm, write_voice
+from .voices import VoicePrompt, save_voice_pt
 
 ECHO_DELAY_FRAMES = 1  # agent frame f repeats user frame f - 1
 ECHO_FIRST_FRAME = 2  # the first frame (as returned by LMGen) that is an exact echo
-
-# Default sampling written into config.json's lm_gen_config (the reference's defaults).
-GEN_DEFAULTS = {"temp": 0.8, "temp_text": 0.7, "top_k": 250, "top_k_text": 25}
 
 _DIGIT_BASES = (8, 16, 16)  # 8 * 16 * 16 = 2048 codes; each digit is one angle (2 dims)
 _CODE_DIMS = 2 * len(_DIGIT_BASES)  # 6 dims per user codebook
@@ -123,22 +121,24 @@ def _random_lm(cfg: LMConfig, seed: int) -> LMModel:
 
 
 def _config_json(cfg: LMConfig) -> dict:
-    return {**lm_config_dict(cfg), "lm_gen_config": dict(GEN_DEFAULTS)}
+    return {**lm_config_dict(cfg), "lm_gen_config": SamplingDefaults().to_lm_gen_config()}
 
 
-def _tiny_layout(directory: str | Path, kind: str) -> tuple[Path, LMConfig, MimiConfig]:
+def _tiny_layout(directory: str | Path, kind: str, mimi_levels: int | None = None) -> tuple[Path, LMConfig, MimiConfig]:
     """The directory (created) and the tiny shapes of a `kind` checkpoint."""
     if kind not in ("moshi", "personaplex"):
         raise ValueError(f"kind must be 'moshi' or 'personaplex', got {kind!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return directory, tiny_lm_config(dep_q=16 if kind == "personaplex" else 8), tiny_mimi_config()
+    return directory, tiny_lm_config(dep_q=16 if kind == "personaplex" else 8), tiny_mimi_config(levels=mimi_levels)
 
 
 def write_tiny_checkpoint(directory: str | Path, kind: str = "moshi", seed: int = 0,
-                          dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`."""
-    directory, cfg, mimi_cfg = _tiny_layout(directory, kind)
+                          dtype: torch.dtype = torch.float32, mimi_levels: int | None = None) -> Path:
+    """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`.
+    `mimi_levels`: codebooks in its Mimi (default 8, what the LM reads; more lets an STT
+    checkpoint sharing this Mimi read extra codebooks, as the real 32-codebook Mimi does)."""
+    directory, cfg, mimi_cfg = _tiny_layout(directory, kind, mimi_levels)
     lm = _random_lm(cfg, seed)
     tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
     voices = _write_voices(directory, lm, seed) if kind == "personaplex" else {}
@@ -311,4 +311,49 @@ def write_tiny_tts_checkpoint(directory: str | Path, seed: int = 0, n_q: int = 4
         emb = torch.randn(1, _TINY_TTS_VOICE_DIM, _TINY_TTS_VOICE_FRAMES,
                           generator=torch.Generator().manual_seed(seed + 10 + i))
         write_voice(voices / f"{name}{TINY_TTS_SUFFIX}", emb)
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Speech-to-text (Kyutai DSM STT layout)
+
+# File names as the published kyutai/stt-1b-en_fr config.json names them (moshi_name, mimi_name,
+# tokenizer_name), so the loader is exercised on names other than Moshi's defaults.
+STT_LM_FILE = "model.safetensors"
+STT_MIMI_FILE = "mimi-pytorch-e351c8d8@125.safetensors"
+STT_TOKENIZER_FILE = "tokenizer_en_fr_audio_8000.model"
+TINY_STT_SETTINGS = {"audio_silence_prefix_seconds": 0.16, "audio_delay_seconds": 0.24}  # 2 and 3 frames
+
+
+def tiny_stt_config(n_q: int = 8, text_delay: int = 2) -> LMConfig:
+    """A few-megabyte STT LM (dep_q 0, 4 extra heads of 6 like the published 1B)."""
+    return dataclasses.replace(tiny_lm_config(), n_q=n_q, dep_q=0, delays=(text_delay,) + (0,) * n_q,
+                               extra_heads_num_heads=4, extra_heads_dim=6)
+
+
+def write_tiny_stt_checkpoint(directory: str | Path, seed: int = 0, n_q: int = 8,
+                              mimi_from: str | Path | None = None) -> Path:
+    """A tiny random STT checkpoint (fp32). `mimi_from`: a checkpoint directory whose Mimi (file
+    and mimi config) is reused, so the STT reads the same codes as that duplex model (paired
+    transcription needs one Mimi); otherwise a tiny random Mimi with `n_q` codebooks."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_stt_config(n_q)
+    lm = _random_lm(cfg, seed)
+    tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
+    if mimi_from is not None:
+        mimi_dir = Path(mimi_from)
+        raw = json.loads((mimi_dir / "config.json").read_text())
+        mimi_raw = json.loads((mimi_dir / raw["mimi_config_name"]).read_text())
+        mimi_state = load_file(str(mimi_dir / raw.get("mimi_name", MIMI_FILE)))
+    else:
+        mimi_cfg = tiny_mimi_config(n_q)
+        mimi_raw, mimi_state = mimi_config_dict(mimi_cfg), _tiny_mimi_state(mimi_cfg, seed)
+    config = {**lm_config_dict(cfg), "model_type": "stt", "stt_config": dict(TINY_STT_SETTINGS),
+              "moshi_name": STT_LM_FILE, "mimi_name": STT_MIMI_FILE, "tokenizer_name": STT_TOKENIZER_FILE}
+    write_checkpoint(directory, lm.state_dict(), mimi_state, tokenizer, config,
+                     lm_dtype=torch.float32, mimi_config=mimi_raw)
+    tokenizer.unlink()
+    (directory / MIMI_FILE).rename(directory / STT_MIMI_FILE)
+    (directory / TOKENIZER_FILE).rename(directory / STT_TOKENIZER_FILE)
     return directory

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+
 
 # ---------------------------------------------------------------------------------------------
 # Norms, layer scale, feed-forward
@@ -62,6 +64,12 @@ class RMSNorm(nn.Module):
         # The parameter takes the model dtype (the reference casts it with the model); the math
         # still runs in `compute_dtype`.
         self.alpha = nn.Parameter(torch.ones(1, 1, dim, device=device, dtype=dtype))
+
+    def fused_params(self) -> tuple[torch.Tensor, float] | None:
+        """(alpha [dim], eps) when the fused fp32 kernel computes exactly this norm, else None."""
+        if self.compute_dtype != torch.float32:
+            return None
+        return self.alpha.reshape(-1), self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
@@ -118,14 +126,19 @@ class GatedFFN(nn.Module):
 # RoPE
 
 
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, fp32 [*positions.shape, head_dim // 2] (as the reference)."""
+    ds = torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
+    freqs = torch.exp(ds * (-math.log(max_period) * 2 / head_dim))
+    angles = freqs * positions.float()[..., None]
+    return torch.cos(angles), torch.sin(angles)
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Interleaved rotary embedding. q, k: [B, H, T, D]; positions: [B, T] long. Computed in fp32."""
     D = q.shape[-1]
-    ds = torch.arange(D // 2, device=q.device, dtype=torch.float32)
-    freqs = torch.exp(ds * (-math.log(max_period) * 2 / D))
-    ts = positions.float()[:, None, :, None]  # [B, 1, T, 1]
-    cos, sin = torch.cos(freqs * ts), torch.sin(freqs * ts)
+    cos, sin = (c[:, None] for c in rope_cos_sin(positions, D, max_period))  # [B, 1, T, D/2]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x = x.view(*x.shape[:-1], D // 2, 2)
@@ -197,7 +210,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (float8_e4m3fn [..., D], fp32 scale [...]): one scale per vector, its max |x|
-    mapped to 448. The fused kernel (attention.rope_write) computes the same."""
+    mapped to 448. The fused kernel (kernels.rope_write) computes the same."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-30)
     return (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
@@ -224,14 +237,19 @@ class StreamingAttention(nn.Module):
         self.out_proj = nn.Linear(dim, num_weights * dim, bias=False, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(self.in_proj_weight, a=math.sqrt(5))
 
+    def weights(self, weight_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(QKV weight [3 * dim, dim], output weight [dim, dim]) of one weight step."""
+        dim = self.dim
+        return (self.in_proj_weight[weight_index * 3 * dim:(weight_index + 1) * 3 * dim],
+                self.out_proj.weight[weight_index * dim:(weight_index + 1) * dim])
+
     def forward(self, x: torch.Tensor, weight_index: int, positions: torch.Tensor,
                 rope_max_period: float | None, kv: tuple[torch.Tensor, torch.Tensor] | None,
                 slots: torch.Tensor | None, attn_mask: torch.Tensor,
                 exec_mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
         H, D = self.num_heads, self.dim // self.num_heads
-        w_in = self.in_proj_weight[weight_index * 3 * self.dim:(weight_index + 1) * 3 * self.dim]
-        w_out = self.out_proj.weight[weight_index * self.dim:(weight_index + 1) * self.dim]
+        w_in, w_out = self.weights(weight_index)
         q, k, v = F.linear(x, w_in).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
         if rope_max_period is not None:
             q, k = apply_rope(q, k, positions, rope_max_period)
@@ -283,9 +301,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     """SDPA over a ring. On CUDA, a few queries (Mimi's T = 2 steps) take plain batched matmuls:
     PyTorch's fused SDPA kernels are ~100 us a call at that shape (B = 64, 250 slots, fp32); the
     math is the same up to float rounding. CPU keeps SDPA (bit-exact with the reference)."""
-    from . import attention as fused
-
-    if not (fused.available(q) and q.shape[2] <= 4):
+    if not (kernels.available(q) and q.shape[2] <= 4):
         return F.scaled_dot_product_attention(q, k, v, mask)
     scores = torch.matmul(q * (q.shape[-1] ** -0.5), k.transpose(-1, -2))
     scores = scores.masked_fill(~mask, float("-inf"))  # every query sees its own key: no empty row
@@ -491,9 +507,7 @@ class StreamingTransformer(nn.Module):
 
     def _can_fuse(self, x: torch.Tensor) -> bool:
         """CUDA + Triton, a power-of-two head dim: T == 1 steps take `_forward_decode`."""
-        from . import attention as fused
-
-        if not fused.available(x):
+        if not kernels.available(x):
             return False
         head_dim = self.d_model // self.num_heads
         return head_dim == 1 << (head_dim.bit_length() - 1)
@@ -507,39 +521,31 @@ class StreamingTransformer(nn.Module):
         residual add + RMSNorm, gated FFN (matmul, fused SiLU * gate, matmul). The KV ring is never
         written for rows that do not execute, so nothing needs restoring.
         """
-        from . import attention as fused
-
         B, _, dim = x.shape
         H = self.num_heads
         D = dim // H
         pos = state.pos
         cos_sin = None
         if self.rope_max_period is not None:
-            # Same fp32 angles as apply_rope: freqs * position.
-            ds = torch.arange(D // 2, device=x.device, dtype=torch.float32)
-            freqs = torch.exp(ds * (-math.log(self.rope_max_period) * 2 / D))
-            angles = freqs * pos.float()[:, None]
-            cos_sin = (torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
+            cos_sin = rope_cos_sin(pos, D, self.rope_max_period)
         res = x.reshape(B, dim)
         pending: torch.Tensor | None = None
         prev: StreamingTransformerLayer | None = None
         for i, layer in enumerate(self.layers):
             if pending is None:
-                normed = fused.rms_norm(res, layer.norm1)
+                normed = _norm(res, layer.norm1)
             else:
-                res, normed = fused.add_rms_norm(res, pending, prev.layer_scale_2, layer.norm1)
-            attn = layer.self_attn
-            w_in = attn.in_proj_weight[weight_index * 3 * dim:(weight_index + 1) * 3 * dim]
-            w_out = attn.out_proj.weight[weight_index * dim:(weight_index + 1) * dim]
+                res, normed = _add_norm(res, pending, prev.layer_scale_2, layer.norm1)
+            w_in, w_out = layer.self_attn.weights(weight_index)
             qkv = F.linear(normed, w_in)
             scales = ((state.key_scales[i], state.value_scales[i]) if state.key_scales is not None
                       else (None, None))
-            q, k, v = fused.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
-                                       *scales)
-            out = fused.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                         self.context, *scales)
+            q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
+                                         *scales)
+            out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
+                                           self.context, *scales)
             update = F.linear(out.view(B, dim), w_out)
-            res, normed = fused.add_rms_norm(res, update, layer.layer_scale_1, layer.norm2)
+            res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)
             pending = _ffn_fused(layer, normed, weight_index)
             prev = layer
         if pending is not None:
@@ -556,12 +562,29 @@ class StreamingTransformer(nn.Module):
         return res.view(B, 1, dim)
 
 
-def _ffn_fused(layer: StreamingTransformerLayer, x: torch.Tensor, weight_index: int) -> torch.Tensor:
-    from . import attention as fused
+def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """The fused fp32 RMSNorm kernel where it computes this norm, else the module."""
+    params = norm.fused_params() if isinstance(norm, RMSNorm) else None
+    if params is None or x.stride(-1) != 1:
+        return norm(x)
+    return kernels.rms_norm(x, *params)
 
+
+def _add_norm(res: torch.Tensor, upd: torch.Tensor, layer_scale: nn.Module,
+              norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(res + layer_scale(upd), its norm), fused where the kernel computes exactly this."""
+    params = norm.fused_params() if isinstance(norm, RMSNorm) else None
+    if params is None or res.stride(-1) != 1 or upd.stride(-1) != 1:
+        new = res.to(upd) + layer_scale(upd)
+        return new, norm(new)
+    scale = layer_scale.scale if isinstance(layer_scale, LayerScale) else None
+    return kernels.add_rms_norm(res, upd, scale, *params)
+
+
+def _ffn_fused(layer: StreamingTransformerLayer, x: torch.Tensor, weight_index: int) -> torch.Tensor:
     gating = layer.gating
     if isinstance(gating, nn.ModuleList):
         gating = gating[weight_index]
     if isinstance(gating, GatedFFN) and gating.activation is F.silu:
-        return gating.linear_out(fused.silu_mul(gating.linear_in(x)))
+        return gating.linear_out(kernels.silu_mul(gating.linear_in(x)))
     return layer._ffn(x, weight_index)

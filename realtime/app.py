@@ -3,10 +3,15 @@
     GET  /             the browser voice-chat page (web/), when that folder exists
     WS   /api/chat     Moshi / PersonaPlex binary protocol          (moshi_protocol.py)
     WS   /v1/realtime  OpenAI Realtime API, GA and beta dialects     (openai_realtime.py)
+    POST /v1/images/generations  OpenAI Images, through the engine's image queue (images_api.py)
     GET  /api/voices   the model's voice prompts, for the page
     GET  /api/info     model name, and whether it is the babbling demo model
     POST /v1/audio/speech, GET /v1/audio/voices   OpenAI speech API on the TTS pool (speech_api.py)
     GET  /health /ready /metrics                                    (health.py)
+    POST /v1/audio/transcriptions  OpenAI transcription, on the STT rows (transcriptions.py)
+    GET  /livez /readyz /load (aliases /health, /ready)              (capacity.py)
+    GET  /metrics                                                    (health.py)
+    POST /admin/drain  stop admitting, let live sessions finish, exit  (drain.py)
 
 The app does not build the engine (server.py does, from a checkpoint; tests hand in one
 over a fabricated backend); it starts it on startup if needed and shuts it down, bounded,
@@ -29,13 +34,20 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from parley.engine import Engine
+from parley.engine.stt_pool import SttPool
 
 from . import health
+from .demo_model import STT_NOTICE
+from . import capacity, health
+from .capacity import Admission
+from .drain import Drainer, drain_endpoint
+from .images_api import ImageService, images_generations
 from .moshi_protocol import chat_endpoint
 from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .sessions import ServerDefaults, SessionManager
 from .speech_api import SpeechService, speech_routes
+from .transcriptions import transcriptions_endpoint
 
 log = logging.getLogger("parley.app")
 
@@ -57,19 +69,31 @@ class ServerInfo:
 
 def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info: ServerInfo = ServerInfo(),
                *, codec_workers: int | None = None, start_engine: bool = True,
-               web_dir: Path | None = WEB_DIR, speech: SpeechService | None = None) -> Starlette:
+               web_dir: Path | None = WEB_DIR, stt_pool: SttPool | None = None, ready_min_free: int = 1,
+               drain_timeout: float = 30.0, images: ImageService | None = None,
+               speech: SpeechService | None = None) -> Starlette:
     """Build the app around an engine. With `start_engine`, the lifespan starts the engine
-    (if it is not running) and always shuts it down at exit."""
+    (if it is not running) and always shuts it down at exit. `stt_pool` (standalone
+    transcription rows) becomes the engine's transcription slack source, warmed up here.
+    `ready_min_free`: free slots below which /readyz says 503; `drain_timeout`: seconds a
+    drain lets live sessions run."""
+    if stt_pool is not None:
+        stt_pool.warm_up(engine.slack_costs)
+        engine.add_slack_source(stt_pool)
     metrics: health.EdgeMetrics | None = None
 
     def count_restart() -> None:
         if metrics is not None:
             metrics.codec_restarts.inc()
 
-    codec = make_codec_runner(codec_workers, max_sessions=engine.config.max_sessions, on_restart=count_restart)
+    codec = make_codec_runner(codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
     metrics = health.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                  if isinstance(codec, CodecProcessPool) else None)
-    manager = SessionManager(engine, defaults, codec, metrics)
+    if images is not None:
+        metrics.registry.register(images)  # parley_images_* (images_api.ImageService.collect)
+    manager = SessionManager(engine, defaults, codec, metrics,
+                             Admission(engine, metrics.registry, ready_min_free=ready_min_free))
+    drainer = Drainer(manager, drain_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -81,15 +105,21 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         finally:
             await manager.shutdown()
             await asyncio.to_thread(engine.shutdown)
+            if images is not None:
+                images.close()  # the engine thread is gone: end what it will never finish
             await codec.aclose()
 
     async def voices(request: Request) -> Response:
         return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
 
     async def api_info(request: Request) -> Response:
-        body = {"model": info.model, "demo": info.demo, "max_sessions": engine.config.max_sessions}
+        body = {"model": info.model, "demo": info.demo, "max_sessions": engine.max_sessions}
         if info.demo:
             body["notice"] = DEMO_NOTICE
+        body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
+        body["session_transcript"] = engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
+        if info.demo and stt_pool is not None:
+            body["transcription_notice"] = STT_NOTICE
         return JSONResponse(body)
 
     routes = [
@@ -97,15 +127,24 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         WebSocketRoute("/v1/realtime", realtime_endpoint),
         Route("/api/voices", voices),
         Route("/api/info", api_info),
-        Route("/health", health.health),
-        Route("/ready", health.ready),
+        Route("/livez", capacity.livez),
+        Route("/readyz", capacity.readyz),
+        Route("/health", capacity.livez),
+        Route("/ready", capacity.readyz),
+        Route("/load", capacity.load),
         Route("/metrics", health.metrics),
+        Route("/v1/audio/transcriptions", transcriptions_endpoint, methods=["POST"]),
+        Route("/admin/drain", drain_endpoint, methods=["POST"]),
+        Route("/v1/images/generations", images_generations, methods=["POST"]),
         *speech_routes(speech, defaults.api_key),
     ]
     if web_dir is not None and (web_dir / "index.html").is_file():
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sessions = manager
+    app.state.drainer = drainer
     app.state.codec = codec
     app.state.info = info
+    app.state.stt_pool = stt_pool
+    app.state.images = images
     return app

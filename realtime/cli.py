@@ -4,6 +4,8 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
     parley serve [--model DIR_OR_REPO] [--host H] [--port P] [--max-sessions N] ...
     parley offline --model DIR --input-wav IN --output-wav OUT [--output-text OUT.json] ...
     parley tts --model DIR --text TEXT --voice NAME --output OUT.wav [--voices DIR] ...
+    parley transcribe --model STT_DIR_OR_REPO IN.wav [--format text|json]
+    parley launch (--gpus 0-7 | --workers N --device cpu) [--port P] [--base-port B] -- [serve flags]
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Callable, Sequence
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
 
 from .help_format import HelpFormatter
+from .launch import add_launch
 from .offline_cli import add_offline
+from .transcribe_cli import add_transcribe
 from .server import ServeConfig, serve
 from .tts_cli import add_tts
 
@@ -28,7 +32,7 @@ DEFAULT_SAMPLING = SamplingOptions()
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="run the realtime server (/api/chat, /v1/realtime, /health, /ready, /metrics)",
+        "serve", help="run the realtime server (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics)",
         description="Serve a Moshi-family model over WebSockets: the Moshi/PersonaPlex protocol on "
                     "/api/chat and the OpenAI Realtime API on /v1/realtime. With no --model, a tiny "
                     "demo model is generated on first run and served: it babbles.",
@@ -40,7 +44,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="address to listen on; 0.0.0.0 to accept connections from other machines")
     p.add_argument("--port", type=int, default=8998, help="TCP port to listen on")
     p.add_argument("--max-sessions", type=int, default=8,
-                   help="concurrent conversations (engine slots); one more is refused (close 1013)")
+                   help="concurrent conversations (engine slots); one more is refused (HTTP 503 at the upgrade)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -75,7 +79,26 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
                         "network edge)")
+    p.add_argument("--ready-min-free", type=int, default=1,
+                   help="/readyz answers 503 when fewer slots than this are free (a balancer then sends "
+                        "new sessions elsewhere); 0: ready even when full")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
+                        "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
+    # -- speech-to-text (transcription) --
+    p.add_argument("--stt-model", default=None,
+                   help="Kyutai STT checkpoint directory or Hugging Face repo id (e.g. kyutai/stt-1b-en_fr) "
+                        "for POST /v1/audio/transcriptions; the demo server includes a tiny random one")
+    p.add_argument("--stt-slots", type=int, default=16,
+                   help="transcription rows (requests transcribed at once; more wait in a queue)")
+    # ---- images (/v1/images/generations; docs/images.md) ----
+    p.add_argument("--image-model", default=None,
+                   help="diffusers text-to-image pipeline (directory or Hugging Face id; Stable Diffusion 1.x/2.x "
+                        "or 3) served on /v1/images/generations in the voice ticks' slack. Omitted: the tiny "
+                        "demo pipeline (noise) when --model is omitted too, else no image endpoint")
+    p.add_argument("--image-queue", type=int, default=16,
+                   help="images waiting or running at once; more are refused with 429 and Retry-After")
     # ---- TTS: POST /v1/audio/speech (realtime/speech_api.py) ----
     p.add_argument("--tts-model", default=None,
                    help="DSM TTS checkpoint directory or Hugging Face repo id (e.g. kyutai/tts-1.6b-en_fr), "
@@ -110,16 +133,28 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.tts_model is None and (args.tts_voices or args.tts_voice_map):
         print("parley serve: --tts-voices and --tts-voice-map need --tts-model", file=sys.stderr)
         return 2
+    if args.stt_slots < 1:
+        print("parley serve: --stt-slots must be at least 1", file=sys.stderr)
+        return 2
+    if args.ready_min_free < 0 or args.drain_timeout < 0:
+        print("parley serve: --ready-min-free and --drain-timeout must be 0 or more", file=sys.stderr)
+        return 2
+    if args.image_queue < 1:
+        print("parley serve: --image-queue must be at least 1", file=sys.stderr)
+        return 2
     config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None}, api_key=args.api_key,
                          log_level=args.log_level, codec_workers=args.codec_workers,
-                         torch_threads=args.torch_threads, tts_model=args.tts_model, tts_slots=args.tts_slots,
-                         tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map)
+                         torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
+                         ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
+                         image_model=args.image_model, image_queue=args.image_queue, tts_model=args.tts_model,
+                         tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map)
     return serve(config)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_tts)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_transcribe,
+                                                                         add_launch, add_tts)
 
 
 def installed_version() -> str:

@@ -15,9 +15,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
 
-from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_tts_checkpoint
+import torch
+
+from parley.models.image_pipeline import ImageStepper, stepper_for
+from parley.models.synthetic import (TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_stt_checkpoint,
+                                     write_tiny_tts_checkpoint)
+from parley.models.tiny_diffusion import tiny_pipeline
 
 # OpenAI's speech voices: the demo TTS answers to all 13 (through its voice map).
 OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",
@@ -34,13 +38,25 @@ def cache_dir() -> Path:
     return base / "demo"
 
 
+STT_NOTICE = ("the demo's speech-to-text model is tiny and random: it transcribes nonsense. For real "
+              "transcripts run `parley serve --stt-model kyutai/stt-1b-en_fr` (or a local STT checkpoint).")
+
+
 def ensure_demo_checkpoint(directory: Path | None = None) -> Path:
     """Return the demo checkpoint directory, writing it first if it is not there yet."""
     target = directory or cache_dir()
-    return _ensure_cached(target, lambda scratch: write_tiny_checkpoint(scratch, kind="moshi"),
-                          "tiny random Moshi-layout checkpoint written by parley serve\n",
-                          "no --model given: writing the tiny demo checkpoint to %s (once). It babbles: its "
-                          "weights are random. For a real conversation run `parley serve --model <dir or HF repo id>`.")
+    return _ensure(target, lambda scratch: write_tiny_checkpoint(scratch, kind="moshi"),
+                   "no --model given: writing the tiny demo checkpoint to %s (once). It babbles: its weights "
+                   "are random. For a real conversation run `parley serve --model <dir or HF repo id>`.")
+
+
+def ensure_demo_stt_checkpoint(directory: Path | None = None) -> Path:
+    """The demo's tiny STT (random; it transcribes nonsense), sharing the demo model's Mimi so
+    that duplex sessions can be transcribed from the same codes."""
+    duplex = ensure_demo_checkpoint()
+    target = directory or cache_dir().with_name("demo-stt")
+    return _ensure(target, lambda scratch: write_tiny_stt_checkpoint(scratch, mimi_from=duplex),
+                   "writing the tiny demo speech-to-text checkpoint to %s (once); " + STT_NOTICE)
 
 
 # ---- the demo TTS: a tiny random DSM TTS whose voices answer to OpenAI's 13 names ----
@@ -49,7 +65,7 @@ DEMO_TTS_VOICE_MAP = "voice_map.json"
 
 
 def demo_tts_dir() -> Path:
-    return cache_dir().parent / "demo-tts"
+    return cache_dir().with_name("demo-tts")
 
 
 def ensure_demo_tts(directory: Path | None = None) -> Path:
@@ -60,21 +76,20 @@ def ensure_demo_tts(directory: Path | None = None) -> Path:
         names = {name: TINY_TTS_VOICES[i % len(TINY_TTS_VOICES)] for i, name in enumerate(OPENAI_VOICE_NAMES)}
         (scratch / DEMO_TTS_VOICE_MAP).write_text(json.dumps(names, indent=2))
 
-    return _ensure_cached(directory or demo_tts_dir(), write, "tiny random DSM TTS written by parley serve\n",
-                          "writing the tiny demo TTS to %s (once). It mumbles: its weights are random.")
+    return _ensure(directory or demo_tts_dir(), write,
+                   "writing the tiny demo TTS to %s (once). It mumbles: its weights are random.")
 
 
-def _ensure_cached(target: Path, write: Callable[[Path], object], marker_text: str, notice: str) -> Path:
-    """`target`, written by `write(scratch)` first if it is not complete yet."""
+def _ensure(target: Path, write, message: str) -> Path:
     if (target / DONE_MARKER).is_file():
         return target
-    log.warning(notice, target)
+    log.warning(message, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target, then rename: two servers starting at once cannot see a half checkpoint.
     scratch = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
     try:
         write(scratch)
-        (scratch / DONE_MARKER).write_text(marker_text)
+        (scratch / DONE_MARKER).write_text("tiny random checkpoint written by parley serve\n")
         if (target / DONE_MARKER).is_file():  # another process finished first: keep its copy
             shutil.rmtree(scratch, ignore_errors=True)
             return target
@@ -89,3 +104,12 @@ def _ensure_cached(target: Path, write: Callable[[Path], object], marker_text: s
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return target
+
+
+DEMO_IMAGE_MODEL = "parley-demo-image"
+
+
+def demo_image_stepper(device: str | torch.device = "cpu") -> ImageStepper:
+    """The demo server's image model: the tiny random SD-1.5-shaped pipeline, built in memory
+    from configs (a fraction of a second, no files). Its images are noise."""
+    return stepper_for(tiny_pipeline("sd").to(device), DEMO_IMAGE_MODEL)

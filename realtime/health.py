@@ -1,7 +1,5 @@
-"""`/health`, `/ready` and `/metrics`.
+"""`/metrics` (the probes and `/load` are in capacity.py).
 
-- `/health`: the process is up and the engine is healthy (liveness). 200 or 503.
-- `/ready`: healthy *and* at least one free slot (what a load balancer routes on). 200 or 503.
 - `/metrics`: Prometheus text. The engine's counters and histograms (read from
   `engine.counters()` at scrape time), plus the edge's own: connections, refusals, live
   sessions, bytes in and out per protocol, and the per-frame send delay. Labels are
@@ -16,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 # Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
 # means a client hears a gap.
@@ -85,7 +83,8 @@ class EdgeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
-        self.refused = Counter("parley_sessions_refused", "sessions refused because every slot was taken",
+        self.refused = Counter("parley_sessions_refused", "accepted connections closed 1013 because every slot "
+                               "was taken (upgrades refused with 503: parley_admission_rejected_total)",
                                ["protocol"], registry=r)
         self.live_sessions = Gauge("parley_live_sessions", "connections being served now", ["protocol"], registry=r)
         self.bytes_in = Counter("parley_bytes_in", "payload bytes received from clients", ["protocol"], registry=r)
@@ -114,21 +113,6 @@ class EdgeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-async def health(request: Request) -> Response:
-    manager = request.app.state.sessions
-    healthy = bool(manager.engine.counters()["healthy"])
-    return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
-
-
-async def ready(request: Request) -> Response:
-    manager = request.app.state.sessions
-    counters = manager.engine.counters()
-    is_ready = manager.ready()
-    body = {"ready": is_ready, "healthy": bool(counters["healthy"]),
-            "free_slots": counters["free_slots"], "live_sessions": manager.live_count}
-    return JSONResponse(body, status_code=200 if is_ready else 503)
 
 
 async def metrics(request: Request) -> Response:

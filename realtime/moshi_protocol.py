@@ -4,6 +4,9 @@ Every message is binary; byte 0 is a tag:
     0x00 handshake  server -> client, once, after the session is prefilled
     0x01 audio      both ways: Ogg pages of Opus, 24 kHz mono (any page size in)
     0x02 text       server -> client: UTF-8 piece of the agent's inner monologue
+    0x07 user text  server -> client, with `?transcript=1`: UTF-8 piece of what the *user* said,
+                    as the paired STT row transcribes it (Parley's extension; clients ignore it)
+    0x05 error      server -> client: UTF-8 message (sent before close 1001 when the server goes away)
     other tags      ignored (0x03 control .. 0x06 ping are not needed for full duplex)
 
 Query parameters: `text_prompt` (persona), `voice_prompt` (voice file name), and the
@@ -11,13 +14,15 @@ Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
 `audio_temperature`, `audio_topk`; `pad_mult`, `text_seed`, `audio_seed`,
 `repetition_penalty_context`, `repetition_penalty` are accepted and ignored).
 
-Closes: 1013 when every slot is taken, 1008 for options the model cannot serve, 1007 for
+Refusals before the upgrade (capacity.py): HTTP 503 + Retry-After when every slot is taken
+or the server is draining. Closes: 1013 when the last slot went between upgrade and admission, 1008 for options the model cannot serve, 1007 for
 bytes that are not Ogg-Opus, 1009 for a message over `MAX_MESSAGE_BYTES`, 1011 when the
 engine fails the session or its codec worker is lost. Each affects only its own connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Mapping
@@ -40,6 +45,8 @@ PROTOCOL = "moshi"
 TAG_HANDSHAKE = 0x00
 TAG_AUDIO = 0x01
 TAG_TEXT = 0x02
+TAG_USER_TEXT = 0x07
+TAG_ERROR = 0x05
 HANDSHAKE = bytes([TAG_HANDSHAKE])  # what the Python reference servers send
 # An Ogg page is at most ~64 KiB; a client may batch a few pages in one message.
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -83,9 +90,13 @@ def options_from_query(query: Mapping[str, str], defaults: SessionOptions) -> Se
 
 async def chat_endpoint(websocket: WebSocket) -> None:
     manager: SessionManager = websocket.app.state.sessions
-    await websocket.accept()
-    edge = manager.attach(websocket, PROTOCOL)
+    reservation = await manager.admission.reserve_or_deny(websocket)
+    if reservation is None:
+        return
+    edge = manager.attach(websocket, PROTOCOL, reservation)
+    edge.notice = lambda reason: edge.send_bytes(bytes([TAG_ERROR]) + reason.encode())
     try:
+        await websocket.accept()
         await _serve(edge, manager)
     finally:
         edge.close()
@@ -107,6 +118,15 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         await edge.close_socket(CLOSE_INTERNAL, f"engine unavailable: {exc}")
         return
 
+    transcript = None
+    if websocket.query_params.get("transcript", "0") not in ("0", "", "false"):
+        try:
+            transcript = manager.engine.enable_transcription(edge.engine_session)
+        except OptionsError as exc:
+            manager.metrics.protocol_errors.labels(PROTOCOL).inc()
+            await edge.close_socket(CLOSE_POLICY, f"transcript=1: {exc}")
+            return
+
     try:
         edge.codec = manager.codec.open()  # pinned to one codec worker for the connection's life
     except CodecUnavailable as exc:
@@ -114,7 +134,13 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         return
     log.info("chat session %d open (persona %d chars, voice %s)", edge.number, len(options.persona), options.voice)
     await edge.send_bytes(HANDSHAKE)
-    await edge.run_duplex(_send_frames(edge), _receive(edge))
+    user_text = asyncio.create_task(_send_user_text(edge, transcript)) if transcript is not None else None
+    try:
+        await edge.run_duplex(_send_frames(edge), _receive(edge))
+    finally:
+        if user_text is not None:
+            user_text.cancel()
+            await asyncio.gather(user_text, return_exceptions=True)
     log.info("chat session %d closed", edge.number)
 
 
@@ -182,6 +208,18 @@ async def _send_frames(edge: EdgeSession) -> None:
         manager.metrics.frames_out.labels(PROTOCOL).inc()
         edge.observe_frame_delay(now() - start)
         edge.observe_frame_sent(event.produced_at)
+
+
+async def _send_user_text(edge: EdgeSession, transcript) -> None:
+    """Paired transcript -> client: each new piece of the user's words as a 0x07 message."""
+    async for event in transcript:
+        if isinstance(event, Terminal):
+            return
+        if event.text:
+            try:
+                await edge.send_bytes(bytes([TAG_USER_TEXT]) + event.text.encode())
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                return
 
 
 async def _codec_lost(edge: EdgeSession, exc: CodecUnavailable) -> None:

@@ -50,8 +50,12 @@ class TurnDetection:
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    eagerness: str = "auto"  # semantic_vad only
 
     def to_dict(self) -> Event:
+        if self.type == "semantic_vad":
+            return {"type": self.type, "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         return {"type": self.type, "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
                 "interrupt_response": self.interrupt_response}
@@ -68,6 +72,7 @@ class SessionConfig:
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     temperature: float = 0.8  # the audio sampling temperature
+    transcription: Event | None = None  # input audio transcription settings, as the client gave them
 
     def to_dict(self, dialect: Dialect) -> Event:
         td = self.turn_detection.to_dict() if self.turn_detection is not None else None
@@ -76,13 +81,13 @@ class SessionConfig:
             return {"id": self.id, "object": "realtime.session", "model": self.model,
                     "modalities": modalities, "instructions": self.instructions, "voice": self.voice,
                     "input_audio_format": "pcm16", "output_audio_format": "pcm16",
-                    "input_audio_transcription": None, "turn_detection": td, "tools": [],
+                    "input_audio_transcription": self.transcription, "turn_detection": td, "tools": [],
                     "tool_choice": "auto", "temperature": self.temperature,
                     "max_response_output_tokens": "inf", "speed": 1.0, "tracing": None}
         pcm = {"type": "audio/pcm", "rate": SAMPLE_RATE}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model,
                 "output_modalities": list(self.output_modalities), "instructions": self.instructions,
-                "audio": {"input": {"format": pcm, "transcription": None, "noise_reduction": None,
+                "audio": {"input": {"format": pcm, "transcription": self.transcription, "noise_reduction": None,
                                     "turn_detection": td},
                           "output": {"format": pcm, "voice": self.voice, "speed": 1.0}},
                 "tools": [], "tool_choice": "auto", "max_output_tokens": "inf", "tracing": None,
@@ -238,6 +243,21 @@ class Events:
 
     def speech_stopped(self, audio_end_ms: int, item_id: str) -> Event:
         return self._event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
+
+    # Input transcription (the paired STT row): same names in both dialects.
+    def transcription_delta(self, item_id: str, delta: str) -> Event:
+        return self._event("conversation.item.input_audio_transcription.delta", item_id=item_id,
+                           content_index=0, delta=delta)
+
+    def transcription_completed(self, item_id: str, transcript: str, seconds: float) -> Event:
+        return self._event("conversation.item.input_audio_transcription.completed", item_id=item_id,
+                           content_index=0, transcript=transcript,
+                           usage={"type": "duration", "seconds": round(seconds, 3)})
+
+    def transcription_failed(self, item_id: str, message: str) -> Event:
+        return self._event("conversation.item.input_audio_transcription.failed", item_id=item_id, content_index=0,
+                           error={"type": "server_error", "code": "transcription_failed", "message": message,
+                                  "param": None})
 
     def committed(self, item_id: str, previous_item_id: str | None) -> Event:
         return self._event("input_audio_buffer.committed", previous_item_id=previous_item_id, item_id=item_id)

@@ -21,8 +21,18 @@ Mapping a full-duplex model onto a turn-shaped protocol (Parley's own design):
 - `input_audio_buffer.speech_started` / `speech_stopped` come from an energy detector on
   the input (only while turn detection is on); at speech end the buffer is committed as a
   user item. The model itself never waits for a commit: it hears the audio as it arrives.
+- Input transcription (`audio.input.transcription` GA, `input_audio_transcription` beta) reads
+  the session's paired STT row (engine/stt_paired.py): `conversation.item.input_audio_transcription
+  .delta` as the words arrive, `.completed` when the user item is committed (text after the commit
+  goes to the next item), `.failed` if the STT stream fails. `semantic_vad` ends the user's turn when
+  the STT's end-of-turn probability reaches the `eagerness` threshold (`EAGERNESS`) after at least
+  `SEMANTIC_MIN_QUIET_MS` of quiet, or at the eagerness's timeout; speech start stays energy-based.
+  Both need a paired STT model (`parley serve --stt-model`); without one each such setting gets an
+  `error` naming its parameter and is not applied; the rest of the update is, and the session goes on.
 - Errors are OpenAI-shaped `error` events and never close the session. When every slot is
-  taken: an `error` (code `session_limit_reached`), then close 1013.
+  taken the upgrade is refused with HTTP 503 + Retry-After (capacity.py); if the last slot
+  goes between upgrade and admission: an `error` (code `session_limit_reached`), then close
+  1013. A server going away (drain) sends an `error` (code `server_shutting_down`), then 1001.
 """
 
 from __future__ import annotations
@@ -79,6 +89,12 @@ class ClientError(Exception):
         self.param = param
 
 
+# semantic_vad eagerness -> (end-of-turn probability that ends the turn, timeout in ms). The
+# timeouts are OpenAI's (low 8 s, medium 4 s, high 2 s); the thresholds are Parley's choice.
+EAGERNESS = {"low": (0.8, 8000), "medium": (0.5, 4000), "auto": (0.5, 4000), "high": (0.25, 2000)}
+SEMANTIC_MIN_QUIET_MS = 160  # at least two quiet frames before the head may end a turn
+
+
 class SessionLost(Exception):
     """The engine session could not be re-established; the connection is closed."""
 
@@ -107,12 +123,17 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         await websocket.send_denial_response(PlainTextResponse(
             "invalid or missing API key: send Authorization: Bearer <key>", status_code=401))
         return
+    reservation = await manager.admission.reserve_or_deny(websocket)
+    if reservation is None:
+        return
     offered = websocket.scope.get("subprotocols", [])
-    await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
-    edge = manager.attach(websocket, PROTOCOL)
+    edge = manager.attach(websocket, PROTOCOL, reservation)
     try:
+        await websocket.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
         connection = RealtimeConnection(edge, select_dialect(websocket),
                                         websocket.query_params.get("model") or manager.defaults.model_name)
+        edge.notice = lambda reason: connection.send(connection.events.error(
+            reason, "server_shutting_down", kind="server_error"))
         await connection.run()
     finally:
         edge.close()
@@ -149,6 +170,9 @@ class RealtimeConnection:
         self.items: OrderedDict[str, Event] = OrderedDict()
         self.last_item_id: str | None = None
         self.input = InputTracker()
+        self._transcript: asyncio.Task | None = None  # reads the paired STT stream while needed
+        self._heard = ""  # transcribed since the last commit
+        self._end_of_turn = 0.0  # the STT's latest end-of-turn probability
         self._reprefill_lock = asyncio.Lock()
         self._handlers: dict[str, Callable[[Event], Awaitable[None]]] = {
             "session.update": self._on_session_update,
@@ -180,7 +204,10 @@ class RealtimeConnection:
             await edge.close_socket(CLOSE_INTERNAL, str(exc))
             return
         await self.send(self.events.session_created(self.config))
-        await edge.run_duplex(self._send_loop(), self._receive_loop())
+        try:
+            await edge.run_duplex(self._send_loop(), self._receive_loop())
+        finally:
+            self._stop_transcript()
 
     async def send(self, event: Event) -> None:
         try:
@@ -275,6 +302,20 @@ class RealtimeConnection:
             config.output_modalities = ["audio"] if "audio" in modalities else ["text"]
         if "turn_detection" in audio_in or "turn_detection" in session:
             config.turn_detection = _turn_detection(audio_in.get("turn_detection", session.get("turn_detection")))
+        param, transcription = _transcription_setting(session, audio_in)
+        if param is not None:
+            config.transcription = transcription
+        refused = []  # settings that need an STT model this server lacks: not applied, each named
+        if not self.manager.engine.can_transcribe:
+            if config.transcription is not None:
+                refused.append(param)
+                config.transcription = self.config.transcription
+            if config.turn_detection is not None and config.turn_detection.type == "semantic_vad":
+                refused.append("session.audio.input.turn_detection.type" if "turn_detection" in audio_in
+                               else "session.turn_detection.type")
+                config.turn_detection = self.config.turn_detection
+        needs_stt = config.transcription is not None or (
+            config.turn_detection is not None and config.turn_detection.type == "semantic_vad")
         if session.get("temperature") is not None:
             temperature = session["temperature"]
             if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -290,6 +331,15 @@ class RealtimeConnection:
         if options != self.options:
             await self._reprefill(options)
         self.config = config
+        if needs_stt and self._transcript is None:
+            self._transcript = asyncio.create_task(self._transcript_loop())
+        elif not needs_stt:
+            self._stop_transcript()
+        for name in refused:
+            await self.error(ClientError(f"{name}: this server has no speech-to-text model loaded (parley serve "
+                                         f"--stt-model), so it cannot transcribe the input or run semantic_vad; "
+                                         f"this setting was not applied (the rest of the update was)",
+                                         "invalid_value", name), event.get("event_id"))
         await self.send(self.events.session_updated(self.config))
 
     def _sampling(self, temperature: float) -> SamplingOptions | None:
@@ -350,24 +400,70 @@ class RealtimeConnection:
             clock_ms = tracker.total_samples * 1000 // SAMPLE_RATE
             if loud and not tracker.speaking:
                 tracker.speaking, tracker.quiet_ms = True, 0
-                tracker.speech_item = new_id("item")
+                tracker.speech_item = tracker.speech_item or new_id("item")  # transcript deltas may have named it
                 start_ms = max(0, clock_ms - FRAME_MS - td.prefix_padding_ms)
                 await self.send(self.events.speech_started(start_ms, tracker.speech_item))
             elif tracker.speaking:
                 tracker.quiet_ms = 0 if loud else tracker.quiet_ms + FRAME_MS
-                if tracker.quiet_ms >= td.silence_duration_ms:
+                if self._turn_ended(td, tracker.quiet_ms):
                     tracker.speaking = False
                     item_id = tracker.speech_item or new_id("item")
                     await self.send(self.events.speech_stopped(clock_ms, item_id))
                     await self._commit(item_id)
 
+    def _turn_ended(self, td: TurnDetection, quiet_ms: int) -> bool:
+        if td.type != "semantic_vad":
+            return quiet_ms >= td.silence_duration_ms
+        threshold, timeout_ms = EAGERNESS[td.eagerness]
+        return (quiet_ms >= SEMANTIC_MIN_QUIET_MS and self._end_of_turn >= threshold) or quiet_ms >= timeout_ms
+
     async def _commit(self, item_id: str) -> None:
         previous = self.last_item_id
         item = UserItem(item_id).to_dict(self.events.dialect)
         self._remember(item)
+        seconds = self.input.buffered_samples / SAMPLE_RATE
         self.input.buffered_samples = 0
+        self.input.speech_item = None
         await self.send(self.events.committed(item_id, previous))
         await self.send_all(self.events.item_entered(item, previous))
+        if self.config.transcription is not None and self._transcript is not None:
+            heard, self._heard = self._heard.strip(), ""
+            await self.send(self.events.transcription_completed(item_id, heard, seconds))
+
+    # ---- input transcription (paired STT row) ----
+
+    async def _transcript_loop(self) -> None:
+        """Follow the session's transcript; a re-prefill hands the slot to a new engine session,
+        whose transcript is followed in turn."""
+        while True:
+            session = self.edge.engine_session
+            if session is None or session.closed:
+                return
+            try:
+                stream = self.manager.engine.enable_transcription(session)
+            except OptionsError:
+                return
+            async for event in stream:
+                if isinstance(event, Terminal):
+                    if event.status is Status.FAILED and self.config.transcription is not None:
+                        item = self.input.speech_item or new_id("item")
+                        await self.send(self.events.transcription_failed(item, event.reason))
+                    break
+                if event.end_of_turn == event.end_of_turn:  # not NaN
+                    self._end_of_turn = event.end_of_turn
+                if event.text and self.config.transcription is not None:
+                    if self.input.speech_item is None:
+                        self.input.speech_item = new_id("item")
+                    self._heard += event.text
+                    await self.send(self.events.transcription_delta(self.input.speech_item, event.text))
+            await asyncio.sleep(0.05)
+            if self.edge.engine_session is session:
+                return
+
+    def _stop_transcript(self) -> None:
+        if self._transcript is not None:
+            self._transcript.cancel()
+            self._transcript = None
 
     async def _on_commit(self, event: Event) -> None:
         if self.input.buffered_samples < MIN_COMMIT_SAMPLES:
@@ -561,11 +657,29 @@ def _turn_detection(raw: Any) -> TurnDetection | None:
         raise ClientError(f"turn_detection.type must be server_vad or semantic_vad, got {kind!r}", "invalid_value",
                           "session.turn_detection.type")
     td.type = kind
-    for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response"):
+    for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response",
+                 "eagerness"):
         value = raw.get(name)
         if value is not None:
             setattr(td, name, value)
+    if td.eagerness not in EAGERNESS:
+        raise ClientError(f"turn_detection.eagerness must be one of {', '.join(EAGERNESS)}, got {td.eagerness!r}",
+                          "invalid_value", "session.turn_detection.eagerness")
     if not isinstance(td.threshold, (int, float)) or not 0 < td.threshold <= 1:
         raise ClientError("turn_detection.threshold must be in (0, 1]", "invalid_value",
                           "session.turn_detection.threshold")
     return td
+
+
+def _transcription_setting(session: Event, audio_in: Event) -> tuple[str | None, Event | None]:
+    """(the parameter's name, its value) when the update sets input transcription (None: it does
+    not). The value is an object (on) or null (off); Parley's STT is the model whatever it names."""
+    if "transcription" in audio_in:
+        param, value = "session.audio.input.transcription", audio_in["transcription"]
+    elif "input_audio_transcription" in session:
+        param, value = "session.input_audio_transcription", session["input_audio_transcription"]
+    else:
+        return None, None
+    if value is not None and not isinstance(value, dict):
+        raise ClientError(f"{param} must be an object or null", "invalid_type", param)
+    return param, value

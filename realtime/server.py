@@ -1,5 +1,6 @@
 """`parley serve`, top to bottom: load the checkpoint -> build the engine -> build the app ->
-run uvicorn (uvloop, websockets sans-I/O) until SIGINT/SIGTERM -> uvicorn's graceful
+run uvicorn (uvloop, websockets sans-I/O) until SIGINT, or SIGTERM which first drains
+(drain.py: no new sessions, live ones run up to --drain-timeout) -> uvicorn's graceful
 shutdown runs the app's lifespan exit, which closes every connection and shuts the engine
 down (bounded by `EngineConfig.shutdown_timeout_s`).
 
@@ -25,13 +26,20 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from parley.engine import Engine, EngineConfig, SamplingOptions, SessionOptions
+from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
+from parley.engine.image_queue import ImageQueue
 from parley.engine.no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
-from parley.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from parley.engine.stt_paired import PairedTranscription
+from parley.engine.stt_pool import SttPool
+from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint, load_checkpoint, load_stt_checkpoint
+from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import DEMO_TTS_VOICE_MAP, ensure_demo_checkpoint, ensure_demo_tts
+from .demo_model import (DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
+                         ensure_demo_stt_checkpoint, ensure_demo_tts)
+from .drain import DrainingServer
+from .images_api import ImageService
 from .sessions import ServerDefaults
 from .speech_api import SpeechService
 from .speech_setup import load_speech_service
@@ -65,6 +73,16 @@ class ServeConfig:
     # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
     # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
     torch_threads: int | None = 1
+    # Speech-to-text (Kyutai STT) for /v1/audio/transcriptions: checkpoint dir or HF repo id;
+    # None: none, except for the demo server, which includes a tiny random one.
+    stt_model: str | None = None
+    stt_slots: int = 16
+    ready_min_free: int = 1  # /readyz is 503 below this many free slots
+    drain_timeout: float = 30.0  # SIGTERM / POST /admin/drain: seconds live sessions may run on
+    # Images (/v1/images/generations): a diffusers pipeline dir or HF id; None: the tiny demo
+    # pipeline when the voice model is the demo too, else no image endpoint.
+    image_model: str | None = None
+    image_queue: int = 16  # images waiting or running; beyond that 429
     # TTS (POST /v1/audio/speech): a DSM TTS checkpoint beside (or without) the duplex model.
     tts_model: str | None = None
     tts_slots: int = 4
@@ -87,22 +105,9 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
                           timeout_graceful_shutdown=10, lifespan="on")
 
 
-# lm_gen_config keys (the reference's names) -> SamplingOptions fields.
-GEN_CONFIG_KEYS = {"temp_text": "text_temperature", "top_k_text": "text_top_k",
-                   "temp": "audio_temperature", "top_k": "audio_top_k"}
-
-
 def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions:
-    """The checkpoint's lm_gen_config, then the command line's flags on top."""
-    from_checkpoint = {field: checkpoint.gen_defaults[key] for key, field in GEN_CONFIG_KEYS.items()
-                       if key in checkpoint.gen_defaults}
-    return SamplingOptions(**{**from_checkpoint, **overrides})
-
-
-def voice_names(checkpoint: Checkpoint) -> tuple[str, ...]:
-    if checkpoint.voices_dir is None:
-        return ()
-    return tuple(sorted(p.name for p in Path(checkpoint.voices_dir).glob("*.pt")))
+    """The checkpoint's sampling (its lm_gen_config), then the command line's flags on top."""
+    return SamplingOptions(**{**dataclasses.asdict(checkpoint.sampling), **overrides})
 
 
 def build_speech(config: ServeConfig, demo: bool, dtype: torch.dtype) -> SpeechService | None:
@@ -126,7 +131,7 @@ def build_app(config: ServeConfig):
     dtype = resolve_dtype(config.dtype, config.device)
     speech = build_speech(config, demo, dtype)
     if config.model is None and not demo:  # TTS only: the duplex routes refuse sessions, saying why
-        engine = Engine(NoDuplexBackend(config.device), EngineConfig(max_sessions=1))
+        engine = Engine(NoDuplexBackend(config.device))
         engine.add_slack_source(speech.pool)
         info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON])
         defaults = ServerDefaults(options=config.defaults, model_name=info.model, api_key=config.api_key)
@@ -142,16 +147,70 @@ def build_app(config: ServeConfig):
         raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
-    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype)
-    engine = Engine(backend, EngineConfig(max_sessions=config.max_sessions))
+    stt = _load_stt(config, demo, device, dtype)
+    paired = stt is not None and _shares_mimi(checkpoint, stt)
+    if stt is not None and not paired:
+        log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
+                    "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
+    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
+                           encode_codebooks=stt.lm_config.n_q if paired else None)
+    engine = Engine(backend)
     if speech is not None:
         engine.add_slack_source(speech.pool)
-    voices = voice_names(checkpoint)
-    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo, voices=voices,
-                      default_voice=config.defaults.voice)
+    if paired:
+        engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
+    images = build_images(config, engine, device, dtype, demo)
+    info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
+                      voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts)
-    return create_app(engine, defaults, info, codec_workers=config.codec_workers, speech=speech)
+    return create_app(engine, defaults, info, codec_workers=config.codec_workers,
+                      stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None,
+                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, images=images,
+                      speech=speech)
+
+
+def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
+    if config.stt_model is None and not demo:
+        return None
+    source = config.stt_model or str(ensure_demo_stt_checkpoint())
+    if config.stt_model is None:
+        log.warning("demo server: %s", STT_NOTICE)
+    log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)
+    return load_stt_checkpoint(source, device=device, dtype=dtype)
+
+
+def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:
+    """Paired transcription reads the duplex frame's codes: the two Mimis must be one (every
+    weight equal) and the duplex one must hold the codebooks the STT reads."""
+    ours, theirs = checkpoint.mimi.state_dict(), stt.mimi.state_dict()
+    if checkpoint.mimi.quantizer.levels < stt.lm_config.n_q or set(theirs) - set(ours):
+        return False
+    return all(ours[k].shape == v.shape and torch.equal(ours[k], v) for k, v in theirs.items())
+
+
+def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtype: torch.dtype,
+                 demo: bool) -> ImageService | None:
+    """Load the image pipeline, measure its items once (warm-up) and register its queue."""
+    if config.image_model is None and not demo:
+        return None
+    if config.image_model is None:
+        stepper = demo_image_stepper(device)
+    else:
+        log.info("loading image model %s on %s", config.image_model, device)
+        try:
+            stepper = load_image_pipeline(config.image_model, device, dtype)
+        except ImagePipelineError as exc:
+            raise ServeError(f"--image-model: {exc}") from exc
+    slack = engine.config.tick_seconds - engine.config.slack_guard_s
+    queue = ImageQueue(stepper, max_slack_s=slack, capacity=config.image_queue)
+    measured = queue.warm_up()
+    log.info("image model %s (%s): default %dpx, latent stride %d; warm-up: %s", stepper.name, stepper.family,
+             stepper.default_size, stepper.latent_stride,
+             ", ".join(f"{k[1]}{'x' + str(k[-1]) if k[1] == 'denoise' else ''} {v * 1e3:.1f} ms"
+                       for k, v in measured.items()))
+    engine.add_slack_source(queue)
+    return ImageService(queue, engine, stepper.name)
 
 
 def serve(config: ServeConfig) -> int:
@@ -160,8 +219,9 @@ def serve(config: ServeConfig) -> int:
     except (ServeError, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
-    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime, /health, /ready, /metrics; %d sessions)",
-             config.host, config.port, config.max_sessions)
-    server = uvicorn.Server(uvicorn_config(app, config.host, config.port, config.log_level))
+    images = ", /v1/images/generations" if app.state.images is not None else ""
+    log.info("serving on http://%s:%d  (/api/chat, /v1/realtime%s, /livez, /readyz, /load, /metrics; %d sessions)",
+             config.host, config.port, images, config.max_sessions)
+    server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level), app.state.drainer)
     server.run()
     return 0 if server.started else 1

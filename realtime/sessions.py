@@ -18,12 +18,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Coroutine
+from typing import Any, Awaitable, Callable, Coroutine
 
 from starlette.websockets import WebSocket, WebSocketState
 
 from parley.engine import Engine, EngineClosed, EngineFull, Session, SessionOptions, SessionRejected
 
+from .capacity import Admission, Reservation
 from .health import EdgeMetrics
 from .opus import CodecRunner, CodecStream
 
@@ -69,11 +70,12 @@ class SessionManager:
     """Admits connections through the engine and keeps the edge's books."""
 
     def __init__(self, engine: Engine, defaults: ServerDefaults, codec: CodecRunner,
-                 metrics: EdgeMetrics) -> None:
+                 metrics: EdgeMetrics, admission: Admission | None = None) -> None:
         self.engine = engine
         self.defaults = defaults
         self.codec = codec
         self.metrics = metrics
+        self.admission = admission or Admission(engine, metrics.registry)
         self._live: set[EdgeSession] = set()
         self._ids = itertools.count(1)
 
@@ -81,41 +83,43 @@ class SessionManager:
     def live_count(self) -> int:
         return len(self._live)
 
-    def ready(self) -> bool:
-        """Healthy and at least one free slot: what a load balancer should route on."""
-        counters = self.engine.counters()
-        return bool(counters["healthy"]) and counters["free_slots"] > 0
-
-    def attach(self, websocket: WebSocket, protocol: str) -> "EdgeSession":
-        """Per-connection state for an accepted WebSocket (no engine session yet)."""
-        edge = EdgeSession(self, websocket, protocol, next(self._ids))
+    def attach(self, websocket: WebSocket, protocol: str, reservation: Reservation | None = None) -> "EdgeSession":
+        """Per-connection state for a WebSocket (no engine session yet), holding the slot
+        `reservation` made before the upgrade was accepted."""
+        edge = EdgeSession(self, websocket, protocol, next(self._ids), reservation)
         self._live.add(edge)
         self.metrics.connections.labels(protocol).inc()
         self.metrics.live_sessions.labels(protocol).inc()
         return edge
 
-    def _detach(self, edge: "EdgeSession") -> None:
+    def detach(self, edge: "EdgeSession") -> None:
+        """Forget a closed connection (its `close()` calls this). Idempotent."""
         if edge in self._live:
             self._live.discard(edge)
             self.metrics.live_sessions.labels(edge.protocol).dec()
 
-    async def shutdown(self) -> None:
-        """Close every connection (going away); the engine ends their streams itself."""
+    async def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Close every connection: its protocol's notice, then close 1001 (going away); the
+        engine ends their streams itself."""
         for edge in list(self._live):
-            await edge.close_socket(CLOSE_GOING_AWAY, "the server is shutting down")
+            await edge.going_away(reason)
             edge.close()
 
 
 class EdgeSession:
     """One connection: its engine session (replaceable, for re-prefill), codec and counters."""
 
-    def __init__(self, manager: SessionManager, websocket: WebSocket, protocol: str, number: int) -> None:
+    def __init__(self, manager: SessionManager, websocket: WebSocket, protocol: str, number: int,
+                 reservation: Reservation | None = None) -> None:
         self.manager = manager
         self.websocket = websocket
         self.protocol = protocol
         self.number = number  # for logs only; never a metrics label
         self.engine_session: Session | None = None
         self.codec: CodecStream | None = None  # /api/chat: this connection's Ogg streams
+        self.reservation = reservation  # the slot held since before the upgrade was accepted
+        # The protocol's "server going away" message, sent before close 1001 (drain, shutdown).
+        self.notice: Callable[[str], Awaitable[None]] | None = None
         self._send_lock = asyncio.Lock()
         self._reopen_lock = asyncio.Lock()
         self._closed = False
@@ -127,10 +131,15 @@ class EdgeSession:
         SessionRejected / OptionsError (bad options) or EngineClosed (engine down)."""
         options = self.manager.defaults.client_options(options)
         try:
+            if self.reservation is not None:
+                self.reservation.opening()  # the engine takes the slot synchronously inside open()
             session = await self.manager.engine.open(options)
         except EngineFull:
             self.manager.metrics.refused.labels(self.protocol).inc()
             raise
+        finally:
+            if self.reservation is not None:
+                self.reservation.release()
         if self._closed:  # the client left while we prefilled
             session.close()
             raise EngineClosed("the connection closed during prefill")
@@ -199,6 +208,15 @@ class EdgeSession:
         except Exception:  # already gone: nothing to tell it
             pass
 
+    async def going_away(self, reason: str) -> None:
+        """The protocol's notice (if it has one and the socket is open), then close 1001."""
+        if self.notice is not None and self.websocket.application_state == WebSocketState.CONNECTED:
+            try:
+                await self.notice(reason)
+            except Exception:  # the client left meanwhile: the close below is all that is left
+                pass
+        await self.close_socket(CLOSE_GOING_AWAY, reason)
+
     # ---- cleanup ----
 
     async def run_duplex(self, send: Coroutine[Any, Any, None], receive: Coroutine[Any, Any, None]) -> None:
@@ -223,11 +241,13 @@ class EdgeSession:
         if self._closed:
             return
         self._closed = True
+        if self.reservation is not None:
+            self.reservation.release()
         if self.engine_session is not None:
             self.engine_session.close()
         if self.codec is not None:
             self.codec.close()
-        self.manager._detach(self)
+        self.manager.detach(self)
 
     @property
     def closed(self) -> bool:

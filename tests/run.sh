@@ -17,5 +17,13 @@ python -m pip install -q --no-deps "moshi==0.2.13"
 # would downgrade soundfile/soxr and pull numba and onnxruntime, so only what the parser imports.
 python -m pip install -q --no-deps "pipecat-ai==1.14.0" "loguru==0.7.3" "wait_for2==0.4.1" \
     "docstring_parser==0.18.0" "loudness==0.2.0" "sentencex==1.0.32" "pillow==13.0.0"
+# HAProxy for the `parley launch` end-to-end tests (tests/test_launch.py): the distribution's package.
+if ! command -v haproxy >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null
+    else
+        echo "haproxy not installed and no root apt-get: the launch end-to-end test will skip"
+    fi
+fi
 if [ -f tests/web_setup.sh ]; then bash tests/web_setup.sh || echo "web_setup: chromium unavailable; browser tests will skip"; fi
 exec python -m pytest -q "$@"

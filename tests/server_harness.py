@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 import uvicorn
 
-from parley.engine import Engine, EngineConfig
+from parley.engine import Engine
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.server import uvicorn_config
@@ -55,7 +55,7 @@ def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefault
     """An app over the fabricated echo backend: output frame t == input frame t - 1,
     text piece '<n>' on every frame (n counts the row's frames since its reset)."""
     backend = DelayBackend(max_sessions, **backend_kwargs)
-    engine = Engine(backend, EngineConfig(max_sessions=max_sessions))
+    engine = Engine(backend)
     # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     return create_app(engine, defaults, ServerInfo(model="delay"), codec_workers=2), backend
 
@@ -96,6 +96,7 @@ class ChatResult:
         self.handshake_at: float | None = None  # seconds after connect
         self.pcm_chunks: list[np.ndarray] = []
         self.text: list[str] = []
+        self.user_text: list[str] = []  # 0x07 pieces (?transcript=1)
         self.close_code: int | None = None
         self.close_reason: str = ""
         self.audio_messages = 0
@@ -138,6 +139,8 @@ async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", fr
                             result.pcm_chunks.append(out)
                     elif msg[0] == 2:
                         result.text.append(msg[1:].decode())
+                    elif msg[0] == 7:
+                        result.user_text.append(msg[1:].decode())
             except ConnectionClosed:
                 pass
             result.close_code = ws.close_code

@@ -24,11 +24,11 @@ from safetensors.torch import load_file, save_file
 from parley.models import checkpoint as checkpoint_module
 from parley.models.audio_io import AudioFileError, read_wav, resample, write_wav
 from parley.models.checkpoint import CheckpointError, load_checkpoint, write_checkpoint
-from parley.models.config import LM_FILE, MIMI_FILE, TEXT_EPAD, TEXT_PAD, TOKENIZER_FILE, LMConfig
+from parley.models.config import LM_FILE, MIMI_FILE, TEXT_EPAD, TEXT_PAD, TOKENIZER_FILE, LMConfig, SamplingDefaults
 from parley.models.lm import LMModel
 from parley.models.mimi import model_key
-from parley.models.persona import load_voice_pt
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
+from parley.models.voices import load_voice_pt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,8 @@ def test_tiny_moshi_round_trip_is_exact(tiny_moshi_dir):
     assert ckpt.model_type == "moshi"
     assert ckpt.lm_config.dep_q == 8 and ckpt.lm_config.dim == 64
     assert ckpt.voices_dir is None
-    assert ckpt.gen_defaults == {"temp": 0.8, "temp_text": 0.7, "top_k": 250, "top_k_text": 25}
+    assert ckpt.sampling == SamplingDefaults(text_temperature=0.7, text_top_k=25, audio_temperature=0.8,
+                                             audio_top_k=250)
     assert ckpt.tokenizer.vocab_size == ckpt.lm_config.text_card
     assert ckpt.path == tiny_moshi_dir
     _assert_loaded_equals_file(ckpt.lm, tiny_moshi_dir / LM_FILE, torch.float32)
@@ -301,6 +302,14 @@ def test_checkpoint_without_config_expects_7b_shapes(tiny_moshi_dir, copy_checkp
         load_checkpoint(src)
 
 
+def test_lm_gen_config_overrides_the_reference_sampling_key_by_key(tiny_moshi_dir, copy_checkpoint):
+    src = copy_checkpoint(tiny_moshi_dir)
+    config = json.loads((src / "config.json").read_text())
+    config["lm_gen_config"] = {"temp": 0.5, "top_k_text": 7, "cfg_coef": 1.0}  # not a sampling key: ignored
+    (src / "config.json").write_text(json.dumps(config))
+    assert load_checkpoint(src).sampling == SamplingDefaults(text_top_k=7, audio_temperature=0.5)
+
+
 @pytest.mark.parametrize("content, expected", [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must hold a JSON object"),
@@ -308,7 +317,9 @@ def test_checkpoint_without_config_expects_7b_shapes(tiny_moshi_dir, copy_checkp
     (json.dumps({"model_type": "hibiki"}), "model_type 'hibiki' is not supported"),
     (json.dumps({"num_heads": 5}), "not divisible by num_heads"),
     (json.dumps({"lm_gen_config": [1]}), "lm_gen_config must be an object"),
-], ids=["syntax", "not-object", "unknown-option", "model-type", "bad-shape", "gen-config"])
+    (json.dumps({"lm_gen_config": {"top_k": 2.5}}), "lm_gen_config: top_k must be a whole number, got 2.5"),
+    (json.dumps({"lm_gen_config": {"temp": "hot"}}), "lm_gen_config: temp must be a number, got 'hot'"),
+], ids=["syntax", "not-object", "unknown-option", "model-type", "bad-shape", "gen-config", "gen-top-k", "gen-temp"])
 def test_bad_config_json(tiny_moshi_dir, copy_checkpoint, content, expected):
     src = copy_checkpoint(tiny_moshi_dir)
     (src / "config.json").write_text(content)

@@ -56,7 +56,7 @@ def make_engine(max_sessions=8, **config) -> tuple[Engine, DelayBackend]:
     backend = DelayBackend(max_sessions)
     config.setdefault("input_frames", 64)
     config.setdefault("output_events", 256)
-    return Engine(backend, EngineConfig(max_sessions=max_sessions, **config)), backend
+    return Engine(backend, EngineConfig(**config)), backend
 
 
 async def open_ready(engine: Engine, n: int, options=SessionOptions()):
@@ -168,6 +168,30 @@ def test_full_engine_refuses_at_once_and_close_frees_the_slot():
     asyncio.run(main())
 
 
+def test_a_late_second_end_of_a_session_cannot_free_its_successors_slot():
+    # A client close racing an engine-side failure ends a session twice; by the second end its
+    # row may already belong to the next session. Only SlotTable.release's owner check keeps
+    # that row taken (without it, a third session would be admitted onto the same row).
+    async def main():
+        engine, _ = make_engine(1)
+        (old,) = await open_ready(engine, 1)
+        old.close()
+        (new,) = await open_ready(engine, 1)
+        assert new.row == old.row
+        old.close()  # the duplicate client close ...
+        engine.fail_session(old, "input rejected: late")  # ... and the engine-side failure
+        assert engine.counters()["free_slots"] == 0
+        with pytest.raises(EngineFull):
+            engine.open_nowait(SessionOptions())
+        new.push_audio(signal(3, 3))
+        engine.run_ticks(3)
+        assert_echo(frames_of(new.events.drain()), signal(3, 3))
+        assert not new.closed
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_rejected_options_fail_open_and_free_the_slot():
     async def main():
         engine, _ = make_engine(1)
@@ -205,10 +229,9 @@ def test_options_are_validated_with_plain_sentences():
         SamplingOptions(audio_top_k=0)
     with pytest.raises(OptionsError, match="voice must be a non-empty name"):
         SessionOptions(voice="")
-    with pytest.raises(OptionsError, match="max_sessions must be a whole number"):
-        EngineConfig(max_sessions=0)
-    with pytest.raises(OptionsError, match="the backend holds 2 rows"):
-        Engine(DelayBackend(2), EngineConfig(max_sessions=3))
+    with pytest.raises(OptionsError, match="max_sessions must be a whole number of at least 1, got 0"):
+        Engine(DelayBackend(0))  # the backend owns the row count; the engine refuses an empty one
+    assert Engine(DelayBackend(3)).max_sessions == 3
 
 
 # ---------------------------------------------------------------- input buffering
@@ -296,7 +319,7 @@ def test_engine_counts_late_and_skipped_ticks_on_its_clock():
 
     backend = DelayBackend(2, on_step=on_step)
     clock = TickClock(0.08, now=fake.now, sleep=fake.sleep)
-    engine = Engine(backend, EngineConfig(max_sessions=2), clock=clock)
+    engine = Engine(backend, clock=clock)
 
     async def main():
         s = engine.open_nowait(SessionOptions())
@@ -330,7 +353,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_making_any_tick_late():
 
     backend = DelayBackend(2, prompt_frames=200, on_step=on_step, on_prefill=on_prefill)
     clock = TickClock(0.08, now=fake.now, sleep=fake.sleep)
-    engine = Engine(backend, EngineConfig(max_sessions=2), clock=clock)
+    engine = Engine(backend, clock=clock)
 
     async def main():
         talker = engine.open_nowait(SessionOptions())
@@ -401,7 +424,7 @@ def test_a_failing_session_does_not_disturb_the_others(bad_audio, reason):
 def test_fatal_backend_error_fails_every_stream_and_marks_unhealthy():
     async def main():
         backend = DelayBackend(3, fail_at_step=3)
-        engine = Engine(backend, EngineConfig(max_sessions=3, tick_seconds=0.01))
+        engine = Engine(backend, EngineConfig(tick_seconds=0.01))
         engine.start()
         sessions = [await asyncio.wait_for(engine.open(), 2) for _ in range(3)]
         ends = [await asyncio.wait_for(_last_event(s), 2) for s in sessions]
@@ -458,7 +481,7 @@ def test_threaded_engine_streams_each_session_its_own_frames():
 def test_event_loop_is_never_blocked_by_model_work():
     async def main():
         backend = DelayBackend(2, step_seconds=0.03, prefill_seconds=0.3)
-        engine = Engine(backend, EngineConfig(max_sessions=2, tick_seconds=0.04))
+        engine = Engine(backend, EngineConfig(tick_seconds=0.04))
         engine.start()
         gaps = []
 

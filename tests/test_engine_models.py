@@ -15,7 +15,7 @@ import torch
 from parley.engine import Engine, EngineConfig, FrameOut, SamplingOptions, SessionOptions, SessionRejected
 from parley.engine.backend import BackendOutput, ModelBackend
 from parley.models.config import FRAME_SAMPLES
-from parley.models.persona import SILENCE_TOKENS
+from parley.models.persona_prompt import SILENCE_TOKENS
 from parley.models.synthetic import ECHO_FIRST_FRAME
 
 N = FRAME_SAMPLES
@@ -58,7 +58,7 @@ def frames_of(session) -> list[FrameOut]:
 def test_eight_echo_sessions_each_hear_exactly_their_own_audio(echo_dir):
     backend = Recording(ModelBackend.load(echo_dir, 8, seed=0))
     mimi = backend.checkpoint.mimi
-    engine = Engine(backend, EngineConfig(max_sessions=8, output_events=64))
+    engine = Engine(backend, EngineConfig(output_events=64))
     ticks = 6
     inputs = [speech_like(i, ticks) for i in range(8)]
 
@@ -91,7 +91,7 @@ def run_with_optional_visitor(checkpoint_dir, with_visitor: bool):
     """3 sessions for 9 ticks (default, non-greedy sampling, fixed seed); optionally a
     visitor opens at tick 2, closes at 5 and is replaced at 6 on the same row."""
     backend = ModelBackend.load(checkpoint_dir, 4, seed=1234)
-    engine = Engine(backend, EngineConfig(max_sessions=4))
+    engine = Engine(backend)
 
     async def main():
         sessions = [engine.open_nowait(SessionOptions()) for _ in range(3)]
@@ -131,7 +131,7 @@ def test_a_visitor_leaves_other_sessions_bit_identical(tiny_moshi_dir):
 def test_a_reused_slot_starts_clean(tiny_moshi_dir):
     def session_outputs(warm_up_first: bool):
         backend = ModelBackend.load(tiny_moshi_dir, 2, seed=7)
-        engine = Engine(backend, EngineConfig(max_sessions=2))
+        engine = Engine(backend)
 
         async def main():
             if warm_up_first:  # someone else talks on row 0 first, then leaves
@@ -160,7 +160,7 @@ def test_a_reused_slot_starts_clean(tiny_moshi_dir):
 
 def test_personaplex_session_is_prefilled_in_one_pass_and_talks(tiny_personaplex_dir):
     backend = ModelBackend.load(tiny_personaplex_dir, 2, seed=0)
-    engine = Engine(backend, EngineConfig(max_sessions=2))
+    engine = Engine(backend)
 
     async def main():
         s = engine.open_nowait(SessionOptions(persona="Hi", voice="NATF0", sampling=SamplingOptions.greedy()))
@@ -186,7 +186,7 @@ def test_personaplex_session_is_prefilled_in_one_pass_and_talks(tiny_personaplex
 
 def test_moshi_refuses_a_persona_in_a_sentence(tiny_moshi_dir):
     backend = ModelBackend.load(tiny_moshi_dir, 1)
-    engine = Engine(backend, EngineConfig(max_sessions=1))
+    engine = Engine(backend)
 
     async def main():
         s = engine.open_nowait(SessionOptions(persona="be nice"))
@@ -258,7 +258,7 @@ def test_a_closed_session_row_is_emptied_at_the_next_tick(tiny_moshi_dir):
     """An idle row must cost (close to) nothing: once its session ends, the row's KV ring is
     emptied at the next tick, so the attention reads nothing for it until the slot is reused."""
     backend = ModelBackend.load(tiny_moshi_dir, 2, seed=0)
-    engine = Engine(backend, EngineConfig(max_sessions=2))
+    engine = Engine(backend)
 
     async def main():
         a = engine.open_nowait(GREEDY)

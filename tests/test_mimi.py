@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from parley.models import kernels
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config
 from parley.models.mimi import Mimi, MimiState, model_key
 
@@ -402,9 +403,7 @@ def test_cuda_streaming_matches_cpu_and_graph_capture(tiny_cfg: MimiConfig, tiny
 def test_gpu_fast_paths_match_plain_path():
     """CUDA-only Mimi fast paths (matmul attention for the T = 2 steps, matmul transposed convs)
     against the plain PyTorch ops on the same GPU, full-size Mimi with random codebooks."""
-    from parley.models import attention as fa
-
-    if not torch.cuda.is_available() or not fa._HAVE_TRITON:
+    if not torch.cuda.is_available() or not kernels.have_triton():
         pytest.skip("needs a CUDA device and Triton")
     torch.manual_seed(0)
     mimi = Mimi(MimiConfig()).cuda().eval()
@@ -418,13 +417,10 @@ def test_gpu_fast_paths_match_plain_path():
     run = torch.tensor([True, False, True, True], device="cuda")
     results = []
     for fast in (True, False):
-        fa.ENABLED = fast
-        try:
+        with kernels.enabled(fast):
             state = mimi.init_state(batch, "cuda")
             enc = [mimi.encode_step(pcm[:, f], state, run) for f in range(frames)]
             dec = [mimi.decode_step(codes[:, f], state, run) for f in range(frames)]
-        finally:
-            fa.ENABLED = True
         results.append((torch.stack(enc, 1), torch.stack(dec, 1)))
     (c_fast, a_fast), (c_plain, a_plain) = results
     assert (c_fast == c_plain).float().mean().item() >= 0.95

@@ -21,16 +21,15 @@ def _chirp_wav(path, sample_rate=16_000, seconds=2.0, channels=2):
     sf.write(path, np.stack([x] * channels, axis=1).astype(np.float32), sample_rate)
 
 
-def test_offline_echo_reproduces_the_users_codes_one_frame_later(echo_dir, tmp_path):
-    """Any rate and channel count in; the agent's audio is the Mimi decode of the user's own
-    codes shifted by one frame (ECHO_DELAY_FRAMES), and the text is the echo's words."""
-    wav_in, wav_out, text_out = tmp_path / "in.wav", tmp_path / "out.wav", tmp_path / "out.json"
-    _chirp_wav(wav_in)
-    rc = main(["offline", "--model", str(echo_dir), "--input-wav", str(wav_in), "--output-wav", str(wav_out),
-               "--output-text", str(text_out), "--greedy"])
-    assert rc == 0
+def _run_offline(model, wav_in, wav_out, text_out) -> None:
+    assert main(["offline", "--model", str(model), "--input-wav", str(wav_in), "--output-wav", str(wav_out),
+                 "--output-text", str(text_out), "--greedy"]) == 0
 
-    ckpt = load_checkpoint(echo_dir, dtype=torch.float32)
+
+def _assert_echo_reply(ckpt, wav_in, wav_out, text_out) -> np.ndarray:
+    """The echo checkpoint's known answer: the agent's audio is the Mimi decode of the user's own
+    codes shifted by one frame (ECHO_DELAY_FRAMES), and the text is the echo's words. Returns
+    the written audio."""
     pcm = read_wav(wav_in)
     with torch.no_grad():
         user = ckpt.mimi.encode(pcm[None])[0].T  # [F, 8]: a fresh encoder, as the session's
@@ -49,18 +48,30 @@ def test_offline_echo_reproduces_the_users_codes_one_frame_later(echo_dir, tmp_p
     expected_tokens = echo_text_token(user[ECHO_FIRST_FRAME - 1:-1, 0], words).tolist()
     got = {p["frame"]: p["token"] for p in pieces}
     assert [got[f] for f in range(ECHO_FIRST_FRAME, user.shape[0])] == expected_tokens
+    return out
 
 
-def test_offline_is_deterministic_with_greedy(tiny_moshi_dir, tmp_path):
+def test_offline_echo_reproduces_the_users_codes_one_frame_later(echo_dir, tmp_path):
+    """Any rate and channel count in (here 16 kHz stereo); the echo's known reply out."""
+    wav_in, wav_out, text_out = tmp_path / "in.wav", tmp_path / "out.wav", tmp_path / "out.json"
+    _chirp_wav(wav_in)
+    _run_offline(echo_dir, wav_in, wav_out, text_out)
+    _assert_echo_reply(load_checkpoint(echo_dir, dtype=torch.float32), wav_in, wav_out, text_out)
+
+
+def test_offline_is_deterministic_with_greedy(echo_dir, tmp_path):
+    """Two greedy runs write the same bytes, and both are the echo's known reply (so a run
+    that is repeatable but wrong, or right only once, fails)."""
     wav_in = tmp_path / "in.wav"
     _chirp_wav(wav_in, sample_rate=48_000, seconds=1.0, channels=1)
-    outs = []
+    ckpt = load_checkpoint(echo_dir, dtype=torch.float32)
+    runs = []
     for i in range(2):
-        out = tmp_path / f"out{i}.wav"
-        assert main(["offline", "--model", str(tiny_moshi_dir), "--input-wav", str(wav_in),
-                     "--output-wav", str(out), "--greedy"]) == 0
-        outs.append(sf.read(out)[0])
-    assert np.array_equal(outs[0], outs[1]) and np.abs(outs[0]).max() > 0
+        wav_out, text_out = tmp_path / f"out{i}.wav", tmp_path / f"out{i}.json"
+        _run_offline(echo_dir, wav_in, wav_out, text_out)
+        _assert_echo_reply(ckpt, wav_in, wav_out, text_out)
+        runs.append((wav_out.read_bytes(), text_out.read_text()))
+    assert runs[0] == runs[1]
 
 
 def test_offline_bad_input_gives_one_clear_line(echo_dir, tmp_path, capsys):

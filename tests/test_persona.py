@@ -13,28 +13,31 @@ import soundfile
 import torch
 
 from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE, TEXT_PAD, UNGENERATED_TOKEN, tiny_lm_config
-from parley.models.persona import (
+from parley.models.persona_prompt import (
     SILENCE_FRAMES,
     SILENCE_TOKENS,
     SINE_TOKENS,
-    PersonaError,
     PromptPlan,
-    VoicePrompt,
     build_prompt_frames,
     delay_frames,
-    integrated_loudness,
-    load_voice_pt,
     persona_tokens,
+    voice_to_pt,
+    wrap_persona,
+)
+from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
+from parley.models.voices import (
+    PersonaError,
+    VoicePrompt,
+    integrated_loudness,
+    list_voices,
+    load_voice_pt,
     resolve_voice,
     save_voice_pt,
     sine_frame,
     unpack_voices,
     voice_audio,
     voice_from_wav,
-    voice_to_pt,
-    wrap_persona,
 )
-from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer
 
 CFG = tiny_lm_config()  # Moshi structure: 8 agent + 8 user codebooks, delays [0, 0,1.., 0,1..]
 K = CFG.num_codebooks
@@ -326,6 +329,14 @@ def test_resolve_voice_accepts_names_with_or_without_suffix(tmp_path):
         resolve_voice(tmp_path, "VARF9")
     with pytest.raises(PersonaError, match=r"invalid voice name '\.\./NATF0\.pt'"):
         resolve_voice(tmp_path, "../NATF0.pt")
+
+
+def test_list_voices_lists_every_kind_load_voice_reads(tmp_path):
+    for name in ("NATF0.pt", "b.wav", "c.flac", "d.ogg", "notes.txt", "e.WAV.bak"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "sub.pt").mkdir()  # a directory is not a voice
+    assert list_voices(tmp_path) == ["NATF0.pt", "b.wav", "c.flac", "d.ogg"]
+    assert list_voices(tmp_path / "missing") == []
 
 
 def _tgz(members: dict[str, bytes]) -> bytes:

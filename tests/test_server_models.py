@@ -4,22 +4,30 @@ and the `parley serve` command itself (a subprocess, stopped with SIGTERM)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import re
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
+import soundfile
 import torch
 
 from parley.engine import SessionOptions
+from parley.engine.backend import ModelBackend
 from parley.models.checkpoint import load_checkpoint
+from parley.models.persona_prompt import SILENCE_FRAMES
 from parley.models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
+from parley.models.voices import unpack_voices
 from parley.realtime.server import ServeConfig, build_app
 from server_harness import FRAME, SR, chat_session, free_port, serve, tone
 
@@ -48,6 +56,25 @@ def test_tiny_personaplex_persona_and_voice(tiny_personaplex_dir):
         assert res.handshake_at is not None and res.audio_messages >= 5
         bad = asyncio.run(chat_session(base, None, query="voice_prompt=NOPE.pt"))
         assert bad.handshake_at is None and bad.close_code == 1008
+
+
+def test_api_voices_lists_every_voice_the_backend_loads(tiny_personaplex_dir, copy_checkpoint):
+    # Audio voices load when typed; the page's list must offer them too (not only the .pt files).
+    src = copy_checkpoint(tiny_personaplex_dir)
+    voices_dir = unpack_voices(src / "voices.tgz")
+    for name, fmt in (("Aria.wav", "WAV"), ("bo.flac", "FLAC"), ("cy.ogg", "OGG")):
+        soundfile.write(voices_dir / name, tone(220, 1.0, sr=16_000), 16_000, format=fmt)
+    (voices_dir / "README.txt").write_text("not a voice")
+    expected = ["Aria.wav", "NATF0.pt", "NATM0.pt", "bo.flac", "cy.ogg"]
+
+    app = build_app(ServeConfig(model=str(src), max_sessions=1))
+    with serve(app) as base:
+        listed = json.loads(urllib.request.urlopen(f"http://{base}/api/voices", timeout=5).read())
+    assert listed["voices"] == expected
+    backend = ModelBackend.load(src, 1, seed=0)
+    for name in expected:  # every listed name is one a session can open with
+        job = backend.start_prefill(0, SessionOptions(voice=name))
+        assert job.frames_left > 2 * SILENCE_FRAMES, name
 
 
 def test_moshi_checkpoint_refuses_a_default_persona(tiny_moshi_dir):
@@ -85,6 +112,12 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
             assert info["demo"] is True and "babbles" in info["notice"]
             res = asyncio.run(chat_session(f"127.0.0.1:{port}", tone(300, 0.5), tail_seconds=0.2))
             assert res.handshake_at is not None and res.audio_messages > 0
+            # the demo includes a tiny STT: transcription works out of the box, and says it is nonsense
+            assert info["transcription"] is True and "nonsense" in info["transcription_notice"]
+            wav = io.BytesIO()
+            soundfile.write(wav, tone(300, 0.5), 24_000, format="WAV")
+            stt = openai.OpenAI(api_key="x", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=60)
+            assert isinstance(stt.audio.transcriptions.create(model="demo", file=("a.wav", wav.getvalue())).text, str)
             proc.send_signal(signal.SIGTERM)
             # uvicorn drains, runs the lifespan exit, then re-raises the signal (exit -15)
             assert proc.wait(20) in (0, -signal.SIGTERM)
@@ -93,7 +126,7 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
                 proc.kill()
                 proc.wait()
     text = log.read_text()
-    assert "babbles" in text and "--model" in text
+    assert "babbles" in text and "--model" in text and "transcribes nonsense" in text
     assert "Application shutdown complete" in text
     assert (tmp_path / "cache" / "demo" / "model.safetensors").is_file()
 
@@ -102,8 +135,18 @@ def test_parley_serve_help_explains_flags():
     out = subprocess.run([sys.executable, "-m", "parley.realtime.cli", "serve", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60).stdout
     for flag in ("--model", "--host", "--port", "--max-sessions", "--device", "--dtype", "--persona", "--voice",
-                 "--text-temperature", "--audio-topk", "--api-key", "--log-level"):
+                 "--text-temperature", "--audio-topk", "--api-key", "--log-level", "--image-model", "--image-queue"):
         assert flag in out, flag
+
+
+def test_parley_version_prints_the_installed_package_version():
+    # The console script pip installed, so the entry point and the package metadata are what is tested.
+    script = Path(sys.executable).with_name("parley")
+    out = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    installed = importlib.metadata.version("parley")
+    assert out.returncode == 0 and out.stdout.strip() == f"parley {installed}"
+    declared = re.search(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert installed == declared, "reinstall: the metadata is older than pyproject.toml"
 
 
 # ---- /api/chat on the echo checkpoint: exact expectations, computed independently ----------

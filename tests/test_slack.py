@@ -159,7 +159,7 @@ def test_a_prompt_that_raises_fails_its_session_only_and_others_stay_bit_identic
 
 
 def test_slack_sources_are_registered_before_start_only():
-    engine = Engine(DelayBackend(1), EngineConfig(max_sessions=1, tick_seconds=0.01))
+    engine = Engine(DelayBackend(1), EngineConfig(tick_seconds=0.01))
     engine.start()
     try:
         with pytest.raises(RuntimeError, match="before the engine starts"):

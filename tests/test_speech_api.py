@@ -61,7 +61,7 @@ def server(tts_dir):
     oracle = synthesize(service.pool, request)  # before the engine thread owns the pool
     assert oracle.terminal.status.value == "completed" and oracle.pcm.size > 0
     # Long ticks: a tiny TTS step on a shared CPU can take most of an 80 ms tick.
-    engine = Engine(DelayBackend(2), EngineConfig(max_sessions=2, tick_seconds=0.5))
+    engine = Engine(DelayBackend(2), EngineConfig(tick_seconds=0.5))
     engine.add_slack_source(service.pool)
     app = create_app(engine, info=ServerInfo(model="delay"), codec_workers=0, speech=service)
     with serve(app) as url:
@@ -216,7 +216,7 @@ def test_full_pool_is_429_and_a_disconnect_frees_the_row(server):
             assert r.status_code == 200
             next(reader)  # audio is flowing: both rows are live
         full = post(url)
-        assert full.status_code == 429, pool.counters()
+        assert full.status_code == 429, pool.slack_counters()
         assert full.headers.get("retry-after") == "1"
         assert full.json()["error"]["type"] == "rate_limit_error"
         cancelled_before = pool.cancelled
@@ -225,7 +225,7 @@ def test_full_pool_is_429_and_a_disconnect_frees_the_row(server):
     deadline = time.monotonic() + 20
     while pool.live and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pool.live == 0 and pool.cancelled == cancelled_before + 2, pool.counters()
+    assert pool.live == 0 and pool.cancelled == cancelled_before + 2, pool.slack_counters()
     assert post(url, response_format="pcm", input="Hi.").status_code == 200  # the rows serve again
 
 

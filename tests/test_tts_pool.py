@@ -44,7 +44,7 @@ def signal(seed, frames):
 
 async def duplex_run(tts, with_tts: bool, ticks: int = 40):
     backend = DelayBackend(4)
-    engine = Engine(backend, EngineConfig(max_sessions=4, input_frames=64, output_events=256))
+    engine = Engine(backend, EngineConfig(input_frames=64, output_events=256))
     pool = None
     if with_tts:
         ck, _ = tts
@@ -168,7 +168,7 @@ def test_starved_rows_are_counted_then_one_step_is_forced(tts):
 def test_engine_shutdown_ends_every_tts_request(tts):
     async def main():
         ck, _ = tts
-        engine = Engine(DelayBackend(1), EngineConfig(max_sessions=1))
+        engine = Engine(DelayBackend(1))
         pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10)
         engine.add_slack_source(pool)
         loop = asyncio.get_running_loop()
@@ -179,7 +179,7 @@ def test_engine_shutdown_ends_every_tts_request(tts):
         assert live.stream.drain()[-1] == Terminal(Status.CANCELLED, "the engine is shutting down")
         assert pool.live == 0
         queued = pool.submit(request(tts, "Hi."), loop)
-        pool.stop(Terminal(Status.FAILED, "engine failure"))
+        pool.slack_stop(Terminal(Status.FAILED, "engine failure"))
         assert queued.stream.drain() == [Terminal(Status.FAILED, "engine failure")]
     asyncio.run(main())
 

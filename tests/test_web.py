@@ -316,15 +316,22 @@ def run_page_scenario(base_url: str, tmp_path: Path, *, expect_voices: list[str]
             page.wait_for_timeout(1000)  # let the meters and the readout settle for the picture
             stats_a = _stats(page)
             if expect_text:  # what the page shows is what arrived (read in one go: text keeps coming)
-                shown, received = page.evaluate(
-                    "() => [document.getElementById('transcript').textContent, window.parleyStats.text]")
+                # Agent text is the box's bare text; the user's words (0x07, when the server
+                # transcribes) are in .user-text spans after "You:" labels.
+                shown, received, user_shown, user_received = page.evaluate(
+                    "() => { const t = document.getElementById('transcript');"
+                    " const bare = Array.from(t.childNodes).filter((n) => n.nodeType === 3).map((n) => n.textContent);"
+                    " const user = Array.from(t.querySelectorAll('.user-text')).map((n) => n.textContent);"
+                    " return [bare.join(''), window.parleyStats.text, user.join(''), window.parleyStats.userText]; }")
                 assert shown.strip() and shown == received
+                assert user_shown == user_received
+                result_user_text = user_shown
             name = screenshot or "page"
             shot = tmp_path / f"{name}.png"
             page.screenshot(path=str(shot), full_page=True)
             if screenshot:
                 shutil.copy(shot, f"/tmp/{name}.png")
-            result = {"a": stats_a, "console": console,
+            result = {"a": stats_a, "console": console, "user_text": result_user_text if expect_text else "",
                       "notice": page.locator("#server-notice").inner_text() if page.locator("#server-notice").is_visible() else ""}
             if not check_full:
                 page.keyboard.press("Escape")
@@ -424,7 +431,9 @@ def test_page_with_parley_serve_echo(tmp_path):
         # The echo speaks a word per frame, derived from the microphone's codes.
         res = run_page_scenario(url, tmp_path, expect_voices=None, screenshot="parley_web")
     _check_live_stats(res["a"], max_buffer_ms=200)
-    assert res["b_full"]["closeCode"] == 1013
+    # The real server refuses the upgrade with HTTP 503, which a browser reports as 1006; the page
+    # then read /readyz (no free slot) to show "Server full".
+    assert res["b_full"]["closeCode"] == 1006
     print(json.dumps({k: res["a"][k] for k in ("decodedFrames", "decodedMs", "playedFrames", "avgBufferedMs",
                                                "latencyMs", "underruns", "droppedMs", "rxRealtime", "outputLevelMax")}))
 
@@ -438,6 +447,7 @@ def test_page_with_parley_serve_demo(tmp_path):
         res = run_page_scenario(url, tmp_path, expect_voices=None, screenshot="parley_web_demo", check_full=False)
     _check_live_stats(res["a"], max_buffer_ms=200)
     assert "babble" in res["notice"], res["notice"]
+    assert res["user_text"].strip(), "the demo's tiny STT should show (nonsense) user words"
 
 
 # --------------------------------------------------------------------------- web/ogg.js unit check

@@ -14,6 +14,7 @@ const FRAMES_PER_PAGE = 1; // one frame per Ogg page keeps the added delay lowes
 const TAG_HANDSHAKE = 0x00;
 const TAG_AUDIO = 0x01;
 const TAG_TEXT = 0x02;
+const TAG_USER_TEXT = 0x07; // with ?transcript=1: the user's words, from the server's STT
 const TAG_ERROR = 0x05;
 const HANDSHAKE_TIMEOUT_MS = 120000; // prefill of a long voice prompt can take a while
 const SILENCE_TIMEOUT_MS = 10000; // as the Moshi client: no message for 10 s -> give up
@@ -54,7 +55,8 @@ const stats = {
   inputLevelMax: 0,
   outputLevel: 0, // RMS at the analyser on the agent's audio
   outputLevelMax: 0,
-  text: '',
+  text: '', // the agent's text, as received
+  userText: '', // the user's words (0x07), as received
   voices: [],
   errors: [],
 };
@@ -121,11 +123,29 @@ function setMuted(on) {
   ui.mute.textContent = on ? 'Unmute microphone' : 'Mute microphone';
 }
 
-function appendText(piece) {
-  stats.text += piece;
+let transcribesUser = false; // /api/info: the server can transcribe the user's side
+let lastSpeaker = 'agent';
+
+// Both sides as text: the agent's pieces as they are, the user's in their own labelled lines.
+function appendText(piece, speaker = 'agent') {
+  if (speaker === 'agent') stats.text += piece; else stats.userText += piece;
   const t = ui.transcript;
   const atBottom = t.scrollHeight - t.scrollTop - t.clientHeight < 24;
-  t.append(piece);
+  if (transcribesUser && speaker !== lastSpeaker) {
+    const label = document.createElement('span');
+    label.className = `speaker ${speaker}`;
+    label.textContent = `${t.textContent ? '\n' : ''}${speaker === 'user' ? 'You' : 'Agent'}: `;
+    t.append(label);
+    lastSpeaker = speaker;
+  }
+  if (speaker === 'user') {
+    const span = document.createElement('span');
+    span.className = 'user-text';
+    span.textContent = piece;
+    t.append(span);
+  } else {
+    t.append(piece);
+  }
   if (atBottom) t.scrollTop = t.scrollHeight;
 }
 
@@ -173,6 +193,7 @@ class Session {
     u.protocol = u.protocol === 'https:' ? 'wss:' : 'ws:';
     u.searchParams.set('text_prompt', this.persona);
     if (this.voice) u.searchParams.set('voice_prompt', this.voice);
+    if (transcribesUser) u.searchParams.set('transcript', '1');
     for (const name of SAMPLING_PARAMS) {
       if (pageParams.has(name)) u.searchParams.set(name, pageParams.get(name));
     }
@@ -311,6 +332,8 @@ class Session {
       for (const pkt of this.reader.push(bytes.subarray(1))) this.onPacket(pkt);
     } else if (tag === TAG_TEXT) {
       appendText(new TextDecoder().decode(bytes.subarray(1)));
+    } else if (tag === TAG_USER_TEXT) {
+      appendText(new TextDecoder().decode(bytes.subarray(1)), 'user');
     } else if (tag === TAG_ERROR) {
       const msg = new TextDecoder().decode(bytes.subarray(1));
       stats.errors.push(msg);
@@ -477,7 +500,22 @@ class Session {
     if (e.code === 1013) {
       this.finish('full', `Every conversation slot is busy (code 1013${reason}). Try again in a moment.`);
     } else if (!this.opened) {
-      this.finish('error', `Could not connect to the server (code ${e.code}${reason}). Is it running, and is this its address?`);
+      // A full or draining server refuses the upgrade with HTTP 503, which a browser reports
+      // only as a failed connection: ask /readyz which it was.
+      fetch(new URL('/readyz', apiBase)).then((r) => r.json()).then((ready) => {
+        if (this.closed) return;
+        if (ready.draining) {
+          this.finish('full', 'This server is shutting down and takes no new conversations. Try again in a moment.');
+        } else if (ready.free === 0) {
+          this.finish('full', 'Every conversation slot is busy (the server answered 503). Try again in a moment.');
+        } else {
+          this.finish('error', `Could not connect to the server (code ${e.code}${reason}).`);
+        }
+      }).catch(() => {
+        if (!this.closed) {
+          this.finish('error', `Could not connect to the server (code ${e.code}${reason}). Is it running, and is this its address?`);
+        }
+      });
     } else if (stats.state === 'waiting') {
       this.finish('error', `The server closed the connection before the model was ready (code ${e.code}${reason}).`);
     } else {
@@ -558,7 +596,7 @@ function disconnect() {
 
 ui.connect.addEventListener('click', () => (session ? disconnect() : connect()));
 ui.mute.addEventListener('click', () => setMuted(!muted));
-ui.clear.addEventListener('click', () => { ui.transcript.textContent = ''; stats.text = ''; });
+ui.clear.addEventListener('click', () => { ui.transcript.textContent = ''; stats.text = ''; stats.userText = ''; lastSpeaker = 'agent'; });
 document.addEventListener('keydown', (e) => {
   if (e.key === 'Escape' && session) { e.preventDefault(); disconnect(); return; }
   const inField = e.target instanceof HTMLElement && e.target.matches('textarea, input, select');
@@ -605,6 +643,7 @@ async function loadInfo() {
     const r = await fetch(new URL('/api/info', apiBase), { headers: { Accept: 'application/json' } });
     if (!r.ok) return;
     const info = await r.json();
+    transcribesUser = Boolean(info && info.session_transcript);
     const notice = info && (info.notice || (info.demo ? 'This server runs the tiny demo model: it babbles. Start `parley serve --model ...` with real weights to talk for real.' : ''));
     if (notice) {
       ui.serverNotice.textContent = notice;

@@ -219,15 +219,17 @@ class Mimi(nn.Module):
         return MimiState(encoder, decoder)
 
     @torch.no_grad()
-    def encode_step(self, pcm: Tensor, state: MimiState, exec_mask: Tensor) -> Tensor:
-        """pcm [B, frame_size] float -> codes [B, num_codebooks] int64, one frame per row."""
+    def encode_step(self, pcm: Tensor, state: MimiState, exec_mask: Tensor,
+                    num_codebooks: int | None = None) -> Tensor:
+        """pcm [B, frame_size] float -> codes [B, num_codebooks] int64, one frame per row
+        (`num_codebooks` overrides the configured count, up to `quantizer.levels`)."""
         if pcm.dim() != 2 or pcm.shape[-1] != self.frame_size:
             raise ValueError(f"encode_step takes pcm of shape [B, {self.frame_size}], got {tuple(pcm.shape)}")
         enc = state.encoder
         latent = self.encoder.step(pcm[:, None, :], enc.seanet, exec_mask)
         latent = self.encoder_transformer.step(latent, enc.transformer, exec_mask)
         latent = self.downsample.step(latent, enc.downsample, exec_mask)
-        return self.quantizer.encode(latent)[:, :, 0]
+        return self.quantizer.encode(latent, num_codebooks)[:, :, 0]
 
     @torch.no_grad()
     def decode_step(self, codes: Tensor, state: MimiState, exec_mask: Tensor) -> Tensor:

@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from parley.models import kernels
+
 
 # --------------------------------------------------------------------------- state primitives
 
@@ -198,10 +200,8 @@ class StreamingConvTranspose1d(StreamingModule):
         return ConvTrState(partial)
 
     def step(self, x: Tensor, state: ConvTrState, exec_mask: Tensor) -> Tensor:
-        from parley.models import attention as fused
-
         conv = self.torch_convtr
-        if fused.available(x) and conv.groups == 1 and conv.kernel_size[0] == 2 * conv.stride[0]:
+        if kernels.available(x) and conv.groups == 1 and conv.kernel_size[0] == 2 * conv.stride[0]:
             y = _convtr_matmul(x, conv.weight, conv.bias, conv.stride[0])
         else:
             y = conv(x)

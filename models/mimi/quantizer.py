@@ -143,11 +143,19 @@ class SplitResidualVectorQuantizer(nn.Module):
     def num_codebooks(self) -> int:
         return self.n_semantic + self.n_acoustic
 
-    def encode(self, x: Tensor) -> Tensor:
-        """latent [B, input_dimension, T] -> codes [B, num_codebooks, T] (int64)."""
+    @property
+    def levels(self) -> int:
+        """Codebooks the weights hold (encode can return up to this many)."""
+        return self.n_semantic + len(self.rvq_rest.vq.layers)
+
+    def encode(self, x: Tensor, num_codebooks: int | None = None) -> Tensor:
+        """latent [B, input_dimension, T] -> codes [B, num_codebooks, T] (int64). `num_codebooks`
+        (default: the configured count) may exceed it up to `levels`: residual quantization is
+        sequential, so the first codebooks do not change when more are encoded."""
+        n_acoustic = self.n_acoustic if num_codebooks is None else num_codebooks - self.n_semantic
         codes = self.rvq_first.encode(x, self.n_semantic)
-        if self.n_acoustic:
-            codes = torch.cat([codes, self.rvq_rest.encode(x, self.n_acoustic)], dim=1)
+        if n_acoustic:
+            codes = torch.cat([codes, self.rvq_rest.encode(x, n_acoustic)], dim=1)
         return codes
 
     def decode(self, codes: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Fused decode kernels (models/attention.py) against the plain PyTorch path, on a CUDA device."""
+"""Fused decode kernels (models/kernels.py) against the plain PyTorch path, on a CUDA device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parley.models import attention as fa
+from parley.models import kernels as fa
 from parley.models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv,
                                 quantize_kv, ring_slot_positions)
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _need_cuda():
-    if not torch.cuda.is_available() or not fa._HAVE_TRITON:
+    if not torch.cuda.is_available() or not fa.have_triton():
         pytest.skip("needs a CUDA device and Triton")
 
 
@@ -60,6 +60,29 @@ def test_decode_attention_matches_sdpa(B, H, S, D, context):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("launch", [(64, 47, 3, 4), (128, 24, 3, 4), (128, 4, 3, 8), (32, 16, 4, 4)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_launch_shapes_match_sdpa(launch, fp8):
+    """Every launch shape (one split over the whole ring, wide blocks, narrow blocks) computes
+    the same attention."""
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(1)
+    B, H, S, D, dt = 5, 4, 3000, 128, torch.bfloat16
+    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    pos, sp = _window_positions(B, S, g)
+    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    scales = ()
+    if fp8:
+        (ck, ks), (cv, vs) = quantize_kv(ck), quantize_kv(cv)
+        scales = (ks, vs)
+    out = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, S, *scales, launch=fa.AttentionLaunch(*launch))
+    if fp8:
+        ck, cv = dequantize_kv(ck, ks, dt), dequantize_kv(cv, vs, dt)
+    ref = _sdpa_reference(q, kn, vn, ck, cv, sp, pos, S)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_rope_write_and_norms():
     _need_cuda()
     B, H, D, S = 3, 4, 128, 10
@@ -81,9 +104,9 @@ def test_rope_write_and_norms():
     norm = RMSNorm(4096, 1e-8, torch.float32, device="cuda")
     norm.alpha.data.uniform_(0.5, 1.5)
     x, u = torch.randn(4, 4096, device="cuda"), torch.randn(4, 4096, device="cuda")
-    torch.testing.assert_close(fa.rms_norm(x, norm), norm(x).view_as(x))
+    torch.testing.assert_close(fa.rms_norm(x, *norm.fused_params()), norm(x).view_as(x))
     ls = LayerScale(4096, 0.1, device="cuda")
-    res, y = fa.add_rms_norm(x, u, ls, norm)
+    res, y = fa.add_rms_norm(x, u, ls.scale, *norm.fused_params())
     torch.testing.assert_close(res, x + ls(u))
     torch.testing.assert_close(y, norm(x + ls(u)).view_as(x))
     h = torch.randn(4, 2 * 1000, device="cuda")
@@ -124,12 +147,9 @@ def _fused_and_general(kv_dtype=None):
             tr(warm[:, :30], st)
         outs = []
         for fused in (True, False):
-            fa.ENABLED = fused
-            try:
+            with fa.enabled(fused):
                 st = states[0] if fused else states[1]
                 ys = [tr(warm[:, 30 + t:31 + t], st, exec_mask) for t in range(15)]
-            finally:
-                fa.ENABLED = True
             outs.append((torch.cat(ys, 1), st))
     return outs
 

@@ -1,11 +1,15 @@
 """Fused CUDA kernels (Triton) for the one-step (T == 1) streaming decode, and for sampling.
 
-    available(x) -> bool                      # CUDA tensor, Triton importable, not disabled
+A leaf module: it takes plain tensors and numbers, never model objects, and imports nothing
+from the rest of Parley.
+
+    available(x) -> bool                      # CUDA tensor, Triton importable, fused paths switched on
+    set_enabled(flag) -> previous flag;  with enabled(flag): ...    # the one switch
     q, k, v = rope_write(qkv[B, 3*H*D], H, D, cos_sin | None, pos[B], exec_mask[B] | None, cache_k, cache_v)
     out = decode_attention(q[B,H,D], k_new[B,H,D], v_new[B,H,D], cache_k[B,H,S,D], cache_v, slot_pos[B,S],
                            pos[B], context | None)        # [B, H, D]
-    y = rms_norm(x[B, N], norm)                           # RMSNorm computed in fp32
-    res, y = add_rms_norm(res[B, N], upd[B, N], layer_scale | None, norm)
+    y = rms_norm(x[B, N], alpha[N], eps)                  # RMSNorm computed in fp32
+    res, y = add_rms_norm(res[B, N], upd[B, N], scale[N] | None, alpha[N], eps)
     a = silu_mul(h[B, 2*F])                               # silu(h[:, :F]) * h[:, F:]
     tokens = sample(logits[B, V], temperature[B], top_k[B], noise[B, V])
 
@@ -19,12 +23,17 @@ Only slots below min(pos[b], S) are visited: since a row's positions grow from 0
 slots at or above that bound have never been written. Splits of the window past it exit at once,
 so the cost follows each row's filled window (split-KV, "flash decoding"), not the capacity.
 
-Disable every fused path with PARLEY_FUSED=0 (or `attention.ENABLED = False`).
+The switch: PARLEY_FUSED=0 in the environment turns every fused path off at import (1, the
+default, leaves them on; any other value is refused); `set_enabled` / `enabled` change it at run
+time (tests compare both paths). It is read when a step is traced, so a CUDA graph keeps the
+path it was captured with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -38,13 +47,40 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None
     _HAVE_TRITON = False
 
-ENABLED = os.environ.get("PARLEY_FUSED", "1") != "0"
-# Launch overrides for tuning (block_n, blocks, stages, warps); empty = the defaults below.
-TUNE: dict[str, int] = {}
+
+def _env_switch() -> bool:
+    value = os.environ.get("PARLEY_FUSED", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"PARLEY_FUSED={value!r}: expected 1 (fused CUDA kernels, the default) or 0 (plain PyTorch)")
+    return value == "1"
+
+
+_switch = {"on": _env_switch()}
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the fused paths on or off for steps traced from now on; returns the previous setting."""
+    previous = _switch["on"]
+    _switch["on"] = bool(flag)
+    return previous
+
+
+@contextlib.contextmanager
+def enabled(flag: bool) -> Iterator[None]:
+    """Run a block with the fused paths on or off, then restore the previous setting."""
+    previous = set_enabled(flag)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
+
+def have_triton() -> bool:
+    return _HAVE_TRITON
 
 
 def available(x: torch.Tensor) -> bool:
-    return ENABLED and _HAVE_TRITON and x.is_cuda
+    return _switch["on"] and _HAVE_TRITON and x.is_cuda
 
 
 def _pow2(n: int) -> int:
@@ -74,6 +110,10 @@ if _HAVE_TRITON:
         d = tl.arange(0, D)
         rows = tl.arange(0, M)
         q = tl.load(Q + b * sq_b + h * sq_h + d[None, :] + 0 * rows[:, None])  # [M, D]
+        if KV_FP8:
+            # fp8 caches run fp16 dots: e4m3 -> fp16 is one hardware conversion per element pair
+            # on Hopper (to bf16 it goes through fp32), and fp16 holds every e4m3 value exactly.
+            q = q.to(tl.float16)
         offs_n = tl.arange(0, BLOCK_N)
         k_base = K + b * sk_b + h * sk_h
         v_base = V + b * sv_b + h * sv_h
@@ -93,8 +133,8 @@ if _HAVE_TRITON:
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
             if KV_FP8:
-                k = k.to(tl.float32).to(q.dtype)
-                v = v.to(tl.float32).to(q.dtype)
+                k = k.to(tl.float16)
+                v = v.to(tl.float16)
                 k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
                 v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
@@ -113,7 +153,9 @@ if _HAVE_TRITON:
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             elif KV_FP8:
-                acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(v.dtype), v)
+                # p * v_sc * 448 = p * (the slot's max |v|) keeps fp16 operands in its normal range;
+                # the 1 / 448 goes back on in fp32.
+                acc = acc * alpha[:, None] + tl.dot((p * (v_sc * 448.0)[None, :]).to(tl.float16), v) * (1.0 / 448.0)
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -133,21 +175,25 @@ if _HAVE_TRITON:
             tl.store(OUT + b * so_b + h * so_h + d[None, :] + 0 * rows[:, None], out.to(OUT.dtype.element_ty),
                      mask=row0[:, None])
         else:
+            # Splits past the filled window store nothing: the reduce reads only filled splits.
             idx = bh * NUM_SPLITS + split
-            tl.store(M_TMP + idx + 0 * rows, m_i, mask=row0)
-            tl.store(L_TMP + idx + 0 * rows, l_i, mask=row0)
-            tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=row0[:, None])
+            st = row0 & (start < n_valid)
+            tl.store(M_TMP + idx + 0 * rows, m_i, mask=st)
+            tl.store(L_TMP + idx + 0 * rows, l_i, mask=st)
+            tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=st[:, None])
 
     @triton.jit
-    def _attn_reduce_kernel(Q, KN, VN, OUT, M_TMP, L_TMP, ACC_TMP, H, qk_scale,
+    def _attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scale,
                             sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, so_b, so_h,
-                            D: tl.constexpr, NUM_SPLITS: tl.constexpr, NS_P2: tl.constexpr):
+                            D: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                            NS_P2: tl.constexpr):
         bh = tl.program_id(0)
         b = bh // H
         h = bh % H
         d = tl.arange(0, D)
         sidx = tl.arange(0, NS_P2)
-        smask = sidx < NUM_SPLITS
+        n_valid = tl.minimum(tl.load(POS + b), S)
+        smask = (sidx < NUM_SPLITS) & (sidx * SPLIT < n_valid)
         m = tl.load(M_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=-1.0e30)
         l = tl.load(L_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=0.0)
         acc = tl.load(ACC_TMP + (bh * NUM_SPLITS + sidx)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
@@ -290,21 +336,43 @@ if _HAVE_TRITON:
 # Wrappers
 
 
+class AttentionLaunch(NamedTuple):
+    block_n: int  # slots per loop iteration
+    blocks: int  # loop iterations per program: a program covers block_n * blocks slots of a row's window
+    stages: int  # software-pipelining depth of the loop's loads
+    warps: int
+
+
+def attention_launch(B: int, H: int, S: int, fp8: bool) -> AttentionLaunch:
+    """Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B.
+
+    From benchmarks/attention_kernel.py on the H200 (docs/figures/attention_sweep*.json), with
+    2048 or more (row, head) pairs: one program per pair over the whole ring (no reduce pass,
+    and nothing to do past the filled window), in 64-slot blocks for bf16 (4.5 TB/s at full
+    windows) and 128-slot blocks for fp8 (whose loop is compute-bound: fewer, wider iterations)."""
+    if B * H >= 2048 and S > 64:
+        block_n = 128 if fp8 else 64
+        return AttentionLaunch(block_n, triton.cdiv(S, block_n), 3, 4)
+    block_n = max(16, min(64, _pow2(S)))
+    blocks = 2 if B * H <= 64 else (4 if B * H <= 512 else 8)
+    one_split = block_n * blocks >= S  # short rings (the depformer's, Mimi's): nothing to pipeline
+    return AttentionLaunch(block_n, blocks, 1 if one_split else 3, 4)
+
+
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, slot_pos: torch.Tensor, pos: torch.Tensor,
                      context: int | None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n]."""
+                     v_scale: torch.Tensor | None = None,
+                     launch: AttentionLaunch | None = None) -> torch.Tensor:
+    """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n].
+    `launch`: block shape and grid (default `attention_launch`; benchmarks sweep others)."""
     B, H, D = q.shape
     S = cache_k.shape[2]
     assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
     assert D == _pow2(D), f"head dim {D} must be a power of two"
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-    block_n = TUNE.get("block_n") or max(16, min(64, _pow2(S)))
-    # Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B.
-    blocks = TUNE.get("blocks") or (2 if B * H <= 64 else (4 if B * H <= 512 else 8))
-    stages, warps = TUNE.get("stages", 3), TUNE.get("warps", 4)
+    block_n, blocks, stages, warps = launch or attention_launch(B, H, S, k_scale is not None)
     split = block_n * blocks
     num_splits = triton.cdiv(S, split)
     ieee = cache_k.dtype == torch.float32
@@ -325,7 +393,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
             cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
             out.stride(0), out.stride(1),
             D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=1, HAS_CONTEXT=context is not None, FINAL=True,
-            IEEE=ieee, STAGES=1, KV_FP8=fp8, num_warps=4)
+            IEEE=ieee, STAGES=stages, KV_FP8=fp8, num_warps=warps)
         return out
     m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
     l_tmp = torch.empty_like(m_tmp)
@@ -339,8 +407,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None, FINAL=False,
         IEEE=ieee, STAGES=stages, KV_FP8=fp8, num_warps=warps)
     _attn_reduce_kernel[(B * H,)](
-        q, k_new, v_new, out, m_tmp, l_tmp, acc_tmp, H, qk_scale, *common, out.stride(0), out.stride(1),
-        D=D, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
+        q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
+        D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
     return out
 
 
@@ -372,26 +440,9 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
     return q_out, k_out, v
 
 
-def _rms_params(norm) -> tuple[torch.Tensor, float] | None:
-    """(alpha, eps) when `norm` is an fp32-computed RMSNorm we can fuse, else None."""
-    from .transformer import RMSNorm
-
-    if isinstance(norm, RMSNorm) and norm.compute_dtype == torch.float32:
-        return norm.alpha.reshape(-1), norm.eps
-    return None
-
-
-def _scale_of(layer_scale) -> torch.Tensor | None:
-    from .transformer import LayerScale
-
-    return layer_scale.scale if isinstance(layer_scale, LayerScale) else None
-
-
-def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    params = _rms_params(norm)
-    if params is None or x.stride(-1) != 1:
-        return norm(x)
-    alpha, eps = params
+def rms_norm(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [B, N] (last dim contiguous) -> x * alpha / sqrt(eps + mean(x^2)), in fp32, cast back."""
+    assert x.stride(-1) == 1
     B, N = x.shape
     y = torch.empty_like(x)
     _add_rms_norm_kernel[(B,)](x, x, x, alpha, x, y, N, eps, x.stride(0), 0, 0, y.stride(0),
@@ -399,15 +450,12 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return y
 
 
-def add_rms_norm(res: torch.Tensor, upd: torch.Tensor, layer_scale, norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """res + layer_scale(upd) (rounded to upd's dtype, as the layer does), and its RMSNorm."""
-    params = _rms_params(norm)
-    if params is None or res.stride(-1) != 1 or upd.stride(-1) != 1:
-        new = res.to(upd) + layer_scale(upd)
-        return new, norm(new)
-    alpha, eps = params
+def add_rms_norm(res: torch.Tensor, upd: torch.Tensor, scale: torch.Tensor | None, alpha: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """new = res + scale * upd (rounded to upd's dtype, as the layer does; no scale: + upd), and
+    rms_norm(new, alpha, eps)."""
+    assert res.stride(-1) == 1 and upd.stride(-1) == 1
     B, N = upd.shape
-    scale = _scale_of(layer_scale)
     new = torch.empty_like(upd)
     y = torch.empty_like(upd)
     _add_rms_norm_kernel[(B,)](res, upd, scale if scale is not None else upd, alpha, new, y, N, eps,

@@ -1,0 +1,261 @@
+"""Voice ticks under image load: does diffusion in the slack make any voice tick late?
+
+The real engine thread on its 80 ms clock runs B duplex sessions (Moshi-7B shapes, random bf16,
+the CUDA-graphed frame) while the image queue keeps K text-to-image requests outstanding
+(SD-1.5 shapes, random weights; a finished request is replaced at once). Per scenario:
+
+    voice: tick start lateness (actual - scheduled) p50/p99/max and ticks > 1 ms late;
+           voice done (tick start -> outputs on the host) p99, against the K = 0 run at that B
+    images: denoise steps/s, images/min, time to first partial image (p50/max), against a
+           standalone run (the same steps back to back, no voice, no clock)
+    slack:  image GPU time / tick time, estimator overruns, items past the boundary
+
+    python benchmarks/diffusion_interference.py                       # H200: B 1,16,64 x K 0,1,4,16 x 512,1024
+    python benchmarks/diffusion_interference.py --smoke --loads 0,1,2   # CPU: tiny models, checks it runs
+
+Pass bar (docs/benchmarks.md): lateness p99 <= 1 ms, voice done p99 within max(2 %, 0.5 ms) of
+K = 0, zero items past the boundary; diffusion >= 50 % of standalone at B = 64, 512 px.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parley.engine import Engine, EngineConfig, Terminal, TickClock  # noqa: E402
+from parley.engine.backend import ModelBackend  # noqa: E402
+from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec  # noqa: E402
+from parley.models.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
+from parley.models.config import LMConfig, MimiConfig, SamplingDefaults  # noqa: E402
+from parley.models.image_pipeline import ImageStepper, stepper_for  # noqa: E402
+from parley.models.lm import LMModel  # noqa: E402
+from parley.models.mimi.codec import Mimi  # noqa: E402
+from parley.models.synthetic import write_tiny_checkpoint  # noqa: E402
+from parley.models.tiny_diffusion import sd15_shaped, tiny_pipeline  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+class RecordingClock(TickClock):
+    """The engine's clock, recording each tick's start lateness."""
+
+    def __init__(self, period: float) -> None:
+        super().__init__(period)
+        self.starts: list[float] = []  # actual start of each tick
+        self.lateness: list[float] = []
+
+    def wait(self, stop: threading.Event) -> bool:
+        due = self.next_boundary()
+        ok = super().wait(stop)
+        now = self.now()
+        self.starts.append(now)
+        if due is not None:
+            self.lateness.append(now - due)
+        return ok
+
+
+class TimedBackend:
+    """A FrameBackend wrapper that records when each frame's outputs reached the host."""
+
+    def __init__(self, inner, clock: RecordingClock) -> None:
+        self.inner, self.clock, self.done = inner, clock, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def text_piece(self, token: int) -> str:
+        return ""  # random weights emit arbitrary ids; the transcript is not measured
+
+    def step(self, frames, live_mask):
+        host = self.inner.step(frames, live_mask).to_host()
+        self.done.append(self.clock.now() - self.clock.starts[-1])
+        return _Ready(host)
+
+
+class _Ready:
+    def __init__(self, host) -> None:
+        self.host = host
+
+    def to_host(self):
+        return self.host
+
+
+def voice_checkpoint(smoke: bool, device: str) -> Checkpoint:
+    if smoke:
+        directory = Path(tempfile.mkdtemp(prefix="parley-bench-"))
+        return load_checkpoint(write_tiny_checkpoint(directory, kind="moshi"), device=device, dtype=torch.float32)
+    torch.manual_seed(0)
+    lm_cfg, mimi_cfg = LMConfig(), MimiConfig()
+    lm = LMModel(lm_cfg, device=device, dtype=torch.bfloat16).eval()
+    mimi = Mimi(mimi_cfg).to(device).eval()
+    return Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
+                      sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
+
+
+def image_stepper(smoke: bool, device: str) -> ImageStepper:
+    if smoke:
+        return stepper_for(tiny_pipeline("sd"))
+    return stepper_for(sd15_shaped().to(device, torch.bfloat16), "sd15-shaped")
+
+
+def standalone_steps_per_s(stepper: ImageStepper, size: int, batch: int, steps: int, sync) -> float:
+    """Denoise steps/s back to back, no voice, no clock: graphed as in the engine (on CUDA)."""
+    queue = ImageQueue(stepper, max_slack_s=1e9, max_batch=batch)
+    queue.warm_up(size, size)
+    predict = queue.graphed_predict(size, size, True, batch)
+    cond = stepper.encode("standalone", None, True)
+    jobs = [stepper.start(cond, size, size, steps + 2, 7.5, i) for i in range(batch)]
+    stepper.denoise(jobs, predict=predict)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        stepper.denoise(jobs, predict=predict)
+    sync()
+    elapsed = time.perf_counter() - start
+    queue.close_graphs()
+    return steps * batch / elapsed
+
+
+async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int) -> dict:
+    clock = RecordingClock(args.tick)
+    backend = TimedBackend(ModelBackend(checkpoint, batch, cuda_graphs=args.device == "cuda", seed=0), clock)
+    engine = Engine(backend, EngineConfig(tick_seconds=args.tick), clock=clock)
+    queue = ImageQueue(stepper, max_slack_s=args.tick - engine.config.slack_guard_s, capacity=max(load, 1),
+                       max_batch=args.max_batch)
+    queue.warm_up(size, size)
+    engine.add_slack_source(queue)
+    engine.start()
+    sessions = [await engine.open() for _ in range(batch)]
+    first_partial: list[float] = []
+    done_images = 0
+    refused = ""
+
+    async def one_image(i: int) -> None:
+        nonlocal done_images
+        submitted = time.perf_counter()
+        request = queue.submit(ImageSpec(f"image {i}", size, size, args.steps, 7.5, seed=i, partial_images=1))
+        seen_partial = False
+        async for event in request.events:
+            if isinstance(event, ImagePartial) and not seen_partial:
+                first_partial.append(time.perf_counter() - submitted)
+                seen_partial = True
+            elif isinstance(event, Terminal):
+                if event.status.value == "completed":
+                    done_images += 1
+                else:
+                    raise RuntimeError(event.reason)
+
+    async def keep_outstanding(worker: int) -> None:
+        nonlocal refused
+        i = worker
+        while True:
+            try:
+                await one_image(i)
+            except Exception as exc:  # e.g. the size never fits: report it, stop this load
+                refused = str(exc)
+                return
+            i += load
+
+    await asyncio.sleep(args.settle)  # sessions live, graphs warm
+    c0, steps0, t_ticks = engine.counters(), queue.counts["images_denoise_steps"], len(clock.lateness)
+    done0 = len(backend.done)
+    workers = [asyncio.create_task(keep_outstanding(w)) for w in range(load)]
+    start = time.perf_counter()
+    await asyncio.sleep(args.seconds)
+    elapsed = time.perf_counter() - start
+    c1, steps1 = engine.counters(), queue.counts["images_denoise_steps"]
+    lateness = [x * 1e3 for x in clock.lateness[t_ticks:]]
+    voice_done = [x * 1e3 for x in backend.done[done0:]]
+    for w in workers:
+        w.cancel()
+    for s in sessions:
+        s.close()
+    await asyncio.to_thread(engine.shutdown)
+    queue.close_graphs()
+    ticks = c1["ticks"] - c0["ticks"]
+    return {
+        "B": batch, "K": load, "px": size,
+        "late_p50_ms": pct(lateness, 50), "late_p99_ms": pct(lateness, 99), "late_max_ms": max(lateness, default=0),
+        "late_over_1ms": sum(x > 1.0 for x in lateness),
+        "voice_done_p99_ms": pct(voice_done, 99),
+        "steps_per_s": (steps1 - steps0) / elapsed, "images_per_min": done_images * 60 / elapsed,
+        "first_partial_p50_s": pct(first_partial, 50), "first_partial_max_s": max(first_partial, default=float("nan")),
+        "slack_used": (c1["slack_seconds"] - c0["slack_seconds"]) / max(ticks * args.tick, 1e-9),
+        "overruns": c1["slack_overruns"] - c0["slack_overruns"],
+        "past_boundary": c1["slack_past_boundary"] - c0["slack_past_boundary"],
+        "refused": refused[:120],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (checks the script runs)")
+    parser.add_argument("--batches", default=None, help="voice sessions B (default 1,16,64; smoke 1,2)")
+    parser.add_argument("--loads", default="0,1,4,16", help="outstanding image requests K")
+    parser.add_argument("--sizes", default=None, help="image sides in px (default 512,1024; smoke 16,32)")
+    parser.add_argument("--steps", type=int, default=20, help="denoising steps per image")
+    parser.add_argument("--max-batch", type=int, default=4, help="image jobs per shared denoise step")
+    parser.add_argument("--seconds", type=float, default=None, help="measured seconds per scenario (10; smoke 2)")
+    parser.add_argument("--settle", type=float, default=1.0, help="unmeasured seconds before each scenario")
+    parser.add_argument("--tick", type=float, default=None,
+                        help="the voice clock's period (0.08; smoke 0.5: the tiny CPU frame alone takes ~0.1-0.3 s)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    args.device = "cpu" if args.smoke else "cuda"
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --smoke for the CPU check")
+    if args.smoke:
+        torch.set_num_threads(1)
+    batches = [int(x) for x in (args.batches or ("1,2" if args.smoke else "1,16,64")).split(",")]
+    sizes = [int(x) for x in (args.sizes or ("16,32" if args.smoke else "512,1024")).split(",")]
+    loads = [int(x) for x in args.loads.split(",")]
+    args.seconds = args.seconds or (3.0 if args.smoke else 10.0)
+    args.tick = args.tick or (0.5 if args.smoke else 0.08)
+    checkpoint = voice_checkpoint(args.smoke, args.device)
+    stepper = image_stepper(args.smoke, args.device)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    standalone = {size: standalone_steps_per_s(stepper, size, args.max_batch, 10, sync) for size in sizes}
+    rows = []
+    header = ("B", "K", "px", "late p50/p99/max ms", ">1ms", "voice p99 ms (vs K=0)", "steps/s (% alone)",
+              "img/min", "1st partial p50/max s", "slack used", "overruns", "past bound")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for batch in batches:
+        baseline = None
+        for size in sizes:
+            for load in loads:
+                if load == 0 and size != sizes[0]:
+                    continue  # the no-image baseline does not depend on the image size
+                row = asyncio.run(scenario(checkpoint, stepper, args, batch, load, size))
+                rows.append(row)
+                if load == 0:
+                    baseline = row["voice_done_p99_ms"]
+                share = 100 * row["steps_per_s"] / standalone[size] if load else 0
+                print(f"| {batch} | {load} | {size if load else '-'} | {row['late_p50_ms']:.2f}/{row['late_p99_ms']:.2f}/"
+                      f"{row['late_max_ms']:.2f} | {row['late_over_1ms']} | {row['voice_done_p99_ms']:.2f} "
+                      f"({row['voice_done_p99_ms'] - (baseline or row['voice_done_p99_ms']):+.2f}) | "
+                      f"{row['steps_per_s']:.1f} ({share:.0f} %) | {row['images_per_min']:.1f} | "
+                      f"{row['first_partial_p50_s']:.2f}/{row['first_partial_max_s']:.2f} | "
+                      f"{100 * row['slack_used']:.0f} % | {row['overruns']} | {row['past_boundary']} |"
+                      + (f" refused: {row['refused']}" if row["refused"] else ""), flush=True)
+    print("standalone denoise steps/s (batch %d): %s" % (args.max_batch, {k: round(v, 1) for k, v in standalone.items()}))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "standalone_steps_per_s": standalone}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Shared pieces of the frame benchmarks (frame_latency.py, profile_frame.py): random Moshi-7B
+shaped models, placing rows in a window, timing, and the memory-bandwidth floor of a frame.
+
+The floor: a frame must read every weight once (the LM's and Mimi's) and every live row's filled
+KV window once (keys and values of every layer, plus the fp8 scales), at the GPU's copy
+bandwidth (about 4.3 TB/s on an H200, measured by a device-to-device copy). No kernel runs
+faster than that; `floor_ms` is that time, and a measured frame's "fraction of the floor" is
+floor / measured (1.0 = at the floor).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from parley.models.config import LMConfig, MimiConfig
+from parley.models.lm import LMModel
+from parley.models.lm_gen import LMGenState
+from parley.models.mimi.codec import Mimi
+from parley.models.transformer import ring_slot_positions
+
+WINDOWS = ("empty", "spread", "full")
+H200_COPY_TBPS = 4.3  # measured device-to-device copy bandwidth (bytes read + written) on the H200
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def random_models(kind: str = "moshi", device: str = "cuda",
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[LMModel, Mimi, LMConfig, MimiConfig]:
+    """Moshi-7B (dep_q 8) or PersonaPlex-7B (dep_q 16) shaped LM with random weights, and Mimi."""
+    torch.manual_seed(0)
+    lm_cfg, mimi_cfg = LMConfig(dep_q=16 if kind == "personaplex" else 8), MimiConfig()
+    lm = LMModel(lm_cfg, device=device, dtype=dtype)  # built on the device: PyTorch's random init
+    mimi = Mimi(mimi_cfg).to(device)
+    for module in mimi.modules():  # random codebooks, so codes and audio are not degenerate
+        if hasattr(module, "refresh_embedding"):
+            module.embedding_sum.normal_()
+            module.refresh_embedding()
+    return lm.eval(), mimi.eval(), lm_cfg, mimi_cfg
+
+
+def window_positions(batch: int, window: str, context: int, device) -> torch.Tensor:
+    """Each row's position: `empty` 0, `spread` evenly over 0..context, `full` past the context."""
+    if window == "empty":
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    if window == "spread":
+        return torch.linspace(0, context, batch, device=device).long()
+    if window == "full":
+        return torch.full((batch,), 10 * context, dtype=torch.long, device=device)
+    raise ValueError(f"window {window!r}: expected one of {', '.join(WINDOWS)}")
+
+
+def place_rows(state: LMGenState, window: str, context: int) -> None:
+    """Move every row of an LM state to its window position (KV contents stay: timing only)."""
+    tr = state.transformer
+    pos = window_positions(tr.pos.shape[0], window, context, tr.pos.device)
+    tr.pos.copy_(pos)
+    tr.slot_pos.copy_(ring_slot_positions(pos, tr.slot_pos.shape[1]))
+    state.offsets.copy_(pos)
+
+
+def time_frames(run_frame, frames: int, warmup: int) -> list[float]:
+    """Wall time of each call in ms, synchronized before and after (so it includes the host side)."""
+    times = []
+    for i in range(warmup + frames):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run_frame()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def weight_bytes(lm: torch.nn.Module, mimi: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for m in (lm, mimi) for p in m.parameters())
+
+
+def kv_bytes(cfg: LMConfig, positions: torch.Tensor, kv_dtype: torch.dtype | None) -> int:
+    """Bytes of filled KV window the temporal transformer reads in one frame, over the live rows
+    at `positions` (see `window_positions`)."""
+    filled = positions.clamp(max=cfg.context).sum().item()
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    per_slot = 2 * cfg.dim * (1 if fp8 else 2) + (2 * cfg.num_heads * 4 if fp8 else 0)  # K + V (+ scales)
+    return int(filled * per_slot * cfg.num_layers)
+
+
+def floor_ms(weights: int, kv: int, tbps: float = H200_COPY_TBPS) -> float:
+    return (weights + kv) / (tbps * 1e12) * 1e3

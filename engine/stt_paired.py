@@ -1,0 +1,135 @@
+"""Paired transcription: an STT row beside each duplex row, fed from the frame's own Mimi encode.
+
+    paired = PairedTranscription(stt_checkpoint, max_sessions)   # backend built with
+    engine.set_paired_transcription(paired)                      #   encode_codebooks >= STT n_q
+    stream = engine.enable_transcription(session)                # OutputStream[SttPartial]
+
+Every tick, right after the duplex frame and before its host copy, `step` runs one batched STT
+step on the codes the frame already encoded (`BackendOutput.user_codes`: the backend encodes the
+STT's extra codebooks in the same encode; the first n_user codebooks, the LM's, do not change).
+It reads only device tensors the frame wrote and has its own random generator, so the duplex
+output is bit-identical with and without it. Row r of the STT state is duplex row r.
+`publish` (after the frame's host copy) turns each transcribed row's text token into an
+`SttPartial` every frame (text may be empty: the end-of-turn probability is news on its own).
+Transcript streams are realtime: a full one drops its oldest partial, like the duplex stream.
+No silence prefix is fed (the session is live); word times count from when transcription began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from parley.models.checkpoint import SttCheckpoint
+from parley.models.config import FRAME_RATE
+from parley.models.row_views import leading_rows
+from parley.models.stt import SttGen
+from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
+
+from .backend import BackendOutput
+from .scheduler import TickPlan
+from .stream import OutputStream, Status, Terminal
+from .stt_pool import SttPartial
+
+TRANSCRIPT_EVENTS = 256  # partials buffered per session (about 20 s of frames)
+
+
+class _Row:
+    def __init__(self, request_id: str, stream: OutputStream, decoder: TranscriptDecoder) -> None:
+        self.request_id, self.stream, self.decoder = request_id, stream, decoder
+        self.step = 0
+
+
+class PairedTranscription:
+    def __init__(self, checkpoint: SttCheckpoint, max_sessions: int) -> None:
+        self.checkpoint = checkpoint
+        self.n_q = checkpoint.lm_config.n_q
+        self.gen = SttGen(checkpoint.lm)
+        self.max_sessions = max_sessions
+        self._state = self.gen.init_state(max_sessions)
+        self._rows: list[_Row | None] = [None] * max_sessions
+        self._pending: list[tuple[int, _Row | None]] = []  # (row, new state) from the loop thread
+        self._lock = threading.Lock()
+        self._out: torch.Tensor | None = None  # this tick's [B, 3] device outputs
+        self._mask: list[bool] = [False] * max_sessions
+
+    # ---- event loop ----
+
+    def enable(self, row: int, request_id: str, loop: asyncio.AbstractEventLoop) -> OutputStream[SttPartial]:
+        stream: OutputStream[SttPartial] = OutputStream(f"{request_id}.transcript", loop, TRANSCRIPT_EVENTS)
+        decoder = TranscriptDecoder(self.checkpoint.tokenizer, self.gen.text_delay)
+        with self._lock:
+            self._pending.append((row, _Row(request_id, stream, decoder)))
+        return stream
+
+    def disable(self, row: int, request_id: str) -> None:
+        """Stop transcribing (the stream ends completed at the next tick)."""
+        with self._lock:
+            self._pending.append((row, _Disable(request_id)))
+
+    # ---- engine thread ----
+
+    def step(self, plan: TickPlan, out: BackendOutput) -> None:
+        self._apply_pending()
+        run = [r is not None and plan.request_ids[i] == r.request_id and bool(plan.live_mask[i])
+               for i, r in enumerate(self._rows)]
+        self._mask = run
+        self._out = None
+        if not any(run) or out.user_codes is None:
+            return
+        if out.user_codes.shape[1] < self.n_q:
+            raise RuntimeError(f"the frame encodes {out.user_codes.shape[1]} codebooks; the STT reads {self.n_q} "
+                               f"(build the backend with encode_codebooks >= {self.n_q})")
+        # A row bucket: the frame ran only its lowest n rows (every live one); step those alone.
+        n = out.user_codes.shape[0]
+        mask = torch.tensor(run[:n], device=out.user_codes.device)
+        state = self._state if n == self.max_sessions else leading_rows(self._state, n)
+        res = self.gen.step(state, out.user_codes, mask)
+        self._out = torch.stack([res.text.float(), res.valid.float(), res.end_of_turn.float()], dim=1)
+
+    def publish(self) -> None:
+        """After the frame's host copy: one partial per transcribed row."""
+        if self._out is None:
+            return
+        host = self._out.cpu().numpy()
+        for i, run in enumerate(self._mask):
+            row = self._rows[i]
+            if not run or row is None:
+                continue
+            step = row.step
+            row.step += 1
+            events = row.decoder.feed(int(host[i, 0]), step) if host[i, 1] > 0.5 else []
+            row.stream.push(SttPartial("".join(e.text for e in events if isinstance(e, TextDelta)),
+                                       tuple(e for e in events if isinstance(e, Word)),
+                                       float(host[i, 2]), row.step / FRAME_RATE))
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for i, new in pending:
+            if isinstance(new, _Disable):
+                if self._rows[i] is not None and self._rows[i].request_id == new.request_id:
+                    self._end(i, Terminal(Status.COMPLETED))
+                continue
+            self._end(i, Terminal(Status.CANCELLED, "transcription restarted"))
+            mask = torch.zeros(self.max_sessions, dtype=torch.bool, device=self._state.offsets.device)
+            mask[i] = True
+            self._state.reset(mask)
+            self._rows[i] = new
+
+    def _end(self, i: int, terminal: Terminal) -> None:
+        row = self._rows[i]
+        if row is None:
+            return
+        words = row.decoder.flush(max(row.step - 1, 0))
+        if words:
+            row.stream.push(SttPartial("", tuple(words), float("nan"), row.step / FRAME_RATE))
+        row.stream.finish(terminal)
+        self._rows[i] = None
+
+
+class _Disable:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id

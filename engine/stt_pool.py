@@ -1,0 +1,351 @@
+"""Standalone transcription as slack work: rows of a Kyutai STT model, several steps per tick.
+
+    pool = SttPool(checkpoint, slots=N)          # models.checkpoint.SttCheckpoint
+    engine.add_slack_source(pool)                # Priority.TRANSCRIPTION, after prefill and TTS
+    request = pool.submit(loop)                  # SttBusy when the queue is full
+    request.feed(pcm_24k_float32); request.end_input()
+    async for event in request.events: ...       # SttPartial ..., then one Terminal
+
+Each work item is `n` batched steps of every row that can advance (Mimi encode of one 80 ms frame
+-> SttGen.step -> one host copy), with `n` sized to the slack left from the per-step cost
+estimate (key `STEP_KEY`, seeded by `warm_up`). A row advances when it has a whole frame of input
+(or its input has ended: the last frame is zero-padded, then `stt_config`'s delay of silence
+flushes the delayed text) and room in its output stream: transcripts are never dropped, a slow
+client only stops its own row (back-pressure). Standalone rows get `stt_config`'s silence prefix,
+as the reference's file transcription does; word times are relative to the request's audio.
+
+Failure containment: a step that raises fails every request that was in it (they shared the
+step) and nothing else; `submit` / `feed` validate input before it reaches the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from parley.models.checkpoint import SttCheckpoint
+from parley.models.config import FRAME_RATE, FRAME_SAMPLES
+from parley.models.stt import SttGen
+from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
+
+from .slack import CostModel, Priority, WorkItem
+from .stream import OutputStream, Status, Terminal
+
+STEP_KEY = ("stt", "step")  # cost of one batched step of all rows (units = steps)
+MAX_STEPS_PER_ITEM = 64  # one item's steps at most (manual mode runs items back to back)
+OUTPUT_EVENTS = 256  # partials buffered per request before its row pauses
+
+
+class SttBusy(RuntimeError):
+    """Every transcription row is taken and the waiting queue is full."""
+
+
+class SttInputError(ValueError):
+    """Audio a transcription request cannot take (wrong shape, not finite, after end_input)."""
+
+
+@dataclass(frozen=True)
+class SttPartial:
+    """What one step added for a request: new text, finished words, the end-of-turn probability."""
+
+    text: str
+    words: tuple[Word, ...]
+    end_of_turn: float  # P(the speaker has finished their turn) at `audio_s`; NaN without the head
+    audio_s: float  # seconds of the request's audio the model has now read
+
+
+@dataclass
+class SttRequest:
+    request_id: str
+    events: OutputStream
+    max_input_s: float
+    temperature: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _chunks: deque = field(default_factory=deque)  # float32 arrays, fed from the loop
+    _buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # engine thread only
+    _fed_samples: int = 0
+    _ended: bool = False
+    cancelled: bool = False
+
+    def feed(self, pcm: np.ndarray) -> None:
+        """Append mono float PCM at 24 kHz (any length)."""
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if not np.isfinite(pcm).all():
+            raise SttInputError("audio holds NaN or infinite samples.")
+        with self._lock:
+            if self._ended:
+                raise SttInputError("audio was fed after the input ended.")
+            self._fed_samples += pcm.size
+            if self._fed_samples > self.max_input_s * 24_000:
+                raise SttInputError(f"audio is longer than the {self.max_input_s:.0f} s this server takes.")
+            self._chunks.append(pcm)
+
+    def end_input(self) -> None:
+        with self._lock:
+            self._ended = True
+
+    def cancel(self) -> None:
+        """The client went away: the row is freed at the next item, the stream ends cancelled."""
+        self.cancelled = True
+
+    def _frames_ready(self) -> tuple[int, bool]:
+        """Engine thread: (whole frames buffered, input ended)."""
+        with self._lock:
+            samples = self._buffer.size + sum(c.size for c in self._chunks)
+            return -(-samples // FRAME_SAMPLES) if self._ended else samples // FRAME_SAMPLES, self._ended
+
+    def _take(self) -> tuple[np.ndarray | None, bool]:
+        """Engine thread: the next whole frame (None if not available yet) and whether input ended."""
+        with self._lock:
+            while self._chunks:
+                self._buffer = np.concatenate([self._buffer, self._chunks.popleft()])
+            ended = self._ended
+        if self._buffer.size >= FRAME_SAMPLES or (ended and self._buffer.size):
+            frame = np.zeros(FRAME_SAMPLES, np.float32)
+            n = min(FRAME_SAMPLES, self._buffer.size)
+            frame[:n] = self._buffer[:n]
+            self._buffer = self._buffer[n:]
+            return frame, ended and not self._buffer.size
+        return None, ended
+
+
+class SttFailed(RuntimeError):
+    """A transcription ended without completing (its Terminal's reason)."""
+
+
+async def collect_transcript(request: SttRequest) -> tuple[str, list[Word]]:
+    """Await a request's end: (full text, timed words). SttFailed unless it completed."""
+    text, words = "", []
+    try:
+        async for event in request.events:
+            if isinstance(event, Terminal):
+                if event.status is not Status.COMPLETED:
+                    raise SttFailed(f"transcription {event.status.value}: {event.reason}")
+                break
+            text += event.text
+            words += event.words
+    finally:
+        request.cancel()  # no-op once completed; frees the row if the caller went away
+    return text.strip(), words
+
+
+@dataclass
+class _Row:
+    request: SttRequest
+    decoder: TranscriptDecoder
+    step: int = 0  # model steps taken
+    prefix_left: int = 0  # silence frames still to feed first
+    suffix_left: int | None = None  # flush frames still to feed once the input ended
+    audio_frames: int = 0  # frames of real audio read
+
+
+class SttPool:
+    priority = Priority.TRANSCRIPTION
+
+    def __init__(self, checkpoint: SttCheckpoint, slots: int, *, max_queue: int = 64,
+                 max_input_s: float = 3600.0) -> None:
+        if slots < 1:
+            raise ValueError(f"stt slots must be at least 1, got {slots}")
+        self.checkpoint = checkpoint
+        self.slots = slots
+        self.max_queue = max_queue
+        self.max_input_s = max_input_s
+        self.device = next(checkpoint.lm.parameters()).device
+        self.gen = SttGen(checkpoint.lm)
+        self._state = self.gen.init_state(slots)
+        self._mimi_state = checkpoint.mimi.init_state(slots, self.device)
+        self._rows: list[_Row | None] = [None] * slots
+        self._queue: deque[SttRequest] = deque()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self.counters = {"stt_requests": 0, "stt_steps": 0, "stt_audio_seconds": 0.0, "stt_failed": 0}
+
+    # ---- requests (event loop) ----
+
+    def submit(self, loop: asyncio.AbstractEventLoop | None = None, *, temperature: float = 0.0) -> SttRequest:
+        """Queue a request; `temperature` 0 is greedy (Kyutai's setting), more samples the text."""
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature <= 2):
+            raise SttInputError(f"temperature must be between 0 and 2, got {temperature!r}.")
+        loop = loop or asyncio.get_running_loop()
+        with self._lock:
+            if len(self._queue) >= self.max_queue:
+                raise SttBusy(f"all {self.slots} transcription rows are busy and {self.max_queue} "
+                              f"requests are waiting; try again later.")
+            self._next_id += 1
+            request = SttRequest(f"stt_{self._next_id}", OutputStream(f"stt_{self._next_id}", loop, OUTPUT_EVENTS),
+                                 self.max_input_s, temperature=float(temperature))
+            self._queue.append(request)
+            self.counters["stt_requests"] += 1
+        return request
+
+    # ---- slack source (engine thread) ----
+
+    def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
+        self._admit()
+        ready = max(self._steps_ready(row) for row in self._rows)
+        if not ready:
+            return None
+        per_step = costs.estimate(STEP_KEY)
+        if left_s is None:
+            steps = min(MAX_STEPS_PER_ITEM, ready)
+        elif per_step is None:
+            steps = 1
+        else:
+            steps = max(1, min(MAX_STEPS_PER_ITEM, int(left_s / max(per_step, 1e-9))))
+        steps = min(steps, ready)
+        return WorkItem(key=STEP_KEY, units=steps, run=lambda: self.run_steps(steps), fail=self._fail_all)
+
+    def _admit(self) -> None:
+        free = [i for i, row in enumerate(self._rows) if row is None or self._release_if_done(i, row)]
+        with self._lock:
+            while free and self._queue:
+                request = self._queue.popleft()
+                if request.cancelled:
+                    request.events.finish(Terminal(Status.CANCELLED, "the client went away"))
+                    continue
+                i = free.pop(0)
+                self._start_row(i, request)
+
+    def _start_row(self, i: int, request: SttRequest) -> None:
+        mask = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+        mask[i] = True
+        self._state.reset(mask)
+        self._state.text_temp[i] = request.temperature
+        self._mimi_state.reset(mask)
+        settings = self.checkpoint.settings
+        offset = settings.prefix_frames / FRAME_RATE
+        self._rows[i] = _Row(request, TranscriptDecoder(self.checkpoint.tokenizer, self.gen.text_delay, offset),
+                             prefix_left=settings.prefix_frames)
+
+    def _release_if_done(self, i: int, row: _Row) -> bool:
+        if row.request.cancelled:
+            row.request.events.finish(Terminal(Status.CANCELLED, "the client went away"))
+        if row.request.events.finished:
+            self._rows[i] = None
+            return True
+        return False
+
+    def _runnable(self, row: _Row | None) -> bool:
+        return row is not None and not row.request.events.finished and not row.request.cancelled \
+            and row.request.events.room() > 0
+
+    def _steps_ready(self, row: _Row | None) -> int:
+        """Steps this row can take now (0 if none): input and output room permitting."""
+        if not self._runnable(row):
+            return 0
+        if row.suffix_left is not None:
+            return row.suffix_left + 1  # the last one completes the request
+        frames, ended = row.request._frames_ready()
+        ready = row.prefix_left + frames + (self.checkpoint.settings.suffix_frames + 1 if ended else 0)
+        return min(ready, row.request.events.room())
+
+    def run_steps(self, steps: int) -> int:
+        """Up to `steps` batched steps; stops early when no row can advance. Returns steps run."""
+        for done in range(steps):
+            if not self._step_once():
+                return done
+        return steps
+
+    def _step_once(self) -> bool:
+        frames = np.zeros((self.slots, FRAME_SAMPLES), np.float32)
+        run = [False] * self.slots
+        finishing: set[int] = set()
+        for i, row in enumerate(self._rows):
+            if not self._runnable(row):
+                continue
+            if row.prefix_left:
+                row.prefix_left -= 1
+                run[i] = True
+                continue
+            if row.suffix_left is None:
+                frame, ended = row.request._take()
+                if frame is not None:
+                    frames[i] = frame
+                    row.audio_frames += 1
+                    run[i] = True
+                if ended:
+                    row.suffix_left = self.checkpoint.settings.suffix_frames
+                if frame is not None:
+                    continue
+            if row.suffix_left is not None:
+                if row.suffix_left == 0:
+                    finishing.add(i)
+                else:
+                    row.suffix_left -= 1
+                    run[i] = True
+        for i in finishing:
+            self._complete(i)
+        if not any(run):
+            return False
+        mask = torch.tensor(run, device=self.device)
+        pcm = torch.from_numpy(frames).to(self.device)
+        codes = self.checkpoint.mimi.encode_step(pcm, self._mimi_state, mask)
+        out = self.gen.step(self._state, codes, mask)
+        host = torch.stack([out.text.float(), out.valid.float(), out.end_of_turn.float()], 1).cpu().numpy()
+        self.counters["stt_steps"] += 1
+        for i in np.flatnonzero(run):
+            self._publish(i, host[i])
+        return True
+
+    def _publish(self, i: int, values: np.ndarray) -> None:
+        row = self._rows[i]
+        step = row.step
+        row.step += 1
+        if values[1] < 0.5:
+            return
+        events = row.decoder.feed(int(values[0]), step)
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        words = tuple(e for e in events if isinstance(e, Word))
+        if text or words:
+            row.request.events.push(SttPartial(text, words, float(values[2]), row.audio_frames / FRAME_RATE))
+
+    def _complete(self, i: int) -> None:
+        row = self._rows[i]
+        words = tuple(row.decoder.flush(row.step - 1))
+        audio_s = row.audio_frames / FRAME_RATE
+        if words:
+            row.request.events.push(SttPartial("", words, float("nan"), audio_s))
+        self.counters["stt_audio_seconds"] += audio_s
+        row.request.events.finish(Terminal(Status.COMPLETED))
+        self._rows[i] = None
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step raised: the requests in it fail (the rows shared it); queued ones go on."""
+        for i, row in enumerate(self._rows):
+            if row is not None:
+                row.request.events.finish(Terminal(Status.FAILED, f"transcription failed: {type(exc).__name__}"))
+                self._rows[i] = None
+                self.counters["stt_failed"] += 1
+
+    # ---- start-up and manual use ----
+
+    def warm_up(self, costs: CostModel) -> None:
+        """Run one step on every row (then reset them) and seed the cost estimate."""
+        mask = torch.ones(self.slots, dtype=torch.bool, device=self.device)
+        pcm = torch.zeros(self.slots, FRAME_SAMPLES, device=self.device)
+        for _ in range(2):  # the first pays one-time costs; the second is the estimate
+            start = time.perf_counter()
+            codes = self.checkpoint.mimi.encode_step(pcm, self._mimi_state, mask)
+            self.gen.step(self._state, codes, mask).text.cpu()
+            spent = time.perf_counter() - start
+        costs.record(STEP_KEY, spent)
+        self._state.reset(mask)
+        self._mimi_state.reset(mask)
+
+    def run_until_idle(self) -> None:
+        """Manual mode (CLI, tests without an engine): step until no row can advance."""
+        while (item := self.offer(None, CostModel())) is not None:
+            before = self.counters["stt_steps"]
+            try:
+                item.run()
+            except Exception as exc:
+                item.fail(exc)
+                raise
+            if self.counters["stt_steps"] == before:  # only finished rows were closed
+                continue

@@ -1,0 +1,303 @@
+"""Text-to-image pipelines driven one step at a time (model code only: no engine imports).
+
+A `diffusers` pipeline's `__call__` runs encode, every denoise step and the decode in one
+go, keeps per-call state on the pipeline and cannot batch two requests at different steps.
+The engine needs each of those as a separate, bounded piece of work, so this module drives
+the pipeline's *components* itself, in the same order and with the same arithmetic as
+`pipe()` (a single request's image equals `pipe()`'s bit for bit; tests check it):
+
+    cond  = stepper.encode(prompt, negative, cfg)          # text encoders
+    job   = stepper.start(cond, width, height, steps, guidance, seed)
+    while not job.done: stepper.denoise([job, other, ...])  # one step each, batched
+    image = stepper.to_uint8(stepper.decode(job.latents))   # VAE, then 0..255 HWC
+
+Each job owns a deep copy of the pipeline's scheduler (schedulers are stateful: step index,
+multistep history; `from_config` would also lose the patched `steps_offset`) and a CPU
+generator (device-independent noise). A batched `denoise` concatenates jobs at *different*
+timesteps with a per-sample timestep vector; each job then takes its own scheduler step.
+Batched results differ from solo ones only by GEMM reduction order (about 1e-6 in fp32).
+
+Two families: `UNetStepper` (Stable Diffusion 1.x/2.x: UNet, CLIP, VAE, CFG) and
+`FlowStepper` (Stable Diffusion 3: MMDiT transformer, flow-matching Euler; the T5 encoder
+may be absent). Other pipelines (SDXL, FLUX, ...) are refused at load with a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers.utils import logging as hf_logging
+
+# diffusers imports transformers' image processors (for safety checkers we do not load); without
+# torchvision each one warns about a fallback we never use. Keep the server log for real news.
+hf_logging.get_logger("transformers.utils.import_utils").setLevel(hf_logging.ERROR)
+
+from diffusers import DiffusionPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline  # noqa: E402
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift  # noqa: E402
+
+
+# (latents, per-row timesteps, text embeddings, pooled embeddings or None) -> noise prediction
+Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class ImagePipelineError(ValueError):
+    """A pipeline this module cannot drive, or a request it cannot serve; the message says why."""
+
+
+@dataclass
+class Conditioning:
+    """One prompt's text conditioning, CFG rows first: [negative, positive] or [positive]."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor | None = None  # SD3's pooled CLIP projections, same row layout
+
+
+@dataclass
+class ImageJob:
+    """One image being denoised: its own scheduler, generator and latents."""
+
+    cond: Conditioning
+    scheduler: object
+    generator: torch.Generator
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    guidance: float
+    width: int
+    height: int
+    step: int = 0
+    step_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> bool:
+        return self.cond.embeds.shape[0] == 2
+
+    @property
+    def steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.timesteps)
+
+
+class ImageStepper:
+    """What both families share: prompt validation, latents, decode and post-processing."""
+
+    family = ""
+
+    def __init__(self, pipe: DiffusionPipeline, name: str = "") -> None:
+        self.pipe = pipe
+        self.name = name or type(pipe).__name__
+        pipe.set_progress_bar_config(disable=True)
+
+    # ---- facts the API validates against ----
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe._execution_device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.denoiser.dtype
+
+    @property
+    def latent_stride(self) -> int:
+        """Pixels per latent cell (times the transformer's patch size): sizes must be multiples."""
+        return self.pipe.vae_scale_factor * self.patch_size
+
+    patch_size = 1
+
+    @property
+    def default_size(self) -> int:
+        return self.denoiser.config.sample_size * self.pipe.vae_scale_factor
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def cfg_for(self, guidance: float) -> bool:
+        """Whether `pipe()` would run classifier-free guidance at this guidance scale."""
+        return guidance > 1.0
+
+    # ---- the steps ----
+
+    @torch.no_grad()
+    def start(self, cond: Conditioning, width: int, height: int, steps: int, guidance: float,
+              seed: int | None) -> ImageJob:
+        if width % self.latent_stride or height % self.latent_stride:
+            raise ImagePipelineError(f"size {width}x{height} is not a multiple of {self.latent_stride}.")
+        generator = torch.Generator("cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        latents = self.pipe.prepare_latents(1, self.denoiser.config.in_channels, height, width, cond.embeds.dtype,
+                                            self.device, generator, None)
+        self._set_timesteps(scheduler, steps, latents)
+        accepts = set(inspect.signature(scheduler.step).parameters)
+        step_kwargs = {"generator": generator} if "generator" in accepts else {}
+        if "eta" in accepts:
+            step_kwargs["eta"] = 0.0
+        return ImageJob(cond, scheduler, generator, latents, scheduler.timesteps, guidance, width, height,
+                        step_kwargs=step_kwargs)
+
+    def _set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> None:
+        scheduler.set_timesteps(steps, device=self.device)
+
+    @torch.no_grad()
+    def denoise(self, jobs: list[ImageJob], predict: Predict | None = None) -> None:
+        """One step for each job (same size and CFG setting; timesteps may differ). `predict`
+        replaces the denoiser call (`self.predict`'s signature), e.g. by a CUDA graph of it."""
+        if not jobs:
+            return
+        cfg = jobs[0].cfg
+        if any(j.cfg != cfg or j.latents.shape != jobs[0].latents.shape or j.done for j in jobs):
+            raise ImagePipelineError("a denoise batch needs unfinished jobs of one size and CFG setting.")
+        rows = 2 if cfg else 1
+        ts = [j.timesteps[j.step] for j in jobs]
+        x = torch.cat([self._model_input(j, torch.cat([j.latents] * rows), t) for j, t in zip(jobs, ts)])
+        t_vec = torch.cat([t.expand(rows) for t in ts])
+        emb = torch.cat([j.cond.embeds for j in jobs])
+        pooled = torch.cat([j.cond.pooled for j in jobs]) if jobs[0].cond.pooled is not None else None
+        pred = (predict or self.predict)(x, t_vec, emb, pooled)
+        for i, (job, t) in enumerate(zip(jobs, ts)):
+            noise = pred[i * rows:(i + 1) * rows]
+            if cfg:
+                uncond, text = noise.chunk(2)
+                noise = uncond + job.guidance * (text - uncond)
+            job.latents = job.scheduler.step(noise, t, job.latents, **job.step_kwargs, return_dict=False)[0]
+            job.step += 1
+
+    def _model_input(self, job: ImageJob, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def predict(self, x: torch.Tensor, t: torch.Tensor, emb: torch.Tensor,
+                pooled: torch.Tensor | None) -> torch.Tensor:
+        """The denoiser on a batch: latents, per-row timesteps, text embeddings (+ pooled)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE decode to an image tensor in the VAE's range (about -1..1), NCHW."""
+        raise NotImplementedError
+
+    def postprocess(self, image: torch.Tensor) -> np.ndarray:
+        """As `pipe(output_type="np")`: float32 NHWC in 0..1."""
+        return self.pipe.image_processor.postprocess(image, output_type="np")
+
+    def to_uint8(self, image: torch.Tensor) -> np.ndarray:
+        """NHWC uint8, rounded like `pipe(output_type="pil")`."""
+        return (self.postprocess(image) * 255).round().astype(np.uint8)
+
+
+class UNetStepper(ImageStepper):
+    """Stable Diffusion 1.x / 2.x: CLIP text encoder, UNet with epsilon/v prediction, VAE."""
+
+    family = "unet"
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipe.unet
+
+    def cfg_for(self, guidance: float) -> bool:
+        return guidance > 1.0 and self.pipe.unet.config.time_cond_proj_dim is None
+
+    @torch.no_grad()
+    def encode(self, prompt: str, negative: str | None, cfg: bool) -> Conditioning:
+        pe, npe = self.pipe.encode_prompt(prompt, self.device, 1, cfg, negative)
+        return Conditioning(torch.cat([npe, pe]) if cfg else pe)
+
+    def _model_input(self, job: ImageJob, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return job.scheduler.scale_model_input(x, t)
+
+    def predict(self, x, t, emb, pooled=None):
+        return self.pipe.unet(x, t, encoder_hidden_states=emb, return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents):
+        return self.pipe.vae.decode(latents / self.pipe.vae.config.scaling_factor, return_dict=False)[0]
+
+
+class FlowStepper(ImageStepper):
+    """Stable Diffusion 3: two CLIP encoders (+ optional T5), MMDiT, flow-matching Euler."""
+
+    family = "flow"
+
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def patch_size(self) -> int:
+        return self.pipe.transformer.config.patch_size
+
+    @torch.no_grad()
+    def encode(self, prompt, negative, cfg):
+        pe, npe, pooled, npooled = self.pipe.encode_prompt(prompt, None, None, device=self.device,
+                                                            do_classifier_free_guidance=cfg,
+                                                            negative_prompt=negative)
+        if cfg:
+            return Conditioning(torch.cat([npe, pe]), torch.cat([npooled, pooled]))
+        return Conditioning(pe, pooled)
+
+    def _set_timesteps(self, scheduler, steps, latents):
+        config = scheduler.config
+        if not config.get("use_dynamic_shifting", None):
+            scheduler.set_timesteps(steps, device=self.device)
+            return
+        _, _, h, w = latents.shape
+        p = self.patch_size
+        mu = calculate_shift((h // p) * (w // p), config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.16))
+        scheduler.set_timesteps(steps, device=self.device, mu=mu)
+
+    def predict(self, x, t, emb, pooled):
+        return self.pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb,
+                                     pooled_projections=pooled, return_dict=False)[0]
+
+    @torch.no_grad()
+    def decode(self, latents):
+        vae = self.pipe.vae
+        return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+
+
+STEPPERS: dict[str, tuple[type[DiffusionPipeline], type[ImageStepper], dict]] = {
+    # model_index.json _class_name -> (pipeline class, stepper, loading kwargs)
+    "StableDiffusionPipeline": (StableDiffusionPipeline, UNetStepper,
+                                {"safety_checker": None, "feature_extractor": None,
+                                 "requires_safety_checker": False}),
+    "StableDiffusion3Pipeline": (StableDiffusion3Pipeline, FlowStepper, {}),
+}
+
+
+def stepper_for(pipe: DiffusionPipeline, name: str = "") -> ImageStepper:
+    """Wrap an already-built pipeline (tests and the demo build them in memory)."""
+    entry = STEPPERS.get(type(pipe).__name__)
+    if entry is None:
+        raise ImagePipelineError(f"{type(pipe).__name__} is not supported; supported: {', '.join(STEPPERS)}.")
+    return entry[1](pipe, name)
+
+
+def load_image_pipeline(source: str, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> ImageStepper:
+    """Load a diffusers pipeline from a local directory or a Hugging Face id and wrap it."""
+    try:
+        index = DiffusionPipeline.load_config(source)
+    except Exception as exc:  # missing dir, no model_index.json, hub unreachable, ...
+        raise ImagePipelineError(f"cannot read a diffusers pipeline from {source!r}: {exc}") from exc
+    class_name = index.get("_class_name", "")
+    entry = STEPPERS.get(class_name)
+    if entry is None:
+        raise ImagePipelineError(f"{source} is a {class_name or 'unknown pipeline'}; supported pipelines: "
+                                 f"{', '.join(STEPPERS)}.")
+    pipe_cls, stepper_cls, kwargs = entry
+    # Components saved as absent (e.g. SD3 without T5: `text_encoder_3: [null, null]`) must be
+    # passed as None, or from_pretrained refuses the pipeline as incomplete.
+    absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, (list, tuple))
+              and all(x is None for x in v)}
+    pipe = pipe_cls.from_pretrained(source, dtype=dtype, **{**absent, **kwargs}).to(device)
+    return stepper_cls(pipe, str(source).rstrip("/").split("/")[-1])

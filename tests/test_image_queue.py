@@ -1,0 +1,363 @@
+"""Images as slack work (engine/image_queue.py) on the tiny SD pipeline: items only when they fit
+(fake clock), batching, back-pressure without drops, cancel, limits, failure containment, and
+duplex sessions bit-identical with and without image load."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageResult,
+                                       ImageSpec, preview_steps)
+from parley.engine.slack import SlackRunner
+from parley.engine.stream import Status, Terminal
+from parley.models.image_pipeline import stepper_for
+from parley.models.tiny_diffusion import tiny_pipeline
+
+from test_engine_core import baseline_outputs, frames_of, make_engine, open_ready, signal
+from test_slack import FakeClock
+
+GUARD = 0.003
+
+
+@pytest.fixture(scope="module")
+def sd():
+    return stepper_for(tiny_pipeline("sd"))
+
+
+class ClockedStepper:
+    """The real tiny stepper, but each call advances a fake clock by a scripted cost and logs
+    (start time, kind, cost), so the test can check every item against its deadline."""
+
+    COSTS = {"encode": 0.004, "denoise": 0.010, "decode": 0.030}  # denoise: +0.004 per extra row
+
+    def __init__(self, inner, clock: FakeClock) -> None:
+        self.inner, self.clock, self.log = inner, clock, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _spend(self, kind: str, cost: float) -> None:
+        self.log.append((self.clock.t, kind, cost))
+        self.clock.t += cost
+
+    def encode(self, prompt, negative, cfg):
+        self._spend("encode", self.COSTS["encode"])
+        return self.inner.encode(prompt, negative, cfg)
+
+    def denoise(self, jobs, predict=None):
+        self._spend("denoise", self.COSTS["denoise"] + 0.004 * (len(jobs) - 1))
+        return self.inner.denoise(jobs, predict)
+
+    def decode(self, latents):
+        self._spend("decode", self.COSTS["decode"])
+        return self.inner.decode(latents)
+
+
+def seeded_runner(clock: FakeClock, queue: ImageQueue, size: int) -> SlackRunner:
+    runner = SlackRunner(clock.now, lambda: None, GUARD)
+    runner.costs.record(queue.encode_key(), ClockedStepper.COSTS["encode"])
+    for b in range(1, queue.max_batch + 1):
+        runner.costs.record(queue.denoise_key(size, size, True, b), 0.010 + 0.004 * (b - 1))
+    runner.costs.record(queue.decode_key(size, size), ClockedStepper.COSTS["decode"])
+    runner.add_source(queue)
+    return runner
+
+
+def events_of(request):
+    return request.events.drain()
+
+
+def manual_queue(stepper, **kwargs) -> tuple[ImageQueue, SlackRunner]:
+    """A queue behind a runner with no deadline (`run_until(None)` runs everything offered)."""
+    queue = ImageQueue(stepper, max_slack_s=1.0, **kwargs)
+    runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
+    runner.add_source(queue)
+    return queue, runner
+
+
+def test_slack_scheduler_never_starts_an_image_item_whose_estimate_exceeds_the_slack_left(sd):
+    async def main():
+        clock = FakeClock()
+        stepper = ClockedStepper(sd, clock)
+        size = sd.default_size
+        queue = ImageQueue(stepper, max_slack_s=0.080 - GUARD, max_batch=4, stream_events=8)
+        runner = seeded_runner(clock, queue, size)
+        requests = [queue.submit(ImageSpec(f"p{i}", size, size, steps=4, guidance=5.0, seed=i, partial_images=1))
+                    for i in range(3)]
+        deadlines = []
+        for tick in range(60):
+            start = tick * 0.080
+            frame = 0.050 if tick < 30 else 0.020  # a loaded voice frame, then a light one
+            clock.t = start + frame
+            deadline = start + 0.080
+            deadlines.append((clock.t, deadline))
+            runner.run_until(deadline)
+        return stepper.log, deadlines, runner.stats, requests, queue
+
+    log, deadlines, stats, requests, queue = asyncio.run(main())
+    assert stats.past_boundary == 0  # (overruns here are float noise of the fake clock's sums)
+    for started, kind, cost in log:
+        slack_end = next(d for s, d in deadlines if s <= started < d) - GUARD
+        assert started + cost <= slack_end + 1e-9, (started, kind, cost)
+    # With the 50 ms frame only 27 ms are left: no 30 ms decode (preview or final) may start.
+    assert all(kind != "decode" for started, kind, _ in log if started < 30 * 0.080)
+    assert any(kind == "denoise" for started, kind, _ in log if started < 30 * 0.080)
+    # Denoise steps were batched across the three requests.
+    assert any(cost > ClockedStepper.COSTS["denoise"] for _, kind, cost in log if kind == "denoise")
+    for r in requests:
+        events = events_of(r)
+        assert [type(e) for e in events] == [ImagePartial, ImageResult, Terminal]
+        assert events[-1].status is Status.COMPLETED
+    assert queue.outstanding == 0 and queue.active_jobs == 0
+
+
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_images_equal_the_solo_stepper_and_n_uses_consecutive_seeds(sd, family):
+    sd = sd if family == "sd" else stepper_for(tiny_pipeline("sd3"))
+    size = sd.default_size
+
+    async def main():
+        queue, runner = manual_queue(sd, stream_events=4)
+        request = queue.submit(ImageSpec("a red cat", size, size, steps=3, guidance=5.0, n=2, seed=11))
+        runner.run_until(None)  # manual mode: everything offered runs
+        return events_of(request)
+
+    events = asyncio.run(main())
+    results = [e for e in events if isinstance(e, ImageResult)]
+    assert [r.seed for r in results] == [11, 12] and [r.image_index for r in results] == [0, 1]
+    cond = sd.encode("a red cat", None, True)
+    for r in results:
+        job = sd.start(cond, size, size, 3, 5.0, r.seed)
+        while not job.done:
+            sd.denoise([job])
+        solo = sd.to_uint8(sd.decode(job.latents))[0]
+        assert r.pixels.shape == (size, size, 3) and r.pixels.dtype == np.uint8
+        assert np.abs(r.pixels.astype(int) - solo.astype(int)).max() <= 1  # batched: rounding at most
+    assert not np.array_equal(results[0].pixels, results[1].pixels)
+    assert events[-1] == Terminal(Status.COMPLETED)
+
+
+def test_a_full_stream_pauses_the_request_and_nothing_is_dropped(sd):
+    size = sd.default_size
+
+    async def main():
+        queue, runner = manual_queue(sd, stream_events=1)
+        request = queue.submit(ImageSpec("x", size, size, steps=8, guidance=5.0, seed=1, partial_images=3))
+        got, rounds = [], 0
+        while not got or not isinstance(got[-1], Terminal):
+            runner.run_until(None)
+            assert request.events.room() >= 0
+            got.extend(events_of(request))
+            rounds += 1
+            assert rounds < 20
+        return got, rounds, request.events.dropped
+
+    got, rounds, dropped = asyncio.run(main())
+    assert dropped == 0
+    assert [type(e) for e in got] == [ImagePartial] * 3 + [ImageResult, Terminal]
+    assert [e.partial_index for e in got[:3]] == [0, 1, 2]
+    assert rounds == 4  # one event per round: the producer waited for the consumer each time
+
+
+def test_cancel_drops_the_job_at_the_next_boundary_and_frees_its_tensors(sd):
+    size = sd.default_size
+
+    async def main():
+        clock = FakeClock()
+        queue = ImageQueue(ClockedStepper(sd, clock), max_slack_s=1.0)
+        runner = seeded_runner(clock, queue, size)
+        request = queue.submit(ImageSpec("x", size, size, steps=50, guidance=5.0, seed=1))
+        runner.run_until(0.030)  # encode + a couple of steps
+        assert queue.active_jobs == 1
+        state = weakref.ref(request.jobs[0].state)
+        request.cancel()
+        runner.run_until(None)
+        gc.collect()
+        return request, queue, state
+
+    request, queue, state = asyncio.run(main())
+    assert queue.active_jobs == 0 and queue.outstanding == 0 and state() is None
+    assert request.events.drain() == [Terminal(Status.CANCELLED, "the client went away")]
+    assert queue.counters()["images_cancelled"] == 1
+
+
+def test_capacity_is_enforced_with_a_retry_hint(sd):
+    size = sd.default_size
+
+    async def main():
+        queue = ImageQueue(sd, max_slack_s=1.0, capacity=3)
+        queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0, n=2))
+        with pytest.raises(ImageQueueFull, match="2 of 3 images") as full:
+            queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0, n=2))
+        queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0, n=1))  # exactly fills it
+        return full.value
+
+    assert asyncio.run(main()).retry_after_s >= 1
+
+
+def test_a_size_that_can_never_fit_fails_then_is_refused_at_admission(sd):
+    async def main():
+        clock = FakeClock()
+        queue = ImageQueue(ClockedStepper(sd, clock), max_slack_s=0.025)  # the 30 ms decode never fits
+        size = sd.default_size
+        runner = seeded_runner(clock, queue, size)
+        request = queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0))
+        for tick in range(5):
+            clock.t = tick * 0.08
+            runner.run_until(tick * 0.08 + 0.08)
+        with pytest.raises(ImageRefused, match="too large"):
+            queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0))
+        return request.events.drain(), runner.stats, queue
+
+    events, stats, queue = asyncio.run(main())
+    assert events[-1].status is Status.FAILED and "too large" in events[-1].reason
+    assert stats.past_boundary == 0 and queue.outstanding == 0
+
+
+def test_warm_up_seeds_estimates_and_predicts_sizes_that_cannot_fit(sd):
+    queue = ImageQueue(sd, max_slack_s=0.5, max_batch=2)
+    measured = queue.warm_up()
+    s = sd.default_size
+    assert set(measured) == {queue.encode_key(), queue.denoise_key(s, s, True, 1), queue.denoise_key(s, s, True, 2),
+                             queue.decode_key(s, s)}
+    # Timings on a shared CPU vary: size the slack from what was measured. Cost is predicted
+    # per output pixel, so 2x the side is 4x the worst item and 3x the side is 9x.
+    queue.max_slack_s = 4 * max(measured[queue.denoise_key(s, s, True, 1)], measured[queue.decode_key(s, s)])
+    assert queue.refusal(s, s) is None and queue.refusal(2 * s, 2 * s) is None
+    assert "too large" in queue.refusal(3 * s, 3 * s)
+    runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
+    runner.add_source(queue)
+    runner.run_until(1.0)  # the first offer records the warm-up into the runner's cost model
+    assert runner.costs.estimate(queue.decode_key(s, s)) == pytest.approx(measured[queue.decode_key(s, s)])
+
+
+def test_a_failing_item_ends_its_request_only(sd):
+    size = sd.default_size
+
+    async def main():
+        queue, runner = manual_queue(sd, max_batch=1, stream_events=4)
+        bad = queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0, seed=1))
+        good = queue.submit(ImageSpec("x", size, size, steps=2, guidance=5.0, seed=2))
+        real_decode = sd.decode
+        calls = []
+
+        def decode(latents):  # the first decode (the bad request's) raises
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("simulated decode failure")
+            return real_decode(latents)
+
+        queue.stepper = type("S", (), {"__getattr__": lambda self, n: getattr(sd, n), "decode": staticmethod(decode)})()
+        runner.run_until(None)
+        return events_of(bad), events_of(good), queue, runner.stats
+
+    bad, good, queue, stats = asyncio.run(main())
+    assert bad[-1].status is Status.FAILED and "see the server log" in bad[-1].reason
+    assert "simulated" not in bad[-1].reason
+    assert [type(e) for e in good] == [ImageResult, Terminal] and good[-1].status is Status.COMPLETED
+    assert stats.failed == 1 and queue.outstanding == 0
+
+
+def test_preview_steps_are_evenly_spaced_and_bounded():
+    assert preview_steps(20, 0) == ()
+    assert preview_steps(20, 1) == (10,)
+    assert preview_steps(20, 3) == (5, 10, 15)
+    assert preview_steps(2, 3) == (1,)  # never more previews than steps before the last
+
+
+def test_duplex_sessions_are_bit_identical_with_and_without_image_load(sd):
+    baseline = baseline_outputs(8)
+    size = sd.default_size
+
+    async def main():
+        engine, _ = make_engine(3)
+        queue = ImageQueue(sd, max_slack_s=engine.config.tick_seconds - engine.config.slack_guard_s)
+        engine.add_slack_source(queue)
+        sessions = await open_ready(engine, 3)
+        for i, s in enumerate(sessions):
+            s.push_audio(signal(i, 8))
+        images = [queue.submit(ImageSpec(f"p{i}", size, size, steps=3, guidance=5.0, seed=i, partial_images=1))
+                  for i in range(2)]
+        engine.run_ticks(8)
+        out = [frames_of(s.events.drain()) for s in sessions]
+        img_events = [events_of(r) for r in images]
+        counters = engine.counters()
+        engine.shutdown()
+        return out, img_events, counters
+
+    out, img_events, counters = asyncio.run(main())
+    for events in img_events:
+        assert events[-1] == Terminal(Status.COMPLETED)
+    assert counters["slack_items"] > 0
+    for i in range(3):
+        assert [f.pcm.tobytes() for f in out[i]] == [f.pcm.tobytes() for f in baseline[i]]
+        assert [f.text_token for f in out[i]] == [f.text_token for f in baseline[i]]
+
+
+class FakeGraph:
+    """Stands in for CUDAGraphRunner on the CPU: 'replays' by calling the captured function."""
+
+    made: list["FakeGraph"] = []
+
+    def __init__(self, fn, inputs, capture_stream=None) -> None:
+        self.fn, self.shapes, self.replays = fn, [tuple(t.shape) for t in inputs], 0
+        FakeGraph.made.append(self)
+
+    def __call__(self, *inputs):
+        assert [tuple(t.shape) for t in inputs] == self.shapes
+        self.replays += 1
+        return self.fn(*inputs)
+
+
+def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
+    FakeGraph.made = []
+    size = sd.default_size
+    # (a huge slack: warm-up timings on the shared CPU vary by 100x, and admission predicts from them)
+    queue = ImageQueue(sd, max_slack_s=1e3, max_batch=2, stream_events=4, graph_factory=FakeGraph)
+    queue.cuda_graphs = True  # (on a CPU stepper the queue turns graphs off by itself)
+    queue.warm_up()
+    assert [g.shapes[0][0] for g in FakeGraph.made] == [2, 4]  # CFG rows: batch 1 and 2
+    replays = sum(g.replays for g in FakeGraph.made)
+
+    async def main():
+        runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
+        runner.add_source(queue)
+        graphed = queue.submit(ImageSpec("a cat", size, size, steps=3, guidance=5.0, seed=4))
+        eager = queue.submit(ImageSpec("a cat", 2 * size, size, steps=3, guidance=5.0, seed=4))  # no graph
+        runner.run_until(None)
+        return events_of(graphed), events_of(eager)
+
+    graphed, eager = asyncio.run(main())
+    assert sum(g.replays for g in FakeGraph.made) == replays + 3  # the 3 steps of the graphed bucket only
+    job = sd.start(sd.encode("a cat", None, True), size, size, 3, 5.0, 4)
+    while not job.done:
+        sd.denoise([job])
+    assert np.array_equal(graphed[0].pixels, sd.to_uint8(sd.decode(job.latents))[0])
+    assert eager[0].pixels.shape == (size, 2 * size, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
+    gpu = stepper_for(tiny_pipeline("sd").to("cuda"))
+    size = gpu.default_size
+
+    async def main():
+        queue, runner = manual_queue(gpu, stream_events=4)
+        queue.warm_up()
+        assert queue.cuda_graphs and queue._graphs
+        request = queue.submit(ImageSpec("a cat", size, size, steps=4, guidance=5.0, seed=4))
+        runner.run_until(None)
+        return events_of(request)
+
+    events = asyncio.run(main())
+    job = gpu.start(gpu.encode("a cat", None, True), size, size, 4, 5.0, 4)
+    while not job.done:
+        gpu.denoise([job])
+    assert np.abs(events[0].pixels.astype(int) - gpu.to_uint8(gpu.decode(job.latents))[0].astype(int)).max() <= 1

@@ -1,0 +1,113 @@
+"""/v1/realtime input transcription and semantic_vad on the paired STT row (tiny random models),
+validated strictly by the openai SDK's GA and beta event models (and openai-agents / pipecat when
+installed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from parley.models.synthetic import write_tiny_stt_checkpoint
+from parley.realtime.server import ServeConfig, build_app
+from server_harness import delay_app, serve, tone
+from test_server_realtime import Recorder, beta_validators, check_all, client, ga_validators, run, stream
+
+
+@pytest.fixture(scope="module")
+def stt_app_factory(tmp_path_factory):
+    def make(tiny_moshi_dir):
+        stt_dir = tmp_path_factory.mktemp("stt") / "stt"
+        if not stt_dir.exists():
+            write_tiny_stt_checkpoint(stt_dir, mimi_from=tiny_moshi_dir)
+        return build_app(ServeConfig(model=str(tiny_moshi_dir), stt_model=str(stt_dir), max_sessions=1,
+                                     stt_slots=1))
+    return make
+
+
+def speech_then_quiet() -> np.ndarray:
+    return np.concatenate([tone(300, 1.2), np.zeros(24_000, np.float32)])
+
+
+def assert_transcript_of_item(events: list[dict]) -> None:
+    committed = [e for e in events if e["type"] == "input_audio_buffer.committed"]
+    completed = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert committed and completed and completed[0]["item_id"] == committed[0]["item_id"]
+    item = completed[0]["item_id"]
+    deltas = [e["delta"] for e in events[:events.index(completed[0])]
+              if e["type"] == "conversation.item.input_audio_transcription.delta" and e["item_id"] == item]
+    assert deltas, "no transcription deltas before the item completed"
+    assert completed[0]["transcript"] == "".join(deltas).strip()
+    assert completed[0]["usage"]["type"] == "duration" and completed[0]["usage"]["seconds"] > 0
+
+
+def test_ga_input_transcription_deltas_and_completed(tiny_moshi_dir, stt_app_factory):
+    async def scenario(base):
+        async with client(base).realtime.connect(model="gpt-realtime") as conn:
+            rec = Recorder(conn)
+            await rec.wait_type("session.created")
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "transcription": {"model": "gpt-4o-transcribe"}, "turn_detection": {"type": "server_vad"}}}})
+            updated = await rec.wait_type("session.updated")
+            assert updated["session"]["audio"]["input"]["transcription"] == {"model": "gpt-4o-transcribe"}
+            await stream(conn, speech_then_quiet())
+            await rec.wait_type("conversation.item.input_audio_transcription.completed", timeout=15)
+            await conn.close()
+            await rec.task
+            return rec.events
+
+    with serve(stt_app_factory(tiny_moshi_dir)) as base:
+        events = run(scenario(base))
+    assert_transcript_of_item(events)
+    check_all(events, ga_validators())
+
+
+def test_beta_input_audio_transcription_and_semantic_vad(tiny_moshi_dir, stt_app_factory):
+    async def scenario(base):
+        async with client(base).beta.realtime.connect(model="gpt-4o-realtime-preview") as conn:
+            rec = Recorder(conn)
+            await rec.wait_type("session.created")
+            await conn.session.update(session={"input_audio_transcription": {"model": "whisper-1"},
+                                               "turn_detection": {"type": "semantic_vad", "eagerness": "high"}})
+            updated = await rec.wait_type("session.updated")
+            assert updated["session"]["turn_detection"]["type"] == "semantic_vad"
+            await stream(conn, speech_then_quiet())
+            stopped = await rec.wait_type("input_audio_buffer.speech_stopped", timeout=15)
+            # high eagerness: the turn ends on the end-of-turn head or at the latest after 2 s of quiet
+            assert stopped["audio_end_ms"] <= 1200 + 2000 + 160
+            await rec.wait_type("conversation.item.input_audio_transcription.completed", timeout=15)
+            await conn.close()
+            await rec.task
+            return rec.events
+
+    with serve(stt_app_factory(tiny_moshi_dir)) as base:
+        events = run(scenario(base))
+    assert_transcript_of_item(events)
+    check_all(events, beta_validators())
+
+
+def test_without_stt_model_the_settings_get_an_error_naming_them():
+    app, _ = delay_app(1)
+
+    async def scenario(base):
+        async with client(base).realtime.connect(model="gpt-realtime") as conn:
+            rec = Recorder(conn)
+            await rec.wait_type("session.created")
+            await conn.session.update(session={"type": "realtime", "instructions": "still here", "audio": {
+                "input": {"transcription": {"model": "x"}, "turn_detection": {"type": "semantic_vad"}}}})
+            updated = await rec.wait_type("session.updated")
+            await conn.close()
+            await rec.task
+            return rec.of("error"), updated, rec.events
+
+    with serve(app) as base:
+        errors, updated, events = run(scenario(base))
+    assert [e["error"]["param"] for e in errors] == ["session.audio.input.transcription",
+                                                     "session.audio.input.turn_detection.type"]
+    assert all("--stt-model" in e["error"]["message"] for e in errors)
+    # those two were not applied, the rest of the update was
+    assert updated["session"]["audio"]["input"]["transcription"] is None
+    assert updated["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    assert updated["session"]["instructions"] == "still here"
+    check_all(events, ga_validators())

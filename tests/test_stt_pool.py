@@ -1,0 +1,138 @@
+"""Standalone transcription rows (engine/stt_pool.py) on the tiny STT checkpoint, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from parley.engine import stt_pool
+from parley.engine.engine import Engine
+from parley.engine.config import EngineConfig
+from parley.engine.stream import Status, Terminal
+from parley.engine.stt_pool import SttBusy, SttInputError, SttPartial, SttPool
+from parley.engine.testing import DelayBackend
+from parley.models.checkpoint import load_stt_checkpoint
+from parley.models.config import FRAME_SAMPLES
+from parley.models.stt import SttGen
+from parley.models.stt_text import TranscriptDecoder
+from parley.models.synthetic import write_tiny_stt_checkpoint
+
+
+@pytest.fixture(scope="module")
+def stt(tmp_path_factory):
+    torch.set_num_threads(1)
+    return load_stt_checkpoint(write_tiny_stt_checkpoint(tmp_path_factory.mktemp("stt")), dtype=torch.float32)
+
+
+def audio(seconds: float, seed: int) -> np.ndarray:
+    return (0.1 * np.random.default_rng(seed).standard_normal(int(seconds * 24_000))).astype(np.float32)
+
+
+def expected_text(stt, pcm: np.ndarray) -> str:
+    """The transcript of one request computed directly: prefix silence, audio, delay silence."""
+    s = stt.settings
+    frames = -(-pcm.size // FRAME_SAMPLES)
+    signal = np.zeros((s.prefix_frames + frames + s.suffix_frames) * FRAME_SAMPLES, np.float32)
+    signal[s.prefix_frames * FRAME_SAMPLES:][:pcm.size] = pcm
+    codes = stt.mimi.encode(torch.from_numpy(signal)[None])[0].T  # [F, n_q]
+    gen = SttGen(stt.lm)
+    state = gen.init_state(1)
+    dec = TranscriptDecoder(stt.tokenizer, gen.text_delay)
+    for step, frame in enumerate(codes):
+        out = gen.step(state, frame[None], torch.ones(1, dtype=torch.bool))
+        if out.valid[0]:
+            dec.feed(int(out.text[0]), step)
+    return dec.text
+
+
+def collect(request) -> tuple[str, list, Terminal]:
+    parts = request.events.drain()
+    terminal = parts.pop() if parts and isinstance(parts[-1], Terminal) else None
+    assert all(isinstance(p, SttPartial) for p in parts)
+    return "".join(p.text for p in parts), [w for p in parts for w in p.words], terminal
+
+
+def test_requests_in_one_batch_equal_each_alone(stt):
+    async def main():
+        pool = SttPool(stt, slots=3)
+        clips = [audio(1.0, 1), audio(0.55, 2), audio(1.3, 3)]
+        requests = [pool.submit() for _ in clips]
+        for request, clip in zip(requests, clips):
+            request.feed(clip[:5000])  # arbitrary pieces, as a network would deliver them
+            request.feed(clip[5000:])
+            request.end_input()
+        pool.run_until_idle()
+        await asyncio.sleep(0)
+        for request, clip in zip(requests, clips):
+            text, words, terminal = collect(request)
+            assert terminal == Terminal(Status.COMPLETED)
+            assert text.strip() == expected_text(stt, clip) and text.strip()
+            assert " ".join(w.text for w in words) == " ".join(text.split())
+            assert all(0 <= w.start <= w.end <= clip.size / 24_000 + 0.5 for w in words)
+        assert pool.counters["stt_audio_seconds"] == pytest.approx(sum(-(-c.size // 1920) * 0.08 for c in clips))
+    asyncio.run(main())
+
+
+def test_full_stream_pauses_the_row_and_drops_nothing(stt, monkeypatch):
+    monkeypatch.setattr(stt_pool, "OUTPUT_EVENTS", 2)
+
+    async def main():
+        pool = SttPool(stt, slots=1)
+        clip = audio(1.5, 4)
+        request = pool.submit()
+        request.feed(clip)
+        request.end_input()
+        parts = []
+        for _ in range(200):
+            pool.run_until_idle()  # returns when the row's stream is full
+            await asyncio.sleep(0)
+            got = request.events.drain()
+            assert len(got) <= 3  # 2 partials + the terminal at most: bounded
+            parts += got
+            if parts and isinstance(parts[-1], Terminal):
+                break
+        assert parts[-1] == Terminal(Status.COMPLETED)
+        assert "".join(p.text for p in parts[:-1]).strip() == expected_text(stt, clip)
+    asyncio.run(main())
+
+
+def test_queue_bound_bad_input_and_cancel(stt):
+    async def main():
+        pool = SttPool(stt, slots=1, max_queue=2, max_input_s=1.0)
+        a, b = pool.submit(), pool.submit()
+        with pytest.raises(SttBusy):
+            pool.submit()
+        with pytest.raises(SttInputError, match="NaN"):
+            a.feed(np.array([0.0, np.nan], np.float32))
+        with pytest.raises(SttInputError, match="longer"):
+            a.feed(audio(1.2, 5))
+        a.cancel()
+        b.feed(audio(0.3, 6))
+        b.end_input()
+        pool.run_until_idle()
+        await asyncio.sleep(0)
+        assert collect(a)[2].status is Status.CANCELLED
+        assert collect(b)[2].status is Status.COMPLETED
+    asyncio.run(main())
+
+
+def test_runs_as_engine_slack_work(stt):
+    async def main():
+        engine = Engine(DelayBackend(2), EngineConfig())
+        pool = SttPool(stt, slots=2)
+        engine.add_slack_source(pool)
+        clip = audio(0.8, 7)
+        request = pool.submit()
+        request.feed(clip)
+        request.end_input()
+        engine.run_ticks(1)  # manual ticks: slack runs everything offered
+        await asyncio.sleep(0)
+        text, _, terminal = collect(request)
+        assert terminal == Terminal(Status.COMPLETED)
+        assert text.strip() == expected_text(stt, clip)
+        assert engine.counters()["slack_items"] >= 1
+        engine.shutdown()
+    asyncio.run(main())
