@@ -104,7 +104,8 @@ class Engine:
         stats = self._slack.stats
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
                 "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
-                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed}
+                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
+                **self._slack.source_counters()}
 
     def add_slack_source(self, source: SlackSource) -> None:
         """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
@@ -153,6 +154,7 @@ class Engine:
         for session in self._open_sessions():
             self._end_session(session, Terminal(Status.CANCELLED, "the engine is shutting down"),
                               EngineClosed("the engine is shutting down"))
+        self._slack.stop_sources(Terminal(Status.CANCELLED, "the engine is shutting down"))
         if not joined:
             # A step is stuck on the device; freeing its memory under it would be worse.
             self._healthy = False
@@ -314,6 +316,7 @@ class Engine:
         reason = "engine failure (see the server log)"
         for session in self._open_sessions():
             self.fail_session(session, reason)
+        self._slack.stop_sources(Terminal(Status.FAILED, reason))
         self._stop.set()
         if self.on_fatal is not None:
             try:

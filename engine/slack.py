@@ -66,6 +66,10 @@ class SlackSource(Protocol):
         """The next item this source wants to run, sized to `left_s` seconds where it can be
         (None: no deadline, e.g. manual ticks in tests), or None when it has nothing to do."""
 
+    # Optional: `slack_started(deadline: float | None) -> None`, called once at the start of each
+    # tick's slack, before any offer (for per-tick accounting); `slack_stop(terminal)` when the
+    # engine stops (end every request with that terminal); `slack_counters() -> dict` for /metrics.
+
 
 class CostModel:
     """Per-key cost estimates: the maximum of the last COST_WINDOW costs per unit."""
@@ -112,12 +116,33 @@ class SlackRunner:
         self.stats = SlackStats()
         self._sources: list[SlackSource] = []
 
+    def stop_sources(self, terminal) -> None:
+        """The engine stopped (shutdown or a fatal error): sources with a `slack_stop(terminal)`
+        end their requests with it, so no client waits on work that will never run."""
+        for source in self._sources:
+            stop = getattr(source, "slack_stop", None)
+            if stop is not None:
+                stop(terminal)
+
+    def source_counters(self) -> dict:
+        """Counters of the sources that report some (`slack_counters()`), for /metrics."""
+        out: dict = {}
+        for source in self._sources:
+            counters = getattr(source, "slack_counters", None)
+            if counters is not None:
+                out.update(counters())
+        return out
+
     def add_source(self, source: SlackSource) -> None:
         self._sources.append(source)
         self._sources.sort(key=lambda s: s.priority)  # stable: equal priorities keep their order
 
     def run_until(self, deadline: float | None) -> None:
         """deadline: the next tick's boundary (None: run everything offered, manual mode)."""
+        for source in self._sources:  # sources that account per tick (e.g. TTS starvation) hear of it
+            started = getattr(source, "slack_started", None)
+            if started is not None:
+                started(deadline)
         first = True
         while True:
             item = self._next_fitting(deadline, first)

@@ -89,6 +89,13 @@ class OutputStream(Generic[T]):
             return self._max - len(self._items)
 
     @property
+    def buffered(self) -> int:
+        """Partials not yet taken by the consumer. A producer that must not drop (TTS, images)
+        stops producing for this request while `buffered` is at its own cap (back-pressure)."""
+        with self._lock:
+            return len(self._items)
+
+    @property
     def finished(self) -> bool:
         return self._terminal is not None
 

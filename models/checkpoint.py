@@ -141,11 +141,26 @@ class _SafetensorsFile:
 class _Source:
     key: str  # the file key read
     tile_steps: tuple[int, int] | None = None  # (file steps, model steps) for stacked per-step rows
+    parts: tuple[str, ...] = ()  # file keys concatenated on dim 0 instead (the reference's unpacked names)
 
 
 _STEP_KEY = re.compile(r"^(depformer_in|linears|depformer_emb)\.(\d+)\.(.*)$")
 _GATING_KEY = re.compile(r"^(depformer\.layers\.\d+\.gating)\.(\d+)\.(.*)$")
 _STACKED_KEY = re.compile(r"^depformer\.layers\.\d+\.self_attn\.(in_proj_weight|out_proj\.weight)$")
+# Packed attention names and the reference's unpacked (per weight step) ones: in_projs.{i}.weight.
+_PACKED_ATTENTION = re.compile(r"^(.*\.(?:self_attn|cross_attention))\.(in_proj_weight|out_proj\.weight)$")
+
+
+def _unpacked_parts(key: str, file_keys: set[str]) -> tuple[str, ...]:
+    """The file's `in_projs.{i}.weight` / `out_projs.{i}.weight` keys making up a packed key, in order."""
+    match = _PACKED_ATTENTION.match(key)
+    if match is None:
+        return ()
+    stem = "in_projs" if match.group(2) == "in_proj_weight" else "out_projs"
+    parts = []
+    while f"{match.group(1)}.{stem}.{len(parts)}.weight" in file_keys:
+        parts.append(f"{match.group(1)}.{stem}.{len(parts)}.weight")
+    return tuple(parts)
 
 
 def _filled_from(key: str, file_steps: int) -> str | None:
@@ -202,6 +217,15 @@ def _plan(expected: dict[str, torch.Size], st: _SafetensorsFile, role: str, what
             raise CheckpointError(
                 f"{role} file {st.path}: tensor {key} has shape {list(found)}, "
                 f"but the {what} expects {list(want)}")
+        parts = _unpacked_parts(key, file_keys)
+        if parts:
+            found_rows = sum(st.shape(part)[0] for part in parts)
+            if any(st.shape(part)[1:] != want[1:] for part in parts) or found_rows != want[0]:
+                raise CheckpointError(
+                    f"{role} file {st.path}: tensors {parts[0]} .. {parts[-1]} stack to "
+                    f"{[found_rows, *st.shape(parts[0])[1:]]}, but the {what} expects {list(want)} for {key}")
+            plan[key] = _Source(parts[0], parts=parts)
+            continue
         source = _filled_from(key, fill_steps[0]) if fill_steps else None
         if source is None and legacy:
             source = _legacy_source(key, file_keys, legacy)
@@ -212,7 +236,8 @@ def _plan(expected: dict[str, torch.Size], st: _SafetensorsFile, role: str, what
     if missing:
         raise CheckpointError(f"{role} file {st.path} is missing {_format_keys(missing)} "
                               f"expected by the {what}")
-    unexpected = sorted(file_keys - set(expected) - {source.key for source in plan.values()})
+    used = {source.key for source in plan.values()} | {part for source in plan.values() for part in source.parts}
+    unexpected = sorted(file_keys - set(expected) - used)
     if unexpected:
         raise CheckpointError(f"{role} file {st.path} has unexpected {_format_keys(unexpected)} "
                               f"not in the {what}")
@@ -224,7 +249,8 @@ Progress = Callable[[str, int, int], None]
 
 
 def _load_weights(model: nn.Module, st: _SafetensorsFile, plan: dict[str, _Source],
-                  device: torch.device, dtype: torch.dtype, progress: Progress | None = None) -> None:
+                  device: torch.device, dtype: torch.dtype, progress: Progress | None = None,
+                  fp32_prefixes: tuple[str, ...] = ()) -> None:
     """Read each planned tensor, convert, move, and assign it over the meta parameter.
 
     Non-persistent buffers (not in the file) are materialised as zeros first; a module that
@@ -237,7 +263,7 @@ def _load_weights(model: nn.Module, st: _SafetensorsFile, plan: dict[str, _Sourc
             setattr(model.get_submodule(owner), attr, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
     state: dict[str, torch.Tensor] = {}
     for done, (key, source) in enumerate(plan.items(), 1):
-        tensor = st.read(source.key)
+        tensor = torch.cat([st.read(part) for part in source.parts]) if source.parts else st.read(source.key)
         if source.tile_steps is not None:
             file_steps, model_steps = source.tile_steps
             rows = tensor.view(file_steps, -1, tensor.shape[1])
@@ -246,7 +272,7 @@ def _load_weights(model: nn.Module, st: _SafetensorsFile, plan: dict[str, _Sourc
         if device.type != "cpu":
             tensor = tensor.to(device)  # convert on the device: less host traffic and memory
         if tensor.dtype.is_floating_point:
-            tensor = tensor.to(dtype)
+            tensor = tensor.to(torch.float32 if key.startswith(fp32_prefixes) and fp32_prefixes else dtype)
         state[key] = tensor
         if progress is not None:
             progress(st.role, done, len(plan))
@@ -520,6 +546,38 @@ def write_checkpoint(directory: str | Path, lm_state: dict[str, torch.Tensor],
             for name, path in sorted(voices.items()):
                 tar.add(str(path), arcname=f"{VOICES_DIR}/{name}.pt", recursive=False)
     return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# For other checkpoint kinds (models/tts_checkpoint.py): the same checks, file handling and errors
+
+
+def resolve_checkpoint_dir(source: str | Path) -> Path:
+    """A local directory, or a Hugging Face repo id snapshotted into the cache."""
+    return _resolve_source(source)
+
+
+def checkpoint_file(directory: Path, override: str | Path | None, name: str, role: str) -> Path:
+    """`override` (as given, else relative to the checkpoint) or `directory / name`; must exist."""
+    return _file(directory, override, name, role)
+
+
+def read_config_json(path: Path, role: str = "config.json") -> dict[str, Any]:
+    return _read_json(path, role)
+
+
+def load_module_weights(module: nn.Module, path: Path, role: str, what: str, device: torch.device,
+                        dtype: torch.dtype, fp32_prefixes: tuple[str, ...] = (),
+                        legacy: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Fill a meta-device `module` from a safetensors file: every key and shape checked first
+    (packed or unpacked attention names), then tensor by tensor in `dtype`; keys starting with
+    one of `fp32_prefixes` stay fp32. Failures are CheckpointErrors naming the file."""
+    st = _SafetensorsFile(path, role)
+    _load_weights(module, st, _plan(_meta_shapes(module), st, role, what, legacy=legacy), device, dtype,
+                  fp32_prefixes=fp32_prefixes)
+
+
+MIMI_LEGACY_NAMES = _MIMI_LEGACY_NAMES
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from .config import ZERO_TOKEN, LMConfig
 from .transformer import StreamingTransformer, TransformerState, make_norm
 
 
-_REFERENCE_ATTENTION = re.compile(r"(.*\.self_attn)\.(in_projs|out_projs)\.(\d+)\.weight$")
+_REFERENCE_ATTENTION = re.compile(r"(.*\.(?:self_attn|cross_attention))\.(in_projs|out_projs)\.(\d+)\.weight$")
 
 
 def published_state(reference_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

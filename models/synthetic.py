@@ -48,7 +48,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import lm_config_dict, mimi_config_dict, write_checkpoint
@@ -57,6 +57,8 @@ from .lm import LMModel
 from .mimi.codec import Mimi
 from .persona_prompt import voice_to_pt
 from .tokenizer import TextTokenizer, train_tiny_tokenizer
+from .tts import TtsConfig, TtsLM
+from .tts_checkpoint import write_tts_lm, write_voice
 from .voices import VoicePrompt, save_voice_pt
 
 ECHO_DELAY_FRAMES = 1  # agent frame f repeats user frame f - 1
@@ -234,6 +236,81 @@ def write_echo_checkpoint(directory: str | Path, kind: str = "moshi", seed: int 
                      _config_json(cfg), voices, lm_dtype=torch.float32, mimi_config=mimi_config_dict(mimi_cfg))
     for path in (tokenizer, *voices.values()):
         path.unlink()
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny DSM TTS (the `kyutai/tts-1.6b-en_fr` layout at toy shapes)
+
+TINY_TTS_VOICES = ("tiny/alpha", "tiny/bravo", "tiny/charlie")
+TINY_TTS_SUFFIX = ".tiny0000@0.safetensors"
+_TINY_TTS_VOICE_DIM, _TINY_TTS_VOICE_FRAMES = 16, 10
+_WORD_LOGIT_GAIN = 3.0  # scales the NEW_WORD and PAD rows of text_linear so both get sampled
+
+
+def tiny_tts_config(n_q: int = 4) -> dict:
+    """config.json of a tiny DSM TTS: every key the published 1.6B has, at toy shapes."""
+    cfg = {
+        "dim": 64, "text_card": 200, "existing_text_padding_id": 3, "n_q": n_q, "dep_q": n_q, "card": 2048,
+        "num_heads": 4, "num_layers": 2, "hidden_scale": 4.125, "causal": True, "layer_scale": None,
+        "context": 40, "max_period": 10000, "gating": "silu", "norm": "rms_norm_f32",
+        "positional_embedding": "rope", "depformer_dim": 32, "depformer_dim_feedforward": 96,
+        "depformer_num_heads": 2, "depformer_num_layers": 2, "depformer_layer_scale": None,
+        "depformer_multi_linear": True, "depformer_context": n_q, "depformer_max_period": 10000,
+        "depformer_gating": "silu", "depformer_pos_emb": "none", "depformer_weights_per_step": True,
+        "depformer_weights_per_step_schedule": [min(k, n_q - 2) for k in range(n_q)],
+        "depformer_low_rank_embeddings": 8, "demux_second_stream": True, "cross_attention": True,
+        "delays": [0, 0] + [2] * (n_q - 1),
+        "conditioners": {
+            "speaker_wavs": {"type": "tensor", "tensor": {"dim": _TINY_TTS_VOICE_DIM}},
+            "cfg": {"type": "lut", "lut": {"n_bins": 7, "dim": 4, "tokenizer": "noop",
+                                           "possible_values": ["1.0", "1.5", "2.0", "2.5", "3.0", "3.5", "4.0"]}},
+            "control": {"type": "lut", "lut": {"n_bins": 1, "dim": 8, "tokenizer": "noop",
+                                               "possible_values": ["ok"]}},
+        },
+        "fuser": {"sum": ["control", "cfg"], "cross": ["speaker_wavs"], "cross_attention_pos_emb": True,
+                  "cross_attention_pos_emb_scale": 1},
+        "tts_config": {"audio_delay": 1.28, "second_stream_ahead": 2},
+        "model_id": {"sig": "tiny0000", "epoch": 0},
+        "lm_gen_config": {"temp": 0.6, "temp_text": 0.6, "top_k": 250, "top_k_text": 50},
+        "moshi_name": "dsm_tts_tiny0000@0.safetensors", "mimi_name": MIMI_FILE,
+        "tokenizer_name": "tokenizer_spm_tiny.model",
+    }
+    return cfg
+
+
+@torch.no_grad()
+def write_tiny_tts_checkpoint(directory: str | Path, seed: int = 0, n_q: int = 4,
+                              voices_dir: str | Path | None = None) -> Path:
+    """A tiny random DSM TTS checkpoint (fp32) and its voices (default: `directory/voices`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = tiny_tts_config(n_q)
+    mimi_cfg = tiny_mimi_config(num_codebooks=n_q)
+    raw["mimi_config_name"] = "mimi_config.json"
+    (directory / "mimi_config.json").write_text(json.dumps(mimi_config_dict(mimi_cfg), indent=2))
+    generator = torch.Generator().manual_seed(seed)
+    lm = TtsLM(TtsConfig.from_dict(raw))
+    for name, p in lm.named_parameters():
+        if name.endswith("alpha"):
+            continue
+        if name.endswith("norm_cross.weight"):
+            p.fill_(1.0)
+        elif name.endswith("norm_cross.bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=generator).clamp_(-3, 3) / math.sqrt(p.shape[-1]))
+    lm.text_linear.weight[[0, 3]] *= _WORD_LOGIT_GAIN
+    write_tts_lm(directory / raw["moshi_name"], lm, torch.float32)
+    save_file({k: v.contiguous() for k, v in _tiny_mimi_state(mimi_cfg, seed).items()},
+              str(directory / raw["mimi_name"]))
+    train_tiny_tokenizer(directory / raw["tokenizer_name"], raw["text_card"])
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    voices = Path(voices_dir) if voices_dir is not None else directory / "voices"
+    for i, name in enumerate(TINY_TTS_VOICES):
+        emb = torch.randn(1, _TINY_TTS_VOICE_DIM, _TINY_TTS_VOICE_FRAMES,
+                          generator=torch.Generator().manual_seed(seed + 10 + i))
+        write_voice(voices / f"{name}{TINY_TTS_SUFFIX}", emb)
     return directory
 
 

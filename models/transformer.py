@@ -10,6 +10,8 @@ API
     state = tr.init_state(batch_size, device, dtype)      # TransformerState
     y = tr(x[B, T, d], state, exec_mask=None, step=None)  # streaming
     y = tr(x[B, T, d])                                    # no state: plain causal pass over x
+    tr = StreamingTransformer(..., cross_attention=True)  # + a cross-attention block per layer (DSM TTS)
+    y = tr(x, state, exec_mask, cross_kv=tr.cross_kv(source[B, S, d]))
     state.reset(mask[B])       # masked rows back to position 0 with an empty KV ring
     state.clear()              # every row (the depformer clears once per frame)
     state.row(i)               # a B=1 view of row i: stepping it updates row i in place
@@ -30,7 +32,9 @@ Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
 Parameter names are the published checkpoint keys: `layers.{i}.self_attn.in_proj_weight`
 (fused QKV, per-step weights stacked on dim 0), `layers.{i}.self_attn.out_proj.weight`,
 `layers.{i}.norm{1,2}.{alpha | weight, bias}`, `layers.{i}.gating[.{k}].linear_{in,out}.weight`
-or `layers.{i}.linear{1,2}.weight`, `layers.{i}.layer_scale_{1,2}.scale`.
+or `layers.{i}.linear{1,2}.weight`, `layers.{i}.layer_scale_{1,2}.scale`; with cross-attention
+`layers.{i}.cross_attention.{in_proj_weight, out_proj.weight}` and `layers.{i}.norm_cross.{weight, bias}`
+(LayerNorm after self-attention, before the FFN; no mask, no RoPE; the fused CUDA decode is not used).
 """
 
 from __future__ import annotations
@@ -304,12 +308,46 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
+class CrossAttention(nn.Module):
+    """Attention from the stream onto a fixed source (DSM TTS speaker tokens): no mask, no RoPE.
+
+    `in_proj_weight` [3 * dim, dim] holds Q then K, V (the checkpoint layout). The source's keys
+    and values are computed once per request (`kv`) and passed to every step.
+    """
+
+    def __init__(self, dim: int, num_heads: int, device=None, dtype=None):
+        super().__init__()
+        self.dim = dim
+        self.num_heads = num_heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * dim, dim, device=device, dtype=dtype))
+        self.out_proj = nn.Linear(dim, dim, bias=False, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(self.in_proj_weight, a=math.sqrt(5))
+
+    def kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """source [B, S, dim] -> keys, values [B, H, S, head_dim]."""
+        B, S, _ = source.shape
+        kv = F.linear(source, self.in_proj_weight[self.dim:])
+        k, v = kv.view(B, S, 2, self.num_heads, self.dim // self.num_heads).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = F.linear(x, self.in_proj_weight[:self.dim]).view(B, T, self.num_heads, -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values)
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, self.dim))
+
+
 class StreamingTransformerLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, dim_feedforward: int, norm: str, gating: str,
-                 layer_scale: float | None, num_weights: int, per_step: bool, device=None, dtype=None):
+                 layer_scale: float | None, num_weights: int, per_step: bool, cross_attention: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.self_attn = StreamingAttention(d_model, num_heads, num_weights, **factory)
+        self.cross_attention: CrossAttention | None = None
+        if cross_attention:  # the reference's cross-attention norm is always a LayerNorm
+            self.cross_attention = CrossAttention(d_model, num_heads, **factory)
+            self.norm_cross = nn.LayerNorm(d_model, eps=1e-5, **factory)
         self.norm1 = make_norm(norm, d_model, **factory)
         self.norm2 = make_norm(norm, d_model, **factory)
         self.gating: nn.Module | None = None
@@ -339,9 +377,14 @@ class StreamingTransformerLayer(nn.Module):
             return self.gating[weight_index](x)
         return self.gating(x)
 
-    def forward(self, x: torch.Tensor, weight_index: int, **attn_kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight_index: int,
+                cross_kv: tuple[torch.Tensor, torch.Tensor] | None = None, **attn_kwargs) -> torch.Tensor:
         update = self.self_attn(self.norm1(x), weight_index, **attn_kwargs)
         x = x.to(update) + self.layer_scale_1(update)
+        if self.cross_attention is not None:
+            if cross_kv is None:
+                raise ValueError("this transformer has cross-attention: pass cross_kv=")
+            x = x + self.cross_attention(self.norm_cross(x), *cross_kv)
         update = self._ffn(self.norm2(x), weight_index)
         return x.to(update) + self.layer_scale_2(update)
 
@@ -356,7 +399,7 @@ class StreamingTransformer(nn.Module):
                  norm: str = "layer_norm", gating: str = "none", layer_scale: float | None = None,
                  positional_embedding: str = "rope", max_period: float = 10_000.0,
                  weights_per_step: int = 0, weights_per_step_schedule: list[int] | tuple[int, ...] | None = None,
-                 device=None, dtype=None):
+                 cross_attention: bool = False, device=None, dtype=None):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
@@ -371,12 +414,14 @@ class StreamingTransformer(nn.Module):
         self.rope_max_period = max_period if positional_embedding == "rope" else None
         self.weights_per_step = weights_per_step
         self.schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
+        self.cross_attention = cross_attention
         num_weights = 1
         if weights_per_step:
             num_weights = max(self.schedule) + 1 if self.schedule else weights_per_step
         self.layers = nn.ModuleList([
             StreamingTransformerLayer(d_model, num_heads, dim_feedforward, norm, gating, layer_scale,
-                                      num_weights, per_step=bool(weights_per_step), device=device, dtype=dtype)
+                                      num_weights, per_step=bool(weights_per_step), cross_attention=cross_attention,
+                                      device=device, dtype=dtype)
             for _ in range(num_layers)
         ])
 
@@ -420,28 +465,35 @@ class StreamingTransformer(nn.Module):
             valid = valid & (delta < self.context)
         return valid[:, None]
 
+    def cross_kv(self, source: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer cross-attention keys and values of a source [B, S, d_model]."""
+        return [layer.cross_attention.kv(source) for layer in self.layers]
+
     def forward(self, x: torch.Tensor, state: TransformerState | None = None,
-                exec_mask: torch.Tensor | None = None, step: int | None = None) -> torch.Tensor:
+                exec_mask: torch.Tensor | None = None, step: int | None = None,
+                cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """`cross_kv` (cross-attention transformers only): `cross_kv(source)`, one pair per layer."""
         B, T, _ = x.shape
         weight_index = self._weight_index(step)
         steps = torch.arange(T, device=x.device, dtype=torch.long)
+        crosses = cross_kv if cross_kv is not None else [None] * len(self.layers)
         if state is None:
             positions = steps[None].expand(B, T)
             attn = dict(kv=None, slots=None, attn_mask=self._mask(positions, positions), exec_mask=None)
-            for layer in self.layers:
-                x = layer(x, weight_index, positions=positions, rope_max_period=self.rope_max_period, **attn)
+            for layer, cross in zip(self.layers, crosses):
+                x = layer(x, weight_index, cross, positions=positions, rope_max_period=self.rope_max_period, **attn)
             return x
 
         assert T <= self.capacity, f"{T} steps in one call exceed the KV ring capacity {self.capacity}"
-        if T == 1 and self._can_fuse(x):
+        if T == 1 and not self.cross_attention and self._can_fuse(x):  # the fused decode has no cross block
             return self._forward_decode(x, state, exec_mask, weight_index)
         positions = state.pos[:, None] + steps  # [B, T]
         slots = positions % self.capacity
         # Slot positions as they are once this call's keys are written (all rows, for the mask).
         new_slot_pos = state.slot_pos.scatter(1, slots, positions)
         mask = self._mask(new_slot_pos, positions)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, weight_index, positions=positions, rope_max_period=self.rope_max_period,
+        for i, (layer, cross) in enumerate(zip(self.layers, crosses)):
+            x = layer(x, weight_index, cross, positions=positions, rope_max_period=self.rope_max_period,
                       kv=state.kv(i), slots=slots, attn_mask=mask, exec_mask=exec_mask)
         if exec_mask is None:
             state.slot_pos.copy_(new_slot_pos)

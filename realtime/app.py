@@ -6,6 +6,7 @@
     POST /v1/images/generations  OpenAI Images, through the engine's image queue (images_api.py)
     GET  /api/voices   the model's voice prompts, for the page
     GET  /api/info     model name, and whether it is the babbling demo model
+    POST /v1/audio/speech, GET /v1/audio/voices   OpenAI speech API on the TTS pool (speech_api.py)
     GET  /health /ready /metrics                                    (health.py)
     POST /v1/audio/transcriptions  OpenAI transcription, on the STT rows (transcriptions.py)
     GET  /livez /readyz /load (aliases /health, /ready)              (capacity.py)
@@ -46,6 +47,7 @@ from .openai_realtime import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager
+from .speech_api import SpeechService, speech_routes
 from .transcriptions import transcriptions_endpoint
 
 log = logging.getLogger("parley.app")
@@ -69,7 +71,8 @@ class ServerInfo:
 def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info: ServerInfo = ServerInfo(),
                *, codec_workers: int | None = None, start_engine: bool = True,
                web_dir: Path | None = WEB_DIR, stt_pool: SttPool | None = None, ready_min_free: int = 1,
-               drain_timeout: float = 30.0, images: ImageService | None = None) -> Starlette:
+               drain_timeout: float = 30.0, images: ImageService | None = None,
+               speech: SpeechService | None = None) -> Starlette:
     """Build the app around an engine. With `start_engine`, the lifespan starts the engine
     (if it is not running) and always shuts it down at exit. `stt_pool` (standalone
     transcription rows) becomes the engine's transcription slack source, warmed up here.
@@ -135,6 +138,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         Route("/v1/audio/transcriptions", transcriptions_endpoint, methods=["POST"]),
         Route("/admin/drain", drain_endpoint, methods=["POST"]),
         Route("/v1/images/generations", images_generations, methods=["POST"]),
+        *speech_routes(speech, defaults.api_key),
     ]
     if web_dir is not None and (web_dir / "index.html").is_file():  # public: see security.py
         routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))

@@ -3,6 +3,7 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
 
     parley serve [--model DIR_OR_REPO] [--host H] [--port P] [--max-sessions N] ...
     parley offline --model DIR --input-wav IN --output-wav OUT [--output-text OUT.json] ...
+    parley tts --model DIR --text TEXT --voice NAME --output OUT.wav [--voices DIR] ...
     parley transcribe --model STT_DIR_OR_REPO IN.wav [--format text|json]
     parley launch (--gpus 0-7 | --workers N --device cpu) [--port P] [--base-port B] -- [serve flags]
 """
@@ -26,6 +27,7 @@ from .offline_cli import add_offline
 from .security import parse_origins, read_key_file
 from .server import WS_MAX_SIZE, ServeConfig, serve
 from .transcribe_cli import add_transcribe
+from .tts_cli import add_tts
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -103,6 +105,16 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--image-queue", type=int, default=16,
                    help="images waiting or running at once; more are refused with 429 and Retry-After")
     add_reliability_flags(p)
+    # ---- TTS: POST /v1/audio/speech (realtime/speech_api.py) ----
+    p.add_argument("--tts-model", default=None,
+                   help="DSM TTS checkpoint directory or Hugging Face repo id (e.g. kyutai/tts-1.6b-en_fr), "
+                        "served on /v1/audio/speech beside --model, or alone without it; the demo (no --model, "
+                        "no --tts-model) includes a tiny TTS")
+    p.add_argument("--tts-slots", type=int, default=4, help="concurrent TTS requests; one more gets 429")
+    p.add_argument("--tts-voices", default=None,
+                   help="voice set for --tts-model: a directory or Hugging Face repo id (default kyutai/tts-voices)")
+    p.add_argument("--tts-voice-map", default=None,
+                   help="JSON file mapping voice aliases (e.g. OpenAI's alloy, ash, ...) to voice names")
     p.set_defaults(handler=run_serve)
 
 
@@ -169,6 +181,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1:
         print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
         return 2
+    if args.tts_slots < 1:
+        print("parley serve: --tts-slots must be at least 1", file=sys.stderr)
+        return 2
+    if args.tts_model is None and (args.tts_voices or args.tts_voice_map):
+        print("parley serve: --tts-voices and --tts-voice-map need --tts-model", file=sys.stderr)
+        return 2
     if args.stt_slots < 1:
         print("parley serve: --stt-slots must be at least 1", file=sys.stderr)
         return 2
@@ -189,12 +207,14 @@ def run_serve(args: argparse.Namespace) -> int:
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
                          ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
-                         image_model=args.image_model, image_queue=args.image_queue, **reliability)
+                         image_model=args.image_model, image_queue=args.image_queue, tts_model=args.tts_model,
+                         tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map,
+                         **reliability)
     return serve(config)
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_transcribe,
-                                                                         add_launch)
+                                                                         add_launch, add_tts)
 
 
 def installed_version() -> str:

@@ -9,6 +9,7 @@ meaningful. Real weights: `parley serve --model <checkpoint dir or Hugging Face 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,8 +19,13 @@ from pathlib import Path
 import torch
 
 from parley.models.image_pipeline import ImageStepper, stepper_for
-from parley.models.synthetic import write_tiny_checkpoint, write_tiny_stt_checkpoint
+from parley.models.synthetic import (TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_stt_checkpoint,
+                                     write_tiny_tts_checkpoint)
 from parley.models.tiny_diffusion import tiny_pipeline
+
+# OpenAI's speech voices: the demo TTS answers to all 13 (through its voice map).
+OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",
+                      "verse", "marin", "cedar")
 
 log = logging.getLogger("parley.demo")
 
@@ -51,6 +57,27 @@ def ensure_demo_stt_checkpoint(directory: Path | None = None) -> Path:
     target = directory or cache_dir().with_name("demo-stt")
     return _ensure(target, lambda scratch: write_tiny_stt_checkpoint(scratch, mimi_from=duplex),
                    "writing the tiny demo speech-to-text checkpoint to %s (once); " + STT_NOTICE)
+
+
+# ---- the demo TTS: a tiny random DSM TTS whose voices answer to OpenAI's 13 names ----
+
+DEMO_TTS_VOICE_MAP = "voice_map.json"
+
+
+def demo_tts_dir() -> Path:
+    return cache_dir().with_name("demo-tts")
+
+
+def ensure_demo_tts(directory: Path | None = None) -> Path:
+    """The demo TTS checkpoint (voices in `voices/`, OpenAI names in voice_map.json)."""
+
+    def write(scratch: Path) -> None:
+        write_tiny_tts_checkpoint(scratch)
+        names = {name: TINY_TTS_VOICES[i % len(TINY_TTS_VOICES)] for i, name in enumerate(OPENAI_VOICE_NAMES)}
+        (scratch / DEMO_TTS_VOICE_MAP).write_text(json.dumps(names, indent=2))
+
+    return _ensure(directory or demo_tts_dir(), write,
+                   "writing the tiny demo TTS to %s (once). It mumbles: its weights are random.")
 
 
 def _ensure(target: Path, write, message: str) -> Path:

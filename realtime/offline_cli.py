@@ -37,13 +37,18 @@ def add_offline(subparsers: argparse._SubParsersAction) -> None:
                    help="where to write the text as JSON (transcript and timed pieces)")
     p.add_argument("--persona", default="", help="persona / system prompt (PersonaPlex only)")
     p.add_argument("--voice", default=None, help="voice prompt name, e.g. NATF2 (PersonaPlex only)")
+    add_run_flags(p)
+    p.set_defaults(handler=run_offline_command)
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """--greedy, --seed, --device, --dtype, --log-level: shared by the offline commands."""
     p.add_argument("--greedy", action="store_true", help="greedy decoding: the run is deterministic")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    p.set_defaults(handler=run_offline_command)
 
 
 def run_offline_command(args: argparse.Namespace) -> int:

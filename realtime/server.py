@@ -35,19 +35,23 @@ import uvicorn
 from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
 from parley.engine.image_queue import ImageQueue
+from parley.engine.no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
 from parley.engine.stt_paired import PairedTranscription
 from parley.engine.stt_pool import SttPool
 from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint, load_checkpoint, load_stt_checkpoint
 from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
-from .demo_model import STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint, ensure_demo_stt_checkpoint
+from .demo_model import (DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
+                         ensure_demo_stt_checkpoint, ensure_demo_tts)
 from .drain import DrainingServer
 from .images_api import ImageService
 from .limits import EdgeLimits
 from .load_progress import LoadProgress
 from .security import RedactKeys
 from .sessions import ServerDefaults
+from .speech_api import SpeechService
+from .speech_setup import load_speech_service
 from .ws_protocol import ParleyWebSocketProtocol
 
 log = logging.getLogger("parley.server")
@@ -94,6 +98,11 @@ class ServeConfig:
     # pipeline when the voice model is the demo too, else no image endpoint.
     image_model: str | None = None
     image_queue: int = 16  # images waiting or running; beyond that 429
+    # TTS (POST /v1/audio/speech): a DSM TTS checkpoint beside (or without) the duplex model.
+    tts_model: str | None = None
+    tts_slots: int = 4
+    tts_voices: str | None = None  # voice set directory or HF repo id; None: kyutai/tts-voices
+    tts_voice_map: str | None = None  # JSON {alias: voice name}, e.g. OpenAI's names
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,16 +140,37 @@ def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions
     return SamplingOptions(**{**dataclasses.asdict(checkpoint.sampling), **overrides})
 
 
+def build_speech(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SpeechService | None:
+    """The TTS pool and voices: --tts-model, or the demo TTS when no model at all was given."""
+    if config.tts_model is None and not demo:
+        return None
+    if config.tts_model is None:
+        directory = ensure_demo_tts()
+        return load_speech_service(directory, slots=config.tts_slots, voices=directory / "voices",
+                                   voice_map=directory / DEMO_TTS_VOICE_MAP, device=str(device), dtype=dtype)
+    log.info("loading TTS %s on %s", config.tts_model, device)
+    return load_speech_service(config.tts_model, slots=config.tts_slots, voices=config.tts_voices,
+                               voice_map=config.tts_voice_map, device=str(device), dtype=dtype)
+
+
 def build_app(config: ServeConfig):
-    """Load the model and wire engine + app (no sockets yet)."""
-    demo = config.model is None
-    source = str(ensure_demo_checkpoint()) if demo else config.model
-    if demo:
-        log.warning(DEMO_NOTICE)
+    """Load the model(s) and wire engine + app (no sockets yet)."""
+    demo = config.model is None and config.tts_model is None
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device.type)
+    speech = build_speech(config, demo, device, dtype)
+    if config.model is None and not demo:  # TTS only: the duplex routes refuse sessions, saying why
+        engine = Engine(NoDuplexBackend(str(device)))
+        engine.add_slack_source(speech.pool)
+        info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON])
+        return create_app(engine, _server_defaults(config, config.defaults, info.model, prompts=False), info,
+                          codec_workers=config.codec_workers, ready_min_free=config.ready_min_free,
+                          drain_timeout=config.drain_timeout, speech=speech)
+    source = str(ensure_demo_checkpoint()) if demo else config.model
+    if demo:
+        log.warning(DEMO_NOTICE)
     log.info("loading %s on %s (%s)", source, device, str(dtype).removeprefix("torch."))
     progress = LoadProgress()
     try:
@@ -160,18 +190,24 @@ def build_app(config: ServeConfig):
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
                            encode_codebooks=stt.lm_config.n_q if paired else None)
     engine = Engine(backend)
+    if speech is not None:
+        engine.add_slack_source(speech.pool)
     if paired:
         engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
     images = build_images(config, engine, device, dtype, demo)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
                       voices=backend.voice_names(), default_voice=config.defaults.voice)
     options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
-    defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts,
-                              protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
-                              limits=config.limits)
-    return create_app(engine, defaults, info, codec_workers=config.codec_workers,
+    return create_app(engine, _server_defaults(config, options, info.model, prompts), info, codec_workers=config.codec_workers,
                       stt_pool=SttPool(stt, config.stt_slots) if stt is not None else None,
-                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, images=images)
+                      ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, images=images,
+                      speech=speech)
+
+
+def _server_defaults(config: ServeConfig, options: SessionOptions, model_name: str, prompts: bool) -> ServerDefaults:
+    return ServerDefaults(options=options, model_name=model_name, api_key=config.api_key, prompts=prompts,
+                          protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
+                          limits=config.limits)
 
 
 def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:

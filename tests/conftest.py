@@ -3,6 +3,7 @@
     tiny_moshi_dir        tiny random Moshi (dep_q 8), fp32 LM
     tiny_personaplex_dir  tiny random PersonaPlex (dep_q 16), fp32 LM, voices.tgz
     echo_dir              constructed echo LM (models/synthetic.py): agent frame f == user frame f - 1
+    tiny_tts_dir          tiny random DSM TTS (tts-1.6b-en_fr layout), fp32, voices in voices/
 
 Treat them as read-only: tests that damage a checkpoint copy it first (`copy_checkpoint`).
 """
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from parley.models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
+import torch
+
+from parley.models.synthetic import write_echo_checkpoint, write_tiny_checkpoint, write_tiny_tts_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +33,21 @@ def tiny_personaplex_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def echo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_echo_checkpoint(tmp_path_factory.mktemp("echo"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tts_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_tts_checkpoint(tmp_path_factory.mktemp("tiny_tts"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared box: intra-op threads only spin against each other (use with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

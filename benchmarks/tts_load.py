@@ -1,0 +1,318 @@
+"""TTS under load: `/v1/audio/speech` from real HTTP clients beside live duplex sessions, and the
+reference `moshi` TTSModel on the same weights.
+
+    # CPU smoke (tiny shapes, fabricated duplex backend): seconds
+    python benchmarks/tts_load.py --shapes tiny --duplex delay --streams 1,2 --sessions 0,2 --device cpu
+    # H200: 1.6B TTS shapes (random bf16) beside Moshi-7B shapes (random bf16), and the reference
+    python benchmarks/tts_load.py --shapes 1.6b --duplex 7b --streams 1,16,32 --sessions 0,64 --device cuda --reference
+
+For every (TTS streams, duplex sessions) pair it starts Parley's server in-process (uvicorn on a
+free 127.0.0.1 port; the engine's clock is real), opens the duplex sessions through the engine
+API (fed 80 ms of noise per tick), then fires `streams` concurrent `POST /v1/audio/speech`
+requests (pcm, read as fast as they come) and prints:
+
+- TTFB p50 / p99: request sent -> first body byte, as the HTTP client sees it;
+- x real time per stream (median, min): seconds of audio / seconds from request to last byte;
+- duplex frame p50 / p99: the engine's frame step (backend step + device sync), and late ticks;
+  with `streams` 0 the same numbers without TTS load, for the comparison;
+- TTS pool counters (steps, starved, forced).
+
+With `--reference`, the reference `moshi.models.tts.TTSModel` runs on the very same weight
+tensors, batched as Kyutai's server batches it (all rows start together, one `LMGen.step` per
+frame for the batch, Mimi decode per frame): time to the first audio frame and x real time,
+at each `--streams` value. Weights are random (shapes, compute and memory traffic of the real
+ones); the text is a fixed English paragraph through a small SentencePiece model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK ships on)
+import uvicorn  # noqa: E402
+
+from parley.engine import Engine  # noqa: E402
+from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
+from parley.engine.testing import DelayBackend  # noqa: E402
+from parley.engine.tts_pool import TtsPool  # noqa: E402
+from parley.models.checkpoint import mimi_config_dict  # noqa: E402
+from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config  # noqa: E402
+from parley.models.lm import published_state  # noqa: E402
+from parley.models.mimi.codec import Mimi  # noqa: E402
+from parley.models.synthetic import tiny_tts_config  # noqa: E402
+from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa: E402
+from parley.models.tts import TtsConfig, TtsLM  # noqa: E402
+from parley.models.tts_checkpoint import VoiceStore, write_voice  # noqa: E402
+from parley.realtime.app import ServerInfo, create_app  # noqa: E402
+from parley.realtime.server import uvicorn_config  # noqa: E402
+from parley.realtime.speech_api import SpeechService  # noqa: E402
+
+TEXT = ("Good morning, and welcome to the show. Today we are going to talk about the weather, music, and "
+        "books. It was a bright cold day in April, and the clocks were striking thirteen. Please wait "
+        "while I look that up for you.")
+VOICE_SUFFIX = ".bench@0.safetensors"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def tts_config_dict(shapes: str) -> dict:
+    raw = tiny_tts_config(n_q=4 if shapes == "tiny" else 32)
+    if shapes == "1.6b":  # the published kyutai/tts-1.6b-en_fr shapes (docs: shared/reference/tts.md)
+        raw.update(dim=2048, text_card=8000, num_heads=16, num_layers=16, context=500, depformer_dim=1024,
+                   depformer_dim_feedforward=3072, depformer_num_heads=16, depformer_num_layers=4,
+                   depformer_context=32, depformer_low_rank_embeddings=128,
+                   depformer_weights_per_step_schedule=list(range(8)) + [8] * 8 + [9] * 8 + [10] * 8)
+        raw["conditioners"]["speaker_wavs"]["tensor"]["dim"] = 512
+        raw["conditioners"]["cfg"]["lut"]["dim"] = 16
+        raw["conditioners"]["control"]["lut"]["dim"] = 2048
+    return raw
+
+
+def build_models(shapes: str, device: str, dtype: torch.dtype):
+    """Reference LM + Mimi with random weights, and Parley's sharing the very same tensors."""
+    from moshi.models import loaders
+
+    torch.manual_seed(0)
+    raw = tts_config_dict(shapes)
+    lm_kwargs = {k: copy.deepcopy(v) for k, v in raw.items() if k not in (  # the reference edits them in place
+        "moshi_name", "mimi_name", "tokenizer_name", "lm_gen_config", "tts_config", "model_id")}
+    ref_lm = loaders.get_moshi_lm(None, lm_kwargs=lm_kwargs, device=device, dtype=dtype)
+    cfg = TtsConfig.from_dict(raw)
+    with torch.device("meta"):
+        lm = TtsLM(cfg, dtype=dtype)
+    lm.load_state_dict(published_state(ref_lm.state_dict()), assign=True, strict=True)
+    lm.eval()
+    mimi_cfg = tiny_mimi_config(num_codebooks=cfg.lm.n_q) if shapes == "tiny" else MimiConfig(num_codebooks=cfg.lm.n_q)
+    ref_mimi = loaders.get_mimi(None, mimi_config_dict(mimi_cfg) if shapes == "tiny" else None, device=device,
+                                num_codebooks=cfg.lm.n_q)
+    mimi = Mimi(mimi_cfg).to("meta")
+    mimi.load_state_dict(ref_mimi.state_dict(), assign=True, strict=True)
+    for module in mimi.modules():  # derived buffers stay on meta under assign=True
+        if hasattr(module, "refresh_embedding"):
+            module._embedding = torch.empty_like(module.embedding_sum)
+            module.refresh_embedding()
+    mimi.eval()
+    return cfg, ref_lm, ref_mimi, lm, mimi
+
+
+def build_duplex(kind: str, sessions: int, device: str):
+    if kind == "none":
+        return NoDuplexBackend(device), 1
+    if kind == "delay":
+        return DelayBackend(max(sessions, 1), step_seconds=0.002), max(sessions, 1)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from frame_latency import build_models as build_7b  # Moshi-7B shapes, random bf16
+
+    from parley.engine.backend import ModelBackend
+    from parley.models.checkpoint import Checkpoint
+    _, _, lm, mimi, lm_cfg, mimi_cfg = build_7b(device, torch.bfloat16)
+    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
+                      gen_defaults={}, model_type="moshi", path=Path("."))
+    return ModelBackend(ckpt, max(sessions, 1), cuda_graphs=True, seed=0), max(sessions, 1)
+
+
+class TimedBackend:
+    """The duplex backend with each frame step timed (step + device sync)."""
+
+    def __init__(self, backend) -> None:
+        self._backend = backend
+        self.times: list[float] = []
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def step(self, frames, live_mask):
+        start = time.perf_counter()
+        out = self._backend.step(frames, live_mask)
+        self._backend.synchronize()
+        self.times.append(time.perf_counter() - start)
+        return out
+
+
+def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+async def one_request(client: httpx.AsyncClient, url: str, voice: str) -> tuple[float, float, float]:
+    """(ttfb_s, audio_s, total_s)"""
+    start = time.perf_counter()
+    first = None
+    size = 0
+    async with client.stream("POST", f"{url}/v1/audio/speech",
+                             json={"model": "tts", "input": TEXT, "voice": voice, "response_format": "pcm"}) as r:
+        r.raise_for_status()
+        async for chunk in r.aiter_bytes():
+            if first is None and chunk:
+                first = time.perf_counter() - start
+            size += len(chunk)
+    return first or float("nan"), size / 2 / 24000, time.perf_counter() - start
+
+
+async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) -> dict:
+    cfg, _, _, lm, mimi = models
+    backend, rows = build_duplex(args.duplex, sessions, args.device)
+    timed = TimedBackend(backend)
+    engine = Engine(timed)
+    pool = TtsPool(lm, mimi, max(streams, 1), voice_frames=args.voice_frames)
+    pool.warm_up()
+    engine.add_slack_source(pool)
+    store = VoiceStore.open(voices_dir, VOICE_SUFFIX, cfg.speaker.dim)
+    tokenizer = TextTokenizer(voices_dir.parent / "tok.model")
+    service = SpeechService(pool=pool, voices=store, tokenizer=tokenizer, codebooks=cfg.lm.n_q)
+    app = create_app(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service)
+    server, thread, url = start_server(app)
+    try:
+        live = [engine.open_nowait() for _ in range(sessions)]
+        for s in live:
+            await asyncio.wait_for(s.ready, 120)
+        stop = asyncio.Event()
+
+        async def feed() -> None:  # every session gets 80 ms of noise per tick and is drained
+            noise = (np.random.default_rng(0).standard_normal(FRAME_SAMPLES) * 0.05).astype(np.float32)
+            while not stop.is_set():
+                for s in live:
+                    s.push_audio(noise)
+                    s.events.drain()
+                await asyncio.sleep(0.08)
+
+        feeder = asyncio.create_task(feed())
+        await asyncio.sleep(args.settle)
+        timed.times.clear()
+        late_before = engine.counters()["late_ticks"]
+        results = []
+        if streams:
+            async with httpx.AsyncClient(timeout=600) as client:
+                results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())])
+                                                 for i in range(streams)])
+        else:
+            await asyncio.sleep(args.idle_seconds)
+        stop.set()
+        await feeder
+        frame_ms = [t * 1000 for t in timed.times]
+        counters = pool.slack_counters()
+        return {
+            "streams": streams, "sessions": sessions,
+            "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),
+            "ttfb_p99": percentile([r[0] for r in results], 99) * 1000 if results else float("nan"),
+            "xrt_median": statistics.median(r[1] / r[2] for r in results) if results else float("nan"),
+            "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
+            "frame_p50": percentile(frame_ms, 50), "frame_p99": percentile(frame_ms, 99),
+            "late_ticks": engine.counters()["late_ticks"] - late_before,
+            "tts_steps": counters["tts_steps_text"] + counters["tts_steps_full"],
+            "starved": counters["tts_starved"], "forced": counters["tts_forced"],
+        }
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@torch.no_grad()
+def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path) -> dict:
+    """moshi's TTSModel batched as Kyutai's server does: all rows together, Mimi decode per frame."""
+    from moshi.models import tts as ref_tts
+    from sentencepiece import SentencePieceProcessor
+
+    cfg, ref_lm, ref_mimi, _, _ = models
+    machine = ref_tts.StateMachine(ref_tts.TokenIds(cfg.lm.text_card + 1), second_stream_ahead=2,
+                                   max_padding=8, initial_padding=2)
+    model = ref_tts.TTSModel(lm=ref_lm, mimi=ref_mimi, tokenizer=SentencePieceProcessor(str(tokenizer_path)),
+                             voice_suffix=VOICE_SUFFIX, voice_repo=str(voices_dir), machine=machine,
+                             delay_steps=cfg.audio_delay_frames, n_q=cfg.lm.n_q, temp=0.6)
+    voice = sorted(voices_dir.rglob(f"*{VOICE_SUFFIX}"))[0]
+    entries = [model.prepare_script([TEXT], padding_between=1) for _ in range(streams)]
+    attributes = [model.make_condition_attributes([voice], cfg_coef=2.0) for _ in range(streams)]
+    first_audio = []
+    frames = [0]
+    start = time.perf_counter()
+    with model.mimi.streaming(streams):
+        def on_frame(frame: torch.Tensor) -> None:
+            frames[0] += 1
+            if frames[0] > cfg.audio_delay_frames:
+                model.mimi.decode(frame[:, 1:, :].clamp(min=0)).cpu()
+                if not first_audio and frames[0] > cfg.audio_delay_frames + 2:
+                    first_audio.append(time.perf_counter() - start)
+
+        result = model.generate(entries, attributes, on_frame=on_frame)
+    total = time.perf_counter() - start
+    audio_s = [(end or frames[0]) / 12.5 for end in result.end_steps]
+    return {"streams": streams, "first_audio_ms": first_audio[0] * 1000 if first_audio else float("nan"),
+            "xrt_median": statistics.median(a / total for a in audio_s)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", choices=("tiny", "1.6b"), default="tiny")
+    parser.add_argument("--duplex", choices=("none", "delay", "7b"), default="delay")
+    parser.add_argument("--streams", default="1,2", help="concurrent TTS requests per case (0: duplex alone)")
+    parser.add_argument("--sessions", default="0,2", help="live duplex sessions per case")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--reference", action="store_true", help="also time moshi's TTSModel at each --streams")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds of duplex traffic before measuring")
+    parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    models = build_models(args.shapes, args.device, dtype)
+    cfg = models[0]
+    args.voice_frames = 10 if args.shapes == "tiny" else 125
+    work = Path(tempfile.mkdtemp(prefix="tts-bench-"))
+    tokenizer_path = train_tiny_tokenizer(work / "tok.model", min(cfg.lm.text_card, 200))
+    voices_dir = work / "voices"
+    for i in range(4):
+        write_voice(voices_dir / f"v{i}{VOICE_SUFFIX}",
+                    torch.randn(1, cfg.speaker.dim, args.voice_frames, generator=torch.Generator().manual_seed(i)))
+    streams_list = [int(x) for x in args.streams.split(",")]
+    sessions_list = [int(x) for x in args.sessions.split(",")]
+    print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
+          f"duplex backend {args.duplex}")
+    print("| TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
+          "duplex frame p50 / p99 (ms) | late ticks | TTS steps | starved | forced |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for sessions in sessions_list:
+        for streams in sorted({0, *streams_list}):
+            if args.duplex == "none" and sessions:
+                continue
+            r = asyncio.run(run_case(args, models, voices_dir, streams, sessions))
+            print(f"| {streams} | {sessions} | {r['ttfb_p50']:.0f} / {r['ttfb_p99']:.0f} | "
+                  f"{r['xrt_median']:.2f} / {r['xrt_min']:.2f} | {r['frame_p50']:.2f} / {r['frame_p99']:.2f} | "
+                  f"{r['late_ticks']} | {r['tts_steps']} | {r['starved']} | {r['forced']} |", flush=True)
+    if args.reference:
+        print("\n| reference TTSModel streams | first audio (ms) | x real time (median) |")
+        print("|---:|---:|---:|")
+        for streams in streams_list:
+            if streams:
+                r = run_reference(models, voices_dir, streams, tokenizer_path)
+                print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

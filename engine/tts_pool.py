@@ -1,0 +1,376 @@
+"""TTS requests as slack work: a fixed pool of rows over one DSM TTS model (models/tts.py).
+
+    pool = TtsPool(lm, mimi, slots=16, voice_frames=125)   # its own rows, state, Mimi stream
+    pool.warm_up(); engine.add_slack_source(pool)    # graphs captured and costed before engine.start()
+    job = pool.submit(TtsRequest(...), loop)         # event loop; TtsPoolFull when every slot is taken
+    async for event in job.stream: ...               # TtsAudio / TtsWord partials, then one Terminal
+    job.cancel()                                     # the row is freed at the next tick
+
+Scheduling (engine/slack.py asks this source after prefill, before transcription and images):
+- TTS is throughput work: after each duplex tick the pool runs as many batched steps as the
+  slack allows, each one work item whose measured cost fits before the next boundary.
+- Two step kinds, one CUDA graph each on CUDA (eager on CPU): `text` (backbone + text sampling
+  + DSM state machine: rows still inside the 16-frame audio delay need nothing else) and `full`
+  (plus depformer and Mimi decode). A step runs every eligible row at once (the batch costs the
+  same whichever rows are in it), so the order below decides only which kind runs when the
+  slack is short: warm-up rows first (a text step fits where a full one does not), then full steps.
+- A row is eligible while its stream holds fewer than `lead_frames` undelivered frames: that
+  caps its lead over its client (a few seconds), bounds memory, and is the back-pressure
+  (nothing is ever dropped: a row waits instead). A client reading in real time gets its row
+  stepped only as fast as it listens; one reading faster gets audio as fast as the slack allows.
+- When a tick's slack cannot give an eligible row a step, the duplex tick still wins; that row
+  is counted in `starved`. After `force_after_ticks` ticks in a row without any step (a cost
+  estimate above the slack never gets measured again, so without this a pool could stall for
+  good), one step is forced as a tick's first slack item (slack.py rule 3) and counted in
+  `forced`: liveness over one possibly late tick, only under overload.
+- Admission (voice -> cross-attention keys, script -> the row's DSM arrays) is its own work item.
+- A failure inside a step ends the requests of that step's rows (FAILED) and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from parley.models.dsm import WordEntry
+from parley.models.mimi.codec import Mimi
+from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
+
+from .cuda_graph import CUDAGraphRunner
+from .slack import CostModel, Priority, WorkItem
+from .stream import OutputStream, Status, Terminal
+
+log = logging.getLogger("parley.engine.tts")
+
+FORCE_AFTER_TICKS = 25  # 2 s without a step: force one (see the module docstring)
+LEAD_FRAMES = 38  # ~3 s of undelivered audio per row, at most
+MAX_ENTRIES = 2400  # words and breaks per request (4096 characters make at most ~2050 words)
+MAX_TOKENS = 8300  # text tokens per request
+FRAME_DROP = 2  # the first two decoded frames click (the reference drops them too)
+ADMIT_KEY = ("tts", "admit")
+
+
+class TtsPoolFull(RuntimeError):
+    """Every TTS slot is taken; retry later."""
+
+
+@dataclass(frozen=True)
+class TtsRequest:
+    entries: tuple[WordEntry, ...]
+    voices: tuple[torch.Tensor, ...]  # [1, dim, frames] each (one voice, or up to 5 speakers)
+    conditions: dict  # sum conditions, e.g. {"control": "ok", "cfg": "2.0"}
+    padding_bonus: float = 0.0
+    text_temperature: float = 0.6
+    text_top_k: int = 25
+    audio_temperature: float = 0.6
+    audio_top_k: int = 250
+
+
+@dataclass(frozen=True)
+class TtsAudio:
+    pcm: np.ndarray  # float32 [1920]: one 80 ms frame at 24 kHz, in [-0.99, 0.99]
+
+
+@dataclass(frozen=True)
+class TtsWord:
+    text: str
+    start_s: float  # in the request's audio
+    stop_s: float
+
+
+class TtsJob:
+    """One request's handle on the event loop side."""
+
+    def __init__(self, request: TtsRequest, stream: OutputStream) -> None:
+        self.request = request
+        self.stream = stream
+        self.request_id = stream.request_id
+        self._cancelled = threading.Event()
+        self.frames = 0  # audio frames pushed so far (engine thread)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class _Row:
+    job: TtsJob
+    steps: int = 0  # frames stepped (the row's offset)
+    budget: int = 0  # steps after which the request has overrun its bound (never expected)
+    words_seen: int = 0  # entries consumed so far
+    pending_word: tuple[str, int] | None = None  # (text, step) of the last word, stop not yet known
+    ended_at: int = -1  # the DSM end step, once known
+
+
+def step_budget(entries: Sequence[WordEntry], delay: int, max_padding: int = 8, initial_padding: int = 2) -> int:
+    """An upper bound on the steps a script can take: each entry is consumed within its tokens,
+    padding and `max_padding` + 2 steps; then the audio delay and the tail."""
+    return initial_padding + sum(len(e.tokens) + e.padding + max_padding + 2 for e in entries) + delay + 16
+
+
+class TtsPool:
+    priority = Priority.TTS
+
+    def __init__(self, lm: TtsLM, mimi: Mimi, slots: int, *, lead_frames: int = LEAD_FRAMES,
+                 voice_frames: int | None = None, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS,
+                 cuda_graphs: bool = True, output_events: int | None = None,
+                 force_after_ticks: int = FORCE_AFTER_TICKS) -> None:
+        if slots < 1:
+            raise ValueError("a TTS pool needs at least one slot")
+        if lm.cfg.cross_attention and voice_frames is None:
+            raise ValueError("this TTS model attends to voices: give the pool voice_frames (frames per voice file)")
+        self.slots = slots
+        self.lead_frames = lead_frames
+        self.output_events = output_events or lead_frames + 8  # room for the words beside the frames
+        self.device = lm.text_linear.weight.device
+        self._gen = TtsGen(lm, slots, max_entries, max_tokens, voice_frames=voice_frames)
+        self._mimi = mimi
+        self._mimi_state = mimi.init_state(slots, self.device)
+        self._card = lm.cfg.lm.card
+        self.delay = lm.cfg.audio_delay_frames
+        self.max_delay = lm.cfg.lm.max_delay
+        self._lock = threading.Lock()
+        self._pending: deque[TtsJob] = deque()
+        self._reserved = 0  # pending + live, so submit can refuse at once
+        self._rows: list[_Row | None] = [None] * slots
+        self._graphs: dict[str, CUDAGraphRunner] = {}
+        self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
+        self._use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._wanted: set[int] = set()  # rows eligible at this tick's first offer
+        self._stepped: set[int] = set()
+        self.force_after_ticks = force_after_ticks
+        self._idle_ticks = 0  # consecutive ticks where rows wanted a step and none ran
+        # Counters (engine thread writes, anyone reads).
+        self.steps = {"text": 0, "full": 0}
+        self.frames_out = 0
+        self.starved = 0
+        self.forced = 0
+        self.completed = 0
+        self.cancelled = 0
+        self.failed = 0
+
+    # ---- event loop side ----
+
+    def submit(self, request: TtsRequest, loop: asyncio.AbstractEventLoop) -> TtsJob:
+        with self._lock:
+            if self._reserved >= self.slots:
+                raise TtsPoolFull(f"all {self.slots} TTS slots are busy")
+            self._reserved += 1
+            job = TtsJob(request, OutputStream(uuid.uuid4().hex, loop, self.output_events))
+            self._pending.append(job)
+        return job
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the steps replay CUDA graphs (CUDA, after `warm_up`)."""
+        return bool(self._graphs)
+
+    @property
+    def live(self) -> int:
+        return sum(row is not None for row in self._rows)
+
+    def slack_counters(self) -> dict:
+        return {"tts_live": self.live, "tts_slots": self.slots, "tts_steps_text": self.steps["text"],
+                "tts_steps_full": self.steps["full"], "tts_frames": self.frames_out, "tts_starved": self.starved,
+                "tts_forced": self.forced,
+                "tts_completed": self.completed, "tts_cancelled": self.cancelled, "tts_failed": self.failed}
+
+    # ---- engine thread ----
+
+    def warm_up(self) -> None:
+        """Capture the graphs (CUDA) and run each step kind with no row active, measuring its
+        cost; the first `offer` hands those to the runner's cost model, so the first live step
+        already has an estimate (slack.py rule 2)."""
+        idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+        for kind in ("text", "full"):
+            if self._use_graphs:
+                self._graphs[kind] = CUDAGraphRunner(lambda active, k=kind: self._device_step(active, k), (idle,))
+            for _ in range(2):
+                start = time.perf_counter()
+                self._run_device(idle, kind)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                self._warm_costs.append((("tts", kind), time.perf_counter() - start))
+
+    def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
+        for key, seconds in self._warm_costs:
+            costs.record(key, seconds)
+        self._warm_costs.clear()
+        self._drop_cancelled()
+        job = self._next_admission()
+        if job is not None:
+            return WorkItem(key=ADMIT_KEY, run=lambda: self._admit(job), fail=lambda exc: self._fail_job(job, exc))
+        eligible = self._eligible()
+        if not eligible:
+            return None
+        warm = [b for b in eligible if self._rows[b].steps < self.delay]
+        kind = "full" if len(warm) < len(eligible) else "text"
+        rows = eligible
+        if kind == "full" and warm and left_s is not None:
+            estimate = costs.estimate(("tts", "full"))
+            if estimate is not None and estimate > left_s:
+                kind, rows = "text", warm  # warm-up rows first: a text step may still fit
+        forced = self._idle_ticks >= self.force_after_ticks
+        if forced:
+            self._idle_ticks = 0
+            self.forced += 1
+        return WorkItem(key=("tts", kind), run=lambda: self._step(rows, kind),
+                        fail=lambda exc: self._fail_rows(rows, exc), forced=forced)
+
+    def slack_started(self, deadline: float | None) -> None:
+        """A tick's slack begins (slack.py): count the rows the last tick could not step
+        (starved), and note who wants a step in this one. Manual mode (no deadline) never starves."""
+        if deadline is None:
+            self._wanted, self._stepped = set(), set()
+            return
+        self.starved += len(self._wanted - self._stepped)
+        self._idle_ticks = self._idle_ticks + 1 if self._wanted and not self._stepped else 0
+        self._wanted = set(self._eligible())
+        self._stepped = set()
+
+    def _eligible(self) -> list[int]:
+        return [b for b, row in enumerate(self._rows)
+                if row is not None and row.job.stream.buffered < self.lead_frames]
+
+    def _next_admission(self) -> TtsJob | None:
+        if None not in self._rows:
+            return None
+        with self._lock:
+            while self._pending:
+                job = self._pending.popleft()
+                if not job.cancelled:
+                    return job
+                self._reserved -= 1
+                job.stream.finish(Terminal(Status.CANCELLED, "cancelled before it started"))
+                self.cancelled += 1
+        return None
+
+    def _drop_cancelled(self) -> None:
+        for b, row in enumerate(self._rows):
+            if row is not None and row.job.cancelled:
+                self._free(b, Terminal(Status.CANCELLED, "the client went away"))
+                self.cancelled += 1
+
+    def _admit(self, job: TtsJob) -> None:
+        row = self._rows.index(None)
+        req = job.request
+        self._gen.start(row, req.entries, req.voices, req.conditions, req.padding_bonus,
+                        req.text_temperature, req.text_top_k, req.audio_temperature, req.audio_top_k)
+        mask = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+        mask[row] = True
+        self._mimi_state.reset(mask)
+        self._rows[row] = _Row(job, budget=step_budget(req.entries, self.delay))
+
+    @torch.no_grad()
+    def _device_step(self, active: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
+        """Device-only work of one step (captured per kind on CUDA)."""
+        out = self._gen.step(active, full=kind == "full")
+        dsm = self._gen.dsm
+        if kind == "full":
+            decode = out.valid & (out.frame_index >= self.delay)
+            codes = torch.where(decode[:, None], out.frame[:, 1:], 0).clamp(0, self._card - 1)
+            pcm = self._mimi.decode_step(codes, self._mimi_state, decode).clamp(-0.99, 0.99)
+        else:
+            pcm = torch.zeros(self.slots, self._mimi.frame_size, device=self.device)
+        info = torch.stack([out.valid.long(), out.frame_index, dsm.next_entry, dsm.end_step], dim=1)
+        return pcm, info
+
+    def _run_device(self, active: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        runner = self._graphs.get(kind)
+        with torch.no_grad():
+            return runner(active) if runner is not None else self._device_step(active, kind)
+
+    def _step(self, rows: list[int], kind: str) -> None:
+        active = torch.zeros(self.slots, dtype=torch.bool)
+        active[rows] = True
+        pcm, info = self._run_device(active.to(self.device, non_blocking=True), kind)
+        info = info.cpu()  # one device -> host copy of the small per-row results
+        pcm_host = pcm.float().cpu().numpy() if kind == "full" else None
+        self.steps[kind] += 1
+        self._stepped.update(rows)
+        for b in rows:
+            row = self._rows[b]
+            row.steps += 1
+            valid, frame_index, consumed, end_step = (int(v) for v in info[b])
+            if consumed > row.words_seen:
+                self._words(b, row, consumed)
+            if end_step >= 0 and row.ended_at < 0:
+                row.ended_at = end_step
+                self._flush_word(row, end_step)
+            first = self.delay + FRAME_DROP
+            if kind == "full" and valid and frame_index >= first and (row.ended_at < 0
+                                                                      or frame_index < first + row.ended_at):
+                row.job.stream.push(TtsAudio(pcm_host[b].copy()))
+                row.job.frames += 1
+                self.frames_out += 1
+            if row.ended_at >= 0 and frame_index + 1 >= first + row.ended_at:
+                self._free(b, Terminal(Status.COMPLETED))
+                self.completed += 1
+            elif row.steps > row.budget:
+                self._free(b, Terminal(Status.FAILED, "the text did not finish within its step budget"))
+                self.failed += 1
+
+    def _words(self, b: int, row: _Row, consumed: int) -> None:
+        """Entries consumed since the last step: emit the previous word with its stop time."""
+        steps = self._gen.dsm.word_step[b, row.words_seen:consumed].tolist()
+        for entry, step in zip(row.job.request.entries[row.words_seen:consumed], steps):
+            if not entry.tokens:
+                continue  # a break: the words around it carry the timing
+            self._flush_word(row, step)
+            row.pending_word = (entry.text, step)
+        row.words_seen = consumed
+
+    def _flush_word(self, row: _Row, stop_step: int) -> None:
+        if row.pending_word is None:
+            return
+        text, start = row.pending_word
+        # Text step s is heard in audio frame s + delay, i.e. s - FRAME_DROP in the emitted audio.
+        row.job.stream.push(TtsWord(text, max(start - FRAME_DROP, 0) / FRAME_RATE,
+                                    max(stop_step - FRAME_DROP, 0) / FRAME_RATE))
+        row.pending_word = None
+
+    def _free(self, b: int, terminal: Terminal) -> None:
+        row = self._rows[b]
+        self._rows[b] = None
+        with self._lock:
+            self._reserved -= 1
+        row.job.stream.finish(terminal)
+
+    def slack_stop(self, terminal: Terminal) -> None:
+        """The engine stopped: every live and pending request ends with `terminal`."""
+        for b, row in enumerate(self._rows):
+            if row is not None:
+                self._free(b, terminal)
+        with self._lock:
+            pending, self._pending = list(self._pending), deque()
+            self._reserved -= len(pending)
+        for job in pending:
+            job.stream.finish(terminal)
+
+    def _fail_rows(self, rows: list[int], exc: Exception) -> None:
+        for b in rows:
+            if self._rows[b] is not None:
+                self._free(b, Terminal(Status.FAILED, f"synthesis failed: {type(exc).__name__}"))
+                self.failed += 1
+
+    def _fail_job(self, job: TtsJob, exc: Exception) -> None:
+        with self._lock:
+            self._reserved -= 1
+        for b, row in enumerate(self._rows):  # admission may have taken the row before raising
+            if row is not None and row.job is job:
+                self._rows[b] = None
+        job.stream.finish(Terminal(Status.FAILED, f"the request could not start: {exc}"))
+        self.failed += 1

@@ -1,0 +1,47 @@
+"""Load what `POST /v1/audio/speech` serves: the TTS checkpoint, its voice set and the pool.
+
+    service = load_speech_service(source, slots=4, voices="kyutai/tts-voices", voice_map=None,
+                                  device="cuda", dtype=torch.bfloat16)
+    engine.add_slack_source(service.pool)   # before engine.start()
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from parley.engine.tts_pool import TtsPool
+from parley.models.checkpoint import CheckpointError
+from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
+
+from .speech_api import DEFAULT_CFG, SpeechService
+
+log = logging.getLogger("parley.speech")
+
+DEFAULT_VOICES = "kyutai/tts-voices"
+
+
+def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | None,
+                        voice_map: str | Path | None, device: str, dtype: torch.dtype) -> SpeechService:
+    checkpoint = load_tts_checkpoint(source, device, dtype)
+    cfg = checkpoint.config
+    speaker = cfg.speaker
+    if speaker is None:
+        raise CheckpointError(f"TTS checkpoint {source} has no speaker cross-attention (a voice-prefix model "
+                              "such as kyutai/tts-0.75b-en-public); Parley serves the cross-attention layout")
+    store = VoiceStore.open(voices or DEFAULT_VOICES, cfg.voice_suffix, speaker.dim, voice_map)
+    frames = store.load(store.names()[0]).shape[-1]
+    pool = TtsPool(checkpoint.lm, checkpoint.mimi, slots, voice_frames=frames)
+    log.info("TTS %s: %d slots, %d voices from %s", checkpoint.path.name, slots, len(store.names()),
+             store.directory)
+    pool.warm_up()
+    conditions = {}
+    names = {c.name for c in cfg.conditioners}
+    if "control" in names:
+        conditions["control"] = "ok"
+    if "cfg" in names:  # the distilled CFG value; a model without it runs unconditioned on cfg
+        conditions["cfg"] = DEFAULT_CFG if DEFAULT_CFG in cfg.lut_values("cfg") else None
+    return SpeechService(pool=pool, voices=store, tokenizer=checkpoint.tokenizer, codebooks=cfg.lm.n_q,
+                         conditions=conditions)

@@ -1,0 +1,207 @@
+"""The TTS pool as slack work: beside duplex sessions (whose outputs stay bit-identical),
+back-pressure instead of drops, cancellation at the next tick, starved rows counted."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from parley.engine import Engine, EngineConfig
+from parley.engine.session import FrameOut
+from parley.engine.slack import SlackRunner
+from parley.engine.stream import Status, Terminal
+from parley.engine.testing import DelayBackend
+from parley.engine.tts_pool import ADMIT_KEY, TtsAudio, TtsPool, TtsRequest, TtsWord
+from parley.models.config import FRAME_SAMPLES
+from parley.models.dsm import split_words
+from parley.models.synthetic import TINY_TTS_VOICES
+from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
+
+TEXTS = ["Hello there.", "How are you doing today?", "The quick brown fox jumps.", "Good morning!",
+         "Tell me a story.", "Yes, of course.", "See you tomorrow.", "What would you like?"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tts(tiny_tts_dir):
+    ck = load_tts_checkpoint(tiny_tts_dir, dtype=torch.float32)
+    return ck, VoiceStore.open(tiny_tts_dir / "voices", ck.config.voice_suffix, 16)
+
+
+def request(tts, text, voice=0, **kw):
+    ck, store = tts
+    return TtsRequest(tuple(split_words(text, ck.tokenizer.encode, 12.5)), (store.load(TINY_TTS_VOICES[voice]),),
+                      {"control": "ok", "cfg": "2.0"}, **kw)
+
+
+def signal(seed, frames):
+    return np.random.default_rng(seed).uniform(-0.9, 0.9, frames * FRAME_SAMPLES).astype(np.float32)
+
+
+async def duplex_run(tts, with_tts: bool, ticks: int = 40):
+    backend = DelayBackend(4)
+    engine = Engine(backend, EngineConfig(input_frames=64, output_events=256))
+    pool = None
+    if with_tts:
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 8, voice_frames=10)
+        pool.warm_up()
+        engine.add_slack_source(pool)
+        jobs = [pool.submit(request(tts, text, i % 3), asyncio.get_running_loop()) for i, text in enumerate(TEXTS)]
+    sessions = [engine.open_nowait() for _ in range(4)]
+    engine.run_ticks(1)
+    for i, s in enumerate(sessions):
+        await asyncio.wait_for(s.ready, 5)
+        s.push_audio(signal(i, ticks))
+    frames = {i: [] for i in range(4)}
+    tts_events = {i: [] for i in range(len(TEXTS))} if with_tts else {}
+    for _ in range(ticks):
+        engine.run_ticks(1)
+        for i, s in enumerate(sessions):
+            frames[i] += [(f.pcm.tobytes(), f.text_token) for f in s.events.drain() if isinstance(f, FrameOut)]
+        for i in tts_events:
+            tts_events[i] += jobs[i].stream.drain()  # a client reading everything as it comes
+    for _ in range(200):  # let the TTS requests finish without duplex traffic
+        if not with_tts or all(ev and isinstance(ev[-1], Terminal) for ev in tts_events.values()):
+            break
+        engine.run_ticks(1)
+        for i in tts_events:
+            tts_events[i] += jobs[i].stream.drain()
+    engine.shutdown()
+    return frames, tts_events, pool
+
+
+def test_duplex_outputs_are_bit_identical_beside_eight_tts_requests(tts):
+    alone, _, _ = asyncio.run(duplex_run(tts, with_tts=False))
+    beside, tts_events, pool = asyncio.run(duplex_run(tts, with_tts=True))
+    assert all(len(v) == 39 for v in alone.values())
+    assert beside == alone
+    for i, events in tts_events.items():
+        assert events[-1] == Terminal(Status.COMPLETED), (i, events[-1])
+        assert sum(isinstance(e, Terminal) for e in events) == 1
+        audio = [e for e in events if isinstance(e, TtsAudio)]
+        words = [e.text for e in events if isinstance(e, TtsWord)]
+        assert audio and all(a.pcm.shape == (FRAME_SAMPLES,) and np.abs(a.pcm).max() <= 0.99 for a in audio)
+        assert words == TEXTS[i].split()
+    assert pool.live == 0 and pool.completed == len(TEXTS)
+
+
+def run_items(pool, n=None):
+    from parley.engine.slack import CostModel
+    costs = CostModel()
+    done = 0
+    while n is None or done < n:
+        item = pool.offer(None, costs)
+        if item is None:
+            return done
+        item.run()
+        done += 1
+    return done
+
+
+def test_back_pressure_waits_instead_of_dropping(tts):
+    async def main():
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10, lead_frames=5)
+        job = pool.submit(request(tts, "one two three four five six seven eight nine ten"), asyncio.get_running_loop())
+        run_items(pool)  # nobody reads: the row stops at its lead cap
+        assert job.stream.buffered >= 5 and job.stream.dropped == 0 and pool.live == 1
+        got = []
+        while not (got and isinstance(got[-1], Terminal)):
+            got += job.stream.drain()
+            run_items(pool)
+        assert job.stream.dropped == 0 and got[-1].status is Status.COMPLETED
+        assert sum(isinstance(e, TtsAudio) for e in got) == job.frames
+    asyncio.run(main())
+
+
+def test_cancel_frees_the_row_at_the_next_offer(tts):
+    async def main():
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10)
+        loop = asyncio.get_running_loop()
+        job = pool.submit(request(tts, "a long sentence that goes on and on for a while"), loop)
+        run_items(pool, 25)
+        assert pool.live == 1
+        job.cancel()
+        assert run_items(pool) == 0 and pool.live == 0
+        assert job.stream.drain()[-1] == Terminal(Status.CANCELLED, "the client went away")
+        again = pool.submit(request(tts, "Hello there."), loop)  # the slot serves the next request
+        run_items(pool)
+        assert again.stream.drain()[-1].status is Status.COMPLETED
+    asyncio.run(main())
+
+
+def test_starved_rows_are_counted_then_one_step_is_forced(tts):
+    async def main():
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10, force_after_ticks=3)
+        now = [0.0]
+        runner = SlackRunner(lambda: now[0], lambda: None, guard_s=0.003)
+        runner.add_source(pool)
+        loop = asyncio.get_running_loop()
+        jobs = [pool.submit(request(tts, "Hello there."), loop) for _ in range(2)]
+        runner.costs.record(ADMIT_KEY, 0.001)
+        for key in (("tts", "text"), ("tts", "full")):
+            runner.costs.record(key, 1.0)  # a step "costs" a second: it never fits a tick's slack
+        forced_ticks = []
+        for tick in range(8):
+            now[0] = tick
+            before = sum(pool.steps.values())
+            runner.run_until(tick + 0.08)
+            if sum(pool.steps.values()) > before:
+                forced_ticks.append(tick)
+        assert pool.live == 2  # admitted in tick 0 (that item fits)
+        # Ticks 1..3 give no step (2 starved rows each); tick 4 forces one step (both rows);
+        # ticks 5 and 6 starve again (counted when the next tick starts).
+        assert forced_ticks == [4] and pool.forced == 1
+        assert pool.starved == 2 * 3 + 2 * 2
+        for job in jobs:
+            job.cancel()
+    asyncio.run(main())
+
+
+def test_engine_shutdown_ends_every_tts_request(tts):
+    async def main():
+        ck, _ = tts
+        engine = Engine(DelayBackend(1))
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10)
+        engine.add_slack_source(pool)
+        loop = asyncio.get_running_loop()
+        live = pool.submit(request(tts, "a sentence long enough to still be running"), loop)
+        run_items(pool, 3)
+        assert pool.live == 1
+        engine.shutdown()
+        assert live.stream.drain()[-1] == Terminal(Status.CANCELLED, "the engine is shutting down")
+        assert pool.live == 0
+        queued = pool.submit(request(tts, "Hi."), loop)
+        pool.slack_stop(Terminal(Status.FAILED, "engine failure"))
+        assert queued.stream.drain() == [Terminal(Status.FAILED, "engine failure")]
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_give_the_eager_tokens(tiny_tts_dir):
+    """Both step kinds captured as CUDA graphs produce what the eager pool produces (greedy)."""
+    from parley.engine.tts_offline import synthesize
+
+    ck = load_tts_checkpoint(tiny_tts_dir, device="cuda", dtype=torch.float32)
+    store = VoiceStore.open(tiny_tts_dir / "voices", ck.config.voice_suffix, 16)
+    entries = tuple(split_words("Hello there, how are you?", ck.tokenizer.encode, 12.5))
+    req = TtsRequest(entries, (store.load(TINY_TTS_VOICES[0]),), {"control": "ok", "cfg": "2.0"},
+                     text_temperature=0.0, audio_temperature=0.0)
+    results = []
+    for graphs in (False, True):
+        pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10, cuda_graphs=graphs)
+        pool.warm_up()
+        assert pool.graphed == graphs
+        results.append(synthesize(pool, req))
+    eager, graphed = results
+    assert graphed.terminal.status is Status.COMPLETED
+    assert [w.text for w in graphed.words] == [w.text for w in eager.words]
+    np.testing.assert_allclose(graphed.pcm, eager.pcm, atol=1e-4)
