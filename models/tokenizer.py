@@ -43,7 +43,10 @@ class TextTokenizer:
         return list(self._sp.EncodeAsIds(text))
 
     def decode(self, ids: list[int]) -> str:
-        return self._sp.DecodeIds([i for i in ids if not self.is_special(i)])
+        """Text of `ids`; like `piece`, padding and ids outside the vocabulary give nothing (a model
+        whose text card exceeds its tokenizer, e.g. random weights, must not stop the stream)."""
+        size = self.vocab_size
+        return self._sp.DecodeIds([i for i in ids if not self.is_special(i) and 0 <= i < size])
 
     def piece(self, token_id: int) -> str:
         """The text of one streamed token, `▁` replaced by a space ('' for special ids)."""
