@@ -60,12 +60,6 @@ REALTIME_SUBPROTOCOL = "realtime"
 MAX_QUEUED_ITEM_SAMPLES = 120 * SAMPLE_RATE  # audio waiting to be heard behind items: at most 2 minutes
 
 
-# semantic_vad eagerness -> (end-of-turn probability that ends the turn, timeout in ms). The
-# timeouts are OpenAI's (low 8 s, medium 4 s, high 2 s); the thresholds are Parley's choice.
-EAGERNESS = {"low": (0.8, 8000), "medium": (0.5, 4000), "auto": (0.5, 4000), "high": (0.25, 2000)}
-SEMANTIC_MIN_QUIET_MS = 160  # at least two quiet frames before the head may end a turn
-
-
 class SessionLost(Exception):
     """The engine session could not be re-established; the connection is closed."""
 

@@ -27,7 +27,9 @@ def stt_app_factory(tmp_path_factory):
 
 
 def speech_then_quiet() -> np.ndarray:
-    return np.concatenate([tone(300, 1.2), np.zeros(24_000, np.float32)])
+    # 2.4 s of quiet: past semantic_vad's 2 s timeout at high eagerness, so the turn ends whatever
+    # the tiny random end-of-turn head says (it may end earlier on the head).
+    return np.concatenate([tone(300, 1.2), np.zeros(int(2.4 * 24_000), np.float32)])
 
 
 def assert_transcript_of_item(events: list[dict]) -> None:
