@@ -105,6 +105,7 @@ class Engine:
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
                 "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
                 "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
+                "slack_stale_drops": stats.stale_drops,
                 **self._slack.source_counters()}
 
     def add_slack_source(self, source: SlackSource) -> None:

@@ -19,7 +19,13 @@ boundary (minus a guard). The rules, one per concern:
 4. Every item is measured after a device synchronisation (its cost is real, not launch
    time). An item that took longer than its estimate is an overrun, and one that ended
    after the boundary is counted too (`/metrics`).
-5. Failure containment: an exception from an item is that item's request's failure
+5. A stale estimate heals: when a key's items were offered and declined (not fitting) for
+   `STALE_TICKS` ticks in a row and its largest observation is an outlier (more than twice
+   the next largest), that observation is dropped, so one cold call or GC pause cannot keep a
+   source from ever running again. A key whose costs agree keeps them: an item that truly does
+   not fit still waits (its source must split or refuse it), and an item still starts only
+   when its estimate fits.
+6. Failure containment: an exception from an item is that item's request's failure
    (`WorkItem.fail`), unless it leaves shared device state unknown (a CUDA error), which
    is fatal and propagates to the engine.
 """
@@ -37,6 +43,7 @@ import torch
 log = logging.getLogger("parley.engine.slack")
 
 COST_WINDOW = 32  # observed costs kept per key; the estimate is their maximum
+STALE_TICKS = 25  # ticks (2 s) a key may be declined in a row before an outlier cost is dropped
 
 
 class Priority(enum.IntEnum):
@@ -84,6 +91,17 @@ class CostModel:
     def record(self, key: Hashable, seconds: float, units: int = 1) -> None:
         self._seen[key].append(seconds / max(units, 1))
 
+    def drop_outlier(self, key: Hashable) -> bool:
+        """Forget the largest observation of `key` if it is more than twice the next largest."""
+        seen = self._seen.get(key)
+        if not seen or len(seen) < 2:
+            return False
+        worst, *rest = sorted(seen, reverse=True)
+        if worst <= 2 * rest[0]:
+            return False
+        seen.remove(worst)
+        return True
+
 
 def fatal_for_device(exc: BaseException) -> bool:
     """Errors after which shared device state is unknown (a CUDA error poisons the context)."""
@@ -102,6 +120,7 @@ class SlackStats:
     overruns: int = 0  # items that took longer than their estimate
     past_boundary: int = 0  # items that ended after the next tick's boundary
     failed: int = 0  # items whose request failed
+    stale_drops: int = 0  # outlier costs dropped from keys declined STALE_TICKS in a row (rule 5)
 
 
 class SlackRunner:
@@ -115,6 +134,7 @@ class SlackRunner:
         self.costs = CostModel()
         self.stats = SlackStats()
         self._sources: list[SlackSource] = []
+        self._declined: dict[Hashable, int] = {}  # key -> ticks in a row its items did not fit
 
     def stop_sources(self, terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources with a `slack_stop(terminal)`
@@ -144,14 +164,27 @@ class SlackRunner:
             if started is not None:
                 started(deadline)
         first = True
+        declined: set[Hashable] = set()  # keys offered this tick whose estimate did not fit
+        ran: set[Hashable] = set()
         while True:
-            item = self._next_fitting(deadline, first)
+            item = self._next_fitting(deadline, first, declined)
             if item is None:
-                return
+                break
             self._run(item, deadline)
+            ran.add(item.key)
             first = False
+        self._age_declined(declined - ran)
 
-    def _next_fitting(self, deadline: float | None, first: bool) -> WorkItem | None:
+    def _age_declined(self, declined: set[Hashable]) -> None:
+        """Rule 5: count the ticks in a row each key was declined; at STALE_TICKS drop an outlier cost."""
+        self._declined = {key: self._declined.get(key, 0) + 1 for key in declined}
+        for key, ticks in list(self._declined.items()):
+            if ticks >= STALE_TICKS:
+                del self._declined[key]
+                if self.costs.drop_outlier(key):
+                    self.stats.stale_drops += 1
+
+    def _next_fitting(self, deadline: float | None, first: bool, declined: set[Hashable]) -> WorkItem | None:
         left = None if deadline is None else deadline - self.guard_s - self._now()
         for source in self._sources:
             item = source.offer(left, self.costs)
@@ -165,6 +198,8 @@ class SlackRunner:
                     return item
             elif estimate <= left:
                 return item
+            else:
+                declined.add(item.key)
             # Offered but does not fit: lower-priority sources may still have something smaller.
         return None
 

@@ -166,3 +166,53 @@ def test_slack_sources_are_registered_before_start_only():
             engine.add_slack_source(ScriptedSource(FakeClock(), Priority.TTS, [], "late", []))
     finally:
         engine.shutdown()
+
+
+def test_a_key_poisoned_by_one_outlier_heals_after_stale_ticks():
+    """One cold 108 ms observation must not starve a source whose items really take 5 ms."""
+    from parley.engine.slack import STALE_TICKS
+
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    slack.costs.record(("enc", 0.005), 0.005)
+    slack.costs.record(("enc", 0.005), 0.108)  # the outlier: the estimate is now 108 ms
+    slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.005] * 3, "enc", ran))
+    for tick in range(STALE_TICKS - 1):
+        clock.t = tick * 0.080
+        slack.run_until(deadline=clock.t + 0.060)
+    assert ran == [] and slack.stats.stale_drops == 0  # never started over its estimate
+    clock.t = (STALE_TICKS - 1) * 0.080
+    slack.run_until(deadline=clock.t + 0.060)  # the 25th declined tick drops the outlier
+    assert slack.stats.stale_drops == 1 and slack.costs.estimate(("enc", 0.005)) == pytest.approx(0.005)
+    clock.t = STALE_TICKS * 0.080
+    slack.run_until(deadline=clock.t + 0.060)
+    assert ran == ["enc:0.005"] * 3 and slack.stats.past_boundary == 0
+
+
+def test_a_key_whose_costs_agree_is_not_healed_into_overrunning():
+    """A 30 ms item with 27 ms of slack waits however long: its costs are no outlier."""
+    from parley.engine.slack import STALE_TICKS
+
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    for _ in range(3):
+        slack.costs.record(("decode", 0.030), 0.030)
+    slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.030], "decode", ran))
+    for tick in range(3 * STALE_TICKS):
+        clock.t = tick * 0.080
+        slack.run_until(deadline=clock.t + 0.027)
+    assert ran == [] and slack.stats.stale_drops == 0
+
+
+def test_a_key_that_runs_every_tick_is_never_counted_stale():
+    from parley.engine.slack import STALE_TICKS
+
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    slack.costs.record(("tts", 0.030), 0.030)
+    source = ScriptedSource(clock, Priority.TTS, [0.030] * (3 * (STALE_TICKS + 5)), "tts", ran)
+    slack.add_source(source)
+    for tick in range(STALE_TICKS + 5):  # each tick: two fit, the third is declined
+        clock.t = tick * 0.080
+        slack.run_until(deadline=clock.t + 0.070)
+    assert len(ran) == 2 * (STALE_TICKS + 5) and slack.stats.stale_drops == 0
