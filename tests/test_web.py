@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.error
 import urllib.request
 import wave
 from pathlib import Path
@@ -205,14 +206,14 @@ def _real_server_available() -> str | None:
         return "realtime/app.py does not exist yet"
     try:
         from parley.models.synthetic import write_echo_checkpoint  # noqa: F401
-        import realtime.cli  # noqa: F401
+        import parley.realtime.cli  # noqa: F401
     except Exception as e:  # pragma: no cover - depends on the state of the tree
         return f"server pieces not importable: {e!r}"
     return None
 
 
 @contextlib.contextmanager
-def parley_serve(tmp_path: Path, model: Path | None, max_sessions: int = 1):
+def parley_serve(tmp_path: Path, model: Path | None, max_sessions: int = 1, extra: tuple[str, ...] = ()):
     """`parley serve` in a subprocess; model None serves the built-in demo model (cached in tmp)."""
     port = _free_port()
     log_path = tmp_path / "serve.log"
@@ -222,6 +223,7 @@ def parley_serve(tmp_path: Path, model: Path | None, max_sessions: int = 1):
            "--device", "cpu"]
     if model is not None:
         cmd += ["--model", str(model)]
+    cmd += list(extra)
     env = {**os.environ, "PARLEY_CACHE": str(tmp_path / "parley-cache")}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -440,6 +442,23 @@ def test_page_with_parley_serve_echo(tmp_path):
     assert res["b_full"]["closeCode"] == 1006
     print(json.dumps({k: res["a"][k] for k in ("decodedFrames", "decodedMs", "playedFrames", "avgBufferedMs",
                                                "latencyMs", "underruns", "droppedMs", "rxRealtime", "outputLevelMax")}))
+
+
+def test_page_behind_an_api_key_passes_it_on(tmp_path):
+    """`parley serve --api-key`: /api/info refuses a keyless request, and the page opened as
+    /?api_key=KEY loads its info and talks (the key rides on every fetch and the WebSocket)."""
+    _need_browser()
+    _need_server()
+    from parley.models.synthetic import write_echo_checkpoint
+
+    ckpt = write_echo_checkpoint(tmp_path / "echo_ckpt")
+    with parley_serve(tmp_path, ckpt, max_sessions=1, extra=("--api-key", "sesame")) as url:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url + "api/info", timeout=5)
+        assert refused.value.code == 401
+        res = run_page_scenario(url + "?api_key=sesame", tmp_path, expect_voices=None, screenshot=None,
+                                check_full=False)
+    _check_live_stats(res["a"], max_buffer_ms=200)
 
 
 def test_page_with_parley_serve_demo(tmp_path):

@@ -26,6 +26,14 @@ const SAMPLING_PARAMS = ['text_temperature', 'text_topk', 'audio_temperature', '
 const $ = (id) => document.getElementById(id);
 const pageParams = new URLSearchParams(location.search);
 const apiBase = new URL(pageParams.get('api') || location.href);
+// With `parley serve --api-key KEY`, open the page as /?api_key=KEY: every request carries it
+// (a browser cannot set an Authorization header on a WebSocket).
+const apiKey = pageParams.get('api_key');
+function apiUrl(path) {
+  const u = new URL(path, apiBase);
+  if (apiKey) u.searchParams.set('api_key', apiKey);
+  return u;
+}
 
 // Test and debugging hooks: read-only view of what the page is doing.
 const stats = {
@@ -193,7 +201,7 @@ class Session {
   }
 
   url() {
-    const u = new URL('/api/chat', apiBase);
+    const u = apiUrl('/api/chat');
     u.protocol = u.protocol === 'https:' ? 'wss:' : 'ws:';
     if (stats.prompts) u.searchParams.set('text_prompt', this.persona);
     if (this.voice) u.searchParams.set('voice_prompt', this.voice);
@@ -513,7 +521,7 @@ class Session {
     } else if (!this.opened) {
       // A full or draining server refuses the upgrade with HTTP 503, which a browser reports
       // only as a failed connection: ask /readyz which it was.
-      fetch(new URL('/readyz', apiBase)).then((r) => r.json()).then((ready) => {
+      fetch(apiUrl('/readyz')).then((r) => r.json()).then((ready) => {
         if (this.closed) return;
         if (ready.draining) {
           this.finish('full', 'This server is shutting down and takes no new conversations. Try again in a moment.');
@@ -652,7 +660,7 @@ async function loadVoices() {
     saved = localStorage.getItem('parley.voice') || '';
   } catch (_) { /* storage may be off */ }
   try {
-    const r = await fetch(new URL('/api/voices', apiBase), { headers: { Accept: 'application/json' } });
+    const r = await fetch(apiUrl('/api/voices'), { headers: { Accept: 'application/json' } });
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const body = await r.json();
     const list = Array.isArray(body) ? body : (body && Array.isArray(body.voices) ? body.voices : []);
@@ -678,7 +686,7 @@ async function loadVoices() {
 // Optional server information (for example that a demo model is loaded).
 async function loadInfo() {
   try {
-    const r = await fetch(new URL('/api/info', apiBase), { headers: { Accept: 'application/json' } });
+    const r = await fetch(apiUrl('/api/info'), { headers: { Accept: 'application/json' } });
     if (!r.ok) return;
     const info = await r.json();
     if (info && info.prompts === false) { // a Moshi checkpoint: no persona, no voice prompt
