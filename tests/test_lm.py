@@ -19,13 +19,8 @@ from parley.models.sampling import sample_tokens
 FRAMES = 64  # > context 40 of tiny_lm_config: the KV window slides during the test
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is ~5x faster than two on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls: one thread is ~5x faster than two on a loaded 2-core machine (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(dep_q: int = 8, seed: int = 0) -> LMModel:

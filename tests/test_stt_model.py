@@ -19,12 +19,8 @@ from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 from parley.models.synthetic import write_tiny_stt_checkpoint
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls: one thread is ~5x faster than two on a loaded 2-core machine (conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
