@@ -18,7 +18,7 @@ from .backend import FrameBackend, PrefillJob, rows_mask
 from .metrics import EngineMetrics
 from .scheduler import Scheduler
 from .session import Session
-from .slack import CostModel, Priority, WorkItem
+from .slack import CostModel, Priority, SlackSource, WorkItem
 
 MIN_PREFILL_FRAMES = 8  # prompt frames a tick runs at least, so admissions progress
 PREFILL_KEY = ("prefill",)  # one per-frame cost for every chunk size (a conservative maximum)
@@ -31,7 +31,7 @@ class _Prefilling:
     seconds: float  # prefill work so far (the prefill_seconds histogram)
 
 
-class PrefillSource:
+class PrefillSource(SlackSource):
     """The highest-priority slack source: prompts of sessions waiting to go live."""
 
     priority = Priority.PREFILL

@@ -46,7 +46,7 @@ import torch
 from parley.models.image_pipeline import Conditioning, ImageJob, ImageStepper
 
 from .cuda_graph import CUDAGraphRunner, GraphError
-from .slack import CostModel, Priority, WorkItem
+from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import OutputStream, Status, Terminal
 
 log = logging.getLogger("parley.engine.images")
@@ -144,7 +144,7 @@ def preview_steps(steps: int, partial_images: int) -> tuple[int, ...]:
     return tuple(sorted({round(steps * (i + 1) / (k + 1)) for i in range(k)} - {0, steps}))
 
 
-class ImageQueue:
+class ImageQueue(SlackSource):
     """A slack source for one image pipeline (register with `engine.add_slack_source`)."""
 
     priority = Priority.IMAGES

@@ -36,9 +36,11 @@ import enum
 import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol
+from typing import Callable, Hashable
 
 import torch
+
+from .stream import Terminal
 
 log = logging.getLogger("parley.engine.slack")
 
@@ -66,16 +68,26 @@ class WorkItem:
     forced: bool = False  # may run as a tick's first item even when it does not fit (rule 3)
 
 
-class SlackSource(Protocol):
+class SlackSource:
+    """What every slack source is: `priority` and `offer` are required; the hooks do nothing
+    unless a source overrides them."""
+
     priority: Priority
 
     def offer(self, left_s: float | None, costs: "CostModel") -> WorkItem | None:
         """The next item this source wants to run, sized to `left_s` seconds where it can be
         (None: no deadline, e.g. manual ticks in tests), or None when it has nothing to do."""
+        raise NotImplementedError
 
-    # Optional: `slack_started(deadline: float | None) -> None`, called once at the start of each
-    # tick's slack, before any offer (for per-tick accounting); `slack_stop(terminal)` when the
-    # engine stops (end every request with that terminal); `slack_counters() -> dict` for /metrics.
+    def slack_started(self, deadline: float | None) -> None:
+        """Once at the start of each tick's slack, before any offer (per-tick accounting)."""
+
+    def slack_stop(self, terminal: Terminal) -> None:
+        """The engine stopped (shutdown or a fatal error): end every request with `terminal`."""
+
+    def slack_counters(self) -> dict:
+        """This source's counters, for /metrics."""
+        return {}
 
 
 class CostModel:
@@ -136,21 +148,17 @@ class SlackRunner:
         self._sources: list[SlackSource] = []
         self._declined: dict[Hashable, int] = {}  # key -> ticks in a row its items did not fit
 
-    def stop_sources(self, terminal) -> None:
-        """The engine stopped (shutdown or a fatal error): sources with a `slack_stop(terminal)`
-        end their requests with it, so no client waits on work that will never run."""
+    def stop_sources(self, terminal: Terminal) -> None:
+        """The engine stopped (shutdown or a fatal error): sources end their requests with
+        `terminal`, so no client waits on work that will never run."""
         for source in self._sources:
-            stop = getattr(source, "slack_stop", None)
-            if stop is not None:
-                stop(terminal)
+            source.slack_stop(terminal)
 
     def source_counters(self) -> dict:
-        """Counters of the sources that report some (`slack_counters()`), for /metrics."""
+        """Every source's counters, for /metrics."""
         out: dict = {}
         for source in self._sources:
-            counters = getattr(source, "slack_counters", None)
-            if counters is not None:
-                out.update(counters())
+            out.update(source.slack_counters())
         return out
 
     def add_source(self, source: SlackSource) -> None:
@@ -160,9 +168,7 @@ class SlackRunner:
     def run_until(self, deadline: float | None) -> None:
         """deadline: the next tick's boundary (None: run everything offered, manual mode)."""
         for source in self._sources:  # sources that account per tick (e.g. TTS starvation) hear of it
-            started = getattr(source, "slack_started", None)
-            if started is not None:
-                started(deadline)
+            source.slack_started(deadline)
         first = True
         declined: set[Hashable] = set()  # keys offered this tick whose estimate did not fit
         ran: set[Hashable] = set()

@@ -34,7 +34,7 @@ from parley.models.config import FRAME_RATE, FRAME_SAMPLES
 from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
-from .slack import CostModel, Priority, WorkItem
+from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import OutputStream, Status, Terminal
 
 STEP_KEY = ("stt", "step")  # cost of one batched step of all rows (units = steps)
@@ -145,7 +145,7 @@ class _Row:
     audio_frames: int = 0  # frames of real audio read
 
 
-class SttPool:
+class SttPool(SlackSource):
     priority = Priority.TRANSCRIPTION
 
     def __init__(self, checkpoint: SttCheckpoint, slots: int, *, max_queue: int = 64,

@@ -46,7 +46,7 @@ from parley.models.mimi.codec import Mimi
 from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
 
 from .cuda_graph import CUDAGraphRunner
-from .slack import CostModel, Priority, WorkItem
+from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import OutputStream, Status, Terminal
 
 log = logging.getLogger("parley.engine.tts")
@@ -121,7 +121,7 @@ def step_budget(entries: Sequence[WordEntry], delay: int, max_padding: int = 8, 
     return initial_padding + sum(len(e.tokens) + e.padding + max_padding + 2 for e in entries) + delay + 16
 
 
-class TtsPool:
+class TtsPool(SlackSource):
     priority = Priority.TTS
 
     def __init__(self, lm: TtsLM, mimi: Mimi, slots: int, *, lead_frames: int = LEAD_FRAMES,

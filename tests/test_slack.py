@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from parley.engine import Engine, EngineConfig, EngineClosed, SessionOptions, Status
-from parley.engine.slack import CostModel, Priority, SlackRunner, WorkItem
+from parley.engine.slack import STALE_TICKS, CostModel, Priority, SlackRunner, SlackSource, WorkItem
 from parley.engine.testing import DelayBackend
 
 from test_engine_core import baseline_outputs, frames_of, make_engine, open_ready, signal
@@ -22,7 +22,7 @@ class FakeClock:
         return self.t
 
 
-class ScriptedSource:
+class ScriptedSource(SlackSource):
     """Offers items of known cost (advancing the fake clock when run), in order."""
 
     def __init__(self, clock: FakeClock, priority: Priority, costs: list[float], name: str,
@@ -170,8 +170,6 @@ def test_slack_sources_are_registered_before_start_only():
 
 def test_a_key_poisoned_by_one_outlier_heals_after_stale_ticks():
     """One cold 108 ms observation must not starve a source whose items really take 5 ms."""
-    from parley.engine.slack import STALE_TICKS
-
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
     slack.costs.record(("enc", 0.005), 0.005)
@@ -191,8 +189,6 @@ def test_a_key_poisoned_by_one_outlier_heals_after_stale_ticks():
 
 def test_a_key_whose_costs_agree_is_not_healed_into_overrunning():
     """A 30 ms item with 27 ms of slack waits however long: its costs are no outlier."""
-    from parley.engine.slack import STALE_TICKS
-
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
     for _ in range(3):
@@ -205,8 +201,6 @@ def test_a_key_whose_costs_agree_is_not_healed_into_overrunning():
 
 
 def test_a_key_that_runs_every_tick_is_never_counted_stale():
-    from parley.engine.slack import STALE_TICKS
-
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
     slack.costs.record(("tts", 0.030), 0.030)
