@@ -292,6 +292,14 @@ def main() -> None:
                     torch.randn(1, cfg.speaker.dim, args.voice_frames, generator=torch.Generator().manual_seed(i)))
     streams_list = [int(x) for x in args.streams.split(",")]
     sessions_list = [int(x) for x in args.sessions.split(",")]
+    if args.reference:
+        print("| reference TTSModel streams | first audio (ms) | x real time (median) |")
+        print("|---:|---:|---:|")
+        for streams in streams_list:
+            if streams:
+                r = run_reference(models, voices_dir, streams, tokenizer_path)
+                print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
+        print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
           f"duplex backend {args.duplex}")
     print("| TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
@@ -305,13 +313,6 @@ def main() -> None:
             print(f"| {streams} | {sessions} | {r['ttfb_p50']:.0f} / {r['ttfb_p99']:.0f} | "
                   f"{r['xrt_median']:.2f} / {r['xrt_min']:.2f} | {r['frame_p50']:.2f} / {r['frame_p99']:.2f} | "
                   f"{r['late_ticks']} | {r['tts_steps']} | {r['starved']} | {r['forced']} |", flush=True)
-    if args.reference:
-        print("\n| reference TTSModel streams | first audio (ms) | x real time (median) |")
-        print("|---:|---:|---:|")
-        for streams in streams_list:
-            if streams:
-                r = run_reference(models, voices_dir, streams, tokenizer_path)
-                print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
