@@ -122,9 +122,10 @@ def build_duplex(kind: str, sessions: int, device: str):
 
     from parley.engine.backend import ModelBackend
     from parley.models.checkpoint import Checkpoint
+    from parley.models.config import SamplingDefaults
     _, _, lm, mimi, lm_cfg, mimi_cfg = build_7b(device, torch.bfloat16)
     ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
-                      gen_defaults={}, model_type="moshi", path=Path("."))
+                      sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
     return ModelBackend(ckpt, max(sessions, 1), cuda_graphs=True, seed=0), max(sessions, 1)
 
 
