@@ -112,7 +112,7 @@ def build_models(shapes: str, device: str, dtype: torch.dtype):
     return cfg, ref_lm, ref_mimi, lm, mimi
 
 
-def build_duplex(kind: str, sessions: int, device: str):
+def build_duplex(kind: str, sessions: int, device: str, tokenizer: TextTokenizer):
     if kind == "none":
         return NoDuplexBackend(device), 1
     if kind == "delay":
@@ -124,7 +124,7 @@ def build_duplex(kind: str, sessions: int, device: str):
     from parley.models.checkpoint import Checkpoint
     from parley.models.config import SamplingDefaults
     _, _, lm, mimi, lm_cfg, mimi_cfg = build_7b(device, torch.bfloat16)
-    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
+    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
                       sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
     return ModelBackend(ckpt, max(sessions, 1), cuda_graphs=True, seed=0), max(sessions, 1)
 
@@ -179,7 +179,7 @@ async def one_request(client: httpx.AsyncClient, url: str, voice: str) -> tuple[
 
 async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) -> dict:
     cfg, _, _, lm, mimi = models
-    backend, rows = build_duplex(args.duplex, sessions, args.device)
+    backend, rows = build_duplex(args.duplex, sessions, args.device, TextTokenizer(voices_dir.parent / "tok.model"))
     timed = TimedBackend(backend)
     engine = Engine(timed)
     pool = TtsPool(lm, mimi, max(streams, 1), voice_frames=args.voice_frames)
