@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.engine.scheduler import TickPlan  # noqa: E402
+from parley.engine.slack import CostModel  # noqa: E402
 from parley.engine.stt_paired import PairedTranscription  # noqa: E402
 from parley.engine.stt_pool import SttPool  # noqa: E402
 from parley.models.checkpoint import Checkpoint, SttCheckpoint, mimi_config_dict  # noqa: E402
@@ -35,7 +36,7 @@ from parley.models.config import (FRAME_SAMPLES, LMConfig, MimiConfig, Quantizer
                                   tiny_lm_config, tiny_mimi_config)
 from parley.models.lm import LMModel  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
-from parley.models.stt import SttGen, SttSettings  # noqa: E402
+from parley.models.stt import SttSettings  # noqa: E402
 from parley.models.synthetic import tiny_stt_config  # noqa: E402
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa: E402
 
@@ -130,24 +131,22 @@ def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device) -> d
 
         times = timed(frame, device, frames, warmup)
         out["paired" if paired else "plain"] = (percentile(times, 50), percentile(times, 99))
+        if transcription is not None:
+            transcription.close()
         backend.close()
     return out
 
 
 @torch.no_grad()
 def bench_streams(stt, streams: int, frames: int, warmup: int, device) -> tuple[float, float]:
-    """One batched standalone step (Mimi encode + STT) for `streams` rows: p50 / p99 seconds."""
-    gen = SttGen(stt.lm)
-    state = gen.init_state(streams)
-    mimi_state = stt.mimi.init_state(streams, device)
-    pcm = torch.randn(streams, FRAME_SAMPLES, device=device) * 0.1
-    run = torch.ones(streams, dtype=torch.bool, device=device)
-
-    def step():
-        codes = stt.mimi.encode_step(pcm, mimi_state, run)
-        gen.step(state, codes, run).text.cpu()
-
-    times = timed(step, device, frames, warmup)
+    """One batched standalone step (Mimi encode + STT + host copy) of an SttPool with every one of
+    `streams` rows running, as the slack runs it (CUDA graphs after warm_up): p50 / p99 seconds."""
+    pool = SttPool(stt, streams)
+    pool.warm_up(CostModel())
+    pcm = (0.1 * np.random.default_rng(0).standard_normal((streams, FRAME_SAMPLES))).astype(np.float32)
+    run = [True] * streams
+    times = timed(lambda: pool.run_device(pcm, run), device, frames, warmup)
+    pool.close()
     return percentile(times, 50), percentile(times, 99)
 
 
@@ -173,6 +172,7 @@ def bench_reference(stt, streams: int, frames: int, warmup: int, device) -> tupl
 def bench_rest(stt, slots: int, requests: int, seconds: float) -> float:
     """Audio seconds transcribed per wall second, requests back to back in manual mode."""
     pool = SttPool(stt, slots)
+    pool.warm_up(CostModel())
     clip = (0.1 * np.random.default_rng(0).standard_normal(int(seconds * 24_000))).astype(np.float32)
 
     async def run() -> float:

@@ -10,6 +10,7 @@ import torch
 
 from parley.engine import stt_pool
 from parley.engine.engine import Engine
+from parley.engine.slack import CostModel
 from parley.engine.config import EngineConfig
 from parley.engine.stream import Status, Terminal
 from parley.engine.stt_pool import SttBusy, SttInputError, SttPartial, SttPool
@@ -135,4 +136,66 @@ def test_runs_as_engine_slack_work(stt):
         assert text.strip() == expected_text(stt, clip)
         assert engine.counters()["slack_items"] >= 1
         engine.shutdown()
+    asyncio.run(main())
+
+
+def test_one_request_runs_in_the_lowest_bucket(stt):
+    """A request in row 0 of a 4-row pool steps a 1-row bucket; the others' state is untouched,
+    and the transcript is the one a 1-row pool gives."""
+    async def main():
+        pool = SttPool(stt, slots=4)
+        clip = audio(0.6, 12)
+        request = pool.submit()
+        request.feed(clip)
+        request.end_input()
+        seen = []
+        real = pool.run_device
+        pool.run_device = lambda frames, run: seen.append(pool.bucket(i for i, f in enumerate(run) if f)) or real(
+            frames, run)
+        pool.run_until_idle()
+        await asyncio.sleep(0)
+        assert set(seen) == {1}
+        assert pool._state.offsets.tolist()[1:] == [0, 0, 0] and not pool._state.transformer.keys[0][1:].any()
+        assert collect(request)[0].strip() == expected_text(stt, clip)
+    asyncio.run(main())
+
+
+def test_counters_and_stop_end_requests_cleanly(stt):
+    """slack_counters report rows, queue and outcomes; slack_stop (a draining or stopping engine)
+    ends the running and the queued request with its terminal, and later submits are refused."""
+    async def main():
+        engine = Engine(DelayBackend(2), EngineConfig())
+        pool = SttPool(stt, slots=1)
+        engine.add_slack_source(pool)
+        done = pool.submit()
+        done.feed(audio(0.3, 13))
+        done.end_input()
+        engine.run_ticks(1)
+        running, queued = pool.submit(), pool.submit()
+        running.feed(audio(0.5, 14))  # no end_input: it would wait for more audio forever
+        engine.run_ticks(1)
+        counters = engine.counters()
+        assert counters["stt_live"] == 1 and counters["stt_slots"] == 1 and counters["stt_queued"] == 1
+        assert counters["stt_requests"] == 3 and counters["stt_completed"] == 1 and counters["stt_steps"] > 0
+        engine.shutdown()
+        await asyncio.sleep(0)
+        for request in (running, queued):
+            assert request.events.drain()[-1] == Terminal(Status.CANCELLED, "the engine is shutting down")
+        assert pool.slack_counters()["stt_cancelled"] == 2 and pool.live == 0
+        with pytest.raises(SttBusy, match="shutting down"):
+            pool.submit()
+    asyncio.run(main())
+
+
+def test_rows_the_slack_cannot_fit_count_as_starved(stt):
+    pool = SttPool(stt, slots=1)
+
+    async def main():
+        request = pool.submit()
+        request.feed(audio(0.5, 15))
+        pool.slack_started(1.0)
+        assert pool.offer(1.0, CostModel()) is not None  # admitted; its step does not run this tick
+        pool.slack_started(2.0)
+        pool.slack_started(3.0)
+        assert pool.counters["stt_starved"] == 1
     asyncio.run(main())
