@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.engine.scheduler import TickPlan  # noqa: E402
@@ -39,6 +40,7 @@ from parley.models.mimi.codec import Mimi  # noqa: E402
 from parley.models.stt import SttSettings  # noqa: E402
 from parley.models.synthetic import tiny_stt_config  # noqa: E402
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa: E402
+from profile_frame import graph_ms, kernel_breakdown  # noqa: E402
 
 # Kyutai stt-1b-en_fr shapes as its config.json gives them (docs/transcription.md).
 STT_1B = LMConfig(dim=2048, text_card=8000, num_heads=16, num_layers=16, hidden_scale=4.125, context=375,
@@ -107,19 +109,26 @@ def timed(fn, device, frames: int, warmup: int) -> list[float]:
 
 
 @torch.no_grad()
-def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device) -> dict:
+def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device, breakdown: bool = False) -> dict:
+    """The duplex frame (step + host copy) without and with paired transcription for every row.
+    `breakdown` adds the frame with the STT's codebooks encoded but no STT step, the STT step's
+    graph alone (CUDA events), `publish` (host side) and the STT graph's kernels by kind."""
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
     live = torch.ones(batch, dtype=torch.bool)
     plan = TickPlan(tick=0, request_ids=[f"r{i}" for i in range(batch)], live_mask=live, frames=pcm,
                     underruns=0, released=[])
     out = {}
-    for paired in (False, True):
-        backend = ModelBackend(duplex, batch, seed=0, encode_codebooks=stt.lm_config.n_q if paired else None)
+    variants = ("plain", "encode only", "paired") if breakdown else ("plain", "paired")
+    for variant in variants:
+        paired = variant == "paired"
+        encode = stt.lm_config.n_q if variant != "plain" else None
+        backend = ModelBackend(duplex, batch, seed=0, encode_codebooks=encode)
         transcription = PairedTranscription(stt, batch) if paired else None
         if transcription is not None:
             loop = asyncio.new_event_loop()
             for i in range(batch):
                 transcription.enable(i, f"r{i}", loop)
+        publish: list[float] = []
 
         def frame():
             result = backend.step(pcm, live)
@@ -127,10 +136,20 @@ def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device) -> d
                 transcription.step(plan, result)
             result.to_host()
             if transcription is not None:
+                start = time.perf_counter()
                 transcription.publish()
+                publish.append(time.perf_counter() - start)
 
         times = timed(frame, device, frames, warmup)
-        out["paired" if paired else "plain"] = (percentile(times, 50), percentile(times, 99))
+        out[variant] = (percentile(times, 50), percentile(times, 99))
+        if transcription is not None and breakdown:
+            out["publish"] = (percentile(publish, 50), percentile(publish, 99))
+            if transcription.graphed:
+                codes = torch.zeros(batch, stt.lm_config.n_q, dtype=torch.long, device=device)
+                inputs = (codes, torch.ones(batch, dtype=torch.bool, device=device))
+                graph = transcription._graphs[batch]
+                out["stt graph"] = (graph_ms(graph, inputs, frames, warmup) / 1e3,) * 2
+                out["stt kernels"] = kernel_breakdown(graph, inputs, replays=5)
         if transcription is not None:
             transcription.close()
         backend.close()
@@ -201,6 +220,7 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="where the paired overhead goes (CUDA)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -211,11 +231,20 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device: {name}  torch {torch.__version__}  shapes: {args.shapes}  dtype: {dtype}")
 
-    paired = bench_paired(duplex, stt, args.batch, args.frames, args.warmup, device)
+    paired = bench_paired(duplex, stt, args.batch, args.frames, args.warmup, device,
+                          breakdown=args.breakdown and device.type == "cuda")
     (p50, p99), (q50, q99) = paired["plain"], paired["paired"]
     print(f"\nduplex frame at B={args.batch} (ms)   p50      p99")
     print(f"  without transcription          {p50 * 1e3:7.2f}  {p99 * 1e3:7.2f}")
+    if "encode only" in paired:
+        e50, e99 = paired["encode only"]
+        print(f"  encoding {stt.lm_config.n_q} codebooks, no STT    {e50 * 1e3:7.2f}  {e99 * 1e3:7.2f}")
     print(f"  with paired transcription      {q50 * 1e3:7.2f}  {q99 * 1e3:7.2f}   (+{(q50 / p50 - 1) * 100:.1f} % p50)")
+    for name in ("stt graph", "publish"):
+        if name in paired:
+            print(f"  of which {name:21s} {paired[name][0] * 1e3:7.2f}  {paired[name][1] * 1e3:7.2f}")
+    for kind, k in sorted(paired.get("stt kernels", {}).items(), key=lambda item: -item[1]["ms"]):
+        print(f"    STT kernels: {kind:36s} {k['ms']:6.3f} ms  {k['kernels']:5.0f} kernels")
 
     print("\nstandalone STT step (ms)   streams   p50      p99     real-time (p99 <= 80 ms)   reference p50   ratio")
     for streams in [int(s) for s in args.streams.split(",") if s]:
