@@ -77,6 +77,7 @@ class SttRequest:
     events: OutputStream
     max_input_s: float
     temperature: float = 0.0
+    live: bool = False  # a live session: a partial every step (the end-of-turn probability is news)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _chunks: deque = field(default_factory=deque)  # float32 arrays, fed from the loop
     _buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # engine thread only
@@ -189,10 +190,18 @@ class SttPool(SlackSource):
         self._wanted: set[int] = set()  # rows that could step when this tick's slack began
         self._stepped: set[int] = set()  # ... and those that did
 
+    @property
+    def name(self) -> str:
+        """The STT model's name (its checkpoint folder), as clients are told it."""
+        return self.checkpoint.path.name or "stt"
+
     # ---- requests (event loop) ----
 
-    def submit(self, loop: asyncio.AbstractEventLoop | None = None, *, temperature: float = 0.0) -> SttRequest:
-        """Queue a request; `temperature` 0 is greedy (Kyutai's setting), more samples the text."""
+    def submit(self, loop: asyncio.AbstractEventLoop | None = None, *, temperature: float = 0.0,
+               live: bool = False) -> SttRequest:
+        """Queue a request; `temperature` 0 is greedy (Kyutai's setting), more samples the text.
+        `live` (a realtime transcription session): refused unless a row is free now (a live
+        stream cannot wait in the queue), and its stream gets a partial every step."""
         if not (isinstance(temperature, (int, float)) and 0 <= temperature <= 2):
             raise SttInputError(f"temperature must be between 0 and 2, got {temperature!r}.")
         loop = loop or asyncio.get_running_loop()
@@ -202,9 +211,11 @@ class SttPool(SlackSource):
             if len(self._queue) >= self.max_queue:
                 raise SttBusy(f"all {self.slots} transcription rows are busy and {self.max_queue} "
                               f"requests are waiting; try again later.")
+            if live and sum(row is None for row in self._rows) <= len(self._queue):
+                raise SttBusy(f"all {self.slots} transcription rows are busy; try again later.")
             self._next_id += 1
             request = SttRequest(f"stt_{self._next_id}", OutputStream(f"stt_{self._next_id}", loop, OUTPUT_EVENTS),
-                                 self.max_input_s, temperature=float(temperature))
+                                 self.max_input_s, temperature=float(temperature), live=live)
             self._queue.append(request)
             self.counters["stt_requests"] += 1
         return request
@@ -348,12 +359,10 @@ class SttPool(SlackSource):
         row = self._rows[i]
         step = row.step
         row.step += 1
-        if values[1] < 0.5:
-            return
-        events = row.decoder.feed(int(values[0]), step)
+        events = row.decoder.feed(int(values[0]), step) if values[1] > 0.5 else []
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         words = tuple(e for e in events if isinstance(e, Word))
-        if text or words:
+        if text or words or row.request.live:
             row.request.events.push(SttPartial(text, words, float(values[2]), row.audio_frames / FRAME_RATE))
 
     def _complete(self, i: int) -> None:
