@@ -55,9 +55,16 @@ def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None):
             transcript = engine.enable_transcription(sessions[0])
         engine.run_ticks(TICKS)
         frames = [[e for e in s.events.drain() if isinstance(e, FrameOut)] for s in sessions]
+        counters = engine.counters()
         sessions[0].close()
         engine.run_ticks(1)
         await asyncio.sleep(0)
+        if paired:  # /metrics: one row transcribed every tick
+            assert counters["stt_paired_live"] == 1 and counters["stt_paired_slots"] == slots
+            assert counters["stt_paired_steps"] == counters["stt_paired_rows_stepped"] == TICKS
+            assert counters["stt_paired_dropped"] == 0
+        else:
+            assert "stt_paired_live" not in counters
         return frames, transcript.drain() if paired else None
 
     result = asyncio.run(main())
