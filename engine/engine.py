@@ -281,6 +281,8 @@ class Engine:
         # sessions only and rerun the step for the rest (bounded: each retry removes a row).
         for _ in range(self.max_sessions + 1):
             try:
+                if self._paired is not None:
+                    self._paired.prepare(plan)
                 out = self._backend.step(plan.frames, plan.live_mask)
                 if self._paired is not None:  # part of the frame: same codes, before the host copy
                     self._paired.step(plan, out)

@@ -187,13 +187,15 @@ def build_app(config: ServeConfig):
     if stt is not None and not paired:
         log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
                     "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
+    # Paired transcription runs in the frame, beside the LM (engine/stt_paired.py).
+    transcription = PairedTranscription(stt, config.max_sessions, in_frame=True) if paired else None
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
-                           encode_codebooks=stt.lm_config.n_q if paired else None)
+                           side_work=transcription.frame_work if transcription is not None else None)
     engine = Engine(backend)
     if speech is not None:
         engine.add_slack_source(speech.pool)
-    if paired:
-        engine.set_paired_transcription(PairedTranscription(stt, config.max_sessions))
+    if transcription is not None:
+        engine.set_paired_transcription(transcription)
     images = build_images(config, engine, device, dtype, demo)
     info = ServerInfo(model="parley-demo" if demo else Path(str(source)).name, demo=demo,
                       voices=backend.voice_names(), default_voice=config.defaults.voice)

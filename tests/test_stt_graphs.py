@@ -40,40 +40,58 @@ def frames(t: int) -> torch.Tensor:
     return torch.randn(SLOTS, FRAME_SAMPLES, generator=g) * 0.2
 
 
-def paired_outputs(dirs, graphs: bool) -> list[np.ndarray]:
+def paired_outputs(dirs, graphs: bool, in_frame: bool | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per tick: the STT outputs of the live rows and the duplex pcm. in_frame None: no STT."""
     duplex, stt_dir = dirs
+    paired = None
+    if in_frame is not None:
+        paired = PairedTranscription(load_stt_checkpoint(stt_dir, device="cuda", dtype=torch.float32), SLOTS,
+                                     cuda_graphs=graphs, in_frame=in_frame)
+        assert paired.graphed == (graphs and not in_frame)
     backend = ModelBackend(load_checkpoint(duplex, device="cuda", dtype=torch.float32), SLOTS, seed=3,
-                           encode_codebooks=12, cuda_graphs=graphs)
-    paired = PairedTranscription(load_stt_checkpoint(stt_dir, device="cuda", dtype=torch.float32), SLOTS,
-                                 cuda_graphs=graphs)
-    assert paired.graphed == graphs
+                           encode_codebooks=12 if in_frame is False else None, cuda_graphs=graphs,
+                           side_work=paired.frame_work if paired is not None else None)
     loop = asyncio.new_event_loop()
     for row in (0, 2, 5):
-        paired.enable(row, f"r{row}", loop)
-    outs = []
+        if paired is not None:
+            paired.enable(row, f"r{row}", loop)
+    stt, pcm = [], []
     for t, live in enumerate(LIVE):
         mask = torch.zeros(SLOTS, dtype=torch.bool)
         mask[live] = True
         plan = TickPlan(tick=t, request_ids=[f"r{i}" if mask[i] else None for i in range(SLOTS)], live_mask=mask,
                         frames=frames(t), underruns=0, released=[])
+        if paired is not None:
+            paired.prepare(plan)
         out = backend.step(plan.frames, plan.live_mask)
-        paired.step(plan, out)
-        outs.append(paired._out.cpu().numpy().copy())
-        out.to_host()
-        paired.publish()
-    paired.close()
+        if paired is not None:
+            paired.step(plan, out)
+            stt.append(paired._out.cpu().numpy()[live].copy())
+        pcm.append(out.to_host().pcm.copy())
+        if paired is not None:
+            paired.publish()
+    if paired is not None:
+        paired.close()
     backend.close()
     loop.close()
-    return outs
+    return stt, pcm
 
 
 def test_paired_graphs_equal_eager(dirs):
-    eager, graphed = paired_outputs(dirs, False), paired_outputs(dirs, True)
-    assert [len(o) for o in graphed] == [1] * 3 + [4] * 3 + [8] * 4 + [4] * 3
-    for a, b in zip(eager, graphed):
-        np.testing.assert_array_equal(a[:, :2], b[:, :2])  # text tokens and valid flags
-        np.testing.assert_allclose(a[:, 2], b[:, 2], rtol=1e-5)
-    assert any(o[:, 1].any() for o in graphed)  # some rows got past the text delay
+    """After the frame and in the frame (on a side stream inside the frame's graph), graphed and
+    eager STT steps agree, with each other too; the duplex audio is bit-identical with and
+    without the STT in its graph."""
+    runs = {(graphs, in_frame): paired_outputs(dirs, graphs, in_frame)
+            for graphs in (False, True) for in_frame in (False, True)}
+    reference = runs[(False, False)][0]
+    assert any(o[:, 1].any() for o in reference)  # some rows got past the text delay
+    for key, (stt, _) in runs.items():
+        for a, b in zip(reference, stt):
+            np.testing.assert_array_equal(a[:, :2], b[:, :2], err_msg=str(key))  # text tokens, valid flags
+            np.testing.assert_allclose(a[:, 2], b[:, 2], rtol=1e-5, err_msg=str(key))
+    _, plain = paired_outputs(dirs, True, None)
+    for a, b in zip(plain, runs[(True, True)][1]):
+        assert np.array_equal(a, b)
 
 
 def pool_transcripts(stt, graphs: bool) -> list[list]:
