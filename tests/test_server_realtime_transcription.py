@@ -32,6 +32,21 @@ def speech_then_quiet() -> np.ndarray:
     return np.concatenate([tone(300, 1.2), np.zeros(int(2.4 * 24_000), np.float32)])
 
 
+async def speak_until_transcribed(conn, rec) -> list[dict]:
+    """Speak, wait for the item's transcript, hang up: every event the session sent."""
+    await stream(conn, speech_then_quiet())
+    await rec.wait_type("conversation.item.input_audio_transcription.completed", timeout=15)
+    await conn.close()
+    await rec.task
+    return rec.events
+
+
+def assert_turn_ended_in_time(events: list[dict]) -> None:
+    # high eagerness: the turn ends on the end-of-turn head or at the latest after 2 s of quiet
+    stopped = [e for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
+    assert stopped and stopped[0]["audio_end_ms"] <= 1200 + 2000 + 160
+
+
 def assert_transcript_of_item(events: list[dict]) -> None:
     committed = [e for e in events if e["type"] == "input_audio_buffer.committed"]
     completed = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
@@ -53,11 +68,7 @@ def test_ga_input_transcription_deltas_and_completed(tiny_moshi_dir, stt_app_fac
                 "transcription": {"model": "gpt-4o-transcribe"}, "turn_detection": {"type": "server_vad"}}}})
             updated = await rec.wait_type("session.updated")
             assert updated["session"]["audio"]["input"]["transcription"] == {"model": "gpt-4o-transcribe"}
-            await stream(conn, speech_then_quiet())
-            await rec.wait_type("conversation.item.input_audio_transcription.completed", timeout=15)
-            await conn.close()
-            await rec.task
-            return rec.events
+            return await speak_until_transcribed(conn, rec)
 
     with serve(stt_app_factory(tiny_moshi_dir)) as base:
         events = run(scenario(base))
@@ -74,17 +85,11 @@ def test_beta_input_audio_transcription_and_semantic_vad(tiny_moshi_dir, stt_app
                                                "turn_detection": {"type": "semantic_vad", "eagerness": "high"}})
             updated = await rec.wait_type("session.updated")
             assert updated["session"]["turn_detection"]["type"] == "semantic_vad"
-            await stream(conn, speech_then_quiet())
-            stopped = await rec.wait_type("input_audio_buffer.speech_stopped", timeout=15)
-            # high eagerness: the turn ends on the end-of-turn head or at the latest after 2 s of quiet
-            assert stopped["audio_end_ms"] <= 1200 + 2000 + 160
-            await rec.wait_type("conversation.item.input_audio_transcription.completed", timeout=15)
-            await conn.close()
-            await rec.task
-            return rec.events
+            return await speak_until_transcribed(conn, rec)
 
     with serve(stt_app_factory(tiny_moshi_dir)) as base:
         events = run(scenario(base))
+    assert_turn_ended_in_time(events)
     assert_transcript_of_item(events)
     check_all(events, beta_validators())
 
@@ -149,11 +154,7 @@ def test_ga_transcription_session(tiny_moshi_dir, stt_app_factory):
             assert updated["session"]["audio"]["input"]["turn_detection"]["create_response"] is False
             await conn.response.create()
             assert (await rec.wait_type("error"))["error"]["param"] == "type"
-            await stream(conn, speech_then_quiet())
-            await rec.wait_type("conversation.item.input_audio_transcription.completed", timeout=15)
-            await conn.close()
-            await rec.task
-            return rec.events
+            return await speak_until_transcribed(conn, rec)
 
     with serve(stt_app_factory(tiny_moshi_dir)) as base:
         events = run(scenario(base))
@@ -184,16 +185,11 @@ def test_beta_transcription_session_with_semantic_vad(tiny_moshi_dir, stt_app_fa
                                      and e["session"]["turn_detection"]["type"] == "semantic_vad")
             assert updated["session"]["turn_detection"]["type"] == "semantic_vad"
             assert updated["session"]["input_audio_transcription"] == {"model": "whisper-1"}
-            await stream(conn, speech_then_quiet())
-            stopped = await rec.wait_type("input_audio_buffer.speech_stopped", timeout=15)
-            assert stopped["audio_end_ms"] <= 1200 + 2000 + 160
-            await rec.wait_type("conversation.item.input_audio_transcription.completed", timeout=15)
-            await conn.close()
-            await rec.task
-            return created, rec.events
+            return created, await speak_until_transcribed(conn, rec)
 
     with serve(stt_app_factory(tiny_moshi_dir)) as base:
         created, events = run(scenario(base))
+    assert_turn_ended_in_time(events)
     # The beta SDK has no model for transcription_session.created: check its session object.
     TranscriptionSession.model_validate(created["session"])
     assert_transcript_of_item(events)
