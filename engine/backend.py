@@ -279,9 +279,13 @@ class ModelBackend:
         """Device-only work for one tick over the rows of `lm_state` / `mimi_state` (a bucket's
         views of the lowest rows); captured as one graph per bucket on CUDA."""
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
-        latent = self._mimi.encode_latent_step(frames, mimi_state, live & ~prompt_mask)
+        # `encoding` and `latent` are read by the side work: they must stay referenced until the join
+        # below, or the main stream could reuse their memory while the side stream still reads it
+        # (in a graph replay nothing orders the two branches before the join).
+        encoding = live & ~prompt_mask
+        latent = self._mimi.encode_latent_step(frames, mimi_state, encoding)
         codes = self._mimi.quantize(latent, self.encode_codebooks)
-        side = self._fork_side_work(latent, live & ~prompt_mask)
+        side = self._fork_side_work(latent, encoding)
         user_codes = torch.where(prompt_mask[:, None], prompt_user, codes[:, :self.cfg.n_user])
         out = self._gen.step(lm_state, user_codes, live, force_text, force_audio)
         if codes.shape[1] > self.cfg.n_user:
@@ -293,6 +297,7 @@ class ModelBackend:
         pcm = self._mimi.decode_step(agent, mimi_state, decode)
         if self._side_stream is not None:  # join: the frame (and its graph) ends after the side work
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        del encoding, latent  # only now may their memory be reused (see above)
         return (pcm, out.text, decode, agent, user_codes) + ((side,) if side is not None else ())
 
     def _fork_side_work(self, latent: torch.Tensor, live: torch.Tensor) -> torch.Tensor | None:
