@@ -163,18 +163,19 @@ class PairedTranscription:
         """After the frame's host copy: one partial per transcribed row."""
         if self._out is None:
             return
-        host = self._out.cpu().numpy()
+        host = self._out.cpu().tolist()  # Python floats: no numpy scalar per field (64 rows a frame)
         for i, run in enumerate(self._mask):
             row = self._rows[i]
             if not run or row is None:
                 continue
+            token, valid, end_of_turn = host[i]
             step = row.step
             row.step += 1
-            events = row.decoder.feed(int(host[i, 0]), step) if host[i, 1] > 0.5 else []
-            kept = row.stream.push(SttPartial("".join(e.text for e in events if isinstance(e, TextDelta)),
-                                              tuple(e for e in events if isinstance(e, Word)),
-                                              float(host[i, 2]), row.step / FRAME_RATE))
-            self.dropped += not kept
+            text, words = "", ()
+            if valid > 0.5 and (events := row.decoder.feed(int(token), step)):
+                text = "".join(e.text for e in events if isinstance(e, TextDelta))
+                words = tuple(e for e in events if isinstance(e, Word))
+            self.dropped += not row.stream.push(SttPartial(text, words, end_of_turn, row.step / FRAME_RATE))
 
     def _apply_pending(self) -> None:
         with self._lock:
