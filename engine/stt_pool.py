@@ -51,6 +51,7 @@ def step_key(rows: int) -> tuple:
 
 MAX_STEPS_PER_ITEM = 64  # one item's steps at most (manual mode runs items back to back)
 OUTPUT_EVENTS = 256  # partials buffered per request before its row pauses
+LIVE_BACKLOG_S = 30  # a live request's audio waiting to be stepped, at most (bounded memory)
 
 
 class SttBusy(RuntimeError):
@@ -82,6 +83,7 @@ class SttRequest:
     _chunks: deque = field(default_factory=deque)  # float32 arrays, fed from the loop
     _buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # engine thread only
     _fed_samples: int = 0
+    _taken_samples: int = 0  # fed samples the engine thread has stepped (a live request's backlog bound)
     _ended: bool = False
     cancelled: bool = False
 
@@ -93,6 +95,9 @@ class SttRequest:
         with self._lock:
             if self._ended:
                 raise SttInputError("audio was fed after the input ended.")
+            if self.live and self._fed_samples + pcm.size - self._taken_samples > LIVE_BACKLOG_S * 24_000:
+                raise SttInputError(f"more than {LIVE_BACKLOG_S} s of audio is waiting to be transcribed; "
+                                    f"send audio at real-time pace (this chunk was dropped).")
             self._fed_samples += pcm.size
             if self._fed_samples > self.max_input_s * 24_000:
                 raise SttInputError(f"audio is longer than the {self.max_input_s:.0f} s this server takes.")
@@ -123,6 +128,7 @@ class SttRequest:
             n = min(FRAME_SAMPLES, self._buffer.size)
             frame[:n] = self._buffer[:n]
             self._buffer = self._buffer[n:]
+            self._taken_samples += n
             return frame, ended and not self._buffer.size
         return None, ended
 

@@ -199,3 +199,26 @@ def test_rows_the_slack_cannot_fit_count_as_starved(stt):
         pool.slack_started(3.0)
         assert pool.counters["stt_starved"] == 1
     asyncio.run(main())
+
+
+def test_live_request_refuses_audio_far_ahead_of_the_row(stt, monkeypatch):
+    """A live request (a realtime transcription session) holds at most LIVE_BACKLOG_S of audio not
+    yet stepped; more is refused and the request goes on. A live request is never queued, and it
+    gets a partial every step (the end-of-turn probability), text or not."""
+    monkeypatch.setattr(stt_pool, "LIVE_BACKLOG_S", 2)
+
+    async def main():
+        pool = SttPool(stt, slots=1)
+        live = pool.submit(live=True)
+        with pytest.raises(SttBusy):
+            pool.submit(live=True)  # its one row is spoken for
+        live.feed(audio(1.6, 16))  # 20 frames
+        with pytest.raises(SttInputError, match="real-time pace"):
+            live.feed(audio(0.8, 17))
+        pool.run_until_idle()  # the row steps what it has
+        live.feed(audio(0.8, 17))  # room again
+        await asyncio.sleep(0)
+        parts = live.events.drain()
+        assert len(parts) == stt.settings.prefix_frames + 20 and not any(isinstance(p, Terminal) for p in parts)
+        assert all(0 <= p.end_of_turn <= 1 for p in parts) and any(not p.text for p in parts)
+    asyncio.run(main())
