@@ -1,6 +1,7 @@
 """`/v1/realtime`: the OpenAI Realtime API over WebSocket, GA dialect by default, beta on request.
 
-This module is the connection's I/O and dispatch only:
+This module is a conversation's connection: I/O and dispatch only (the route, admission and
+dialect are `realtime_endpoint.py`'s; transcription-only sessions are `realtime_transcription.py`):
 - client settings (`session.update`, `response.create`, items) are judged in
   `realtime_session.py`: every field honoured or refused with an `error` naming it;
 - responses and voice activity (how a full-duplex model's speech becomes turn-shaped
@@ -33,7 +34,7 @@ import time
 from typing import Awaitable, Callable
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect
 
 from parley.engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
@@ -49,8 +50,7 @@ from .realtime_session import (
 )
 from .limits import ConversationBudget, JSONLimitError, parse_json_event
 from .realtime_turns import Turns
-from .security import choose_subprotocol
-from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now
+from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession, now
 
 log = logging.getLogger("parley.realtime")
 

@@ -1,10 +1,8 @@
-"""/v1/realtime input transcription and semantic_vad on the paired STT row (tiny random models),
-validated strictly by the openai SDK's GA and beta event models (and openai-agents / pipecat when
-installed)."""
+"""/v1/realtime input transcription and semantic_vad on the paired STT row, and transcription-only
+sessions on a standalone row (tiny random models), validated strictly by the openai SDK's GA and
+beta event models (and openai-agents / pipecat when installed)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import numpy as np
 import pytest
