@@ -49,6 +49,14 @@ def expected_text(stt, pcm: np.ndarray) -> str:
     return dec.text
 
 
+def submitted(pool: SttPool, clip: np.ndarray):
+    """A request with all of `clip` fed and its input ended."""
+    request = pool.submit()
+    request.feed(clip)
+    request.end_input()
+    return request
+
+
 def collect(request) -> tuple[str, list, Terminal]:
     parts = request.events.drain()
     terminal = parts.pop() if parts and isinstance(parts[-1], Terminal) else None
@@ -145,9 +153,7 @@ def test_one_request_runs_in_the_lowest_bucket(stt):
     async def main():
         pool = SttPool(stt, slots=4)
         clip = audio(0.6, 12)
-        request = pool.submit()
-        request.feed(clip)
-        request.end_input()
+        request = submitted(pool, clip)
         seen = []
         real = pool.run_device
         pool.run_device = lambda frames, run: seen.append(pool.bucket(i for i, f in enumerate(run) if f)) or real(
@@ -167,9 +173,7 @@ def test_counters_and_stop_end_requests_cleanly(stt):
         engine = Engine(DelayBackend(2), EngineConfig())
         pool = SttPool(stt, slots=1)
         engine.add_slack_source(pool)
-        done = pool.submit()
-        done.feed(audio(0.3, 13))
-        done.end_input()
+        submitted(pool, audio(0.3, 13))
         engine.run_ticks(1)
         running, queued = pool.submit(), pool.submit()
         running.feed(audio(0.5, 14))  # no end_input: it would wait for more audio forever
