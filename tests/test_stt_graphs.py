@@ -77,21 +77,28 @@ def paired_outputs(dirs, graphs: bool, in_frame: bool | None) -> tuple[list[np.n
     return stt, pcm
 
 
+def assert_same_stt(reference: list[np.ndarray], other: list[np.ndarray], what: str) -> None:
+    for a, b in zip(reference, other, strict=True):
+        np.testing.assert_array_equal(a[:, :2], b[:, :2], err_msg=what)  # text tokens, valid flags
+        np.testing.assert_allclose(a[:, 2], b[:, 2], rtol=1e-5, err_msg=what)  # end-of-turn
+
+
 def test_paired_graphs_equal_eager(dirs):
-    """After the frame and in the frame (on a side stream inside the frame's graph), graphed and
-    eager STT steps agree, with each other too; the duplex audio is bit-identical with and
-    without the STT in its graph."""
-    runs = {(graphs, in_frame): paired_outputs(dirs, graphs, in_frame)
-            for graphs in (False, True) for in_frame in (False, True)}
-    reference = runs[(False, False)][0]
-    assert any(o[:, 1].any() for o in reference)  # some rows got past the text delay
-    for key, (stt, _) in runs.items():
-        for a, b in zip(reference, stt):
-            np.testing.assert_array_equal(a[:, :2], b[:, :2], err_msg=str(key))  # text tokens, valid flags
-            np.testing.assert_allclose(a[:, 2], b[:, 2], rtol=1e-5, err_msg=str(key))
+    """After the frame (the server's way): the graphed STT steps give the eager outputs."""
+    eager, _ = paired_outputs(dirs, False, False)
+    assert any(o[:, 1].any() for o in eager)  # some rows got past the text delay
+    assert_same_stt(eager, paired_outputs(dirs, True, False)[0], "after the frame, graphed")
+
+
+def test_paired_in_frame_equals_after_frame(dirs):
+    """In the frame (a side stream inside the frame's graph), eager and graphed, the STT gives what
+    it gives after the frame; the duplex audio is bit-identical with and without it."""
+    reference, _ = paired_outputs(dirs, False, False)
+    assert_same_stt(reference, paired_outputs(dirs, False, True)[0], "in the frame, eager")
+    graphed, pcm = paired_outputs(dirs, True, True)
+    assert_same_stt(reference, graphed, "in the frame, graphed")
     _, plain = paired_outputs(dirs, True, None)
-    for a, b in zip(plain, runs[(True, True)][1]):
-        assert np.array_equal(a, b)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, pcm, strict=True))
 
 
 def pool_transcripts(stt, graphs: bool) -> list[list]:
