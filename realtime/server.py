@@ -57,7 +57,8 @@ from .ws_protocol import ParleyWebSocketProtocol
 log = logging.getLogger("parley.server")
 # Paired STT rows run after the frame's graph (validated on CUDA: tests/test_stt_graphs.py). In the
 # frame (on a side stream inside its graph) measured +7.5 % instead of +19 % on the B=64 frame, but
-# its CUDA test has not passed yet since a fix (docs/transcription.md): turn it on once it does.
+# its CUDA test (tests/test_stt_graphs.py::test_paired_in_frame_equals_after_frame) has not run since a
+# fix (docs/transcription.md): turn it on once it passes.
 PAIRED_IN_FRAME = False
 
 WS_MAX_SIZE = 16 * 1024 * 1024
