@@ -32,8 +32,14 @@ ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overrun
                    "slack_stale_drops",
                    # the TTS pool (engine/tts_pool.py), when one is loaded
                    "tts_steps_text", "tts_steps_full", "tts_frames", "tts_starved", "tts_forced",
-                   "tts_completed", "tts_cancelled", "tts_failed")
-ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots")
+                   "tts_completed", "tts_cancelled", "tts_failed",
+                   # standalone transcription rows (engine/stt_pool.py), when an STT model is loaded
+                   "stt_requests", "stt_steps", "stt_audio_seconds", "stt_completed", "stt_cancelled",
+                   "stt_failed", "stt_starved",
+                   # paired transcription (engine/stt_paired.py)
+                   "stt_paired_steps", "stt_paired_rows_stepped", "stt_paired_dropped")
+ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots", "stt_live", "stt_slots",
+                 "stt_queued", "stt_paired_live", "stt_paired_slots")
 ENGINE_HISTOGRAMS = ("tick_seconds", "prefill_seconds")
 
 
