@@ -137,7 +137,7 @@ class TtsPool(SlackSource):
         self.output_events = output_events or lead_frames + 8  # room for the words beside the frames
         self.device = lm.text_linear.weight.device
         self._gen = TtsGen(lm, slots, max_entries, max_tokens, voice_frames=voice_frames)
-        self._mimi = mimi
+        self.mimi = mimi  # the codec its rows decode with (read-only: weights may be shared)
         self._mimi_state = mimi.init_state(slots, self.device)
         self._card = lm.cfg.lm.card
         self.delay = lm.cfg.audio_delay_frames
@@ -282,9 +282,9 @@ class TtsPool(SlackSource):
         if kind == "full":
             decode = out.valid & (out.frame_index >= self.delay)
             codes = torch.where(decode[:, None], out.frame[:, 1:], 0).clamp(0, self._card - 1)
-            pcm = self._mimi.decode_step(codes, self._mimi_state, decode).clamp(-0.99, 0.99)
+            pcm = self.mimi.decode_step(codes, self._mimi_state, decode).clamp(-0.99, 0.99)
         else:
-            pcm = torch.zeros(self.slots, self._mimi.frame_size, device=self.device)
+            pcm = torch.zeros(self.slots, self.mimi.frame_size, device=self.device)
         info = torch.stack([out.valid.long(), out.frame_index, dsm.next_entry, dsm.end_step], dim=1)
         return pcm, info
 

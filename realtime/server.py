@@ -40,6 +40,8 @@ from parley.engine.stt_paired import PairedTranscription
 from parley.engine.stt_pool import SttPool
 from parley.models.checkpoint import Checkpoint, CheckpointError, SttCheckpoint, load_checkpoint, load_stt_checkpoint
 from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline
+from parley.models.mimi.codec import Mimi
+from parley.models.tensor_sharing import share_equal_tensors
 
 from .app import DEMO_NOTICE, ServerInfo, create_app
 from .demo_model import (DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
@@ -145,17 +147,21 @@ def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions
     return SamplingOptions(**{**dataclasses.asdict(checkpoint.sampling), **overrides})
 
 
-def build_speech(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SpeechService | None:
-    """The TTS pool and voices: --tts-model, or the demo TTS when no model at all was given."""
+def build_speech(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype,
+                 duplex_mimi: Mimi | None = None) -> SpeechService | None:
+    """The TTS pool and voices: --tts-model, or the demo TTS when no model at all was given.
+    `duplex_mimi`: the duplex model's codec, whose equal weights the TTS Mimi then shares."""
     if config.tts_model is None and not demo:
         return None
     if config.tts_model is None:
         directory = ensure_demo_tts()
         return load_speech_service(directory, slots=config.tts_slots, voices=directory / "voices",
-                                   voice_map=directory / DEMO_TTS_VOICE_MAP, device=str(device), dtype=dtype)
+                                   voice_map=directory / DEMO_TTS_VOICE_MAP, device=str(device), dtype=dtype,
+                                   share_mimi=duplex_mimi)
     log.info("loading TTS %s on %s", config.tts_model, device)
     return load_speech_service(config.tts_model, slots=config.tts_slots, voices=config.tts_voices,
-                               voice_map=config.tts_voice_map, device=str(device), dtype=dtype)
+                               voice_map=config.tts_voice_map, device=str(device), dtype=dtype,
+                               share_mimi=duplex_mimi)
 
 
 def build_app(config: ServeConfig):
@@ -165,8 +171,8 @@ def build_app(config: ServeConfig):
         torch.set_num_threads(config.torch_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device.type)
-    speech = build_speech(config, demo, device, dtype)
     if config.model is None and not demo:  # TTS only: the duplex routes refuse sessions, saying why
+        speech = build_speech(config, demo, device, dtype)
         engine = Engine(NoDuplexBackend(str(device)))
         engine.add_slack_source(speech.pool)
         info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON])
@@ -187,7 +193,10 @@ def build_app(config: ServeConfig):
         raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
+    speech = build_speech(config, demo, device, dtype, checkpoint.mimi)
     stt = _load_stt(config, demo, device, dtype)
+    if stt is not None and (shared := share_equal_tensors(stt.mimi, checkpoint.mimi)):
+        log.info("the STT model's Mimi shares %.0f MB of weights with the duplex model's", shared / 1e6)
     paired = stt is not None and _shares_mimi(checkpoint, stt)
     if stt is not None and not paired:
         log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "

@@ -14,6 +14,8 @@ import torch
 
 from parley.engine.tts_pool import TtsPool
 from parley.models.checkpoint import CheckpointError
+from parley.models.mimi.codec import Mimi
+from parley.models.tensor_sharing import share_equal_tensors
 from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
 
 from .speech_api import DEFAULT_CFG, SpeechService
@@ -24,8 +26,13 @@ DEFAULT_VOICES = "kyutai/tts-voices"
 
 
 def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | None,
-                        voice_map: str | Path | None, device: str, dtype: torch.dtype) -> SpeechService:
+                        voice_map: str | Path | None, device: str, dtype: torch.dtype,
+                        share_mimi: Mimi | None = None) -> SpeechService:
+    """`share_mimi`: a loaded codec (the duplex model's); the TTS Mimi's weights equal to it are
+    shared, not held twice (Kyutai's TTS ships the duplex model's Mimi file)."""
     checkpoint = load_tts_checkpoint(source, device, dtype)
+    if share_mimi is not None and (shared := share_equal_tensors(checkpoint.mimi, share_mimi)):
+        log.info("the TTS model's Mimi shares %.0f MB of weights with the duplex model's", shared / 1e6)
     cfg = checkpoint.config
     speaker = cfg.speaker
     if speaker is None:
