@@ -134,6 +134,10 @@ class Engine:
                                "user's audio cannot be transcribed.")
         return self._paired.enable(session.row, session.request_id, asyncio.get_running_loop())
 
+    def slack_by_key(self) -> dict:
+        """Slack items run and seconds spent per cost key so far (benchmarks: where the slack goes)."""
+        return {key: tuple(tally) for key, tally in list(self._slack.stats.by_key.items())}
+
     @property
     def slack_costs(self):
         """The slack runner's cost model, for sources to seed their keys at start (warm-up)."""

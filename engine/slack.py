@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 import torch
@@ -164,6 +164,7 @@ class SlackStats:
     failed: int = 0  # items whose request failed
     stale_drops: int = 0  # outlier costs dropped after a trial of a stale key (rule 5)
     stale_trials: int = 0  # trial items of stale keys (rule 5)
+    by_key: dict = field(default_factory=dict)  # key -> [items, seconds] (as many keys as the cost model)
 
 
 class SlackRunner:
@@ -279,6 +280,9 @@ class SlackRunner:
             self.costs.record(item.key, spent, item.units)
         stats.items += 1
         stats.seconds += spent
+        tally = stats.by_key.setdefault(item.key, [0, 0.0])
+        tally[0] += 1
+        tally[1] += spent
         if estimate is not None and spent > estimate:
             stats.overruns += 1
         if deadline is not None and end > deadline:
