@@ -456,23 +456,29 @@ def test_warm_up_at_a_tiled_size_measures_tiles_and_the_blend(sd):
 
 def test_keys_are_measured_again_on_the_engine_thread_before_the_first_tick(sd):
     """A thread's first cuBLAS/cuDNN calls are cold: the queue re-measures every warmed key on
-    the engine thread, before any tick, so no live item runs on a cold thread's estimate."""
-    threads, ticks_at_call = [], []
+    the engine thread, before any tick, and records only warm calls (a recorded cold call would
+    keep its key from fitting until the stale-key trial, 25 ticks later). Each method's first
+    call on each thread costs 1 s of a fake timer, later calls 1 ms."""
+    timer = FakeClock()
+    threads, ticks_at_call, warmed = [], [], set()
 
     class Recording:
         def __getattr__(self, name):
             attr = getattr(sd, name)
             if name in ("encode", "denoise", "preview", "decode"):
                 def call(*a, **k):
-                    threads.append((name, threading.current_thread().name))
+                    thread = threading.current_thread().name
+                    threads.append((name, thread))
                     ticks_at_call.append(engine.counters()["ticks"])
+                    timer.t += 0.001 if (name, thread) in warmed else 1.0
+                    warmed.add((name, thread))
                     return attr(*a, **k)
                 return call
             return attr
 
     engine, _ = make_engine(2, tick_seconds=0.5)
-    queue = ImageQueue(Recording(), max_slack_s=1e3, max_batch=2)
-    queue.warm_up()
+    queue = ImageQueue(Recording(), max_slack_s=1e3, max_batch=2, now=timer.now)
+    measured = queue.warm_up()
     warm_calls = len(threads)
     engine.add_slack_source(queue)
     engine.start()
@@ -486,3 +492,5 @@ def test_keys_are_measured_again_on_the_engine_thread_before_the_first_tick(sd):
     assert {name for name, _ in on_engine} == {"encode", "denoise", "preview", "decode"}
     assert {thread for _, thread in on_engine} == {"parley-engine"}
     assert set(ticks_at_call[warm_calls:]) == {0}  # all before the first tick
+    for key in measured:  # neither thread's cold first calls made it into an estimate
+        assert engine.slack_costs.estimate(key) == pytest.approx(0.001), key
