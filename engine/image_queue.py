@@ -405,7 +405,9 @@ class ImageQueue(SlackSource):
         """Every job's next item, in the order they should run (the module docstring's Order)."""
         for job in self._jobs:
             if job.phase == ENCODE:
-                yield WorkItem(self.encode_key(), lambda job=job: self._encode(job), self._failer([job]))
+                spec = job.request.spec
+                units = self.stepper.encode_units(spec.negative, self.stepper.cfg_for(spec.guidance))
+                yield WorkItem(self.encode_key(), lambda job=job: self._encode(job), self._failer([job]), units=units)
         for job in self._jobs:
             if job.phase in (PREVIEW, DECODE) and job.request.events.room() > 0:  # else back-pressure
                 yield self._output_item(job)

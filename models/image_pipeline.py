@@ -132,6 +132,10 @@ class ImageStepper:
         """Whether `pipe()` would run classifier-free guidance at this guidance scale."""
         return guidance > 1.0
 
+    def encode_units(self, negative: str | None, cfg: bool) -> int:
+        """The work `encode` will do, in units of a warmed encode (for cost estimates)."""
+        return 1
+
     # ---- the steps ----
 
     @torch.no_grad()
@@ -313,10 +317,34 @@ class UNetStepper(ImageStepper):
     def cfg_for(self, guidance: float) -> bool:
         return guidance > 1.0 and self.pipe.unet.config.time_cond_proj_dim is None
 
+    NEGATIVES_CACHED = 16  # negative prompts whose embeddings are kept (most requests send none)
+
+    def __init__(self, pipe: DiffusionPipeline, name: str = "") -> None:
+        super().__init__(pipe, name)
+        self._negatives: dict[str, torch.Tensor] = {}  # negative prompt -> embeddings, oldest first
+
     @torch.no_grad()
     def encode(self, prompt: str, negative: str | None, cfg: bool) -> Conditioning:
-        pe, npe = self.pipe.encode_prompt(prompt, self.device, 1, cfg, negative)
-        return Conditioning(torch.cat([npe, pe]) if cfg else pe)
+        if not cfg:
+            return Conditioning(self.pipe.encode_prompt(prompt, self.device, 1, False)[0])
+        # The negative ("" when none) is encoded the way pipe() encodes it (the same tokenizer
+        # padding and text-encoder call) once, then reused: one text-encoder pass per request.
+        pe, npe = self.pipe.encode_prompt(prompt, self.device, 1, True,
+                                          negative_prompt_embeds=self._negative(negative or ""))
+        return Conditioning(torch.cat([npe, pe]))
+
+    def encode_units(self, negative, cfg):
+        return 2 if cfg and (negative or "") not in self._negatives else 1  # + the negative's pass
+
+    def _negative(self, text: str) -> torch.Tensor:
+        cache = self._negatives
+        embeds = cache.pop(text, None)
+        if embeds is None:
+            embeds = self.pipe.encode_prompt(text, self.device, 1, False)[0]
+        cache[text] = embeds  # most recent last
+        while len(cache) > self.NEGATIVES_CACHED:
+            del cache[next(iter(cache))]
+        return embeds
 
     def _model_input(self, job: ImageJob, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return job.scheduler.scale_model_input(x, t)
