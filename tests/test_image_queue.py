@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from parley.engine.clocked_stepper import DEFAULT_COSTS, ClockedStepper
 from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageResult,
                                        ImageSpec, preview_steps)
 from parley.engine.slack import SlackRunner
@@ -32,64 +33,9 @@ def sd():
     return stepper_for(tiny_pipeline("sd"))
 
 
-class ClockedStepper:
-    """The real tiny stepper, but each call advances a fake clock by a scripted cost and logs
-    (start time, kind, cost), so the test can check every item against its deadline."""
-
-    COSTS = {"encode": 0.004, "denoise": 0.010, "decode": 0.030, "preview": 0.006, "tile": 0.012,
-             "blend": 0.003}  # denoise: +0.004 per extra row
-
-    def __init__(self, inner, clock: FakeClock) -> None:
-        self.inner, self.clock, self.log = inner, clock, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _spend(self, kind: str, cost: float) -> None:
-        self.log.append((self.clock.t, kind, cost))
-        self.clock.t += cost
-
-    def encode(self, prompt, negative, cfg):
-        self._spend("encode", self.COSTS["encode"])
-        return self.inner.encode(prompt, negative, cfg)
-
-    def denoise(self, jobs, predict=None):
-        self._spend("denoise", self.COSTS["denoise"] + 0.004 * (len(jobs) - 1))
-        return self.inner.denoise(jobs, predict)
-
-    def decode(self, latents):
-        self._spend("decode", self.COSTS["decode"])
-        return self.inner.decode(latents)
-
-    def preview(self, latents):
-        self._spend("preview", self.COSTS["preview"])
-        return self.inner.preview(latents)
-
-    def tiled_decode(self, latents):
-        tiles = self.inner.tiled_decode(latents)
-        step, image = tiles.step, tiles.image
-
-        def clocked_step():
-            self._spend("tile", self.COSTS["tile"])
-            step()
-
-        def clocked_image():
-            self._spend("blend", self.COSTS["blend"])
-            return image()
-
-        tiles.step, tiles.image = clocked_step, clocked_image
-        return tiles
-
-
 def seeded_runner(clock: FakeClock, queue: ImageQueue, size: int) -> SlackRunner:
     runner = SlackRunner(clock.now, lambda: None, GUARD)
-    runner.costs.record(queue.encode_key(), ClockedStepper.COSTS["encode"])
-    for b in range(1, queue.max_batch + 1):
-        runner.costs.record(queue.denoise_key(size, size, True, b), 0.010 + 0.004 * (b - 1))
-    runner.costs.record(queue.decode_key(size, size), ClockedStepper.COSTS["decode"])
-    runner.costs.record(queue.preview_key(size, size), ClockedStepper.COSTS["preview"])
-    runner.costs.record(queue.tile_key(size, size), ClockedStepper.COSTS["tile"])
-    runner.costs.record(queue.blend_key(size, size), ClockedStepper.COSTS["blend"])
+    queue.stepper.seed(runner.costs, queue, size, size)
     runner.add_source(queue)
     return runner
 
@@ -134,7 +80,7 @@ def test_slack_scheduler_never_starts_an_image_item_whose_estimate_exceeds_the_s
     assert all(kind != "decode" for started, kind, _ in log if started < 30 * 0.080)
     assert any(kind == "denoise" for started, kind, _ in log if started < 30 * 0.080)
     # Denoise steps were batched across the three requests.
-    assert any(cost > ClockedStepper.COSTS["denoise"] for _, kind, cost in log if kind == "denoise")
+    assert any(cost > DEFAULT_COSTS["denoise"] for _, kind, cost in log if kind == "denoise")
     for r in requests:
         events = events_of(r)
         assert [type(e) for e in events] == [ImagePartial, ImageResult, Terminal]
