@@ -25,9 +25,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.engine.scheduler import TickPlan  # noqa: E402
+from parley.engine.slack import CostModel  # noqa: E402
 from parley.engine.stt_paired import PairedTranscription  # noqa: E402
 from parley.engine.stt_pool import SttPool  # noqa: E402
 from parley.models.checkpoint import Checkpoint, SttCheckpoint, mimi_config_dict  # noqa: E402
@@ -35,9 +37,10 @@ from parley.models.config import (FRAME_SAMPLES, LMConfig, MimiConfig, Quantizer
                                   tiny_lm_config, tiny_mimi_config)
 from parley.models.lm import LMModel  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
-from parley.models.stt import SttGen, SttSettings  # noqa: E402
+from parley.models.stt import SttSettings  # noqa: E402
 from parley.models.synthetic import tiny_stt_config  # noqa: E402
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa: E402
+from profile_frame import graph_ms, kernel_breakdown  # noqa: E402
 
 # Kyutai stt-1b-en_fr shapes as its config.json gives them (docs/transcription.md).
 STT_1B = LMConfig(dim=2048, text_card=8000, num_heads=16, num_layers=16, hidden_scale=4.125, context=375,
@@ -106,48 +109,68 @@ def timed(fn, device, frames: int, warmup: int) -> list[float]:
 
 
 @torch.no_grad()
-def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device) -> dict:
+def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device, breakdown: bool = False) -> dict:
+    """The duplex frame (step + host copy) without and with paired transcription for every row:
+    "in frame" (the server's way: the STT beside the LM, in the frame's graph on a side stream) and
+    "after frame" (its own graph after the frame's, on codes the frame encoded). `breakdown` adds
+    the frame encoding the STT's codebooks with no STT, the after-frame STT graph alone (CUDA
+    events), `publish` (host side) and that graph's kernels by kind."""
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
     live = torch.ones(batch, dtype=torch.bool)
     plan = TickPlan(tick=0, request_ids=[f"r{i}" for i in range(batch)], live_mask=live, frames=pcm,
                     underruns=0, released=[])
     out = {}
-    for paired in (False, True):
-        backend = ModelBackend(duplex, batch, seed=0, encode_codebooks=stt.lm_config.n_q if paired else None)
-        transcription = PairedTranscription(stt, batch) if paired else None
+    variants = ("plain", "in frame", "after frame") + (("encode only",) if breakdown else ())
+    for variant in variants:
+        paired = variant in ("in frame", "after frame")
+        transcription = PairedTranscription(stt, batch, in_frame=variant == "in frame") if paired else None
+        encode = stt.lm_config.n_q if variant in ("after frame", "encode only") else None
+        backend = ModelBackend(duplex, batch, seed=0, encode_codebooks=encode,
+                               side_work=transcription.frame_work if transcription is not None else None)
         if transcription is not None:
             loop = asyncio.new_event_loop()
             for i in range(batch):
                 transcription.enable(i, f"r{i}", loop)
+        publish: list[float] = []
 
         def frame():
+            if transcription is not None:
+                transcription.prepare(plan)
             result = backend.step(pcm, live)
             if transcription is not None:
                 transcription.step(plan, result)
             result.to_host()
             if transcription is not None:
+                start = time.perf_counter()
                 transcription.publish()
+                publish.append(time.perf_counter() - start)
 
         times = timed(frame, device, frames, warmup)
-        out["paired" if paired else "plain"] = (percentile(times, 50), percentile(times, 99))
+        out[variant] = (percentile(times, 50), percentile(times, 99))
+        if variant == "after frame" and breakdown:
+            out["publish"] = (percentile(publish, 50), percentile(publish, 99))
+            if transcription.graphed:
+                codes = torch.zeros(batch, stt.lm_config.n_q, dtype=torch.long, device=device)
+                inputs = (codes, torch.ones(batch, dtype=torch.bool, device=device))
+                graph = transcription._graphs[batch]
+                out["stt graph"] = (graph_ms(graph, inputs, frames, warmup) / 1e3,) * 2
+                out["stt kernels"] = kernel_breakdown(graph, inputs, replays=5)
+        if transcription is not None:
+            transcription.close()
         backend.close()
     return out
 
 
 @torch.no_grad()
 def bench_streams(stt, streams: int, frames: int, warmup: int, device) -> tuple[float, float]:
-    """One batched standalone step (Mimi encode + STT) for `streams` rows: p50 / p99 seconds."""
-    gen = SttGen(stt.lm)
-    state = gen.init_state(streams)
-    mimi_state = stt.mimi.init_state(streams, device)
-    pcm = torch.randn(streams, FRAME_SAMPLES, device=device) * 0.1
-    run = torch.ones(streams, dtype=torch.bool, device=device)
-
-    def step():
-        codes = stt.mimi.encode_step(pcm, mimi_state, run)
-        gen.step(state, codes, run).text.cpu()
-
-    times = timed(step, device, frames, warmup)
+    """One batched standalone step (Mimi encode + STT + host copy) of an SttPool with every one of
+    `streams` rows running, as the slack runs it (CUDA graphs after warm_up): p50 / p99 seconds."""
+    pool = SttPool(stt, streams)
+    pool.warm_up(CostModel())
+    pcm = (0.1 * np.random.default_rng(0).standard_normal((streams, FRAME_SAMPLES))).astype(np.float32)
+    run = [True] * streams
+    times = timed(lambda: pool.run_device(pcm, run), device, frames, warmup)
+    pool.close()
     return percentile(times, 50), percentile(times, 99)
 
 
@@ -173,6 +196,7 @@ def bench_reference(stt, streams: int, frames: int, warmup: int, device) -> tupl
 def bench_rest(stt, slots: int, requests: int, seconds: float) -> float:
     """Audio seconds transcribed per wall second, requests back to back in manual mode."""
     pool = SttPool(stt, slots)
+    pool.warm_up(CostModel())
     clip = (0.1 * np.random.default_rng(0).standard_normal(int(seconds * 24_000))).astype(np.float32)
 
     async def run() -> float:
@@ -201,6 +225,7 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="where the paired overhead goes (CUDA)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -211,11 +236,23 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"device: {name}  torch {torch.__version__}  shapes: {args.shapes}  dtype: {dtype}")
 
-    paired = bench_paired(duplex, stt, args.batch, args.frames, args.warmup, device)
-    (p50, p99), (q50, q99) = paired["plain"], paired["paired"]
-    print(f"\nduplex frame at B={args.batch} (ms)   p50      p99")
-    print(f"  without transcription          {p50 * 1e3:7.2f}  {p99 * 1e3:7.2f}")
-    print(f"  with paired transcription      {q50 * 1e3:7.2f}  {q99 * 1e3:7.2f}   (+{(q50 / p50 - 1) * 100:.1f} % p50)")
+    paired = bench_paired(duplex, stt, args.batch, args.frames, args.warmup, device,
+                          breakdown=args.breakdown and device.type == "cuda")
+    p50, p99 = paired["plain"]
+    print(f"\nduplex frame at B={args.batch} (ms)          p50      p99")
+    print(f"  without transcription                 {p50 * 1e3:7.2f}  {p99 * 1e3:7.2f}")
+    if "encode only" in paired:
+        e50, e99 = paired["encode only"]
+        print(f"  encoding {stt.lm_config.n_q} codebooks, no STT           {e50 * 1e3:7.2f}  {e99 * 1e3:7.2f}")
+    for variant in ("in frame", "after frame"):
+        q50, q99 = paired[variant]
+        print(f"  paired transcription, {variant:11s}     {q50 * 1e3:7.2f}  {q99 * 1e3:7.2f}   "
+              f"(+{(q50 / p50 - 1) * 100:.1f} % p50)")
+    for name in ("stt graph", "publish"):
+        if name in paired:
+            print(f"  after frame: {name:24s} {paired[name][0] * 1e3:7.2f}  {paired[name][1] * 1e3:7.2f}")
+    for kind, k in sorted(paired.get("stt kernels", {}).items(), key=lambda item: -item[1]["ms"]):
+        print(f"    STT kernels: {kind:36s} {k['ms']:6.3f} ms  {k['kernels']:5.0f} kernels")
 
     print("\nstandalone STT step (ms)   streams   p50      p99     real-time (p99 <= 80 ms)   reference p50   ratio")
     for streams in [int(s) for s in args.streams.split(",") if s]:

@@ -112,7 +112,7 @@ def build_models(shapes: str, device: str, dtype: torch.dtype):
     return cfg, ref_lm, ref_mimi, lm, mimi
 
 
-def build_duplex(kind: str, sessions: int, device: str):
+def build_duplex(kind: str, sessions: int, device: str, tokenizer: TextTokenizer):
     if kind == "none":
         return NoDuplexBackend(device), 1
     if kind == "delay":
@@ -122,9 +122,10 @@ def build_duplex(kind: str, sessions: int, device: str):
 
     from parley.engine.backend import ModelBackend
     from parley.models.checkpoint import Checkpoint
+    from parley.models.config import SamplingDefaults
     _, _, lm, mimi, lm_cfg, mimi_cfg = build_7b(device, torch.bfloat16)
-    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
-                      gen_defaults={}, model_type="moshi", path=Path("."))
+    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
+                      sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
     return ModelBackend(ckpt, max(sessions, 1), cuda_graphs=True, seed=0), max(sessions, 1)
 
 
@@ -178,7 +179,7 @@ async def one_request(client: httpx.AsyncClient, url: str, voice: str) -> tuple[
 
 async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) -> dict:
     cfg, _, _, lm, mimi = models
-    backend, rows = build_duplex(args.duplex, sessions, args.device)
+    backend, rows = build_duplex(args.duplex, sessions, args.device, TextTokenizer(voices_dir.parent / "tok.model"))
     timed = TimedBackend(backend)
     engine = Engine(timed)
     pool = TtsPool(lm, mimi, max(streams, 1), voice_frames=args.voice_frames)
@@ -292,6 +293,14 @@ def main() -> None:
                     torch.randn(1, cfg.speaker.dim, args.voice_frames, generator=torch.Generator().manual_seed(i)))
     streams_list = [int(x) for x in args.streams.split(",")]
     sessions_list = [int(x) for x in args.sessions.split(",")]
+    if args.reference:
+        print("| reference TTSModel streams | first audio (ms) | x real time (median) |")
+        print("|---:|---:|---:|")
+        for streams in streams_list:
+            if streams:
+                r = run_reference(models, voices_dir, streams, tokenizer_path)
+                print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
+        print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
           f"duplex backend {args.duplex}")
     print("| TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
@@ -305,13 +314,6 @@ def main() -> None:
             print(f"| {streams} | {sessions} | {r['ttfb_p50']:.0f} / {r['ttfb_p99']:.0f} | "
                   f"{r['xrt_median']:.2f} / {r['xrt_min']:.2f} | {r['frame_p50']:.2f} / {r['frame_p99']:.2f} | "
                   f"{r['late_ticks']} | {r['tts_steps']} | {r['starved']} | {r['forced']} |", flush=True)
-    if args.reference:
-        print("\n| reference TTSModel streams | first audio (ms) | x real time (median) |")
-        print("|---:|---:|---:|")
-        for streams in streams_list:
-            if streams:
-                r = run_reference(models, voices_dir, streams, tokenizer_path)
-                print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ class BackendOutput:
     agent_codes: torch.Tensor | None = None  # [B, n_agent]: what was decoded into `pcm`
     user_codes: torch.Tensor | None = None  # [B, >= n_user]: Mimi's encoding of the input frame
     # (`encode_codebooks` of them: paired transcription reads more codebooks than the LM)
+    side: torch.Tensor | None = None  # the FrameSideWork's output for this frame's rows, if any
     # The backend's row count when the tensors above hold only its lowest rows (a row bucket):
     # to_host pads the rows above with silence, text 0, not valid. None: they hold every row.
     rows: int | None = None
@@ -115,6 +116,18 @@ class BackendOutput:
             packed = np.concatenate([packed, np.zeros((self.rows - packed.shape[0], packed.shape[1]), np.float32)])
         return HostOutput(pcm=packed[:, :-2], text_tokens=packed[:, -2].astype(np.int64),
                           valid=packed[:, -1] > 0.5)
+
+
+class FrameSideWork(Protocol):
+    """Device work that reads each frame's Mimi latent and runs beside the LM (paired transcription,
+    engine/stt_paired.py). On CUDA it is part of the frame's graph, on a stream of its own forked
+    after the encode and joined before the frame ends, so it overlaps the LM and decode instead of
+    following them; it must not write anything the frame reads."""
+
+    generators: tuple[torch.Generator, ...]  # its own random streams, registered with the frame's graphs
+
+    def __call__(self, latent: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """latent [n, dim, 1] and the frame's live mask [n] (device) -> its output [n, ...] (device)."""
 
 
 class PrefillJob(Protocol):
@@ -189,13 +202,16 @@ class ModelBackend:
 
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
                  seed: int | None = None, kv_dtype: torch.dtype | None = None,
-                 encode_codebooks: int | None = None, row_buckets: bool | None = None) -> None:
+                 encode_codebooks: int | None = None, row_buckets: bool | None = None,
+                 side_work: FrameSideWork | None = None) -> None:
         # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
         # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
         # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
         # row_buckets: run each tick on the lowest rows that hold every live row (default: on CUDA;
         # off on CPU, where every tick runs all rows, bit for bit as before).
+        # side_work: run beside each frame's LM (FrameSideWork), its output in BackendOutput.side.
         self.max_sessions = max_sessions
+        self._side_work = side_work
         levels = checkpoint.mimi.quantizer.levels
         if encode_codebooks is not None and not checkpoint.lm_config.n_user <= encode_codebooks <= levels:
             raise ValueError(f"encode_codebooks must be between {checkpoint.lm_config.n_user} and this Mimi's "
@@ -236,13 +252,15 @@ class ModelBackend:
             n: partial(self._frame, leading_rows(self._lm_state, n), leading_rows(self._mimi_state, n))
             for n in self._buckets}
         self._graphs: dict[int, CUDAGraphRunner] = {}
+        self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
         if cuda_graphs and self.device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()  # one tick runs at a time: the graphs share memory
+            generators = side_work.generators if side_work is not None else ()
             for n in reversed(self._buckets):  # largest first, so the pool is sized once
                 idle = torch.zeros(n, dtype=torch.bool, device=self.device)
                 frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
                 self._graphs[n] = CUDAGraphRunner(self._frames_of[n], (frames, idle, *self._handoff_inputs(n)),
-                                                  pool=pool)
+                                                  pool=pool, generators=generators)
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -261,7 +279,13 @@ class ModelBackend:
         """Device-only work for one tick over the rows of `lm_state` / `mimi_state` (a bucket's
         views of the lowest rows); captured as one graph per bucket on CUDA."""
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
-        codes = self._mimi.encode_step(frames, mimi_state, live & ~prompt_mask, self.encode_codebooks)
+        # `encoding` and `latent` are read by the side work: they must stay referenced until the join
+        # below, or the main stream could reuse their memory while the side stream still reads it
+        # (in a graph replay nothing orders the two branches before the join).
+        encoding = live & ~prompt_mask
+        latent = self._mimi.encode_latent_step(frames, mimi_state, encoding)
+        codes = self._mimi.quantize(latent, self.encode_codebooks)
+        side = self._fork_side_work(latent, encoding)
         user_codes = torch.where(prompt_mask[:, None], prompt_user, codes[:, :self.cfg.n_user])
         out = self._gen.step(lm_state, user_codes, live, force_text, force_audio)
         if codes.shape[1] > self.cfg.n_user:
@@ -271,7 +295,20 @@ class ModelBackend:
         decode = live & out.valid
         agent = torch.where(decode[:, None], out.audio, torch.zeros_like(out.audio)).clamp(0, self.cfg.card - 1)
         pcm = self._mimi.decode_step(agent, mimi_state, decode)
-        return pcm, out.text, decode, agent, user_codes
+        if self._side_stream is not None:  # join: the frame (and its graph) ends after the side work
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        del encoding, latent  # only now may their memory be reused (see above)
+        return (pcm, out.text, decode, agent, user_codes) + ((side,) if side is not None else ())
+
+    def _fork_side_work(self, latent: torch.Tensor, live: torch.Tensor) -> torch.Tensor | None:
+        """Start the side work on its own stream (CUDA; joined at the end of `_frame`), else inline."""
+        if self._side_work is None:
+            return None
+        if self._side_stream is None:
+            return self._side_work(latent, live)
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side_stream):
+            return self._side_work(latent, live)
 
     @torch.no_grad()
     def warm_up_prefill(self, chunks: tuple[int, ...] = PREFILL_WARMUP_FRAMES) -> None:
@@ -303,11 +340,11 @@ class ModelBackend:
         frames = frames[:n].to(self.device, non_blocking=True)
         live_mask = live_mask[:n].to(self.device, non_blocking=True)
         run = self._graphs.get(n) or self._frames_of[n]
-        pcm, text, valid, agent, user = run(frames, live_mask, *self._handoff_inputs(n))
+        pcm, text, valid, agent, user, *side = run(frames, live_mask, *self._handoff_inputs(n))
         if stepped:  # their handoff frame is done
             self._clear_handoff(stepped)
         return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user,
-                             rows=self.max_sessions if n < self.max_sessions else None)
+                             side=side[0] if side else None, rows=self.max_sessions if n < self.max_sessions else None)
 
     # ---- per-row control (engine thread, between ticks) ----
 

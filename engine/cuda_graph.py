@@ -29,10 +29,13 @@ class GraphError(RuntimeError):
 class CUDAGraphRunner:
     def __init__(self, fn: Callable[..., Sequence[torch.Tensor]], example_inputs: Sequence[torch.Tensor],
                  warmup_steps: int = 2, pool: tuple | None = None,
-                 capture_stream: "torch.cuda.Stream | None" = None) -> None:
+                 capture_stream: "torch.cuda.Stream | None" = None,
+                 generators: Sequence[torch.Generator] = ()) -> None:
         # pool: a torch.cuda.graph_pool_handle() shared with graphs that never replay concurrently.
         # capture_stream: give each of several graphs its own (graphs captured through the shared
         # default capture stream share its cuBLAS workspace, which hung concurrent replays).
+        # generators: CUDA generators other than the default that `fn` draws from (a model with its
+        # own random stream); each replay advances them as the eager calls would.
         if not all(t.is_cuda for t in example_inputs):
             raise GraphError("CUDA graphs need every input on a CUDA device; on CPU the backend runs eagerly.")
         self._signature = [(tuple(t.shape), t.dtype, t.device) for t in example_inputs]
@@ -45,6 +48,8 @@ class CUDAGraphRunner:
                 fn(*self._inputs)
         torch.cuda.current_stream().wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
+        for generator in generators:
+            self._graph.register_generator_state(generator)
         try:
             with torch.cuda.graph(self._graph, pool=pool, stream=capture_stream):
                 self._outputs = tuple(fn(*self._inputs))

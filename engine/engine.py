@@ -106,7 +106,8 @@ class Engine:
                 "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
                 "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
                 "slack_stale_drops": stats.stale_drops, "slack_stale_trials": stats.stale_trials,
-                **self._slack.source_counters()}
+                **self._slack.source_counters(),
+                **(self._paired.counters() if self._paired is not None else {})}
 
     def add_slack_source(self, source: SlackSource) -> None:
         """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
@@ -166,6 +167,8 @@ class Engine:
             log.error("engine thread did not stop within the shutdown timeout; backend not freed")
             return
         try:
+            if self._paired is not None:
+                self._paired.close()
             self._backend.close()
         except Exception:  # shutdown must finish; the error is still reported
             log.exception("backend close failed")
@@ -284,6 +287,8 @@ class Engine:
         # sessions only and rerun the step for the rest (bounded: each retry removes a row).
         for _ in range(self.max_sessions + 1):
             try:
+                if self._paired is not None:
+                    self._paired.prepare(plan)
                 out = self._backend.step(plan.frames, plan.live_mask)
                 if self._paired is not None:  # part of the frame: same codes, before the host copy
                     self._paired.step(plan, out)

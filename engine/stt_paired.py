@@ -1,16 +1,23 @@
 """Paired transcription: an STT row beside each duplex row, fed from the frame's own Mimi encode.
 
-    paired = PairedTranscription(stt_checkpoint, max_sessions)   # backend built with
-    engine.set_paired_transcription(paired)                      #   encode_codebooks >= STT n_q
+    paired = PairedTranscription(stt_checkpoint, max_sessions, in_frame=True)
+    backend = ModelBackend(checkpoint, max_sessions, side_work=paired.frame_work)
+    engine.set_paired_transcription(paired)
     stream = engine.enable_transcription(session)                # OutputStream[SttPartial]
 
-Every tick, right after the duplex frame and before its host copy, `step` runs one batched STT
-step on the codes the frame already encoded (`BackendOutput.user_codes`: the backend encodes the
-STT's extra codebooks in the same encode; the first n_user codebooks, the LM's, do not change).
-It reads only device tensors the frame wrote and has its own random generator, so the duplex
-output is bit-identical with and without it. Row r of the STT state is duplex row r.
-`publish` (after the frame's host copy) turns each transcribed row's text token into an
-`SttPartial` every frame (text may be empty: the end-of-turn probability is news on its own).
+Row r of the STT state is duplex row r. Two ways to run the STT step, same results:
+- in the frame (`in_frame=True`, what the server does): the backend calls `frame_work` with the
+  frame's Mimi latent right after the encode; it quantizes the latent to the STT's codebooks (the
+  first ones are the LM's, unchanged: residual quantization is sequential) and steps the STT. On
+  CUDA this runs on a stream of its own inside the frame's graph, overlapping the duplex LM and
+  decode, so the frame's critical path is the plain frame's (docs/benchmarks.md has the figures).
+- after the frame (the default): `step` reads the codes the frame encoded (the backend built with
+  `encode_codebooks >= n_q`) and runs one batched step, on CUDA one graph per row bucket.
+Either way the STT reads only what the frame computed and has its own random generator
+(registered with the graphs), so the duplex output is bit-identical with and without it.
+`prepare` (before the frame) applies enable/disable and sets which rows run; `publish` (after the
+frame's host copy) turns each transcribed row's text token into an `SttPartial` every frame (text
+may be empty: the end-of-turn probability is news on its own).
 Transcript streams are realtime: a full one drops its oldest partial, like the duplex stream.
 No silence prefix is fed (the session is live); word times count from when transcription began.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from functools import partial
 
 import torch
 
@@ -28,7 +36,8 @@ from parley.models.row_views import leading_rows
 from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
-from .backend import BackendOutput
+from .backend import BackendOutput, bucket_sizes
+from .cuda_graph import CUDAGraphRunner
 from .scheduler import TickPlan
 from .stream import OutputStream, Status, Terminal
 from .stt_pool import SttPartial
@@ -43,17 +52,35 @@ class _Row:
 
 
 class PairedTranscription:
-    def __init__(self, checkpoint: SttCheckpoint, max_sessions: int) -> None:
+    def __init__(self, checkpoint: SttCheckpoint, max_sessions: int, *, cuda_graphs: bool = True,
+                 in_frame: bool = False) -> None:
         self.checkpoint = checkpoint
         self.n_q = checkpoint.lm_config.n_q
         self.gen = SttGen(checkpoint.lm)
         self.max_sessions = max_sessions
+        self.in_frame = in_frame
         self._state = self.gen.init_state(max_sessions)
+        device = self._state.offsets.device
+        self._mask_dev = torch.zeros(max_sessions, dtype=torch.bool, device=device)  # read by frame_work
+        # Per row count n (every bucket the backend may run): the step over the lowest n rows.
+        self._steps = {n: partial(self._device_step, leading_rows(self._state, n)) for n in bucket_sizes(max_sessions)}
+        self.frame_work = _FrameWork(self) if in_frame else None  # the backend's FrameSideWork
+        self._graphs: dict[int, CUDAGraphRunner] = {}
+        if cuda_graphs and device.type == "cuda" and not in_frame:
+            pool = torch.cuda.graph_pool_handle()  # one bucket runs per tick: the graphs share memory
+            for n in sorted(self._steps, reverse=True):
+                idle = torch.zeros(n, dtype=torch.bool, device=device)
+                codes = torch.zeros(n, self.n_q, dtype=torch.long, device=device)
+                self._graphs[n] = CUDAGraphRunner(self._steps[n], (codes, idle), pool=pool,
+                                                  generators=(self.gen.generator,))
         self._rows: list[_Row | None] = [None] * max_sessions
         self._pending: list[tuple[int, _Row | None]] = []  # (row, new state) from the loop thread
         self._lock = threading.Lock()
         self._out: torch.Tensor | None = None  # this tick's [B, 3] device outputs
         self._mask: list[bool] = [False] * max_sessions
+        self.steps = 0  # ticks that stepped at least one STT row
+        self.rows_stepped = 0  # row-steps (one per transcribed session per tick)
+        self.dropped = 0  # partials dropped from full transcript streams (a slow client)
 
     # ---- event loop ----
 
@@ -71,39 +98,84 @@ class PairedTranscription:
 
     # ---- engine thread ----
 
-    def step(self, plan: TickPlan, out: BackendOutput) -> None:
+    def prepare(self, plan: TickPlan) -> None:
+        """Before the frame: apply enables / disables and set which rows this tick transcribes."""
         self._apply_pending()
-        run = [r is not None and plan.request_ids[i] == r.request_id and bool(plan.live_mask[i])
-               for i, r in enumerate(self._rows)]
-        self._mask = run
+        self._mask = [r is not None and plan.request_ids[i] == r.request_id and bool(plan.live_mask[i])
+                      for i, r in enumerate(self._rows)]
         self._out = None
-        if not any(run) or out.user_codes is None:
+        self._mask_dev.copy_(torch.tensor(self._mask))  # staged from pageable memory: safe to reuse at once
+
+    def step(self, plan: TickPlan, out: BackendOutput) -> None:
+        """After the frame, before its host copy: this tick's STT outputs (run here, or read from
+        the frame when in_frame)."""
+        run = self._mask
+        if not any(run):
             return
-        if out.user_codes.shape[1] < self.n_q:
-            raise RuntimeError(f"the frame encodes {out.user_codes.shape[1]} codebooks; the STT reads {self.n_q} "
-                               f"(build the backend with encode_codebooks >= {self.n_q})")
-        # A row bucket: the frame ran only its lowest n rows (every live one); step those alone.
-        n = out.user_codes.shape[0]
-        mask = torch.tensor(run[:n], device=out.user_codes.device)
-        state = self._state if n == self.max_sessions else leading_rows(self._state, n)
-        res = self.gen.step(state, out.user_codes, mask)
-        self._out = torch.stack([res.text.float(), res.valid.float(), res.end_of_turn.float()], dim=1)
+        if self.in_frame:
+            if out.side is None:
+                raise RuntimeError("paired transcription in the frame needs the backend built with "
+                                   "side_work=paired.frame_work")
+            self._out = out.side
+        else:
+            if out.user_codes is None or out.user_codes.shape[1] < self.n_q:
+                got = None if out.user_codes is None else out.user_codes.shape[1]
+                raise RuntimeError(f"the frame encodes {got} codebooks; the STT reads {self.n_q} "
+                                   f"(build the backend with encode_codebooks >= {self.n_q})")
+            # A row bucket: the frame ran only its lowest n rows (every live one); step those alone.
+            n = out.user_codes.shape[0]
+            mask = self._mask_dev[:n]
+            codes = out.user_codes[:, :self.n_q].long()
+            step = self._graphs.get(n) or self._steps.get(n)
+            if step is None:  # a backend without buckets runs max_sessions rows: always a key
+                raise RuntimeError(f"the frame ran {n} rows; paired transcription has {self.max_sessions}")
+            (self._out,) = step(codes, mask)
+        self.steps += 1
+        self.rows_stepped += sum(run)
+
+    def _frame_step(self, latent: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """In the frame (FrameSideWork): quantize the frame's latent to the STT's codebooks, step."""
+        codes = self.checkpoint.mimi.quantize(latent, self.n_q)
+        (out,) = self._steps[latent.shape[0]](codes, self._mask_dev[:latent.shape[0]] & live)
+        return out
+
+    @torch.no_grad()
+    def _device_step(self, state, codes: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.gen.step(state, codes, mask).packed(),)
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the steps replay CUDA graphs (CUDA, cuda_graphs on)."""
+        return bool(self._graphs)
+
+    def close(self) -> None:
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
+
+    def counters(self) -> dict:
+        """For /metrics (engine.counters)."""
+        return {"stt_paired_live": sum(row is not None for row in self._rows), "stt_paired_slots": self.max_sessions,
+                "stt_paired_steps": self.steps, "stt_paired_rows_stepped": self.rows_stepped,
+                "stt_paired_dropped": self.dropped}
 
     def publish(self) -> None:
         """After the frame's host copy: one partial per transcribed row."""
         if self._out is None:
             return
-        host = self._out.cpu().numpy()
+        host = self._out.cpu().tolist()  # Python floats: no numpy scalar per field (64 rows a frame)
         for i, run in enumerate(self._mask):
             row = self._rows[i]
             if not run or row is None:
                 continue
+            token, valid, end_of_turn = host[i]
             step = row.step
             row.step += 1
-            events = row.decoder.feed(int(host[i, 0]), step) if host[i, 1] > 0.5 else []
-            row.stream.push(SttPartial("".join(e.text for e in events if isinstance(e, TextDelta)),
-                                       tuple(e for e in events if isinstance(e, Word)),
-                                       float(host[i, 2]), row.step / FRAME_RATE))
+            text, words = "", ()
+            if valid > 0.5 and (events := row.decoder.feed(int(token), step)):
+                text = "".join(e.text for e in events if isinstance(e, TextDelta))
+                words = tuple(e for e in events if isinstance(e, Word))
+            self.dropped += not row.stream.push(SttPartial(text, words, end_of_turn, row.step / FRAME_RATE))
 
     def _apply_pending(self) -> None:
         with self._lock:
@@ -128,6 +200,17 @@ class PairedTranscription:
             row.stream.push(SttPartial("", tuple(words), float("nan"), row.step / FRAME_RATE))
         row.stream.finish(terminal)
         self._rows[i] = None
+
+
+class _FrameWork:
+    """What the backend runs beside the LM (backend.FrameSideWork)."""
+
+    def __init__(self, paired: PairedTranscription) -> None:
+        self.generators = (paired.gen.generator,)
+        self._step = paired._frame_step
+
+    def __call__(self, latent: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        return self._step(latent, live)
 
 
 class _Disable:

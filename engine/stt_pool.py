@@ -8,7 +8,10 @@
 
 Each work item is `n` batched steps of every row that can advance (Mimi encode of one 80 ms frame
 -> SttGen.step -> one host copy), with `n` sized to the slack left from the per-step cost
-estimate (key `STEP_KEY`, seeded by `warm_up`). A row advances when it has a whole frame of input
+estimate (key `step_key(rows)`, seeded by `warm_up`). Like the duplex frame, a step runs only
+the lowest rows that hold every running row (a bucket: 1, 2, 4, ..., slots; rows are taken
+lowest first), and on CUDA each bucket's step is one CUDA graph, captured by `warm_up`
+(before it, and on CPU, steps run eagerly with the same code). A row advances when it has a whole frame of input
 (or its input has ended: the last frame is zero-padded, then `stt_config`'s delay of silence
 flushes the delayed text) and room in its output stream: transcripts are never dropped, a slow
 client only stops its own row (back-pressure). Standalone rows get `stt_config`'s silence prefix,
@@ -25,21 +28,30 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 
 from parley.models.checkpoint import SttCheckpoint
 from parley.models.config import FRAME_RATE, FRAME_SAMPLES
+from parley.models.row_views import leading_rows
 from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
+from .backend import bucket_sizes
+from .cuda_graph import CUDAGraphRunner
 from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import OutputStream, Status, Terminal
 
-STEP_KEY = ("stt", "step")  # cost of one batched step of all rows (units = steps)
+def step_key(rows: int) -> tuple:
+    """Cost key of one batched step over a bucket of `rows` rows (units = steps)."""
+    return ("stt", "step", rows)
+
+
 MAX_STEPS_PER_ITEM = 64  # one item's steps at most (manual mode runs items back to back)
 OUTPUT_EVENTS = 256  # partials buffered per request before its row pauses
+LIVE_BACKLOG_S = 30  # a live request's audio waiting to be stepped, at most (bounded memory)
 
 
 class SttBusy(RuntimeError):
@@ -66,10 +78,12 @@ class SttRequest:
     events: OutputStream
     max_input_s: float
     temperature: float = 0.0
+    live: bool = False  # a live session: a partial every step (the end-of-turn probability is news)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _chunks: deque = field(default_factory=deque)  # float32 arrays, fed from the loop
     _buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # engine thread only
     _fed_samples: int = 0
+    _taken_samples: int = 0  # fed samples the engine thread has stepped (a live request's backlog bound)
     _ended: bool = False
     cancelled: bool = False
 
@@ -81,6 +95,9 @@ class SttRequest:
         with self._lock:
             if self._ended:
                 raise SttInputError("audio was fed after the input ended.")
+            if self.live and self._fed_samples + pcm.size - self._taken_samples > LIVE_BACKLOG_S * 24_000:
+                raise SttInputError(f"more than {LIVE_BACKLOG_S} s of audio is waiting to be transcribed; "
+                                    f"send audio at real-time pace (this chunk was dropped).")
             self._fed_samples += pcm.size
             if self._fed_samples > self.max_input_s * 24_000:
                 raise SttInputError(f"audio is longer than the {self.max_input_s:.0f} s this server takes.")
@@ -111,6 +128,7 @@ class SttRequest:
             n = min(FRAME_SAMPLES, self._buffer.size)
             frame[:n] = self._buffer[:n]
             self._buffer = self._buffer[n:]
+            self._taken_samples += n
             return frame, ended and not self._buffer.size
         return None, ended
 
@@ -149,7 +167,7 @@ class SttPool(SlackSource):
     priority = Priority.TRANSCRIPTION
 
     def __init__(self, checkpoint: SttCheckpoint, slots: int, *, max_queue: int = 64,
-                 max_input_s: float = 3600.0) -> None:
+                 max_input_s: float = 3600.0, cuda_graphs: bool = True) -> None:
         if slots < 1:
             raise ValueError(f"stt slots must be at least 1, got {slots}")
         self.checkpoint = checkpoint
@@ -160,26 +178,50 @@ class SttPool(SlackSource):
         self.gen = SttGen(checkpoint.lm)
         self._state = self.gen.init_state(slots)
         self._mimi_state = checkpoint.mimi.init_state(slots, self.device)
+        self._buckets = bucket_sizes(slots)
+        self._steps = {n: partial(self._device_step, leading_rows(self._state, n), leading_rows(self._mimi_state, n))
+                       for n in self._buckets}
+        self._graphs: dict[int, CUDAGraphRunner] = {}
+        self._use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._pinned = self.device.type == "cuda"
+        self._frames_host = torch.zeros(slots, FRAME_SAMPLES, pin_memory=self._pinned)
+        self._mask_host = torch.zeros(slots, dtype=torch.bool, pin_memory=self._pinned)
         self._rows: list[_Row | None] = [None] * slots
         self._queue: deque[SttRequest] = deque()
         self._lock = threading.Lock()
         self._next_id = 0
-        self.counters = {"stt_requests": 0, "stt_steps": 0, "stt_audio_seconds": 0.0, "stt_failed": 0}
+        self.counters = {"stt_requests": 0, "stt_steps": 0, "stt_audio_seconds": 0.0, "stt_completed": 0,
+                         "stt_cancelled": 0, "stt_failed": 0, "stt_starved": 0}
+        self._stopped = False  # slack_stop ran: the engine is gone, new requests are refused
+        self._wanted: set[int] = set()  # rows that could step when this tick's slack began
+        self._stepped: set[int] = set()  # ... and those that did
+
+    @property
+    def name(self) -> str:
+        """The STT model's name (its checkpoint folder), as clients are told it."""
+        return self.checkpoint.path.name or "stt"
 
     # ---- requests (event loop) ----
 
-    def submit(self, loop: asyncio.AbstractEventLoop | None = None, *, temperature: float = 0.0) -> SttRequest:
-        """Queue a request; `temperature` 0 is greedy (Kyutai's setting), more samples the text."""
+    def submit(self, loop: asyncio.AbstractEventLoop | None = None, *, temperature: float = 0.0,
+               live: bool = False) -> SttRequest:
+        """Queue a request; `temperature` 0 is greedy (Kyutai's setting), more samples the text.
+        `live` (a realtime transcription session): refused unless a row is free now (a live
+        stream cannot wait in the queue), and its stream gets a partial every step."""
         if not (isinstance(temperature, (int, float)) and 0 <= temperature <= 2):
             raise SttInputError(f"temperature must be between 0 and 2, got {temperature!r}.")
         loop = loop or asyncio.get_running_loop()
         with self._lock:
+            if self._stopped:
+                raise SttBusy("the server is shutting down; transcription is not taking requests.")
             if len(self._queue) >= self.max_queue:
                 raise SttBusy(f"all {self.slots} transcription rows are busy and {self.max_queue} "
                               f"requests are waiting; try again later.")
+            if live and sum(row is None for row in self._rows) <= len(self._queue):
+                raise SttBusy(f"all {self.slots} transcription rows are busy; try again later.")
             self._next_id += 1
             request = SttRequest(f"stt_{self._next_id}", OutputStream(f"stt_{self._next_id}", loop, OUTPUT_EVENTS),
-                                 self.max_input_s, temperature=float(temperature))
+                                 self.max_input_s, temperature=float(temperature), live=live)
             self._queue.append(request)
             self.counters["stt_requests"] += 1
         return request
@@ -188,10 +230,12 @@ class SttPool(SlackSource):
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
         self._admit()
-        ready = max(self._steps_ready(row) for row in self._rows)
+        ready_by_row = [self._steps_ready(row) for row in self._rows]
+        ready = max(ready_by_row)
         if not ready:
             return None
-        per_step = costs.estimate(STEP_KEY)
+        key = step_key(self.bucket(i for i, n in enumerate(ready_by_row) if n))
+        per_step = costs.estimate(key)
         if left_s is None:
             steps = min(MAX_STEPS_PER_ITEM, ready)
         elif per_step is None:
@@ -199,7 +243,12 @@ class SttPool(SlackSource):
         else:
             steps = max(1, min(MAX_STEPS_PER_ITEM, int(left_s / max(per_step, 1e-9))))
         steps = min(steps, ready)
-        return WorkItem(key=STEP_KEY, units=steps, run=lambda: self.run_steps(steps), fail=self._fail_all)
+        return WorkItem(key=key, units=steps, run=lambda: self.run_steps(steps), fail=self._fail_all)
+
+    def bucket(self, rows) -> int:
+        """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
+        top = max(rows, default=0) + 1
+        return next(n for n in self._buckets if n >= top)
 
     def _admit(self) -> None:
         free = [i for i, row in enumerate(self._rows) if row is None or self._release_if_done(i, row)]
@@ -208,6 +257,7 @@ class SttPool(SlackSource):
                 request = self._queue.popleft()
                 if request.cancelled:
                     request.events.finish(Terminal(Status.CANCELLED, "the client went away"))
+                    self.counters["stt_cancelled"] += 1
                     continue
                 i = free.pop(0)
                 self._start_row(i, request)
@@ -224,8 +274,8 @@ class SttPool(SlackSource):
                              prefix_left=settings.prefix_frames)
 
     def _release_if_done(self, i: int, row: _Row) -> bool:
-        if row.request.cancelled:
-            row.request.events.finish(Terminal(Status.CANCELLED, "the client went away"))
+        if row.request.cancelled and row.request.events.finish(Terminal(Status.CANCELLED, "the client went away")):
+            self.counters["stt_cancelled"] += 1
         if row.request.events.finished:
             self._rows[i] = None
             return True
@@ -283,26 +333,42 @@ class SttPool(SlackSource):
             self._complete(i)
         if not any(run):
             return False
-        mask = torch.tensor(run, device=self.device)
-        pcm = torch.from_numpy(frames).to(self.device)
-        codes = self.checkpoint.mimi.encode_step(pcm, self._mimi_state, mask)
-        out = self.gen.step(self._state, codes, mask)
-        host = torch.stack([out.text.float(), out.valid.float(), out.end_of_turn.float()], 1).cpu().numpy()
+        host = self.run_device(frames, run)
         self.counters["stt_steps"] += 1
+        self._stepped.update(i for i, flag in enumerate(run) if flag)
         for i in np.flatnonzero(run):
             self._publish(i, host[i])
         return True
+
+    def run_device(self, frames: np.ndarray, run: list[bool]) -> np.ndarray:
+        """One step of the rows flagged in `run` (frames [slots, FRAME_SAMPLES]): the lowest
+        bucket holding them, its graph if captured. Host [bucket, 3] (text, valid, end_of_turn)."""
+        n = self.bucket(i for i, flag in enumerate(run) if flag)
+        self._frames_host[:n].copy_(torch.from_numpy(frames[:n]))
+        self._mask_host[:n].copy_(torch.tensor(run[:n]))
+        pcm = self._frames_host[:n].to(self.device, non_blocking=True)
+        mask = self._mask_host[:n].to(self.device, non_blocking=True)
+        (out,) = (self._graphs.get(n) or self._steps[n])(pcm, mask)
+        return out.cpu().numpy()
+
+    @torch.no_grad()
+    def _device_step(self, state, mimi_state, pcm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor]:
+        codes = self.checkpoint.mimi.encode_step(pcm, mimi_state, mask)
+        return (self.gen.step(state, codes, mask).packed(),)
+
+    @property
+    def graphed(self) -> bool:
+        """Whether steps replay CUDA graphs (CUDA, after `warm_up`)."""
+        return bool(self._graphs)
 
     def _publish(self, i: int, values: np.ndarray) -> None:
         row = self._rows[i]
         step = row.step
         row.step += 1
-        if values[1] < 0.5:
-            return
-        events = row.decoder.feed(int(values[0]), step)
+        events = row.decoder.feed(int(values[0]), step) if values[1] > 0.5 else []
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         words = tuple(e for e in events if isinstance(e, Word))
-        if text or words:
+        if text or words or row.request.live:
             row.request.events.push(SttPartial(text, words, float(values[2]), row.audio_frames / FRAME_RATE))
 
     def _complete(self, i: int) -> None:
@@ -312,6 +378,7 @@ class SttPool(SlackSource):
         if words:
             row.request.events.push(SttPartial("", words, float("nan"), audio_s))
         self.counters["stt_audio_seconds"] += audio_s
+        self.counters["stt_completed"] += 1
         row.request.events.finish(Terminal(Status.COMPLETED))
         self._rows[i] = None
 
@@ -323,20 +390,67 @@ class SttPool(SlackSource):
                 self._rows[i] = None
                 self.counters["stt_failed"] += 1
 
+    # ---- engine hooks (slack.py) ----
+
+    @property
+    def live(self) -> int:
+        return sum(row is not None for row in self._rows)
+
+    def slack_counters(self) -> dict:
+        with self._lock:
+            queued = len(self._queue)
+        return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": queued}
+
+    def slack_started(self, deadline: float | None) -> None:
+        """A tick's slack begins: count the rows the last tick left unstepped although they could
+        step (starved: the slack was too short), and note who can step in this one. Manual mode
+        (no deadline) never starves."""
+        if deadline is not None:
+            self.counters["stt_starved"] += len(self._wanted - self._stepped)
+            self._wanted = {i for i, row in enumerate(self._rows) if self._steps_ready(row)}
+        else:
+            self._wanted = set()
+        self._stepped = set()
+
+    def slack_stop(self, terminal: Terminal) -> None:
+        """The engine stopped (shutdown, drain, fatal error): every running and queued request
+        ends with `terminal`, and later submits are refused."""
+        with self._lock:
+            self._stopped = True
+            queued, self._queue = list(self._queue), deque()
+        ended = "stt_cancelled" if terminal.status is Status.CANCELLED else "stt_failed"
+        for i, row in enumerate(self._rows):
+            if row is not None:
+                self.counters[ended] += row.request.events.finish(terminal)
+                self._rows[i] = None
+        for request in queued:
+            self.counters[ended] += 1
+            request.events.finish(terminal)
+
     # ---- start-up and manual use ----
 
     def warm_up(self, costs: CostModel) -> None:
-        """Run one step on every row (then reset them) and seed the cost estimate."""
-        mask = torch.ones(self.slots, dtype=torch.bool, device=self.device)
-        pcm = torch.zeros(self.slots, FRAME_SAMPLES, device=self.device)
-        for _ in range(2):  # the first pays one-time costs; the second is the estimate
-            start = time.perf_counter()
-            codes = self.checkpoint.mimi.encode_step(pcm, self._mimi_state, mask)
-            self.gen.step(self._state, codes, mask).text.cpu()
-            spent = time.perf_counter() - start
-        costs.record(STEP_KEY, spent)
-        self._state.reset(mask)
-        self._mimi_state.reset(mask)
+        """Capture each bucket's graph (CUDA), then time one step per bucket with no row running
+        (by the model contract no state changes) and seed its cost estimate."""
+        for n in reversed(self._buckets):  # largest first, so the shared pool is sized once
+            idle = torch.zeros(n, dtype=torch.bool, device=self.device)
+            pcm = torch.zeros(n, FRAME_SAMPLES, device=self.device)
+            if self._use_graphs and n not in self._graphs:
+                if not self._graphs:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                self._graphs[n] = CUDAGraphRunner(self._steps[n], (pcm, idle), pool=self._graph_pool,
+                                                  generators=(self.gen.generator,))
+            step = self._graphs.get(n) or self._steps[n]
+            for _ in range(2):  # the first pays one-time costs; the second is the estimate
+                start = time.perf_counter()
+                step(pcm, idle)[0].cpu()
+                spent = time.perf_counter() - start
+            costs.record(step_key(n), spent)
+
+    def close(self) -> None:
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
 
     def run_until_idle(self) -> None:
         """Manual mode (CLI, tests without an engine): step until no row can advance."""

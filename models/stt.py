@@ -81,6 +81,11 @@ class SttStepOutput:
     valid: torch.Tensor  # [B] bool: False before a row's first max_delay steps, or not executed
     end_of_turn: torch.Tensor  # [B] float32 probability; NaN if the model has no such head
 
+    def packed(self) -> torch.Tensor:
+        """[B, 3] float32 (text, valid, end_of_turn): one tensor, so a step needs one host copy
+        and a CUDA graph one output buffer. Text ids (< 2**24) and 0/1 flags are exact in float32."""
+        return torch.stack([self.text.float(), self.valid.float(), self.end_of_turn.float()], dim=1)
+
 
 @dataclass
 class SttState:

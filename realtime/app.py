@@ -43,7 +43,7 @@ from .capacity import Admission
 from .drain import Drainer, drain_endpoint
 from .images_api import ImageService, images_generations
 from .moshi_protocol import chat_endpoint
-from .openai_realtime import realtime_endpoint
+from .realtime_endpoint import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager

@@ -80,9 +80,11 @@ logging.getLogger("uvicorn.error").addFilter(DENIAL_LOG_FILTER)
 class Reservation:
     """A slot held for one upgrade: pending (no engine slot yet), then prefilling, then released."""
 
-    def __init__(self, admission: "Admission") -> None:
+    def __init__(self, admission: "Admission", holds_slot: bool = True) -> None:
         self._admission = admission
-        self._state = "pending"
+        self._state = "pending" if holds_slot else "released"  # released: a session that needs no slot
+        if holds_slot:
+            admission._pending += 1
 
     def opening(self) -> None:
         """Call right before the engine session is opened, with no await in between."""
@@ -133,23 +135,24 @@ class Admission:
     def ready(self, load: Load) -> bool:
         return load.warmed and load.healthy and not load.draining and load.free >= self.ready_min_free
 
-    def refusal(self, load: Load) -> str | None:
+    def refusal(self, load: Load, needs_slot: bool = True) -> str | None:
         """Why a new session cannot be admitted now, or None."""
         if load.draining:
             return "draining"
         if not load.healthy:
             return "unhealthy"
-        if load.free <= 0:
+        if needs_slot and load.free <= 0:
             return "full"
         return None
 
-    async def reserve_or_deny(self, websocket: WebSocket) -> Reservation | None:
-        """Reserve a slot for this upgrade, or answer it with 503 + Retry-After and return None."""
+    async def reserve_or_deny(self, websocket: WebSocket, needs_slot: bool = True) -> Reservation | None:
+        """Reserve a slot for this upgrade, or answer it with 503 + Retry-After and return None.
+        `needs_slot` False (a session without a duplex row, e.g. transcription): only a draining
+        or unhealthy server refuses it, and nothing is reserved."""
         load = self.load()
-        reason = self.refusal(load)
+        reason = self.refusal(load, needs_slot)
         if reason is None:
-            self._pending += 1  # no await since load(): atomic on the event loop
-            return Reservation(self)
+            return Reservation(self, holds_slot=needs_slot)  # no await since load(): atomic on the event loop
         self.rejected.labels(reason).inc()
         message = {"full": f"all {load.slots_total} session slots are in use; try again later",
                    "draining": "this server is draining (shutting down); connect again to reach another one",

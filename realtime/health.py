@@ -26,10 +26,20 @@ E2E_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0
 # engine.counters() keys exposed as counters; the rest are gauges or histograms.
 ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overruns",
                    "dropped_events", "sessions_opened", "sessions_failed",
+                   # the slack runner (engine/slack.py): items after each tick, and the ones that
+                   # overran their estimate or ended past the next boundary
+                   "slack_items", "slack_seconds", "slack_overruns", "slack_past_boundary", "slack_failed",
+                   "slack_stale_drops",
                    # the TTS pool (engine/tts_pool.py), when one is loaded
                    "tts_steps_text", "tts_steps_full", "tts_frames", "tts_starved", "tts_forced",
-                   "tts_completed", "tts_cancelled", "tts_failed")
-ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots")
+                   "tts_completed", "tts_cancelled", "tts_failed",
+                   # standalone transcription rows (engine/stt_pool.py), when an STT model is loaded
+                   "stt_requests", "stt_steps", "stt_audio_seconds", "stt_completed", "stt_cancelled",
+                   "stt_failed", "stt_starved",
+                   # paired transcription (engine/stt_paired.py)
+                   "stt_paired_steps", "stt_paired_rows_stepped", "stt_paired_dropped")
+ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots", "stt_live", "stt_slots",
+                 "stt_queued", "stt_paired_live", "stt_paired_slots")
 ENGINE_HISTOGRAMS = ("tick_seconds", "prefill_seconds")
 
 

@@ -41,14 +41,19 @@ def add_offline(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_offline_command)
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """--greedy, --seed, --device, --dtype, --log-level: shared by the offline commands."""
-    p.add_argument("--greedy", action="store_true", help="greedy decoding: the run is deterministic")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+def add_device_flags(p: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
+    """--device, --dtype, --log-level: shared by the offline commands (offline, tts, transcribe)."""
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+    p.add_argument("--dtype", choices=dtypes, default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """--greedy and --seed, then the device flags: the offline commands that sample."""
+    p.add_argument("--greedy", action="store_true", help="greedy decoding: the run is deterministic")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    add_device_flags(p)
 
 
 def run_offline_command(args: argparse.Namespace) -> int:

@@ -77,6 +77,7 @@ class SessionConfig:
     max_output_tokens: int | None = None  # per response; None is "inf"
     tracing: Any = None  # None, "auto" or {workflow_name, group_id, metadata}: logged with the session
     transcription: Event | None = None  # input audio transcription settings, as the client gave them
+    type: str = "realtime"  # or "transcription": a transcription-only session (no responses)
 
     @property
     def needs_stt(self) -> bool:
@@ -86,6 +87,8 @@ class SessionConfig:
 
     def to_dict(self, dialect: Dialect) -> Event:
         td = self.turn_detection.to_dict() if self.turn_detection is not None else None
+        if self.type == "transcription":
+            return self._transcription_dict(dialect, td)
         max_tokens = "inf" if self.max_output_tokens is None else self.max_output_tokens
         if dialect is Dialect.BETA:
             modalities = ["text", "audio"] if "audio" in self.output_modalities else ["text"]
@@ -103,6 +106,21 @@ class SessionConfig:
                           "output": {"format": self.output_format.to_ga(), "voice": self.voice, "speed": 1.0}},
                 "tools": [], "tool_choice": "auto", "max_output_tokens": max_tokens, "tracing": self.tracing,
                 "prompt": None, "expires_at": 0, "include": None}
+
+
+    def _transcription_dict(self, dialect: Dialect, td: Event | None) -> Event:
+        """A transcription session (GA `type: "transcription"`, beta `realtime.transcription_session`)."""
+        if dialect is Dialect.BETA:
+            # The beta object names an ephemeral key; Parley issues none (its keys are --api-key).
+            return {"id": self.id, "object": "realtime.transcription_session", "modalities": ["text"],
+                    "input_audio_format": self.input_format.to_beta(),
+                    "input_audio_transcription": self.transcription, "turn_detection": td,
+                    "input_audio_noise_reduction": None, "include": None,
+                    "client_secret": {"value": "", "expires_at": 0}}
+        return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
+                "audio": {"input": {"format": self.input_format.to_ga(), "transcription": self.transcription,
+                                    "noise_reduction": None, "turn_detection": td}},
+                "include": None}
 
 
 # ---- items and responses -------------------------------------------------------------------
@@ -216,10 +234,15 @@ class Events:
 
     # session
     def session_created(self, config: SessionConfig) -> Event:
-        return self._event("session.created", session=config.to_dict(self.dialect))
+        return self._event(self._session_event(config, "created"), session=config.to_dict(self.dialect))
 
     def session_updated(self, config: SessionConfig) -> Event:
-        return self._event("session.updated", session=config.to_dict(self.dialect))
+        return self._event(self._session_event(config, "updated"), session=config.to_dict(self.dialect))
+
+    def _session_event(self, config: SessionConfig, what: str) -> str:
+        """Beta names a transcription session's events `transcription_session.*`; GA says `session.*`."""
+        beta = self.dialect is Dialect.BETA and config.type == "transcription"
+        return f"{'transcription_session' if beta else 'session'}.{what}"
 
     # errors: never close the session
     def error(self, message: str, code: str, *, kind: str = "invalid_request_error",

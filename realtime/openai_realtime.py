@@ -1,6 +1,7 @@
 """`/v1/realtime`: the OpenAI Realtime API over WebSocket, GA dialect by default, beta on request.
 
-This module is the connection's I/O and dispatch only:
+This module is a conversation's connection: I/O and dispatch only (the route, admission and
+dialect are `realtime_endpoint.py`'s; transcription-only sessions are `realtime_transcription.py`):
 - client settings (`session.update`, `response.create`, items) are judged in
   `realtime_session.py`: every field honoured or refused with an `error` naming it;
 - responses and voice activity (how a full-duplex model's speech becomes turn-shaped
@@ -33,7 +34,7 @@ import time
 from typing import Awaitable, Callable
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect
 
 from parley.engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
@@ -44,12 +45,12 @@ from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 from .audio_formats import FormatError
 from .openai_events import Dialect, Event, Events, SessionConfig, new_id
 from .realtime_session import (
-    ClientError, ModelCaps, OPENAI_VOICES, apply_session_update, parse_item, parse_response_options,
+    NO_STT, OPENAI_VOICES, TRANSCRIPTION_INTENT, ClientError, ModelCaps, apply_session_update, parse_item,
+    parse_response_options,
 )
 from .limits import ConversationBudget, JSONLimitError, parse_json_event
 from .realtime_turns import Turns
-from .security import choose_subprotocol
-from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now
+from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession, now
 
 log = logging.getLogger("parley.realtime")
 
@@ -64,42 +65,19 @@ class SessionLost(Exception):
     """The engine session could not be re-established; the connection is closed."""
 
 
-def select_dialect(websocket: WebSocket) -> Dialect:
-    beta = websocket.headers.get("openai-beta", "").replace(" ", "").lower()
-    if "realtime=v1" in beta or BETA_SUBPROTOCOL in websocket.scope.get("subprotocols", []):
-        return Dialect.BETA
-    return Dialect.GA
-
-
-async def realtime_endpoint(websocket: WebSocket) -> None:
-    """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
-    manager: SessionManager = websocket.app.state.sessions
-    reservation = await manager.admission.reserve_or_deny(websocket)
-    if reservation is None:
-        return
-    edge = manager.attach(websocket, PROTOCOL, reservation)
-    try:
-        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", []),
-                                                              REALTIME_SUBPROTOCOL))
-        connection = RealtimeConnection(edge, select_dialect(websocket),
-                                        websocket.query_params.get("model") or manager.defaults.model_name)
-        edge.notice = lambda reason: connection.send(connection.events.error(
-            reason, "server_shutting_down", kind="server_error"))
-        await connection.run()
-    except (WebSocketDisconnect, OSError):
-        log.info("realtime session %d: the client left", edge.number)
-    finally:
-        edge.close()
-
-
 class RealtimeConnection:
     """One `/v1/realtime` connection: reads events, dispatches them, writes what comes back."""
 
-    def __init__(self, edge: EdgeSession, dialect: Dialect, model: str) -> None:
+    def __init__(self, edge: EdgeSession, dialect: Dialect, model: str, *, transcription_sessions: bool = False,
+                 opening_error: ClientError | None = None) -> None:
+        # transcription_sessions: the server has standalone STT rows (?intent=transcription works).
+        # opening_error: told to the client right after session.created (a refused URL setting).
         self.edge = edge
         self.manager = edge.manager
         self.events = Events(dialect)
-        self.caps = ModelCaps(prompts=self.manager.defaults.prompts, transcribe=self.manager.engine.can_transcribe)
+        self.caps = ModelCaps(prompts=self.manager.defaults.prompts, transcribe=self.manager.engine.can_transcribe,
+                              transcribe_sessions=transcription_sessions)
+        self._opening_error = opening_error
         defaults = self.manager.defaults.options
         config = SessionConfig(id=new_id("sess"), model=model, instructions=defaults.persona, voice=defaults.voice,
                                temperature=(defaults.sampling or SamplingOptions()).audio_temperature)
@@ -148,6 +126,8 @@ class RealtimeConnection:
             await edge.close_socket(CLOSE_INTERNAL, str(exc))
             return
         await self.send(self.events.session_created(self.config))
+        if self._opening_error is not None:
+            await self.error(self._opening_error)
         feeder = asyncio.create_task(self._feed_loop(), name=f"openai-feed-{edge.number}")
         try:
             await edge.run_duplex(self._send_loop(), self._receive_loop())
@@ -399,7 +379,7 @@ class RealtimeConnection:
             await self.send_all(self.turns.cancel())
 
     async def _on_transcription_session(self, event: Event) -> None:
-        raise ClientError("transcription sessions are not served: this is a speech-to-speech model",
+        raise ClientError(f"transcription_session.update: {TRANSCRIPTION_INTENT if self.caps.transcribe_sessions else NO_STT}",
                           "unsupported_parameter", "type")
 
     # ---- engine -> client ----

@@ -56,6 +56,7 @@ class ModelCaps:
 
     prompts: bool  # takes a persona (instructions) and voice prompt: PersonaPlex yes, Moshi no
     transcribe: bool = False  # a paired STT row: input transcription and semantic_vad
+    transcribe_sessions: bool = False  # standalone STT rows: transcription-only sessions
 
 
 @dataclass(frozen=True)
@@ -200,11 +201,19 @@ def _tracing(param: str, value: Any) -> Any:
 # ---- turn detection -----------------------------------------------------------------------------
 
 
-def parse_turn_detection(param: str, raw: Any, caps: ModelCaps) -> TurnDetection | None:
-    """`turn_detection`: null/false turns the detector off; numbers are checked by type and range."""
+def parse_turn_detection(param: str, raw: Any, caps: ModelCaps, responses: bool = True) -> TurnDetection | None:
+    """`turn_detection`: null/false turns the detector off; numbers are checked by type and range.
+    `responses` False (a transcription session): there are no responses to create or interrupt,
+    so those two flags are off and may only be sent as false."""
     if raw is None or raw is False:
         return None
     raw = _dict(param, raw)
+    if not responses:
+        for key in ("create_response", "interrupt_response"):
+            if raw.get(key):
+                raise _unsupported(f"{param}.{key}", "a transcription session has no responses; send false "
+                                                     "or leave it out")
+        raw = {**raw, "create_response": False, "interrupt_response": False}
     kind = _choice(f"{param}.type", raw.get("type", "server_vad"), ("server_vad", "semantic_vad"))
     if kind == "semantic_vad" and not caps.transcribe:
         raise _unsupported(f"{param}.type", NO_STT)
@@ -263,13 +272,39 @@ def _with_caps(name: str, parse: Callable[[str, Any, ModelCaps], Any]) -> Callab
     return bind
 
 
+def _with_caps_check(check: Callable[[str, Any, ModelCaps], None]) -> Callable[[str], _Setter]:
+    def bind(param: str) -> _Setter:
+        return lambda config, value, caps: check(param, value, caps)
+    return bind
+
+
 def _refuse(why: str) -> Callable[[str], _Setter]:
     return _check(lambda param, value: _only_empty(param, value, why))
 
 
-def _session_type(param: str, value: Any) -> None:
+TRANSCRIPTION_INTENT = ("a transcription session is opened as one: connect with ?intent=transcription "
+                        "in the URL (this connection is a realtime conversation)")
+
+
+def _session_type(param: str, value: Any, caps: ModelCaps) -> None:
+    if value == "transcription":
+        raise _unsupported(param, TRANSCRIPTION_INTENT if caps.transcribe_sessions else NO_STT)
     if value != "realtime":
-        raise _unsupported(param, "only 'realtime' sessions are served (no transcription-only sessions)")
+        raise ClientError(f"{param} must be 'realtime' or 'transcription', got {value!r:.60}", "invalid_value", param)
+
+
+def _transcription_type(param: str, value: Any) -> None:
+    if value != "transcription":
+        raise _unsupported(param, "this connection is a transcription session (opened with ?intent=transcription); "
+                                  "it cannot become a realtime conversation")
+
+
+def _transcription_modalities(param: str, value: Any) -> None:
+    """The input is audio and the output text whatever the list says, so it must include 'text'."""
+    if not isinstance(value, list) or not all(m in ("text", "audio") for m in value):
+        raise _type_error(param, "a list of 'text' and/or 'audio'", value)
+    if "text" not in value:
+        raise _unsupported(param, "a transcription session's output is text; include 'text'")
 
 
 def _model(param: str, value: Any) -> str:
@@ -303,7 +338,7 @@ def _transcription(param: str, value: Any, caps: ModelCaps) -> Any:
 _NO_NOISE_REDUCTION = "no noise reduction is applied to input audio"
 
 SESSION_FIELDS: dict[str, Callable[[str], _Setter]] = {
-    "type": _check(_session_type),
+    "type": _with_caps_check(_session_type),
     "model": _set("model", _model),
     "instructions": _with_caps("instructions", _instructions),
     "voice": _with_caps("voice", _voice),  # beta
@@ -341,6 +376,31 @@ AUDIO_OUTPUT_FIELDS: dict[str, Callable[[str], _Setter]] = {
 }
 
 
+def _transcription_turn_detection(param: str, value: Any, caps: ModelCaps) -> TurnDetection | None:
+    return parse_turn_detection(param, value, caps, responses=False)
+
+
+# A transcription session (?intent=transcription): GA `session.update` with type "transcription",
+# beta `transcription_session.update`.
+TRANSCRIPTION_FIELDS: dict[str, Callable[[str], _Setter]] = {
+    "type": _check(_transcription_type),
+    "include": _check(_include),
+}
+TRANSCRIPTION_INPUT_FIELDS: dict[str, Callable[[str], _Setter]] = {
+    **AUDIO_INPUT_FIELDS,
+    "turn_detection": _with_caps("turn_detection", _transcription_turn_detection),
+}
+BETA_TRANSCRIPTION_FIELDS: dict[str, Callable[[str], _Setter]] = {
+    "input_audio_format": _set("input_format", _format),
+    "input_audio_transcription": _with_caps("transcription", _transcription),
+    "turn_detection": _with_caps("turn_detection", _transcription_turn_detection),
+    "input_audio_noise_reduction": _refuse(_NO_NOISE_REDUCTION),
+    "include": _check(_include),
+    "modalities": _check(_transcription_modalities),
+    "client_secret": _refuse("ephemeral keys are not issued; use --api-key"),
+}
+
+
 def _apply(fields: dict[str, Callable[[str], _Setter]], prefix: str, raw: dict, config: SessionConfig,
            caps: ModelCaps, errors: list[ClientError]) -> None:
     for key, value in raw.items():
@@ -359,14 +419,23 @@ def _apply(fields: dict[str, Callable[[str], _Setter]], prefix: str, raw: dict, 
             setattr(config, name.name, getattr(trial, name.name))
 
 
-def apply_session_update(session: Any, config: SessionConfig, caps: ModelCaps) -> tuple[SessionConfig, list[ClientError]]:
-    """`config` with the update's good fields applied, and one error per refused field."""
+def apply_session_update(session: Any, config: SessionConfig, caps: ModelCaps,
+                         beta_transcription: bool = False) -> tuple[SessionConfig, list[ClientError]]:
+    """`config` with the update's good fields applied, and one error per refused field. The fields
+    are those of `config.type`'s session: realtime, or transcription (GA `session.update`, or beta
+    `transcription_session.update` with `beta_transcription`)."""
     if not isinstance(session, dict):
-        raise ClientError("session.update needs a 'session' object", "missing_required_parameter", "session")
+        raise ClientError("the update needs a 'session' object", "missing_required_parameter", "session")
     updated = dataclasses.replace(config)
     errors: list[ClientError] = []
+    if beta_transcription:
+        _apply(BETA_TRANSCRIPTION_FIELDS, "session", session, updated, caps, errors)
+        return updated, errors
+    transcription = config.type == "transcription"
     top = {k: v for k, v in session.items() if k != "audio"}
-    _apply(SESSION_FIELDS, "session", top, updated, caps, errors)
+    _apply(TRANSCRIPTION_FIELDS if transcription else SESSION_FIELDS, "session", top, updated, caps, errors)
+    input_fields, output_fields = ((TRANSCRIPTION_INPUT_FIELDS, {}) if transcription
+                                   else (AUDIO_INPUT_FIELDS, AUDIO_OUTPUT_FIELDS))
     if "audio" in session:
         try:
             audio = _dict("session.audio", session["audio"] or {})
@@ -374,9 +443,9 @@ def apply_session_update(session: Any, config: SessionConfig, caps: ModelCaps) -
                 if key not in ("input", "output"):
                     raise ClientError(f"unknown parameter session.audio.{key}", "unknown_parameter",
                                       f"session.audio.{key}")
-            _apply(AUDIO_INPUT_FIELDS, "session.audio.input",
+            _apply(input_fields, "session.audio.input",
                    _dict("session.audio.input", audio.get("input") or {}), updated, caps, errors)
-            _apply(AUDIO_OUTPUT_FIELDS, "session.audio.output",
+            _apply(output_fields, "session.audio.output",
                    _dict("session.audio.output", audio.get("output") or {}), updated, caps, errors)
         except ClientError as exc:
             errors.append(exc)

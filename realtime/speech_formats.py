@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import struct
 
-import av
 import numpy as np
 import sphn
 
@@ -97,7 +96,12 @@ _AV_SPECS = {"mp3": ("mp3", "libmp3lame", "fltp", 64_000), "aac": ("adts", "aac"
 
 class AvEncoder:
     def __init__(self, fmt: str) -> None:
+        # PyAV (FFmpeg) is loaded on the first mp3/aac/flac response, not at server start:
+        # its libraries are large and wav/pcm/opus never need them.
+        import av
+
         container, codec, self._sample_format, bit_rate = _AV_SPECS[fmt]
+        self._av = av
         self._sink = _Sink()
         self._container = av.open(self._sink, mode="w", format=container)
         self._stream = self._container.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
@@ -107,7 +111,7 @@ class AvEncoder:
 
     def push(self, pcm: np.ndarray) -> bytes:
         data = pcm.astype(np.float32)[None] if self._sample_format == "fltp" else to_int16(pcm)[None]
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=self._sample_format, layout="mono")
+        frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=self._sample_format, layout="mono")
         frame.sample_rate = SAMPLE_RATE
         frame.pts = self._pts
         self._pts += pcm.shape[-1]

@@ -15,6 +15,7 @@ from parley.models.audio_io import AudioFileError, read_wav
 from parley.models.checkpoint import CheckpointError, load_stt_checkpoint
 
 from .help_format import HelpFormatter
+from .offline_cli import add_device_flags
 from .server import resolve_dtype
 
 
@@ -29,9 +30,7 @@ def add_transcribe(subparsers: argparse._SubParsersAction) -> None:
                                                   "(e.g. kyutai/stt-1b-en_fr)")
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text: the transcript; json: {text, duration, words: [{word, start, end}]}")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_device_flags(p, ("float32", "bfloat16", "float16"))
     p.set_defaults(handler=run_transcribe)
 
 

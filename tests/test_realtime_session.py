@@ -172,3 +172,46 @@ def test_items_only_user_audio_reaches_the_model():
         with pytest.raises(ClientError) as err:
             parse_item(raw, AudioFormat())
         assert err.value.param == param, raw
+
+
+TRANSCRIBING = ModelCaps(prompts=False, transcribe=True, transcribe_sessions=True)
+
+
+def transcription_config() -> SessionConfig:
+    return SessionConfig(id="sess_1", model="m", type="transcription")
+
+
+def test_transcription_session_fields():
+    """GA transcription sessions take audio.input and include; conversation fields, output audio and
+    response flags are refused by name; the good fields still apply."""
+    cfg, errors = apply_session_update(
+        {"type": "transcription", "instructions": "x", "include": [],
+         "audio": {"input": {"format": {"type": "audio/pcmu"}, "transcription": {"model": "whisper-1"},
+                             "turn_detection": {"type": "semantic_vad", "create_response": True}},
+                   "output": {"voice": "alloy"}}}, transcription_config(), TRANSCRIBING)
+    assert [e.param for e in errors] == ["session.instructions", "session.audio.input.turn_detection.create_response",
+                                         "session.audio.output.voice"]
+    ga = cfg.to_dict(Dialect.GA)
+    assert ga["type"] == "transcription" and ga["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    assert ga["audio"]["input"]["transcription"] == {"model": "whisper-1"} and "output" not in ga["audio"]
+    _, errors = apply_session_update({"type": "realtime"}, transcription_config(), TRANSCRIBING)
+    assert [e.param for e in errors] == ["session.type"]
+
+
+def test_beta_transcription_session_fields():
+    cfg, errors = apply_session_update(
+        {"input_audio_format": "g711_ulaw", "input_audio_transcription": {"model": "whisper-1"},
+         "turn_detection": {"type": "server_vad", "silence_duration_ms": 300, "interrupt_response": False},
+         "modalities": ["audio"], "client_secret": {"expires_at": {"seconds": 10}}, "voice": "alloy"},
+        transcription_config(), TRANSCRIBING, beta_transcription=True)
+    assert [e.param for e in errors] == ["session.modalities", "session.client_secret", "session.voice"]
+    beta = cfg.to_dict(Dialect.BETA)
+    assert beta["object"] == "realtime.transcription_session" and beta["input_audio_format"] == "g711_ulaw"
+    assert beta["turn_detection"]["silence_duration_ms"] == 300 and not beta["turn_detection"]["create_response"]
+
+
+def test_session_type_transcription_in_a_conversation_says_how():
+    _, errors = update({"type": "transcription"}, caps=TRANSCRIBING)
+    assert "intent=transcription" in str(errors[0])
+    _, errors = update({"type": "transcription"})
+    assert "--stt-model" in str(errors[0])

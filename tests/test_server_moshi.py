@@ -111,6 +111,9 @@ def test_health_ready_metrics():
                      "parley_frame_delay_seconds_bucket", "parley_codec_worker_cpu_seconds"):
             assert name in text, name
         assert "sess" not in text.lower().replace("sessions", "")  # no session ids as labels
+        # the session's admission ran as a slack item after a tick
+        assert float(re.search(r"^parley_engine_slack_items_total (\S+)$", text, re.M).group(1)) >= 1
+        assert "parley_engine_slack_past_boundary_total" in text
         # every frame sent was timed from the end of its engine tick
         delay_count = float(re.search(r"^parley_frame_delay_seconds_count (\S+)$", text, re.M).group(1))
         frames = float(re.search(r'^parley_frames_out_total\{protocol="moshi"\} (\S+)$', text, re.M).group(1))

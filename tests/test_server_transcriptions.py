@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import urllib.request
 
 import numpy as np
 import openai
@@ -92,6 +93,10 @@ def test_sdk_errors_name_the_parameter(stt):
         assert err.value.body["param"] == "response_format"
         # the server goes on
         assert c.audio.transcriptions.create(model="stt", file=("a.wav", wav)).text is not None
+        # /metrics: the pool's counters (engine/stt_pool.py slack_counters)
+        metrics = urllib.request.urlopen(f"http://{url}/metrics", timeout=10).read().decode()
+        assert "parley_engine_stt_completed_total 1.0" in metrics and "parley_engine_stt_slots 1.0" in metrics
+        assert "parley_engine_stt_live 0.0" in metrics and "parley_engine_stt_steps_total" in metrics
     with serve(app_with(None)) as url:
         with pytest.raises(openai.BadRequestError) as err:
             client(url).audio.transcriptions.create(model="stt", file=("a.wav", wav))

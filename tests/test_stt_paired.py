@@ -35,14 +35,20 @@ def speech_like(seed: int) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * rng.uniform(100, 400) * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
 
 
-def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None):
+def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None, in_frame: bool = True):
+    """in_frame: the STT steps inside the frame on its latent (backend side work), else after the
+    frame on the codes the frame encoded."""
     duplex, stt_dir = dirs
+    transcription = None
+    if paired:
+        transcription = PairedTranscription(load_stt_checkpoint(stt_dir, dtype=torch.float32), slots,
+                                            in_frame=in_frame)
     backend = ModelBackend(load_checkpoint(duplex, dtype=torch.float32), slots, seed=7,
-                           encode_codebooks=12 if paired else None, row_buckets=row_buckets)
+                           encode_codebooks=12 if paired and not in_frame else None, row_buckets=row_buckets,
+                           side_work=transcription.frame_work if transcription is not None else None)
     engine = Engine(backend, EngineConfig())
     if paired:
-        stt = load_stt_checkpoint(stt_dir, dtype=torch.float32)
-        engine.set_paired_transcription(PairedTranscription(stt, slots))
+        engine.set_paired_transcription(transcription)
 
     async def main():
         sessions = [engine.open_nowait(SessionOptions()) for _ in range(2)]  # sampled, fixed seed
@@ -55,9 +61,16 @@ def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None):
             transcript = engine.enable_transcription(sessions[0])
         engine.run_ticks(TICKS)
         frames = [[e for e in s.events.drain() if isinstance(e, FrameOut)] for s in sessions]
+        counters = engine.counters()
         sessions[0].close()
         engine.run_ticks(1)
         await asyncio.sleep(0)
+        if paired:  # /metrics: one row transcribed every tick
+            assert counters["stt_paired_live"] == 1 and counters["stt_paired_slots"] == slots
+            assert counters["stt_paired_steps"] == counters["stt_paired_rows_stepped"] == TICKS
+            assert counters["stt_paired_dropped"] == 0
+        else:
+            assert "stt_paired_live" not in counters
         return frames, transcript.drain() if paired else None
 
     result = asyncio.run(main())
@@ -65,9 +78,10 @@ def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None):
     return result
 
 
-def test_duplex_output_is_bit_identical_with_paired_transcription(dirs):
+@pytest.mark.parametrize("in_frame", [True, False])
+def test_duplex_output_is_bit_identical_with_paired_transcription(dirs, in_frame):
     plain, _ = run(dirs, paired=False)
-    frames, transcript = run(dirs, paired=True)
+    frames, transcript = run(dirs, paired=True, in_frame=in_frame)
     for a, b in zip(plain, frames):
         assert len(a) == len(b) == TICKS - 1
         for x, y in zip(a, b):
@@ -100,6 +114,22 @@ def test_enable_without_stt_model_names_it(dirs):
         with pytest.raises(OptionsError, match="speech-to-text"):
             engine.enable_transcription(session)
     asyncio.run(main())
+    engine.shutdown()
+
+
+def test_in_frame_transcription_needs_the_backend_side_work(dirs):
+    engine = Engine(ModelBackend(load_checkpoint(dirs[0], dtype=torch.float32), 1), EngineConfig())
+    stt = load_stt_checkpoint(dirs[1], dtype=torch.float32)
+    engine.set_paired_transcription(PairedTranscription(stt, 1, in_frame=True))
+
+    async def main():
+        session = engine.open_nowait(SessionOptions())
+        engine.run_ticks(1)
+        await session.ready
+        engine.enable_transcription(session)
+        engine.run_ticks(1)
+    asyncio.run(main())
+    assert not engine.healthy and "side_work=paired.frame_work" in engine.fatal_error
     engine.shutdown()
 
 

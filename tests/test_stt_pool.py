@@ -10,6 +10,7 @@ import torch
 
 from parley.engine import stt_pool
 from parley.engine.engine import Engine
+from parley.engine.slack import CostModel
 from parley.engine.config import EngineConfig
 from parley.engine.stream import Status, Terminal
 from parley.engine.stt_pool import SttBusy, SttInputError, SttPartial, SttPool
@@ -46,6 +47,14 @@ def expected_text(stt, pcm: np.ndarray) -> str:
         if out.valid[0]:
             dec.feed(int(out.text[0]), step)
     return dec.text
+
+
+def submitted(pool: SttPool, clip: np.ndarray):
+    """A request with all of `clip` fed and its input ended."""
+    request = pool.submit()
+    request.feed(clip)
+    request.end_input()
+    return request
 
 
 def collect(request) -> tuple[str, list, Terminal]:
@@ -135,4 +144,85 @@ def test_runs_as_engine_slack_work(stt):
         assert text.strip() == expected_text(stt, clip)
         assert engine.counters()["slack_items"] >= 1
         engine.shutdown()
+    asyncio.run(main())
+
+
+def test_one_request_runs_in_the_lowest_bucket(stt):
+    """A request in row 0 of a 4-row pool steps a 1-row bucket; the others' state is untouched,
+    and the transcript is the one a 1-row pool gives."""
+    async def main():
+        pool = SttPool(stt, slots=4)
+        clip = audio(0.6, 12)
+        request = submitted(pool, clip)
+        seen = []
+        real = pool.run_device
+        pool.run_device = lambda frames, run: seen.append(pool.bucket(i for i, f in enumerate(run) if f)) or real(
+            frames, run)
+        pool.run_until_idle()
+        await asyncio.sleep(0)
+        assert set(seen) == {1}
+        assert pool._state.offsets.tolist()[1:] == [0, 0, 0] and not pool._state.transformer.keys[0][1:].any()
+        assert collect(request)[0].strip() == expected_text(stt, clip)
+    asyncio.run(main())
+
+
+def test_counters_and_stop_end_requests_cleanly(stt):
+    """slack_counters report rows, queue and outcomes; slack_stop (a draining or stopping engine)
+    ends the running and the queued request with its terminal, and later submits are refused."""
+    async def main():
+        engine = Engine(DelayBackend(2), EngineConfig())
+        pool = SttPool(stt, slots=1)
+        engine.add_slack_source(pool)
+        submitted(pool, audio(0.3, 13))
+        engine.run_ticks(1)
+        running, queued = pool.submit(), pool.submit()
+        running.feed(audio(0.5, 14))  # no end_input: it would wait for more audio forever
+        engine.run_ticks(1)
+        counters = engine.counters()
+        assert counters["stt_live"] == 1 and counters["stt_slots"] == 1 and counters["stt_queued"] == 1
+        assert counters["stt_requests"] == 3 and counters["stt_completed"] == 1 and counters["stt_steps"] > 0
+        engine.shutdown()
+        await asyncio.sleep(0)
+        for request in (running, queued):
+            assert request.events.drain()[-1] == Terminal(Status.CANCELLED, "the engine is shutting down")
+        assert pool.slack_counters()["stt_cancelled"] == 2 and pool.live == 0
+        with pytest.raises(SttBusy, match="shutting down"):
+            pool.submit()
+    asyncio.run(main())
+
+
+def test_rows_the_slack_cannot_fit_count_as_starved(stt):
+    pool = SttPool(stt, slots=1)
+
+    async def main():
+        request = pool.submit()
+        request.feed(audio(0.5, 15))
+        pool.slack_started(1.0)
+        assert pool.offer(1.0, CostModel()) is not None  # admitted; its step does not run this tick
+        pool.slack_started(2.0)
+        pool.slack_started(3.0)
+        assert pool.counters["stt_starved"] == 1
+    asyncio.run(main())
+
+
+def test_live_request_refuses_audio_far_ahead_of_the_row(stt, monkeypatch):
+    """A live request (a realtime transcription session) holds at most LIVE_BACKLOG_S of audio not
+    yet stepped; more is refused and the request goes on. A live request is never queued, and it
+    gets a partial every step (the end-of-turn probability), text or not."""
+    monkeypatch.setattr(stt_pool, "LIVE_BACKLOG_S", 2)
+
+    async def main():
+        pool = SttPool(stt, slots=1)
+        live = pool.submit(live=True)
+        with pytest.raises(SttBusy):
+            pool.submit(live=True)  # its one row is spoken for
+        live.feed(audio(1.6, 16))  # 20 frames
+        with pytest.raises(SttInputError, match="real-time pace"):
+            live.feed(audio(0.8, 17))
+        pool.run_until_idle()  # the row steps what it has
+        live.feed(audio(0.8, 17))  # room again
+        await asyncio.sleep(0)
+        parts = live.events.drain()
+        assert len(parts) == stt.settings.prefix_frames + 20 and not any(isinstance(p, Terminal) for p in parts)
+        assert all(0 <= p.end_of_turn <= 1 for p in parts) and any(not p.text for p in parts)
     asyncio.run(main())

@@ -223,12 +223,21 @@ class Mimi(nn.Module):
                     num_codebooks: int | None = None) -> Tensor:
         """pcm [B, frame_size] float -> codes [B, num_codebooks] int64, one frame per row
         (`num_codebooks` overrides the configured count, up to `quantizer.levels`)."""
+        return self.quantize(self.encode_latent_step(pcm, state, exec_mask), num_codebooks)
+
+    @torch.no_grad()
+    def encode_latent_step(self, pcm: Tensor, state: MimiState, exec_mask: Tensor) -> Tensor:
+        """The first half of `encode_step`: pcm [B, frame_size] -> the latent [B, dim, 1] it quantizes."""
         if pcm.dim() != 2 or pcm.shape[-1] != self.frame_size:
             raise ValueError(f"encode_step takes pcm of shape [B, {self.frame_size}], got {tuple(pcm.shape)}")
         enc = state.encoder
         latent = self.encoder.step(pcm[:, None, :], enc.seanet, exec_mask)
         latent = self.encoder_transformer.step(latent, enc.transformer, exec_mask)
-        latent = self.downsample.step(latent, enc.downsample, exec_mask)
+        return self.downsample.step(latent, enc.downsample, exec_mask)
+
+    def quantize(self, latent: Tensor, num_codebooks: int | None = None) -> Tensor:
+        """The second half: latent [B, dim, 1] -> codes [B, num_codebooks] int64. Residual quantization
+        is sequential, so quantizing the same latent to more codebooks leaves the first ones as they are."""
         return self.quantizer.encode(latent, num_codebooks)[:, :, 0]
 
     @torch.no_grad()
