@@ -8,7 +8,8 @@ the CUDA-graphed frame) while the image queue keeps K text-to-image requests out
            voice done (tick start -> outputs on the host) p99, against the K = 0 run at that B
     images: denoise steps/s, images/min, time to first partial image (p50/max), against a
            standalone run (the same steps back to back, no voice, no clock)
-    slack:  image GPU time / tick time, estimator overruns, items past the boundary
+    slack:  image GPU time / tick time, estimator overruns, items past the boundary, and where
+            it went: items, ms per item and the estimate per image item kind (--breakdown)
 
     python benchmarks/diffusion_interference.py                       # H200: B 1,16,64 x K 0,1,4,16 x 512,1024
     python benchmarks/diffusion_interference.py --smoke --loads 0,1,2   # CPU: tiny models, checks it runs
@@ -173,12 +174,21 @@ async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int) 
 
     await asyncio.sleep(args.settle)  # sessions live, graphs warm
     c0, steps0, t_ticks = engine.counters(), queue.counts["images_denoise_steps"], len(clock.lateness)
+    by_key0 = engine.slack_by_key()
     done0 = len(backend.done)
     workers = [asyncio.create_task(keep_outstanding(w)) for w in range(load)]
     start = time.perf_counter()
     await asyncio.sleep(args.seconds)
     elapsed = time.perf_counter() - start
     c1, steps1 = engine.counters(), queue.counts["images_denoise_steps"]
+    breakdown = {}
+    for key, (items, seconds) in engine.slack_by_key().items():
+        items0, seconds0 = by_key0.get(key, (0, 0.0))
+        if key[0] == "image" and items > items0:
+            name = key[1] + (f"x{key[-1]}" if key[1] == "denoise" else "")
+            estimate = engine.slack_costs.estimate(key)
+            breakdown[name] = {"items": items - items0, "ms_per_item": 1e3 * (seconds - seconds0) / (items - items0),
+                               "estimate_ms": 1e3 * estimate if estimate is not None else None}
     lateness = [x * 1e3 for x in clock.lateness[t_ticks:]]
     voice_done = [x * 1e3 for x in backend.done[done0:]]
     for w in workers:
@@ -198,7 +208,8 @@ async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int) 
         "slack_used": (c1["slack_seconds"] - c0["slack_seconds"]) / max(ticks * args.tick, 1e-9),
         "overruns": c1["slack_overruns"] - c0["slack_overruns"],
         "past_boundary": c1["slack_past_boundary"] - c0["slack_past_boundary"],
-        "refused": refused[:120],
+        "stale_trials": c1["slack_stale_trials"] - c0["slack_stale_trials"],
+        "refused": refused[:120], "breakdown": breakdown,
     }
 
 
@@ -215,6 +226,7 @@ def main() -> None:
     parser.add_argument("--tick", type=float, default=None,
                         help="the voice clock's period (0.08; smoke 0.5: the tiny CPU frame alone takes ~0.1-0.3 s)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--breakdown", action="store_true", help="print where each scenario's slack went")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
     if not args.smoke and not torch.cuda.is_available():
@@ -252,6 +264,10 @@ def main() -> None:
                       f"{row['first_partial_p50_s']:.2f}/{row['first_partial_max_s']:.2f} | "
                       f"{100 * row['slack_used']:.0f} % | {row['overruns']} | {row['past_boundary']} |"
                       + (f" refused: {row['refused']}" if row["refused"] else ""), flush=True)
+                if args.breakdown and row["breakdown"]:
+                    print("    slack by item: " + ", ".join(
+                        f"{name} {v['items']} x {v['ms_per_item']:.1f} ms (est {v['estimate_ms']:.1f})"
+                        for name, v in sorted(row["breakdown"].items())), flush=True)
     print("standalone denoise steps/s (batch %d): %s" % (args.max_batch, {k: round(v, 1) for k, v in standalone.items()}))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "standalone_steps_per_s": standalone}, indent=1))

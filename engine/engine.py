@@ -105,7 +105,7 @@ class Engine:
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
                 "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
                 "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
-                "slack_stale_drops": stats.stale_drops,
+                "slack_stale_drops": stats.stale_drops, "slack_stale_trials": stats.stale_trials,
                 **self._slack.source_counters(),
                 **(self._paired.counters() if self._paired is not None else {})}
 
@@ -134,6 +134,10 @@ class Engine:
             raise OptionsError("no speech-to-text model is loaded (parley serve --stt-model), so the "
                                "user's audio cannot be transcribed.")
         return self._paired.enable(session.row, session.request_id, asyncio.get_running_loop())
+
+    def slack_by_key(self) -> dict:
+        """Slack items run and seconds spent per cost key so far (benchmarks: where the slack goes)."""
+        return {key: tuple(tally) for key, tally in list(self._slack.stats.by_key.items())}
 
     @property
     def slack_costs(self):
@@ -247,6 +251,8 @@ class Engine:
         self._serve(max_ticks=n)
 
     def _serve(self, max_ticks: int | None = None) -> None:
+        # Sources measure their work on this thread before the first tick (slack.py rule 2).
+        self._guarded(self._slack.prepare_sources)
         ticks = 0
         while (max_ticks is None or ticks < max_ticks) and self._healthy and self._clock.wait(self._stop):
             self._guarded(self._run_one_tick, deadline=self._clock.next_boundary())

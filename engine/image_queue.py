@@ -3,27 +3,31 @@
 An image is a sequence of work items, each run on the engine thread in a tick's slack and
 only when its estimated cost fits before the next boundary:
 
-    encode (prompt -> text conditioning, once per request; also starts the request's jobs)
+    encode  (prompt -> text conditioning, once per request; also starts the request's jobs)
     denoise (one step for a batch of jobs that share size and CFG; timesteps may differ)
-    preview (VAE decode of a job's current latents at evenly spaced steps: a partial image)
-    decode  (the final image)
+    preview (a cheap reduced-resolution decode of a job's latents at evenly spaced steps)
+    decode  (the final image; sizes larger than one VAE tile: one `tile` item per tile, then
+             a `blend` item, so no item grows with the image)
 
-Cost keys are ("image", kind, width, height[, cfg, batch]); `warm_up` measures the model's
-default size once before the engine starts (capturing its denoise steps as CUDA graphs, one
-per batch size, each on its own capture stream, on CUDA) and the measurements seed the
-runner's cost model on the first offer, so the first live tick does not pay for a first
-measurement.
+Cost keys are ("image", kind, width, height[, cfg, batch]). `warm_up` measures every key of
+a size before the engine starts (the model's default size unless told; it also captures the
+denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA);
+`slack_prepare` measures them once more on the engine thread before its first tick, since a
+thread's first library calls (cuBLAS and cuDNN handles, workspaces) cost far more than later
+ones. So no live item runs with an unmeasured key at a warmed size.
 
-Fairness: pending encodes first (cheap; a started job can join the next shared step), then
-the oldest job whose next item fits; a denoise step takes along every other job of the same
-bucket (oldest first, up to `max_batch`), shrinking the batch to what fits. An item that
-raises fails the request(s) it was for (every request of a shared denoise batch). Back-pressure: a job whose next item would push an event (preview, final image)
-waits while its request's stream has no room, so nothing is ever dropped and a slow client
-holds at most `stream_events` images in memory. Limits: at most `capacity` images wait or
-run (`ImageQueueFull`, with a retry hint); a size whose smallest item cannot fit in an
-empty tick's slack is refused (`ImageRefused`), at admission once it is known and by
-prediction from the default size before that. A cancelled request (client gone) is
-dropped, and its tensors freed, at the next offer.
+Order: pending encodes first (cheap; a started job can join the next shared step), then
+output items (previews and final decodes: the client waits for them, and a job in preview
+cannot join a denoise batch), then denoise steps: the oldest denoising job's bucket, taking
+along the bucket's other jobs (oldest first, up to `max_batch`), shrunk to what fits. The
+first of those that fits runs. An item that raises fails the request(s) it was for (every
+request of a shared denoise batch). Back-pressure: a job whose next item would push an event
+(preview, final image) waits while its request's stream has no room, so nothing is ever
+dropped and a slow client holds at most `stream_events` images in memory. Limits: at most
+`capacity` images wait or run (`ImageQueueFull`, with a retry hint); a size whose smallest
+item cannot fit in an empty tick's slack is refused (`ImageRefused`), at admission once it is
+known and by prediction from the warmed sizes before that. A cancelled request (client gone)
+is dropped, and its tensors freed, at the next offer.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Callable, Hashable
 import numpy as np
 import torch
 
-from parley.models.image_pipeline import Conditioning, ImageJob, ImageStepper
+from parley.models.image_pipeline import Conditioning, ImageJob, ImageStepper, TiledDecode
 
 from .cuda_graph import CUDAGraphRunner, GraphError
 from .slack import CostModel, Priority, SlackSource, WorkItem
@@ -119,6 +123,7 @@ class ImageRequest:
 
 
 ENCODE, DENOISE, PREVIEW, DECODE = "encode", "denoise", "preview", "decode"
+TILE, BLEND = "tile", "blend"  # a tiled final decode: one item per tile, then the blend
 
 
 @dataclass(eq=False)
@@ -129,6 +134,7 @@ class _Job:
     phase: str = ENCODE
     state: ImageJob | None = None
     previews_at: tuple[int, ...] = ()  # steps after which a preview is sent
+    tiles: TiledDecode | None = None  # a tiled final decode in progress
     partials_sent: int = 0
     order: int = field(default_factory=itertools.count().__next__)
 
@@ -151,7 +157,8 @@ class ImageQueue(SlackSource):
 
     def __init__(self, stepper: ImageStepper, max_slack_s: float, *, capacity: int = DEFAULT_CAPACITY,
                  max_batch: int = DEFAULT_MAX_BATCH, stream_events: int = 2, cuda_graphs: bool = True,
-                 graph_factory: Callable[..., Callable] = CUDAGraphRunner) -> None:
+                 graph_factory: Callable[..., Callable] = CUDAGraphRunner,
+                 now: Callable[[], float] = time.perf_counter) -> None:
         if capacity < 1 or max_batch < 1 or stream_events < 1:
             raise ValueError("capacity, max_batch and stream_events must be at least 1.")
         self.stepper = stepper
@@ -167,11 +174,14 @@ class ImageQueue(SlackSource):
         self._refused_sizes: dict[tuple[int, int], str] = {}
         self._jobs: list[_Job] = []  # engine thread only, oldest first
         self._warm: dict[Hashable, float] = {}  # warm-up costs, recorded into the runner's model once
+        self._warm_sizes: list[tuple[int, int, bool]] = []  # (width, height, cfg) measured by warm_up
+        self._step_s: float | None = None  # a batch-1 denoise step at the first warmed size (retry hints)
         self._per_pixel_s: float | None = None  # the costliest warm-up item per output pixel
         # Denoise steps as CUDA graphs, one per (width, height, cfg, batch) captured at warm-up,
         # each on its own capture stream; other buckets (and the CPU) run eagerly.
         self.cuda_graphs = cuda_graphs and stepper.device.type == "cuda"
         self._graph_factory = graph_factory
+        self._now = now  # the warm-up's timer (tests pass a fake one)
         self._graphs: dict[tuple, Callable] = {}  # denoise key -> replay
         self._graph_runners: list = []  # to free their memory pools (close_graphs)
         self.counts = {"images_submitted": 0, "images_completed": 0, "images_cancelled": 0,
@@ -188,38 +198,89 @@ class ImageQueue(SlackSource):
         return ("image", DECODE, width, height)
 
     @staticmethod
+    def preview_key(width: int, height: int) -> tuple:
+        return ("image", PREVIEW, width, height)
+
+    @staticmethod
+    def tile_key(width: int, height: int) -> tuple:
+        return ("image", TILE, width, height)  # every tile of this size: the largest sets the estimate
+
+    @staticmethod
+    def blend_key(width: int, height: int) -> tuple:
+        return ("image", BLEND, width, height)
+
+    @staticmethod
     def encode_key() -> tuple:
         return ("image", ENCODE)
 
     # ---- start-up ----
 
     def warm_up(self, width: int | None = None, height: int | None = None, cfg: bool = True) -> dict:
-        """Run every item kind once (denoise at each batch size) at one size, before the engine
-        starts, so live ticks start with estimates. Returns the measured seconds per key."""
+        """Measure every item kind at one size (denoise at each batch size; the model's default
+        size unless told), capturing the denoise graphs, before the engine starts; call once per
+        size to serve. Returns the measured seconds per key."""
         st = self.stepper
-        width, height = width or st.default_size, height or st.default_size
+        size = (width or st.default_size, height or st.default_size, cfg)
+        measured = self._measure(*size, repeats=2, capture=self.cuda_graphs)
+        if size not in self._warm_sizes:
+            self._warm_sizes.append(size)
+        self._warm.update(measured)
+        w, h, _ = size
+        if self._step_s is None:
+            self._step_s = measured[self.denoise_key(w, h, cfg, 1)]
+        worst = measured[self.denoise_key(w, h, cfg, 1)]  # the one item no size can split
+        if not st.tiled(w, h):
+            worst = max(worst, measured[self.decode_key(w, h)])
+        per_pixel = worst / (w * h)
+        self._per_pixel_s = per_pixel if self._per_pixel_s is None else max(self._per_pixel_s, per_pixel)
+        return measured
+
+    def slack_prepare(self, costs: CostModel) -> None:
+        """On the engine thread, before its first tick: record the warm-up costs, then run every
+        warmed key here twice and record the second round only (a thread's first cuBLAS/cuDNN
+        calls are cold: recorded, they would keep every key from fitting for a long while)."""
+        self._seed(costs)
+        for width, height, cfg in self._warm_sizes:
+            for key, seconds in self._measure(width, height, cfg, repeats=2, capture=False).items():
+                costs.record(key, seconds)
+
+    def _seed(self, costs: CostModel) -> None:
+        for key, seconds in self._warm.items():
+            costs.record(key, seconds)
+        self._warm = {}
+
+    def _measure(self, width: int, height: int, cfg: bool, repeats: int, capture: bool) -> dict:
+        """Run each item kind of one size `repeats` times; the last round's seconds per key (the
+        first call pays one-off allocation and dispatch costs; for tiles, the largest tile)."""
+        st = self.stepper
         measured: dict[Hashable, float] = {}
 
-        def timed(key, fn):
-            for _ in range(2):  # the first call pays one-off allocation and dispatch costs
-                start = time.perf_counter()
-                out = fn()
-                synchronize(st)
-                measured[key] = time.perf_counter() - start
+        def timed(key, fn, keep_max: bool = False):
+            start = self._now()
+            out = fn()
+            synchronize(st)
+            spent = self._now() - start
+            measured[key] = max(spent, measured[key]) if keep_max and key in measured else spent
             return out
 
-        cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg))
-        for b in range(1, self.max_batch + 1):
-            key = self.denoise_key(width, height, cfg, b)
-            jobs = [st.start(cond, width, height, 5, 5.0, i) for i in range(b)]
-            if self.cuda_graphs:
-                self._capture(key, jobs)
-            timed(key, lambda: st.denoise(jobs, predict=self._graphs.get(key)))
-        job = st.start(cond, width, height, 4, 5.0, 0)
-        timed(self.decode_key(width, height), lambda: st.decode(job.latents))
-        self._warm.update(measured)
-        worst = max(measured[self.denoise_key(width, height, cfg, 1)], measured[self.decode_key(width, height)])
-        self._per_pixel_s = worst / (width * height)
+        for _ in range(repeats):
+            measured.clear()
+            cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg))
+            for b in range(1, self.max_batch + 1):
+                key = self.denoise_key(width, height, cfg, b)
+                jobs = [st.start(cond, width, height, 5, 5.0, i) for i in range(b)]
+                if capture and key not in self._graphs:
+                    self._capture(key, jobs)
+                timed(key, lambda: st.denoise(jobs, predict=self._graphs.get(key)))
+            latents = st.start(cond, width, height, 4, 5.0, 0).latents
+            timed(self.preview_key(width, height), lambda: st.to_uint8(st.preview(latents)))
+            if not st.tiled(width, height):
+                timed(self.decode_key(width, height), lambda: st.to_uint8(st.decode(latents)))
+                continue
+            tiles = st.tiled_decode(latents)
+            while not tiles.done:
+                timed(self.tile_key(width, height), tiles.step, keep_max=True)
+            timed(self.blend_key(width, height), lambda: st.to_uint8(tiles.image()))
         return measured
 
     def _capture(self, key: tuple, jobs: list[ImageJob]) -> None:
@@ -310,7 +371,7 @@ class ImageQueue(SlackSource):
         return None
 
     def _retry_after(self, spec: ImageSpec) -> int:
-        step = self._warm.get(self.denoise_key(self.stepper.default_size, self.stepper.default_size, True, 1))
+        step = self._step_s
         if step is None:
             return 1
         # Each image in the queue needs its steps; assume images get about half of each tick.
@@ -324,28 +385,37 @@ class ImageQueue(SlackSource):
     # ---- the slack source (engine thread) ----
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
-        if self._warm:
-            for key, seconds in self._warm.items():
-                costs.record(key, seconds)
-            self._warm = {}
+        if self._warm:  # (no slack_prepare: an engine driven by hand, e.g. run_ticks in tests)
+            self._seed(costs)
         self._intake()
         self._drop_ended()
         first: WorkItem | None = None
-        # Encodes first (cheap, and a started job can join the next shared denoise batch), then
-        # the oldest job whose item fits.
-        for job in sorted(self._jobs, key=lambda j: j.phase != ENCODE):
-            item = self._item_for(job, left_s, costs)
-            if item is None:
-                continue
+        for item in self._candidates(left_s, costs):
             estimate = costs.estimate(item.key, item.units)
             if (left_s is not None and item.key[1] != ENCODE and estimate is not None
                     and estimate > self.max_slack_s):  # (manual mode, left_s None, runs anything)
-                self._refuse_size(job, item.key, estimate)
-                return self.offer(left_s, costs)  # that job is gone; look again
+                self._refuse_size(item.key[2], item.key[3], item.key, estimate)
+                return self.offer(left_s, costs)  # that size's jobs are gone; look again
             if left_s is None or estimate is None or estimate <= left_s:
                 return item  # fits (or unknown: the runner runs it only as a tick's first item)
             first = first or item
         return first  # nothing fits: the runner will decline it, and the next tick tries again
+
+    def _candidates(self, left_s: float | None, costs: CostModel):
+        """Every job's next item, in the order they should run (the module docstring's Order)."""
+        for job in self._jobs:
+            if job.phase == ENCODE:
+                spec = job.request.spec
+                units = self.stepper.encode_units(spec.negative, self.stepper.cfg_for(spec.guidance))
+                yield WorkItem(self.encode_key(), lambda job=job: self._encode(job), self._failer([job]), units=units)
+        for job in self._jobs:
+            if job.phase in (PREVIEW, DECODE) and job.request.events.room() > 0:  # else back-pressure
+                yield self._output_item(job)
+        buckets = set()
+        for job in self._jobs:
+            if job.phase == DENOISE and job.bucket not in buckets:
+                buckets.add(job.bucket)
+                yield self._denoise_item(job, left_s, costs)
 
     def _intake(self) -> None:
         with self._lock:
@@ -366,7 +436,7 @@ class ImageQueue(SlackSource):
         alive = [j for j in request.jobs if j in self._jobs]
         self._jobs = [j for j in self._jobs if j.request is not request]
         for job in request.jobs:
-            job.state = None
+            job.state = job.tiles = None
         request.cond = None
         with self._lock:
             self._live.discard(request)
@@ -374,15 +444,18 @@ class ImageQueue(SlackSource):
             if counter:
                 self.counts[counter] += len(alive)
 
-    def _item_for(self, job: _Job, left_s: float | None, costs: CostModel) -> WorkItem | None:
-        spec = job.request.spec
-        if job.phase == ENCODE:
-            return WorkItem(self.encode_key(), lambda: self._encode(job), self._failer([job]))
-        if job.phase in (PREVIEW, DECODE):
-            if job.request.events.room() <= 0:
-                return None  # back-pressure: the client has not taken the last image yet
-            run = self._preview if job.phase == PREVIEW else self._decode
-            return WorkItem(self.decode_key(spec.width, spec.height), lambda: run(job), self._failer([job]))
+    def _output_item(self, job: _Job) -> WorkItem:
+        spec, fail = job.request.spec, self._failer([job])
+        if job.phase == PREVIEW:
+            return WorkItem(self.preview_key(spec.width, spec.height), lambda: self._preview(job), fail)
+        if not self.stepper.tiled(spec.width, spec.height):
+            return WorkItem(self.decode_key(spec.width, spec.height), lambda: self._decode(job), fail)
+        if job.tiles is None or not job.tiles.done:
+            return WorkItem(self.tile_key(spec.width, spec.height), lambda: self._tile(job), fail)
+        return WorkItem(self.blend_key(spec.width, spec.height), lambda: self._blend(job), fail)
+
+    def _denoise_item(self, job: _Job, left_s: float | None, costs: CostModel) -> WorkItem:
+        """One step for the oldest jobs of `job`'s bucket (`job` first), as many as fit."""
         peers = [j for j in self._jobs if j.phase == DENOISE and j.bucket == job.bucket]
         batch = self._batch_size(job, len(peers[:self.max_batch]), left_s, costs)
         chosen = [job] + [j for j in peers if j is not job][:batch - 1]
@@ -416,16 +489,17 @@ class ImageQueue(SlackSource):
                 self._end(request, "images_failed")
         return fail
 
-    def _refuse_size(self, job: _Job, key: tuple, estimate: float) -> None:
-        spec = job.request.spec
-        reason = (f"size {spec.width}x{spec.height} is too large for this server: a {key[1]} item takes "
+    def _refuse_size(self, width: int, height: int, key: tuple, estimate: float) -> None:
+        """An item of this size can never fit: fail its requests and refuse the size from now on."""
+        reason = (f"size {width}x{height} is too large for this server: a {key[1]} item takes "
                   f"{estimate * 1e3:.0f} ms, more than the {self.max_slack_s * 1e3:.0f} ms a tick can spare; "
                   "ask for a smaller size.")
-        log.warning("refusing images of %dx%d from now on: %s", spec.width, spec.height, reason)
+        log.warning("refusing images of %dx%d from now on: %s", width, height, reason)
         with self._lock:
-            self._refused_sizes[(spec.width, spec.height)] = reason
-        job.request.events.finish(Terminal(Status.FAILED, reason))
-        self._end(job.request, "images_failed")
+            self._refused_sizes[(width, height)] = reason
+        for request in {j.request for j in self._jobs if (j.request.spec.width, j.request.spec.height) == (width, height)}:
+            request.events.finish(Terminal(Status.FAILED, reason))
+            self._end(request, "images_failed")
 
     # ---- the items ----
 
@@ -449,18 +523,27 @@ class ImageQueue(SlackSource):
             elif j.state.step in j.previews_at:
                 j.phase = PREVIEW
 
-    def _pixels(self, job: _Job) -> np.ndarray:
-        return self.stepper.to_uint8(self.stepper.decode(job.state.latents))[0]
-
     def _preview(self, job: _Job) -> None:
-        job.request.events.push(ImagePartial(job.index, job.partials_sent, self._pixels(job)))
+        pixels = self.stepper.to_uint8(self.stepper.preview(job.state.latents))[0]
+        job.request.events.push(ImagePartial(job.index, job.partials_sent, pixels))
         job.partials_sent += 1
         job.phase = DENOISE
 
     def _decode(self, job: _Job) -> None:
+        self._finish(job, self.stepper.to_uint8(self.stepper.decode(job.state.latents))[0])
+
+    def _tile(self, job: _Job) -> None:
+        if job.tiles is None:
+            job.tiles = self.stepper.tiled_decode(job.state.latents)
+        job.tiles.step()
+
+    def _blend(self, job: _Job) -> None:
+        self._finish(job, self.stepper.to_uint8(job.tiles.image())[0])
+
+    def _finish(self, job: _Job, pixels: np.ndarray) -> None:
         request = job.request
-        request.events.push(ImageResult(job.index, self._pixels(job), job.seed))
-        job.state = None
+        request.events.push(ImageResult(job.index, pixels, job.seed))
+        job.state = job.tiles = None
         self._jobs.remove(job)
         request.remaining -= 1
         with self._lock:

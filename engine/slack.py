@@ -10,9 +10,12 @@ boundary (minus a guard). The rules, one per concern:
    fits in the time left, then asks again from the top, until nothing fits.
 2. A cost estimate is the maximum of the last `COST_WINDOW` observed costs for the
    item's key, per unit of work (a prefill chunk's unit is one prompt frame, a graphed
-   step's is the step). Sources should seed their keys with a warm-up at start; an item
-   whose key has no estimate yet runs only as the first item of a tick's slack (so a
-   first measurement can cost at most one unknown item a tick).
+   step's is the step). Sources should seed their keys with a warm-up at start, and measure
+   them once more on the engine thread in `slack_prepare` (called there before the first
+   tick: a thread's first cuBLAS/cuDNN calls create handles and workspaces, so a key warmed on
+   another thread runs cold once here). An item whose key has no estimate yet runs only as
+   the first item of a tick's slack (so a first measurement can cost at most one unknown
+   item a tick).
 3. A source may mark an item `forced`: it runs as the first item of a tick even when it
    does not fit. Only admission progress uses this (a prompt must advance even when the
    frame leaves no slack); everything else waits.
@@ -21,10 +24,13 @@ boundary (minus a guard). The rules, one per concern:
    after the boundary is counted too (`/metrics`).
 5. A stale estimate heals: when a key's items were offered and declined (not fitting) for
    `STALE_TICKS` ticks in a row and its largest observation is an outlier (more than twice
-   the next largest), that observation is dropped, so one cold call or GC pause cannot keep a
-   source from ever running again. A key whose costs agree keeps them: an item that truly does
-   not fit still waits (its source must split or refuse it), and an item still starts only
-   when its estimate fits.
+   the next largest), the key goes on trial: its next item may run on the next-largest cost,
+   but only as the first item of a tick (the whole slack free, so even a repeat of a slow call
+   has the most room before the boundary). If the trial costs at most half the outlier, the
+   outlier is dropped (it was one cold call or GC pause, which must not keep a source from
+   ever running again); if not, the outlier stays and the key waits again. A key whose costs
+   agree keeps them: an item that truly does not fit still waits (its source must split or
+   refuse it), and an item still starts only when its estimate fits.
 6. Failure containment: an exception from an item is that item's request's failure
    (`WorkItem.fail`), unless it leaves shared device state unknown (a CUDA error), which
    is fatal and propagates to the engine.
@@ -35,7 +41,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 import torch
@@ -82,6 +88,10 @@ class SlackSource:
     def slack_started(self, deadline: float | None) -> None:
         """Once at the start of each tick's slack, before any offer (per-tick accounting)."""
 
+    def slack_prepare(self, costs: "CostModel") -> None:
+        """Once on the engine thread before its first clocked tick: measure this source's keys
+        there and record them in `costs` (rule 2)."""
+
     def slack_stop(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): end every request with `terminal`."""
 
@@ -91,28 +101,48 @@ class SlackSource:
 
 
 class CostModel:
-    """Per-key cost estimates: the maximum of the last COST_WINDOW costs per unit."""
+    """Per-key cost estimates: the maximum of the last COST_WINDOW costs per unit (for a key on
+    trial, rule 5, the next largest)."""
 
     def __init__(self, window: int = COST_WINDOW) -> None:
         self._seen: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self._trials: dict[Hashable, float] = {}  # key on trial -> its outlier cost per unit
 
     def estimate(self, key: Hashable, units: int = 1) -> float | None:
         seen = self._seen.get(key)
-        return max(seen) * units if seen else None
+        if not seen:
+            return None
+        if key in self._trials:
+            return sorted(seen, reverse=True)[1] * units
+        return max(seen) * units
+
+    def on_trial(self, key: Hashable) -> bool:
+        return key in self._trials
+
+    def start_trial(self, key: Hashable) -> bool:
+        """Put `key` on trial if its largest cost is an outlier (more than twice the next)."""
+        seen = self._seen.get(key)
+        if key in self._trials or not seen or len(seen) < 2:
+            return False
+        worst, second = sorted(seen, reverse=True)[:2]
+        if worst <= 2 * second:
+            return False
+        self._trials[key] = worst
+        return True
+
+    def end_trial(self, key: Hashable, seconds: float, units: int = 1) -> bool:
+        """Record the trial's cost; drop the outlier if the trial cost at most half of it."""
+        worst = self._trials.pop(key)
+        per_unit = seconds / max(units, 1)
+        seen = self._seen[key]
+        dropped = per_unit <= worst / 2 and worst in seen
+        if dropped:
+            seen.remove(worst)
+        seen.append(per_unit)
+        return dropped
 
     def record(self, key: Hashable, seconds: float, units: int = 1) -> None:
         self._seen[key].append(seconds / max(units, 1))
-
-    def drop_outlier(self, key: Hashable) -> bool:
-        """Forget the largest observation of `key` if it is more than twice the next largest."""
-        seen = self._seen.get(key)
-        if not seen or len(seen) < 2:
-            return False
-        worst, *rest = sorted(seen, reverse=True)
-        if worst <= 2 * rest[0]:
-            return False
-        seen.remove(worst)
-        return True
 
 
 def fatal_for_device(exc: BaseException) -> bool:
@@ -132,7 +162,9 @@ class SlackStats:
     overruns: int = 0  # items that took longer than their estimate
     past_boundary: int = 0  # items that ended after the next tick's boundary
     failed: int = 0  # items whose request failed
-    stale_drops: int = 0  # outlier costs dropped from keys declined STALE_TICKS in a row (rule 5)
+    stale_drops: int = 0  # outlier costs dropped after a trial of a stale key (rule 5)
+    stale_trials: int = 0  # trial items of stale keys (rule 5)
+    by_key: dict = field(default_factory=dict)  # key -> [items, seconds] (as many keys as the cost model)
 
 
 class SlackRunner:
@@ -161,6 +193,18 @@ class SlackRunner:
             out.update(source.slack_counters())
         return out
 
+    def prepare_sources(self) -> None:
+        """On the engine thread before its first clocked tick: each source measures its keys
+        (rule 2). A source whose warm-up raises keeps its earlier estimates (a CUDA error is fatal)."""
+        for source in self._sources:
+            try:
+                source.slack_prepare(self.costs)
+            except Exception as exc:
+                if fatal_for_device(exc):
+                    raise
+                log.warning("slack source %s could not measure its work on the engine thread: %s: %s",
+                            type(source).__name__, type(exc).__name__, exc)
+
     def add_source(self, source: SlackSource) -> None:
         self._sources.append(source)
         self._sources.sort(key=lambda s: s.priority)  # stable: equal priorities keep their order
@@ -182,13 +226,13 @@ class SlackRunner:
         self._age_declined(declined - ran)
 
     def _age_declined(self, declined: set[Hashable]) -> None:
-        """Rule 5: count the ticks in a row each key was declined; at STALE_TICKS drop an outlier cost."""
+        """Rule 5: count the ticks in a row each key was declined; at STALE_TICKS a key whose
+        largest cost is an outlier goes on trial."""
         self._declined = {key: self._declined.get(key, 0) + 1 for key in declined}
         for key, ticks in list(self._declined.items()):
             if ticks >= STALE_TICKS:
                 del self._declined[key]
-                if self.costs.drop_outlier(key):
-                    self.stats.stale_drops += 1
+                self.costs.start_trial(key)
 
     def _next_fitting(self, deadline: float | None, first: bool, declined: set[Hashable]) -> WorkItem | None:
         left = None if deadline is None else deadline - self.guard_s - self._now()
@@ -202,6 +246,9 @@ class SlackRunner:
             if estimate is None or item.forced:
                 if first:
                     return item
+            elif self.costs.on_trial(item.key):
+                if first and estimate <= left:
+                    return item  # a trial runs only with the whole slack free (rule 5)
             elif estimate <= left:
                 return item
             else:
@@ -211,6 +258,7 @@ class SlackRunner:
 
     def _run(self, item: WorkItem, deadline: float | None) -> None:
         estimate = self.costs.estimate(item.key, item.units)
+        trial = self.costs.on_trial(item.key)
         start = self._now()
         try:
             item.run()
@@ -224,10 +272,17 @@ class SlackRunner:
             return
         end = self._now()
         spent = end - start
-        self.costs.record(item.key, spent, item.units)
         stats = self.stats
+        if trial:
+            stats.stale_trials += 1
+            stats.stale_drops += self.costs.end_trial(item.key, spent, item.units)
+        else:
+            self.costs.record(item.key, spent, item.units)
         stats.items += 1
         stats.seconds += spent
+        tally = stats.by_key.setdefault(item.key, [0, 0.0])
+        tally[0] += 1
+        tally[1] += spent
         if estimate is not None and spent > estimate:
             stats.overruns += 1
         if deadline is not None and end > deadline:

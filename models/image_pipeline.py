@@ -11,6 +11,11 @@ the pipeline's *components* itself, in the same order and with the same arithmet
     while not job.done: stepper.denoise([job, other, ...])  # one step each, batched
     image = stepper.to_uint8(stepper.decode(job.latents))   # VAE, then 0..255 HWC
 
+Latents larger than one VAE tile decode in tiles, one call per tile, so no single call grows
+with the image (`stepper.tiled_decode(latents)`: diffusers' `AutoencoderKL.tiled_decode`,
+split); `stepper.preview(latents)` is a cheap look at unfinished latents (decoded at reduced
+resolution, then upsampled).
+
 Each job owns a deep copy of the pipeline's scheduler (schedulers are stateful: step index,
 multistep history; `from_config` would also lose the patched `steps_offset`) and a CPU
 generator (device-independent noise). A batched `denoise` concatenates jobs at *different*
@@ -26,12 +31,14 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers.utils import logging as hf_logging
 
 # diffusers imports transformers' image processors (for safety checkers we do not load); without
@@ -125,6 +132,10 @@ class ImageStepper:
         """Whether `pipe()` would run classifier-free guidance at this guidance scale."""
         return guidance > 1.0
 
+    def encode_units(self, negative: str | None, cfg: bool) -> int:
+        """The work `encode` will do, in units of a warmed encode (for cost estimates)."""
+        return 1
+
     # ---- the steps ----
 
     @torch.no_grad()
@@ -179,18 +190,119 @@ class ImageStepper:
         """The denoiser on a batch: latents, per-row timesteps, text embeddings (+ pooled)."""
         raise NotImplementedError
 
+    # ---- VAE: whole, in tiles, or a cheap preview ----
+
+    def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents as the VAE decoder takes them (unscaled, unshifted)."""
+        return latents / self.pipe.vae.config.scaling_factor
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """VAE decode to an image tensor in the VAE's range (about -1..1), NCHW."""
-        raise NotImplementedError
+        return self.pipe.vae.decode(self.vae_input(latents), return_dict=False)[0]
+
+    @property
+    def vae_tile(self) -> int:
+        """Latent cells per side of one VAE tile (diffusers' `tile_latent_min_size`)."""
+        return self.pipe.vae.tile_latent_min_size
+
+    def tiled(self, width: int, height: int) -> bool:
+        """Whether images of this size decode in tiles (their latents exceed one tile)."""
+        return max(width, height) // self.pipe.vae_scale_factor > self.vae_tile
+
+    def tiled_decode(self, latents: torch.Tensor) -> "TiledDecode":
+        return TiledDecode(self.pipe.vae, self.vae_input(latents))
+
+    @torch.no_grad()
+    def preview(self, latents: torch.Tensor) -> torch.Tensor:
+        """A cheap image of unfinished latents, NCHW at full size: the latents are area-averaged
+        to at most half their side (and at most one VAE tile), decoded, and upsampled, so a
+        preview costs at most a quarter of a full decode and never more than one tile."""
+        h, w = latents.shape[-2:]
+        shrink = max(2, math.ceil(max(h, w) / self.vae_tile))
+        small = F.interpolate(latents, size=(max(1, h // shrink), max(1, w // shrink)), mode="area")
+        image = self.pipe.vae.decode(self.vae_input(small), return_dict=False)[0]
+        scale = self.pipe.vae_scale_factor
+        return F.interpolate(image, size=(h * scale, w * scale), mode="bilinear", align_corners=False)
 
     def postprocess(self, image: torch.Tensor) -> np.ndarray:
         """As `pipe(output_type="np")`: float32 NHWC in 0..1."""
         return self.pipe.image_processor.postprocess(image, output_type="np")
 
     def to_uint8(self, image: torch.Tensor) -> np.ndarray:
-        """NHWC uint8, rounded like `pipe(output_type="pil")`."""
-        return (self.postprocess(image) * 255).round().astype(np.uint8)
+        """NHWC uint8, rounded like `pipe(output_type="pil")`; the rounding runs on the image's
+        device (the same float32 arithmetic), so only uint8 pixels cross to the host."""
+        pixels = self.pipe.image_processor.postprocess(image, output_type="pt")
+        return (pixels.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+class TiledDecode:
+    """A VAE decode in overlapping tiles, one `step()` per tile, then `image()` blends them:
+    the tiles and arithmetic of diffusers' `AutoencoderKL.tiled_decode`, split so that each
+    tile can run as its own bounded piece of work (the blend is vectorised: one op per seam
+    instead of one per pixel row)."""
+
+    def __init__(self, vae, z: torch.Tensor) -> None:
+        self.vae, self.z = vae, z
+        size = vae.tile_latent_min_size
+        stride = int(size * (1 - vae.tile_overlap_factor))
+        self.rows = len(range(0, z.shape[2], stride))
+        self.cols = len(range(0, z.shape[3], stride))
+        self.origins = [(i, j) for i in range(0, z.shape[2], stride) for j in range(0, z.shape[3], stride)]
+        self.decoded: list[torch.Tensor] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.decoded) == len(self.origins)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Decode the next tile."""
+        i, j = self.origins[len(self.decoded)]
+        size = self.vae.tile_latent_min_size
+        tile = self.z[:, :, i:i + size, j:j + size]
+        if self.vae.config.use_post_quant_conv:
+            tile = self.vae.post_quant_conv(tile)
+        self.decoded.append(self.vae.decoder(tile))
+
+    @torch.no_grad()
+    def image(self) -> torch.Tensor:
+        """The blended image (after every tile is decoded)."""
+        if not self.done:
+            raise RuntimeError("TiledDecode.image() before every tile was decoded.")
+        blend = int(self.vae.tile_sample_min_size * self.vae.tile_overlap_factor)
+        limit = self.vae.tile_sample_min_size - blend
+        tiles = [t.clone() for t in self.decoded]  # the blend writes in place: image() stays repeatable
+        rows = [tiles[r * self.cols:(r + 1) * self.cols] for r in range(self.rows)]
+        out_rows = []
+        for i, row in enumerate(rows):
+            out = []
+            for j, tile in enumerate(row):
+                if i > 0:
+                    _blend(rows[i - 1][j], tile, blend, dim=2)
+                if j > 0:
+                    _blend(row[j - 1], tile, blend, dim=3)
+                out.append(tile[:, :, :limit, :limit])
+            out_rows.append(torch.cat(out, dim=3))
+        return torch.cat(out_rows, dim=2)
+
+
+def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
+    """`b`'s first `extent` rows (dim 2) or columns (dim 3) fade in from `a`'s last ones, in
+    place: diffusers' blend_v / blend_h with the per-row Python scalars as one float32 ramp
+    (each product rounded to the tensor's dtype, then summed, as the scalar ops round)."""
+    extent = min(a.shape[dim], b.shape[dim], extent)
+    if extent == 0:
+        return
+    ramp = torch.tensor([y / extent for y in range(extent)], dtype=torch.float64)
+    shape = [1, 1, 1, 1]
+    shape[dim] = extent
+    w_b = ramp.to(torch.float32).reshape(shape).to(b.device)
+    w_a = (1 - ramp).to(torch.float32).reshape(shape).to(b.device)
+    head = b.narrow(dim, 0, extent)
+    faded = (a.narrow(dim, a.shape[dim] - extent, extent).float() * w_a).to(b.dtype)
+    kept = (head.float() * w_b).to(b.dtype)
+    head.copy_((faded.float() + kept.float()).to(b.dtype))
 
 
 class UNetStepper(ImageStepper):
@@ -205,20 +317,40 @@ class UNetStepper(ImageStepper):
     def cfg_for(self, guidance: float) -> bool:
         return guidance > 1.0 and self.pipe.unet.config.time_cond_proj_dim is None
 
+    NEGATIVES_CACHED = 16  # negative prompts whose embeddings are kept (most requests send none)
+
+    def __init__(self, pipe: DiffusionPipeline, name: str = "") -> None:
+        super().__init__(pipe, name)
+        self._negatives: dict[str, torch.Tensor] = {}  # negative prompt -> embeddings, oldest first
+
     @torch.no_grad()
     def encode(self, prompt: str, negative: str | None, cfg: bool) -> Conditioning:
-        pe, npe = self.pipe.encode_prompt(prompt, self.device, 1, cfg, negative)
-        return Conditioning(torch.cat([npe, pe]) if cfg else pe)
+        if not cfg:
+            return Conditioning(self.pipe.encode_prompt(prompt, self.device, 1, False)[0])
+        # The negative ("" when none) is encoded the way pipe() encodes it (the same tokenizer
+        # padding and text-encoder call) once, then reused: one text-encoder pass per request.
+        pe, npe = self.pipe.encode_prompt(prompt, self.device, 1, True,
+                                          negative_prompt_embeds=self._negative(negative or ""))
+        return Conditioning(torch.cat([npe, pe]))
+
+    def encode_units(self, negative, cfg):
+        return 2 if cfg and (negative or "") not in self._negatives else 1  # + the negative's pass
+
+    def _negative(self, text: str) -> torch.Tensor:
+        cache = self._negatives
+        embeds = cache.pop(text, None)
+        if embeds is None:
+            embeds = self.pipe.encode_prompt(text, self.device, 1, False)[0]
+        cache[text] = embeds  # most recent last
+        while len(cache) > self.NEGATIVES_CACHED:
+            del cache[next(iter(cache))]
+        return embeds
 
     def _model_input(self, job: ImageJob, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return job.scheduler.scale_model_input(x, t)
 
     def predict(self, x, t, emb, pooled=None):
         return self.pipe.unet(x, t, encoder_hidden_states=emb, return_dict=False)[0]
-
-    @torch.no_grad()
-    def decode(self, latents):
-        return self.pipe.vae.decode(latents / self.pipe.vae.config.scaling_factor, return_dict=False)[0]
 
 
 class FlowStepper(ImageStepper):
@@ -259,10 +391,9 @@ class FlowStepper(ImageStepper):
         return self.pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb,
                                      pooled_projections=pooled, return_dict=False)[0]
 
-    @torch.no_grad()
-    def decode(self, latents):
+    def vae_input(self, latents):
         vae = self.pipe.vae
-        return vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor, return_dict=False)[0]
+        return latents / vae.config.scaling_factor + vae.config.shift_factor
 
 
 STEPPERS: dict[str, tuple[type[DiffusionPipeline], type[ImageStepper], dict]] = {

@@ -101,3 +101,30 @@ def test_loading_something_else_says_what_is_supported(tmp_path):
     (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
     with pytest.raises(ImagePipelineError, match="supported pipelines: StableDiffusionPipeline"):
         load_image_pipeline(str(tmp_path / "other"))
+
+
+def test_sd_negative_prompts_are_encoded_once_and_images_still_equal_pipe():
+    """CFG needs the negative prompt's embeddings (of "" when none): encoded once, then reused,
+    so a request costs one text-encoder pass; the image is still pipe()'s bit for bit."""
+    st = stepper_for(tiny_pipeline("sd"))
+    size = st.default_size
+    calls = []
+    hook = st.pipe.text_encoder.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        passes = []
+        for prompt, negative in (("a red cat", "blurry"), ("a dog", "blurry"), ("a dog", None), ("a cat", None)):
+            before = len(calls)
+            units = st.encode_units(negative, True)
+            cond = st.encode(prompt, negative, True)
+            assert units == len(calls) - before  # the queue's cost estimate scales with it
+            passes.append(len(calls) - before)
+            job = st.start(cond, size, size, 3, 5.0, 3)
+            while not job.done:
+                st.denoise([job])
+            ours = st.postprocess(st.decode(job.latents))
+            ref = st.pipe(prompt, negative_prompt=negative, num_inference_steps=3, guidance_scale=5.0, height=size,
+                          width=size, generator=torch.Generator().manual_seed(3), output_type="np").images
+            assert np.array_equal(ours, ref), (prompt, negative)
+    finally:
+        hook.remove()
+    assert passes == [2, 1, 2, 1]  # a new negative costs one more pass, a known one none

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
+import time
 import weakref
 
 import numpy as np
 import pytest
 import torch
 
+from parley.engine.clocked_stepper import DEFAULT_COSTS, ClockedStepper
 from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageResult,
                                        ImageSpec, preview_steps)
 from parley.engine.slack import SlackRunner
@@ -30,41 +33,9 @@ def sd():
     return stepper_for(tiny_pipeline("sd"))
 
 
-class ClockedStepper:
-    """The real tiny stepper, but each call advances a fake clock by a scripted cost and logs
-    (start time, kind, cost), so the test can check every item against its deadline."""
-
-    COSTS = {"encode": 0.004, "denoise": 0.010, "decode": 0.030}  # denoise: +0.004 per extra row
-
-    def __init__(self, inner, clock: FakeClock) -> None:
-        self.inner, self.clock, self.log = inner, clock, []
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _spend(self, kind: str, cost: float) -> None:
-        self.log.append((self.clock.t, kind, cost))
-        self.clock.t += cost
-
-    def encode(self, prompt, negative, cfg):
-        self._spend("encode", self.COSTS["encode"])
-        return self.inner.encode(prompt, negative, cfg)
-
-    def denoise(self, jobs, predict=None):
-        self._spend("denoise", self.COSTS["denoise"] + 0.004 * (len(jobs) - 1))
-        return self.inner.denoise(jobs, predict)
-
-    def decode(self, latents):
-        self._spend("decode", self.COSTS["decode"])
-        return self.inner.decode(latents)
-
-
 def seeded_runner(clock: FakeClock, queue: ImageQueue, size: int) -> SlackRunner:
     runner = SlackRunner(clock.now, lambda: None, GUARD)
-    runner.costs.record(queue.encode_key(), ClockedStepper.COSTS["encode"])
-    for b in range(1, queue.max_batch + 1):
-        runner.costs.record(queue.denoise_key(size, size, True, b), 0.010 + 0.004 * (b - 1))
-    runner.costs.record(queue.decode_key(size, size), ClockedStepper.COSTS["decode"])
+    queue.stepper.seed(runner.costs, queue, size, size)
     runner.add_source(queue)
     return runner
 
@@ -105,11 +76,11 @@ def test_slack_scheduler_never_starts_an_image_item_whose_estimate_exceeds_the_s
     for started, kind, cost in log:
         slack_end = next(d for s, d in deadlines if s <= started < d) - GUARD
         assert started + cost <= slack_end + 1e-9, (started, kind, cost)
-    # With the 50 ms frame only 27 ms are left: no 30 ms decode (preview or final) may start.
+    # With the 50 ms frame only 27 ms are left: no 30 ms final decode may start.
     assert all(kind != "decode" for started, kind, _ in log if started < 30 * 0.080)
     assert any(kind == "denoise" for started, kind, _ in log if started < 30 * 0.080)
     # Denoise steps were batched across the three requests.
-    assert any(cost > ClockedStepper.COSTS["denoise"] for _, kind, cost in log if kind == "denoise")
+    assert any(cost > DEFAULT_COSTS["denoise"] for _, kind, cost in log if kind == "denoise")
     for r in requests:
         events = events_of(r)
         assert [type(e) for e in events] == [ImagePartial, ImageResult, Terminal]
@@ -225,7 +196,7 @@ def test_warm_up_seeds_estimates_and_predicts_sizes_that_cannot_fit(sd):
     measured = queue.warm_up()
     s = sd.default_size
     assert set(measured) == {queue.encode_key(), queue.denoise_key(s, s, True, 1), queue.denoise_key(s, s, True, 2),
-                             queue.decode_key(s, s)}
+                             queue.preview_key(s, s), queue.decode_key(s, s)}
     # Timings on a shared CPU vary: size the slack from what was measured. Cost is predicted
     # per output pixel, so 2x the side is 4x the worst item and 3x the side is 9x.
     queue.max_slack_s = 4 * max(measured[queue.denoise_key(s, s, True, 1)], measured[queue.decode_key(s, s)])
@@ -361,3 +332,111 @@ def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
     while not job.done:
         gpu.denoise([job])
     assert np.abs(events[0].pixels.astype(int) - gpu.to_uint8(gpu.decode(job.latents))[0].astype(int)).max() <= 1
+
+
+def run_clocked(sd, specs, ticks, frame=0.020, max_batch=4, stream_events=8, consume=True):
+    """Requests through the queue on a fake 80 ms clock (a `frame`-long voice frame per tick);
+    each request's events are drained every tick (a fast client). Returns the stepper's log."""
+    async def main():
+        clock = FakeClock()
+        stepper = ClockedStepper(sd, clock)
+        queue = ImageQueue(stepper, max_slack_s=0.080 - GUARD, max_batch=max_batch, stream_events=stream_events)
+        runner = seeded_runner(clock, queue, specs[0].width)
+        requests = [queue.submit(spec) for spec in specs]
+        events = {r: [] for r in requests}
+        for tick in range(ticks):
+            clock.t = tick * 0.080 + frame
+            runner.run_until(tick * 0.080 + 0.080)
+            for r in requests:
+                events[r].extend(events_of(r))
+        return stepper.log, runner.stats, [events[r] for r in requests], queue
+
+    return asyncio.run(main())
+
+
+def test_jobs_waiting_for_previews_are_not_left_behind_by_the_oldest_job(sd):
+    """Four requests at one size keep sharing denoise steps through their previews: output items
+    run before denoise steps, so a job's preview never leaves it behind while the oldest job
+    steps alone (it did when the oldest job's next item always went first)."""
+    size = sd.default_size
+    specs = [ImageSpec(f"p{i}", size, size, steps=8, guidance=5.0, seed=i, partial_images=3) for i in range(4)]
+    log, stats, events, queue = run_clocked(sd, specs, ticks=12)
+    rows = [round((cost - 0.010) / 0.004) + 1 for _, kind, cost in log if kind == "denoise"]
+    assert sum(rows) == 4 * 8 and len(rows) <= 16  # 32 job-steps in shared steps of 2 or more on average
+    assert sum(kind == "preview" for _, kind, _ in log) == 4 * 3
+    done = [int(t // 0.080) for t, kind, _ in log if kind == "decode"]
+    assert len(done) == 4 and max(done) <= 8
+    for got in events:
+        assert [type(e) for e in got] == [ImagePartial] * 3 + [ImageResult, Terminal]
+    assert stats.past_boundary == 0 and queue.active_jobs == 0
+
+
+def test_a_size_larger_than_one_vae_tile_decodes_tile_by_tile_within_the_slack(sd):
+    """A 48 px image on the tiny SD (latents 24 > its 16-cell VAE tile): one item per tile and a
+    blend item, each started only when it fits; the image equals diffusers' tiled_decode."""
+    size = 48
+    assert sd.tiled(size, size) and not sd.tiled(sd.default_size, sd.default_size)
+    spec = ImageSpec("a red cat", size, size, steps=3, guidance=5.0, seed=5, partial_images=1)
+    # A 62 ms voice frame: 15 ms of slack, so a 12 ms tile fits but never two in one tick.
+    log, stats, (got,), queue = run_clocked(sd, [spec], ticks=20, frame=0.062)
+    kinds = [kind for _, kind, _ in log]
+    assert kinds.count("tile") == 4 and kinds.count("blend") == 1 and "decode" not in kinds
+    tile_ticks = [int(t // 0.080) for t, kind, _ in log if kind == "tile"]
+    assert len(set(tile_ticks)) == 4  # one tile per tick: each item sized to the slack
+    assert stats.past_boundary == 0
+    assert [type(e) for e in got] == [ImagePartial, ImageResult, Terminal]
+    assert got[0].pixels.shape == got[1].pixels.shape == (size, size, 3)
+    job = sd.start(sd.encode("a red cat", None, True), size, size, 3, 5.0, 5)
+    while not job.done:
+        sd.denoise([job])
+    ref = sd.pipe.vae.tiled_decode(sd.vae_input(job.latents), return_dict=False)[0]
+    assert np.array_equal(got[1].pixels, sd.to_uint8(ref)[0])
+
+
+def test_warm_up_at_a_tiled_size_measures_tiles_and_the_blend(sd):
+    queue = ImageQueue(sd, max_slack_s=1e3, max_batch=1)
+    measured = queue.warm_up(48, 48)
+    assert set(measured) == {queue.encode_key(), queue.denoise_key(48, 48, True, 1), queue.preview_key(48, 48),
+                             queue.tile_key(48, 48), queue.blend_key(48, 48)}
+
+
+def test_keys_are_measured_again_on_the_engine_thread_before_the_first_tick(sd):
+    """A thread's first cuBLAS/cuDNN calls are cold: the queue re-measures every warmed key on
+    the engine thread, before any tick, and records only warm calls (a recorded cold call would
+    keep its key from fitting until the stale-key trial, 25 ticks later). Each method's first
+    call on each thread costs 1 s of a fake timer, later calls 1 ms."""
+    timer = FakeClock()
+    threads, ticks_at_call, warmed = [], [], set()
+
+    class Recording:
+        def __getattr__(self, name):
+            attr = getattr(sd, name)
+            if name in ("encode", "denoise", "preview", "decode"):
+                def call(*a, **k):
+                    thread = threading.current_thread().name
+                    threads.append((name, thread))
+                    ticks_at_call.append(engine.counters()["ticks"])
+                    timer.t += 0.001 if (name, thread) in warmed else 1.0
+                    warmed.add((name, thread))
+                    return attr(*a, **k)
+                return call
+            return attr
+
+    engine, _ = make_engine(2, tick_seconds=0.5)
+    queue = ImageQueue(Recording(), max_slack_s=1e3, max_batch=2, now=timer.now)
+    measured = queue.warm_up()
+    warm_calls = len(threads)
+    engine.add_slack_source(queue)
+    engine.start()
+    try:
+        deadline = time.monotonic() + 60
+        while engine.counters()["ticks"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    on_engine = threads[warm_calls:]
+    assert {name for name, _ in on_engine} == {"encode", "denoise", "preview", "decode"}
+    assert {thread for _, thread in on_engine} == {"parley-engine"}
+    assert set(ticks_at_call[warm_calls:]) == {0}  # all before the first tick
+    for key in measured:  # neither thread's cold first calls made it into an estimate
+        assert engine.slack_costs.estimate(key) == pytest.approx(0.001), key

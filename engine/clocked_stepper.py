@@ -1,0 +1,75 @@
+"""An image stepper whose calls cost scripted time on a fake clock, for replaying the image
+queue's scheduling exactly on the CPU: fake-clock tests (tests/test_image_queue.py) and
+`benchmarks/image_queue_replay.py`, which replays GPU-measured item costs.
+
+The wrapped stepper (a tiny real one) does the arithmetic, so jobs, previews, tiles and
+results are real; only time is scripted. Each call appends (start time, kind, cost) to `log`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class FakeTime(Protocol):
+    t: float
+
+
+DEFAULT_COSTS = {"encode": 0.004, "denoise": 0.010, "denoise_row": 0.004, "decode": 0.030, "preview": 0.006,
+                 "tile": 0.012, "blend": 0.003}  # seconds; a denoise step costs denoise + denoise_row per extra job
+
+
+class ClockedStepper:
+    def __init__(self, inner, clock: FakeTime, costs: dict[str, float] | None = None) -> None:
+        self.inner, self.clock, self.log = inner, clock, []
+        self.costs = {**DEFAULT_COSTS, **(costs or {})}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def denoise_cost(self, batch: int) -> float:
+        return self.costs["denoise"] + self.costs["denoise_row"] * (batch - 1)
+
+    def _spend(self, kind: str, cost: float) -> None:
+        self.log.append((self.clock.t, kind, cost))
+        self.clock.t += cost
+
+    def encode(self, prompt, negative, cfg):
+        self._spend("encode", self.costs["encode"])
+        return self.inner.encode(prompt, negative, cfg)
+
+    def denoise(self, jobs, predict=None):
+        self._spend("denoise", self.denoise_cost(len(jobs)))
+        return self.inner.denoise(jobs, predict)
+
+    def decode(self, latents):
+        self._spend("decode", self.costs["decode"])
+        return self.inner.decode(latents)
+
+    def preview(self, latents):
+        self._spend("preview", self.costs["preview"])
+        return self.inner.preview(latents)
+
+    def tiled_decode(self, latents):
+        tiles = self.inner.tiled_decode(latents)
+        step, image = tiles.step, tiles.image
+
+        def clocked_step():
+            self._spend("tile", self.costs["tile"])
+            step()
+
+        def clocked_image():
+            self._spend("blend", self.costs["blend"])
+            return image()
+
+        tiles.step, tiles.image = clocked_step, clocked_image
+        return tiles
+
+    def seed(self, costs_model, queue, width: int, height: int) -> None:
+        """Record every key of this size at its scripted cost (what a warm-up would measure)."""
+        costs_model.record(queue.encode_key(), self.costs["encode"])
+        for b in range(1, queue.max_batch + 1):
+            costs_model.record(queue.denoise_key(width, height, True, b), self.denoise_cost(b))
+        for key, kind in ((queue.decode_key, "decode"), (queue.preview_key, "preview"), (queue.tile_key, "tile"),
+                          (queue.blend_key, "blend")):
+            costs_model.record(key(width, height), self.costs[kind])
