@@ -350,11 +350,16 @@ class ImageQueue(SlackSource):
     def close(self, reason: str) -> None:
         """Refuse new requests and end every admitted one (CANCELLED). Call once the engine
         thread has stopped (server shutdown): requests it will never finish must not hang."""
+        self.slack_stop(Terminal(Status.CANCELLED, reason))
+
+    def slack_stop(self, terminal: Terminal) -> None:
+        """The engine stopped (shutdown or a fatal error): refuse new requests and end every
+        admitted one with `terminal`."""
         with self._lock:
-            self._closed = reason
+            self._closed = self._closed or terminal.reason or "the engine stopped"
             live, self._live = list(self._live), set()
         for request in live:
-            request.events.finish(Terminal(Status.CANCELLED, reason))
+            request.events.finish(terminal)
 
     def refusal(self, width: int, height: int) -> str | None:
         """Why images of this size can never be served here, or None."""

@@ -158,6 +158,26 @@ def test_cancel_drops_the_job_at_the_next_boundary_and_frees_its_tensors(sd):
     assert queue.counters()["images_cancelled"] == 1
 
 
+def test_engine_stop_ends_every_admitted_request_and_refuses_new_ones(sd):
+    size = sd.default_size
+
+    async def main():
+        clock = FakeClock()
+        queue = ImageQueue(ClockedStepper(sd, clock), max_slack_s=1.0)
+        runner = seeded_runner(clock, queue, size)
+        running = queue.submit(ImageSpec("x", size, size, steps=50, guidance=5.0, seed=1))
+        runner.run_until(0.030)  # one job under way
+        waiting = queue.submit(ImageSpec("y", size, size, steps=50, guidance=5.0, seed=2))
+        runner.stop_sources(Terminal(Status.FAILED, "the engine stopped after a device error"))
+        with pytest.raises(ImageRefused, match="device error"):
+            queue.submit(ImageSpec("z", size, size, steps=2, guidance=5.0))
+        return running, waiting
+
+    running, waiting = asyncio.run(main())
+    for request in (running, waiting):
+        assert request.events.drain()[-1] == Terminal(Status.FAILED, "the engine stopped after a device error")
+
+
 def test_capacity_is_enforced_with_a_retry_hint(sd):
     size = sd.default_size
 
