@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from parley.engine.clocked_stepper import DEFAULT_COSTS, ClockedStepper
-from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageResult,
+from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageRequest, ImageResult,
                                        ImageSpec, preview_steps)
 from parley.engine.slack import SlackRunner
 from parley.engine.stream import Status, Terminal
@@ -50,6 +50,16 @@ def manual_queue(stepper, **kwargs) -> tuple[ImageQueue, SlackRunner]:
     runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
     runner.add_source(queue)
     return queue, runner
+
+
+def one_job_under_way(stepper, size: int) -> tuple[ImageQueue, SlackRunner, ImageRequest]:
+    """A fake-clock queue with one 50-step request encoded and a couple of steps in (call on a loop)."""
+    clock = FakeClock()
+    queue = ImageQueue(ClockedStepper(stepper, clock), max_slack_s=1.0)
+    runner = seeded_runner(clock, queue, size)
+    request = queue.submit(ImageSpec("x", size, size, steps=50, guidance=5.0, seed=1))
+    runner.run_until(0.030)
+    return queue, runner, request
 
 
 def test_slack_scheduler_never_starts_an_image_item_whose_estimate_exceeds_the_slack_left(sd):
@@ -140,11 +150,7 @@ def test_cancel_drops_the_job_at_the_next_boundary_and_frees_its_tensors(sd):
     size = sd.default_size
 
     async def main():
-        clock = FakeClock()
-        queue = ImageQueue(ClockedStepper(sd, clock), max_slack_s=1.0)
-        runner = seeded_runner(clock, queue, size)
-        request = queue.submit(ImageSpec("x", size, size, steps=50, guidance=5.0, seed=1))
-        runner.run_until(0.030)  # encode + a couple of steps
+        queue, runner, request = one_job_under_way(sd, size)
         assert queue.active_jobs == 1
         state = weakref.ref(request.jobs[0].state)
         request.cancel()
@@ -162,11 +168,7 @@ def test_engine_stop_ends_every_admitted_request_and_refuses_new_ones(sd):
     size = sd.default_size
 
     async def main():
-        clock = FakeClock()
-        queue = ImageQueue(ClockedStepper(sd, clock), max_slack_s=1.0)
-        runner = seeded_runner(clock, queue, size)
-        running = queue.submit(ImageSpec("x", size, size, steps=50, guidance=5.0, seed=1))
-        runner.run_until(0.030)  # one job under way
+        queue, runner, running = one_job_under_way(sd, size)
         waiting = queue.submit(ImageSpec("y", size, size, steps=50, guidance=5.0, seed=2))
         runner.stop_sources(Terminal(Status.FAILED, "the engine stopped after a device error"))
         with pytest.raises(ImageRefused, match="device error"):
