@@ -11,10 +11,14 @@ only when its estimated cost fits before the next boundary:
 
 Cost keys are ("image", kind, width, height[, cfg, batch]). `warm_up` measures every key of
 a size before the engine starts (the model's default size unless told; it also captures the
-denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA);
-`slack_prepare` measures them once more on the engine thread before its first tick, since a
-thread's first library calls (cuBLAS and cuDNN handles, workspaces) cost far more than later
-ones. So no live item runs with an unmeasured key at a warmed size.
+denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA;
+for a size decoded whole, also the tiles and blend of the smallest tiled size, so larger sizes
+have a measured tile and blend to scale from); `slack_prepare` measures them once more on the
+engine thread before its first tick, since a thread's first library calls (cuBLAS and cuDNN
+handles, workspaces) cost far more than later ones. So no live item runs with an unmeasured key
+at a warmed size, and an item of any other size starts only when a conservative prediction of
+its cost (engine/image_costs.py, from the keys measured so far) fits; its first measurement
+then replaces the prediction.
 
 Order: pending encodes first (cheap; a started job can join the next shared step), then
 output items (previews and final decodes: the client waits for them, and a job in preview
@@ -26,7 +30,7 @@ request of a shared denoise batch). Back-pressure: a job whose next item would p
 dropped and a slow client holds at most `stream_events` images in memory. Limits: at most
 `capacity` images wait or run (`ImageQueueFull`, with a retry hint); a size whose smallest
 item cannot fit in an empty tick's slack is refused (`ImageRefused`), at admission once it is
-known and by prediction from the warmed sizes before that. A cancelled request (client gone)
+known and by prediction from the warm-up's measurements before that. A cancelled request (client gone)
 is dropped, and its tensors freed, at the next offer.
 """
 
@@ -50,6 +54,7 @@ import torch
 from parley.models.image_pipeline import Conditioning, ImageJob, ImageStepper, TiledDecode
 
 from .cuda_graph import CUDAGraphRunner, GraphError
+from .image_costs import BLEND, DECODE, DENOISE, ENCODE, PREVIEW, TILE, predict
 from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import OutputStream, Status, Terminal
 
@@ -122,10 +127,6 @@ class ImageRequest:
         self.cancelled = True
 
 
-ENCODE, DENOISE, PREVIEW, DECODE = "encode", "denoise", "preview", "decode"
-TILE, BLEND = "tile", "blend"  # a tiled final decode: one item per tile, then the blend
-
-
 @dataclass(eq=False)
 class _Job:
     request: ImageRequest
@@ -176,7 +177,8 @@ class ImageQueue(SlackSource):
         self._warm: dict[Hashable, float] = {}  # warm-up costs, recorded into the runner's model once
         self._warm_sizes: list[tuple[int, int, bool]] = []  # (width, height, cfg) measured by warm_up
         self._step_s: float | None = None  # a batch-1 denoise step at the first warmed size (retry hints)
-        self._per_pixel_s: float | None = None  # the costliest warm-up item per output pixel
+        self._measured: dict[Hashable, float] = {}  # every warm-up cost, kept: admission predicts from it
+        self._tile_pixels = (stepper.vae_tile * stepper.pipe.vae_scale_factor) ** 2  # one VAE tile's output
         # Denoise steps as CUDA graphs, one per (width, height, cfg, batch) captured at warm-up,
         # each on its own capture stream; other buckets (and the CPU) run eagerly.
         self.cuda_graphs = cuda_graphs and stepper.device.type == "cuda"
@@ -225,14 +227,10 @@ class ImageQueue(SlackSource):
         if size not in self._warm_sizes:
             self._warm_sizes.append(size)
         self._warm.update(measured)
-        w, h, _ = size
+        with self._lock:
+            self._measured = {**self._measured, **measured}
         if self._step_s is None:
-            self._step_s = measured[self.denoise_key(w, h, cfg, 1)]
-        worst = measured[self.denoise_key(w, h, cfg, 1)]  # the one item no size can split
-        if not st.tiled(w, h):
-            worst = max(worst, measured[self.decode_key(w, h)])
-        per_pixel = worst / (w * h)
-        self._per_pixel_s = per_pixel if self._per_pixel_s is None else max(self._per_pixel_s, per_pixel)
+            self._step_s = measured[self.denoise_key(*size, 1)]
         return measured
 
     def slack_prepare(self, costs: CostModel) -> None:
@@ -241,8 +239,11 @@ class ImageQueue(SlackSource):
         calls are cold: recorded, they would keep every key from fitting for a long while)."""
         self._seed(costs)
         for width, height, cfg in self._warm_sizes:
-            for key, seconds in self._measure(width, height, cfg, repeats=2, capture=False).items():
+            measured = self._measure(width, height, cfg, repeats=2, capture=False)
+            for key, seconds in measured.items():
                 costs.record(key, seconds)
+            with self._lock:
+                self._measured = {**self._measured, **measured}
 
     def _seed(self, costs: CostModel) -> None:
         for key, seconds in self._warm.items():
@@ -274,14 +275,24 @@ class ImageQueue(SlackSource):
                 timed(key, lambda: st.denoise(jobs, predict=self._graphs.get(key)))
             latents = st.start(cond, width, height, 4, 5.0, 0).latents
             timed(self.preview_key(width, height), lambda: st.to_uint8(st.preview(latents)))
-            if not st.tiled(width, height):
-                timed(self.decode_key(width, height), lambda: st.to_uint8(st.decode(latents)))
-                continue
-            tiles = st.tiled_decode(latents)
-            while not tiles.done:
-                timed(self.tile_key(width, height), tiles.step, keep_max=True)
-            timed(self.blend_key(width, height), lambda: st.to_uint8(tiles.image()))
+            sizes = [(width, height)] if st.tiled(width, height) else [(width, height), self._tiled_probe()]
+            for w, h in sizes:
+                latents = st.start(cond, w, h, 4, 5.0, 0).latents
+                if not st.tiled(w, h):
+                    timed(self.decode_key(w, h), lambda: st.to_uint8(st.decode(latents)))
+                    continue
+                tiles = st.tiled_decode(latents)
+                while not tiles.done:
+                    timed(self.tile_key(w, h), tiles.step, keep_max=True)
+                timed(self.blend_key(w, h), lambda: st.to_uint8(tiles.image()))
         return measured
+
+    def _tiled_probe(self) -> tuple[int, int]:
+        """The smallest square size whose final decode is tiled (2x2 tiles)."""
+        st = self.stepper
+        stride = st.latent_stride
+        side = (st.vae_tile * st.pipe.vae_scale_factor) // stride * stride + stride
+        return side, side
 
     def _capture(self, key: tuple, jobs: list[ImageJob]) -> None:
         """Capture the denoiser for this bucket during its first warm-up step (eager on failure)."""
@@ -325,7 +336,7 @@ class ImageQueue(SlackSource):
 
     def submit(self, spec: ImageSpec) -> ImageRequest:
         """Admit a request or raise ImageQueueFull / ImageRefused. Call on the consuming loop."""
-        refused = self.refusal(spec.width, spec.height)
+        refused = self.refusal(spec.width, spec.height, self.stepper.cfg_for(spec.guidance))
         if spec.n > self.capacity:
             refused = f"n={spec.n} is more images than this server's image queue holds ({self.capacity})."
         if refused:
@@ -361,19 +372,30 @@ class ImageQueue(SlackSource):
         for request in live:
             request.events.finish(terminal)
 
-    def refusal(self, width: int, height: int) -> str | None:
-        """Why images of this size can never be served here, or None."""
+    def refusal(self, width: int, height: int, cfg: bool = True) -> str | None:
+        """Why images of this size (with classifier-free guidance or not) can never be served
+        here, or None. Predicted from the warm-up's measurements for the items no size can split:
+        a batch-1 denoise step and the final decode (whole, or a tile and the blend; a preview
+        costs less than either by construction)."""
         with self._lock:
             known = self._refused_sizes.get((width, height))
+            measured = self._measured
         if known:
             return known
-        if self._per_pixel_s is not None:
-            predicted = self._per_pixel_s * width * height
-            if predicted > self.max_slack_s:
-                return (f"size {width}x{height} is too large for this server: one step would take about "
-                        f"{predicted * 1e3:.0f} ms, more than the {self.max_slack_s * 1e3:.0f} ms a tick can "
-                        "spare; ask for a smaller size.")
+        if self.stepper.tiled(width, height):
+            keys = [self.tile_key(width, height), self.blend_key(width, height)]
+        else:
+            keys = [self.decode_key(width, height)]
+        for key in [self.denoise_key(width, height, cfg, 1)] + keys:
+            cost = measured.get(key, predict(key, measured.items(), self._tile_pixels))
+            if cost is not None and cost > self.max_slack_s:
+                return self._too_large(width, height, key, cost)
         return None
+
+    def _too_large(self, width: int, height: int, key: tuple, cost: float) -> str:
+        return (f"size {width}x{height} is too large for this server: a {key[1]} item would take about "
+                f"{cost * 1e3:.0f} ms, more than the {self.max_slack_s * 1e3:.0f} ms a tick can spare; "
+                "ask for a smaller size.")
 
     def _retry_after(self, spec: ImageSpec) -> int:
         step = self._step_s
@@ -397,14 +419,24 @@ class ImageQueue(SlackSource):
         first: WorkItem | None = None
         for item in self._candidates(left_s, costs):
             estimate = costs.estimate(item.key, item.units)
+            if estimate is None:  # a size never measured: the runner starts it on its prediction
+                estimate = item.predicted_s = self._predict(item.key, costs)
             if (left_s is not None and item.key[1] != ENCODE and estimate is not None
                     and estimate > self.max_slack_s):  # (manual mode, left_s None, runs anything)
                 self._refuse_size(item.key[2], item.key[3], item.key, estimate)
                 return self.offer(left_s, costs)  # that size's jobs are gone; look again
             if left_s is None or estimate is None or estimate <= left_s:
-                return item  # fits (or unknown: the runner runs it only as a tick's first item)
+                return item  # fits (or nothing to predict from: the runner runs it only as a tick's first item)
             first = first or item
         return first  # nothing fits: the runner will decline it, and the next tick tries again
+
+    def _predict(self, key: tuple, costs: CostModel) -> float | None:
+        return predict(key, costs.estimates(), self._tile_pixels)
+
+    def _cost(self, key: tuple, costs: CostModel) -> float | None:
+        """The key's estimate, or its prediction while it has none."""
+        estimate = costs.estimate(key)
+        return self._predict(key, costs) if estimate is None else estimate
 
     def _candidates(self, left_s: float | None, costs: CostModel):
         """Every job's next item, in the order they should run (the module docstring's Order)."""
@@ -468,19 +500,13 @@ class ImageQueue(SlackSource):
                         self._failer(chosen))
 
     def _batch_size(self, job: _Job, available: int, left_s: float | None, costs: CostModel) -> int:
-        """The largest batch known to fit; one more when linear extrapolation says it would
-        (to measure it: an unknown key runs only as a tick's first item)."""
+        """The largest batch whose estimate (or, unmeasured, prediction) fits."""
         if left_s is None:
             return available
         best = 1
         for b in range(1, available + 1):
-            estimate = costs.estimate(self.denoise_key(*job.bucket, b))
-            if estimate is None:
-                smaller = costs.estimate(self.denoise_key(*job.bucket, b - 1)) if b > 1 else None
-                if smaller is not None and smaller * b / (b - 1) <= left_s:
-                    best = b
-                break
-            if estimate <= left_s:
+            estimate = self._cost(self.denoise_key(*job.bucket, b), costs)
+            if estimate is not None and estimate <= left_s:
                 best = b
         return best
 
@@ -496,9 +522,7 @@ class ImageQueue(SlackSource):
 
     def _refuse_size(self, width: int, height: int, key: tuple, estimate: float) -> None:
         """An item of this size can never fit: fail its requests and refuse the size from now on."""
-        reason = (f"size {width}x{height} is too large for this server: a {key[1]} item takes "
-                  f"{estimate * 1e3:.0f} ms, more than the {self.max_slack_s * 1e3:.0f} ms a tick can spare; "
-                  "ask for a smaller size.")
+        reason = self._too_large(width, height, key, estimate)
         log.warning("refusing images of %dx%d from now on: %s", width, height, reason)
         with self._lock:
             self._refused_sizes[(width, height)] = reason

@@ -13,8 +13,12 @@ boundary (minus a guard). The rules, one per concern:
    step's is the step). Sources should seed their keys with a warm-up at start, and measure
    them once more on the engine thread in `slack_prepare` (called there before the first
    tick: a thread's first cuBLAS/cuDNN calls create handles and workspaces, so a key warmed on
-   another thread runs cold once here). An item whose key has no estimate yet runs only as
-   the first item of a tick's slack (so a first measurement can cost at most one unknown
+   another thread runs cold once here). An item whose key has no estimate yet runs on its
+   source's conservative prediction (`WorkItem.predicted_s`, e.g. an image at a size never
+   measured, scaled from the measured sizes) when it has one: it starts only when that fits,
+   and its first measurement replaces the prediction (a prediction is never recorded, so a
+   pessimistic one cannot keep the key out once it has run). With no prediction it runs only
+   as the first item of a tick's slack (so a first measurement can cost at most one unknown
    item a tick).
 3. A source may mark an item `forced`: it runs as the first item of a tick even when it
    does not fit. Only admission progress uses this (a prompt must advance even when the
@@ -72,6 +76,7 @@ class WorkItem:
     fail: Callable[[Exception], None]  # ends the item's request(s) after `run` raised
     units: int = 1  # units of work under `key` (prefill: prompt frames)
     forced: bool = False  # may run as a tick's first item even when it does not fit (rule 3)
+    predicted_s: float | None = None  # the source's cost bound while `key` has no estimate (rule 2)
 
 
 class SlackSource:
@@ -143,6 +148,10 @@ class CostModel:
 
     def record(self, key: Hashable, seconds: float, units: int = 1) -> None:
         self._seen[key].append(seconds / max(units, 1))
+
+    def estimates(self) -> list[tuple[Hashable, float]]:
+        """(key, estimate per unit) for every key observed (sources predict unseen keys from them)."""
+        return [(key, self.estimate(key)) for key, seen in self._seen.items() if seen]
 
 
 def fatal_for_device(exc: BaseException) -> bool:
@@ -242,7 +251,7 @@ class SlackRunner:
                 continue
             if left is None:
                 return item
-            estimate = self.costs.estimate(item.key, item.units)
+            estimate = self._estimate(item)
             if estimate is None or item.forced:
                 if first:
                     return item
@@ -256,8 +265,12 @@ class SlackRunner:
             # Offered but does not fit: lower-priority sources may still have something smaller.
         return None
 
-    def _run(self, item: WorkItem, deadline: float | None) -> None:
+    def _estimate(self, item: WorkItem) -> float | None:
         estimate = self.costs.estimate(item.key, item.units)
+        return item.predicted_s if estimate is None else estimate
+
+    def _run(self, item: WorkItem, deadline: float | None) -> None:
+        estimate = self._estimate(item)
         trial = self.costs.on_trial(item.key)
         start = self._now()
         try:

@@ -172,7 +172,7 @@ def parse_request(body: object, service: ImageService) -> Parsed:
         raise _invalid("negative_prompt", "negative_prompt must be text.")
     if body.get("user") is not None and not isinstance(body.get("user"), str):
         raise _invalid("user", "user must be text.")
-    refused = service.queue.refusal(width, height)
+    refused = service.queue.refusal(width, height, stepper.cfg_for(guidance))
     if refused:
         raise _invalid("size", refused, "size_too_large")
     spec = ImageSpec(prompt, width, height, steps, float(guidance), n=n, negative=negative, seed=seed,
