@@ -4,6 +4,10 @@ queue's scheduling exactly on the CPU: fake-clock tests (tests/test_image_queue.
 
 The wrapped stepper (a tiny real one) does the arithmetic, so jobs, previews, tiles and
 results are real; only time is scripted. Each call appends (start time, kind, cost) to `log`.
+Costs hold at every size unless `scale_from` names the side (px) they hold at: then a denoise
+step's, preview's, decode's and blend's cost scales with the image's pixels to `exponent` (a
+tile's is one tile's whatever the image; 1: linear, below 1: larger images fill the device
+better, as on a GPU).
 """
 
 from __future__ import annotations
@@ -20,15 +24,23 @@ DEFAULT_COSTS = {"encode": 0.004, "denoise": 0.010, "denoise_row": 0.004, "decod
 
 
 class ClockedStepper:
-    def __init__(self, inner, clock: FakeTime, costs: dict[str, float] | None = None) -> None:
+    def __init__(self, inner, clock: FakeTime, costs: dict[str, float] | None = None,
+                 scale_from: int | None = None, exponent: float = 1.0) -> None:
         self.inner, self.clock, self.log = inner, clock, []
         self.costs = {**DEFAULT_COSTS, **(costs or {})}
+        self.scale_from, self.exponent = scale_from, exponent
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def denoise_cost(self, batch: int) -> float:
         return self.costs["denoise"] + self.costs["denoise_row"] * (batch - 1)
+
+    def _scaled(self, cost: float, pixels: int) -> float:
+        return cost if self.scale_from is None else cost * (pixels / self.scale_from ** 2) ** self.exponent
+
+    def _pixels(self, latents) -> int:
+        return latents.shape[-2] * latents.shape[-1] * self.inner.pipe.vae_scale_factor ** 2
 
     def _spend(self, kind: str, cost: float) -> None:
         self.log.append((self.clock.t, kind, cost))
@@ -39,15 +51,15 @@ class ClockedStepper:
         return self.inner.encode(prompt, negative, cfg)
 
     def denoise(self, jobs, predict=None):
-        self._spend("denoise", self.denoise_cost(len(jobs)))
+        self._spend("denoise", self._scaled(self.denoise_cost(len(jobs)), jobs[0].width * jobs[0].height))
         return self.inner.denoise(jobs, predict)
 
     def decode(self, latents):
-        self._spend("decode", self.costs["decode"])
+        self._spend("decode", self._scaled(self.costs["decode"], self._pixels(latents)))
         return self.inner.decode(latents)
 
     def preview(self, latents):
-        self._spend("preview", self.costs["preview"])
+        self._spend("preview", self._scaled(self.costs["preview"], self._pixels(latents)))
         return self.inner.preview(latents)
 
     def tiled_decode(self, latents):
@@ -59,7 +71,7 @@ class ClockedStepper:
             step()
 
         def clocked_image():
-            self._spend("blend", self.costs["blend"])
+            self._spend("blend", self._scaled(self.costs["blend"], self._pixels(latents)))
             return image()
 
         tiles.step, tiles.image = clocked_step, clocked_image

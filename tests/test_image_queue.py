@@ -468,3 +468,100 @@ def test_keys_are_measured_again_on_the_engine_thread_before_the_first_tick(sd):
     for key in (k for k in measured if k[1] not in ("tile", "blend")):  # (tiles run untimed here)
         # neither thread's cold first calls made it into an estimate
         assert engine.slack_costs.estimate(key) == pytest.approx(0.001), key
+
+
+LOADED, LIGHT = 0.050, 0.020  # voice frames leaving 27 ms, then 57 ms of slack (80 ms ticks, 3 ms guard)
+
+
+class ColdSize:
+    """A fake-clock queue measured at the default size (16 px) only; other sizes' items cost the
+    scripted 16 px costs scaled by pixels to `exponent` (ClockedStepper's scale_from). A 10 ms
+    decode at 16 px; a tile is a decode of one tile's 32 px."""
+
+    def __init__(self, sd, exponent: float) -> None:
+        costs = {"decode": 0.010, "tile": 0.010 * 4 ** exponent}
+        self.clock = FakeClock()
+        self.stepper = ClockedStepper(sd, self.clock, costs, scale_from=sd.default_size, exponent=exponent)
+        self.queue = ImageQueue(self.stepper, max_slack_s=0.080 - GUARD, stream_events=8)
+        self.runner = seeded_runner(self.clock, self.queue, sd.default_size)
+        self.tick = 0
+        self.slacks: list[tuple[float, float]] = []  # (slack start, slack end) per tick
+
+    def ticks(self, n: int, frame: float) -> list[str]:
+        """Run n ticks with this voice frame; the kinds of the items started in them."""
+        start = len(self.stepper.log)
+        for _ in range(n):
+            self.clock.t = self.tick * 0.080 + frame
+            deadline = self.tick * 0.080 + 0.080
+            self.slacks.append((self.clock.t, deadline - GUARD))
+            self.runner.run_until(deadline)
+            self.tick += 1
+        return [kind for _, kind, _ in self.stepper.log[start:]]
+
+    def assert_every_item_ended_in_its_slack(self) -> None:
+        for started, kind, cost in self.stepper.log:
+            end = next(e for s, e in self.slacks if s <= started < e)
+            assert started + cost <= end + 1e-9, (started, kind, cost)
+        assert self.runner.stats.past_boundary == 0
+
+
+def test_an_unmeasured_size_waits_until_its_predicted_cost_fits_the_slack_left(sd):
+    """32 px with only 16 px measured: a denoise step and the decode are predicted at 4x the
+    16 px costs (40 ms, here exact). 27 ms of slack: only the (measured) encode starts; 57 ms:
+    the rest runs, no item past its slack (an unmeasured key used to run as a tick's first item
+    whatever it cost)."""
+    async def main():
+        cold = ColdSize(sd, exponent=1.0)
+        request = cold.queue.submit(ImageSpec("x", 32, 32, steps=2, guidance=5.0, seed=1))
+        loaded = cold.ticks(10, LOADED)
+        waiting = events_of(request)
+        light = cold.ticks(4, LIGHT)
+        cold.assert_every_item_ended_in_its_slack()
+        return loaded, waiting, light, events_of(request)
+
+    loaded, waiting, light, events = asyncio.run(main())
+    assert loaded == ["encode"] and waiting == []
+    assert light == ["denoise", "denoise", "decode"]
+    assert [type(e) for e in events] == [ImageResult, Terminal] and events[-1].status is Status.COMPLETED
+    assert events[0].pixels.shape == (32, 32, 3)
+
+
+def test_a_pessimistic_prediction_gives_way_to_the_first_measurement(sd):
+    """Here 32 px costs only twice 16 px (a GPU fills better): predicted 40 ms, measured 20 ms.
+    The step waits through 27 ms slacks, runs once 57 ms are free, and from then on its measured
+    20 ms fits the 27 ms slacks (a prediction is never recorded as a cost)."""
+    async def main():
+        cold = ColdSize(sd, exponent=0.5)
+        request = cold.queue.submit(ImageSpec("x", 32, 32, steps=6, guidance=5.0, seed=1))
+        before = cold.ticks(5, LOADED)
+        light = cold.ticks(1, LIGHT)
+        measured = cold.runner.costs.estimate(cold.queue.denoise_key(32, 32, True, 1))
+        after = cold.ticks(6, LOADED)
+        cold.assert_every_item_ended_in_its_slack()
+        return before, light, measured, after, events_of(request)
+
+    before, light, measured, after, events = asyncio.run(main())
+    assert before == ["encode"]
+    assert light == ["denoise", "denoise"]  # 20 ms measured after the first: a second fits the 37 ms left
+    assert measured == pytest.approx(0.020)
+    # One step a tick, then the decode: 32 px is one tile, so the measured 20 ms tile bounds it.
+    assert after == ["denoise"] * 4 + ["decode"]
+    assert [type(e) for e in events] == [ImageResult, Terminal] and events[-1].status is Status.COMPLETED
+
+
+def test_a_size_whose_predicted_step_never_fits_is_refused_at_admission(sd):
+    """Warmed at 16 px without CFG at batch 1 only (one row): a 24 px step with CFG is two rows
+    of 2.25x the pixels, 45 ms, more than a 40 ms slack; without CFG it is 22.5 ms and served."""
+    async def main():
+        clock = FakeClock()
+        stepper = ClockedStepper(sd, clock, {"decode": 0.005, "preview": 0.003}, scale_from=sd.default_size)
+        queue = ImageQueue(stepper, max_slack_s=0.040, max_batch=1, now=clock.now)
+        queue.warm_up(cfg=False)
+        with pytest.raises(ImageRefused, match=r"size 24x24 is too large .* denoise item would take about 45 ms"):
+            queue.submit(ImageSpec("x", 24, 24, steps=2, guidance=5.0))
+        served = queue.submit(ImageSpec("x", 24, 24, steps=2, guidance=1.0))
+        return queue, served
+
+    queue, served = asyncio.run(main())
+    assert queue.refusal(24, 24, cfg=False) is None and served.spec.width == 24
+    assert queue.counters()["images_refused"] == 1
