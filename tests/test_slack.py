@@ -26,9 +26,11 @@ class ScriptedSource(SlackSource):
     """Offers items of known cost (advancing the fake clock when run), in order."""
 
     def __init__(self, clock: FakeClock, priority: Priority, costs: list[float], name: str,
-                 ran: list[str], fail_at: int | None = None, error: Exception | None = None) -> None:
+                 ran: list[str], fail_at: int | None = None, error: Exception | None = None,
+                 predicted: float | None = None) -> None:
         self.clock, self.priority, self.costs, self.name, self.ran = clock, priority, list(costs), name, ran
         self.fail_at, self.error, self.failures, self.offers = fail_at, error, [], 0
+        self.predicted = predicted  # every item's WorkItem.predicted_s
 
     def offer(self, left_s, costs: CostModel):
         self.offers += 1
@@ -43,7 +45,7 @@ class ScriptedSource(SlackSource):
             if self.fail_at is not None and len(self.ran) == self.fail_at:
                 raise self.error
 
-        return WorkItem(key=(self.name, cost), run=run, fail=self.failures.append)
+        return WorkItem(key=(self.name, cost), run=run, fail=self.failures.append, predicted_s=self.predicted)
 
 
 def runner(clock: FakeClock, guard: float = 0.003) -> SlackRunner:
@@ -59,6 +61,24 @@ def test_an_item_whose_estimate_exceeds_the_slack_left_never_starts():
     slack.run_until(deadline=0.070)  # 67 ms usable: two 30 ms items fit, the third would end at 90 ms
     assert ran == ["tts:0.03", "tts:0.03"]
     assert clock.t == pytest.approx(0.060)
+    assert slack.stats.past_boundary == 0 and slack.stats.overruns == 0
+
+
+def test_an_unseen_key_runs_on_its_sources_prediction_until_its_first_measurement():
+    """Rule 2: a predicted item (40 ms, really 30) does not start, even as a tick's first item,
+    while the prediction exceeds the slack left; it runs once it fits, and from then on its
+    measured 30 ms is the estimate (the prediction is never recorded)."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock)
+    slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.030, 0.030], "cold", ran, predicted=0.040))
+    slack.run_until(deadline=0.035)  # 32 ms usable
+    assert ran == [] and clock.t == 0.0
+    clock.t = 0.080
+    slack.run_until(deadline=0.125)  # 42 ms usable: the prediction fits
+    assert ran == ["cold:0.03"] and slack.costs.estimate(("cold", 0.030)) == pytest.approx(0.030)
+    clock.t = 0.160
+    slack.run_until(deadline=0.195)  # 32 ms usable again: the measured 30 ms fits
+    assert ran == ["cold:0.03", "cold:0.03"]
     assert slack.stats.past_boundary == 0 and slack.stats.overruns == 0
 
 
