@@ -78,10 +78,12 @@ class ClockedStepper:
         return tiles
 
     def seed(self, costs_model, queue, width: int, height: int) -> None:
-        """Record every key of this size at its scripted cost (what a warm-up would measure)."""
+        """Record every key of this size at its scripted cost (what a warm-up would measure: a
+        whole decode, or for a tiled size its tiles and blend)."""
         costs_model.record(queue.encode_key(), self.costs["encode"])
         for b in range(1, queue.max_batch + 1):
             costs_model.record(queue.denoise_key(width, height, True, b), self.denoise_cost(b))
-        for key, kind in ((queue.decode_key, "decode"), (queue.preview_key, "preview"), (queue.tile_key, "tile"),
-                          (queue.blend_key, "blend")):
+        decode = ((queue.tile_key, "tile"), (queue.blend_key, "blend")) if self.inner.tiled(width, height) \
+            else ((queue.decode_key, "decode"),)
+        for key, kind in ((queue.preview_key, "preview"),) + decode:
             costs_model.record(key(width, height), self.costs[kind])

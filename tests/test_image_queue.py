@@ -475,13 +475,13 @@ LOADED, LIGHT = 0.050, 0.020  # voice frames leaving 27 ms, then 57 ms of slack 
 
 class ColdSize:
     """A fake-clock queue measured at the default size (16 px) only; other sizes' items cost the
-    scripted 16 px costs scaled by pixels to `exponent` (ClockedStepper's scale_from). A 10 ms
-    decode at 16 px; a tile is a decode of one tile's 32 px."""
+    scripted 16 px costs (a 10 ms decode) scaled by pixels to `exponent` (ClockedStepper's
+    scale_from)."""
 
     def __init__(self, sd, exponent: float) -> None:
-        costs = {"decode": 0.010, "tile": 0.010 * 4 ** exponent}
         self.clock = FakeClock()
-        self.stepper = ClockedStepper(sd, self.clock, costs, scale_from=sd.default_size, exponent=exponent)
+        self.stepper = ClockedStepper(sd, self.clock, {"decode": 0.010}, scale_from=sd.default_size,
+                                      exponent=exponent)
         self.queue = ImageQueue(self.stepper, max_slack_s=0.080 - GUARD, stream_events=8)
         self.runner = seeded_runner(self.clock, self.queue, sd.default_size)
         self.tick = 0
@@ -537,15 +537,17 @@ def test_a_pessimistic_prediction_gives_way_to_the_first_measurement(sd):
         light = cold.ticks(1, LIGHT)
         measured = cold.runner.costs.estimate(cold.queue.denoise_key(32, 32, True, 1))
         after = cold.ticks(6, LOADED)
+        waiting = events_of(request)
+        last = cold.ticks(1, LIGHT)
         cold.assert_every_item_ended_in_its_slack()
-        return before, light, measured, after, events_of(request)
+        return before, light, measured, after, waiting, last, events_of(request)
 
-    before, light, measured, after, events = asyncio.run(main())
+    before, light, measured, after, waiting, last, events = asyncio.run(main())
     assert before == ["encode"]
     assert light == ["denoise", "denoise"]  # 20 ms measured after the first: a second fits the 37 ms left
     assert measured == pytest.approx(0.020)
-    # One step a tick, then the decode: 32 px is one tile, so the measured 20 ms tile bounds it.
-    assert after == ["denoise"] * 4 + ["decode"]
+    assert after == ["denoise"] * 4 and waiting == []  # one a tick; the decode, predicted 40 ms, waits
+    assert last == ["decode"]
     assert [type(e) for e in events] == [ImageResult, Terminal] and events[-1].status is Status.COMPLETED
 
 
