@@ -10,6 +10,12 @@ image p50/max, slack used, items past the boundary, and items per kind.
 
     python benchmarks/image_queue_replay.py                 # H200 costs at B=64, 512 px (docs/benchmarks.md)
     python benchmarks/image_queue_replay.py --loads 4 --encode-ms 22
+    python benchmarks/image_queue_replay.py --cold-side 1.5 --frame 0.055   # 768 px never measured, B=128
+
+`--cold-side` asks for images that many times the measured size's side (the tiny pipeline's
+16 px, standing for SD-1.5's 512; rounded to the latent stride): their items cost the measured
+ones scaled by pixels to `--pixel-exponent` (0.78: H200 SD-1.5 denoise, 13.5 ms at 512 px,
+40.0 ms at 1024 px), and start on the queue's prediction (engine/image_costs.py) until measured.
 
 A projection, not a measurement: real costs vary, estimates are the max of observed costs, and
 host time between items is not modelled (the default margin puts estimates 2 % above costs).
@@ -50,12 +56,14 @@ def pct(values: list[float], q: float) -> float:
 async def replay(args, load: int, inner) -> dict:
     clock = Clock()
     ms = 1e-3
+    size = inner.default_size
     stepper = ClockedStepper(inner, clock, {
         "encode": args.encode_ms * ms, "denoise": args.denoise_ms * ms, "denoise_row": args.denoise_row_ms * ms,
-        "preview": args.preview_ms * ms, "decode": args.decode_ms * ms})
+        "preview": args.preview_ms * ms, "decode": args.decode_ms * ms}, scale_from=size, exponent=args.pixel_exponent)
     queue = ImageQueue(stepper, max_slack_s=args.tick - args.guard, max_batch=args.max_batch, capacity=load)
     runner = SlackRunner(clock.now, lambda: None, args.guard)
-    size = inner.default_size
+    side = round(size * args.cold_side / inner.latent_stride) * inner.latent_stride  # what is asked for
+    scale = (side / size) ** (2 * args.pixel_exponent)  # its costs over the measured size's
     estimates = ClockedStepper(inner, Clock(), {k: v * (1 + args.margin) for k, v in stepper.costs.items()})
     estimates.seed(runner.costs, queue, size, size)
     runner.add_source(queue)
@@ -65,7 +73,7 @@ async def replay(args, load: int, inner) -> dict:
 
     def submit() -> None:
         nonlocal count
-        request = queue.submit(ImageSpec(f"p{count}", size, size, args.steps, 7.5, seed=count, partial_images=1))
+        request = queue.submit(ImageSpec(f"p{count}", side, side, args.steps, 7.5, seed=count, partial_images=1))
         submitted[request] = [clock.t, False]
         count += 1
 
@@ -84,8 +92,8 @@ async def replay(args, load: int, inner) -> dict:
                     del submitted[request]
                     submit()
     seconds = args.ticks * args.tick
-    standalone = args.max_batch / stepper.denoise_cost(args.max_batch)
-    kinds = Counter(kind if kind != "denoise" else f"denoise x{round((cost - stepper.costs['denoise']) / max(stepper.costs['denoise_row'], 1e-9)) + 1}"
+    standalone = args.max_batch / (stepper.denoise_cost(args.max_batch) * scale)
+    kinds = Counter(kind if kind != "denoise" else f"denoise x{round((cost / scale - stepper.costs['denoise']) / max(stepper.costs['denoise_row'], 1e-9)) + 1}"
                     for _, kind, cost in stepper.log)
     return {"K": load, "steps_per_s": queue.counts["images_denoise_steps"] / seconds, "standalone": standalone,
             "images_per_min": done * 60 / seconds, "first_p50": pct(first, 50), "first_max": max(first, default=float("nan")),
@@ -108,6 +116,8 @@ def main() -> None:
     parser.add_argument("--denoise-row-ms", type=float, default=5.5, help="each further job in a step")
     parser.add_argument("--preview-ms", type=float, default=10.3)
     parser.add_argument("--decode-ms", type=float, default=24.3)
+    parser.add_argument("--cold-side", type=float, default=1.0, help="requested side over the measured one")
+    parser.add_argument("--pixel-exponent", type=float, default=0.78, help="cost ~ pixels ** this")
     parser.add_argument("--margin", type=float, default=0.02, help="estimates above the costs (max-of-window noise)")
     args = parser.parse_args()
     torch.set_num_threads(1)
