@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.engine.clocked_stepper import ClockedStepper  # noqa: E402
-from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec  # noqa: E402
+from parley.engine.image_queue import ImagePartial, ImageQueue, ImageRefused, ImageSpec  # noqa: E402
 from parley.engine.slack import SlackRunner  # noqa: E402
 from parley.engine.stream import Terminal  # noqa: E402
 from parley.models.image_pipeline import stepper_for  # noqa: E402
@@ -125,7 +125,11 @@ def main() -> None:
     print("| K | steps/s (% of standalone) | images/min | first partial p50/max s | slack used | past boundary | items |")
     print("|---|---|---|---|---|---|---|")
     for load in (int(x) for x in args.loads.split(",")):
-        r = asyncio.run(replay(args, load, inner))
+        try:
+            r = asyncio.run(replay(args, load, inner))
+        except ImageRefused as exc:  # admission predicted an item that never fits the slack
+            print(f"| {load} | refused: {exc} |||||", flush=True)
+            continue
         print(f"| {load} | {r['steps_per_s']:.1f} ({100 * r['steps_per_s'] / r['standalone']:.0f} % of "
               f"{r['standalone']:.0f}) | {r['images_per_min']:.0f} | {r['first_p50']:.2f}/{r['first_max']:.2f} | "
               f"{100 * r['slack_used']:.0f} % | {r['past_boundary']} | "
