@@ -11,7 +11,8 @@ once. The figures are the server's own, read from /metrics before and after the 
 read to that step's delta being written to the socket) and the model's text delay
 (`parley_engine_stt[_paired]_model_delay_seconds`), which comes on top. p50 / p99 are interpolated
 within the histogram's buckets, as Prometheus' histogram_quantile does. Printed per path: deltas,
-mean, p50, p99, the model delay, p99 + model delay, and the target (model delay + 100 ms).
+mean, p50, p99, the model delay, p99 + model delay, and the target (model delay + 100 ms); then
+the engine counters that explain a tail (late ticks, starved standalone rows, dropped outlier costs).
 
 `--spawn tiny` writes the tiny random duplex and STT checkpoints (the STT reads the duplex Mimi's
 codes) and runs `parley serve` for the run; `--spawn DIR --stt-model STT` uses real ones.
@@ -41,6 +42,9 @@ from parley.models.synthetic import write_tiny_checkpoint, write_tiny_stt_checkp
 
 TARGET_S = 0.1  # on top of the model's own delay
 PATHS = ("paired", "standalone")
+# Engine counters that explain a tail: late ticks (paired), standalone rows left unstepped in a
+# tick's slack, outlier step costs the slack dropped after keeping a key waiting (docs/engine.md).
+CONTEXT = ("late_ticks", "stt_starved", "slack_stale_drops")
 
 
 def transcript_metrics(http: str) -> dict:
@@ -56,6 +60,9 @@ def transcript_metrics(http: str) -> dict:
     for path, gauge in (("paired", "stt_paired_model_delay_seconds"), ("standalone", "stt_model_delay_seconds")):
         m = re.search(rf"^parley_engine_{gauge} (\S+)$", text, re.M)
         out[path]["model_delay"] = float(m.group(1)) if m else float("nan")
+    for name in CONTEXT:
+        m = re.search(rf"^parley_engine_{name}_total (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
     return out
 
 
@@ -76,7 +83,7 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float:
 
 def delta(before: dict, after: dict) -> dict:
     """The run's own observations: after minus before, bucket by bucket."""
-    out = {}
+    out = {name: after[name] - before[name] for name in CONTEXT}
     for path in PATHS:
         a, b = after[path], before[path]
         old = dict(b["buckets"])
@@ -144,6 +151,7 @@ def report(figures: dict) -> list[str]:
         ms = [over if v == float("inf") else f"{v:.1f}" for v in (p50, p99, p99 + model)]
         lines.append(f"{path:<11} {int(f['count']):>7} {1000 * f['sum'] / f['count']:>8.1f} {ms[0]:>7} {ms[1]:>7} "
                      f"{model:>9.0f} {ms[2]:>10} {target:>10.0f}  {'yes' if p99 + model <= target else 'NO'}")
+    lines.append("during the run: " + ", ".join(f"{name} {int(figures[name])}" for name in CONTEXT))
     return lines
 
 
