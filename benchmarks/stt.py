@@ -118,7 +118,7 @@ def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device, brea
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
     live = torch.ones(batch, dtype=torch.bool)
     plan = TickPlan(tick=0, request_ids=[f"r{i}" for i in range(batch)], live_mask=live, frames=pcm,
-                    underruns=0, released=[])
+                    underruns=0, released=[], arrivals=[0.0] * batch)
     out = {}
     variants = ("plain", "in frame", "after frame") + (("encode only",) if breakdown else ())
     for variant in variants:

@@ -7,11 +7,14 @@ Clients send audio in whatever chunk sizes their codec produces; the model wants
 - more than `max_frames` queued -> the oldest frames are dropped, counted as overruns
   (latency must not grow during a call).
 `push` runs on the event loop and `pop` on the engine thread, hence the lock.
+Each whole frame keeps the time its last samples arrived (`time.monotonic()`, or the edge's
+receive time): transcript delay is measured from it (docs/transcription.md).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -46,15 +49,17 @@ class InputBuffer:
         self.max_frames = max_frames
         self.frame_samples = frame_samples
         self._lock = threading.Lock()
-        self._frames: deque[np.ndarray] = deque()
+        self._frames: deque[tuple[np.ndarray, float]] = deque()  # (frame, arrival time)
         self._partial = np.zeros(frame_samples, dtype=np.float32)  # the unfinished next frame
         self._partial_len = 0
         self.underruns = 0
         self.overruns = 0
 
-    def push(self, pcm: object) -> int:
-        """Append audio (validated). Returns how many frames were dropped to stay bounded."""
+    def push(self, pcm: object, received_at: float | None = None) -> int:
+        """Append audio (validated) that reached the server at `received_at` (time.monotonic();
+        default now). Returns how many frames were dropped to stay bounded."""
         samples = validate_pcm(pcm)
+        at = time.monotonic() if received_at is None else received_at
         n = self.frame_samples
         dropped = 0
         with self._lock:
@@ -65,7 +70,7 @@ class InputBuffer:
                 self._partial_len += take
                 pos += take
                 if self._partial_len == n:
-                    self._frames.append(self._partial)
+                    self._frames.append((self._partial, at))
                     self._partial = np.zeros(n, dtype=np.float32)
                     self._partial_len = 0
             while len(self._frames) > self.max_frames:
@@ -74,17 +79,18 @@ class InputBuffer:
             self.overruns += dropped
         return dropped
 
-    def pop_into(self, out: np.ndarray) -> bool:
-        """Write the next frame into `out` (silence if none). Returns False on an underrun."""
+    def pop_into(self, out: np.ndarray) -> float | None:
+        """Write the next frame into `out` (silence if none). Returns when the frame arrived
+        (time.monotonic()), or None on an underrun."""
         with self._lock:
-            frame = self._frames.popleft() if self._frames else None
+            frame, at = self._frames.popleft() if self._frames else (None, None)
             if frame is None:
                 self.underruns += 1
         if frame is None:
             out[:] = 0.0
-            return False
+            return None
         out[:] = frame
-        return True
+        return at
 
     def __len__(self) -> int:
         with self._lock:

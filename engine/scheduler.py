@@ -8,6 +8,7 @@ the same row are always applied in the order they happened.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ class TickPlan:
     frames: torch.Tensor  # [B, FRAME_SAMPLES] float32, host: input frames (silence on idle rows)
     underruns: int  # live rows fed silence because their input was empty
     released: list[int]  # rows whose session ended since the last tick: to be reset now
+    # row -> when its input frame reached the server (time.monotonic(); an underrun's silence: when
+    # this plan made it; idle rows: None). Paired transcripts carry it (transcript delay).
+    arrivals: list[float | None]
 
     @property
     def any_live(self) -> bool:
@@ -59,16 +63,19 @@ class Scheduler:
         self._apply_inbox()
         frames = np.zeros((self.max_sessions, self.frame_samples), dtype=np.float32)
         request_ids: list[str | None] = [None] * self.max_sessions
+        arrivals: list[float | None] = [None] * self.max_sessions
         underruns = 0
         for row, session in enumerate(self._rows):
             if session is None:
                 continue
             request_ids[row] = session.request_id
-            if not session.input.pop_into(frames[row]):
+            arrivals[row] = session.input.pop_into(frames[row])
+            if arrivals[row] is None:
                 underruns += 1
+                arrivals[row] = time.monotonic()
         live = torch.tensor([rid is not None for rid in request_ids], dtype=torch.bool)
         released, self._released = self._released, []
-        return TickPlan(tick, request_ids, live, torch.from_numpy(frames), underruns, released)
+        return TickPlan(tick, request_ids, live, torch.from_numpy(frames), underruns, released, arrivals)
 
     def next_admission(self) -> Session | None:
         return self._admissions.popleft() if self._admissions else None

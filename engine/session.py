@@ -42,13 +42,14 @@ class Session:
         self.input = input_buffer
         self.ready = ready  # resolved from the engine thread once the row is prefilled
 
-    def push_audio(self, pcm: object) -> None:
-        """Queue mono float32 PCM at 24 kHz, any length. Bad audio ends this session only,
-        with Terminal(failed, reason); pushing to an ended session does nothing."""
+    def push_audio(self, pcm: object, received_at: float | None = None) -> None:
+        """Queue mono float32 PCM at 24 kHz, any length, that reached the server at `received_at`
+        (time.monotonic(); default now). Bad audio ends this session only, with
+        Terminal(failed, reason); pushing to an ended session does nothing."""
         if self.events.finished:
             return
         try:
-            dropped = self.input.push(pcm)
+            dropped = self.input.push(pcm, received_at)
         except InputError as exc:
             self._engine.fail_session(self, str(exc))
             return

@@ -17,7 +17,8 @@ Either way the STT reads only what the frame computed and has its own random gen
 (registered with the graphs), so the duplex output is bit-identical with and without it.
 `prepare` (before the frame) applies enable/disable and sets which rows run; `publish` (after the
 frame's host copy) turns each transcribed row's text token into an `SttPartial` every frame (text
-may be empty: the end-of-turn probability is news on its own).
+may be empty: the end-of-turn probability is news on its own), stamped with when the row's input
+frame arrived (TickPlan.arrivals) so the edge can measure transcript delay.
 Transcript streams are realtime: a full one drops its oldest partial, like the duplex stream.
 No silence prefix is fed (the session is live); word times count from when transcription began.
 """
@@ -78,6 +79,7 @@ class PairedTranscription:
         self._lock = threading.Lock()
         self._out: torch.Tensor | None = None  # this tick's [B, 3] device outputs
         self._mask: list[bool] = [False] * max_sessions
+        self._arrivals: list[float | None] = [None] * max_sessions  # this tick's input frames' (TickPlan)
         self.steps = 0  # ticks that stepped at least one STT row
         self.rows_stepped = 0  # row-steps (one per transcribed session per tick)
         self.dropped = 0  # partials dropped from full transcript streams (a slow client)
@@ -104,6 +106,7 @@ class PairedTranscription:
         self._mask = [r is not None and plan.request_ids[i] == r.request_id and bool(plan.live_mask[i])
                       for i, r in enumerate(self._rows)]
         self._out = None
+        self._arrivals = plan.arrivals
         self._mask_dev.copy_(torch.tensor(self._mask))  # staged from pageable memory: safe to reuse at once
 
     def step(self, plan: TickPlan, out: BackendOutput) -> None:
@@ -157,7 +160,8 @@ class PairedTranscription:
         """For /metrics (engine.counters)."""
         return {"stt_paired_live": sum(row is not None for row in self._rows), "stt_paired_slots": self.max_sessions,
                 "stt_paired_steps": self.steps, "stt_paired_rows_stepped": self.rows_stepped,
-                "stt_paired_dropped": self.dropped}
+                "stt_paired_dropped": self.dropped,
+                "stt_paired_model_delay_seconds": self.gen.text_delay / FRAME_RATE}
 
     def publish(self) -> None:
         """After the frame's host copy: one partial per transcribed row."""
@@ -175,7 +179,8 @@ class PairedTranscription:
             if valid > 0.5 and (events := row.decoder.feed(int(token), step)):
                 text = "".join(e.text for e in events if isinstance(e, TextDelta))
                 words = tuple(e for e in events if isinstance(e, Word))
-            self.dropped += not row.stream.push(SttPartial(text, words, end_of_turn, row.step / FRAME_RATE))
+            self.dropped += not row.stream.push(SttPartial(text, words, end_of_turn, row.step / FRAME_RATE,
+                                                                    self._arrivals[i]))
 
     def _apply_pending(self) -> None:
         with self._lock:

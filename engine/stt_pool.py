@@ -70,6 +70,10 @@ class SttPartial:
     words: tuple[Word, ...]
     end_of_turn: float  # P(the speaker has finished their turn) at `audio_s`; NaN without the head
     audio_s: float  # seconds of the request's audio the model has now read
+    # When the newest input frame this step read reached the server (time.monotonic()); a frame the
+    # server made up (silence prefix, flush, underrun) counts from when it was made. None: no step
+    # (an end-of-stream flush). The edge measures transcript delay from it.
+    input_at: float | None = None
 
 
 @dataclass
@@ -81,14 +85,18 @@ class SttRequest:
     live: bool = False  # a live session: a partial every step (the end-of-turn probability is news)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _chunks: deque = field(default_factory=deque)  # float32 arrays, fed from the loop
+    _arrivals: deque = field(default_factory=deque)  # (queued samples at a chunk's end, its arrival time)
+    _queued_samples: int = 0  # samples appended to _chunks, ever
     _buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # engine thread only
     _fed_samples: int = 0
     _taken_samples: int = 0  # fed samples the engine thread has stepped (a live request's backlog bound)
     _ended: bool = False
     cancelled: bool = False
 
-    def feed(self, pcm: np.ndarray) -> None:
-        """Append mono float PCM at 24 kHz (any length)."""
+    def feed(self, pcm: np.ndarray, received_at: float | None = None) -> None:
+        """Append mono float PCM at 24 kHz (any length) that reached the server at `received_at`
+        (time.monotonic(); default now)."""
+        at = time.monotonic() if received_at is None else received_at
         pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
         if not np.isfinite(pcm).all():
             raise SttInputError("audio holds NaN or infinite samples.")
@@ -102,6 +110,8 @@ class SttRequest:
             if self._fed_samples > self.max_input_s * 24_000:
                 raise SttInputError(f"audio is longer than the {self.max_input_s:.0f} s this server takes.")
             self._chunks.append(pcm)
+            self._queued_samples += pcm.size
+            self._arrivals.append((self._queued_samples, at))
 
     def end_input(self) -> None:
         with self._lock:
@@ -117,20 +127,25 @@ class SttRequest:
             samples = self._buffer.size + sum(c.size for c in self._chunks)
             return -(-samples // FRAME_SAMPLES) if self._ended else samples // FRAME_SAMPLES, self._ended
 
-    def _take(self) -> tuple[np.ndarray | None, bool]:
-        """Engine thread: the next whole frame (None if not available yet) and whether input ended."""
+    def _take(self) -> tuple[np.ndarray | None, bool, float | None]:
+        """Engine thread: the next whole frame (None if not available yet), whether input ended,
+        and when the frame's last sample arrived."""
         with self._lock:
             while self._chunks:
                 self._buffer = np.concatenate([self._buffer, self._chunks.popleft()])
             ended = self._ended
-        if self._buffer.size >= FRAME_SAMPLES or (ended and self._buffer.size):
-            frame = np.zeros(FRAME_SAMPLES, np.float32)
-            n = min(FRAME_SAMPLES, self._buffer.size)
-            frame[:n] = self._buffer[:n]
-            self._buffer = self._buffer[n:]
-            self._taken_samples += n
-            return frame, ended and not self._buffer.size
-        return None, ended
+            if not (self._buffer.size >= FRAME_SAMPLES or (ended and self._buffer.size)):
+                return None, ended, None
+            end = self._taken_samples + min(FRAME_SAMPLES, self._buffer.size)
+            while self._arrivals[0][0] < end:  # chunks wholly before the frame's last sample
+                self._arrivals.popleft()
+            at = self._arrivals[0][1]  # the chunk holding that sample (kept: it may reach the next frame)
+        frame = np.zeros(FRAME_SAMPLES, np.float32)
+        n = min(FRAME_SAMPLES, self._buffer.size)
+        frame[:n] = self._buffer[:n]
+        self._buffer = self._buffer[n:]
+        self._taken_samples += n
+        return frame, ended and not self._buffer.size, at
 
 
 class SttFailed(RuntimeError):
@@ -304,6 +319,8 @@ class SttPool(SlackSource):
 
     def _step_once(self) -> bool:
         frames = np.zeros((self.slots, FRAME_SAMPLES), np.float32)
+        made_at = time.monotonic()  # when this step's made-up frames (prefix, flush) were made
+        arrivals = [made_at] * self.slots
         run = [False] * self.slots
         finishing: set[int] = set()
         for i, row in enumerate(self._rows):
@@ -314,9 +331,9 @@ class SttPool(SlackSource):
                 run[i] = True
                 continue
             if row.suffix_left is None:
-                frame, ended = row.request._take()
+                frame, ended, at = row.request._take()
                 if frame is not None:
-                    frames[i] = frame
+                    frames[i], arrivals[i] = frame, at
                     row.audio_frames += 1
                     run[i] = True
                 if ended:
@@ -337,7 +354,7 @@ class SttPool(SlackSource):
         self.counters["stt_steps"] += 1
         self._stepped.update(i for i, flag in enumerate(run) if flag)
         for i in np.flatnonzero(run):
-            self._publish(i, host[i])
+            self._publish(i, host[i], arrivals[i])
         return True
 
     def run_device(self, frames: np.ndarray, run: list[bool]) -> np.ndarray:
@@ -361,7 +378,7 @@ class SttPool(SlackSource):
         """Whether steps replay CUDA graphs (CUDA, after `warm_up`)."""
         return bool(self._graphs)
 
-    def _publish(self, i: int, values: np.ndarray) -> None:
+    def _publish(self, i: int, values: np.ndarray, input_at: float) -> None:
         row = self._rows[i]
         step = row.step
         row.step += 1
@@ -369,7 +386,8 @@ class SttPool(SlackSource):
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         words = tuple(e for e in events if isinstance(e, Word))
         if text or words or row.request.live:
-            row.request.events.push(SttPartial(text, words, float(values[2]), row.audio_frames / FRAME_RATE))
+            row.request.events.push(SttPartial(text, words, float(values[2]), row.audio_frames / FRAME_RATE,
+                                                 input_at))
 
     def _complete(self, i: int) -> None:
         row = self._rows[i]
@@ -399,7 +417,8 @@ class SttPool(SlackSource):
     def slack_counters(self) -> dict:
         with self._lock:
             queued = len(self._queue)
-        return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": queued}
+        return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": queued,
+                "stt_model_delay_seconds": self.gen.text_delay / FRAME_RATE}
 
     def slack_started(self, deadline: float | None) -> None:
         """A tick's slack begins: count the rows the last tick left unstepped although they could

@@ -22,6 +22,9 @@ FRAME_DELAY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16
 # End-to-end frame delay (engine tick end -> socket write): normally a few ms; past 80 ms the
 # edge is a frame behind.
 E2E_DELAY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+# Transcript delay (input frame arrival -> delta written), on top of the model's text delay: a
+# frame waits up to a tick to be read, then its step; the target is under 100 ms.
+TRANSCRIPT_DELAY_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.24, 0.32, 0.64, 1.28, 2.56)
 
 # engine.counters() keys exposed as counters; the rest are gauges or histograms.
 ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overruns",
@@ -39,7 +42,9 @@ ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overrun
                    # paired transcription (engine/stt_paired.py)
                    "stt_paired_steps", "stt_paired_rows_stepped", "stt_paired_dropped")
 ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots", "stt_live", "stt_slots",
-                 "stt_queued", "stt_paired_live", "stt_paired_slots")
+                 "stt_queued", "stt_paired_live", "stt_paired_slots",
+                 # the STT models' own text delay (frames / frame rate): transcript delay comes on top
+                 "stt_model_delay_seconds", "stt_paired_model_delay_seconds")
 ENGINE_HISTOGRAMS = ("tick_seconds", "prefill_seconds")
 
 
@@ -109,6 +114,12 @@ class EdgeMetrics:
             "end-to-end output frame delay: from the end of the engine tick that produced a frame to its "
             "bytes being written to the socket (codec and queueing included)",
             buckets=E2E_DELAY_BUCKETS, registry=r)
+        self.transcript_delay = Histogram(
+            "parley_transcript_delay_seconds",
+            "transcript delta delay: from the arrival of the newest input frame an STT step read to the "
+            "bytes of that step's text being written to the socket (the model's text delay, "
+            "parley_engine_stt*_model_delay_seconds, comes on top); path: paired or standalone row",
+            ["path"], buckets=TRANSCRIPT_DELAY_BUCKETS, registry=r)
         self.codec_restarts = Counter("parley_codec_worker_restarts", "codec worker processes restarted after "
                                       "a crash or hang", registry=r)
         self.codec_failures = Counter("parley_codec_failures", "sessions closed because their codec worker "

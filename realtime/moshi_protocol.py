@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Mapping
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -185,6 +186,7 @@ async def _receive(edge: EdgeSession) -> None:
     assert edge.codec is not None and edge.engine_session is not None
     while True:
         message = await websocket.receive()
+        received = time.monotonic()  # before the Opus decode: transcript delay counts from here
         if message["type"] == "websocket.disconnect":
             return
         data = message.get("bytes")
@@ -210,7 +212,7 @@ async def _receive(edge: EdgeSession) -> None:
             await _codec_lost(edge, exc)
             return
         if pcm.size:
-            edge.engine_session.push_audio(pcm)
+            edge.engine_session.push_audio(pcm, received)
 
 
 async def _send_frames(edge: EdgeSession) -> None:
@@ -259,6 +261,7 @@ async def _send_user_text(edge: EdgeSession, transcript) -> None:
                 await edge.send_bytes(bytes([TAG_USER_TEXT]) + event.text.encode())
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return
+            edge.observe_transcript_sent("paired", event.input_at)
 
 
 async def _codec_lost(edge: EdgeSession, exc: CodecUnavailable) -> None:

@@ -144,9 +144,12 @@ class RealtimeConnection:
             return 0  # the client left; the receive loop sees the disconnect and ends the session
         return len(text)
 
-    async def send_all(self, events: list[Event]) -> None:
+    async def send_all(self, events: list[Event]) -> int:
+        """Send events in order; returns the bytes sent (0: none, or the client has left)."""
+        sent = 0
         for event in events:
-            await self.send(event)
+            sent += await self.send(event)
+        return sent
 
     async def error(self, exc: ClientError) -> None:
         self.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
@@ -245,7 +248,8 @@ class RealtimeConnection:
                     if event.status is Status.FAILED:
                         await self.send_all(self.turns.transcript_failed(event.reason))
                     break
-                await self.send_all(self.turns.transcript(event.text, event.end_of_turn))
+                if await self.send_all(self.turns.transcript(event.text, event.end_of_turn)):
+                    self.edge.observe_transcript_sent("paired", event.input_at)
             await asyncio.sleep(0.05)
             if self.edge.engine_session is session:
                 return

@@ -110,4 +110,5 @@ class TranscriptionConnection(RealtimeConnection):
                     await self.edge.close_socket(CLOSE_GOING_AWAY, event.reason)
                 log.info("realtime transcription session %d ended: %s", self.edge.number, event.status.value)
                 return
-            await self.send_all(self.turns.transcript(event.text, event.end_of_turn))
+            if await self.send_all(self.turns.transcript(event.text, event.end_of_turn)):
+                self.edge.observe_transcript_sent("standalone", event.input_at)

@@ -244,6 +244,12 @@ class EdgeSession:
         it (FrameOut.produced_at, time.monotonic()) to its bytes having been written."""
         self.manager.metrics.frame_delay.observe(max(0.0, time.monotonic() - produced_at))
 
+    def observe_transcript_sent(self, path: str, input_at: float | None) -> None:
+        """Delay of one transcript delta just written: from the arrival of the input frame its
+        STT step read (SttPartial.input_at, time.monotonic()). `path`: "paired" or "standalone"."""
+        if input_at is not None:
+            self.manager.metrics.transcript_delay.labels(path).observe(max(0.0, time.monotonic() - input_at))
+
     async def close_socket(self, code: int, reason: str = "") -> None:
         """Send a close frame if the socket is still open (never raises)."""
         if self.websocket.application_state != WebSocketState.CONNECTED:

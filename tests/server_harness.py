@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import urllib.request
 from typing import Iterator
 
 import numpy as np
+import pytest
 import uvicorn
 
 from parley.engine import Engine
@@ -103,6 +105,27 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02) -> N
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+def assert_transcript_delays(base: str, path: str, sent: int, model_delay: float) -> None:
+    """/metrics timed each of the `sent` transcript deltas on `path` ("paired" / "standalone"):
+    one observation each, all positive and under a generous bound (the tiny CPU model's steps take
+    milliseconds; 2.56 s allows for a crowded box), and the STT model's own text delay is shown."""
+    with urllib.request.urlopen(f"http://{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    label = f'path="{path}"'
+
+    def value(suffix: str, extra: str = "") -> float:
+        match = re.search(rf"^parley_transcript_delay_seconds_{suffix}\{{{extra}{label}\}} (\S+)$", text, re.M)
+        assert match, f"no parley_transcript_delay_seconds_{suffix} for {label}"
+        return float(match.group(1))
+
+    count = value("count")
+    assert sent > 0 and count == sent
+    assert value("sum") > 0
+    assert value("bucket", 'le="2.56",') == count
+    gauge = "stt_paired_model_delay_seconds" if path == "paired" else "stt_model_delay_seconds"
+    assert float(re.search(rf"^parley_engine_{gauge} (\S+)$", text, re.M).group(1)) == pytest.approx(model_delay)
 
 
 # ---- a sphn-based /api/chat client ----------------------------------------------------------

@@ -248,6 +248,17 @@ def test_input_is_reframed_from_any_chunk_size():
         np.testing.assert_array_equal(out, pcm[k * N:(k + 1) * N])
 
 
+def test_each_frame_keeps_the_arrival_of_its_last_samples():
+    buf = InputBuffer(max_frames=8)
+    pcm = signal(3, 2)
+    buf.push(pcm[:N - 10], received_at=1.0)
+    buf.push(pcm[N - 10:N + 5], received_at=2.0)  # completes frame 0, starts frame 1
+    buf.push(pcm[N + 5:], received_at=3.0)
+    buf.push(pcm[:10])  # an unfinished frame, stamped now
+    out = np.empty(N, np.float32)
+    assert [buf.pop_into(out), buf.pop_into(out), buf.pop_into(out)] == [2.0, 3.0, None]  # then an underrun
+
+
 def test_underrun_feeds_silence_and_counts():
     async def main():
         engine, _ = make_engine(2)

@@ -9,7 +9,7 @@ import pytest
 
 from parley.models.synthetic import write_tiny_stt_checkpoint
 from parley.realtime.server import ServeConfig, build_app
-from server_harness import delay_app, serve, tone
+from server_harness import assert_transcript_delays, delay_app, serve, tone
 from test_server_realtime import Recorder, beta_validators, check_all, client, ga_validators, run, stream
 
 
@@ -45,6 +45,10 @@ def assert_turn_ended_in_time(events: list[dict]) -> None:
     assert stopped and stopped[0]["audio_end_ms"] <= 1200 + 2000 + 160
 
 
+def deltas_of(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+
+
 def assert_transcript_of_item(events: list[dict]) -> None:
     committed = [e for e in events if e["type"] == "input_audio_buffer.committed"]
     completed = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
@@ -70,6 +74,7 @@ def test_ga_input_transcription_deltas_and_completed(tiny_moshi_dir, stt_app_fac
 
     with serve(stt_app_factory(tiny_moshi_dir)) as base:
         events = run(scenario(base))
+        assert_transcript_delays(base, "paired", len(deltas_of(events)), model_delay=0.16)
     assert_transcript_of_item(events)
     check_all(events, ga_validators())
 
@@ -156,6 +161,7 @@ def test_ga_transcription_session(tiny_moshi_dir, stt_app_factory):
 
     with serve(stt_app_factory(tiny_moshi_dir)) as base:
         events = run(scenario(base))
+        assert_transcript_delays(base, "standalone", len(deltas_of(events)), model_delay=0.16)
     assert_transcript_of_item(events)
     no_responses(events)
     # pipecat's parser models conversation sessions only (its session.type is 'realtime')

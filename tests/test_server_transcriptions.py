@@ -24,7 +24,7 @@ from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.cli import main as cli_main
 from parley.realtime.server import ServeConfig, build_app
 
-from server_harness import chat_session, serve, tone
+from server_harness import assert_transcript_delays, chat_session, serve, tone
 from test_stt_pool import audio, expected_text
 
 
@@ -122,6 +122,8 @@ def test_chat_transcript_sends_the_users_words_as_0x07(tiny_moshi_dir, tmp_path)
         res = asyncio.run(chat_session(url, tone(300, 1.0), query="transcript=1", tail_seconds=0.4))
         assert res.handshake_at is not None and res.audio_messages > 0
         assert "".join(res.user_text).strip()  # the random tiny STT transcribes something (nonsense)
+        # each 0x07 message was timed from its input frame's arrival (the tiny STT's delay: 2 frames)
+        assert_transcript_delays(url, "paired", len(res.user_text), model_delay=0.16)
         plain = asyncio.run(chat_session(url, tone(300, 0.3), tail_seconds=0.2))
         assert plain.user_text == []
 

@@ -60,7 +60,8 @@ def paired_outputs(dirs, graphs: bool, in_frame: bool | None) -> tuple[list[np.n
         mask = torch.zeros(SLOTS, dtype=torch.bool)
         mask[live] = True
         plan = TickPlan(tick=t, request_ids=[f"r{i}" if mask[i] else None for i in range(SLOTS)], live_mask=mask,
-                        frames=frames(t), underruns=0, released=[])
+                        frames=frames(t), underruns=0, released=[],
+                        arrivals=[0.0 if mask[i] else None for i in range(SLOTS)])
         if paired is not None:
             paired.prepare(plan)
         out = backend.step(plan.frames, plan.live_mask)

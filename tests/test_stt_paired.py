@@ -19,6 +19,7 @@ from parley.models.stt_text import TranscriptDecoder
 from parley.models.synthetic import write_tiny_checkpoint, write_tiny_stt_checkpoint
 
 TICKS = 10
+ARRIVED = 5.0  # the input's arrival time (time.monotonic() scale) as the edge would stamp it
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None, in_
         transcript = None
         for i, s in enumerate(sessions):
             await s.ready
-            s.push_audio(speech_like(i))
+            s.push_audio(speech_like(i), received_at=ARRIVED + i)
         if paired:
             transcript = engine.enable_transcription(sessions[0])
         engine.run_ticks(TICKS)
@@ -69,9 +70,14 @@ def run(dirs, paired: bool, slots: int = 2, row_buckets: bool | None = None, in_
             assert counters["stt_paired_live"] == 1 and counters["stt_paired_slots"] == slots
             assert counters["stt_paired_steps"] == counters["stt_paired_rows_stepped"] == TICKS
             assert counters["stt_paired_dropped"] == 0
+            assert counters["stt_paired_model_delay_seconds"] == SttGen(transcription.checkpoint.lm).text_delay / 12.5
         else:
             assert "stt_paired_live" not in counters
-        return frames, transcript.drain() if paired else None
+        transcript = transcript.drain() if paired else None
+        if paired:  # every step read one of the frames pushed (no underrun): stamped with their arrival
+            assert [e.input_at for e in transcript if isinstance(e, SttPartial) and e.input_at is not None] \
+                == [ARRIVED] * TICKS
+        return frames, transcript
 
     result = asyncio.run(main())
     engine.shutdown()

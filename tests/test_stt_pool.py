@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -226,3 +227,27 @@ def test_live_request_refuses_audio_far_ahead_of_the_row(stt, monkeypatch):
         assert len(parts) == stt.settings.prefix_frames + 20 and not any(isinstance(p, Terminal) for p in parts)
         assert all(0 <= p.end_of_turn <= 1 for p in parts) and any(not p.text for p in parts)
     asyncio.run(main())
+
+
+def test_partials_carry_the_arrival_of_the_newest_frame_read(stt):
+    """input_at is the feed time of the chunk holding each frame's last sample; made-up frames
+    (silence prefix, flush) carry the time their step made them."""
+    pool = SttPool(stt, slots=1)
+    request = pool.submit(asyncio.new_event_loop(), live=True)  # live: a partial every step
+    clip = audio(0.4, 3)  # five frames, fed in chunks across frame edges
+    edges = [0, 1000, 2 * FRAME_SAMPLES, 2 * FRAME_SAMPLES + 1, 4 * FRAME_SAMPLES + 7, clip.size]
+    for k, (a, b) in enumerate(zip(edges, edges[1:])):
+        request.feed(clip[a:b], received_at=100.0 + k)
+    request.end_input()
+    before = time.monotonic()
+    pool.run_until_idle()
+    after = time.monotonic()
+    events = request.events.drain()
+    assert isinstance(events[-1], Terminal) and events[-1].status is Status.COMPLETED
+    stamped = [e.input_at for e in events[:-1] if isinstance(e, SttPartial) and e.input_at is not None]
+    prefix, suffix = stt.settings.prefix_frames, stt.settings.suffix_frames
+    assert len(stamped) == prefix + 5 + suffix
+    # frame k's last sample is sample 1920 (k + 1) - 1: in chunks 1, 1, 3, 3 and 4
+    assert stamped[prefix:prefix + 5] == [101.0, 101.0, 103.0, 103.0, 104.0]
+    made_up = stamped[:prefix] + stamped[prefix + 5:]
+    assert made_up and all(before <= t <= after for t in made_up)  # made at their step, not fed
