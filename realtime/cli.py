@@ -94,9 +94,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     # -- speech-to-text (transcription) --
     p.add_argument("--stt-model", default=None,
                    help="Kyutai STT checkpoint directory or Hugging Face repo id (e.g. kyutai/stt-1b-en_fr) "
-                        "for POST /v1/audio/transcriptions; the demo server includes a tiny random one")
+                        "for POST /v1/audio/transcriptions and /v1/realtime?intent=transcription (and, when its "
+                        "Mimi equals --model's, transcripts in the frame); the demo server includes a tiny random one")
     p.add_argument("--stt-slots", type=int, default=16,
-                   help="transcription rows (requests transcribed at once; more wait in a queue)")
+                   help="standalone transcription rows, shared by POST /v1/audio/transcriptions (more requests "
+                        "wait in a queue of 64) and /v1/realtime?intent=transcription sessions (one row each; "
+                        "refused when none is free)")
     # ---- images (/v1/images/generations; docs/images.md) ----
     p.add_argument("--image-model", default=None,
                    help="diffusers text-to-image pipeline (directory or Hugging Face id; Stable Diffusion 1.x/2.x "

@@ -46,7 +46,8 @@ def add_device_flags(p: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("flo
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=dtypes, default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="logging verbosity")
 
 
 def add_run_flags(p: argparse.ArgumentParser) -> None:
