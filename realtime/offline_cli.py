@@ -18,7 +18,7 @@ from parley.models.audio_io import AudioFileError, read_wav, write_wav
 from parley.models.checkpoint import CheckpointError
 
 from .help_format import HelpFormatter
-from .server import resolve_dtype
+from .server import ServeError, resolve_device, resolve_dtype
 
 log = logging.getLogger("parley.offline")
 
@@ -41,9 +41,18 @@ def add_offline(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_offline_command)
 
 
+def device_arg(name: str) -> str:
+    """argparse type for --device: a device this machine has (checked now, not after loading)."""
+    try:
+        return str(resolve_device(name))
+    except ServeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--device ")) from None
+
+
 def add_device_flags(p: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
     """--device, --dtype, --log-level: shared by the offline commands (offline, tts, transcribe)."""
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cpu", type=device_arg,
+                   help="torch device: cpu, cuda, cuda:N or auto (CUDA when present, else CPU)")
     p.add_argument("--dtype", choices=dtypes, default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",

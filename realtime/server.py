@@ -116,9 +116,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` is CUDA when a device is present, else the CPU; the log says which and why."""
+    """`auto` is CUDA when a device is present, else the CPU; the log says which and why. Any other
+    name must be a CPU or CUDA device this machine has (a ServeError naming --device otherwise)."""
     if name != "auto":
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ServeError(f"--device {name!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ServeError(f"--device {name}: Parley runs on cpu or cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ServeError(f"--device {name}: no CUDA device is available here (use --device cpu)")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ServeError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return device
     if torch.cuda.is_available():
         log.info("device auto: CUDA is present, using cuda (%s)", torch.cuda.get_device_name(0))
         return torch.device("cuda")

@@ -13,6 +13,7 @@ import pytest
 from parley.realtime import cli_sources
 from parley.realtime.cli import build_parser
 from parley.realtime.log_format import configure_logging
+from parley.realtime.server import ServeError, resolve_device
 
 FLAGS = ["--max-sessions", "3", "--port", "9100", "--device", "cpu", "--kv-dtype", "fp8", "--text-temperature",
          "0.5", "--persona", "Be brief.", "--log-level", "debug", "--log-format", "json"]
@@ -139,3 +140,19 @@ def test_checkpoint_load_reports_progress_as_log_lines_off_a_terminal(tiny_moshi
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("loading LM weights: 100%") for line in lines)
     assert any(line.startswith("loading Mimi weights: 100%") for line in lines)
+
+
+@pytest.mark.parametrize("device,needle", [
+    ("bogus", "'bogus' is not a device"),
+    ("mps", "Parley runs on cpu or cuda"),
+    ("cuda:99", "cuda:99"),
+])
+def test_a_device_this_machine_lacks_is_refused_before_anything_loads(capsys, device, needle):
+    for argv in (["transcribe", "--model", "m", "--device", device, "in.wav"],
+                 ["tts", "--model", "m", "--text", "a", "--voice", "v", "--output", "o.wav", "--device", device]):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(argv)
+        assert exit_.value.code == 2
+        assert "argument --device" in (err := capsys.readouterr().err) and needle in err, err
+    with pytest.raises(ServeError, match=needle):
+        resolve_device(device)
