@@ -22,6 +22,8 @@ from parley.models.stt import SttGen
 from parley.models.stt_text import TranscriptDecoder
 from parley.models.synthetic import write_tiny_stt_checkpoint
 
+from test_slack import FakeClock
+
 
 @pytest.fixture(scope="module")
 def stt(tmp_path_factory):
@@ -251,14 +253,6 @@ def test_partials_carry_the_arrival_of_the_newest_frame_read(stt):
     assert stamped[prefix:prefix + 5] == [101.0, 101.0, 103.0, 103.0, 104.0]
     made_up = stamped[:prefix] + stamped[prefix + 5:]
     assert made_up and all(before <= t <= after for t in made_up)  # made at their step, not fed
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
 
 
 def clocked(pool: SttPool, clock: FakeClock, cost_by_bucket: dict[int, float]) -> list[int]:
