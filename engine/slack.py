@@ -8,9 +8,15 @@ boundary (minus a guard). The rules, one per concern:
 1. Sources offer items in priority order (`Priority`): prefill, then TTS, then
    standalone transcription, then images. The runner runs the first offered item that
    fits in the time left, then asks again from the top, until nothing fits.
-2. A cost estimate is the maximum of the last `COST_WINDOW` observed costs for the
-   item's key, per unit of work (a prefill chunk's unit is one prompt frame, a graphed
-   step's is the step). Sources should seed their keys with a warm-up at start, and measure
+2. A cost estimate is the largest cost seen at least twice among the last `COST_WINDOW`
+   observed costs for the item's key (the second largest; with one observation, that one),
+   per unit of work (a prefill chunk's unit is one prompt frame, a graphed step's is the
+   step). One observation alone never sets the estimate: a single cold or preempted call
+   would otherwise hold it for the whole window, and a declined key gets no new
+   observations to push it out (issue 14: a CPU-contended STT step whose costs ran 13 ms
+   typical, 20 ms second worst, 32 ms worst starved live rows in 20-30 ms slack). The price:
+   a real rise in cost is believed on its second observation, so it overruns twice, not once
+   (both counted). Sources should seed their keys with a warm-up at start, and measure
    them once more on the engine thread in `slack_prepare` (called there before the first
    tick: a thread's first cuBLAS/cuDNN calls create handles and workspaces, so a key warmed on
    another thread runs cold once here). An item whose key has no estimate yet runs on its
@@ -27,8 +33,8 @@ boundary (minus a guard). The rules, one per concern:
    time). An item that took longer than its estimate is an overrun, and one that ended
    after the boundary is counted too (`/metrics`).
 5. A stale estimate heals: when a key's items were offered and declined (not fitting) for
-   `STALE_TICKS` ticks in a row and its largest observation is an outlier (more than twice
-   the next largest), the key goes on trial: its next item may run on the next-largest cost,
+   `STALE_TICKS` ticks in a row and the observation setting its estimate is an outlier (more
+   than twice the next largest), the key goes on trial: its next item may run on that next cost,
    but only as the first item of a tick (the whole slack free, so even a repeat of a slow call
    has the most room before the boundary). If the trial costs at most half the outlier, the
    outlier is dropped (it was one cold call or GC pause, which must not keep a source from
@@ -54,7 +60,7 @@ from .stream import Terminal
 
 log = logging.getLogger("parley.engine.slack")
 
-COST_WINDOW = 32  # observed costs kept per key; the estimate is their maximum
+COST_WINDOW = 32  # observed costs kept per key; the estimate is their second largest (rule 2)
 STALE_TICKS = 25  # ticks (2 s) a key may be declined in a row before an outlier cost is dropped
 
 
@@ -106,30 +112,31 @@ class SlackSource:
 
 
 class CostModel:
-    """Per-key cost estimates: the maximum of the last COST_WINDOW costs per unit (for a key on
-    trial, rule 5, the next largest)."""
+    """Per-key cost estimates: the second largest of the last COST_WINDOW costs per unit (rule 2;
+    for a key on trial, rule 5, the next one down)."""
 
     def __init__(self, window: int = COST_WINDOW) -> None:
         self._seen: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=window))
-        self._trials: dict[Hashable, float] = {}  # key on trial -> its outlier cost per unit
+        self._trials: dict[Hashable, float] = {}  # key on trial -> the outlier cost per unit it may drop
+
+    def _ranked(self, key: Hashable) -> tuple[list[float], int]:
+        """The key's costs, largest first, and the index of the one setting its estimate."""
+        ranked = sorted(self._seen.get(key, ()), reverse=True)
+        return ranked, min(1, len(ranked) - 1) + (key in self._trials)
 
     def estimate(self, key: Hashable, units: int = 1) -> float | None:
-        seen = self._seen.get(key)
-        if not seen:
-            return None
-        if key in self._trials:
-            return sorted(seen, reverse=True)[1] * units
-        return max(seen) * units
+        ranked, i = self._ranked(key)
+        return ranked[i] * units if ranked else None
 
     def on_trial(self, key: Hashable) -> bool:
         return key in self._trials
 
     def start_trial(self, key: Hashable) -> bool:
-        """Put `key` on trial if its largest cost is an outlier (more than twice the next)."""
-        seen = self._seen.get(key)
-        if key in self._trials or not seen or len(seen) < 2:
+        """Put `key` on trial if the cost setting its estimate is an outlier (more than twice the next)."""
+        ranked, i = self._ranked(key)
+        if key in self._trials or len(ranked) < i + 2:
             return False
-        worst, second = sorted(seen, reverse=True)[:2]
+        worst, second = ranked[i:i + 2]
         if worst <= 2 * second:
             return False
         self._trials[key] = worst

@@ -249,8 +249,13 @@ class SttPool(SlackSource):
         ready = max(ready_by_row)
         if not ready:
             return None
-        key = step_key(self.bucket(i for i, n in enumerate(ready_by_row) if n))
+        rows = [i for i, n in enumerate(ready_by_row) if n]
+        key = step_key(self.bucket(rows))
         per_step = costs.estimate(key)
+        if left_s is not None and per_step is not None and per_step > left_s:
+            live = self._live_only(rows, left_s, costs)
+            if live is not None:
+                return live
         if left_s is None:
             steps = min(MAX_STEPS_PER_ITEM, ready)
         elif per_step is None:
@@ -259,6 +264,20 @@ class SttPool(SlackSource):
             steps = max(1, min(MAX_STEPS_PER_ITEM, int(left_s / max(per_step, 1e-9))))
         steps = min(steps, ready)
         return WorkItem(key=key, units=steps, run=lambda: self.run_steps(steps), fail=self._fail_all)
+
+    def _live_only(self, rows: list[int], left_s: float, costs: CostModel) -> WorkItem | None:
+        """When a step of every ready row does not fit the slack left: one step of the live rows
+        alone, if their smaller bucket fits (a live session's next delta cannot wait for the
+        slack to hold the uploads' rows too; uploads step when it does)."""
+        live = [i for i in rows if self._rows[i].request.live]
+        if not live or self.bucket(live) == self.bucket(rows):
+            return None
+        key = step_key(self.bucket(live))
+        per_step = costs.estimate(key)
+        if per_step is None or per_step > left_s:
+            return None
+        only = frozenset(live)
+        return WorkItem(key=key, units=1, run=lambda: self.run_steps(1, only), fail=self._fail_all)
 
     def bucket(self, rows) -> int:
         """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
@@ -310,21 +329,22 @@ class SttPool(SlackSource):
         ready = row.prefix_left + frames + (self.checkpoint.settings.suffix_frames + 1 if ended else 0)
         return min(ready, row.request.events.room())
 
-    def run_steps(self, steps: int) -> int:
-        """Up to `steps` batched steps; stops early when no row can advance. Returns steps run."""
+    def run_steps(self, steps: int, only: frozenset[int] | None = None) -> int:
+        """Up to `steps` batched steps (of the rows in `only`, if given; the others wait); stops
+        early when no row can advance. Returns steps run."""
         for done in range(steps):
-            if not self._step_once():
+            if not self._step_once(only):
                 return done
         return steps
 
-    def _step_once(self) -> bool:
+    def _step_once(self, only: frozenset[int] | None = None) -> bool:
         frames = np.zeros((self.slots, FRAME_SAMPLES), np.float32)
         made_at = time.monotonic()  # when this step's made-up frames (prefix, flush) were made
         arrivals = [made_at] * self.slots
         run = [False] * self.slots
         finishing: set[int] = set()
         for i, row in enumerate(self._rows):
-            if not self._runnable(row):
+            if not self._runnable(row) or (only is not None and i not in only):
                 continue
             if row.prefix_left:
                 row.prefix_left -= 1

@@ -141,13 +141,46 @@ def test_overruns_and_items_past_the_boundary_are_counted():
     assert slack.stats.overruns == 1 and slack.stats.past_boundary == 1
 
 
-def test_cost_estimate_is_the_max_of_the_recent_window_per_unit():
+def test_cost_estimate_is_the_second_largest_of_the_recent_window_per_unit():
     costs = CostModel(window=3)
-    for seconds in (0.004, 0.009, 0.002, 0.003, 0.001):
+    costs.record("k", 0.008, units=2)
+    assert costs.estimate("k") == pytest.approx(0.004)  # one observation: that one
+    for seconds in (0.009, 0.002, 0.003, 0.001):
         costs.record("k", seconds * 2, units=2)
-    assert costs.estimate("k") == pytest.approx(0.003)  # 0.009 fell out of the window
-    assert costs.estimate("k", units=10) == pytest.approx(0.030)
+    assert costs.estimate("k") == pytest.approx(0.002)  # window 0.002, 0.003, 0.001 (0.009 fell out)
+    assert costs.estimate("k", units=10) == pytest.approx(0.020)
     assert costs.estimate("other") is None
+
+
+def test_one_slow_observation_does_not_hold_a_key_out_but_a_second_sets_the_estimate():
+    """Issue 14: a step whose costs ran 13 ms typical, 20 ms second worst and 32 ms once (a
+    preempted call; not twice the next, so rule 5 never heals it) must run in 25 ms of slack
+    every tick, not wait for a slack that holds its worst call. A slow cost that repeats is
+    real: its second observation sets the estimate, and no later item starts over it."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    key = ("stt", 0.013)
+    for seconds in [0.013] * 29 + [0.0188, 0.0206, 0.0316]:
+        slack.costs.record(key, seconds)
+    source = ScriptedSource(clock, Priority.TRANSCRIPTION, [0.013] * 10, "stt", ran)
+    slack.add_source(source)
+    for tick in range(10):
+        clock.t = tick * 0.080
+        slack.run_until(deadline=clock.t + 0.025)
+        assert len(ran) == tick + 1  # a step every tick: 20.6 ms fits, 31.6 would not
+    assert slack.stats.overruns == 0 and slack.stats.stale_trials == 0
+    slow = ScriptedSource(clock, Priority.TRANSCRIPTION, [0.030] * 4, "slow", ran)
+    slack.add_source(slow)
+    slack.costs.record(("slow", 0.030), 0.010)  # seeded cheap, but it really costs 30 ms
+    for tick in range(2):  # the first 30 ms is set aside as a possible one-off; the second is not
+        clock.t = 1.0 + tick * 0.080
+        slack.run_until(deadline=clock.t + 0.025)
+    assert ran[-2:] == ["slow:0.03"] * 2 and slack.stats.overruns == 2
+    assert slack.costs.estimate(("slow", 0.030)) == pytest.approx(0.030)
+    for tick in range(5):
+        clock.t = 2.0 + tick * 0.080
+        slack.run_until(deadline=clock.t + 0.025)
+    assert ran.count("slow:0.03") == 2 and slack.stats.overruns == 2  # never started over it again
 
 
 def test_a_prompt_that_raises_fails_its_session_only_and_others_stay_bit_identical():
@@ -188,12 +221,13 @@ def test_slack_sources_are_registered_before_start_only():
         engine.shutdown()
 
 
-def test_a_key_poisoned_by_one_outlier_heals_after_stale_ticks():
-    """One cold 108 ms observation must not starve a source whose items really take 5 ms."""
+def test_a_key_poisoned_by_a_repeated_outlier_heals_after_stale_ticks():
+    """Two cold 108 ms observations must not starve a source whose items really take 5 ms."""
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
     slack.costs.record(("enc", 0.005), 0.005)
-    slack.costs.record(("enc", 0.005), 0.108)  # the outlier: the estimate is now 108 ms
+    slack.costs.record(("enc", 0.005), 0.108)
+    slack.costs.record(("enc", 0.005), 0.108)  # seen twice: the estimate is now 108 ms
     slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.005] * 3, "enc", ran))
     for tick in range(STALE_TICKS):
         clock.t = tick * 0.080
@@ -205,7 +239,7 @@ def test_a_key_poisoned_by_one_outlier_heals_after_stale_ticks():
     slack.run_until(deadline=clock.t + 0.060)  # the trial (first item) costs 5 ms: the outlier goes
     assert ran == ["enc:0.005"] * 3 and slack.stats.past_boundary == 0
     assert slack.stats.stale_trials == 1 and slack.stats.stale_drops == 1
-    assert slack.costs.estimate(("enc", 0.005)) == pytest.approx(0.005)
+    assert slack.costs.estimate(("enc", 0.005)) == pytest.approx(0.005)  # one 108 ms is left: a one-off
 
 
 def test_a_trial_runs_only_with_the_whole_slack_free_and_a_slow_trial_keeps_the_outlier():
@@ -216,7 +250,8 @@ def test_a_trial_runs_only_with_the_whole_slack_free_and_a_slow_trial_keeps_the_
     key = ("enc", 0.040)
     slack.costs.record(("tts", 0.010), 0.010)
     slack.costs.record(key, 0.005)
-    slack.costs.record(key, 0.070)  # more than the 60 ms slack: declined every tick
+    slack.costs.record(key, 0.070)
+    slack.costs.record(key, 0.070)  # seen twice, more than the 60 ms slack: declined every tick
     tts = ScriptedSource(clock, Priority.TTS, [], "tts", ran)
     slack.add_source(tts)
     slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.040], "enc", ran))

@@ -11,7 +11,7 @@ import torch
 
 from parley.engine import stt_pool
 from parley.engine.engine import Engine
-from parley.engine.slack import CostModel
+from parley.engine.slack import CostModel, SlackRunner
 from parley.engine.config import EngineConfig
 from parley.engine.stream import Status, Terminal
 from parley.engine.stt_pool import SttBusy, SttInputError, SttPartial, SttPool
@@ -21,6 +21,8 @@ from parley.models.config import FRAME_SAMPLES
 from parley.models.stt import SttGen
 from parley.models.stt_text import TranscriptDecoder
 from parley.models.synthetic import write_tiny_stt_checkpoint
+
+from test_slack import FakeClock
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +253,71 @@ def test_partials_carry_the_arrival_of_the_newest_frame_read(stt):
     assert stamped[prefix:prefix + 5] == [101.0, 101.0, 103.0, 103.0, 104.0]
     made_up = stamped[:prefix] + stamped[prefix + 5:]
     assert made_up and all(before <= t <= after for t in made_up)  # made at their step, not fed
+
+
+def clocked(pool: SttPool, clock: FakeClock, cost_by_bucket: dict[int, float]) -> list[int]:
+    """Each device step advances the fake clock by its bucket's cost; returns the buckets run."""
+    real, seen = pool.run_device, []
+
+    def run_device(frames, run):
+        n = pool.bucket(i for i, flag in enumerate(run) if flag)
+        seen.append(n)
+        clock.t += cost_by_bucket[n]
+        return real(frames, run)
+
+    pool.run_device = run_device
+    return seen
+
+
+def test_a_live_row_steps_every_tick_despite_one_slow_step_in_its_costs(stt):
+    """Issue 14: the step key's costs hold one preempted 30 ms call among 10 ms ones; 20 ms of slack
+    holds a step, so the live row steps every tick (the max-of-window estimate held it out)."""
+    clock = FakeClock()
+    slack = SlackRunner(clock.now, lambda: None, 0.0)
+    pool = SttPool(stt, slots=1)
+    slack.add_source(pool)
+    for seconds in [0.010] * 30 + [0.016, 0.030]:
+        slack.costs.record(stt_pool.step_key(1), seconds)
+    clocked(pool, clock, {1: 0.010})
+    request = pool.submit(asyncio.new_event_loop(), live=True)
+    for tick in range(12):
+        clock.t = tick * 0.080
+        request.feed(audio(0.08, tick), received_at=clock.t)
+        slack.run_until(deadline=clock.t + 0.020)
+        assert pool.counters["stt_steps"] == tick + 1
+    assert pool.counters["stt_starved"] == 0 and slack.stats.overruns == 0 and slack.stats.past_boundary == 0
+
+
+def test_live_rows_step_alone_when_the_uploads_bucket_does_not_fit(stt):
+    """A live row (row 0) beside an upload (row 1): a 2-row step costs 30 ms, a 1-row step 10 ms,
+    and the slack holds 20 ms. The live row steps every tick by itself; the upload waits (it is
+    never started over its estimate) and catches up, with the same transcript, once the slack
+    holds both rows."""
+    async def main():
+        clock = FakeClock()
+        slack = SlackRunner(clock.now, lambda: None, 0.0)
+        pool = SttPool(stt, slots=2)
+        slack.add_source(pool)
+        for n, cost in ((1, 0.011), (2, 0.031)):  # a little over the clock's costs: no overrun from rounding
+            slack.costs.record(stt_pool.step_key(n), cost)
+            slack.costs.record(stt_pool.step_key(n), cost)
+        buckets = clocked(pool, clock, {1: 0.010, 2: 0.030})
+        live = pool.submit(live=True)
+        clip = audio(0.5, 21)
+        upload = submitted(pool, clip)
+        for tick in range(8):
+            clock.t = tick * 0.080
+            live.feed(audio(0.08, 30 + tick), received_at=clock.t)
+            slack.run_until(deadline=clock.t + 0.020)
+            assert buckets and set(buckets) == {1}  # live-only steps
+            assert pool._rows[0].step >= tick + 1 and pool._rows[1].step == 0
+        assert pool.counters["stt_starved"] == 6 and slack.stats.overruns == 0  # the upload waited (ticks 1-6 counted)
+        live.end_input()
+        while not upload.events.finished:
+            clock.t += 0.080
+            slack.run_until(deadline=clock.t + 0.200)  # room for 2-row steps: the upload runs
+        await asyncio.sleep(0)
+        assert 2 in buckets and slack.stats.past_boundary == 0
+        text, _, terminal = collect(upload)
+        assert terminal == Terminal(Status.COMPLETED) and text.strip() == expected_text(stt, clip)
+    asyncio.run(main())
