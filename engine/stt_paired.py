@@ -6,12 +6,13 @@
     stream = engine.enable_transcription(session)                # OutputStream[SttPartial]
 
 Row r of the STT state is duplex row r. Two ways to run the STT step, same results:
-- in the frame (`in_frame=True`, what the server does): the backend calls `frame_work` with the
+- in the frame (`in_frame=True`; the server switches to it once its GPU test passes,
+  `PAIRED_IN_FRAME` in realtime/server.py): the backend calls `frame_work` with the
   frame's Mimi latent right after the encode; it quantizes the latent to the STT's codebooks (the
   first ones are the LM's, unchanged: residual quantization is sequential) and steps the STT. On
   CUDA this runs on a stream of its own inside the frame's graph, overlapping the duplex LM and
   decode, so the frame's critical path is the plain frame's (docs/benchmarks.md has the figures).
-- after the frame (the default): `step` reads the codes the frame encoded (the backend built with
+- after the frame (the default, and what the server runs today): `step` reads the codes the frame encoded (the backend built with
   `encode_codebooks >= n_q`) and runs one batched step, on CUDA one graph per row bucket.
 Either way the STT reads only what the frame computed and has its own random generator
 (registered with the graphs), so the duplex output is bit-identical with and without it.

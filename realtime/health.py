@@ -32,7 +32,7 @@ ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overrun
                    # the slack runner (engine/slack.py): items after each tick, and the ones that
                    # overran their estimate or ended past the next boundary
                    "slack_items", "slack_seconds", "slack_overruns", "slack_past_boundary", "slack_failed",
-                   "slack_stale_drops",
+                   "slack_stale_drops", "slack_stale_trials",
                    # the TTS pool (engine/tts_pool.py), when one is loaded
                    "tts_steps_text", "tts_steps_full", "tts_frames", "tts_starved", "tts_forced",
                    "tts_completed", "tts_cancelled", "tts_failed",
