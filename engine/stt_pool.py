@@ -113,6 +113,12 @@ class SttRequest:
             self._queued_samples += pcm.size
             self._arrivals.append((self._queued_samples, at))
 
+    @property
+    def input_seconds(self) -> float:
+        """How much audio has been fed (all of it once the input ended)."""
+        with self._lock:
+            return self._fed_samples / 24_000
+
     def end_input(self) -> None:
         with self._lock:
             self._ended = True
@@ -358,6 +364,7 @@ class SttPool(SlackSource):
                     run[i] = True
                 if ended:
                     row.suffix_left = self.checkpoint.settings.suffix_frames
+                    row.decoder.audio_ended(row.request.input_seconds)
                 if frame is not None:
                     continue
             if row.suffix_left is not None:

@@ -42,14 +42,20 @@ class TranscriptDecoder:
         self._word_start = 0.0
         self._pending: Word | None = None  # complete text, waiting for its end (the next EPAD)
         self._text = ""
+        self._audio_end: float | None = None  # set once the input ended: no time goes past it
 
     @property
     def text(self) -> str:
         """Everything transcribed so far."""
         return self._text.strip()
 
+    def audio_ended(self, seconds: float) -> None:
+        """The input is `seconds` long: words the flush frames close end there, not after it."""
+        self._audio_end = seconds
+
     def _time(self, step: int) -> float:
-        return max(0.0, (step + 1 - self._delay) / FRAME_RATE - self._offset)
+        at = max(0.0, (step + 1 - self._delay) / FRAME_RATE - self._offset)
+        return at if self._audio_end is None else min(at, self._audio_end)
 
     def feed(self, token: int, step: int) -> list[TextDelta | Word]:
         out: list[TextDelta | Word] = []

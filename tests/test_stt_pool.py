@@ -83,7 +83,7 @@ def test_requests_in_one_batch_equal_each_alone(stt):
             assert terminal == Terminal(Status.COMPLETED)
             assert text.strip() == expected_text(stt, clip) and text.strip()
             assert " ".join(w.text for w in words) == " ".join(text.split())
-            assert all(0 <= w.start <= w.end <= clip.size / 24_000 + 0.5 for w in words)
+            assert all(0 <= w.start <= w.end <= clip.size / 24_000 for w in words)  # none past the audio
         assert pool.counters["stt_audio_seconds"] == pytest.approx(sum(-(-c.size // 1920) * 0.08 for c in clips))
     asyncio.run(main())
 
