@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -31,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.engine import Engine, EngineConfig, Terminal, TickClock  # noqa: E402
 from parley.engine.backend import ModelBackend  # noqa: E402

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.engine.clocked_stepper import ClockedStepper  # noqa: E402
 from parley.engine.image_queue import ImagePartial, ImageQueue, ImageRefused, ImageSpec  # noqa: E402

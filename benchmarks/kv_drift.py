@@ -12,12 +12,9 @@ easily): re-measure on real weights before making fp8 the default.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.models.config import LMConfig, tiny_lm_config  # noqa: E402
 from parley.models.lm import LMModel  # noqa: E402

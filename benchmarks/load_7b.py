@@ -12,13 +12,11 @@ and times a session's prefill (voice, silence, persona, silence) next to the oth
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.engine.config import SessionOptions  # noqa: E402

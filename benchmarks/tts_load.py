@@ -39,8 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK ships on)
 import uvicorn  # noqa: E402
