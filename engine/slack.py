@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import defaultdict, deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -62,6 +62,9 @@ log = logging.getLogger("parley.engine.slack")
 
 COST_WINDOW = 32  # observed costs kept per key; the estimate is their second largest (rule 2)
 STALE_TICKS = 25  # ticks (2 s) a key may be declined in a row before an outlier cost is dropped
+# Distinct keys whose costs (and per-key stats) are kept, least recently recorded evicted first:
+# image keys carry a client-chosen size, so their number must not grow with the requests.
+MAX_KEYS = 4096
 
 
 class Priority(enum.IntEnum):
@@ -115,8 +118,9 @@ class CostModel:
     """Per-key cost estimates: the second largest of the last COST_WINDOW costs per unit (rule 2;
     for a key on trial, rule 5, the next one down)."""
 
-    def __init__(self, window: int = COST_WINDOW) -> None:
-        self._seen: dict[Hashable, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+    def __init__(self, window: int = COST_WINDOW, max_keys: int = MAX_KEYS) -> None:
+        self._window, self._max_keys = window, max_keys
+        self._seen: OrderedDict[Hashable, deque[float]] = OrderedDict()
         self._trials: dict[Hashable, float] = {}  # key on trial -> the outlier cost per unit it may drop
 
     def _ranked(self, key: Hashable) -> tuple[list[float], int]:
@@ -146,7 +150,7 @@ class CostModel:
         """Record the trial's cost; drop the outlier if the trial cost at most half of it."""
         worst = self._trials.pop(key)
         per_unit = seconds / max(units, 1)
-        seen = self._seen[key]
+        seen = self._costs(key)
         dropped = per_unit <= worst / 2 and worst in seen
         if dropped:
             seen.remove(worst)
@@ -154,7 +158,19 @@ class CostModel:
         return dropped
 
     def record(self, key: Hashable, seconds: float, units: int = 1) -> None:
-        self._seen[key].append(seconds / max(units, 1))
+        self._costs(key).append(seconds / max(units, 1))
+
+    def _costs(self, key: Hashable) -> deque[float]:
+        """The key's window, made most recent (a new key past MAX_KEYS evicts the stalest)."""
+        seen = self._seen.get(key)
+        if seen is not None:
+            self._seen.move_to_end(key)
+            return seen
+        seen = self._seen[key] = deque(maxlen=self._window)
+        while len(self._seen) > self._max_keys:
+            evicted, _ = self._seen.popitem(last=False)
+            self._trials.pop(evicted, None)
+        return seen
 
     def estimates(self) -> list[tuple[Hashable, float]]:
         """(key, estimate per unit) for every key observed (sources predict unseen keys from them)."""
@@ -301,6 +317,8 @@ class SlackRunner:
         stats.items += 1
         stats.seconds += spent
         tally = stats.by_key.setdefault(item.key, [0, 0.0])
+        if len(stats.by_key) > MAX_KEYS:  # bounded like the cost model (oldest key first)
+            del stats.by_key[next(iter(stats.by_key))]
         tally[0] += 1
         tally[1] += spent
         if estimate is not None and spent > estimate:

@@ -266,3 +266,14 @@ def test_a_trial_runs_only_with_the_whole_slack_free_and_a_slow_trial_keeps_the_
     assert ran[-1] == "enc:0.04" and slack.stats.past_boundary == 0
     assert slack.stats.stale_trials == 1 and slack.stats.stale_drops == 0  # 40 ms > 70 / 2: no outlier
     assert not slack.costs.on_trial(key) and slack.costs.estimate(key) == pytest.approx(0.070)
+
+
+def test_the_cost_model_keeps_a_bounded_number_of_keys_evicting_the_least_recently_recorded():
+    costs = CostModel(max_keys=3)
+    for key in ("a", "b", "c"):
+        costs.record(key, 0.01)
+    costs.record("a", 0.02)  # "a" is the most recent now; "b" the stalest
+    costs.record("d", 0.03)
+    assert costs.estimate("b") is None
+    assert [k for k, _ in costs.estimates()] == ["c", "a", "d"]
+    assert costs.estimate("a") == pytest.approx(0.01)  # its window survived: second largest of two
