@@ -82,7 +82,7 @@ async def transcriptions_endpoint(request: Request) -> Response:
     try:
         if pool is None:
             raise RequestError("this server has no speech-to-text model loaded; start it with "
-                               "`parley serve --stt-model DIR_OR_HF_ID`.", "model", 400, "model_not_found")
+                               "`parley serve --stt-model DIR_OR_HF_ID`.", "model", 404, "model_not_found")
         fields = await _form(request)
         upload = (fields.get("file") or [None])[0]
         if not isinstance(upload, UploadFile):

@@ -97,8 +97,8 @@ def test_sdk_errors_name_the_parameter(stt):
         metrics = urllib.request.urlopen(f"http://{url}/metrics", timeout=10).read().decode()
         assert "parley_engine_stt_completed_total 1.0" in metrics and "parley_engine_stt_slots 1.0" in metrics
         assert "parley_engine_stt_live 0.0" in metrics and "parley_engine_stt_steps_total" in metrics
-    with serve(app_with(None)) as url:
-        with pytest.raises(openai.BadRequestError) as err:
+    with serve(app_with(None)) as url:  # 404 like speech and images without their model
+        with pytest.raises(openai.NotFoundError) as err:
             client(url).audio.transcriptions.create(model="stt", file=("a.wav", wav))
         assert err.value.body["param"] == "model" and "--stt-model" in err.value.body["message"]
 
