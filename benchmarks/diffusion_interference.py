@@ -31,16 +31,16 @@ from pathlib import Path
 import torch
 
 
-from parley.engine import Engine, EngineConfig, Terminal, TickClock  # noqa: E402
-from parley.engine.backend import ModelBackend  # noqa: E402
-from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec  # noqa: E402
-from parley.models.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
-from parley.models.config import LMConfig, MimiConfig, SamplingDefaults  # noqa: E402
-from parley.models.image_pipeline import ImageStepper, stepper_for  # noqa: E402
-from parley.models.lm import LMModel  # noqa: E402
-from parley.models.mimi.codec import Mimi  # noqa: E402
-from parley.models.synthetic import write_tiny_checkpoint  # noqa: E402
-from parley.models.tiny_diffusion import sd15_shaped, tiny_pipeline  # noqa: E402
+from parley.engine import Engine, EngineConfig, Terminal, TickClock
+from parley.engine.backend import ModelBackend
+from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec
+from parley.models.checkpoint import Checkpoint, load_checkpoint
+from parley.models.config import LMConfig, MimiConfig, SamplingDefaults
+from parley.models.image_pipeline import ImageStepper, stepper_for
+from parley.models.lm import LMModel
+from parley.models.mimi.codec import Mimi
+from parley.models.synthetic import write_tiny_checkpoint
+from parley.models.tiny_diffusion import sd15_shaped, tiny_pipeline
 
 
 def pct(values: list[float], q: float) -> float:

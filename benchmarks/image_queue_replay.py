@@ -30,12 +30,12 @@ from collections import Counter
 import torch
 
 
-from parley.engine.clocked_stepper import ClockedStepper  # noqa: E402
-from parley.engine.image_queue import ImagePartial, ImageQueue, ImageRefused, ImageSpec  # noqa: E402
-from parley.engine.slack import SlackRunner  # noqa: E402
-from parley.engine.stream import Terminal  # noqa: E402
-from parley.models.image_pipeline import stepper_for  # noqa: E402
-from parley.models.tiny_diffusion import tiny_pipeline  # noqa: E402
+from parley.engine.clocked_stepper import ClockedStepper
+from parley.engine.image_queue import ImagePartial, ImageQueue, ImageRefused, ImageSpec
+from parley.engine.slack import SlackRunner
+from parley.engine.stream import Terminal
+from parley.models.image_pipeline import stepper_for
+from parley.models.tiny_diffusion import tiny_pipeline
 
 
 class Clock:

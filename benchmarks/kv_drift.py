@@ -16,8 +16,8 @@ import argparse
 import torch
 
 
-from parley.models.config import LMConfig, tiny_lm_config  # noqa: E402
-from parley.models.lm import LMModel  # noqa: E402
+from parley.models.config import LMConfig, tiny_lm_config
+from parley.models.lm import LMModel
 
 
 @torch.no_grad()

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 
 
-from parley.engine.backend import ModelBackend  # noqa: E402
-from parley.engine.config import SessionOptions  # noqa: E402
-from parley.models.checkpoint import load_checkpoint, lm_config_dict, write_checkpoint  # noqa: E402
-from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
-from parley.models.lm import LMModel  # noqa: E402
-from parley.models.mimi.codec import Mimi  # noqa: E402
-from parley.models.persona_prompt import voice_to_pt  # noqa: E402
-from parley.models.voices import VoicePrompt, save_voice_pt  # noqa: E402
-from parley.models.tokenizer import train_tiny_tokenizer  # noqa: E402
+from parley.engine.backend import ModelBackend
+from parley.engine.config import SessionOptions
+from parley.models.checkpoint import load_checkpoint, lm_config_dict, write_checkpoint
+from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig
+from parley.models.lm import LMModel
+from parley.models.mimi.codec import Mimi
+from parley.models.persona_prompt import voice_to_pt
+from parley.models.voices import VoicePrompt, save_voice_pt
+from parley.models.tokenizer import train_tiny_tokenizer
 
 
 def host_peak_gib() -> float:
