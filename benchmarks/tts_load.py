@@ -3,6 +3,8 @@ reference `moshi` TTSModel on the same weights.
 
     # CPU smoke (tiny shapes, fabricated duplex backend): seconds
     python benchmarks/tts_load.py --shapes tiny --duplex delay --streams 1,2 --sessions 0,2 --device cpu
+    # CPU smoke of the --duplex 7b path (ModelBackend over a tiny random LM and Mimi)
+    python benchmarks/tts_load.py --shapes tiny --duplex tiny --streams 1 --sessions 1 --device cpu
     # H200: 1.6B TTS shapes (random bf16) beside Moshi-7B shapes (random bf16), and the reference
     python benchmarks/tts_load.py --shapes 1.6b --duplex 7b --streams 1,16,32 --sessions 0,64 --device cuda --reference
 
@@ -40,10 +42,15 @@ import numpy as np
 import torch
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from frame_setup import bench_checkpoint, random_models  # noqa: E402
+
 import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK ships on)
 import uvicorn  # noqa: E402
 
 from parley.engine import Engine  # noqa: E402
+from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
 from parley.engine.testing import DelayBackend  # noqa: E402
 from parley.engine.tts_pool import TtsPool  # noqa: E402
@@ -110,20 +117,17 @@ def build_models(shapes: str, device: str, dtype: torch.dtype):
     return cfg, ref_lm, ref_mimi, lm, mimi
 
 
+# --duplex choices over real models: the same ModelBackend path, only the shapes differ.
+DUPLEX_MODELS = {"7b": "moshi", "tiny": "tiny"}  # frame_setup.random_models kinds
+
+
 def build_duplex(kind: str, sessions: int, device: str, tokenizer: TextTokenizer):
     if kind == "none":
         return NoDuplexBackend(device), 1
     if kind == "delay":
         return DelayBackend(max(sessions, 1), step_seconds=0.002), max(sessions, 1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from frame_latency import build_models as build_7b  # Moshi-7B shapes, random bf16
-
-    from parley.engine.backend import ModelBackend
-    from parley.models.checkpoint import Checkpoint
-    from parley.models.config import SamplingDefaults
-    _, _, lm, mimi, lm_cfg, mimi_cfg = build_7b(device, torch.bfloat16)
-    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
-                      sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
+    lm, mimi, lm_cfg, mimi_cfg = random_models(DUPLEX_MODELS[kind], device, default_dtype(device))
+    ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg, tokenizer)
     return ModelBackend(ckpt, max(sessions, 1), cuda_graphs=True, seed=0), max(sessions, 1)
 
 
@@ -269,7 +273,9 @@ def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", choices=("tiny", "1.6b"), default="tiny")
-    parser.add_argument("--duplex", choices=("none", "delay", "7b"), default="delay")
+    parser.add_argument("--duplex", choices=("none", "delay", *DUPLEX_MODELS), default="delay",
+                        help="duplex backend beside TTS: none, delay (fabricated), 7b (Moshi-7B shapes, "
+                        "random weights) or tiny (the same ModelBackend path at tiny shapes, for CPU)")
     parser.add_argument("--streams", default="1,2", help="concurrent TTS requests per case (0: duplex alone)")
     parser.add_argument("--sessions", default="0,2", help="live duplex sessions per case")
     parser.add_argument("--device", default="cpu")
