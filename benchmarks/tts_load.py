@@ -23,7 +23,7 @@ With `--reference`, the reference `moshi.models.tts.TTSModel` runs on the very s
 tensors, batched as Kyutai's server batches it (all rows start together, one `LMGen.step` per
 frame for the batch, Mimi decode per frame): time to the first audio frame and x real time,
 at each `--streams` value. Weights are random (shapes, compute and memory traffic of the real
-ones); the text is a fixed English paragraph through a small SentencePiece model.
+ones); the text (`--text`, default a fixed English paragraph) goes through a small SentencePiece model.
 """
 
 from __future__ import annotations
@@ -164,13 +164,13 @@ def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-async def one_request(client: httpx.AsyncClient, url: str, voice: str) -> tuple[float, float, float]:
+async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str) -> tuple[float, float, float]:
     """(ttfb_s, audio_s, total_s)"""
     start = time.perf_counter()
     first = None
     size = 0
     async with client.stream("POST", f"{url}/v1/audio/speech",
-                             json={"model": "tts", "input": TEXT, "voice": voice, "response_format": "pcm"}) as r:
+                             json={"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}) as r:
         r.raise_for_status()
         async for chunk in r.aiter_bytes():
             if first is None and chunk:
@@ -213,8 +213,8 @@ async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) 
         results = []
         if streams:
             async with httpx.AsyncClient(timeout=600) as client:
-                results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())])
-                                                 for i in range(streams)])
+                results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())],
+                                                             args.text) for i in range(streams)])
         else:
             await asyncio.sleep(args.idle_seconds)
         stop.set()
@@ -238,7 +238,7 @@ async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) 
 
 
 @torch.no_grad()
-def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path) -> dict:
+def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path, text: str) -> dict:
     """moshi's TTSModel batched as Kyutai's server does: all rows together, Mimi decode per frame."""
     from moshi.models import tts as ref_tts
     from sentencepiece import SentencePieceProcessor
@@ -250,7 +250,7 @@ def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path) 
                              voice_suffix=VOICE_SUFFIX, voice_repo=str(voices_dir), machine=machine,
                              delay_steps=cfg.audio_delay_frames, n_q=cfg.lm.n_q, temp=0.6)
     voice = sorted(voices_dir.rglob(f"*{VOICE_SUFFIX}"))[0]
-    entries = [model.prepare_script([TEXT], padding_between=1) for _ in range(streams)]
+    entries = [model.prepare_script([text], padding_between=1) for _ in range(streams)]
     attributes = [model.make_condition_attributes([voice], cfg_coef=2.0) for _ in range(streams)]
     first_audio = []
     frames = [0]
@@ -281,6 +281,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reference", action="store_true", help="also time moshi's TTSModel at each --streams")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of duplex traffic before measuring")
+    parser.add_argument("--text", default=TEXT, help="what every request speaks (default: a fixed paragraph)")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -302,7 +303,7 @@ def main() -> None:
         print("|---:|---:|---:|")
         for streams in streams_list:
             if streams:
-                r = run_reference(models, voices_dir, streams, tokenizer_path)
+                r = run_reference(models, voices_dir, streams, tokenizer_path, args.text)
                 print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
         print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
