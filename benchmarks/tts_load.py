@@ -193,48 +193,65 @@ async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) 
     app = create_app(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service)
     server, thread, url = start_server(app)
     try:
-        live = [engine.open_nowait() for _ in range(sessions)]
-        for s in live:
-            await asyncio.wait_for(s.ready, 120)
-        stop = asyncio.Event()
-
-        async def feed() -> None:  # every session gets 80 ms of noise per tick and is drained
-            noise = (np.random.default_rng(0).standard_normal(FRAME_SAMPLES) * 0.05).astype(np.float32)
-            while not stop.is_set():
-                for s in live:
-                    s.push_audio(noise)
-                    s.events.drain()
-                await asyncio.sleep(0.08)
-
-        feeder = asyncio.create_task(feed())
-        await asyncio.sleep(args.settle)
-        timed.times.clear()
-        late_before = engine.counters()["late_ticks"]
-        results = []
-        if streams:
-            async with httpx.AsyncClient(timeout=600) as client:
-                results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())],
-                                                             args.text) for i in range(streams)])
-        else:
-            await asyncio.sleep(args.idle_seconds)
-        stop.set()
-        await feeder
-        frame_ms = [t * 1000 for t in timed.times]
-        counters = pool.slack_counters()
-        return {
-            "streams": streams, "sessions": sessions,
-            "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),
-            "ttfb_p99": percentile([r[0] for r in results], 99) * 1000 if results else float("nan"),
-            "xrt_median": statistics.median(r[1] / r[2] for r in results) if results else float("nan"),
-            "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
-            "frame_p50": percentile(frame_ms, 50), "frame_p99": percentile(frame_ms, 99),
-            "late_ticks": engine.counters()["late_ticks"] - late_before,
-            "tts_steps": counters["tts_steps_text"] + counters["tts_steps_full"],
-            "starved": counters["tts_starved"], "forced": counters["tts_forced"],
-        }
+        return await unless_engine_fails(engine, measure(args, engine, timed, pool, store, url, streams, sessions))
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+async def unless_engine_fails(engine: Engine, work) -> dict:
+    """`work`'s result, or exit at once naming the error if the engine fails first: a failed engine
+    fails its sessions but not a TTS request already waiting, which would hang the run."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if not engine.healthy:
+            task.cancel()
+            sys.exit(f"the engine failed: {engine.fatal_error} (its traceback is logged above)")
+        await asyncio.wait({task}, timeout=0.1)
+    return task.result()
+
+
+async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, store: VoiceStore, url: str,
+                  streams: int, sessions: int) -> dict:
+    live = [engine.open_nowait() for _ in range(sessions)]
+    for s in live:
+        await asyncio.wait_for(s.ready, 120)
+    stop = asyncio.Event()
+
+    async def feed() -> None:  # every session gets 80 ms of noise per tick and is drained
+        noise = (np.random.default_rng(0).standard_normal(FRAME_SAMPLES) * 0.05).astype(np.float32)
+        while not stop.is_set():
+            for s in live:
+                s.push_audio(noise)
+                s.events.drain()
+            await asyncio.sleep(0.08)
+
+    feeder = asyncio.create_task(feed())
+    await asyncio.sleep(args.settle)
+    timed.times.clear()
+    late_before = engine.counters()["late_ticks"]
+    results = []
+    if streams:
+        async with httpx.AsyncClient(timeout=600) as client:
+            results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())],
+                                                         args.text) for i in range(streams)])
+    else:
+        await asyncio.sleep(args.idle_seconds)
+    stop.set()
+    await feeder
+    frame_ms = [t * 1000 for t in timed.times]
+    counters = pool.slack_counters()
+    return {
+        "streams": streams, "sessions": sessions,
+        "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),
+        "ttfb_p99": percentile([r[0] for r in results], 99) * 1000 if results else float("nan"),
+        "xrt_median": statistics.median(r[1] / r[2] for r in results) if results else float("nan"),
+        "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
+        "frame_p50": percentile(frame_ms, 50), "frame_p99": percentile(frame_ms, 99),
+        "late_ticks": engine.counters()["late_ticks"] - late_before,
+        "tts_steps": counters["tts_steps_text"] + counters["tts_steps_full"],
+        "starved": counters["tts_starved"], "forced": counters["tts_forced"],
+    }
 
 
 @torch.no_grad()
