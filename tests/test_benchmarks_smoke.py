@@ -125,7 +125,8 @@ GPU_CASES = {
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
     "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",
-                                           "--device", "cuda", "--settle", "0.5", "--idle-seconds", "0.5"],
+                                           "--device", "cuda", "--settle", "0.5", "--idle-seconds", "0.5",
+                                           "--text", "Good morning."],
                            [r"duplex backend 7b", r"\| 1 \| 1 \| \d+ / \d+ \|"]),
 }
 
