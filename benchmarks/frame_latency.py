@@ -27,12 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frame_setup import (H200_COPY_TBPS, WINDOWS, floor_ms, kv_bytes, percentile, place_rows,  # noqa: E402
-                         time_frames, weight_bytes, window_positions)
+from frame_setup import (H200_COPY_TBPS, WINDOWS, bench_checkpoint, floor_ms, kv_bytes, percentile,  # noqa: E402
+                         place_rows, time_frames, weight_bytes, window_positions)
 
 from parley.engine.backend import ModelBackend  # noqa: E402
-from parley.models.checkpoint import Checkpoint  # noqa: E402
-from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig, SamplingDefaults  # noqa: E402
+from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
 from parley.models.lm import LMModel, published_state  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
 
@@ -81,8 +80,7 @@ def bench_reference(ref_lm, ref_mimi, batch: int, frames: int, warmup: int) -> d
 def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows,
                  kv_dtype: torch.dtype | None = None, live_rows: int | None = None) -> dict:
     """`live_rows`: only the lowest rows are live (the others are idle slots), default all."""
-    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg,
-                      voices_dir=None, sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
+    ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg)
     torch.cuda.reset_peak_memory_stats()
     backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1

@@ -1,5 +1,6 @@
-"""Shared pieces of the frame benchmarks (frame_latency.py, profile_frame.py): random Moshi-7B
-shaped models, placing rows in a window, timing, and the memory-bandwidth floor of a frame.
+"""Shared pieces of the frame benchmarks (frame_latency.py, profile_frame.py, tts_load.py): random
+Moshi-7B shaped models (or tiny ones for CPU smoke runs) and their checkpoint, placing rows in a
+window, timing, and the memory-bandwidth floor of a frame.
 
 The floor: a frame must read every weight once (the LM's and Mimi's) and every live row's filled
 KV window once (keys and values of every layer, plus the fp8 scales), at the GPU's copy
@@ -11,13 +12,16 @@ floor / measured (1.0 = at the floor).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
-from parley.models.config import LMConfig, MimiConfig
+from parley.models.checkpoint import Checkpoint
+from parley.models.config import LMConfig, MimiConfig, SamplingDefaults, tiny_lm_config, tiny_mimi_config
 from parley.models.lm import LMModel
 from parley.models.lm_gen import LMGenState
 from parley.models.mimi.codec import Mimi
+from parley.models.tokenizer import TextTokenizer
 from parley.models.transformer import ring_slot_positions
 
 WINDOWS = ("empty", "spread", "full")
@@ -29,11 +33,23 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+MODEL_KINDS = ("moshi", "personaplex", "tiny")
+
+
+def model_configs(kind: str) -> tuple[LMConfig, MimiConfig]:
+    """Moshi-7B (dep_q 8), PersonaPlex-7B (dep_q 16) or the tiny CPU test shapes (Moshi's structure)."""
+    if kind == "tiny":
+        return tiny_lm_config(), tiny_mimi_config()
+    if kind in ("moshi", "personaplex"):
+        return LMConfig(dep_q=16 if kind == "personaplex" else 8), MimiConfig()
+    raise ValueError(f"model kind {kind!r}: expected one of {', '.join(MODEL_KINDS)}")
+
+
 def random_models(kind: str = "moshi", device: str = "cuda",
                   dtype: torch.dtype = torch.bfloat16) -> tuple[LMModel, Mimi, LMConfig, MimiConfig]:
-    """Moshi-7B (dep_q 8) or PersonaPlex-7B (dep_q 16) shaped LM with random weights, and Mimi."""
+    """An LM of `kind`'s shapes (see `model_configs`) with random weights, and Mimi."""
     torch.manual_seed(0)
-    lm_cfg, mimi_cfg = LMConfig(dep_q=16 if kind == "personaplex" else 8), MimiConfig()
+    lm_cfg, mimi_cfg = model_configs(kind)
     lm = LMModel(lm_cfg, device=device, dtype=dtype)  # built on the device: PyTorch's random init
     mimi = Mimi(mimi_cfg).to(device)
     for module in mimi.modules():  # random codebooks, so codes and audio are not degenerate
@@ -41,6 +57,14 @@ def random_models(kind: str = "moshi", device: str = "cuda",
             module.embedding_sum.normal_()
             module.refresh_embedding()
     return lm.eval(), mimi.eval(), lm_cfg, mimi_cfg
+
+
+def bench_checkpoint(lm: LMModel, mimi: Mimi, lm_cfg: LMConfig, mimi_cfg: MimiConfig,
+                     tokenizer: TextTokenizer | None = None, model_type: str = "moshi") -> Checkpoint:
+    """A checkpoint over in-memory models (the one place benchmarks build it). The frame
+    benchmarks step the backend directly and need no tokenizer; serving sessions does."""
+    return Checkpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_cfg, mimi_config=mimi_cfg,
+                      voices_dir=None, sampling=SamplingDefaults(), model_type=model_type, path=Path("."))
 
 
 def window_positions(batch: int, window: str, context: int, device) -> torch.Tensor:

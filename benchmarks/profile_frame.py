@@ -30,13 +30,12 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frame_setup import (H200_COPY_TBPS, WINDOWS, floor_ms, kv_bytes, percentile, place_rows,  # noqa: E402
-                         random_models, time_frames, weight_bytes, window_positions)
+from frame_setup import (H200_COPY_TBPS, WINDOWS, bench_checkpoint, floor_ms, kv_bytes, percentile,  # noqa: E402
+                         place_rows, random_models, time_frames, weight_bytes, window_positions)
 
 from parley.engine.backend import BackendOutput, ModelBackend  # noqa: E402
 from parley.engine.cuda_graph import CUDAGraphRunner  # noqa: E402
-from parley.models.checkpoint import Checkpoint  # noqa: E402
-from parley.models.config import FRAME_SAMPLES, SamplingDefaults  # noqa: E402
+from parley.models.config import FRAME_SAMPLES  # noqa: E402
 from parley.models.lm_gen import LMGen  # noqa: E402
 
 # Kernel kinds, by name (first match wins). cuBLAS / CUTLASS GEMM and GEMV kernels are the
@@ -129,8 +128,7 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
     torch.cuda.empty_cache()
 
     # 2. The whole frame as the engine runs it, and its host copy.
-    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=None, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
-                      sampling=SamplingDefaults(), model_type=kind, path=Path("."))
+    ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg, model_type=kind)
     backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
     place_rows(backend._lm_state, window, lm_cfg.context)
     host_pcm, host_live = pcm.cpu(), live.cpu()

@@ -75,8 +75,8 @@ async def soak(url: str, sessions: int, minutes: float, procs: int) -> None:
     names = [n for n in ATTACKS if ATTACKS[n] is not None]
 
     async def sampler() -> None:
-        while time.monotonic() - start < duration:
-            await asyncio.sleep(SAMPLE_S)
+        while (left := duration - (time.monotonic() - start)) > 0:
+            await asyncio.sleep(min(SAMPLE_S, left))  # the last sample at the end, not up to 10 s past it
             s = sample(http, start)
             samples.append(s)
             print(f"t={s['t']:.0f}s rss={s['rss_mb']:.1f}MB gpu={s['gpu_mb']:.0f}MB late={s['late']:.0f} "

@@ -3,6 +3,8 @@ reference `moshi` TTSModel on the same weights.
 
     # CPU smoke (tiny shapes, fabricated duplex backend): seconds
     python benchmarks/tts_load.py --shapes tiny --duplex delay --streams 1,2 --sessions 0,2 --device cpu
+    # CPU smoke of the --duplex 7b path (ModelBackend over a tiny random LM and Mimi)
+    python benchmarks/tts_load.py --shapes tiny --duplex tiny --streams 1 --sessions 1 --device cpu
     # H200: 1.6B TTS shapes (random bf16) beside Moshi-7B shapes (random bf16), and the reference
     python benchmarks/tts_load.py --shapes 1.6b --duplex 7b --streams 1,16,32 --sessions 0,64 --device cuda --reference
 
@@ -21,7 +23,7 @@ With `--reference`, the reference `moshi.models.tts.TTSModel` runs on the very s
 tensors, batched as Kyutai's server batches it (all rows start together, one `LMGen.step` per
 frame for the batch, Mimi decode per frame): time to the first audio frame and x real time,
 at each `--streams` value. Weights are random (shapes, compute and memory traffic of the real
-ones); the text is a fixed English paragraph through a small SentencePiece model.
+ones); the text (`--text`, default a fixed English paragraph) goes through a small SentencePiece model.
 """
 
 from __future__ import annotations
@@ -40,10 +42,15 @@ import numpy as np
 import torch
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from frame_setup import bench_checkpoint, random_models  # noqa: E402
+
 import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK ships on)
 import uvicorn  # noqa: E402
 
 from parley.engine import Engine  # noqa: E402
+from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
 from parley.engine.testing import DelayBackend  # noqa: E402
 from parley.engine.tts_pool import TtsPool  # noqa: E402
@@ -110,20 +117,17 @@ def build_models(shapes: str, device: str, dtype: torch.dtype):
     return cfg, ref_lm, ref_mimi, lm, mimi
 
 
+# --duplex choices over real models: the same ModelBackend path, only the shapes differ.
+DUPLEX_MODELS = {"7b": "moshi", "tiny": "tiny"}  # frame_setup.random_models kinds
+
+
 def build_duplex(kind: str, sessions: int, device: str, tokenizer: TextTokenizer):
     if kind == "none":
         return NoDuplexBackend(device), 1
     if kind == "delay":
         return DelayBackend(max(sessions, 1), step_seconds=0.002), max(sessions, 1)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from frame_latency import build_models as build_7b  # Moshi-7B shapes, random bf16
-
-    from parley.engine.backend import ModelBackend
-    from parley.models.checkpoint import Checkpoint
-    from parley.models.config import SamplingDefaults
-    _, _, lm, mimi, lm_cfg, mimi_cfg = build_7b(device, torch.bfloat16)
-    ckpt = Checkpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_cfg, mimi_config=mimi_cfg, voices_dir=None,
-                      sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
+    lm, mimi, lm_cfg, mimi_cfg = random_models(DUPLEX_MODELS[kind], device, default_dtype(device))
+    ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg, tokenizer)
     return ModelBackend(ckpt, max(sessions, 1), cuda_graphs=True, seed=0), max(sessions, 1)
 
 
@@ -160,13 +164,13 @@ def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-async def one_request(client: httpx.AsyncClient, url: str, voice: str) -> tuple[float, float, float]:
+async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str) -> tuple[float, float, float]:
     """(ttfb_s, audio_s, total_s)"""
     start = time.perf_counter()
     first = None
     size = 0
     async with client.stream("POST", f"{url}/v1/audio/speech",
-                             json={"model": "tts", "input": TEXT, "voice": voice, "response_format": "pcm"}) as r:
+                             json={"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}) as r:
         r.raise_for_status()
         async for chunk in r.aiter_bytes():
             if first is None and chunk:
@@ -189,52 +193,69 @@ async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) 
     app = create_app(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service)
     server, thread, url = start_server(app)
     try:
-        live = [engine.open_nowait() for _ in range(sessions)]
-        for s in live:
-            await asyncio.wait_for(s.ready, 120)
-        stop = asyncio.Event()
-
-        async def feed() -> None:  # every session gets 80 ms of noise per tick and is drained
-            noise = (np.random.default_rng(0).standard_normal(FRAME_SAMPLES) * 0.05).astype(np.float32)
-            while not stop.is_set():
-                for s in live:
-                    s.push_audio(noise)
-                    s.events.drain()
-                await asyncio.sleep(0.08)
-
-        feeder = asyncio.create_task(feed())
-        await asyncio.sleep(args.settle)
-        timed.times.clear()
-        late_before = engine.counters()["late_ticks"]
-        results = []
-        if streams:
-            async with httpx.AsyncClient(timeout=600) as client:
-                results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())])
-                                                 for i in range(streams)])
-        else:
-            await asyncio.sleep(args.idle_seconds)
-        stop.set()
-        await feeder
-        frame_ms = [t * 1000 for t in timed.times]
-        counters = pool.slack_counters()
-        return {
-            "streams": streams, "sessions": sessions,
-            "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),
-            "ttfb_p99": percentile([r[0] for r in results], 99) * 1000 if results else float("nan"),
-            "xrt_median": statistics.median(r[1] / r[2] for r in results) if results else float("nan"),
-            "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
-            "frame_p50": percentile(frame_ms, 50), "frame_p99": percentile(frame_ms, 99),
-            "late_ticks": engine.counters()["late_ticks"] - late_before,
-            "tts_steps": counters["tts_steps_text"] + counters["tts_steps_full"],
-            "starved": counters["tts_starved"], "forced": counters["tts_forced"],
-        }
+        return await unless_engine_fails(engine, measure(args, engine, timed, pool, store, url, streams, sessions))
     finally:
         server.should_exit = True
         thread.join(30)
 
 
+async def unless_engine_fails(engine: Engine, work) -> dict:
+    """`work`'s result, or exit at once naming the error if the engine fails first: a failed engine
+    fails its sessions but not a TTS request already waiting, which would hang the run."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if not engine.healthy:
+            task.cancel()
+            sys.exit(f"the engine failed: {engine.fatal_error} (its traceback is logged above)")
+        await asyncio.wait({task}, timeout=0.1)
+    return task.result()
+
+
+async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, store: VoiceStore, url: str,
+                  streams: int, sessions: int) -> dict:
+    live = [engine.open_nowait() for _ in range(sessions)]
+    for s in live:
+        await asyncio.wait_for(s.ready, 120)
+    stop = asyncio.Event()
+
+    async def feed() -> None:  # every session gets 80 ms of noise per tick and is drained
+        noise = (np.random.default_rng(0).standard_normal(FRAME_SAMPLES) * 0.05).astype(np.float32)
+        while not stop.is_set():
+            for s in live:
+                s.push_audio(noise)
+                s.events.drain()
+            await asyncio.sleep(0.08)
+
+    feeder = asyncio.create_task(feed())
+    await asyncio.sleep(args.settle)
+    timed.times.clear()
+    late_before = engine.counters()["late_ticks"]
+    results = []
+    if streams:
+        async with httpx.AsyncClient(timeout=600) as client:
+            results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())],
+                                                         args.text) for i in range(streams)])
+    else:
+        await asyncio.sleep(args.idle_seconds)
+    stop.set()
+    await feeder
+    frame_ms = [t * 1000 for t in timed.times]
+    counters = pool.slack_counters()
+    return {
+        "streams": streams, "sessions": sessions,
+        "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),
+        "ttfb_p99": percentile([r[0] for r in results], 99) * 1000 if results else float("nan"),
+        "xrt_median": statistics.median(r[1] / r[2] for r in results) if results else float("nan"),
+        "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
+        "frame_p50": percentile(frame_ms, 50), "frame_p99": percentile(frame_ms, 99),
+        "late_ticks": engine.counters()["late_ticks"] - late_before,
+        "tts_steps": counters["tts_steps_text"] + counters["tts_steps_full"],
+        "starved": counters["tts_starved"], "forced": counters["tts_forced"],
+    }
+
+
 @torch.no_grad()
-def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path) -> dict:
+def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path, text: str) -> dict:
     """moshi's TTSModel batched as Kyutai's server does: all rows together, Mimi decode per frame."""
     from moshi.models import tts as ref_tts
     from sentencepiece import SentencePieceProcessor
@@ -246,7 +267,7 @@ def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path) 
                              voice_suffix=VOICE_SUFFIX, voice_repo=str(voices_dir), machine=machine,
                              delay_steps=cfg.audio_delay_frames, n_q=cfg.lm.n_q, temp=0.6)
     voice = sorted(voices_dir.rglob(f"*{VOICE_SUFFIX}"))[0]
-    entries = [model.prepare_script([TEXT], padding_between=1) for _ in range(streams)]
+    entries = [model.prepare_script([text], padding_between=1) for _ in range(streams)]
     attributes = [model.make_condition_attributes([voice], cfg_coef=2.0) for _ in range(streams)]
     first_audio = []
     frames = [0]
@@ -269,12 +290,15 @@ def run_reference(models, voices_dir: Path, streams: int, tokenizer_path: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", choices=("tiny", "1.6b"), default="tiny")
-    parser.add_argument("--duplex", choices=("none", "delay", "7b"), default="delay")
+    parser.add_argument("--duplex", choices=("none", "delay", *DUPLEX_MODELS), default="delay",
+                        help="duplex backend beside TTS: none, delay (fabricated), 7b (Moshi-7B shapes, "
+                        "random weights) or tiny (the same ModelBackend path at tiny shapes, for CPU)")
     parser.add_argument("--streams", default="1,2", help="concurrent TTS requests per case (0: duplex alone)")
     parser.add_argument("--sessions", default="0,2", help="live duplex sessions per case")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reference", action="store_true", help="also time moshi's TTSModel at each --streams")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of duplex traffic before measuring")
+    parser.add_argument("--text", default=TEXT, help="what every request speaks (default: a fixed paragraph)")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -296,7 +320,7 @@ def main() -> None:
         print("|---:|---:|---:|")
         for streams in streams_list:
             if streams:
-                r = run_reference(models, voices_dir, streams, tokenizer_path)
+                r = run_reference(models, voices_dir, streams, tokenizer_path, args.text)
                 print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
         print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "

@@ -145,6 +145,7 @@ class TtsPool(SlackSource):
         self._lock = threading.Lock()
         self._pending: deque[TtsJob] = deque()
         self._reserved = 0  # pending + live, so submit can refuse at once
+        self._stopped: Terminal | None = None  # set by slack_stop: the engine will never offer again
         self._rows: list[_Row | None] = [None] * slots
         self._graphs: dict[str, CUDAGraphRunner] = {}
         self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
@@ -166,10 +167,13 @@ class TtsPool(SlackSource):
 
     def submit(self, request: TtsRequest, loop: asyncio.AbstractEventLoop) -> TtsJob:
         with self._lock:
+            job = TtsJob(request, OutputStream(uuid.uuid4().hex, loop, self.output_events))
+            if self._stopped is not None:  # nothing will run it: end it now rather than wait forever
+                job.stream.finish(self._stopped)
+                return job
             if self._reserved >= self.slots:
                 raise TtsPoolFull(f"all {self.slots} TTS slots are busy")
             self._reserved += 1
-            job = TtsJob(request, OutputStream(uuid.uuid4().hex, loop, self.output_events))
             self._pending.append(job)
         return job
 
@@ -355,6 +359,7 @@ class TtsPool(SlackSource):
             if row is not None:
                 self._free(b, terminal)
         with self._lock:
+            self._stopped = terminal
             pending, self._pending = list(self._pending), deque()
             self._reserved -= len(pending)
         for job in pending:

@@ -178,9 +178,23 @@ def test_engine_shutdown_ends_every_tts_request(tts):
         engine.shutdown()
         assert live.stream.drain()[-1] == Terminal(Status.CANCELLED, "the engine is shutting down")
         assert pool.live == 0
+        # A request after the stop would wait forever (no engine offers work): it ends at once.
+        late = pool.submit(request(tts, "Hi."), loop)
+        assert late.stream.drain() == [Terminal(Status.CANCELLED, "the engine is shutting down")]
+        assert pool.live == 0
+    asyncio.run(main())
+
+
+def test_engine_failure_ends_queued_and_later_tts_requests(tts):
+    async def main():
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10)
+        loop = asyncio.get_running_loop()
         queued = pool.submit(request(tts, "Hi."), loop)
         pool.slack_stop(Terminal(Status.FAILED, "engine failure"))
         assert queued.stream.drain() == [Terminal(Status.FAILED, "engine failure")]
+        later = pool.submit(request(tts, "Hello."), loop)
+        assert later.stream.drain() == [Terminal(Status.FAILED, "engine failure")]
     asyncio.run(main())
 
 

@@ -1,0 +1,141 @@
+"""Every benchmark's code path, run on the CPU with tiny shapes, so a GPU session can trust them.
+
+The GPU benchmarks run only when device time is lent; a refactor that breaks one (a renamed
+field, a missing argument, an import) would otherwise be found there, at that time's cost.
+Each case runs the script as the docs do (`python benchmarks/X.py ...` from the repo root, a
+subprocess with a timeout) and checks it exits 0 and prints its table / figures. The numbers
+are meaningless here (tiny random models on a shared CPU); only that every path runs is checked.
+Scripts whose every path needs CUDA are at least imported on CPU, and run small under `gpu`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 120) -> str:
+    """Run benchmarks/`script` as a user would; its combined output, after asserting exit 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} {' '.join(args)} hung past {timeout} s:\n{exc.stdout}\n{exc.stderr}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} {' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
+    assert "Traceback" not in output, output[-4000:]
+    return output
+
+
+# (script, arguments, patterns its output must hold): each a table header or a figure line.
+CPU_CASES = {
+    "tts_load": (  # --duplex tiny: the --duplex 7b path (Checkpoint, tokenizer, ModelBackend) at tiny shapes
+        "tts_load.py", ["--shapes", "tiny", "--duplex", "tiny", "--streams", "1", "--sessions", "1",
+                        "--device", "cpu", "--settle", "0.2", "--idle-seconds", "0.3", "--reference",
+                        "--text", "Good morning."],
+        [r"\| reference TTSModel streams \| first audio \(ms\) \| x real time \(median\) \|",
+         r"^\| 1 \| \d+ \| \d+\.\d\d \|$", r"duplex backend tiny",
+         r"\| TTS streams \| duplex sessions \| TTFB p50 / p99 \(ms\)", r"\| 0 \| 1 \| nan / nan \|",
+         r"\| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|"]),
+    "stt": (
+        "stt.py", ["--shapes", "tiny", "--device", "cpu", "--batch", "2", "--streams", "2", "--frames", "3",
+                   "--warmup", "1", "--rest-slots", "2", "--rest-requests", "2", "--rest-seconds", "1"],
+        [r"duplex frame at B=2 \(ms\)", r"paired transcription, in frame\s+\d+\.\d\d",
+         r"standalone STT step \(ms\)\s+streams", r"^\s+2\s+\d+\.\d\d\s+\d+\.\d\d",
+         r"/v1/audio/transcriptions rows \(2 slots, 2 x 1 s.*\d+\.\d audio seconds per wall second"]),
+    "diffusion_interference": (
+        "diffusion_interference.py", ["--smoke", "--loads", "0,1", "--batches", "1", "--sizes", "16",
+                                      "--steps", "3", "--seconds", "1"],
+        [r"\| B \| K \| px \| late p50/p99/max ms", r"\| 1 \| 0 \| - \|", r"\| 1 \| 1 \| 16 \|",
+         r"standalone denoise steps/s \(batch \d+\): \{16: \d+\.\d\}"]),
+    "kv_drift": (
+        "kv_drift.py", ["--tiny", "--batch", "2", "--frames", "4", "--prefix", "50"],
+        [r"4 frames after a 50-frame prefix, B=2: max \|text-logit diff\| \d\.\d{4} .*greedy text agreement "
+         r"\d+\.\d %"]),
+    "image_queue_replay": (
+        "image_queue_replay.py", ["--loads", "1,2", "--ticks", "40"],
+        [r"\| K \| steps/s \(% of standalone\) \| images/min", r"\| 1 \| \d+\.\d \(\d+ % of \d+\)",
+         r"\| 2 \| \d+\.\d \(\d+ % of \d+\)"]),
+    "load": (
+        "load.py", ["--spawn", "tiny", "--clients", "2", "--duration", "2"],
+        [r"^clients\s+2$", r"^served\s+2$", r"^jitter_p99_ms\s+\d+\.\d\d$", r"^late_ticks\s+\d"]),
+    "transcript_delay": (
+        "transcript_delay.py", ["--spawn", "tiny", "--paired", "1", "--standalone", "1", "--duration", "2"],
+        [r"path\s+deltas\s+mean ms\s+p50 ms", r"^paired\s+\d+", r"^standalone\s+\d+",
+         r"during the run: late_ticks \d+"]),
+    "soak": (  # 6 s: the paced sessions, samples and summary; the attacks need runs of a minute or more
+        "soak.py", ["--spawn", "tiny", "--sessions", "2", "--minutes", "0.1", "--procs", "1"],
+        [r"sessions 2 \(0 refused, 1 client processes\)", r"frames lost per session: mean \d+\.\d",
+         r"late ticks \d+, skipped \d+", r"RSS: "]),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_benchmark_runs_on_cpu(case: str) -> None:
+    script, args, patterns = CPU_CASES[case]
+    output = run_benchmark(script, *args)
+    for pattern in patterns:
+        assert re.search(pattern, output, re.MULTILINE), f"{script}: no /{pattern}/ in:\n{output[-4000:]}"
+
+
+# Scripts only imported here: those whose every path needs CUDA (run small under `gpu` below),
+# and CPU ones too slow for this file (attacks.py, edge_cpu.py: a server per run and seconds per
+# attack or session; plot_frames.py draws a GPU run's JSON). Their module level (imports, shared
+# helpers, the benchmarks-folder imports) still runs here.
+IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
+               "attacks.py", "edge_cpu.py", "plot_frames.py")
+
+
+def test_other_benchmarks_import() -> None:
+    optional = {"attention_kernel.py": "triton", "plot_frames.py": "matplotlib"}  # CUDA-only / the bench extra
+    scripts = [s for s in IMPORT_ONLY if s not in optional or importlib.util.find_spec(optional[s])]
+    code = ("import runpy, sys\n"
+            "for path in sys.argv[1:]:\n"
+            "    runpy.run_path(path, run_name='benchmark_import_check')\n"
+            "    print('imported', path)\n")
+    proc = subprocess.run([sys.executable, "-c", code, *(str(BENCH / s) for s in scripts)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("imported") == len(scripts), proc.stdout
+
+
+def test_every_benchmark_is_covered() -> None:
+    """A new benchmark script must be added here (run on CPU, or imported and run under `gpu`)."""
+    covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY)
+    scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py"}  # frame_setup: a helper module
+    assert scripts <= covered, f"benchmarks not smoke-tested: {sorted(scripts - covered)}"
+
+
+# Small GPU runs of the CUDA-only paths: the first thing to run in a GPU session.
+GPU_CASES = {
+    "frame_latency": ("frame_latency.py", ["--batches", "1", "--frames", "2", "--warmup", "1", "--windows", "empty"],
+                      [r"\| B \| window \| Parley p50", r"\| 1 \| empty \| \d+\.\d\d"]),
+    "profile_frame": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1"], [r"GPU: "]),
+    "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
+    "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
+    "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",
+                                           "--device", "cuda", "--settle", "0.5", "--idle-seconds", "0.5",
+                                           "--text", "Good morning."],
+                           [r"duplex backend 7b", r"\| 1 \| 1 \| \d+ / \d+ \|"]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_benchmark_runs_on_gpu(case: str) -> None:
+    script, args, patterns = GPU_CASES[case]
+    output = run_benchmark(script, *args, timeout=600)
+    for pattern in patterns:
+        assert re.search(pattern, output, re.MULTILINE), f"{script}: no /{pattern}/ in:\n{output[-4000:]}"
