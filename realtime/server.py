@@ -251,11 +251,13 @@ def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torc
 
 def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:
     """Paired transcription reads the duplex frame's codes: the two Mimis must be one (every
-    weight equal) and the duplex one must hold the codebooks the STT reads."""
-    ours, theirs = checkpoint.mimi.state_dict(), stt.mimi.state_dict()
-    if checkpoint.mimi.quantizer.levels < stt.lm_config.n_q or set(theirs) - set(ours):
+    weight equal) and the duplex one must hold the codebooks the STT reads. Called after
+    share_equal_tensors, which pointed every equal STT weight at the duplex one: equal means
+    the very same tensor, so nothing is compared twice."""
+    ours, theirs = checkpoint.mimi.state_dict(keep_vars=True), stt.mimi.state_dict(keep_vars=True)
+    if checkpoint.mimi.quantizer.levels < stt.lm_config.n_q:
         return False
-    return all(ours[k].shape == v.shape and torch.equal(ours[k], v) for k, v in theirs.items())
+    return all(ours.get(k) is v for k, v in theirs.items())
 
 
 def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtype: torch.dtype,
