@@ -46,7 +46,7 @@ def device_arg(name: str) -> str:
     try:
         return str(resolve_device(name))
     except ServeError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--device ")) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--device ")) from None
 
 
 def add_device_flags(p: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
