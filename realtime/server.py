@@ -57,11 +57,10 @@ from .speech_setup import load_speech_service
 from .ws_protocol import ParleyWebSocketProtocol
 
 log = logging.getLogger("parley.server")
-# Paired STT rows run after the frame's graph (validated on CUDA: tests/test_stt_graphs.py). In the
-# frame (on a side stream inside its graph) measured +7.5 % instead of +19 % on the B=64 frame, but
-# its CUDA test (tests/test_stt_graphs.py::test_paired_in_frame_equals_after_frame) has not run since a
-# fix (docs/transcription.md): turn it on once it passes.
-PAIRED_IN_FRAME = False
+# Paired STT rows run in the frame, on a side stream inside its graph: +9.8 % on the B=64 frame on an
+# H200 against +20 % after it (docs/benchmarks.md); graphed equals eager on CUDA
+# (tests/test_stt_graphs.py). False steps them after the frame in a graph of their own.
+PAIRED_IN_FRAME = True
 
 WS_MAX_SIZE = 16 * 1024 * 1024
 
