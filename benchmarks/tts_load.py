@@ -17,12 +17,17 @@ requests (pcm, read as fast as they come) and prints:
 - x real time per stream (median, min): seconds of audio / seconds from request to last byte;
 - duplex frame p50 / p99: the engine's frame step (backend step + device sync), and late ticks;
   with `streams` 0 the same numbers without TTS load, for the comparison;
-- TTS pool counters (steps, starved, forced).
+- TTS pool counters (steps, starved, forced), and Python's full garbage collections during the
+  case (count, longest pause: each one stalls the engine thread; the script freezes the loaded
+  objects first, as `parley serve` does);
+- under each TTS row, where its slack went: items, ms per item and the estimate per TTS item kind
+  (admit, text step, full step).
 
 With `--reference`, the reference `moshi.models.tts.TTSModel` runs on the very same weight
 tensors, batched as Kyutai's server batches it (all rows start together, one `LMGen.step` per
 frame for the batch, Mimi decode per frame): time to the first audio frame and x real time,
-at each `--streams` value. Weights are random (shapes, compute and memory traffic of the real
+at each `--streams` value, each after a short warm-up run at that batch size (the reference
+captures its CUDA graphs per batch size on its first steps). Weights are random (shapes, compute and memory traffic of the real
 ones); the text (`--text`, default a fixed English paragraph) goes through a small SentencePiece model.
 """
 
@@ -51,6 +56,7 @@ import uvicorn  # noqa: E402
 
 from parley.engine import Engine  # noqa: E402
 from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
+from parley.engine.gc_pauses import FULL_COLLECTIONS, freeze_loaded_objects  # noqa: E402
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
 from parley.engine.testing import DelayBackend  # noqa: E402
 from parley.engine.tts_pool import TtsPool  # noqa: E402
@@ -69,6 +75,7 @@ from parley.realtime.speech_api import SpeechService  # noqa: E402
 TEXT = ("Good morning, and welcome to the show. Today we are going to talk about the weather, music, and "
         "books. It was a bright cold day in April, and the clocks were striking thirteen. Please wait "
         "while I look that up for you.")
+WARM_UP_TEXT = "Hello."
 VOICE_SUFFIX = ".bench@0.safetensors"
 
 
@@ -132,7 +139,8 @@ def build_duplex(kind: str, sessions: int, device: str, tokenizer: TextTokenizer
 
 
 class TimedBackend:
-    """The duplex backend with each frame step timed (step + device sync)."""
+    """The duplex backend with each frame step timed (step + device sync). Built once per
+    sessions count and reused by its cases: an engine's shutdown does not close it (`release` does)."""
 
     def __init__(self, backend) -> None:
         self._backend = backend
@@ -147,6 +155,12 @@ class TimedBackend:
         self._backend.synchronize()
         self.times.append(time.perf_counter() - start)
         return out
+
+    def close(self) -> None:
+        """The engine's shutdown: keep the backend for the next case (its rows reset on admission)."""
+
+    def release(self) -> None:
+        self._backend.close()
 
 
 def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
@@ -179,10 +193,9 @@ async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str
     return first or float("nan"), size / 2 / 24000, time.perf_counter() - start
 
 
-async def run_case(args, models, voices_dir: Path, streams: int, sessions: int) -> dict:
+async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams: int, sessions: int) -> dict:
     cfg, _, _, lm, mimi = models
-    backend, rows = build_duplex(args.duplex, sessions, args.device, TextTokenizer(voices_dir.parent / "tok.model"))
-    timed = TimedBackend(backend)
+    timed.times.clear()
     engine = Engine(timed)
     pool = TtsPool(lm, mimi, max(streams, 1), voice_frames=args.voice_frames)
     pool.warm_up()
@@ -230,6 +243,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
     await asyncio.sleep(args.settle)
     timed.times.clear()
     late_before = engine.counters()["late_ticks"]
+    gc_before = FULL_COLLECTIONS.snapshot()
     results = []
     if streams:
         async with httpx.AsyncClient(timeout=600) as client:
@@ -241,6 +255,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
     await feeder
     frame_ms = [t * 1000 for t in timed.times]
     counters = pool.slack_counters()
+    gc_after = FULL_COLLECTIONS.snapshot()
     return {
         "streams": streams, "sessions": sessions,
         "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),
@@ -251,6 +266,10 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
         "late_ticks": engine.counters()["late_ticks"] - late_before,
         "tts_steps": counters["tts_steps_text"] + counters["tts_steps_full"],
         "starved": counters["tts_starved"], "forced": counters["tts_forced"],
+        "gc_full": gc_after["gc_full_collections"] - gc_before["gc_full_collections"],
+        "slack": {key[1]: (items, seconds / items * 1000, (engine.slack_costs.estimate(key) or 0) * 1000)
+                  for key, (items, seconds) in engine.slack_by_key().items() if key[0] == "tts" and items},
+        "gc_max_ms": gc_after["gc_full_max_seconds"] * 1000,
     }
 
 
@@ -319,23 +338,35 @@ def main() -> None:
         print("| reference TTSModel streams | first audio (ms) | x real time (median) |")
         print("|---:|---:|---:|")
         for streams in streams_list:
-            if streams:
+            if streams:  # a short warm-up run first: the reference captures its graphs per batch size
+                run_reference(models, voices_dir, streams, tokenizer_path, WARM_UP_TEXT)
                 r = run_reference(models, voices_dir, streams, tokenizer_path, args.text)
                 print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
         print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
           f"duplex backend {args.duplex}")
     print("| TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
-          "duplex frame p50 / p99 (ms) | late ticks | TTS steps | starved | forced |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "duplex frame p50 / p99 (ms) | late ticks | TTS steps | starved | forced | full GCs (longest ms) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    # As `parley serve` does: what is loaded now stays out of full collections (engine/gc_pauses.py).
+    freeze_loaded_objects()
     for sessions in sessions_list:
-        for streams in sorted({0, *streams_list}):
-            if args.duplex == "none" and sessions:
-                continue
-            r = asyncio.run(run_case(args, models, voices_dir, streams, sessions))
-            print(f"| {streams} | {sessions} | {r['ttfb_p50']:.0f} / {r['ttfb_p99']:.0f} | "
-                  f"{r['xrt_median']:.2f} / {r['xrt_min']:.2f} | {r['frame_p50']:.2f} / {r['frame_p99']:.2f} | "
-                  f"{r['late_ticks']} | {r['tts_steps']} | {r['starved']} | {r['forced']} |", flush=True)
+        if args.duplex == "none" and sessions:
+            continue
+        backend, _ = build_duplex(args.duplex, sessions, args.device, TextTokenizer(tokenizer_path))
+        timed = TimedBackend(backend)
+        try:
+            for streams in sorted({0, *streams_list}):
+                r = asyncio.run(run_case(args, models, voices_dir, timed, streams, sessions))
+                print(f"| {streams} | {sessions} | {r['ttfb_p50']:.0f} / {r['ttfb_p99']:.0f} | "
+                      f"{r['xrt_median']:.2f} / {r['xrt_min']:.2f} | {r['frame_p50']:.2f} / {r['frame_p99']:.2f} | "
+                      f"{r['late_ticks']} | {r['tts_steps']} | {r['starved']} | {r['forced']} | "
+                      f"{r['gc_full']} ({r['gc_max_ms']:.1f}) |", flush=True)
+                if r["slack"]:
+                    print("    slack by item: " + ", ".join(f"{kind} {n} x {ms:.1f} ms (est {est:.1f})"
+                                                        for kind, (n, ms, est) in sorted(r["slack"].items())))
+        finally:
+            timed.release()
 
 
 if __name__ == "__main__":

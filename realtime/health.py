@@ -16,6 +16,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from parley.engine.gc_pauses import FULL_COLLECTIONS
+
 # Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
 # means a client hears a gap.
 FRAME_DELAY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
@@ -90,6 +92,21 @@ class _CodecCPUCollector:
         yield family
 
 
+class _FullCollectionsCollector:
+    """Python's full garbage collections since the server froze its loaded objects
+    (engine/gc_pauses.py): each one stalls every thread, the engine's included."""
+
+    def collect(self) -> Iterable:
+        snap = FULL_COLLECTIONS.snapshot()
+        count = CounterMetricFamily("parley_gc_full_collections", "full (generation 2) garbage collections")
+        count.add_metric([], float(snap["gc_full_collections"]))
+        pause = CounterMetricFamily("parley_gc_full_pause_seconds", "time spent in full garbage collections")
+        pause.add_metric([], snap["gc_full_seconds"])
+        longest = GaugeMetricFamily("parley_gc_full_pause_max_seconds", "the longest full garbage collection")
+        longest.add_metric([], snap["gc_full_max_seconds"])
+        yield from (count, pause, longest)
+
+
 class EdgeMetrics:
     """The network edge's metrics, in a registry of its own (one per app)."""
 
@@ -135,6 +152,7 @@ class EdgeMetrics:
         self.refused_requests = Counter("parley_refused_requests", "requests refused for a missing/wrong API key "
                                         "or a disallowed Origin", ["reason"], registry=r)
         ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: benchmarks/load.py reads CPU here
+        r.register(_FullCollectionsCollector())
         if engine_counters is not None:
             r.register(EngineCollector(engine_counters))
 

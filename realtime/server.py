@@ -34,6 +34,7 @@ import uvicorn
 
 from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
+from parley.engine.gc_pauses import freeze_loaded_objects
 from parley.engine.image_queue import ImageQueue
 from parley.engine.no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
 from parley.engine.stt_paired import PairedTranscription
@@ -289,6 +290,8 @@ def serve(config: ServeConfig) -> int:
     except (ServeError, CheckpointError) as exc:
         log.error("%s", exc)
         return 2
+    frozen = freeze_loaded_objects()  # full GC passes must not walk the models (engine/gc_pauses.py)
+    log.info("froze %d loaded objects out of garbage collection", frozen)
     scheme = "https" if config.ssl_certfile else "http"
     images = ", /v1/images/generations" if app.state.images is not None else ""
     log.info("serving on %s://%s:%d  (/api/chat, /v1/realtime%s, /livez, /readyz, /load, /metrics; %d sessions)",

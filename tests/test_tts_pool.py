@@ -219,3 +219,23 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_tts_dir):
     assert graphed.terminal.status is Status.COMPLETED
     assert [w.text for w in graphed.words] == [w.text for w in eager.words]
     np.testing.assert_allclose(graphed.pcm, eager.pcm, atol=1e-4)
+
+
+def test_admission_is_measured_before_the_first_request_and_leaves_no_trace(tts):
+    """warm_up and slack_prepare cost an admission too (the first request's admission is not a
+    cold, unestimated item), and the warm-up admission into row 0 changes no later output."""
+    from parley.engine.slack import CostModel
+    from parley.engine.tts_offline import synthesize
+
+    ck, _ = tts
+    req = request(tts, "Hello there, how are you?", text_temperature=0.0, audio_temperature=0.0)
+    plain = synthesize(TtsPool(ck.lm, ck.mimi, 2, voice_frames=10), req)
+    pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
+    pool.warm_up()
+    costs = CostModel()
+    pool.slack_prepare(costs)
+    assert all(costs.estimate(key) > 0 for key in (ADMIT_KEY, ("tts", "text"), ("tts", "full")))
+    warmed = synthesize(pool, req)
+    assert warmed.terminal.status is Status.COMPLETED
+    assert [w.text for w in warmed.words] == [w.text for w in plain.words]
+    np.testing.assert_array_equal(warmed.pcm, plain.pcm)

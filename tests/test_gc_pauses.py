@@ -1,0 +1,55 @@
+"""Full garbage collections: frozen loaded objects leave them short, and they are counted."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from parley.engine.gc_pauses import FULL_COLLECTIONS, FullCollections, freeze_loaded_objects
+from parley.realtime.health import EdgeMetrics
+
+
+@pytest.fixture
+def unfrozen():
+    yield
+    gc.unfreeze()  # the rest of the test session collects as usual
+    FULL_COLLECTIONS.uninstall()
+
+
+def test_full_collections_are_counted_and_timed():
+    timer = FullCollections().install()
+    try:
+        gc.collect(1)  # a younger generation is not a full collection
+        assert timer.snapshot()["gc_full_collections"] == 0
+        gc.collect()
+        gc.collect()
+    finally:
+        timer.uninstall()
+    snap = timer.snapshot()
+    assert snap["gc_full_collections"] == 2
+    assert 0 < snap["gc_full_max_seconds"] <= snap["gc_full_seconds"]
+    gc.collect()
+    assert timer.snapshot()["gc_full_collections"] == 2  # uninstalled: no longer counted
+
+
+def test_frozen_objects_are_not_walked_again(unfrozen):
+    keep = [[i] for i in range(50_000)]  # loaded state: tracked containers that stay alive
+    frozen = freeze_loaded_objects()
+    assert frozen >= len(keep) and gc.get_freeze_count() == frozen
+    tracked = len(gc.get_objects())
+    assert tracked < frozen  # a full pass now walks what was made since, not the loaded objects
+    cycle = []
+    cycle.append(cycle)  # garbage made while serving is still collected
+    del cycle
+    assert gc.collect() >= 1
+    assert FULL_COLLECTIONS in gc.callbacks
+
+
+def test_metrics_expose_full_collections(unfrozen):
+    freeze_loaded_objects()
+    gc.collect()
+    text = EdgeMetrics().render().decode()
+    line = next(x for x in text.splitlines() if x.startswith("parley_gc_full_collections_total "))
+    assert float(line.split()[1]) >= 1
+    assert "parley_gc_full_pause_max_seconds " in text
