@@ -13,7 +13,8 @@ Cost keys are ("image", kind, width, height[, cfg, batch]). `warm_up` measures e
 a size before the engine starts (the model's default size unless told; it also captures the
 denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA;
 for a size decoded whole, also the tiles and blend of the smallest tiled size, so larger sizes
-have a measured tile and blend to scale from); `slack_prepare` measures them once more on the
+have a measured tile and blend to scale from; and the SD-1.x/2.x text encoder, once: prompts
+pad to one token shape, so one graph serves every encode); `slack_prepare` measures them once more on the
 engine thread before its first tick, since a thread's first library calls (cuBLAS and cuDNN
 handles, workspaces) cost far more than later ones. So no live item runs with an unmeasured key
 at a warmed size, and an item of any other size starts only when a conservative prediction of
@@ -185,6 +186,7 @@ class ImageQueue(SlackSource):
         self._graph_factory = graph_factory
         self._now = now  # the warm-up's timer (tests pass a fake one)
         self._graphs: dict[tuple, Callable] = {}  # denoise key -> replay
+        self._text_graph: Callable | None = None  # the text encoder's replay (stepper.encode(embed=))
         self._graph_runners: list = []  # to free their memory pools (close_graphs)
         self.counts = {"images_submitted": 0, "images_completed": 0, "images_cancelled": 0,
                        "images_failed": 0, "images_refused": 0, "images_denoise_steps": 0}
@@ -264,9 +266,11 @@ class ImageQueue(SlackSource):
             measured[key] = max(spent, measured[key]) if keep_max and key in measured else spent
             return out
 
+        if capture and self._text_graph is None:
+            self._capture_text()
         for _ in range(repeats):
             measured.clear()
-            cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg))
+            cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg, embed=self._text_graph))
             for b in range(1, self.max_batch + 1):
                 key = self.denoise_key(width, height, cfg, b)
                 jobs = [st.start(cond, width, height, 5, 5.0, i) for i in range(b)]
@@ -319,13 +323,41 @@ class ImageQueue(SlackSource):
         self._graphs[key] = replay
         self._graph_runners.append(graph)
 
+    def _capture_text(self) -> None:
+        """Capture the text encoder on one prompt's tokens (their shape never changes), on its
+        own capture stream; a family whose encode cannot be split so stays eager."""
+        st = self.stepper
+        tokens = st.text_tokens("warm up")
+        if tokens is None:
+            return
+        inputs = [t.to(st.device) for t in tokens if t is not None]
+        masked = tokens[1] is not None
+        try:
+            graph = self._graph_factory(lambda ids, *mask: (st.embed_text(ids, mask[0] if masked else None),),
+                                        inputs, capture_stream=torch.cuda.Stream() if inputs[0].is_cuda else None)
+        except GraphError as exc:
+            log.warning("prompt encodes run eagerly (CUDA graph capture failed: %s)", exc)
+            return
+
+        def embed(ids, mask):
+            # A copy out of the graph's own buffer: the negative-prompt cache keeps it.
+            return graph(*([ids] + ([] if mask is None else [mask])))[0].clone()
+
+        self._text_graph = embed
+        self._graph_runners.append(graph)
+
+    def graphed_embed(self) -> Callable | None:
+        """The captured text encoder (for `stepper.encode(..., embed=)`), or None."""
+        return self._text_graph
+
     def graphed_predict(self, width: int, height: int, cfg: bool, batch: int) -> Callable | None:
         """The captured denoiser for a bucket (for `stepper.denoise(..., predict=)`), or None."""
         return self._graphs.get(self.denoise_key(width, height, cfg, batch))
 
     def close_graphs(self) -> None:
-        """Free the captured graphs' memory (steps run eagerly afterwards)."""
+        """Free the captured graphs' memory (steps and encodes run eagerly afterwards)."""
         self._graphs.clear()
+        self._text_graph = None
         for runner in self._graph_runners:
             close = getattr(runner, "close", None)
             if close is not None:
@@ -535,7 +567,7 @@ class ImageQueue(SlackSource):
     def _encode(self, job: _Job) -> None:
         request, spec, st = job.request, job.request.spec, self.stepper
         if request.cond is None:
-            request.cond = st.encode(spec.prompt, spec.negative, st.cfg_for(spec.guidance))
+            request.cond = st.encode(spec.prompt, spec.negative, st.cfg_for(spec.guidance), embed=self._text_graph)
         for j in request.jobs:  # starting a job is cheap host work: latents and a scheduler copy
             j.state = st.start(request.cond, spec.width, spec.height, spec.steps, spec.guidance, j.seed)
             j.previews_at = preview_steps(spec.steps, spec.partial_images)

@@ -6,7 +6,7 @@ The engine needs each of those as a separate, bounded piece of work, so this mod
 the pipeline's *components* itself, in the same order and with the same arithmetic as
 `pipe()` (a single request's image equals `pipe()`'s bit for bit; tests check it):
 
-    cond  = stepper.encode(prompt, negative, cfg)          # text encoders
+    cond  = stepper.encode(prompt, negative, cfg)          # tokenizer (host), text encoders
     job   = stepper.start(cond, width, height, steps, guidance, seed)
     while not job.done: stepper.denoise([job, other, ...])  # one step each, batched
     image = stepper.to_uint8(stepper.decode(job.latents))   # VAE, then 0..255 HWC
@@ -51,6 +51,8 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 
 # (latents, per-row timesteps, text embeddings, pooled embeddings or None) -> noise prediction
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# (token ids, attention mask or None, both on the device) -> the text encoder's last hidden state
+TextEmbed = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class ImagePipelineError(ValueError):
@@ -135,6 +137,17 @@ class ImageStepper:
     def encode_units(self, negative: str | None, cfg: bool) -> int:
         """The work `encode` will do, in units of a warmed encode (for cost estimates)."""
         return 1
+
+    def text_tokens(self, text: str) -> "tuple[torch.Tensor, torch.Tensor | None] | None":
+        """One prompt's token ids (and attention mask, or None) on the host, always of one shape,
+        when `embed_text` on them is all the device work of `encode` (so it can be captured as
+        a CUDA graph and passed back as `encode(..., embed=)`); None when this family's encode
+        cannot be split so (it then runs eagerly)."""
+        return None
+
+    def embed_text(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The text encoder on `text_tokens`' output, moved to the device."""
+        raise NotImplementedError
 
     # ---- the steps ----
 
@@ -324,23 +337,42 @@ class UNetStepper(ImageStepper):
         self._negatives: dict[str, torch.Tensor] = {}  # negative prompt -> embeddings, oldest first
 
     @torch.no_grad()
-    def encode(self, prompt: str, negative: str | None, cfg: bool) -> Conditioning:
+    def encode(self, prompt: str, negative: str | None, cfg: bool, embed: TextEmbed | None = None) -> Conditioning:
+        """`embed` replaces the text encoder call (`embed_text`'s signature), e.g. by a CUDA graph."""
+        embeds = self._text(prompt, embed)
         if not cfg:
-            return Conditioning(self.pipe.encode_prompt(prompt, self.device, 1, False)[0])
+            return Conditioning(embeds)
         # The negative ("" when none) is encoded the way pipe() encodes it (the same tokenizer
         # padding and text-encoder call) once, then reused: one text-encoder pass per request.
-        pe, npe = self.pipe.encode_prompt(prompt, self.device, 1, True,
-                                          negative_prompt_embeds=self._negative(negative or ""))
-        return Conditioning(torch.cat([npe, pe]))
+        return Conditioning(torch.cat([self._negative(negative or "", embed), embeds]))
 
     def encode_units(self, negative, cfg):
         return 2 if cfg and (negative or "") not in self._negatives else 1  # + the negative's pass
 
-    def _negative(self, text: str) -> torch.Tensor:
+    def text_tokens(self, text):
+        # pipe.encode_prompt's tokenizer call (CLIP pads to model_max_length: one shape for every
+        # prompt). Not its second, untruncated tokenization: that only feeds a truncation warning.
+        tokenizer = self.pipe.tokenizer
+        inputs = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                           return_tensors="pt")
+        use_mask = getattr(self.pipe.text_encoder.config, "use_attention_mask", False)
+        return inputs.input_ids, inputs.attention_mask if use_mask else None
+
+    def embed_text(self, ids, mask):
+        return self.pipe.text_encoder(ids, attention_mask=mask)[0]
+
+    def _text(self, text: str, embed: TextEmbed | None) -> torch.Tensor:
+        """pipe.encode_prompt(text, device, 1, False)[0], the same arithmetic (tests check it)."""
+        ids, mask = self.text_tokens(text)
+        device = self.device
+        hidden = (embed or self.embed_text)(ids.to(device), None if mask is None else mask.to(device))
+        return hidden.to(dtype=self.pipe.text_encoder.dtype, device=device)
+
+    def _negative(self, text: str, embed: TextEmbed | None) -> torch.Tensor:
         cache = self._negatives
         embeds = cache.pop(text, None)
         if embeds is None:
-            embeds = self.pipe.encode_prompt(text, self.device, 1, False)[0]
+            embeds = self._text(text, embed)
         cache[text] = embeds  # most recent last
         while len(cache) > self.NEGATIVES_CACHED:
             del cache[next(iter(cache))]
@@ -367,7 +399,9 @@ class FlowStepper(ImageStepper):
         return self.pipe.transformer.config.patch_size
 
     @torch.no_grad()
-    def encode(self, prompt, negative, cfg):
+    def encode(self, prompt, negative, cfg, embed=None):
+        if embed is not None:  # text_tokens is None: the queue never captures this family's encoders
+            raise ImagePipelineError("the SD3 text encoders run eagerly (no embed= replacement).")
         pe, npe, pooled, npooled = self.pipe.encode_prompt(prompt, None, None, device=self.device,
                                                             do_classifier_free_guidance=cfg,
                                                             negative_prompt=negative)

@@ -128,3 +128,32 @@ def test_sd_negative_prompts_are_encoded_once_and_images_still_equal_pipe():
     finally:
         hook.remove()
     assert passes == [2, 1, 2, 1]  # a new negative costs one more pass, a known one none
+
+
+def test_sd_encode_equals_encode_prompt_bit_for_bit_and_embed_replaces_the_text_encoder():
+    """The SD encode (host tokenizer, then one text-encoder call on a fixed token shape) gives
+    pipe.encode_prompt's embeddings bit for bit; `embed=` (the queue's CUDA graph) is what runs."""
+    st = stepper_for(tiny_pipeline("sd"))
+    ids, mask = st.text_tokens("a red cat")
+    assert ids.shape == st.text_tokens("a much longer prompt " * 40)[0].shape  # one shape: graphable
+    calls = []
+
+    def embed(ids, mask):
+        calls.append(tuple(ids.shape))
+        return st.embed_text(ids, mask)
+
+    for prompt, negative in (("a red cat", None), ("a dog", "blurry"), ("a long prompt " * 40, None)):
+        pe, npe = st.pipe.encode_prompt(prompt, st.device, 1, True, negative_prompt=negative)
+        fresh = stepper_for(st.pipe)  # an empty negative cache: both passes run through `embed`
+        calls.clear()
+        cond = fresh.encode(prompt, negative, True, embed=embed)
+        assert torch.equal(cond.embeds, torch.cat([npe, pe])), (prompt, negative)
+        assert calls == [tuple(ids.shape)] * 2
+        assert torch.equal(st.encode(prompt, negative, False).embeds, pe)
+
+
+def test_sd3_refuses_an_embed_replacement_it_cannot_honour():
+    st = stepper_for(tiny_pipeline("sd3"))
+    assert st.text_tokens("x") is None  # the queue never captures its encoders
+    with pytest.raises(ImagePipelineError, match="eagerly"):
+        st.encode("x", None, True, embed=lambda ids, mask: ids)

@@ -320,8 +320,10 @@ def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
     queue = ImageQueue(sd, max_slack_s=1e3, max_batch=2, stream_events=4, graph_factory=FakeGraph)
     queue.cuda_graphs = True  # (on a CPU stepper the queue turns graphs off by itself)
     queue.warm_up()
-    assert [g.shapes[0][0] for g in FakeGraph.made] == [2, 4]  # CFG rows: batch 1 and 2
-    replays = sum(g.replays for g in FakeGraph.made)
+    text, *steps = FakeGraph.made  # the text encoder first (captured once, before the encodes it serves)
+    assert text.shapes == [tuple(sd.text_tokens("x")[0].shape)]
+    assert [g.shapes[0][0] for g in steps] == [2, 4]  # CFG rows: batch 1 and 2
+    replays, encodes = sum(g.replays for g in steps), text.replays
 
     async def main():
         runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
@@ -332,7 +334,8 @@ def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
         return events_of(graphed), events_of(eager)
 
     graphed, eager = asyncio.run(main())
-    assert sum(g.replays for g in FakeGraph.made) == replays + 3  # the 3 steps of the graphed bucket only
+    assert sum(g.replays for g in steps) == replays + 3  # the 3 steps of the graphed bucket only
+    assert text.replays == encodes + 2  # each request's prompt (the negative "" is cached since warm-up)
     job = sd.start(sd.encode("a cat", None, True), size, size, 3, 5.0, 4)
     while not job.done:
         sd.denoise([job])
@@ -359,6 +362,23 @@ def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
     while not job.done:
         gpu.denoise([job])
     assert np.abs(events[0].pixels.astype(int) - gpu.to_uint8(gpu.decode(job.latents))[0].astype(int)).max() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphed_prompt_encode_equals_eager_on_the_gpu():
+    gpu = stepper_for(tiny_pipeline("sd").to("cuda"))
+    queue = ImageQueue(gpu, max_slack_s=1.0, max_batch=1)
+    queue.warm_up()
+    embed = queue.graphed_embed()
+    assert embed is not None
+    for prompt, negative, cfg in (("a red cat", None, True), ("a dog", "blurry", True), ("a cat", None, False)):
+        graphed = stepper_for(gpu.pipe).encode(prompt, negative, cfg, embed=embed).embeds  # (fresh negative caches)
+        eager = stepper_for(gpu.pipe).encode(prompt, negative, cfg).embeds
+        assert torch.equal(graphed, eager), (prompt, negative, cfg)
+    kept = gpu.encode("a cat", "blurry", True, embed=embed).embeds.clone()
+    gpu.encode("something else entirely", "noise", True, embed=embed)  # replays over the graph's buffers
+    assert torch.equal(gpu.encode("a cat", "blurry", True, embed=embed).embeds, kept)  # cache holds copies
 
 
 def run_clocked(sd, specs, ticks, frame=0.020, max_batch=4, stream_events=8, consume=True):
