@@ -320,27 +320,36 @@ def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
     queue = ImageQueue(sd, max_slack_s=1e3, max_batch=2, stream_events=4, graph_factory=FakeGraph)
     queue.cuda_graphs = True  # (on a CPU stepper the queue turns graphs off by itself)
     queue.warm_up()
-    text, *steps = FakeGraph.made  # the text encoder first (captured once, before the encodes it serves)
+    # the text encoder first (captured once, before the encodes it serves), the steps, then the VAE
+    text, step1, step2, preview, decode = FakeGraph.made  # (the tiled probe's tiles stay eager)
+    latent = tuple(sd.start(sd.encode("x", None, False), size, size, 2, 1.0, 0).latents.shape)
     assert text.shapes == [tuple(sd.text_tokens("x")[0].shape)]
-    assert [g.shapes[0][0] for g in steps] == [2, 4]  # CFG rows: batch 1 and 2
-    replays, encodes = sum(g.replays for g in steps), text.replays
+    assert [step1.shapes[0][0], step2.shapes[0][0]] == [2, 4]  # CFG rows: batch 1 and 2
+    assert preview.shapes == decode.shapes == [latent]
+    assert queue.graphed(queue.preview_key(size, size)) and queue.graphed(queue.decode_key(size, size))
+    before = {g: g.replays for g in FakeGraph.made}
 
     async def main():
         runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
         runner.add_source(queue)
-        graphed = queue.submit(ImageSpec("a cat", size, size, steps=3, guidance=5.0, seed=4))
-        eager = queue.submit(ImageSpec("a cat", 2 * size, size, steps=3, guidance=5.0, seed=4))  # no graph
+        graphed = queue.submit(ImageSpec("a cat", size, size, steps=3, guidance=5.0, seed=4, partial_images=1))
+        eager = queue.submit(ImageSpec("a cat", 2 * size, size, steps=3, guidance=5.0, seed=4, partial_images=1))
         runner.run_until(None)
         return events_of(graphed), events_of(eager)
 
     graphed, eager = asyncio.run(main())
-    assert sum(g.replays for g in steps) == replays + 3  # the 3 steps of the graphed bucket only
-    assert text.replays == encodes + 2  # each request's prompt (the negative "" is cached since warm-up)
+    replays = {g: g.replays - before[g] for g in FakeGraph.made}
+    assert replays[step1] + replays[step2] == 3  # the 3 steps of the graphed bucket only
+    assert replays[text] == 2  # each request's prompt (the negative "" is cached since warm-up)
+    assert replays[preview] == replays[decode] == 1  # the warmed size's; the other size's ran eagerly
     job = sd.start(sd.encode("a cat", None, True), size, size, 3, 5.0, 4)
-    while not job.done:
-        sd.denoise([job])
-    assert np.array_equal(graphed[0].pixels, sd.to_uint8(sd.decode(job.latents))[0])
-    assert eager[0].pixels.shape == (size, 2 * size, 3)
+    sd.denoise([job])
+    sd.denoise([job])  # preview_steps(3, 1) == (2,)
+    assert np.array_equal(graphed[0].pixels, sd.to_uint8(sd.preview(job.latents))[0])
+    sd.denoise([job])
+    assert np.array_equal(graphed[1].pixels, sd.to_uint8(sd.decode(job.latents))[0])
+    assert [type(e).__name__ for e in eager[:2]] == ["ImagePartial", "ImageResult"]
+    assert eager[1].pixels.shape == (size, 2 * size, 3)
 
 
 @pytest.mark.gpu
@@ -366,7 +375,7 @@ def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graphed_prompt_encode_equals_eager_on_the_gpu():
+def test_cuda_graphed_prompt_encode_preview_and_decode_equal_eager_on_the_gpu():
     gpu = stepper_for(tiny_pipeline("sd").to("cuda"))
     queue = ImageQueue(gpu, max_slack_s=1.0, max_batch=1)
     queue.warm_up()
@@ -376,6 +385,14 @@ def test_cuda_graphed_prompt_encode_equals_eager_on_the_gpu():
         graphed = stepper_for(gpu.pipe).encode(prompt, negative, cfg, embed=embed).embeds  # (fresh negative caches)
         eager = stepper_for(gpu.pipe).encode(prompt, negative, cfg).embeds
         assert torch.equal(graphed, eager), (prompt, negative, cfg)
+    latents = gpu.start(gpu.encode("a cat", None, True), gpu.default_size, gpu.default_size, 4, 5.0, 4).latents
+    size = gpu.default_size
+    for key, eager in ((queue.preview_key(size, size), gpu.preview), (queue.decode_key(size, size), gpu.decode)):
+        replay = queue.graphed(key)
+        assert replay is not None, key
+        first = replay(latents)
+        replay(torch.randn_like(latents))  # the copy out survives the next replay
+        assert torch.equal(first, eager(latents)), key
     kept = gpu.encode("a cat", "blurry", True, embed=embed).embeds.clone()
     gpu.encode("something else entirely", "noise", True, embed=embed)  # replays over the graph's buffers
     assert torch.equal(gpu.encode("a cat", "blurry", True, embed=embed).embeds, kept)  # cache holds copies
