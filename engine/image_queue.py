@@ -14,8 +14,8 @@ a size before the engine starts (the model's default size unless told; it also c
 denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA;
 for a size decoded whole, also the tiles and blend of the smallest tiled size, so larger sizes
 have a measured tile and blend to scale from; on CUDA also the preview and whole decode of
-each warmed size, and the SD-1.x/2.x text encoder once: prompts pad to one token shape, so one
-graph serves every encode); `slack_prepare` measures them once more on the
+each warmed size, and the text encoders once: prompts pad to one token shape, so one graph
+serves every encode); `slack_prepare` measures them once more on the
 engine thread before its first tick, since a thread's first library calls (cuBLAS and cuDNN
 handles, workspaces) cost far more than later ones. So no live item runs with an unmeasured key
 at a warmed size, and an item of any other size starts only when a conservative prediction of
@@ -332,37 +332,31 @@ class ImageQueue(SlackSource):
         self._graph_runners.append(graph)
 
     def _capture_text(self) -> None:
-        """The text encoder on one prompt's tokens (their shape never changes); a family whose
-        encode cannot be split so stays eager."""
+        """The text encoder(s) on one prompt's tokens (their shapes never change)."""
         st = self.stepper
-        tokens = st.text_tokens("warm up")
-        if tokens is None:
-            return
-        ids, mask = (None if t is None else t.to(st.device) for t in tokens)
-        replay = self._graphed("prompt encodes", lambda ids, *mask: st.embed_text(ids, mask[0] if mask else None),
-                               [ids] + ([] if mask is None else [mask]))
+        tokens = [t.to(st.device) for t in st.text_tokens("warm up")]
+        replay = self._graphed("prompt encodes", st.embed_text, tokens)
         if replay is not None:
-            self._graphs[self.encode_key()] = lambda ids, mask: replay(*([ids] + ([] if mask is None else [mask])))
+            self._graphs[self.encode_key()] = replay
 
     def _capture_vae(self, key: tuple, fn: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor) -> None:
         """A preview or whole decode of one size (its latents' shape is fixed by the size)."""
-        replay = self._graphed(f"{key[1]} items of {key[2]}x{key[3]}", fn, [latents])
+        replay = self._graphed(f"{key[1]} items of {key[2]}x{key[3]}", lambda x: (fn(x),), [latents])
         if replay is not None:
-            self._graphs[key] = replay
+            self._graphs[key] = lambda x: replay(x)[0]
 
-    def _graphed(self, what: str, fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor]) -> Callable | None:
-        """`fn` captured as a CUDA graph on its own capture stream, for inputs shaped as `inputs`;
-        its replay returns a copy of the output (the graph's buffer is overwritten by the next
-        replay, and callers keep outputs: the negative-prompt cache, latents). None, with a
-        warning, when capture fails: `what` then run eagerly."""
+    def _graphed(self, what: str, fn: Callable[..., tuple], inputs: list[torch.Tensor]) -> Callable | None:
+        """`fn` (returning a tuple of tensors) captured as a CUDA graph on its own capture stream,
+        for inputs shaped as `inputs`; its replay returns copies of the outputs (the graph's
+        buffers are overwritten by the next replay, and callers keep outputs: the negative-prompt
+        cache, images). None, with a warning, when capture fails: `what` then run eagerly."""
         try:
-            graph = self._graph_factory(lambda *a: (fn(*a),), inputs,
-                                        capture_stream=torch.cuda.Stream() if inputs[0].is_cuda else None)
+            graph = self._graph_factory(fn, inputs, capture_stream=torch.cuda.Stream() if inputs[0].is_cuda else None)
         except GraphError as exc:
             log.warning("%s run eagerly (CUDA graph capture failed: %s)", what, exc)
             return None
         self._graph_runners.append(graph)
-        return lambda *a: graph(*a)[0].clone()
+        return lambda *a: tuple(out.clone() for out in graph(*a))
 
     def _vae(self, key: tuple, eager: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         """The graphed preview/decode for `key`'s size, or the eager one."""

@@ -313,8 +313,10 @@ class FakeGraph:
         return self.fn(*inputs)
 
 
-def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(family):
     FakeGraph.made = []
+    sd = stepper_for(tiny_pipeline(family))
     size = sd.default_size
     # (a huge slack: warm-up timings on the shared CPU vary by 100x, and admission predicts from them)
     queue = ImageQueue(sd, max_slack_s=1e3, max_batch=2, stream_events=4, graph_factory=FakeGraph)
@@ -323,7 +325,7 @@ def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
     # the text encoder first (captured once, before the encodes it serves), the steps, then the VAE
     text, step1, step2, preview, decode = FakeGraph.made  # (the tiled probe's tiles stay eager)
     latent = tuple(sd.start(sd.encode("x", None, False), size, size, 2, 1.0, 0).latents.shape)
-    assert text.shapes == [tuple(sd.text_tokens("x")[0].shape)]
+    assert text.shapes == [tuple(t.shape) for t in sd.text_tokens("x")]  # sd: ids; sd3: both CLIPs' ids
     assert [step1.shapes[0][0], step2.shapes[0][0]] == [2, 4]  # CFG rows: batch 1 and 2
     assert preview.shapes == decode.shapes == [latent]
     assert queue.graphed(queue.preview_key(size, size)) and queue.graphed(queue.decode_key(size, size))
@@ -375,16 +377,19 @@ def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graphed_prompt_encode_preview_and_decode_equal_eager_on_the_gpu():
-    gpu = stepper_for(tiny_pipeline("sd").to("cuda"))
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_cuda_graphed_prompt_encode_preview_and_decode_equal_eager_on_the_gpu(family):
+    gpu = stepper_for(tiny_pipeline(family).to("cuda"))
     queue = ImageQueue(gpu, max_slack_s=1.0, max_batch=1)
     queue.warm_up()
     embed = queue.graphed_embed()
     assert embed is not None
     for prompt, negative, cfg in (("a red cat", None, True), ("a dog", "blurry", True), ("a cat", None, False)):
-        graphed = stepper_for(gpu.pipe).encode(prompt, negative, cfg, embed=embed).embeds  # (fresh negative caches)
-        eager = stepper_for(gpu.pipe).encode(prompt, negative, cfg).embeds
-        assert torch.equal(graphed, eager), (prompt, negative, cfg)
+        graphed = stepper_for(gpu.pipe).encode(prompt, negative, cfg, embed=embed)  # (fresh negative caches)
+        eager = stepper_for(gpu.pipe).encode(prompt, negative, cfg)
+        assert torch.equal(graphed.embeds, eager.embeds), (prompt, negative, cfg)
+        assert (eager.pooled is None) == (family == "sd")
+        assert eager.pooled is None or torch.equal(graphed.pooled, eager.pooled)
     latents = gpu.start(gpu.encode("a cat", None, True), gpu.default_size, gpu.default_size, 4, 5.0, 4).latents
     size = gpu.default_size
     for key, eager in ((queue.preview_key(size, size), gpu.preview), (queue.decode_key(size, size), gpu.decode)):
