@@ -351,7 +351,9 @@ class ImageQueue(SlackSource):
         buffers are overwritten by the next replay, and callers keep outputs: the negative-prompt
         cache, images). None, with a warning, when capture fails: `what` then run eagerly."""
         try:
-            graph = self._graph_factory(fn, inputs, capture_stream=torch.cuda.Stream() if inputs[0].is_cuda else None)
+            with torch.no_grad():  # as the eager items run (autograd would also keep activations in the pool)
+                graph = self._graph_factory(fn, inputs,
+                                            capture_stream=torch.cuda.Stream() if inputs[0].is_cuda else None)
         except GraphError as exc:
             log.warning("%s run eagerly (CUDA graph capture failed: %s)", what, exc)
             return None

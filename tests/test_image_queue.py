@@ -305,6 +305,7 @@ class FakeGraph:
 
     def __init__(self, fn, inputs, capture_stream=None) -> None:
         self.fn, self.shapes, self.replays = fn, [tuple(t.shape) for t in inputs], 0
+        self.grad = torch.is_grad_enabled()  # a real capture records whatever autograd does then
         FakeGraph.made.append(self)
 
     def __call__(self, *inputs):
@@ -329,6 +330,7 @@ def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(famil
     assert [step1.shapes[0][0], step2.shapes[0][0]] == [2, 4]  # CFG rows: batch 1 and 2
     assert preview.shapes == decode.shapes == [latent]
     assert queue.graphed(queue.preview_key(size, size)) and queue.graphed(queue.decode_key(size, size))
+    assert not any(g.grad for g in FakeGraph.made)  # captured without autograd, as the eager items run
     before = {g: g.replays for g in FakeGraph.made}
 
     async def main():
