@@ -6,8 +6,13 @@ the CUDA-graphed frame) while the image queue keeps K text-to-image requests out
 
     voice: tick start lateness (actual - scheduled) p50/p99/max and ticks > 1 ms late;
            voice done (tick start -> outputs on the host) p99, against the K = 0 run at that B
-    images: denoise steps/s, images/min, time to first partial image (p50/max), against a
-           standalone run (the same steps back to back, no voice, no clock)
+    images: denoise steps/s, images/min, time to first partial image (p50/max), against two
+           baselines without voice:
+           - bare: batch-`--max-batch` denoise steps back to back (no clock, no encode, preview or
+             decode): the stricter figure, since the engine's steps/s leaves out the other items;
+           - queue alone: the same image queue, K and size on the same 80 ms clock for the same
+             seconds with no duplex sessions (an idle engine runs no frame: the whole tick is
+             slack); steps/s and images/min as % of it measure only what the voice load costs
     slack:  image GPU time / tick time, estimator overruns, items past the boundary, and where
             it went: items, ms per item and the estimate per image item kind (--breakdown)
 
@@ -16,6 +21,7 @@ the CUDA-graphed frame) while the image queue keeps K text-to-image requests out
 
 Pass bar (docs/benchmarks.md): lateness p99 <= 1 ms, voice done p99 within max(2 %, 0.5 ms) of
 K = 0, zero items past the boundary; diffusion >= 50 % of standalone at B = 64, 512 px.
+(--no-alone skips the queue-alone runs.)
 """
 
 from __future__ import annotations
@@ -130,7 +136,9 @@ def standalone_steps_per_s(stepper: ImageStepper, size: int, batch: int, steps: 
     return steps * batch / elapsed
 
 
-async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int) -> dict:
+async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int, voice: bool = True) -> dict:
+    """One (B, K, px) run; `voice=False`: the same engine with no duplex session open (the
+    queue-alone baseline: every tick is all slack)."""
     clock = RecordingClock(args.tick)
     backend = TimedBackend(ModelBackend(checkpoint, batch, cuda_graphs=args.device == "cuda", seed=0), clock)
     engine = Engine(backend, EngineConfig(tick_seconds=args.tick), clock=clock)
@@ -139,7 +147,7 @@ async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int) 
     queue.warm_up(size, size)
     engine.add_slack_source(queue)
     engine.start()
-    sessions = [await engine.open() for _ in range(batch)]
+    sessions = [await engine.open() for _ in range(batch if voice else 0)]
     first_partial: list[float] = []
     done_images = 0
     refused = ""
@@ -225,6 +233,8 @@ def main() -> None:
                         help="the voice clock's period (0.08; smoke 0.5: the tiny CPU frame alone takes ~0.1-0.3 s)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--breakdown", action="store_true", help="print where each scenario's slack went")
+    parser.add_argument("--no-alone", action="store_true",
+                        help="skip the queue-alone baseline runs (one per K and size: the same queue, no voice)")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
     if not args.smoke and not torch.cuda.is_available():
@@ -240,9 +250,21 @@ def main() -> None:
     stepper = image_stepper(args.smoke, args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     standalone = {size: standalone_steps_per_s(stepper, size, args.max_batch, 10, sync) for size in sizes}
-    rows = []
-    header = ("B", "K", "px", "late p50/p99/max ms", ">1ms", "voice p99 ms (vs K=0)", "steps/s (% alone)",
-              "img/min", "1st partial p50/max s", "slack used", "overruns", "past bound")
+    rows, alone = [], {}  # alone: (K, px) -> the queue-alone row, measured once (it has no B)
+
+    def queue_alone(batch: int, load: int, size: int) -> dict | None:
+        if args.no_alone:
+            return None
+        if (load, size) not in alone:
+            alone[(load, size)] = asyncio.run(scenario(checkpoint, stepper, args, batch, load, size, voice=False))
+        return alone[(load, size)]
+
+    def ratio(value: float, base: float | None) -> str:
+        return f"{100 * value / base:.0f} %" if base else "-"
+
+    header = ("B", "K", "px", "late p50/p99/max ms", ">1ms", "voice p99 ms (vs K=0)", f"steps/s (% bare x{args.max_batch})",
+              "steps % queue alone", "img/min (% queue alone)", "1st partial p50/max s", "slack used", "overruns",
+              "past bound")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for batch in batches:
         baseline = None
@@ -255,10 +277,15 @@ def main() -> None:
                 if load == 0:
                     baseline = row["voice_done_p99_ms"]
                 share = 100 * row["steps_per_s"] / standalone[size] if load else 0
+                base = queue_alone(batch, load, size) if load else None
+                row["queue_alone"] = base and {k: base[k] for k in ("steps_per_s", "images_per_min",
+                                                                    "first_partial_p50_s", "slack_used")}
                 print(f"| {batch} | {load} | {size if load else '-'} | {row['late_p50_ms']:.2f}/{row['late_p99_ms']:.2f}/"
                       f"{row['late_max_ms']:.2f} | {row['late_over_1ms']} | {row['voice_done_p99_ms']:.2f} "
                       f"({row['voice_done_p99_ms'] - (baseline or row['voice_done_p99_ms']):+.2f}) | "
-                      f"{row['steps_per_s']:.1f} ({share:.0f} %) | {row['images_per_min']:.1f} | "
+                      f"{row['steps_per_s']:.1f} ({share:.0f} %) | "
+                      f"{ratio(row['steps_per_s'], base and base['steps_per_s'])} | {row['images_per_min']:.1f} "
+                      f"({ratio(row['images_per_min'], base and base['images_per_min'])}) | "
                       f"{row['first_partial_p50_s']:.2f}/{row['first_partial_max_s']:.2f} | "
                       f"{100 * row['slack_used']:.0f} % | {row['overruns']} | {row['past_boundary']} |"
                       + (f" refused: {row['refused']}" if row["refused"] else ""), flush=True)
@@ -266,9 +293,15 @@ def main() -> None:
                     print("    slack by item: " + ", ".join(
                         f"{name} {v['items']} x {v['ms_per_item']:.1f} ms (est {v['estimate_ms']:.1f})"
                         for name, v in sorted(row["breakdown"].items())), flush=True)
-    print("standalone denoise steps/s (batch %d): %s" % (args.max_batch, {k: round(v, 1) for k, v in standalone.items()}))
+    print("bare denoise steps/s (batch %d, back to back): %s" % (args.max_batch, {k: round(v, 1) for k, v in standalone.items()}))
+    for (load, size), row in alone.items():
+        print(f"queue alone K={load} {size} px (no voice, {args.seconds:g} s): {row['steps_per_s']:.1f} steps/s, "
+              f"{row['images_per_min']:.1f} img/min, 1st partial p50 {row['first_partial_p50_s']:.2f} s, "
+              f"slack used {100 * row['slack_used']:.0f} %" + (f", refused: {row['refused']}" if row["refused"] else ""))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "standalone_steps_per_s": standalone}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "standalone_steps_per_s": standalone,
+                                         "queue_alone": [{"K": k, "px": px, **row} for (k, px), row in alone.items()]},
+                                        indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -46,9 +46,9 @@ class ClockedStepper:
         self.log.append((self.clock.t, kind, cost))
         self.clock.t += cost
 
-    def encode(self, prompt, negative, cfg):
+    def encode(self, prompt, negative, cfg, embed=None):
         self._spend("encode", self.costs["encode"])
-        return self.inner.encode(prompt, negative, cfg)
+        return self.inner.encode(prompt, negative, cfg, embed)
 
     def denoise(self, jobs, predict=None):
         self._spend("denoise", self._scaled(self.denoise_cost(len(jobs)), jobs[0].width * jobs[0].height))

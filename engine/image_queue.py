@@ -13,7 +13,9 @@ Cost keys are ("image", kind, width, height[, cfg, batch]). `warm_up` measures e
 a size before the engine starts (the model's default size unless told; it also captures the
 denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA;
 for a size decoded whole, also the tiles and blend of the smallest tiled size, so larger sizes
-have a measured tile and blend to scale from); `slack_prepare` measures them once more on the
+have a measured tile and blend to scale from; on CUDA also the preview and whole decode of
+each warmed size, and the text encoders once: prompts pad to one token shape, so one graph
+serves every encode); `slack_prepare` measures them once more on the
 engine thread before its first tick, since a thread's first library calls (cuBLAS and cuDNN
 handles, workspaces) cost far more than later ones. So no live item runs with an unmeasured key
 at a warmed size, and an item of any other size starts only when a conservative prediction of
@@ -184,7 +186,9 @@ class ImageQueue(SlackSource):
         self.cuda_graphs = cuda_graphs and stepper.device.type == "cuda"
         self._graph_factory = graph_factory
         self._now = now  # the warm-up's timer (tests pass a fake one)
-        self._graphs: dict[tuple, Callable] = {}  # denoise key -> replay
+        # key -> replay: denoise keys; the encode key (the text encoder, for stepper.encode(embed=));
+        # the preview and whole-decode keys of warmed sizes (the VAE on their fixed latent shape)
+        self._graphs: dict[tuple, Callable] = {}
         self._graph_runners: list = []  # to free their memory pools (close_graphs)
         self.counts = {"images_submitted": 0, "images_completed": 0, "images_cancelled": 0,
                        "images_failed": 0, "images_refused": 0, "images_denoise_steps": 0}
@@ -264,9 +268,11 @@ class ImageQueue(SlackSource):
             measured[key] = max(spent, measured[key]) if keep_max and key in measured else spent
             return out
 
+        if capture and self.encode_key() not in self._graphs:
+            self._capture_text()
         for _ in range(repeats):
             measured.clear()
-            cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg))
+            cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg, embed=self.graphed_embed()))
             for b in range(1, self.max_batch + 1):
                 key = self.denoise_key(width, height, cfg, b)
                 jobs = [st.start(cond, width, height, 5, 5.0, i) for i in range(b)]
@@ -274,12 +280,18 @@ class ImageQueue(SlackSource):
                     self._capture(key, jobs)
                 timed(key, lambda: st.denoise(jobs, predict=self._graphs.get(key)))
             latents = st.start(cond, width, height, 4, 5.0, 0).latents
-            timed(self.preview_key(width, height), lambda: st.to_uint8(st.preview(latents)))
+            key = self.preview_key(width, height)
+            if capture and key not in self._graphs:
+                self._capture_vae(key, st.preview, latents)
+            timed(key, lambda: st.to_uint8(self._vae(key, st.preview)(latents)))
             sizes = [(width, height)] if st.tiled(width, height) else [(width, height), self._tiled_probe()]
             for w, h in sizes:
                 latents = st.start(cond, w, h, 4, 5.0, 0).latents
                 if not st.tiled(w, h):
-                    timed(self.decode_key(w, h), lambda: st.to_uint8(st.decode(latents)))
+                    key = self.decode_key(w, h)
+                    if capture and key not in self._graphs:
+                        self._capture_vae(key, st.decode, latents)
+                    timed(key, lambda: st.to_uint8(self._vae(key, st.decode)(latents)))
                     continue
                 tiles = st.tiled_decode(latents)
                 while not tiles.done:
@@ -319,12 +331,53 @@ class ImageQueue(SlackSource):
         self._graphs[key] = replay
         self._graph_runners.append(graph)
 
+    def _capture_text(self) -> None:
+        """The text encoder(s) on one prompt's tokens (their shapes never change)."""
+        st = self.stepper
+        tokens = [t.to(st.device) for t in st.text_tokens("warm up")]
+        replay = self._graphed("prompt encodes", st.embed_text, tokens)
+        if replay is not None:
+            self._graphs[self.encode_key()] = replay
+
+    def _capture_vae(self, key: tuple, fn: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor) -> None:
+        """A preview or whole decode of one size (its latents' shape is fixed by the size)."""
+        replay = self._graphed(f"{key[1]} items of {key[2]}x{key[3]}", lambda x: (fn(x),), [latents])
+        if replay is not None:
+            self._graphs[key] = lambda x: replay(x)[0]
+
+    def _graphed(self, what: str, fn: Callable[..., tuple], inputs: list[torch.Tensor]) -> Callable | None:
+        """`fn` (returning a tuple of tensors) captured as a CUDA graph on its own capture stream,
+        for inputs shaped as `inputs`; its replay returns copies of the outputs (the graph's
+        buffers are overwritten by the next replay, and callers keep outputs: the negative-prompt
+        cache, images). None, with a warning, when capture fails: `what` then run eagerly."""
+        try:
+            with torch.no_grad():  # as the eager items run (autograd would also keep activations in the pool)
+                graph = self._graph_factory(fn, inputs,
+                                            capture_stream=torch.cuda.Stream() if inputs[0].is_cuda else None)
+        except GraphError as exc:
+            log.warning("%s run eagerly (CUDA graph capture failed: %s)", what, exc)
+            return None
+        self._graph_runners.append(graph)
+        return lambda *a: tuple(out.clone() for out in graph(*a))
+
+    def _vae(self, key: tuple, eager: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The graphed preview/decode for `key`'s size, or the eager one."""
+        return self._graphs.get(key, eager)
+
+    def graphed(self, key: tuple) -> Callable | None:
+        """The captured replay for an item key (denoise, encode, or a size's preview/decode), or None."""
+        return self._graphs.get(key)
+
+    def graphed_embed(self) -> Callable | None:
+        """The captured text encoder (for `stepper.encode(..., embed=)`), or None."""
+        return self._graphs.get(self.encode_key())
+
     def graphed_predict(self, width: int, height: int, cfg: bool, batch: int) -> Callable | None:
         """The captured denoiser for a bucket (for `stepper.denoise(..., predict=)`), or None."""
         return self._graphs.get(self.denoise_key(width, height, cfg, batch))
 
     def close_graphs(self) -> None:
-        """Free the captured graphs' memory (steps run eagerly afterwards)."""
+        """Free the captured graphs' memory (steps and encodes run eagerly afterwards)."""
         self._graphs.clear()
         for runner in self._graph_runners:
             close = getattr(runner, "close", None)
@@ -535,7 +588,7 @@ class ImageQueue(SlackSource):
     def _encode(self, job: _Job) -> None:
         request, spec, st = job.request, job.request.spec, self.stepper
         if request.cond is None:
-            request.cond = st.encode(spec.prompt, spec.negative, st.cfg_for(spec.guidance))
+            request.cond = st.encode(spec.prompt, spec.negative, st.cfg_for(spec.guidance), embed=self.graphed_embed())
         for j in request.jobs:  # starting a job is cheap host work: latents and a scheduler copy
             j.state = st.start(request.cond, spec.width, spec.height, spec.steps, spec.guidance, j.seed)
             j.previews_at = preview_steps(spec.steps, spec.partial_images)
@@ -553,13 +606,17 @@ class ImageQueue(SlackSource):
                 j.phase = PREVIEW
 
     def _preview(self, job: _Job) -> None:
-        pixels = self.stepper.to_uint8(self.stepper.preview(job.state.latents))[0]
+        spec = job.request.spec
+        preview = self._vae(self.preview_key(spec.width, spec.height), self.stepper.preview)
+        pixels = self.stepper.to_uint8(preview(job.state.latents))[0]
         job.request.events.push(ImagePartial(job.index, job.partials_sent, pixels))
         job.partials_sent += 1
         job.phase = DENOISE
 
     def _decode(self, job: _Job) -> None:
-        self._finish(job, self.stepper.to_uint8(self.stepper.decode(job.state.latents))[0])
+        spec = job.request.spec
+        decode = self._vae(self.decode_key(spec.width, spec.height), self.stepper.decode)
+        self._finish(job, self.stepper.to_uint8(decode(job.state.latents))[0])
 
     def _tile(self, job: _Job) -> None:
         if job.tiles is None:

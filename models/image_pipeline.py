@@ -6,7 +6,7 @@ The engine needs each of those as a separate, bounded piece of work, so this mod
 the pipeline's *components* itself, in the same order and with the same arithmetic as
 `pipe()` (a single request's image equals `pipe()`'s bit for bit; tests check it):
 
-    cond  = stepper.encode(prompt, negative, cfg)          # text encoders
+    cond  = stepper.encode(prompt, negative, cfg)          # tokenizer (host), text encoders
     job   = stepper.start(cond, width, height, steps, guidance, seed)
     while not job.done: stepper.denoise([job, other, ...])  # one step each, batched
     image = stepper.to_uint8(stepper.decode(job.latents))   # VAE, then 0..255 HWC
@@ -51,6 +51,8 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 
 # (latents, per-row timesteps, text embeddings, pooled embeddings or None) -> noise prediction
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# `text_tokens`' tensors, on the device -> (text embeddings[, pooled embeddings]): `embed_text`
+TextEmbed = Callable[..., "tuple[torch.Tensor, ...]"]
 
 
 class ImagePipelineError(ValueError):
@@ -97,11 +99,13 @@ class ImageStepper:
     """What both families share: prompt validation, latents, decode and post-processing."""
 
     family = ""
+    NEGATIVES_CACHED = 16  # negative prompts whose embeddings are kept (most requests send none)
 
     def __init__(self, pipe: DiffusionPipeline, name: str = "") -> None:
         self.pipe = pipe
         self.name = name or type(pipe).__name__
         pipe.set_progress_bar_config(disable=True)
+        self._negatives: dict[str, tuple[torch.Tensor, ...]] = {}  # negative prompt -> embeddings, oldest first
 
     # ---- facts the API validates against ----
 
@@ -132,9 +136,46 @@ class ImageStepper:
         """Whether `pipe()` would run classifier-free guidance at this guidance scale."""
         return guidance > 1.0
 
+    # ---- text: the host tokenizes, the device embeds (one fixed shape: a CUDA graph can replay it) ----
+
+    @torch.no_grad()
+    def encode(self, prompt: str, negative: str | None, cfg: bool, embed: TextEmbed | None = None) -> Conditioning:
+        """pipe.encode_prompt's conditioning, bit for bit (tests check it). `embed` replaces
+        `embed_text` (e.g. by a CUDA graph of it). With CFG the negative ("" when none) is
+        encoded once, then reused: one text-encoder pass per request."""
+        positive = self._text(prompt, embed)
+        if not cfg:
+            return Conditioning(*positive)
+        negative_rows = self._negative(negative or "", embed)
+        return Conditioning(*(torch.cat([n, p]) for n, p in zip(negative_rows, positive)))
+
     def encode_units(self, negative: str | None, cfg: bool) -> int:
         """The work `encode` will do, in units of a warmed encode (for cost estimates)."""
-        return 1
+        return 2 if cfg and (negative or "") not in self._negatives else 1  # + the negative's pass
+
+    def text_tokens(self, text: str) -> tuple[torch.Tensor, ...]:
+        """One prompt's token tensors on the host, of one shape whatever the prompt (tokenizers
+        pad to their maximum length), as pipe.encode_prompt tokenizes them; not its second,
+        untruncated tokenization, which only feeds a warning that a long prompt was cut."""
+        raise NotImplementedError
+
+    def embed_text(self, *tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """All the device work of one prompt's encode, on `text_tokens`' tensors moved to the device."""
+        raise NotImplementedError
+
+    def _text(self, text: str, embed: TextEmbed | None) -> tuple[torch.Tensor, ...]:
+        tokens = [t.to(self.device) for t in self.text_tokens(text)]
+        return tuple((embed or self.embed_text)(*tokens))
+
+    def _negative(self, text: str, embed: TextEmbed | None) -> tuple[torch.Tensor, ...]:
+        cache = self._negatives
+        rows = cache.pop(text, None)
+        if rows is None:
+            rows = self._text(text, embed)
+        cache[text] = rows  # most recent last
+        while len(cache) > self.NEGATIVES_CACHED:
+            del cache[next(iter(cache))]
+        return rows
 
     # ---- the steps ----
 
@@ -317,34 +358,17 @@ class UNetStepper(ImageStepper):
     def cfg_for(self, guidance: float) -> bool:
         return guidance > 1.0 and self.pipe.unet.config.time_cond_proj_dim is None
 
-    NEGATIVES_CACHED = 16  # negative prompts whose embeddings are kept (most requests send none)
+    def text_tokens(self, text):
+        tokenizer = self.pipe.tokenizer
+        inputs = tokenizer(text, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                           return_tensors="pt")
+        if getattr(self.pipe.text_encoder.config, "use_attention_mask", False):
+            return inputs.input_ids, inputs.attention_mask
+        return (inputs.input_ids,)
 
-    def __init__(self, pipe: DiffusionPipeline, name: str = "") -> None:
-        super().__init__(pipe, name)
-        self._negatives: dict[str, torch.Tensor] = {}  # negative prompt -> embeddings, oldest first
-
-    @torch.no_grad()
-    def encode(self, prompt: str, negative: str | None, cfg: bool) -> Conditioning:
-        if not cfg:
-            return Conditioning(self.pipe.encode_prompt(prompt, self.device, 1, False)[0])
-        # The negative ("" when none) is encoded the way pipe() encodes it (the same tokenizer
-        # padding and text-encoder call) once, then reused: one text-encoder pass per request.
-        pe, npe = self.pipe.encode_prompt(prompt, self.device, 1, True,
-                                          negative_prompt_embeds=self._negative(negative or ""))
-        return Conditioning(torch.cat([npe, pe]))
-
-    def encode_units(self, negative, cfg):
-        return 2 if cfg and (negative or "") not in self._negatives else 1  # + the negative's pass
-
-    def _negative(self, text: str) -> torch.Tensor:
-        cache = self._negatives
-        embeds = cache.pop(text, None)
-        if embeds is None:
-            embeds = self.pipe.encode_prompt(text, self.device, 1, False)[0]
-        cache[text] = embeds  # most recent last
-        while len(cache) > self.NEGATIVES_CACHED:
-            del cache[next(iter(cache))]
-        return embeds
+    def embed_text(self, ids, mask=None):
+        encoder = self.pipe.text_encoder
+        return (encoder(ids, attention_mask=mask)[0].to(dtype=encoder.dtype),)
 
     def _model_input(self, job: ImageJob, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return job.scheduler.scale_model_input(x, t)
@@ -366,14 +390,37 @@ class FlowStepper(ImageStepper):
     def patch_size(self) -> int:
         return self.pipe.transformer.config.patch_size
 
-    @torch.no_grad()
-    def encode(self, prompt, negative, cfg):
-        pe, npe, pooled, npooled = self.pipe.encode_prompt(prompt, None, None, device=self.device,
-                                                            do_classifier_free_guidance=cfg,
-                                                            negative_prompt=negative)
-        if cfg:
-            return Conditioning(torch.cat([npe, pe]), torch.cat([npooled, pooled]))
-        return Conditioning(pe, pooled)
+    T5_TOKENS = 256  # pipe.encode_prompt's max_sequence_length (the T5 rows, zeros without T5)
+
+    def text_tokens(self, text):
+        p = self.pipe
+        tokens = (self._tokens(p.tokenizer, text, p.tokenizer_max_length),
+                  self._tokens(p.tokenizer_2, text, p.tokenizer_max_length))
+        return tokens if p.text_encoder_3 is None else tokens + (self._tokens(p.tokenizer_3, text, self.T5_TOKENS),)
+
+    def embed_text(self, ids, ids_2, ids_3=None):
+        # pipe.encode_prompt's arithmetic: both CLIPs' penultimate hidden states side by side,
+        # zero-padded to T5's width, above the T5 rows (zeros without T5); pooled: both projections.
+        p = self.pipe
+        embeds, pooled = self._clip(p.text_encoder, ids)
+        embeds_2, pooled_2 = self._clip(p.text_encoder_2, ids_2)
+        clip = torch.cat([embeds, embeds_2], dim=-1)
+        if ids_3 is None:
+            t5 = torch.zeros((1, self.T5_TOKENS, p.transformer.config.joint_attention_dim), device=ids.device,
+                             dtype=p.text_encoder.dtype)
+        else:
+            t5 = p.text_encoder_3(ids_3)[0].to(dtype=p.text_encoder_3.dtype)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat([pooled, pooled_2], dim=-1)
+
+    @staticmethod
+    def _tokens(tokenizer, text: str, max_length: int) -> torch.Tensor:
+        return tokenizer(text, padding="max_length", max_length=max_length, truncation=True,
+                         return_tensors="pt").input_ids
+
+    def _clip(self, encoder, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = encoder(ids, output_hidden_states=True)
+        return out.hidden_states[-2].to(dtype=self.pipe.text_encoder.dtype), out[0]
 
     def _set_timesteps(self, scheduler, steps, latents):
         config = scheduler.config

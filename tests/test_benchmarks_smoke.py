@@ -57,8 +57,11 @@ CPU_CASES = {
     "diffusion_interference": (
         "diffusion_interference.py", ["--smoke", "--loads", "0,1", "--batches", "1", "--sizes", "16",
                                       "--steps", "3", "--seconds", "1"],
-        [r"\| B \| K \| px \| late p50/p99/max ms", r"\| 1 \| 0 \| - \|", r"\| 1 \| 1 \| 16 \|",
-         r"standalone denoise steps/s \(batch \d+\): \{16: \d+\.\d\}"]),
+        [r"\| B \| K \| px \| late p50/p99/max ms.*\| steps/s \(% bare x4\) \| steps % queue alone \| "
+         r"img/min \(% queue alone\)", r"\| 1 \| 0 \| - \|",
+         r"\| 1 \| 1 \| 16 \| .* \| \d+\.\d \(\d+ %\) \| (\d+ %|-) \| \d+\.\d \((\d+ %|-)\) \|",  # -: alone made none
+         r"bare denoise steps/s \(batch \d+, back to back\): \{16: \d+\.\d\}",
+         r"queue alone K=1 16 px \(no voice, 1 s\): \d+\.\d steps/s, \d+\.\d img/min"]),
     "kv_drift": (
         "kv_drift.py", ["--tiny", "--batch", "2", "--frames", "4", "--prefix", "50"],
         [r"4 frames after a 50-frame prefix, B=2: max \|text-logit diff\| \d\.\d{4} .*greedy text agreement "

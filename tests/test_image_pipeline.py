@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import T5Config, T5EncoderModel
 
 from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline, stepper_for
-from parley.models.tiny_diffusion import tiny_pipeline, write_tiny_pipeline
+from parley.models.tiny_diffusion import tiny_pipeline, tiny_tokenizer, write_tiny_pipeline
 
 BATCH_TOLERANCE = 1e-4  # batched GEMMs reduce in another order than solo ones (fp32: ~1e-6 seen)
 
@@ -103,10 +104,11 @@ def test_loading_something_else_says_what_is_supported(tmp_path):
         load_image_pipeline(str(tmp_path / "other"))
 
 
-def test_sd_negative_prompts_are_encoded_once_and_images_still_equal_pipe():
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_negative_prompts_are_encoded_once_and_images_still_equal_pipe(family):
     """CFG needs the negative prompt's embeddings (of "" when none): encoded once, then reused,
     so a request costs one text-encoder pass; the image is still pipe()'s bit for bit."""
-    st = stepper_for(tiny_pipeline("sd"))
+    st = stepper_for(tiny_pipeline(family))
     size = st.default_size
     calls = []
     hook = st.pipe.text_encoder.register_forward_hook(lambda *a: calls.append(1))
@@ -128,3 +130,50 @@ def test_sd_negative_prompts_are_encoded_once_and_images_still_equal_pipe():
     finally:
         hook.remove()
     assert passes == [2, 1, 2, 1]  # a new negative costs one more pass, a known one none
+
+
+@torch.no_grad()  # as pipe() runs it (T5 under autograd takes other kernels: ~1e-6 off)
+def encode_prompt_rows(st, prompt, negative):
+    """pipe.encode_prompt's conditioning as Conditioning rows: [negative, positive] (+ pooled)."""
+    if st.family == "unet":
+        pe, npe = st.pipe.encode_prompt(prompt, st.device, 1, True, negative_prompt=negative)
+        return torch.cat([npe, pe]), None
+    pe, npe, pooled, npooled = st.pipe.encode_prompt(prompt, None, None, device=st.device,
+                                                      do_classifier_free_guidance=True, negative_prompt=negative)
+    return torch.cat([npe, pe]), torch.cat([npooled, pooled])
+
+
+def tiny_sd3_with_t5():
+    """The tiny SD3 with a tiny T5 encoder (its tokenizer: the tiny CLIP one; any tokenizer
+    pads the same way), so the T5 path runs too."""
+    pipe = tiny_pipeline("sd3")
+    t5 = T5EncoderModel(T5Config(vocab_size=len(pipe.tokenizer), d_model=64, d_kv=8, d_ff=64, num_layers=1,
+                                 num_heads=2)).eval()
+    pipe.register_modules(text_encoder_3=t5, tokenizer_3=tiny_tokenizer())
+    return pipe
+
+
+@pytest.mark.parametrize("family", ["sd", "sd3", "sd3+t5"])
+def test_encode_equals_encode_prompt_bit_for_bit_and_embed_replaces_the_text_encoders(family):
+    """Each family's encode (host tokenizers, then `embed_text` on fixed token shapes) gives
+    pipe.encode_prompt's conditioning bit for bit; `embed=` (the queue's CUDA graph) is what runs."""
+    st = stepper_for(tiny_sd3_with_t5() if family == "sd3+t5" else tiny_pipeline(family))
+    shapes = [tuple(t.shape) for t in st.text_tokens("a red cat")]
+    assert shapes == [tuple(t.shape) for t in st.text_tokens("a much longer prompt " * 40)]  # graphable
+    assert len(shapes) == {"sd": 1, "sd3": 2, "sd3+t5": 3}[family]
+    calls = []
+
+    def embed(*tokens):
+        calls.append([tuple(t.shape) for t in tokens])
+        return st.embed_text(*tokens)
+
+    for prompt, negative in (("a red cat", None), ("a dog", "blurry"), ("a long prompt " * 40, None)):
+        embeds, pooled = encode_prompt_rows(st, prompt, negative)
+        fresh = stepper_for(st.pipe)  # an empty negative cache: both passes run through `embed`
+        calls.clear()
+        cond = fresh.encode(prompt, negative, True, embed=embed)
+        assert torch.equal(cond.embeds, embeds), (prompt, negative)
+        assert (cond.pooled is None and pooled is None) or torch.equal(cond.pooled, pooled)
+        assert calls == [shapes] * 2
+        alone = st.encode(prompt, negative, False)
+        assert torch.equal(alone.embeds, embeds[1:]) and (pooled is None or torch.equal(alone.pooled, pooled[1:]))

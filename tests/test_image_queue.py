@@ -305,6 +305,7 @@ class FakeGraph:
 
     def __init__(self, fn, inputs, capture_stream=None) -> None:
         self.fn, self.shapes, self.replays = fn, [tuple(t.shape) for t in inputs], 0
+        self.grad = torch.is_grad_enabled()  # a real capture records whatever autograd does then
         FakeGraph.made.append(self)
 
     def __call__(self, *inputs):
@@ -313,31 +314,46 @@ class FakeGraph:
         return self.fn(*inputs)
 
 
-def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(sd):
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(family):
     FakeGraph.made = []
+    sd = stepper_for(tiny_pipeline(family))
     size = sd.default_size
     # (a huge slack: warm-up timings on the shared CPU vary by 100x, and admission predicts from them)
     queue = ImageQueue(sd, max_slack_s=1e3, max_batch=2, stream_events=4, graph_factory=FakeGraph)
     queue.cuda_graphs = True  # (on a CPU stepper the queue turns graphs off by itself)
     queue.warm_up()
-    assert [g.shapes[0][0] for g in FakeGraph.made] == [2, 4]  # CFG rows: batch 1 and 2
-    replays = sum(g.replays for g in FakeGraph.made)
+    # the text encoder first (captured once, before the encodes it serves), the steps, then the VAE
+    text, step1, step2, preview, decode = FakeGraph.made  # (the tiled probe's tiles stay eager)
+    latent = tuple(sd.start(sd.encode("x", None, False), size, size, 2, 1.0, 0).latents.shape)
+    assert text.shapes == [tuple(t.shape) for t in sd.text_tokens("x")]  # sd: ids; sd3: both CLIPs' ids
+    assert [step1.shapes[0][0], step2.shapes[0][0]] == [2, 4]  # CFG rows: batch 1 and 2
+    assert preview.shapes == decode.shapes == [latent]
+    assert queue.graphed(queue.preview_key(size, size)) and queue.graphed(queue.decode_key(size, size))
+    assert not any(g.grad for g in FakeGraph.made)  # captured without autograd, as the eager items run
+    before = {g: g.replays for g in FakeGraph.made}
 
     async def main():
         runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
         runner.add_source(queue)
-        graphed = queue.submit(ImageSpec("a cat", size, size, steps=3, guidance=5.0, seed=4))
-        eager = queue.submit(ImageSpec("a cat", 2 * size, size, steps=3, guidance=5.0, seed=4))  # no graph
+        graphed = queue.submit(ImageSpec("a cat", size, size, steps=3, guidance=5.0, seed=4, partial_images=1))
+        eager = queue.submit(ImageSpec("a cat", 2 * size, size, steps=3, guidance=5.0, seed=4, partial_images=1))
         runner.run_until(None)
         return events_of(graphed), events_of(eager)
 
     graphed, eager = asyncio.run(main())
-    assert sum(g.replays for g in FakeGraph.made) == replays + 3  # the 3 steps of the graphed bucket only
+    replays = {g: g.replays - before[g] for g in FakeGraph.made}
+    assert replays[step1] + replays[step2] == 3  # the 3 steps of the graphed bucket only
+    assert replays[text] == 2  # each request's prompt (the negative "" is cached since warm-up)
+    assert replays[preview] == replays[decode] == 1  # the warmed size's; the other size's ran eagerly
     job = sd.start(sd.encode("a cat", None, True), size, size, 3, 5.0, 4)
-    while not job.done:
-        sd.denoise([job])
-    assert np.array_equal(graphed[0].pixels, sd.to_uint8(sd.decode(job.latents))[0])
-    assert eager[0].pixels.shape == (size, 2 * size, 3)
+    sd.denoise([job])
+    sd.denoise([job])  # preview_steps(3, 1) == (2,)
+    assert np.array_equal(graphed[0].pixels, sd.to_uint8(sd.preview(job.latents))[0])
+    sd.denoise([job])
+    assert np.array_equal(graphed[1].pixels, sd.to_uint8(sd.decode(job.latents))[0])
+    assert [type(e).__name__ for e in eager[:2]] == ["ImagePartial", "ImageResult"]
+    assert eager[1].pixels.shape == (size, 2 * size, 3)
 
 
 @pytest.mark.gpu
@@ -359,6 +375,34 @@ def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
     while not job.done:
         gpu.denoise([job])
     assert np.abs(events[0].pixels.astype(int) - gpu.to_uint8(gpu.decode(job.latents))[0].astype(int)).max() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_cuda_graphed_prompt_encode_preview_and_decode_equal_eager_on_the_gpu(family):
+    gpu = stepper_for(tiny_pipeline(family).to("cuda"))
+    queue = ImageQueue(gpu, max_slack_s=1.0, max_batch=1)
+    queue.warm_up()
+    embed = queue.graphed_embed()
+    assert embed is not None
+    for prompt, negative, cfg in (("a red cat", None, True), ("a dog", "blurry", True), ("a cat", None, False)):
+        graphed = stepper_for(gpu.pipe).encode(prompt, negative, cfg, embed=embed)  # (fresh negative caches)
+        eager = stepper_for(gpu.pipe).encode(prompt, negative, cfg)
+        assert torch.equal(graphed.embeds, eager.embeds), (prompt, negative, cfg)
+        assert (eager.pooled is None) == (family == "sd")
+        assert eager.pooled is None or torch.equal(graphed.pooled, eager.pooled)
+    latents = gpu.start(gpu.encode("a cat", None, True), gpu.default_size, gpu.default_size, 4, 5.0, 4).latents
+    size = gpu.default_size
+    for key, eager in ((queue.preview_key(size, size), gpu.preview), (queue.decode_key(size, size), gpu.decode)):
+        replay = queue.graphed(key)
+        assert replay is not None, key
+        first = replay(latents)
+        replay(torch.randn_like(latents))  # the copy out survives the next replay
+        assert torch.equal(first, eager(latents)), key
+    kept = gpu.encode("a cat", "blurry", True, embed=embed).embeds.clone()
+    gpu.encode("something else entirely", "noise", True, embed=embed)  # replays over the graph's buffers
+    assert torch.equal(gpu.encode("a cat", "blurry", True, embed=embed).embeds, kept)  # cache holds copies
 
 
 def run_clocked(sd, specs, ticks, frame=0.020, max_batch=4, stream_events=8, consume=True):
