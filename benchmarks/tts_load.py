@@ -224,6 +224,19 @@ async def unless_engine_fails(engine: Engine, work) -> dict:
     return task.result()
 
 
+async def report_progress(engine: Engine, pool: TtsPool, every_s: float) -> None:
+    """--progress: the pool's and engine's counters every `every_s` seconds (a slow case shows why)."""
+    start = time.perf_counter()
+    while True:
+        await asyncio.sleep(every_s)
+        c = {**pool.slack_counters(), **engine.counters()}
+        estimates = {kind: (engine.slack_costs.estimate(("tts", kind)) or 0) * 1000 for kind in ("text", "full")}
+        print(f"    {time.perf_counter() - start:5.1f} s: live {c['tts_live']}, steps {c['tts_steps_text']} text + "
+              f"{c['tts_steps_full']} full (est {estimates['text']:.1f} / {estimates['full']:.1f} ms), frames "
+              f"{c['tts_frames']}, starved {c['tts_starved']}, forced {c['tts_forced']}, late ticks {c['late_ticks']}",
+              flush=True)
+
+
 async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, store: VoiceStore, url: str,
                   streams: int, sessions: int) -> dict:
     live = [engine.open_nowait() for _ in range(sessions)]
@@ -245,6 +258,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
     late_before = engine.counters()["late_ticks"]
     gc_before = FULL_COLLECTIONS.snapshot()
     results = []
+    reporter = asyncio.create_task(report_progress(engine, pool, args.progress)) if args.progress else None
     if streams:
         async with httpx.AsyncClient(timeout=600) as client:
             results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())],
@@ -253,6 +267,8 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
         await asyncio.sleep(args.idle_seconds)
     stop.set()
     await feeder
+    if reporter is not None:
+        reporter.cancel()
     frame_ms = [t * 1000 for t in timed.times]
     counters = pool.slack_counters()
     gc_after = FULL_COLLECTIONS.snapshot()
@@ -318,6 +334,8 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time moshi's TTSModel at each --streams")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of duplex traffic before measuring")
     parser.add_argument("--text", default=TEXT, help="what every request speaks (default: a fixed paragraph)")
+    parser.add_argument("--progress", type=float, default=0.0,
+                        help="print the TTS pool's counters every this many seconds during a case (0: never)")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
     args = parser.parse_args()
     if args.device == "cpu":
