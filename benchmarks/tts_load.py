@@ -185,7 +185,8 @@ async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str
     size = 0
     async with client.stream("POST", f"{url}/v1/audio/speech",
                              json={"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
         async for chunk in r.aiter_bytes():
             if first is None and chunk:
                 first = time.perf_counter() - start
@@ -233,7 +234,8 @@ async def report_progress(engine: Engine, pool: TtsPool, every_s: float) -> None
         estimates = {kind: (engine.slack_costs.estimate(("tts", kind)) or 0) * 1000 for kind in ("text", "full")}
         print(f"    {time.perf_counter() - start:5.1f} s: live {c['tts_live']}, steps {c['tts_steps_text']} text + "
               f"{c['tts_steps_full']} full (est {estimates['text']:.1f} / {estimates['full']:.1f} ms), frames "
-              f"{c['tts_frames']}, starved {c['tts_starved']}, forced {c['tts_forced']}, late ticks {c['late_ticks']}",
+              f"{c['tts_frames']}, starved {c['tts_starved']}, forced {c['tts_forced']}, late ticks {c['late_ticks']}, "
+              f"ended {c['tts_completed']} completed / {c['tts_failed']} failed / {c['tts_cancelled']} cancelled",
               flush=True)
 
 
@@ -260,9 +262,15 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
     results = []
     reporter = asyncio.create_task(report_progress(engine, pool, args.progress)) if args.progress else None
     if streams:
-        async with httpx.AsyncClient(timeout=600) as client:
-            results = await asyncio.gather(*[one_request(client, url, store.names()[i % len(store.names())],
-                                                         args.text) for i in range(streams)])
+        async with httpx.AsyncClient(timeout=args.request_timeout) as client:
+            outcomes = await asyncio.gather(*[
+                asyncio.wait_for(one_request(client, url, store.names()[i % len(store.names())], args.text),
+                                 args.request_timeout) for i in range(streams)], return_exceptions=True)
+        results = [r for r in outcomes if not isinstance(r, BaseException)]
+        failures = [r for r in outcomes if isinstance(r, BaseException)]
+        if failures:  # said, not hidden: the figures below are over the requests that completed
+            kinds = sorted({f"{type(f).__name__}: {f or f'over {args.request_timeout:g} s'}"[:160] for f in failures})
+            print(f"    {len(failures)} of {streams} requests failed: " + "; ".join(kinds), flush=True)
     else:
         await asyncio.sleep(args.idle_seconds)
     stop.set()
@@ -334,6 +342,8 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time moshi's TTSModel at each --streams")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of duplex traffic before measuring")
     parser.add_argument("--text", default=TEXT, help="what every request speaks (default: a fixed paragraph)")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a TTS request may take before it counts as failed")
     parser.add_argument("--progress", type=float, default=0.0,
                         help="print the TTS pool's counters every this many seconds during a case (0: never)")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
