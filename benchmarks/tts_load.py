@@ -269,7 +269,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
         results = [r for r in outcomes if not isinstance(r, BaseException)]
         failures = [r for r in outcomes if isinstance(r, BaseException)]
         if failures:  # said, not hidden: the figures below are over the requests that completed
-            kinds = sorted({f"{type(f).__name__}: {f or f'over {args.request_timeout:g} s'}"[:160] for f in failures})
+            kinds = sorted({f"{type(f).__name__}: {str(f) or f'over {args.request_timeout:g} s'}"[:160] for f in failures})
             print(f"    {len(failures)} of {streams} requests failed: " + "; ".join(kinds), flush=True)
     else:
         await asyncio.sleep(args.idle_seconds)
