@@ -34,6 +34,13 @@ dropped and a slow client holds at most `stream_events` images in memory. Limits
 item cannot fit in an empty tick's slack is refused (`ImageRefused`), at admission once it is
 known and by prediction from the warm-up's measurements before that. A cancelled request (client gone)
 is dropped, and its tensors freed, at the next offer.
+
+Stalls: a request that has had no item of its own run for `stall_timeout_s` seconds of the
+queue's clock (since it was submitted, or since its last item ran) fails with a reason that says
+so (`images_stalled`): a size that fits an empty tick's slack but not what the voice load leaves,
+or a request queued behind others that long, must not keep its client waiting with no bound.
+The clock does not run while the request's output stream is full: that wait is its client's
+(not reading), and a client that goes away cancels instead.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ log = logging.getLogger("parley.engine.images")
 
 DEFAULT_CAPACITY = 16
 DEFAULT_MAX_BATCH = 4
+DEFAULT_STALL_TIMEOUT_S = 60.0
+STALLED = "no slack for"  # how a stalled request's reason begins (the edge answers it 503)
 MAX_PARTIAL_IMAGES = 3
 
 
@@ -123,6 +132,7 @@ class ImageRequest:
         self.cond: Conditioning | None = None
         self.jobs: list[_Job] = []
         self.remaining = spec.n
+        self.progress_at = 0.0  # queue clock: submitted, last item run, or last seen held by its client
 
     def cancel(self) -> None:
         """The client went away: the job is dropped at the next item boundary."""
@@ -161,9 +171,13 @@ class ImageQueue(SlackSource):
     def __init__(self, stepper: ImageStepper, max_slack_s: float, *, capacity: int = DEFAULT_CAPACITY,
                  max_batch: int = DEFAULT_MAX_BATCH, stream_events: int = 2, cuda_graphs: bool = True,
                  graph_factory: Callable[..., Callable] = CUDAGraphRunner,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
                  now: Callable[[], float] = time.perf_counter) -> None:
         if capacity < 1 or max_batch < 1 or stream_events < 1:
             raise ValueError("capacity, max_batch and stream_events must be at least 1.")
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be more than 0 (got {stall_timeout_s}).")
+        self.stall_timeout_s = stall_timeout_s
         self.stepper = stepper
         self.max_slack_s = max_slack_s  # an empty tick's slack: an item costing more never fits
         self.capacity = capacity
@@ -185,13 +199,14 @@ class ImageQueue(SlackSource):
         # each on its own capture stream; other buckets (and the CPU) run eagerly.
         self.cuda_graphs = cuda_graphs and stepper.device.type == "cuda"
         self._graph_factory = graph_factory
-        self._now = now  # the warm-up's timer (tests pass a fake one)
+        self._now = now  # the warm-up's timer and the stall clock (tests pass a fake one)
         # key -> replay: denoise keys; the encode key (the text encoder, for stepper.encode(embed=));
         # the preview and whole-decode keys of warmed sizes (the VAE on their fixed latent shape)
         self._graphs: dict[tuple, Callable] = {}
         self._graph_runners: list = []  # to free their memory pools (close_graphs)
         self.counts = {"images_submitted": 0, "images_completed": 0, "images_cancelled": 0,
-                       "images_failed": 0, "images_refused": 0, "images_denoise_steps": 0}
+                       "images_failed": 0, "images_refused": 0, "images_stalled": 0,
+                       "images_denoise_steps": 0}
 
     # ---- keys ----
 
@@ -398,6 +413,7 @@ class ImageQueue(SlackSource):
             raise ImageRefused(refused)
         request = ImageRequest(uuid.uuid4().hex, spec,
                                OutputStream(uuid.uuid4().hex, asyncio.get_running_loop(), self.stream_events))
+        request.progress_at = self._now()
         with self._lock:
             if self._closed:
                 raise ImageRefused(self._closed)
@@ -464,6 +480,27 @@ class ImageQueue(SlackSource):
 
     # ---- the slack source (engine thread) ----
 
+    def slack_started(self, deadline: float | None) -> None:
+        """Once a tick: fail the requests that have waited `stall_timeout_s` for an item."""
+        self._intake()
+        self._drop_ended()
+        now = self._now()
+        for request in {j.request: None for j in self._jobs}:  # oldest first, once each
+            if request.events.room() == 0:  # held by its client, not by the engine
+                request.progress_at = now
+            elif now - request.progress_at >= self.stall_timeout_s:
+                self._fail_stalled(request, now - request.progress_at)
+
+    def _fail_stalled(self, request: ImageRequest, waited_s: float) -> None:
+        spec = request.spec
+        reason = (f"{STALLED} a {spec.width}x{spec.height} image for {self.stall_timeout_s:g} s under the current voice "
+                  "and image load; retry later or ask for a smaller size")
+        log.warning("image request %s failed after %.1f s with no item run (%dx%d, %d image(s)): no slack "
+                    "for it under the current load", request.request_id, waited_s, spec.width, spec.height,
+                    request.remaining)
+        request.events.finish(Terminal(Status.FAILED, reason))
+        self._end(request, "images_stalled")
+
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
         if self._warm:  # (no slack_prepare: an engine driven by hand, e.g. run_ticks in tests)
             self._seed(costs)
@@ -497,7 +534,7 @@ class ImageQueue(SlackSource):
             if job.phase == ENCODE:
                 spec = job.request.spec
                 units = self.stepper.encode_units(spec.negative, self.stepper.cfg_for(spec.guidance))
-                yield WorkItem(self.encode_key(), lambda job=job: self._encode(job), self._failer([job]), units=units)
+                yield self._item(self.encode_key(), [job], lambda job=job: self._encode(job), units)
         for job in self._jobs:
             if job.phase in (PREVIEW, DECODE) and job.request.events.room() > 0:  # else back-pressure
                 yield self._output_item(job)
@@ -535,22 +572,21 @@ class ImageQueue(SlackSource):
                 self.counts[counter] += len(alive)
 
     def _output_item(self, job: _Job) -> WorkItem:
-        spec, fail = job.request.spec, self._failer([job])
+        spec = job.request.spec
         if job.phase == PREVIEW:
-            return WorkItem(self.preview_key(spec.width, spec.height), lambda: self._preview(job), fail)
+            return self._item(self.preview_key(spec.width, spec.height), [job], lambda: self._preview(job))
         if not self.stepper.tiled(spec.width, spec.height):
-            return WorkItem(self.decode_key(spec.width, spec.height), lambda: self._decode(job), fail)
+            return self._item(self.decode_key(spec.width, spec.height), [job], lambda: self._decode(job))
         if job.tiles is None or not job.tiles.done:
-            return WorkItem(self.tile_key(spec.width, spec.height), lambda: self._tile(job), fail)
-        return WorkItem(self.blend_key(spec.width, spec.height), lambda: self._blend(job), fail)
+            return self._item(self.tile_key(spec.width, spec.height), [job], lambda: self._tile(job))
+        return self._item(self.blend_key(spec.width, spec.height), [job], lambda: self._blend(job))
 
     def _denoise_item(self, job: _Job, left_s: float | None, costs: CostModel) -> WorkItem:
         """One step for the oldest jobs of `job`'s bucket (`job` first), as many as fit."""
         peers = [j for j in self._jobs if j.phase == DENOISE and j.bucket == job.bucket]
         batch = self._batch_size(job, len(peers[:self.max_batch]), left_s, costs)
         chosen = [job] + [j for j in peers if j is not job][:batch - 1]
-        return WorkItem(self.denoise_key(*job.bucket, len(chosen)), lambda: self._denoise(chosen),
-                        self._failer(chosen))
+        return self._item(self.denoise_key(*job.bucket, len(chosen)), chosen, lambda: self._denoise(chosen))
 
     def _batch_size(self, job: _Job, available: int, left_s: float | None, costs: CostModel) -> int:
         """The largest batch whose estimate (or, unmeasured, prediction) fits."""
@@ -562,6 +598,15 @@ class ImageQueue(SlackSource):
             if estimate is not None and estimate <= left_s:
                 best = b
         return best
+
+    def _item(self, key: tuple, jobs: list[_Job], run: Callable[[], None], units: int = 1) -> WorkItem:
+        """A work item for `jobs`: once it has run, their requests' stall clocks start again."""
+        def run_and_note() -> None:
+            run()
+            now = self._now()
+            for job in jobs:
+                job.request.progress_at = now
+        return WorkItem(key, run_and_note, self._failer(jobs), units=units)
 
     def _failer(self, jobs: list[_Job]):
         def fail(exc: Exception) -> None:
