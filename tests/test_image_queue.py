@@ -522,11 +522,12 @@ class ColdSize:
     scripted 16 px costs (a 10 ms decode) scaled by pixels to `exponent` (ClockedStepper's
     scale_from)."""
 
-    def __init__(self, sd, exponent: float) -> None:
+    def __init__(self, sd, exponent: float, **queue_kwargs) -> None:
         self.clock = FakeClock()
         self.stepper = ClockedStepper(sd, self.clock, {"decode": 0.010}, scale_from=sd.default_size,
                                       exponent=exponent)
-        self.queue = ImageQueue(self.stepper, max_slack_s=0.080 - GUARD, stream_events=8)
+        self.queue = ImageQueue(self.stepper, max_slack_s=0.080 - GUARD, now=self.clock.now,
+                                **{"stream_events": 8, **queue_kwargs})
         self.runner = seeded_runner(self.clock, self.queue, sd.default_size)
         self.tick = 0
         self.slacks: list[tuple[float, float]] = []  # (slack start, slack end) per tick
@@ -611,3 +612,66 @@ def test_a_size_whose_predicted_step_never_fits_is_refused_at_admission(sd):
     queue, served = asyncio.run(main())
     assert queue.refusal(24, 24, cfg=False) is None and served.spec.width == 24
     assert queue.counters()["images_refused"] == 1
+
+
+def test_a_request_with_no_item_run_for_the_stall_timeout_fails_while_a_running_one_never_does(sd, caplog):
+    """27 ms of slack a tick: a 32 px step (predicted 40 ms) never starts, so after its encode the
+    32 px request runs nothing and fails once 2 s have passed; a 16 px request beside it runs a
+    step or two every tick and completes after 4 s, twice the timeout, without ever failing."""
+    async def main():
+        cold = ColdSize(sd, exponent=1.0, stall_timeout_s=2.0)
+        stalled = cold.queue.submit(ImageSpec("x", 32, 32, steps=2, guidance=5.0, seed=1))
+        running = cold.queue.submit(ImageSpec("y", 16, 16, steps=100, guidance=5.0, seed=2))
+        cold.ticks(25, LOADED)  # the encode ended at 0.058 s; the 25th tick's slack starts at 1.97 s
+        before = events_of(stalled)
+        cold.ticks(2, LOADED)
+        failed_at, after = cold.clock.t, events_of(stalled)
+        done = []
+        while not done or not isinstance(done[-1], Terminal):
+            cold.ticks(1, LOADED)
+            done.extend(events_of(running))
+            assert cold.tick < 200
+        cold.assert_every_item_ended_in_its_slack()
+        return cold, before, failed_at, after, done
+
+    with caplog.at_level("WARNING", logger="parley.engine.images"):
+        cold, before, failed_at, after, done = asyncio.run(main())
+    assert before == []
+    assert after == [Terminal(Status.FAILED, "no slack for a 32x32 image for 2 s under the current voice and "
+                                             "image load; retry later or ask for a smaller size")]
+    assert 2.0 <= failed_at < 2.3
+    stalls = [r for r in caplog.records if "no item run" in r.getMessage()]
+    assert len(stalls) == 1 and "32x32" in stalls[0].getMessage()
+    assert [type(e) for e in done] == [ImageResult, Terminal] and done[-1].status is Status.COMPLETED
+    assert cold.clock.t > 2 * 2.0  # the running job took longer than the timeout
+    counts = cold.queue.counters()
+    assert counts["images_stalled"] == 1 and counts["images_failed"] == 0 and counts["images_completed"] == 1
+    assert counts["images_outstanding"] == 0 and cold.queue.active_jobs == 0
+
+
+def test_a_request_held_only_by_its_client_not_reading_is_not_failed_as_stalled(sd):
+    """stream_events=1 and a client that reads nothing for 4 s (twice the timeout): the job waits
+    on back-pressure with its first preview unread, then completes once the client reads."""
+    async def main():
+        cold = ColdSize(sd, exponent=1.0, stall_timeout_s=2.0, stream_events=1)
+        request = cold.queue.submit(ImageSpec("x", 16, 16, steps=8, guidance=5.0, seed=1, partial_images=3))
+        cold.ticks(50, LIGHT)
+        held = request.events.room()
+        got = []
+        while not got or not isinstance(got[-1], Terminal):
+            got.extend(events_of(request))
+            cold.ticks(1, LIGHT)
+            assert cold.tick < 100
+        return cold, held, got
+
+    cold, held, got = asyncio.run(main())
+    assert held == 0
+    assert [type(e) for e in got] == [ImagePartial] * 3 + [ImageResult, Terminal]
+    assert got[-1].status is Status.COMPLETED
+    assert cold.queue.counters()["images_stalled"] == 0
+
+
+def test_the_stall_timeout_must_be_positive(sd):
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="stall_timeout_s must be more than 0"):
+            ImageQueue(sd, max_slack_s=1.0, stall_timeout_s=bad)
