@@ -11,6 +11,7 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -107,6 +108,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "demo pipeline (noise) when --model is omitted too, else no image endpoint")
     p.add_argument("--image-queue", type=int, default=16,
                    help="images waiting or running at once; more are refused with 429 and Retry-After")
+    p.add_argument("--image-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="an image request that has had no work run for this long (the voice load leaves no "
+                        "slack for its size, or it is queued behind others) fails with a message saying so; "
+                        "a client not reading its stream does not count")
     add_reliability_flags(p)
     # ---- TTS: POST /v1/audio/speech (realtime/speech_api.py) ----
     p.add_argument("--tts-model", default=None,
@@ -199,6 +204,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.image_queue < 1:
         print("parley serve: --image-queue must be at least 1", file=sys.stderr)
         return 2
+    if not 0 < args.image_stall_timeout < math.inf:
+        print(f"parley serve: --image-stall-timeout must be a number of seconds more than 0 "
+              f"(got {args.image_stall_timeout:g})", file=sys.stderr)
+        return 2
     try:
         reliability = reliability_settings(args)
     except (ValueError, OSError) as exc:
@@ -210,7 +219,8 @@ def run_serve(args: argparse.Namespace) -> int:
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
                          ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
-                         image_model=args.image_model, image_queue=args.image_queue, tts_model=args.tts_model,
+                         image_model=args.image_model, image_queue=args.image_queue,
+                         image_stall_timeout=args.image_stall_timeout, tts_model=args.tts_model,
                          tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map,
                          **reliability)
     return serve(config)

@@ -36,8 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from parley.engine import Engine, Status, Terminal
-from parley.engine.image_queue import (MAX_PARTIAL_IMAGES, ImagePartial, ImageQueue, ImageQueueFull, ImageRefused,
-                                       ImageRequest, ImageResult, ImageSpec)
+from parley.engine.image_queue import (MAX_PARTIAL_IMAGES, STALLED, ImagePartial, ImageQueue, ImageQueueFull,
+                                       ImageRefused, ImageRequest, ImageResult, ImageSpec)
 
 log = logging.getLogger("parley.images")
 
@@ -242,6 +242,8 @@ def _terminal_error(terminal: Terminal) -> ApiError:
                         code="cancelled")
     if "too large" in terminal.reason:
         return _invalid("size", terminal.reason, "size_too_large")
+    if terminal.reason.startswith(STALLED):  # the load left it no slack: retryable, not a server fault
+        return ApiError(503, terminal.reason, kind="server_error", code="image_stalled")
     return ApiError(500, terminal.reason or "image generation failed", kind="server_error", code="server_error")
 
 

@@ -35,7 +35,7 @@ import uvicorn
 from parley.engine import Engine, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, default_dtype
 from parley.engine.gc_pauses import freeze_loaded_objects
-from parley.engine.image_queue import ImageQueue
+from parley.engine.image_queue import DEFAULT_STALL_TIMEOUT_S, ImageQueue
 from parley.engine.no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
 from parley.engine.stt_paired import PairedTranscription
 from parley.engine.stt_pool import SttPool
@@ -105,6 +105,7 @@ class ServeConfig:
     # pipeline when the voice model is the demo too, else no image endpoint.
     image_model: str | None = None
     image_queue: int = 16  # images waiting or running; beyond that 429
+    image_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # seconds a request may go without an item, then fails
     # TTS (POST /v1/audio/speech): a DSM TTS checkpoint beside (or without) the duplex model.
     tts_model: str | None = None
     tts_slots: int = 4
@@ -274,7 +275,8 @@ def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtyp
         except ImagePipelineError as exc:
             raise ServeError(f"--image-model: {exc}") from exc
     slack = engine.config.tick_seconds - engine.config.slack_guard_s
-    queue = ImageQueue(stepper, max_slack_s=slack, capacity=config.image_queue)
+    queue = ImageQueue(stepper, max_slack_s=slack, capacity=config.image_queue,
+                       stall_timeout_s=config.image_stall_timeout)
     measured = queue.warm_up()
     log.info("image model %s (%s): default %dpx, latent stride %d; warm-up: %s", stepper.name, stepper.family,
              stepper.default_size, stepper.latent_stride,

@@ -175,11 +175,32 @@ def test_a_server_without_an_image_model_says_so():
 def test_serve_flags_are_checked(tmp_path, capsys):
     assert main(["serve", "--image-queue", "0"]) == 2
     assert "--image-queue must be at least 1" in capsys.readouterr().err
+    for bad in ("0", "-3", "nan", "inf"):
+        assert main(["serve", "--image-stall-timeout", bad]) == 2
+        assert "--image-stall-timeout must be a number of seconds more than 0" in capsys.readouterr().err
     engine = Engine(DelayBackend(1))
     with pytest.raises(ServeError, match="--image-model: cannot read a diffusers pipeline"):
         build_images(ServeConfig(model="x", image_model=str(tmp_path / "missing")), engine, torch.device("cpu"),
                      torch.float32, demo=False)
     assert build_images(ServeConfig(model="x"), engine, torch.device("cpu"), torch.float32, demo=False) is None
+    demo = build_images(ServeConfig(model=None, image_stall_timeout=7.5), engine, torch.device("cpu"), torch.float32, demo=True)
+    assert demo.queue.stall_timeout_s == 7.5
+
+
+def test_a_stalled_request_is_answered_503_with_the_reason(server):
+    """A timeout shorter than the time to the next tick: the request fails before its first item."""
+    base, queue, _ = server
+    before, timeout = queue.counters()["images_stalled"], queue.stall_timeout_s
+    queue.stall_timeout_s = 1e-3
+    try:
+        with pytest.raises(openai.InternalServerError, match="no slack for a 16x16 image for 0.001 s") as error:
+            client(base).images.generate(prompt="x", size="16x16", extra_body={"num_inference_steps": 2})
+    finally:
+        queue.stall_timeout_s = timeout
+    assert error.value.status_code == 503 and error.value.code == "image_stalled"
+    assert queue.counters()["images_stalled"] == before + 1 and queue.outstanding == 0
+    body = urllib.request.urlopen(f"http://{base}/metrics", timeout=30).read().decode()
+    assert f"parley_images_stalled_total {before + 1}.0" in body
 
 
 def test_a_client_that_hangs_up_before_the_json_answer_cancels_its_job(server):

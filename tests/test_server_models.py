@@ -120,7 +120,8 @@ def test_parley_serve_help_explains_flags():
     out = subprocess.run([sys.executable, "-m", "parley.realtime.cli", "serve", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60).stdout
     for flag in ("--model", "--host", "--port", "--max-sessions", "--device", "--dtype", "--persona", "--voice",
-                 "--text-temperature", "--audio-topk", "--api-key", "--log-level", "--image-model", "--image-queue"):
+                 "--text-temperature", "--audio-topk", "--api-key", "--log-level", "--image-model", "--image-queue",
+                 "--image-stall-timeout"):
         assert flag in out, flag
 
 
