@@ -6,7 +6,9 @@ slack until the boundary minus the guard. K requests stay outstanding (a finishe
 replaced at the next tick, as in benchmarks/diffusion_interference.py). It shows what the
 queue's rules make of a GPU's item costs without the GPU: steps/s and its share of
 standalone (back-to-back steps of `--max-batch` jobs at the scripted cost), first partial
-image p50/max, slack used, items past the boundary, and items per kind.
+image p50/max, slack used, items past the boundary, items per kind, and images failed as
+stalled (no item for `--stall-timeout` s of the replay's clock; a stalled request is replaced
+like a finished one).
 
     python benchmarks/image_queue_replay.py                 # H200 costs at B=64, 512 px (docs/benchmarks.md)
     python benchmarks/image_queue_replay.py --loads 4 --encode-ms 22
@@ -33,7 +35,7 @@ import torch
 from parley.engine.clocked_stepper import ClockedStepper
 from parley.engine.image_queue import ImagePartial, ImageQueue, ImageRefused, ImageSpec
 from parley.engine.slack import SlackRunner
-from parley.engine.stream import Terminal
+from parley.engine.stream import Status, Terminal
 from parley.models.image_pipeline import stepper_for
 from parley.models.tiny_diffusion import tiny_pipeline
 
@@ -57,7 +59,8 @@ async def replay(args, load: int, inner) -> dict:
     stepper = ClockedStepper(inner, clock, {
         "encode": args.encode_ms * ms, "denoise": args.denoise_ms * ms, "denoise_row": args.denoise_row_ms * ms,
         "preview": args.preview_ms * ms, "decode": args.decode_ms * ms}, scale_from=size, exponent=args.pixel_exponent)
-    queue = ImageQueue(stepper, max_slack_s=args.tick - args.guard, max_batch=args.max_batch, capacity=load)
+    queue = ImageQueue(stepper, max_slack_s=args.tick - args.guard, max_batch=args.max_batch, capacity=load,
+                       stall_timeout_s=args.stall_timeout, now=clock.now)
     runner = SlackRunner(clock.now, lambda: None, args.guard)
     side = round(size * args.cold_side / inner.latent_stride) * inner.latent_stride  # what is asked for
     scale = (side / size) ** (2 * args.pixel_exponent)  # its costs over the measured size's
@@ -85,7 +88,7 @@ async def replay(args, load: int, inner) -> dict:
                     first.append((tick + 1) * args.tick - submitted[request][0])
                     submitted[request][1] = True
                 elif isinstance(event, Terminal):
-                    done += 1
+                    done += event.status is Status.COMPLETED  # else stalled (counted by the queue)
                     del submitted[request]
                     submit()
     seconds = args.ticks * args.tick
@@ -95,7 +98,7 @@ async def replay(args, load: int, inner) -> dict:
     return {"K": load, "steps_per_s": queue.counts["images_denoise_steps"] / seconds, "standalone": standalone,
             "images_per_min": done * 60 / seconds, "first_p50": pct(first, 50), "first_max": max(first, default=float("nan")),
             "slack_used": sum(cost for _, _, cost in stepper.log) / seconds, "past_boundary": runner.stats.past_boundary,
-            "kinds": dict(sorted(kinds.items()))}
+            "kinds": dict(sorted(kinds.items())), "stalled": queue.counts["images_stalled"]}
 
 
 def main() -> None:
@@ -115,6 +118,8 @@ def main() -> None:
     parser.add_argument("--decode-ms", type=float, default=24.3)
     parser.add_argument("--cold-side", type=float, default=1.0, help="requested side over the measured one")
     parser.add_argument("--pixel-exponent", type=float, default=0.78, help="cost ~ pixels ** this")
+    parser.add_argument("--stall-timeout", type=float, default=60.0,
+                        help="s a request may go without an item before it fails (parley serve --image-stall-timeout)")
     parser.add_argument("--margin", type=float, default=0.02, help="estimates above the costs (max-of-window noise)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -130,7 +135,8 @@ def main() -> None:
         print(f"| {load} | {r['steps_per_s']:.1f} ({100 * r['steps_per_s'] / r['standalone']:.0f} % of "
               f"{r['standalone']:.0f}) | {r['images_per_min']:.0f} | {r['first_p50']:.2f}/{r['first_max']:.2f} | "
               f"{100 * r['slack_used']:.0f} % | {r['past_boundary']} | "
-              + ", ".join(f"{k} {v}" for k, v in r["kinds"].items()) + " |", flush=True)
+              + ", ".join([f"{k} {v}" for k, v in r["kinds"].items()]
+                          + ([f"{r['stalled']} images stalled"] if r["stalled"] else [])) + " |", flush=True)
 
 
 if __name__ == "__main__":
