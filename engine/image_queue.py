@@ -39,8 +39,8 @@ Stalls: a request that has had no item of its own run for `stall_timeout_s` seco
 queue's clock (since it was submitted, or since its last item ran) fails with a reason that says
 so (`images_stalled`): a size that fits an empty tick's slack but not what the voice load leaves,
 or a request queued behind others that long, must not keep its client waiting with no bound.
-The clock does not run while the request's output stream is full: that wait is its client's
-(not reading), and a client that goes away cancels instead.
+A request whose output stream is full is not failed (that wait is its client's, not reading; a
+client that goes away cancels instead): its clock starts again from the last tick it was full.
 """
 
 from __future__ import annotations
