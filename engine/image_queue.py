@@ -493,8 +493,8 @@ class ImageQueue(SlackSource):
 
     def _fail_stalled(self, request: ImageRequest, waited_s: float) -> None:
         spec = request.spec
-        reason = (f"{STALLED} a {spec.width}x{spec.height} image for {self.stall_timeout_s:g} s under the current voice "
-                  "and image load; retry later or ask for a smaller size")
+        reason = (f"{STALLED} a {spec.width}x{spec.height} image for {self.stall_timeout_s:g} s under the current "
+                  "voice and image load; retry later or ask for a smaller size")
         log.warning("image request %s failed after %.1f s with no item run (%dx%d, %d image(s)): no slack "
                     "for it under the current load", request.request_id, waited_s, spec.width, spec.height,
                     request.remaining)

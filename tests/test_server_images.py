@@ -183,7 +183,8 @@ def test_serve_flags_are_checked(tmp_path, capsys):
         build_images(ServeConfig(model="x", image_model=str(tmp_path / "missing")), engine, torch.device("cpu"),
                      torch.float32, demo=False)
     assert build_images(ServeConfig(model="x"), engine, torch.device("cpu"), torch.float32, demo=False) is None
-    demo = build_images(ServeConfig(model=None, image_stall_timeout=7.5), engine, torch.device("cpu"), torch.float32, demo=True)
+    demo = build_images(ServeConfig(model=None, image_stall_timeout=7.5), engine, torch.device("cpu"),
+                        torch.float32, demo=True)
     assert demo.queue.stall_timeout_s == 7.5
 
 
