@@ -11,9 +11,11 @@ Scheduling (engine/slack.py asks this source after prefill, before transcription
   slack allows, each one work item whose measured cost fits before the next boundary.
 - Two step kinds, one CUDA graph each on CUDA (eager on CPU): `text` (backbone + text sampling
   + DSM state machine: rows still inside the 16-frame audio delay need nothing else) and `full`
-  (plus depformer and Mimi decode). A step runs every eligible row at once (the batch costs the
-  same whichever rows are in it), so the order below decides only which kind runs when the
-  slack is short: warm-up rows first (a text step fits where a full one does not), then full steps.
+  (plus depformer and Mimi decode). A full step runs every eligible row at once (the batch costs
+  the same whichever rows are in it). Warm-up rows first: a new row's first audio waits on its
+  16 warm-up steps, so once every row past its warm-up has had this tick's step (real time kept
+  for them), the warm-up rows take text steps of their own (a fraction of a full step's cost)
+  until they are through; a text step also runs where a full one does not fit.
 - A row is eligible while its stream holds fewer than `lead_frames` undelivered frames: that
   caps its lead over its client (a few seconds), bounds memory, and is the back-pressure
   (nothing is ever dropped: a row waits instead). A client reading in real time gets its row
@@ -260,12 +262,16 @@ class TtsPool(SlackSource):
         if not eligible:
             return None
         warm = [b for b in eligible if self._rows[b].steps < self.delay]
-        kind = "full" if len(warm) < len(eligible) else "text"
-        rows = eligible
-        if kind == "full" and warm and left_s is not None:
+        kind, rows = ("text", warm) if len(warm) == len(eligible) else ("full", eligible)
+        if kind == "full" and warm:
+            # Warm-up rows first (their first audio waits on them): once every row past its
+            # warm-up has had this tick's step (real time kept), the warm-up rows take text steps
+            # of their own, a fraction of a full step's cost; and where a full step would not
+            # fit, a text step still may.
+            caught_up = all(b in self._stepped for b in eligible if b not in warm)
             estimate = costs.estimate(("tts", "full"))
-            if estimate is not None and estimate > left_s:
-                kind, rows = "text", warm  # warm-up rows first: a text step may still fit
+            if caught_up or (left_s is not None and estimate is not None and estimate > left_s):
+                kind, rows = "text", warm
         forced = self._idle_ticks >= self.force_after_ticks
         if forced:
             self._idle_ticks = 0

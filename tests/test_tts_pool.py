@@ -239,3 +239,58 @@ def test_admission_is_measured_before_the_first_request_and_leaves_no_trace(tts)
     assert warmed.terminal.status is Status.COMPLETED
     assert [w.text for w in warmed.words] == [w.text for w in plain.words]
     np.testing.assert_array_equal(warmed.pcm, plain.pcm)
+
+
+def test_a_new_row_warms_up_on_text_steps_beside_a_speaking_row(tts):
+    """Warm-up rows first: on a fake clock with the H200's step costs (tts_load at 2246cca: text
+    4.2 ms, full 13.2 ms, admission 4.3 ms) and 60 ms of slack per tick, a request arriving beside
+    a speaking one has its first audio (its 19th step: 16 warm-up steps, two dropped frames) within
+    three ticks, where full steps alone, four a tick, would take five; the speaking row keeps a
+    step every tick."""
+    cost = {"text": 0.0042, "full": 0.0132}
+    admit_s = 0.0043
+
+    async def main():
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
+        now = [0.0]
+        step, admit = pool._step, pool._admit
+
+        def timed_step(rows, kind):  # the fake clock moves by what the item costs on the GPU
+            step(rows, kind)
+            now[0] += cost[kind]
+
+        def timed_admit(job):
+            admit(job)
+            now[0] += admit_s
+
+        pool._step, pool._admit = timed_step, timed_admit
+        runner = SlackRunner(lambda: now[0], lambda: None, guard_s=0.003)
+        runner.add_source(pool)
+        runner.costs.record(ADMIT_KEY, admit_s)
+        for kind, seconds in cost.items():
+            runner.costs.record(("tts", kind), seconds)
+        loop = asyncio.get_running_loop()
+        speaking = pool.submit(request(tts, "a long sentence that goes on and on for a while"), loop)
+
+        def tick(t: int) -> None:
+            now[0] = t * 0.08 + 0.017  # the duplex frame took the tick's first 17 ms
+            runner.run_until(t * 0.08 + 0.08)
+
+        t = 0
+        while speaking.frames < 3:
+            tick(t)
+            t += 1
+        new = pool.submit(request(tts, "Hello there, how are you?"), loop)
+        arrived = t
+        speaking_frames = []
+        while not any(isinstance(e, TtsAudio) for e in new.stream.drain()):
+            before = speaking.frames
+            tick(t)
+            speaking_frames.append(speaking.frames - before)
+            t += 1
+            assert t - arrived <= 3, "the new row's first audio took more than three ticks"
+        assert all(n >= 1 for n in speaking_frames)  # real time kept for the speaking row
+        speaking.cancel()
+        new.cancel()
+    asyncio.run(main())
