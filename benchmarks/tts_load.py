@@ -178,8 +178,10 @@ def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str) -> tuple[float, float, float]:
-    """(ttfb_s, audio_s, total_s)"""
+async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str,
+                      delay_s: float = 0.0) -> tuple[float, float, float]:
+    """(ttfb_s, audio_s, total_s), the request sent after `delay_s`"""
+    await asyncio.sleep(delay_s)
     start = time.perf_counter()
     first = None
     size = 0
@@ -264,8 +266,9 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
     if streams:
         async with httpx.AsyncClient(timeout=args.request_timeout) as client:
             outcomes = await asyncio.gather(*[
-                asyncio.wait_for(one_request(client, url, store.names()[i % len(store.names())], args.text),
-                                 args.request_timeout) for i in range(streams)], return_exceptions=True)
+                asyncio.wait_for(one_request(client, url, store.names()[i % len(store.names())], args.text,
+                                             i * args.stagger), i * args.stagger + args.request_timeout)
+                for i in range(streams)], return_exceptions=True)
         results = [r for r in outcomes if not isinstance(r, BaseException)]
         failures = [r for r in outcomes if isinstance(r, BaseException)]
         if failures:  # said, not hidden: the figures below are over the requests that completed
@@ -342,6 +345,9 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time moshi's TTSModel at each --streams")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of duplex traffic before measuring")
     parser.add_argument("--text", default=TEXT, help="what every request speaks (default: a fixed paragraph)")
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="seconds between the requests' starts (0: all at once; e.g. 0.25 has each "
+                        "new request arrive beside speaking ones, as a live service sees them)")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a TTS request may take before it counts as failed")
     parser.add_argument("--progress", type=float, default=0.0,
