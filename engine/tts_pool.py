@@ -198,20 +198,14 @@ class TtsPool(SlackSource):
     # ---- engine thread ----
 
     def warm_up(self) -> None:
-        """Capture the graphs (CUDA) and run each step kind with no row active, measuring its
-        cost; the first `offer` hands those to the runner's cost model, so the first live step
-        already has an estimate (slack.py rule 2)."""
+        """Capture the graphs (CUDA) and measure each step kind and an admission; the first
+        `offer` (or `slack_prepare`) hands those costs to the runner's cost model, so the first
+        live item already has an estimate (slack.py rule 2)."""
         idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
-        for kind in ("text", "full"):
-            if self._use_graphs:
+        if self._use_graphs:
+            for kind in ("text", "full"):
                 self._graphs[kind] = CUDAGraphRunner(lambda active, k=kind: self._device_step(active, k), (idle,))
-            for _ in range(2):
-                start = time.perf_counter()
-                self._run_device(idle, kind)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self._warm_costs.append((("tts", kind), time.perf_counter() - start))
-        self._warm_costs.extend(self._measure(("admit",)))
+        self._warm_costs.extend(self._measure(("text", "full", "admit")))
 
     def slack_prepare(self, costs: CostModel) -> None:
         """On the engine thread, before its first tick: record the warm-up costs, then run each
