@@ -20,7 +20,9 @@ what comes back. Printed, over all clients:
 - ready time: from opening the socket to the server's handshake byte (the session's prompt,
   if any, has been prefilled by then), p50 / max;
 - server CPU per session: the server process's CPU seconds (its /metrics
-  process_cpu_seconds_total) over the run, per session, as a share of one core.
+  process_cpu_seconds_total) over the run, per session, as a share of one core;
+- the server's full garbage collections during the run and the longest since it started (each
+  one stalls the engine thread; `parley serve` freezes its loaded objects out of them).
 
 `--spawn tiny|echo|DIR` writes the tiny or echo checkpoint (or uses DIR) and runs
 `parley serve` on a free 127.0.0.1 port for the run, then stops it. Only 127.0.0.1 is used.
@@ -139,7 +141,8 @@ def scrape(http: str) -> dict[str, float]:
     out = {}
     for name in ("parley_frame_delay_seconds_sum", "parley_frame_delay_seconds_count",
                  "parley_engine_underruns_total", "parley_engine_dropped_events_total",
-                 "parley_engine_late_ticks_total", "parley_engine_skipped_ticks_total", "process_cpu_seconds_total"):
+                 "parley_engine_late_ticks_total", "parley_engine_skipped_ticks_total", "process_cpu_seconds_total",
+                 "parley_gc_full_collections_total", "parley_gc_full_pause_max_seconds"):
         m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else float("nan")
     return out
@@ -245,7 +248,10 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
             "underruns": d["parley_engine_underruns_total"], "frames_lost": lost,
             "engine_dropped": d["parley_engine_dropped_events_total"],
             "late_ticks": d["parley_engine_late_ticks_total"], "skipped_ticks": d["parley_engine_skipped_ticks_total"],
-            "server_cpu_cores": cpu, "server_cpu_per_session_pct": 100 * cpu / max(1, len(served))}
+            "server_cpu_cores": cpu, "server_cpu_per_session_pct": 100 * cpu / max(1, len(served)),
+            # Python's full GC passes in the server (each stalls the engine thread; engine/gc_pauses.py)
+            "server_full_gcs": d["parley_gc_full_collections_total"],
+            "server_full_gc_max_ms": 1000 * after["parley_gc_full_pause_max_seconds"]}
 
 
 def main(argv: list[str] | None = None) -> int:
