@@ -210,9 +210,7 @@ class TtsPool(SlackSource):
     def slack_prepare(self, costs: CostModel) -> None:
         """On the engine thread, before its first tick: record the warm-up costs, then run each
         key twice here and record the second (this thread's first eager calls are cold)."""
-        for key, seconds in self._warm_costs:
-            costs.record(key, seconds)
-        self._warm_costs.clear()
+        self._seed(costs)
         for key, seconds in self._measure(("text", "full", "admit")):
             costs.record(key, seconds)
 
@@ -244,10 +242,14 @@ class TtsPool(SlackSource):
         conditions = {name: cfg.lut_values(name)[0] for name in cfg.fuse_sum}
         self._gen.start(0, (WordEntry((0,), "warm", 0),), voices, conditions)
 
-    def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
+    def _seed(self, costs: CostModel) -> None:
+        """Hand the warm-up's costs to the runner's cost model (once)."""
         for key, seconds in self._warm_costs:
             costs.record(key, seconds)
         self._warm_costs.clear()
+
+    def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
+        self._seed(costs)  # (an engine driven by hand never calls slack_prepare)
         self._drop_cancelled()
         job = self._next_admission()
         if job is not None:

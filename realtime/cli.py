@@ -108,7 +108,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "demo pipeline (noise) when --model is omitted too, else no image endpoint")
     p.add_argument("--image-queue", type=int, default=16,
                    help="images waiting or running at once; more are refused with 429 and Retry-After")
-    p.add_argument("--image-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--image-stall-timeout", type=float, default=ServeConfig.image_stall_timeout, metavar="SECONDS",
                    help="an image request that has had no work run for this long (the voice load leaves no "
                         "slack for its size, or it is queued behind others) fails with a message saying so; "
                         "a client not reading its stream does not count")
