@@ -179,8 +179,10 @@ def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str,
-                      delay_s: float = 0.0) -> tuple[float, float, float]:
-    """(ttfb_s, audio_s, total_s), the request sent after `delay_s`"""
+                      delay_s: float = 0.0, received: list[int] | None = None,
+                      index: int = 0) -> tuple[float, float, float]:
+    """(ttfb_s, audio_s, total_s), the request sent after `delay_s`; `received[index]` follows the
+    bytes so far (for --progress)"""
     await asyncio.sleep(delay_s)
     start = time.perf_counter()
     first = None
@@ -193,6 +195,8 @@ async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str
             if first is None and chunk:
                 first = time.perf_counter() - start
             size += len(chunk)
+            if received is not None:
+                received[index] = size
     return first or float("nan"), size / 2 / 24000, time.perf_counter() - start
 
 
@@ -227,8 +231,9 @@ async def unless_engine_fails(engine: Engine, work) -> dict:
     return task.result()
 
 
-async def report_progress(engine: Engine, pool: TtsPool, every_s: float) -> None:
-    """--progress: the pool's and engine's counters every `every_s` seconds (a slow case shows why)."""
+async def report_progress(engine: Engine, pool: TtsPool, every_s: float, received: list[int]) -> None:
+    """--progress: the pool's and engine's counters, and the audio the clients have received so far,
+    every `every_s` seconds (a slow case shows whether the engine or the delivery is behind)."""
     start = time.perf_counter()
     while True:
         await asyncio.sleep(every_s)
@@ -237,8 +242,9 @@ async def report_progress(engine: Engine, pool: TtsPool, every_s: float) -> None
         print(f"    {time.perf_counter() - start:5.1f} s: live {c['tts_live']}, steps {c['tts_steps_text']} text + "
               f"{c['tts_steps_full']} full (est {estimates['text']:.1f} / {estimates['full']:.1f} ms), frames "
               f"{c['tts_frames']}, starved {c['tts_starved']}, forced {c['tts_forced']}, late ticks {c['late_ticks']}, "
-              f"ended {c['tts_completed']} completed / {c['tts_failed']} failed / {c['tts_cancelled']} cancelled",
-              flush=True)
+              f"ended {c['tts_completed']} completed / {c['tts_failed']} failed / {c['tts_cancelled']} cancelled; "
+              f"clients received {min(received, default=0) / 48000:.1f} - {max(received, default=0) / 48000:.1f} s "
+              "of audio", flush=True)
 
 
 async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, store: VoiceStore, url: str,
@@ -262,12 +268,14 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
     late_before = engine.counters()["late_ticks"]
     gc_before = FULL_COLLECTIONS.snapshot()
     results = []
-    reporter = asyncio.create_task(report_progress(engine, pool, args.progress)) if args.progress else None
+    received = [0] * streams  # bytes each client has read so far
+    reporter = (asyncio.create_task(report_progress(engine, pool, args.progress, received))
+                if args.progress else None)
     if streams:
         async with httpx.AsyncClient(timeout=args.request_timeout) as client:
             outcomes = await asyncio.gather(*[
                 asyncio.wait_for(one_request(client, url, store.names()[i % len(store.names())], args.text,
-                                             i * args.stagger), i * args.stagger + args.request_timeout)
+                                             i * args.stagger, received, i), i * args.stagger + args.request_timeout)
                 for i in range(streams)], return_exceptions=True)
         results = [r for r in outcomes if not isinstance(r, BaseException)]
         failures = [r for r in outcomes if isinstance(r, BaseException)]
