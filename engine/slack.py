@@ -96,7 +96,9 @@ class SlackSource:
 
     def offer(self, left_s: float | None, costs: "CostModel") -> WorkItem | None:
         """The next item this source wants to run, sized to `left_s` seconds where it can be
-        (None: no deadline, e.g. manual ticks in tests), or None when it has nothing to do."""
+        (None: no deadline, e.g. manual ticks in tests), or None when it has nothing to do.
+        The runner may decline the item (its estimate does not fit): an offer must not take
+        anything it cannot give back (a queued request stays queued until the item runs)."""
         raise NotImplementedError
 
     def slack_started(self, deadline: float | None) -> None:

@@ -291,13 +291,17 @@ class TtsPool(SlackSource):
                 if row is not None and row.job.stream.buffered < self.lead_frames]
 
     def _next_admission(self) -> TtsJob | None:
+        """The next pending job, left in the queue: the runner may decline the admission item
+        (its estimate does not fit the slack left), and a declined job must still be there at
+        the next offer. `_admit` takes it when the item runs."""
         if None not in self._rows:
             return None
         with self._lock:
             while self._pending:
-                job = self._pending.popleft()
+                job = self._pending[0]
                 if not job.cancelled:
                     return job
+                self._pending.popleft()
                 self._reserved -= 1
                 job.stream.finish(Terminal(Status.CANCELLED, "cancelled before it started"))
                 self.cancelled += 1
@@ -310,6 +314,8 @@ class TtsPool(SlackSource):
                 self.cancelled += 1
 
     def _admit(self, job: TtsJob) -> None:
+        with self._lock:
+            self._pending.remove(job)
         row = self._rows.index(None)
         req = job.request
         self._gen.start(row, req.entries, req.voices, req.conditions, req.padding_bonus,
@@ -415,6 +421,8 @@ class TtsPool(SlackSource):
     def _fail_job(self, job: TtsJob, exc: Exception) -> None:
         with self._lock:
             self._reserved -= 1
+            if job in self._pending:  # (admission failed before taking it)
+                self._pending.remove(job)
         for b, row in enumerate(self._rows):  # admission may have taken the row before raising
             if row is not None and row.job is job:
                 self._rows[b] = None

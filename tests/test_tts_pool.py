@@ -294,3 +294,45 @@ def test_a_new_row_warms_up_on_text_steps_beside_a_speaking_row(tts):
         speaking.cancel()
         new.cancel()
     asyncio.run(main())
+
+
+def test_an_admission_that_does_not_fit_waits_for_the_next_tick(tts):
+    """A declined offer loses nothing: when the slack left cannot hold an admission (a long
+    duplex frame), the request stays queued and is admitted at the next tick that has room (on
+    the H200 a request was popped by a declined offer and its client waited forever)."""
+    async def main():
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
+        now = [0.0]
+        step, admit = pool._step, pool._admit
+
+        def timed_step(rows, kind):  # the fake clock moves by what an item costs
+            step(rows, kind)
+            now[0] += 0.004
+
+        def timed_admit(job):
+            admit(job)
+            now[0] += 0.005
+
+        pool._step, pool._admit = timed_step, timed_admit
+        runner = SlackRunner(lambda: now[0], lambda: None, guard_s=0.003)
+        runner.add_source(pool)
+        runner.costs.record(ADMIT_KEY, 0.005)
+        for kind in ("text", "full"):
+            runner.costs.record(("tts", kind), 0.004)
+        job = pool.submit(request(tts, "Hello there."), asyncio.get_running_loop())
+        now[0] = 0.075  # the frame left 5 ms: minus the 3 ms guard, the 5 ms admission does not fit
+        runner.run_until(0.08)
+        assert pool.live == 0 and not job.stream.finished
+        now[0] = 0.097  # the next tick's frame took 17 ms: room for the admission now
+        runner.run_until(0.16)
+        assert pool.live == 1
+        for t in range(2, 200):
+            if job.stream.finished:
+                break
+            now[0] = t * 0.08 + 0.017
+            runner.run_until(t * 0.08 + 0.08)
+            job.stream.drain()
+        assert job.stream.terminal == Terminal(Status.COMPLETED)
+        assert job.frames > 0
+    asyncio.run(main())
