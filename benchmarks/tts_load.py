@@ -20,6 +20,8 @@ requests (pcm, read as fast as they come) and prints:
 - TTS pool counters (steps, starved, forced), and Python's full garbage collections during the
   case (count, longest pause: each one stalls the engine thread; the script freezes the loaded
   objects first, as `parley serve` does);
+- with `--delivery http,direct`, each case also with the requests handed to the pool and read on
+  the benchmark's loop, no HTTP server between (what the edge's work costs the duplex frame);
 - under each TTS row, where its slack went: items, ms per item and the estimate per TTS item kind
   (admit, text step, full step).
 
@@ -59,7 +61,8 @@ from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
 from parley.engine.gc_pauses import FULL_COLLECTIONS, freeze_loaded_objects  # noqa: E402
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
 from parley.engine.testing import DelayBackend  # noqa: E402
-from parley.engine.tts_pool import TtsPool  # noqa: E402
+from parley.engine.stream import Terminal  # noqa: E402
+from parley.engine.tts_pool import TtsAudio, TtsPool  # noqa: E402
 from parley.models.checkpoint import mimi_config_dict  # noqa: E402
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config  # noqa: E402
 from parley.models.lm import published_state  # noqa: E402
@@ -70,7 +73,7 @@ from parley.models.tts import TtsConfig, TtsLM  # noqa: E402
 from parley.models.tts_checkpoint import VoiceStore, write_voice  # noqa: E402
 from parley.realtime.app import ServerInfo, create_app  # noqa: E402
 from parley.realtime.server import uvicorn_config  # noqa: E402
-from parley.realtime.speech_api import SpeechService  # noqa: E402
+from parley.realtime.speech_api import SpeechService, build_request, parse_request  # noqa: E402
 
 TEXT = ("Good morning, and welcome to the show. Today we are going to talk about the weather, music, and "
         "books. It was a bright cold day in April, and the clocks were striking thirteen. Please wait "
@@ -200,6 +203,28 @@ async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str
     return first or float("nan"), size / 2 / 24000, time.perf_counter() - start
 
 
+async def one_direct_request(service: SpeechService, voice: str, text: str, delay_s: float = 0.0,
+                             received: list[int] | None = None, index: int = 0) -> tuple[float, float, float]:
+    """As `one_request`, but submitted to the pool and read from its stream on this loop, with
+    no HTTP in between (--delivery direct: what the edge costs the duplex frame)."""
+    await asyncio.sleep(delay_s)
+    start = time.perf_counter()
+    params = parse_request({"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}, service.voices)
+    job = service.pool.submit(build_request(service, params)[0], asyncio.get_running_loop())
+    first = None
+    size = 0
+    async for event in job.stream:
+        if isinstance(event, TtsAudio):
+            if first is None:
+                first = time.perf_counter() - start
+            size += event.pcm.size * 2  # as pcm16 bytes, like the HTTP client counts them
+            if received is not None:
+                received[index] = size
+        elif isinstance(event, Terminal):
+            break
+    return first or float("nan"), size / 2 / 24000, time.perf_counter() - start
+
+
 async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams: int, sessions: int) -> dict:
     cfg, _, _, lm, mimi = models
     timed.times.clear()
@@ -213,7 +238,7 @@ async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams:
     app = create_app(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service)
     server, thread, url = start_server(app)
     try:
-        return await unless_engine_fails(engine, measure(args, engine, timed, pool, store, url, streams, sessions))
+        return await unless_engine_fails(engine, measure(args, engine, timed, pool, service, url, streams, sessions))
     finally:
         server.should_exit = True
         thread.join(30)
@@ -247,8 +272,9 @@ async def report_progress(engine: Engine, pool: TtsPool, every_s: float, receive
               "of audio", flush=True)
 
 
-async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, store: VoiceStore, url: str,
+async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, service: SpeechService, url: str,
                   streams: int, sessions: int) -> dict:
+    store = service.voices
     live = [engine.open_nowait() for _ in range(sessions)]
     for s in live:
         await asyncio.wait_for(s.ready, 120)
@@ -273,10 +299,13 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, stor
                 if args.progress else None)
     if streams:
         async with httpx.AsyncClient(timeout=args.request_timeout) as client:
-            outcomes = await asyncio.gather(*[
-                asyncio.wait_for(one_request(client, url, store.names()[i % len(store.names())], args.text,
-                                             i * args.stagger, received, i), i * args.stagger + args.request_timeout)
-                for i in range(streams)], return_exceptions=True)
+            def request(i: int):
+                voice, delay = store.names()[i % len(store.names())], i * args.stagger
+                if args.delivery == "direct":
+                    return one_direct_request(service, voice, args.text, delay, received, i)
+                return one_request(client, url, voice, args.text, delay, received, i)
+            outcomes = await asyncio.gather(*[asyncio.wait_for(request(i), i * args.stagger + args.request_timeout)
+                                              for i in range(streams)], return_exceptions=True)
         results = [r for r in outcomes if not isinstance(r, BaseException)]
         failures = [r for r in outcomes if isinstance(r, BaseException)]
         if failures:  # said, not hidden: the figures below are over the requests that completed
@@ -356,12 +385,19 @@ def main() -> None:
     parser.add_argument("--stagger", type=float, default=0.0,
                         help="seconds between the requests' starts (0: all at once; e.g. 0.25 has each "
                         "new request arrive beside speaking ones, as a live service sees them)")
+    parser.add_argument("--delivery", default="http",
+                        help="http: real HTTP clients (the figures to quote); direct: the requests go to the "
+                        "pool and are read from its streams on the benchmark's loop, no HTTP server work (so "
+                        "the difference is what the edge costs); or both, e.g. http,direct")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a TTS request may take before it counts as failed")
     parser.add_argument("--progress", type=float, default=0.0,
                         help="print the TTS pool's counters every this many seconds during a case (0: never)")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
     args = parser.parse_args()
+    deliveries = args.delivery.split(",")
+    if not set(deliveries) <= {"http", "direct"}:
+        parser.error(f"--delivery {args.delivery!r}: expected http, direct or both")
     if args.device == "cpu":
         torch.set_num_threads(1)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -387,9 +423,9 @@ def main() -> None:
         print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
           f"duplex backend {args.duplex}")
-    print("| TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
+    print("| delivery | TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
           "duplex frame p50 / p99 (ms) | late ticks | TTS steps | starved | forced | full GCs (longest ms) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     # As `parley serve` does: what is loaded now stays out of full collections (engine/gc_pauses.py).
     freeze_loaded_objects()
     for sessions in sessions_list:
@@ -398,9 +434,10 @@ def main() -> None:
         backend, _ = build_duplex(args.duplex, sessions, args.device, TextTokenizer(tokenizer_path))
         timed = TimedBackend(backend)
         try:
-            for streams in sorted({0, *streams_list}):
+            for delivery, streams in [("-", 0)] + [(d, n) for d in deliveries for n in streams_list if n]:
+                args.delivery = delivery
                 r = asyncio.run(run_case(args, models, voices_dir, timed, streams, sessions))
-                print(f"| {streams} | {sessions} | {r['ttfb_p50']:.0f} / {r['ttfb_p99']:.0f} | "
+                print(f"| {delivery} | {streams} | {sessions} | {r['ttfb_p50']:.0f} / {r['ttfb_p99']:.0f} | "
                       f"{r['xrt_median']:.2f} / {r['xrt_min']:.2f} | {r['frame_p50']:.2f} / {r['frame_p99']:.2f} | "
                       f"{r['late_ticks']} | {r['tts_steps']} | {r['starved']} | {r['forced']} | "
                       f"{r['gc_full']} ({r['gc_max_ms']:.1f}) |", flush=True)

@@ -43,11 +43,12 @@ CPU_CASES = {
     "tts_load": (  # --duplex tiny: the --duplex 7b path (Checkpoint, tokenizer, ModelBackend) at tiny shapes
         "tts_load.py", ["--shapes", "tiny", "--duplex", "tiny", "--streams", "1", "--sessions", "1",
                         "--device", "cpu", "--settle", "0.2", "--idle-seconds", "0.3", "--reference",
-                        "--text", "Good morning."],
+                        "--text", "Good morning.", "--delivery", "http,direct"],
         [r"\| reference TTSModel streams \| first audio \(ms\) \| x real time \(median\) \|",
          r"^\| 1 \| \d+ \| \d+\.\d\d \|$", r"duplex backend tiny",
-         r"\| TTS streams \| duplex sessions \| TTFB p50 / p99 \(ms\)", r"\| 0 \| 1 \| nan / nan \|",
-         r"\| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|"]),
+         r"\| delivery \| TTS streams \| duplex sessions \| TTFB p50 / p99 \(ms\)", r"\| - \| 0 \| 1 \| nan / nan \|",
+         r"\| http \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|",
+         r"\| direct \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|"]),
     "stt": (
         "stt.py", ["--shapes", "tiny", "--device", "cpu", "--batch", "2", "--streams", "2", "--frames", "3",
                    "--warmup", "1", "--rest-slots", "2", "--rest-requests", "2", "--rest-seconds", "1"],
@@ -130,7 +131,7 @@ GPU_CASES = {
     "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",
                                            "--device", "cuda", "--settle", "0.5", "--idle-seconds", "0.5",
                                            "--text", "Good morning."],
-                           [r"duplex backend 7b", r"\| 1 \| 1 \| \d+ / \d+ \|"]),
+                           [r"duplex backend 7b", r"\| http \| 1 \| 1 \| \d+ / \d+ \|"]),
 }
 
 
