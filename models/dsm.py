@@ -210,20 +210,20 @@ class DsmRows:
         self.end_step = zeros(batch) - 1  # -1: not ended
         self.word_step = zeros(batch, max_entries + 1) - 1  # step each entry was consumed at
 
-    def check_fits(self, entries: Sequence[WordEntry]) -> str | None:
-        """Why a script does not fit a row (None when it does)."""
+    def check(self, entries: Sequence[WordEntry]) -> None:
+        """ValueError when the script does not fit a row."""
         n_tokens = sum(len(e.tokens) for e in entries)
+        reason = None
         if len(entries) > self.max_entries:
-            return f"{len(entries)} words and breaks (at most {self.max_entries})"
-        if n_tokens > self.max_tokens:
-            return f"{n_tokens} text tokens (at most {self.max_tokens})"
-        return None
+            reason = f"{len(entries)} words and breaks (at most {self.max_entries})"
+        elif n_tokens > self.max_tokens:
+            reason = f"{n_tokens} text tokens (at most {self.max_tokens})"
+        if reason is not None:
+            raise ValueError(f"the text is too long for a TTS row: {reason}")
 
     def load(self, row: int, entries: Sequence[WordEntry]) -> None:
         """Write a fresh script into `row` (host -> device copies; not for a captured graph)."""
-        reason = self.check_fits(entries)
-        if reason is not None:
-            raise ValueError(f"the text is too long for a TTS row: {reason}")
+        self.check(entries)
         flat: list[int] = []
         starts, lengths, pads = [], [], []
         word_ends: list[int] = []  # end of each word that has tokens, in order

@@ -401,29 +401,53 @@ class TtsGen:
     def start(self, row: int, entries: Sequence[WordEntry], voices: Sequence[torch.Tensor] = (),
               conditions: dict[str, str | None] | None = None, padding_bonus: float = 0.0,
               text_temp: float = 0.6, text_topk: int = 25, audio_temp: float = 0.6, audio_topk: int = 250) -> None:
-        """Reset `row` and load one request: its script, voice(s) and conditions."""
+        """Reset `row` and load one request: its script, voice(s) and conditions. The same as
+        `voice_inputs` (host), `reset_rows` (device only: a pool captures it in a CUDA graph) and
+        `begin` (host -> device)."""
+        voice = self.voice_inputs(voices)
+        self.dsm.check(entries)  # (before anything changes: a refused script leaves the row as it was)
         mask = torch.zeros(self.batch, dtype=torch.bool, device=self.device)
         mask[row] = True
+        self.reset_rows(mask, torch.tensor([row], device=self.device), *voice)
+        self.begin(row, entries, conditions, padding_bonus, text_temp, text_topk, audio_temp, audio_topk)
+
+    def voice_inputs(self, voices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The `reset_rows` voice arguments of a request (host tensors; none without cross-attention)."""
+        if not self.cfg.cross_attention:
+            return ()
+        if not voices:
+            raise ValueError("this model needs a voice (speaker embedding)")
+        frames = voices[0].shape[-1]
+        if self.cross is not None and MAX_SPEAKERS * frames != self.cross[0][0].shape[2]:
+            raise ValueError(f"voice has {frames} frames; this pool's voices have "
+                             f"{self.cross[0][0].shape[2] // MAX_SPEAKERS}")
+        return speaker_inputs(voices, frames)
+
+    @torch.no_grad()
+    def reset_rows(self, mask: torch.Tensor, index: torch.Tensor, voice: torch.Tensor | None = None,
+                   voice_mask: torch.Tensor | None = None) -> None:
+        """Device only (no host sync, so a CUDA graph can hold it): the rows in `mask` start
+        over, and with cross-attention row `index` ([1] long) attends to `voice_inputs`' voices."""
         self.transformer.reset(mask)
-        self.ring[row] = UNGENERATED_TOKEN
-        self.offsets[row] = 0
-        self.dsm.load(row, entries)
-        self.cond_sum[row] = self.lm.condition_sum(conditions or {})
+        self.ring.masked_fill_(mask[:, None, None], UNGENERATED_TOKEN)
+        self.offsets.masked_fill_(mask, 0)
         if self.cfg.cross_attention:
-            if not voices:
-                raise ValueError("this model needs a voice (speaker embedding)")
-            frames = voices[0].shape[-1]
-            source = self.lm.cross_source(*(t.to(self.device) for t in speaker_inputs(voices, frames)))
+            source = self.lm.cross_source(voice.to(self.device), voice_mask.to(self.device))
             kv = self.lm.transformer.cross_kv(source)
-            if self.cross is None:
+            if self.cross is None:  # (eager only: a graphed pool allocates them at construction)
                 self.cross = [(k.new_zeros((self.batch, *k.shape[1:])), v.new_zeros((self.batch, *v.shape[1:])))
                               for k, v in kv]
-            if kv[0][0].shape[1:] != self.cross[0][0].shape[1:]:
-                raise ValueError(f"voice has {frames} frames; this pool's voices have "
-                                 f"{self.cross[0][0].shape[2] // MAX_SPEAKERS}")
             for (k_all, v_all), (k, v) in zip(self.cross, kv):
-                k_all[row] = k[0]
-                v_all[row] = v[0]
+                k_all.index_copy_(0, index, k)
+                v_all.index_copy_(0, index, v)
+
+    @torch.no_grad()
+    def begin(self, row: int, entries: Sequence[WordEntry], conditions: dict[str, str | None] | None = None,
+              padding_bonus: float = 0.0, text_temp: float = 0.6, text_topk: int = 25, audio_temp: float = 0.6,
+              audio_topk: int = 250) -> None:
+        """Load `row`'s script, conditions and sampling (after `reset_rows`)."""
+        self.dsm.load(row, entries)
+        self.cond_sum[row] = self.lm.condition_sum(conditions or {})
         for tensor, value in ((self.padding_bonus, padding_bonus), (self.text_temp, text_temp),
                               (self.text_topk, text_topk), (self.audio_temp, audio_temp),
                               (self.audio_topk, audio_topk)):

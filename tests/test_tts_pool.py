@@ -201,24 +201,38 @@ def test_engine_failure_ends_queued_and_later_tts_requests(tts):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_give_the_eager_tokens(tiny_tts_dir):
-    """Both step kinds captured as CUDA graphs produce what the eager pool produces (greedy)."""
-    from parley.engine.tts_offline import synthesize
-
+    """The step kinds and the admission captured as CUDA graphs produce what the eager pool
+    produces (greedy), for two requests with different voices in rows 0 and 1 at once (the
+    admission graph resets only its row and writes the voice into that row)."""
     ck = load_tts_checkpoint(tiny_tts_dir, device="cuda", dtype=torch.float32)
     store = VoiceStore.open(tiny_tts_dir / "voices", ck.config.voice_suffix, 16)
-    entries = tuple(split_words("Hello there, how are you?", ck.tokenizer.encode, 12.5))
-    req = TtsRequest(entries, (store.load(TINY_TTS_VOICES[0]),), {"control": "ok", "cfg": "2.0"},
-                     text_temperature=0.0, audio_temperature=0.0)
-    results = []
-    for graphs in (False, True):
+    reqs = [TtsRequest(tuple(split_words(text, ck.tokenizer.encode, 12.5)), (store.load(TINY_TTS_VOICES[v]),),
+                       {"control": "ok", "cfg": "2.0"}, text_temperature=0.0, audio_temperature=0.0)
+            for text, v in (("Hello there, how are you?", 0), ("The quick brown fox jumps.", 1))]
+
+    async def run(graphs: bool) -> list[tuple[list[str], np.ndarray]]:
         pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10, cuda_graphs=graphs)
         pool.warm_up()
         assert pool.graphed == graphs
-        results.append(synthesize(pool, req))
-    eager, graphed = results
-    assert graphed.terminal.status is Status.COMPLETED
-    assert [w.text for w in graphed.words] == [w.text for w in eager.words]
-    np.testing.assert_allclose(graphed.pcm, eager.pcm, atol=1e-4)
+        runner = SlackRunner(lambda: 0.0, torch.cuda.synchronize, guard_s=0.0)
+        runner.add_source(pool)
+        jobs = [pool.submit(r, asyncio.get_running_loop()) for r in reqs]
+        events = [[] for _ in jobs]
+        for _ in range(300):
+            runner.run_until(None)
+            for job, got in zip(jobs, events):
+                got += job.stream.drain()
+            if all(job.stream.finished for job in jobs):
+                break
+        assert all(got and got[-1] == Terminal(Status.COMPLETED) for got in events)
+        return [([e.text for e in got if isinstance(e, TtsWord)],
+                 np.concatenate([e.pcm for e in got if isinstance(e, TtsAudio)])) for got in events]
+
+    eager, graphed = asyncio.run(run(False)), asyncio.run(run(True))
+    for (eager_words, eager_pcm), (graphed_words, graphed_pcm) in zip(eager, graphed):
+        assert graphed_words == eager_words
+        np.testing.assert_allclose(graphed_pcm, eager_pcm, atol=1e-4)
+    assert not np.allclose(eager[0][1][:len(eager[1][1])], eager[1][1][:len(eager[0][1])])  # two streams
 
 
 def test_admission_is_measured_before_the_first_request_and_leaves_no_trace(tts):
