@@ -126,6 +126,8 @@ GPU_CASES = {
     "frame_latency": ("frame_latency.py", ["--batches", "1", "--frames", "2", "--warmup", "1", "--windows", "empty"],
                       [r"\| B \| window \| Parley p50", r"\| 1 \| empty \| \d+\.\d\d"]),
     "profile_frame": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1"], [r"GPU: "]),
+    "profile_tts": ("profile_tts.py", ["--rows", "2", "--replays", "2", "--warmup", "1"],
+                    [r"rows 2: text \d+\.\d\d ms, full \d+\.\d\d ms", r"weight matmuls\s+\d+\.\d\d ms"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
     "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",
