@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .host_rows import write_row
+from .host_rows import copy_from_host
 
 NEW_WORD = 0
 PAD = 3
@@ -259,7 +259,7 @@ class DsmRows:
                             ("la_pos", first_ahead), ("la_end", first_ahead), ("remaining", self.initial_padding),
                             ("forced", self.initial_padding), ("end_step", -1)):
             values[cols[name]] = value
-        write_row(self.state, row, values)
+        copy_from_host(self.state[row], values)
 
     def step(self, step: torch.Tensor, sampled: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """step [B] (each row's own step index), sampled [B] text tokens, active [B] bool ->

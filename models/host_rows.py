@@ -1,6 +1,6 @@
-"""One row of a per-row device tensor written from host values in one copy.
+"""Host values written into a slice of per-row device state in one copy.
 
-    write_row(dst[B, ...], row, values)   # values: a numpy array shaped like dst[row]
+    copy_from_host(state[row], values)   # values: a numpy array shaped like the slice
 
 Admissions write a fresh row of state from the host between steps. Each eager op costs a
 launch and a pageable host -> device copy waits for the stream, so the row is built on the host
@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 
-def write_row(dst: torch.Tensor, row: int, values: np.ndarray) -> None:
+def copy_from_host(dst: torch.Tensor, values: np.ndarray) -> None:
     src = torch.from_numpy(values)
-    if src.dtype != dst.dtype or src.shape != dst.shape[1:]:
-        raise ValueError(f"row of {src.dtype} {tuple(src.shape)} for a {dst.dtype} {tuple(dst.shape)} tensor")
+    if src.dtype != dst.dtype or src.shape != dst.shape:
+        raise ValueError(f"{src.dtype} {tuple(src.shape)} values for a {dst.dtype} {tuple(dst.shape)} slice")
     if dst.is_cuda:
-        dst[row].copy_(src.pin_memory(), non_blocking=True)
+        dst.copy_(src.pin_memory(), non_blocking=True)
     else:
-        dst[row].copy_(src)
+        dst.copy_(src)

@@ -38,7 +38,7 @@ from torch import nn
 
 from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConfigError, LMConfig
 from .dsm import DsmRows, DsmTokens, WordEntry
-from .host_rows import write_row
+from .host_rows import copy_from_host
 from .lm import ZeroEmbedding
 from .sampling import sample_tokens
 from .transformer import StreamingTransformer, TransformerState, make_norm
@@ -392,12 +392,12 @@ class TtsGen:
             shape = (batch, lm_cfg.num_heads, MAX_SPEAKERS * voice_frames, lm_cfg.dim // lm_cfg.num_heads)
             self.cross = [(torch.zeros(shape, dtype=lm.dtype, device=device),
                            torch.zeros(shape, dtype=lm.dtype, device=device)) for _ in range(lm_cfg.num_layers)]
-        # Sampling settings per row, as columns of one float and one long tensor: `begin` writes a
-        # row's settings with two copies.
-        self.float_settings = torch.tensor([[0.0, 0.6, 0.6]], dtype=torch.float32, device=device).repeat(batch, 1)
-        self.padding_bonus, self.text_temp, self.audio_temp = self.float_settings.unbind(1)
-        self.long_settings = torch.tensor([[25, 250]], dtype=torch.long, device=device).repeat(batch, 1)
-        self.text_topk, self.audio_topk = self.long_settings.unbind(1)
+        # Sampling settings as rows of one float and one long tensor (each setting stays contiguous
+        # over the batch: the sampling kernel reads it so); `begin` writes a row's column of each.
+        self.float_settings = torch.tensor([[0.0], [0.6], [0.6]], dtype=torch.float32, device=device).repeat(1, batch)
+        self.padding_bonus, self.text_temp, self.audio_temp = self.float_settings
+        self.long_settings = torch.tensor([[25], [250]], dtype=torch.long, device=device).repeat(1, batch)
+        self.text_topk, self.audio_topk = self.long_settings
         # `condition_sum` per distinct conditions: the LUT values are a closed set, so a few entries
         # cover every request. The weights never change after load, so an entry never goes stale.
         self._condition_sums: OrderedDict[tuple[str | None, ...], torch.Tensor] = OrderedDict()
@@ -458,8 +458,8 @@ class TtsGen:
         """Load `row`'s script, conditions and sampling (after `reset_rows`)."""
         self.dsm.load(row, entries)
         self.cond_sum[row] = self.condition_sum(conditions or {})
-        write_row(self.float_settings, row, np.array([padding_bonus, text_temp, audio_temp], dtype=np.float32))
-        write_row(self.long_settings, row, np.array([text_topk, audio_topk], dtype=np.int64))
+        copy_from_host(self.float_settings[:, row], np.array([padding_bonus, text_temp, audio_temp], dtype=np.float32))
+        copy_from_host(self.long_settings[:, row], np.array([text_topk, audio_topk], dtype=np.int64))
 
     @torch.no_grad()
     def condition_sum(self, values: dict[str, str | None]) -> torch.Tensor:
