@@ -150,6 +150,8 @@ class TtsPool(SlackSource):
         self._reserved = 0  # pending + live, so submit can refuse at once
         self._stopped: Terminal | None = None  # set by slack_stop: the engine will never offer again
         self._rows: list[_Row | None] = [None] * slots
+        # Per row, the admission's host inputs (its mask and its index), made once: never written.
+        self._row_select = [(torch.arange(slots) == b, torch.tensor([b], dtype=torch.long)) for b in range(slots)]
         self._graphs: dict[str, CUDAGraphRunner] = {}
         self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
@@ -332,9 +334,7 @@ class TtsPool(SlackSource):
         device part (one graph replay on CUDA), then the script and settings."""
         voice = self._gen.voice_inputs(req.voices)
         self._gen.dsm.check(req.entries)
-        mask = torch.zeros(self.slots, dtype=torch.bool)
-        mask[row] = True
-        index = torch.tensor([row], dtype=torch.long)
+        mask, index = self._row_select[row]
         runner = self._graphs.get("admit")
         if runner is not None:
             runner(mask, index, *voice)

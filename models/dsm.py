@@ -32,13 +32,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
+
+from .host_rows import copy_from_host
 
 NEW_WORD = 0
 PAD = 3
 MAIN_SPEAKER = 1  # BOS: prefixed to the first word of the main speaker's turn
 OTHER_SPEAKER = 2
 ZERO = -1  # embeds to an exact zero
+# DsmRows' per-row counters, one column each of its state.
+_COUNTERS = ("n_entries", "next_entry", "q_pos", "q_end", "la_pos", "la_end", "remaining", "forced", "end_step")
 
 
 @dataclass(frozen=True)
@@ -193,22 +198,21 @@ class DsmRows:
         self.max_entries = max_entries
         self.max_tokens = max_tokens
 
-        def zeros(*shape):
-            return torch.zeros(shape, dtype=torch.long, device=device)
-
-        self.tokens = zeros(batch, max_tokens + 1)  # one spare slot: gathers at the end stay in range
-        self.start = zeros(batch, max_entries + 1)
-        self.length = zeros(batch, max_entries + 1)
-        self.padding = zeros(batch, max_entries + 1)
-        self.ahead_end = zeros(batch, max_entries + 1)
-        self.n_entries = zeros(batch)
-        self.next_entry = zeros(batch)
-        self.q_pos, self.q_end = zeros(batch), zeros(batch)
-        self.la_pos, self.la_end = zeros(batch), zeros(batch)
-        self.remaining = zeros(batch)
-        self.forced = zeros(batch)
-        self.end_step = zeros(batch) - 1  # -1: not ended
-        self.word_step = zeros(batch, max_entries + 1) - 1  # step each entry was consumed at
+        # Every per-row array and counter is a view into one [batch, width] tensor, so `load`
+        # writes a whole row with one host -> device copy (an admission's eager ops are what it costs).
+        spans = [("tokens", max_tokens + 1)]  # one spare slot: gathers at the end stay in range
+        spans += [(name, max_entries + 1) for name in ("start", "length", "padding", "ahead_end", "word_step")]
+        spans += [(name, 0) for name in _COUNTERS]
+        self._columns: dict[str, slice | int] = {}
+        width = 0
+        for name, size in spans:
+            self._columns[name] = slice(width, width + size) if size else width
+            width += size or 1
+        self.state = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for name, column in self._columns.items():
+            setattr(self, name, self.state[:, column])
+        self.word_step.fill_(-1)  # the step each entry was consumed at
+        self.end_step.fill_(-1)  # -1: not ended
 
     def check(self, entries: Sequence[WordEntry]) -> None:
         """ValueError when the script does not fit a row."""
@@ -222,7 +226,7 @@ class DsmRows:
             raise ValueError(f"the text is too long for a TTS row: {reason}")
 
     def load(self, row: int, entries: Sequence[WordEntry]) -> None:
-        """Write a fresh script into `row` (host -> device copies; not for a captured graph)."""
+        """Write a fresh script into `row` (one host -> device copy; not for a captured graph)."""
         self.check(entries)
         flat: list[int] = []
         starts, lengths, pads = [], [], []
@@ -243,28 +247,19 @@ class DsmRows:
                 ahead_end.append(-1)  # unused: breaks and no second stream leave the queue as is
             else:
                 ahead_end.append(word_ends[target] if target < len(word_ends) else -1)
-        n = len(entries)
-        dev = self.tokens.device
-
-        def put(dst: torch.Tensor, values: list[int]) -> None:
-            dst[row].zero_()
-            if values:
-                dst[row, :len(values)] = torch.tensor(values, dtype=torch.long, device=dev)
-
-        put(self.tokens, flat)
-        put(self.start, starts)
-        put(self.length, lengths)
-        put(self.padding, pads)
-        put(self.ahead_end, ahead_end)
-        self.word_step[row].fill_(-1)
-        for t, value in ((self.n_entries, n), (self.next_entry, 0), (self.q_pos, 0), (self.q_end, 0),
-                         (self.remaining, self.initial_padding), (self.forced, self.initial_padding),
-                         (self.end_step, -1)):
-            t[row] = value
         # The lookahead queue starts empty at the first token-word `ahead` words in (its start).
         first_ahead = word_ends[self.ahead - 1] if self.ahead and self.ahead - 1 < len(word_ends) else len(flat)
-        self.la_pos[row] = first_ahead
-        self.la_end[row] = first_ahead
+        values = np.zeros(self.state.shape[1], dtype=np.int64)
+        cols = self._columns
+        for name, array in (("tokens", flat), ("start", starts), ("length", lengths), ("padding", pads),
+                            ("ahead_end", ahead_end)):
+            values[cols[name].start:cols[name].start + len(array)] = array
+        values[cols["word_step"]] = -1
+        for name, value in (("n_entries", len(entries)), ("next_entry", 0), ("q_pos", 0), ("q_end", 0),
+                            ("la_pos", first_ahead), ("la_end", first_ahead), ("remaining", self.initial_padding),
+                            ("forced", self.initial_padding), ("end_step", -1)):
+            values[cols[name]] = value
+        copy_from_host(self.state[row], values)
 
     def step(self, step: torch.Tensor, sampled: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """step [B] (each row's own step index), sampled [B] text tokens, active [B] bool ->

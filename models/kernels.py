@@ -477,6 +477,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            noise: torch.Tensor) -> torch.Tensor:
     B, V = logits.shape
     assert logits.stride(1) == 1 and noise.stride(1) == 1
+    assert temperature.stride(0) == 1 and top_k.stride(0) == 1  # the kernel reads them as flat [B]
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     block = _pow2(V)
     num_warps = 32 if block >= 16384 else (16 if block >= 4096 else 8)

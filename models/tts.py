@@ -28,14 +28,17 @@ their audio forced to -1 either way, so a text-only step (no depformer) is exact
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConfigError, LMConfig
 from .dsm import DsmRows, DsmTokens, WordEntry
+from .host_rows import copy_from_host
 from .lm import ZeroEmbedding
 from .sampling import sample_tokens
 from .transformer import StreamingTransformer, TransformerState, make_norm
@@ -349,6 +352,9 @@ class TtsStepOutput:
     frame_index: torch.Tensor  # [B] long: which frame of the row `frame` is (its offset - max_delay - 1)
 
 
+MAX_CONDITION_SUMS = 64  # distinct `sum` conditions a TtsGen keeps (the published LUTs give 16)
+
+
 class TtsGen:
     """Rows of independent TTS requests over one `TtsLM`; all state in tensors.
 
@@ -386,11 +392,15 @@ class TtsGen:
             shape = (batch, lm_cfg.num_heads, MAX_SPEAKERS * voice_frames, lm_cfg.dim // lm_cfg.num_heads)
             self.cross = [(torch.zeros(shape, dtype=lm.dtype, device=device),
                            torch.zeros(shape, dtype=lm.dtype, device=device)) for _ in range(lm_cfg.num_layers)]
-        self.padding_bonus = torch.zeros(batch, dtype=torch.float32, device=device)
-        self.text_temp = torch.full((batch,), 0.6, device=device)
-        self.text_topk = torch.full((batch,), 25, dtype=torch.long, device=device)
-        self.audio_temp = torch.full((batch,), 0.6, device=device)
-        self.audio_topk = torch.full((batch,), 250, dtype=torch.long, device=device)
+        # Sampling settings as rows of one float and one long tensor (each setting stays contiguous
+        # over the batch: the sampling kernel reads it so); `begin` writes a row's column of each.
+        self.float_settings = torch.tensor([[0.0], [0.6], [0.6]], dtype=torch.float32, device=device).repeat(1, batch)
+        self.padding_bonus, self.text_temp, self.audio_temp = self.float_settings
+        self.long_settings = torch.tensor([[25], [250]], dtype=torch.long, device=device).repeat(1, batch)
+        self.text_topk, self.audio_topk = self.long_settings
+        # `condition_sum` per distinct conditions: the LUT values are a closed set, so a few entries
+        # cover every request. The weights never change after load, so an entry never goes stale.
+        self._condition_sums: OrderedDict[tuple[str | None, ...], torch.Tensor] = OrderedDict()
         self.dsm = DsmRows(batch, max_entries, max_tokens, DsmTokens(card=cfg.lm.text_card + 1),
                            second_stream_ahead=cfg.second_stream_ahead, max_padding=max_padding,
                            initial_padding=initial_padding, device=device)
@@ -447,11 +457,24 @@ class TtsGen:
               audio_topk: int = 250) -> None:
         """Load `row`'s script, conditions and sampling (after `reset_rows`)."""
         self.dsm.load(row, entries)
-        self.cond_sum[row] = self.lm.condition_sum(conditions or {})
-        for tensor, value in ((self.padding_bonus, padding_bonus), (self.text_temp, text_temp),
-                              (self.text_topk, text_topk), (self.audio_temp, audio_temp),
-                              (self.audio_topk, audio_topk)):
-            tensor[row] = value
+        self.cond_sum[row] = self.condition_sum(conditions or {})
+        copy_from_host(self.float_settings[:, row], np.array([padding_bonus, text_temp, audio_temp], dtype=np.float32))
+        copy_from_host(self.long_settings[:, row], np.array([text_topk, audio_topk], dtype=np.int64))
+
+    @torch.no_grad()
+    def condition_sum(self, values: dict[str, str | None]) -> torch.Tensor:
+        """`TtsLM.condition_sum`, computed once per distinct `sum` conditions (bounded, least
+        recently used dropped). Only the fused names count: other keys do not change the sum."""
+        key = tuple(values.get(name) for name in self.cfg.fuse_sum)
+        total = self._condition_sums.get(key)
+        if total is None:
+            total = self.lm.condition_sum(values)  # (raises on a value outside the LUT: nothing cached)
+            if len(self._condition_sums) >= MAX_CONDITION_SUMS:
+                self._condition_sums.popitem(last=False)
+            self._condition_sums[key] = total
+        else:
+            self._condition_sums.move_to_end(key)
+        return total
 
     # -- one frame ----------------------------------------------------------------------------------
 

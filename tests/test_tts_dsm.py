@@ -88,3 +88,26 @@ def test_script_too_long_is_refused():
     rows = DsmRows(1, max_entries=2, max_tokens=4, tokens=DsmTokens(CARD))
     with pytest.raises(ValueError, match="too long"):
         rows.load(0, [WordEntry((5,), "a", 1)] * 3)
+
+
+def test_reloading_a_used_row_equals_a_fresh_load_and_spares_the_others():
+    rng = random.Random(7)
+    ids = DsmTokens(CARD)
+    long_script = [WordEntry((5, 6, 7, 8), "a", 4)] * 9
+    short_script = [WordEntry((9,), "b", 1), WordEntry((), "", 3), WordEntry((10, 11), "c", 2)]
+    used = DsmRows(3, max_entries=12, max_tokens=40, tokens=ids)
+    for b in range(3):
+        used.load(b, long_script)
+    for t in range(30):
+        used.step(torch.full((3,), t), torch.tensor([_sampled(rng) for _ in range(3)]), torch.ones(3, dtype=torch.bool))
+    others = used.state[[0, 2]].clone()
+    used.load(1, short_script)
+    fresh = DsmRows(3, max_entries=12, max_tokens=40, tokens=ids)
+    fresh.load(1, short_script)
+    assert torch.equal(used.state[1], fresh.state[1])
+    assert torch.equal(used.state[[0, 2]], others)
+    # The named views read the packed row: the script as laid out, the counters reset.
+    assert fresh.tokens[1, :4].tolist() == [9, 10, 11, 0] and fresh.start[1, :3].tolist() == [0, 1, 1]
+    assert fresh.length[1, :3].tolist() == [1, 0, 2] and fresh.padding[1, :3].tolist() == [1, 3, 2]
+    assert (int(fresh.n_entries[1]), int(fresh.remaining[1]), int(fresh.end_step[1])) == (3, 2, -1)
+    assert fresh.word_step[1].eq(-1).all() and int(fresh.end_step[0]) == -1

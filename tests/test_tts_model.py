@@ -128,3 +128,25 @@ def test_voice_errors(tiny_tts_dir, tmp_path):
         VoiceStore.open(bad, TINY_TTS_SUFFIX, 16).load("x")
     with pytest.raises(CheckpointError, match="voice map names voices not in"):
         VoiceStore(tiny_tts_dir / "voices", TINY_TTS_SUFFIX, 16, {"alloy": "nope"})
+
+
+def test_condition_sums_are_cached_per_distinct_conditions(tiny_tts_dir):
+    ck = load_tts_checkpoint(tiny_tts_dir, dtype=torch.float32)
+    gen = TtsGen(ck.lm, batch=2, max_entries=4, max_tokens=8)
+    with torch.no_grad():
+        fresh = ck.lm.condition_sum({"control": "ok", "cfg": "2.0"})
+        other = ck.lm.condition_sum({"control": "ok", "cfg": "3.0"})
+    first = gen.condition_sum({"control": "ok", "cfg": "2.0"})
+    again = gen.condition_sum({"cfg": "2.0", "control": "ok", "unrelated": "x"})  # order and other keys: same entry
+    assert torch.equal(first, fresh) and again is first
+    assert torch.equal(gen.condition_sum({"control": "ok", "cfg": "3.0"}), other)
+    assert not torch.equal(fresh, other)
+    assert not torch.equal(gen.condition_sum({"cfg": "2.0"}), fresh)  # an absent value reads the LUT's "none"
+    with pytest.raises(ValueError, match="cfg value '9.9'"):
+        gen.condition_sum({"cfg": "9.9"})
+    gen.begin(1, [], {"control": "ok", "cfg": "3.0"}, padding_bonus=1.5, text_temp=0.0, text_topk=7,
+              audio_temp=0.9, audio_topk=40)
+    assert torch.equal(gen.cond_sum[1], other) and not gen.cond_sum[0].any()
+    assert (gen.padding_bonus.tolist(), gen.text_temp.tolist(), gen.audio_temp.tolist()) == \
+        ([0.0, 1.5], [pytest.approx(0.6), 0.0], [pytest.approx(0.6), pytest.approx(0.9)])
+    assert (gen.text_topk.tolist(), gen.audio_topk.tolist()) == ([25, 7], [250, 40])
