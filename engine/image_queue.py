@@ -86,8 +86,8 @@ DEFAULT_STALL_TIMEOUT_S = 60.0
 # A job this old (s since its request was submitted) takes denoise places ahead of younger jobs
 # past their first output: the bound on their wait (the module docstring's Order). Well above an
 # image's time through a full queue (16 at 512 px, B = 64: about 4.6 s by Little's law from the
-# replay of the H200's costs, benchmarks/image_queue_replay.py), so it acts only on a job being passed over, and well
-# below the stall timeout (a job with no item for that long fails).
+# replay of the H200's costs, benchmarks/image_queue_replay.py), so it acts only on a job being
+# passed over, and well below the stall timeout (a job with no item for that long fails).
 DEFAULT_AGE_LIMIT_S = 10.0
 STALLED = "no slack for"  # how a stalled request's reason begins (the edge answers it 503)
 MAX_PARTIAL_IMAGES = 3
