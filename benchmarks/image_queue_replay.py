@@ -6,7 +6,9 @@ slack until the boundary minus the guard. K requests stay outstanding (a finishe
 replaced at the next tick, as in benchmarks/diffusion_interference.py). It shows what the
 queue's rules make of a GPU's item costs without the GPU: steps/s and its share of
 standalone (back-to-back steps of `--max-batch` jobs at the scripted cost), first partial
-image p50/max, slack used, items past the boundary, items per kind, and images failed as
+image p50/max (of every request, and of the replacements only: the K requests of the start
+arrive at once, so the last of them waits for the others' first partials under any order;
+a replacement arrives into a running queue, the steady state), slack used, items past the boundary, items per kind, and images failed as
 stalled (no item for `--stall-timeout` s of the replay's clock; a stalled request is replaced
 like a finished one).
 
@@ -69,12 +71,13 @@ async def replay(args, load: int, inner) -> dict:
     runner.add_source(queue)
     submitted: dict = {}
     first: list[float] = []
+    steady: list[float] = []  # first partials of the replacements (not the start's K)
     done = count = 0
 
     def submit() -> None:
         nonlocal count
         request = queue.submit(ImageSpec(f"p{count}", side, side, args.steps, 7.5, seed=count, partial_images=1))
-        submitted[request] = [clock.t, False]
+        submitted[request] = [clock.t, False, count >= load]
         count += 1
 
     for _ in range(load):
@@ -86,6 +89,8 @@ async def replay(args, load: int, inner) -> dict:
             for event in request.events.drain():
                 if isinstance(event, ImagePartial) and not submitted[request][1]:
                     first.append((tick + 1) * args.tick - submitted[request][0])
+                    if submitted[request][2]:
+                        steady.append(first[-1])
                     submitted[request][1] = True
                 elif isinstance(event, Terminal):
                     done += event.status is Status.COMPLETED  # else stalled (counted by the queue)
@@ -97,6 +102,7 @@ async def replay(args, load: int, inner) -> dict:
                     for _, kind, cost in stepper.log)
     return {"K": load, "steps_per_s": queue.counts["images_denoise_steps"] / seconds, "standalone": standalone,
             "images_per_min": done * 60 / seconds, "first_p50": pct(first, 50), "first_max": max(first, default=float("nan")),
+            "steady_p50": pct(steady, 50), "steady_max": max(steady, default=float("nan")),
             "slack_used": sum(cost for _, _, cost in stepper.log) / seconds, "past_boundary": runner.stats.past_boundary,
             "kinds": dict(sorted(kinds.items())), "stalled": queue.counts["images_stalled"]}
 
@@ -124,16 +130,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     inner = stepper_for(tiny_pipeline("sd"))
-    print("| K | steps/s (% of standalone) | images/min | first partial p50/max s | slack used | past boundary | items |")
-    print("|---|---|---|---|---|---|---|")
+    print("| K | steps/s (% of standalone) | images/min | first partial p50/max s | replacements' first partial p50/max s "
+          "| slack used | past boundary | items |")
+    print("|---|---|---|---|---|---|---|---|")
     for load in (int(x) for x in args.loads.split(",")):
         try:
             r = asyncio.run(replay(args, load, inner))
         except ImageRefused as exc:  # admission predicted an item that never fits the slack
-            print(f"| {load} | refused: {exc} |||||", flush=True)
+            print(f"| {load} | refused: {exc} ||||||", flush=True)
             continue
         print(f"| {load} | {r['steps_per_s']:.1f} ({100 * r['steps_per_s'] / r['standalone']:.0f} % of "
               f"{r['standalone']:.0f}) | {r['images_per_min']:.0f} | {r['first_p50']:.2f}/{r['first_max']:.2f} | "
+              f"{r['steady_p50']:.2f}/{r['steady_max']:.2f} | "
               f"{100 * r['slack_used']:.0f} % | {r['past_boundary']} | "
               + ", ".join([f"{k} {v}" for k, v in r["kinds"].items()]
                           + ([f"{r['stalled']} images stalled"] if r["stalled"] else [])) + " |", flush=True)

@@ -24,10 +24,21 @@ then replaces the prediction.
 
 Order: pending encodes first (cheap; a started job can join the next shared step), then
 output items (previews and final decodes: the client waits for them, and a job in preview
-cannot join a denoise batch), then denoise steps: the oldest denoising job's bucket, taking
-along the bucket's other jobs (oldest first, up to `max_batch`), shrunk to what fits. The
-first of those that fits runs. An item that raises fails the request(s) it was for (every
-request of a shared denoise batch). Back-pressure: a job whose next item would push an event
+cannot join a denoise batch), then denoise steps. Denoise batch places go first to the jobs
+that have not yet delivered their first output (their first partial image; the final image
+when the request asked for no partials) and to jobs older than `age_limit_s` (since their
+request was submitted), oldest first among them; then to the other jobs, oldest first. The
+first job in that order picks the bucket; the bucket's other jobs come along in the same order
+(up to `max_batch`), and the batch shrinks, dropping the last in that order, to what fits. So
+batches stay as full as with oldest-first places (the same throughput), but a new request
+reaches its first partial after its own steps instead of after the remaining steps of every
+older job (oldest-first places, with 16 outstanding at 512 px and B = 64, measured 2.6 s p50 and
+4.7 s max to a first partial on the H200). The age rule bounds the wait of a job past its first
+output: requests that keep arriving with no partials (each one first in line for all its steps)
+could otherwise take every place for as long as they come; once older than `age_limit_s` a job
+is first in line again, ahead of every younger one. The first of those items that fits runs.
+An item that raises fails the request(s) it was for (every request of a shared denoise batch).
+Back-pressure: a job whose next item would push an event
 (preview, final image) waits while its request's stream has no room, so nothing is ever
 dropped and a slow client holds at most `stream_events` images in memory. Limits: at most
 `capacity` images wait or run (`ImageQueueFull`, with a retry hint); a size whose smallest
@@ -72,6 +83,12 @@ log = logging.getLogger("parley.engine.images")
 DEFAULT_CAPACITY = 16
 DEFAULT_MAX_BATCH = 4
 DEFAULT_STALL_TIMEOUT_S = 60.0
+# A job this old (s since its request was submitted) takes denoise places ahead of younger jobs
+# past their first output: the bound on their wait (the module docstring's Order). Well above an
+# image's time through a full queue (16 at 512 px, B = 64: about 4.6 s by Little's law from the
+# replay of the H200's costs, benchmarks/image_queue_replay.py), so it acts only on a job being
+# passed over, and well below the stall timeout (a job with no item for that long fails).
+DEFAULT_AGE_LIMIT_S = 10.0
 STALLED = "no slack for"  # how a stalled request's reason begins (the edge answers it 503)
 MAX_PARTIAL_IMAGES = 3
 
@@ -133,6 +150,7 @@ class ImageRequest:
         self.jobs: list[_Job] = []
         self.remaining = spec.n
         self.progress_at = 0.0  # queue clock: submitted, last item run, or last seen held by its client
+        self.submitted_at = 0.0  # queue clock
 
     def cancel(self) -> None:
         """The client went away: the job is dropped at the next item boundary."""
@@ -150,6 +168,11 @@ class _Job:
     tiles: TiledDecode | None = None  # a tiled final decode in progress
     partials_sent: int = 0
     order: int = field(default_factory=itertools.count().__next__)
+
+    @property
+    def has_output(self) -> bool:
+        """Its first output is out (a final image ends the job, so only a partial counts)."""
+        return self.partials_sent > 0
 
     @property
     def bucket(self) -> tuple:
@@ -171,13 +194,16 @@ class ImageQueue(SlackSource):
     def __init__(self, stepper: ImageStepper, max_slack_s: float, *, capacity: int = DEFAULT_CAPACITY,
                  max_batch: int = DEFAULT_MAX_BATCH, stream_events: int = 2, cuda_graphs: bool = True,
                  graph_factory: Callable[..., Callable] = CUDAGraphRunner,
-                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, age_limit_s: float = DEFAULT_AGE_LIMIT_S,
                  now: Callable[[], float] = time.perf_counter) -> None:
         if capacity < 1 or max_batch < 1 or stream_events < 1:
             raise ValueError("capacity, max_batch and stream_events must be at least 1.")
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be more than 0 (got {stall_timeout_s}).")
+        if not 0 < age_limit_s < math.inf:
+            raise ValueError(f"age_limit_s must be a number of seconds more than 0 (got {age_limit_s}).")
         self.stall_timeout_s = stall_timeout_s
+        self.age_limit_s = age_limit_s
         self.stepper = stepper
         self.max_slack_s = max_slack_s  # an empty tick's slack: an item costing more never fits
         self.capacity = capacity
@@ -413,7 +439,7 @@ class ImageQueue(SlackSource):
             raise ImageRefused(refused)
         request = ImageRequest(uuid.uuid4().hex, spec,
                                OutputStream(uuid.uuid4().hex, asyncio.get_running_loop(), self.stream_events))
-        request.progress_at = self._now()
+        request.progress_at = request.submitted_at = self._now()
         with self._lock:
             if self._closed:
                 raise ImageRefused(self._closed)
@@ -538,11 +564,22 @@ class ImageQueue(SlackSource):
         for job in self._jobs:
             if job.phase in (PREVIEW, DECODE) and job.request.events.room() > 0:  # else back-pressure
                 yield self._output_item(job)
+        ordered = self._denoise_order()
         buckets = set()
-        for job in self._jobs:
-            if job.phase == DENOISE and job.bucket not in buckets:
+        for job in ordered:
+            if job.bucket not in buckets:
                 buckets.add(job.bucket)
-                yield self._denoise_item(job, left_s, costs)
+                yield self._denoise_item([j for j in ordered if j.bucket == job.bucket], left_s, costs)
+
+    def _denoise_order(self) -> list[_Job]:
+        """The denoising jobs in the order they take batch places: those with no output yet or
+        older than `age_limit_s` first, then the others; oldest first within each."""
+        now = self._now()
+
+        def rank(job: _Job) -> tuple[int, int]:
+            first = not job.has_output or now - job.request.submitted_at >= self.age_limit_s
+            return (0 if first else 1, job.order)
+        return sorted((j for j in self._jobs if j.phase == DENOISE), key=rank)
 
     def _intake(self) -> None:
         with self._lock:
@@ -581,11 +618,10 @@ class ImageQueue(SlackSource):
             return self._item(self.tile_key(spec.width, spec.height), [job], lambda: self._tile(job))
         return self._item(self.blend_key(spec.width, spec.height), [job], lambda: self._blend(job))
 
-    def _denoise_item(self, job: _Job, left_s: float | None, costs: CostModel) -> WorkItem:
-        """One step for the oldest jobs of `job`'s bucket (`job` first), as many as fit."""
-        peers = [j for j in self._jobs if j.phase == DENOISE and j.bucket == job.bucket]
-        batch = self._batch_size(job, len(peers[:self.max_batch]), left_s, costs)
-        chosen = [job] + [j for j in peers if j is not job][:batch - 1]
+    def _denoise_item(self, peers: list[_Job], left_s: float | None, costs: CostModel) -> WorkItem:
+        """One step for the first of a bucket's jobs (in `_denoise_order`), as many as fit."""
+        job = peers[0]
+        chosen = peers[:self._batch_size(job, len(peers[:self.max_batch]), left_s, costs)]
         return self._item(self.denoise_key(*job.bucket, len(chosen)), chosen, lambda: self._denoise(chosen))
 
     def _batch_size(self, job: _Job, available: int, left_s: float | None, costs: CostModel) -> int:

@@ -675,3 +675,93 @@ def test_the_stall_timeout_must_be_positive(sd):
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="stall_timeout_s must be more than 0"):
             ImageQueue(sd, max_slack_s=1.0, stall_timeout_s=bad)
+
+
+def test_a_new_request_reaches_its_first_partial_after_its_own_steps_not_the_queues(sd):
+    """Twelve 12-step requests outstanding (a partial after step 6; each replaced as soon as it
+    completes), then a thirteenth: it takes denoise places ahead of the jobs past their partial,
+    so its partial comes after about its own 6 steps (2-3 batches a tick: 4 ticks with its encode
+    and preview). Oldest-first places made it wait behind the older jobs' remaining steps (17
+    ticks), and batches stay as full as they were."""
+    async def main():
+        cold = ColdSize(sd, exponent=1.0)
+        size = sd.default_size
+        count = 0
+
+        def submit() -> ImageRequest:
+            nonlocal count
+            count += 1
+            return cold.queue.submit(ImageSpec(f"p{count}", size, size, steps=12, guidance=5.0, seed=count,
+                                               partial_images=1))
+
+        def tick_and_replace() -> None:
+            cold.ticks(1, LIGHT)
+            for r in list(others):
+                if any(isinstance(e, Terminal) for e in events_of(r)):
+                    others.remove(r)
+                    others.append(submit())
+
+        others = [submit() for _ in range(12)]
+        for _ in range(20):  # past the start's burst: jobs at every stage
+            tick_and_replace()
+        new = submit()
+        ticks = 0
+        while not events_of(new):
+            tick_and_replace()
+            ticks += 1
+            assert ticks < 40
+        rows = [round((cost - 0.010) / 0.004) + 1 for _, kind, cost in cold.stepper.log if kind == "denoise"]
+        cold.assert_every_item_ended_in_its_slack()
+        return ticks, rows
+
+    ticks, rows = asyncio.run(main())
+    assert ticks <= 5, ticks
+    assert sorted(rows)[len(rows) // 2] == 4  # batches stay full (the median step is 4 jobs)
+
+
+def starvation_run(sd, age_limit_s: float, ticks: int) -> tuple[float | None, list[float]]:
+    """One request with a partial image among seven without (each first in line for all its steps,
+    and replaced as soon as it completes, so four of them always want every batch place). Returns
+    when the one with a partial completed (s, None if not within `ticks`) and every replaced
+    request's time from submission to completion."""
+    async def main():
+        cold = ColdSize(sd, exponent=1.0, capacity=8, age_limit_s=age_limit_s)
+        size = sd.default_size
+
+        def submit(i: int, partials: int) -> ImageRequest:
+            return cold.queue.submit(ImageSpec(f"p{i}", size, size, steps=12, guidance=5.0, seed=i,
+                                               partial_images=partials))
+
+        old = submit(0, 1)
+        others = {submit(i, 0): 0.0 for i in range(1, 8)}
+        finished_at, spans, count = None, [], 8
+        for _ in range(ticks):
+            cold.ticks(1, LIGHT)
+            if finished_at is None and any(isinstance(e, Terminal) for e in events_of(old)):
+                finished_at = cold.clock.t
+            for r in [r for r in others if any(isinstance(e, Terminal) for e in events_of(r))]:
+                spans.append(cold.clock.t - others.pop(r))
+                others[submit(count, 0)] = cold.clock.t
+                count += 1
+        cold.assert_every_item_ended_in_its_slack()
+        return finished_at, spans
+
+    return asyncio.run(main())
+
+
+def test_a_job_past_its_first_partial_is_not_starved_by_requests_that_keep_arriving(sd):
+    """Without the age rule (age_limit_s out of reach) the request with a partial image never gets
+    a place again once past it: 4.8 s and it has not completed. With a 1 s age limit it is first in
+    line again from then on and completes within a few ticks of it; no request waits much longer
+    than that either."""
+    starved, _ = starvation_run(sd, age_limit_s=1e9, ticks=60)
+    assert starved is None
+    finished_at, spans = starvation_run(sd, age_limit_s=1.0, ticks=60)
+    assert finished_at is not None and 1.0 < finished_at <= 1.0 + 0.5
+    assert len(spans) > 20 and max(spans) <= 1.0 + 0.5
+
+
+def test_the_age_limit_must_be_a_positive_number_of_seconds(sd):
+    for bad in (0, -1.0, float("nan"), math.inf):
+        with pytest.raises(ValueError, match="age_limit_s must be a number of seconds more than 0"):
+            ImageQueue(sd, max_slack_s=1.0, age_limit_s=bad)
