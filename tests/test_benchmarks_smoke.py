@@ -98,7 +98,7 @@ def test_benchmark_runs_on_cpu(case: str) -> None:
 # attack or session; plot_frames.py draws a GPU run's JSON). Their module level (imports, shared
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
-               "attacks.py", "edge_cpu.py", "plot_frames.py")
+               "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py")
 
 
 def test_other_benchmarks_import() -> None:
