@@ -230,11 +230,11 @@ async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams:
     timed.times.clear()
     engine = Engine(timed)
     pool = TtsPool(lm, mimi, max(streams, 1), voice_frames=args.voice_frames)
-    pool.warm_up()
-    engine.add_slack_source(pool)
     store = VoiceStore.open(voices_dir, VOICE_SUFFIX, cfg.speaker.dim)
     tokenizer = TextTokenizer(voices_dir.parent / "tok.model")
     service = SpeechService(pool=pool, voices=store, tokenizer=tokenizer, codebooks=cfg.lm.n_q)
+    pool.warm_up(service.conditions)  # as `parley serve` does: warm admissions carry the requests' conditions
+    engine.add_slack_source(pool)
     app = create_app(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service)
     server, thread, url = start_server(app)
     try:

@@ -154,6 +154,7 @@ class TtsPool(SlackSource):
         self._row_select = [(torch.arange(slots) == b, torch.tensor([b], dtype=torch.long)) for b in range(slots)]
         self._graphs: dict[str, CUDAGraphRunner] = {}
         self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
+        self._warm_conditions: dict | None = None  # what warm-up admissions carry (warm_up)
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._wanted: set[int] = set()  # rows eligible at this tick's first offer
         self._stepped: set[int] = set()
@@ -199,10 +200,13 @@ class TtsPool(SlackSource):
 
     # ---- engine thread ----
 
-    def warm_up(self) -> None:
+    def warm_up(self, conditions: dict | None = None) -> None:
         """Capture the graphs (CUDA) and measure each step kind and an admission; the first
         `offer` (or `slack_prepare`) hands those costs to the runner's cost model, so the first
-        live item already has an estimate (slack.py rule 2)."""
+        live item already has an estimate (slack.py rule 2). `conditions`: the ones requests will
+        carry (the service's), so the measured admissions are theirs, condition sum cached
+        (default: each condition's first value)."""
+        self._warm_conditions = conditions
         idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         if self._use_graphs:
             for kind in ("text", "full"):
@@ -248,7 +252,9 @@ class TtsPool(SlackSource):
 
     def _warm_admit(self) -> None:
         cfg = self._gen.lm.cfg
-        conditions = {name: cfg.lut_values(name)[0] for name in cfg.fuse_sum}
+        conditions = self._warm_conditions
+        if conditions is None:
+            conditions = {name: cfg.lut_values(name)[0] for name in cfg.fuse_sum}
         self._load_row(0, TtsRequest((WordEntry((0,), "warm", 0),), self._warm_voices(), conditions))
 
     def _seed(self, costs: CostModel) -> None:

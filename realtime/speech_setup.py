@@ -43,12 +43,12 @@ def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | 
     pool = TtsPool(checkpoint.lm, checkpoint.mimi, slots, voice_frames=frames)
     log.info("TTS %s: %d slots, %d voices from %s", checkpoint.path.name, slots, len(store.names()),
              store.directory)
-    pool.warm_up()
     conditions = {}
     names = {c.name for c in cfg.conditioners}
     if "control" in names:
         conditions["control"] = "ok"
     if "cfg" in names:  # the distilled CFG value; a model without it runs unconditioned on cfg
         conditions["cfg"] = DEFAULT_CFG if DEFAULT_CFG in cfg.lut_values("cfg") else None
+    pool.warm_up(conditions)
     return SpeechService(pool=pool, voices=store, tokenizer=checkpoint.tokenizer, codebooks=cfg.lm.n_q,
                          conditions=conditions)

@@ -350,3 +350,23 @@ def test_an_admission_that_does_not_fit_waits_for_the_next_tick(tts):
         assert job.stream.terminal == Terminal(Status.COMPLETED)
         assert job.frames > 0
     asyncio.run(main())
+
+
+def test_warm_up_admits_with_the_requests_conditions(tts, monkeypatch):
+    """warm_up(conditions) measures admissions that carry the service's conditions, so the first
+    real request's admission is not the first to compute their sum (an unmeasured extra cost)."""
+    ck, _ = tts
+    computed = []
+    real = ck.lm.condition_sum
+    monkeypatch.setattr(ck.lm, "condition_sum", lambda values: computed.append(dict(values)) or real(values))
+    service_conditions = {"control": "ok", "cfg": "2.0"}  # what `request` carries
+    pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
+    pool.warm_up(service_conditions)
+    assert computed == [service_conditions]  # once, at warm-up
+    pool._load_row(1, request(tts, "Hello there."))
+    assert computed == [service_conditions]  # the request's admission found it cached
+    plain = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
+    plain.warm_up()  # each condition's first value: not what requests carry
+    computed.clear()
+    plain._load_row(1, request(tts, "Hello there."))
+    assert computed == [service_conditions]  # computed during the live admission
