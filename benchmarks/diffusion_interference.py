@@ -12,8 +12,8 @@ the CUDA-graphed frame) while the image queue keeps K text-to-image requests out
            - bare: batch-`--max-batch` denoise steps back to back (no clock, no encode, preview or
              decode): the stricter figure, since the engine's steps/s leaves out the other items;
            - queue alone: the same image queue, K and size on the same 80 ms clock for the same
-             seconds with no duplex sessions (an idle engine runs no frame: the whole tick is
-             slack); steps/s and images/min as % of it measure only what the voice load costs
+             seconds with no duplex sessions (an idle engine runs no frame, and since `IDLE` its
+             slack runs on past the boundaries: items back to back); steps/s and images/min as % of it measure only what the voice load costs
     slack:  image GPU time / tick time, estimator overruns, items past the boundary, and where
             it went: items, ms per item and the estimate per image item kind (--breakdown)
 
@@ -65,12 +65,12 @@ class RecordingClock(TickClock):
         self.starts: list[float] = []  # actual start of each tick
         self.lateness: list[float] = []
 
-    def wait(self, stop: threading.Event) -> bool:
+    def wait(self, stop: threading.Event, idle: bool = False) -> bool:
         due = self.next_boundary()
-        ok = super().wait(stop)
+        ok = super().wait(stop, idle)
         now = self.now()
         self.starts.append(now)
-        if due is not None:
+        if due is not None and not idle:  # (after an idle tick no frame was due: not lateness)
             self.lateness.append(now - due)
         return ok
 

@@ -45,6 +45,11 @@ class PrefillSource(SlackSource):
         self._failed = failed  # the session's options or prompt failed: end it alone
         self._current: _Prefilling | None = None
 
+    @property
+    def busy(self) -> bool:
+        """A prompt is being prefilled or waits for it: a session is about to go live."""
+        return self._current is not None or self._scheduler.has_admissions()
+
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
         pending = self._pending()
         if pending is None:

@@ -30,8 +30,10 @@ class TickClock:
         self.late_ticks = 0
         self.skipped_ticks = 0
 
-    def wait(self, stop: threading.Event) -> bool:
-        """Block until the next tick should start. False if `stop` was set meanwhile."""
+    def wait(self, stop: threading.Event, idle: bool = False) -> bool:
+        """Block until the next tick should start. False if `stop` was set meanwhile.
+        `idle`: the last tick had no session live, and its slack work was allowed past this
+        boundary (engine.py): no frame was due, so starting after it is not late (not counted)."""
         now = self._now()
         if self._origin is None:
             self._origin = now  # first tick: the grid starts here
@@ -42,6 +44,8 @@ class TickClock:
                     return False
             else:
                 self._sleep(-lag)
+        elif lag > 0 and idle:
+            self._index += int(lag // self.period)  # back on the grid, nothing counted
         elif lag > 0:
             # The previous step ran past this boundary: start now (late), and drop every
             # boundary we are a whole period or more behind instead of bursting through them.

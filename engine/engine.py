@@ -8,7 +8,11 @@
 
 Everything besides the frame is slack work (engine/slack.py): new sessions' prompts
 (admission.py) and any source added with `add_slack_source`, run after the tick's outputs
-are out and only when their estimated cost ends before the next boundary.
+are out and only when their estimated cost ends before the next boundary. With no session
+live or starting, no frame is due at that boundary: the slack may then run one period past it
+(a TTS- or image-only server would otherwise lose the end of every tick that the next item
+does not fit), and stops early when a session opens; the next tick starts when it ends, on
+the grid again, not counted late.
 
 Failure containment: an error in one request's work (its options, its prompt, its slack
 item) fails that request only; an error in the shared frame step is fatal: every stream
@@ -80,9 +84,10 @@ class Engine:
         # non-zero so a supervisor restarts the process instead of it staying up and dead.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
-        self._slack.add_source(PrefillSource(backend, self._scheduler, self.metrics,
-                                             ready=lambda s: _settle(s.ready, result=s),
-                                             failed=self._prefill_failed))
+        self._prefill = PrefillSource(backend, self._scheduler, self.metrics,
+                                      ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed)
+        self._slack.add_source(self._prefill)
+        self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
 
     # ---- lifecycle ----
 
@@ -254,7 +259,8 @@ class Engine:
         # Sources measure their work on this thread before the first tick (slack.py rule 2).
         self._guarded(self._slack.prepare_sources)
         ticks = 0
-        while (max_ticks is None or ticks < max_ticks) and self._healthy and self._clock.wait(self._stop):
+        while (max_ticks is None or ticks < max_ticks) and self._healthy and \
+                self._clock.wait(self._stop, idle=self._idle_slack):
             self._guarded(self._run_one_tick, deadline=self._clock.next_boundary())
             self.metrics.set("late_ticks", self._clock.late_ticks)
             self.metrics.set("skipped_ticks", self._clock.skipped_ticks)
@@ -280,7 +286,11 @@ class Engine:
                 self._output.route(plan, host)
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)
-        self._slack.run_until(deadline)
+        self._idle_slack = deadline is not None and not plan.any_live and not self._prefill.busy
+        if self._idle_slack:  # no frame due at the boundary: up to one period past it (module docstring)
+            self._slack.run_until(deadline + self._clock.period, interrupt=self._scheduler.has_inbox)
+        else:
+            self._slack.run_until(deadline)
 
     def _execute(self, plan: TickPlan) -> HostOutput | None:
         # A RowFailure means those rows were refused before any state changed: end those

@@ -83,6 +83,11 @@ class Scheduler:
     def has_admissions(self) -> bool:
         return bool(self._admissions)
 
+    def has_inbox(self) -> bool:
+        """Opens or closes arrived since the last plan (any thread may ask)."""
+        with self._inbox_lock:
+            return bool(self._inbox)
+
     def activate(self, session: Session) -> None:
         """The row is prefilled: it runs from the next tick on."""
         self._rows[session.row] = session

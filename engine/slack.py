@@ -243,14 +243,15 @@ class SlackRunner:
         self._sources.append(source)
         self._sources.sort(key=lambda s: s.priority)  # stable: equal priorities keep their order
 
-    def run_until(self, deadline: float | None) -> None:
-        """deadline: the next tick's boundary (None: run everything offered, manual mode)."""
+    def run_until(self, deadline: float | None, interrupt: Callable[[], bool] | None = None) -> None:
+        """deadline: the next tick's boundary (None: run everything offered, manual mode).
+        interrupt: asked before each item; True stops the run there (the engine has a tick to plan)."""
         for source in self._sources:  # sources that account per tick (e.g. TTS starvation) hear of it
             source.slack_started(deadline)
         first = True
         declined: set[Hashable] = set()  # keys offered this tick whose estimate did not fit
         ran: set[Hashable] = set()
-        while True:
+        while interrupt is None or not interrupt():
             item = self._next_fitting(deadline, first, declined)
             if item is None:
                 break
