@@ -12,7 +12,7 @@ the CUDA-graphed frame) while the image queue keeps K text-to-image requests out
            - bare: batch-`--max-batch` denoise steps back to back (no clock, no encode, preview or
              decode): the stricter figure, since the engine's steps/s leaves out the other items;
            - queue alone: the same image queue, K and size on the same 80 ms clock for the same
-             seconds with no duplex sessions (an idle engine runs no frame, and since `IDLE` its
+             seconds with no duplex sessions (an idle engine runs no frame, and since `55d2a10` its
              slack runs on past the boundaries: items back to back); steps/s and images/min as % of it measure only what the voice load costs
     slack:  image GPU time / tick time, estimator overruns, items past the boundary, and where
             it went: items, ms per item and the estimate per image item kind (--breakdown)
