@@ -12,7 +12,7 @@ voice "unknown" is rejected at prefill (SessionRejected), the voice "crash" make
 prompt's first chunk raise (a request-scoped failure), `fail_at_step` raises a fatal
 error, `step_seconds` / `prefill_seconds` sleep to simulate slow work (a prompt of
 `prompt_frames` frames, run in chunks like the real one), and `on_step` / `on_prefill` let a
-test observe each call (or advance a fake clock). `fail_rows` injects a one-shot error into one
+test observe each call (or advance a fake clock: `FakeTime`). `fail_rows` injects a one-shot error into one
 request-scoped phase of a row ({row: "sampling" | "start" | "chunk"}); like the model's
 float32 / int64 setting tensors, `set_sampling` refuses values those cannot hold.
 """
@@ -30,6 +30,19 @@ from .backend import BackendOutput, RowFailure, SessionRejected
 from .config import MAX_TEMPERATURE, MAX_TOP_K, SamplingOptions, SessionOptions
 
 FAIL_PHASES = ("sampling", "start", "chunk")
+
+
+class FakeTime:
+    """A clock tests move by hand: `TickClock(period, now=fake.now, sleep=fake.sleep)`."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, dt: float) -> None:
+        self.t += dt
 
 
 class DelayBackend:

@@ -23,7 +23,7 @@ from parley.engine import (
     OutputStream, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal, TickClock,
 )
 from parley.engine.input_buffer import InputBuffer
-from parley.engine.testing import DelayBackend
+from parley.engine.testing import DelayBackend, FakeTime
 from parley.models.config import FRAME_SAMPLES
 
 N = FRAME_SAMPLES
@@ -291,17 +291,6 @@ def test_overrun_drops_the_oldest_input_and_counts():
 
 
 # ---------------------------------------------------------------- the clock
-
-class FakeTime:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, dt: float) -> None:
-        self.t += dt
-
 
 def test_clock_catches_up_after_an_overrun_without_bursting():
     fake = FakeTime()

@@ -10,20 +10,9 @@ from typing import Callable
 from parley.engine import Engine, SessionOptions
 from parley.engine.clock import TickClock
 from parley.engine.slack import CostModel, Priority, SlackSource, WorkItem
-from parley.engine.testing import DelayBackend
+from parley.engine.testing import DelayBackend, FakeTime
 
 ITEM_S = 0.030  # 30 ms items: two fit an idle tick's 77 ms, a third does not
-
-
-class FakeTime:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, dt: float) -> None:
-        self.t += dt
 
 
 class Busy(SlackSource):
