@@ -453,8 +453,6 @@ class TtsPool(SlackSource):
     def _fail_job(self, job: TtsJob, exc: Exception) -> None:
         with self._lock:
             self._reserved -= 1
-            if job in self._pending:  # (admission failed before taking it)
-                self._pending.remove(job)
         for b, row in enumerate(self._rows):  # admission may have taken the row before raising
             if row is not None and row.job is job:
                 self._rows[b] = None
