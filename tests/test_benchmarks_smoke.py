@@ -49,6 +49,8 @@ CPU_CASES = {
          r"\| delivery \| TTS streams \| duplex sessions \| TTFB p50 / p99 \(ms\)", r"\| - \| 0 \| 1 \| nan / nan \|",
          r"\| http \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|",
          r"\| direct \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|"]),
+    "admission_ops": ("admission_ops.py", [], [r"TtsPool\._load_row: \d+ top-level aten ops",
+                                              r"TtsGen\.begin: \d+ top-level aten ops"]),
     "stt": (
         "stt.py", ["--shapes", "tiny", "--device", "cpu", "--batch", "2", "--streams", "2", "--frames", "3",
                    "--warmup", "1", "--rest-slots", "2", "--rest-requests", "2", "--rest-seconds", "1"],
