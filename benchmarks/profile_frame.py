@@ -71,12 +71,14 @@ def graph_ms(runner: CUDAGraphRunner, inputs, frames: int, warmup: int) -> float
 
 
 def kernel_breakdown(runner: CUDAGraphRunner, inputs, replays: int) -> dict[str, dict[str, float]]:
-    """Per kind: total kernel time per replay (ms) and kernel count per replay."""
+    """Per kind: total kernel time per replay (ms), kernel count per replay, and the 5 costliest
+    kernel names with their ms per replay ("top") and count per replay ("top_counts")."""
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         for _ in range(replays):
             runner(*inputs)
         torch.cuda.synchronize()
-    kinds: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "kernels": 0, "top": defaultdict(float)})
+    kinds: dict[str, dict] = defaultdict(lambda: {"ms": 0.0, "kernels": 0, "top": defaultdict(float),
+                                                  "top_counts": defaultdict(float)})
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith(("Memcpy", "Memset")):
             k = kinds[kind_of(evt.name)]
@@ -84,8 +86,10 @@ def kernel_breakdown(runner: CUDAGraphRunner, inputs, replays: int) -> dict[str,
             k["ms"] += ms
             k["kernels"] += 1 / replays
             k["top"][evt.name[:80]] += ms
+            k["top_counts"][evt.name[:80]] += 1 / replays
     for k in kinds.values():  # the 5 costliest kernel names of each kind
         k["top"] = dict(sorted(k["top"].items(), key=lambda item: -item[1])[:5])
+        k["top_counts"] = {name: k["top_counts"][name] for name in k["top"]}
     return dict(kinds)
 
 

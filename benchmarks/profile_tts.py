@@ -92,7 +92,7 @@ def main() -> None:
         r = profile_rows(lm, mimi, rows, args.replays, args.warmup)
         print(f"\nrows {rows}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.items() if isinstance(v, float)))
         for kind, k in sorted(r["kernels (full step)"].items(), key=lambda item: -item[1]["ms"]):
-            top = "; ".join(f"{name} {ms:.2f}" for name, ms in list(k["top"].items())[:3])
+            top = "; ".join(f"{name} {ms:.2f} ms x{k['top_counts'][name]:.0f}" for name, ms in k["top"].items())
             print(f"    {kind:38s} {k['ms']:6.2f} ms  {k['kernels']:6.0f} kernels   top: {top}")
 
 

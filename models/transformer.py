@@ -485,8 +485,8 @@ class StreamingTransformer(nn.Module):
             return x
 
         assert T <= self.capacity, f"{T} steps in one call exceed the KV ring capacity {self.capacity}"
-        if T == 1 and not self.cross_attention and self._can_fuse(x):  # the fused decode has no cross block
-            return self._forward_decode(x, state, exec_mask, weight_index)
+        if T == 1 and self._can_fuse(x):
+            return self._forward_decode(x, state, exec_mask, weight_index, cross_kv)
         positions = state.pos[:, None] + steps  # [B, T]
         slots = positions % self.capacity
         # Slot positions as they are once this call's keys are written (all rows, for the mask).
@@ -513,14 +513,19 @@ class StreamingTransformer(nn.Module):
         return head_dim == 1 << (head_dim.bit_length() - 1)
 
     def _forward_decode(self, x: torch.Tensor, state: TransformerState, exec_mask: torch.Tensor | None,
-                        weight_index: int) -> torch.Tensor:
+                        weight_index: int, cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
         """One step (T == 1) with fused kernels; same semantics as the general path.
 
         Per layer: [residual add +] RMSNorm, QKV matmul, RoPE + KV write (executing rows only),
         split-KV attention over each row's filled window plus the new key, output matmul,
-        residual add + RMSNorm, gated FFN (matmul, fused SiLU * gate, matmul). The KV ring is never
-        written for rows that do not execute, so nothing needs restoring.
+        residual add + RMSNorm, gated FFN (matmul, fused SiLU * gate, matmul). With cross-attention
+        (DSM TTS) the residual add after the output matmul stays unfused: the cross block (the
+        layer's own module: LayerNorm, one query over the fixed source) comes between it and the
+        FFN's RMSNorm. The KV ring is never written for rows that do not execute, so nothing needs
+        restoring.
         """
+        if self.cross_attention and cross_kv is None:
+            raise ValueError("this transformer has cross-attention: pass cross_kv=")
         B, _, dim = x.shape
         H = self.num_heads
         D = dim // H
@@ -545,7 +550,12 @@ class StreamingTransformer(nn.Module):
             out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
                                            self.context, *scales)
             update = F.linear(out.view(B, dim), w_out)
-            res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)
+            if layer.cross_attention is None:
+                res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)
+            else:
+                res = res.to(update) + layer.layer_scale_1(update)
+                res = res + layer.cross_attention(layer.norm_cross(res)[:, None], *cross_kv[i])[:, 0]
+                normed = _norm(res, layer.norm2)
             pending = _ffn_fused(layer, normed, weight_index)
             prev = layer
         if pending is not None:

@@ -131,33 +131,40 @@ def test_sample_matches_sort_path(V):
     assert torch.equal(out, ref)
 
 
-def _fused_and_general(kv_dtype=None):
+def _fused_and_general(kv_dtype=None, cross=False):
     """The same 15 decode steps (after a 30-frame prefix) through the fused T == 1 path and the
-    general SDPA path, with row 1 not executing: ((y, state) fused, (y, state) general)."""
+    general SDPA path, with row 1 not executing: ((y, state) fused, (y, state) general). `cross`:
+    layers with a cross-attention block (DSM TTS) over a fixed per-row source."""
     _need_cuda()
     torch.manual_seed(0)
     tr = StreamingTransformer(256, 2, 3, 1024, context=40, norm="rms_norm_f32", gating="silu",
-                              layer_scale=0.1, device="cuda", dtype=torch.bfloat16)
+                              layer_scale=0.1, cross_attention=cross, device="cuda", dtype=torch.bfloat16)
     B = 4
     states = [tr.init_state(B, kv_dtype=kv_dtype) for _ in range(2)]
     exec_mask = torch.tensor([True, False, True, True], device="cuda")
     with torch.no_grad():
+        for layer in tr.layers:  # a LayerNorm that is not the identity, so the test sees it
+            if layer.cross_attention is not None:
+                layer.norm_cross.weight.normal_(1.0, 0.2)
+                layer.norm_cross.bias.normal_(0.0, 0.2)
+        kv = tr.cross_kv(torch.randn(B, 20, 256, device="cuda", dtype=torch.bfloat16)) if cross else None
         warm = torch.randn(B, 45, 256, device="cuda", dtype=torch.bfloat16)
         for st in states:  # fill part of the ring with a prefix pass (T > 1, general path)
-            tr(warm[:, :30], st)
+            tr(warm[:, :30], st, cross_kv=kv)
         outs = []
         for fused in (True, False):
             with fa.enabled(fused):
                 st = states[0] if fused else states[1]
-                ys = [tr(warm[:, 30 + t:31 + t], st, exec_mask) for t in range(15)]
+                ys = [tr(warm[:, 30 + t:31 + t], st, exec_mask, cross_kv=kv) for t in range(15)]
             outs.append((torch.cat(ys, 1), st))
     return outs
 
 
-def test_transformer_fused_step_matches_general_path():
+@pytest.mark.parametrize("cross", [False, True])
+def test_transformer_fused_step_matches_general_path(cross):
     """Fused T == 1 decode vs the SDPA path: same outputs (bf16 tolerance) and same state, with a
-    row that does not execute and rows spread over the window."""
-    (y_f, s_f), (y_g, s_g) = _fused_and_general()
+    row that does not execute and rows spread over the window; with and without cross-attention."""
+    (y_f, s_f), (y_g, s_g) = _fused_and_general(cross=cross)
     torch.testing.assert_close(y_f.float(), y_g.float(), atol=5e-2, rtol=5e-2)
     assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
     torch.testing.assert_close(s_f.keys[2].float(), s_g.keys[2].float(), atol=5e-2, rtol=5e-2)
