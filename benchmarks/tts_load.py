@@ -394,7 +394,14 @@ def main() -> None:
     parser.add_argument("--progress", type=float, default=0.0,
                         help="print the TTS pool's counters every this many seconds during a case (0: never)")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the run, in seconds (default: Python's, 0.005): how long "
+                        "the engine thread may wait for the GIL while the HTTP threads run")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        if args.switch_interval <= 0:
+            parser.error("--switch-interval must be positive")
+        sys.setswitchinterval(args.switch_interval)
     deliveries = args.delivery.split(",")
     if not set(deliveries) <= {"http", "direct"}:
         parser.error(f"--delivery {args.delivery!r}: expected http, direct or both")
@@ -422,7 +429,7 @@ def main() -> None:
                 print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
         print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
-          f"duplex backend {args.duplex}")
+          f"duplex backend {args.duplex}, GIL switch interval {sys.getswitchinterval() * 1000:g} ms")
     print("| delivery | TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
           "duplex frame p50 / p99 (ms) | late ticks | TTS steps | starved | forced | full GCs (longest ms) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
