@@ -12,10 +12,11 @@ Scheduling (engine/slack.py asks this source after prefill, before transcription
 - Two step kinds, one CUDA graph each per row bucket on CUDA (eager on CPU): `text` (backbone +
   text sampling + DSM state machine: rows still inside the 16-frame audio delay need nothing
   else) and `full` (plus depformer and Mimi decode). A full step runs every eligible row at once
-  (within a bucket the batch costs the same whichever rows are in it). Warm-up rows first: a new row's first audio waits on its
-  16 warm-up steps, so once every row past its warm-up has had this tick's step (real time kept
-  for them), the warm-up rows take text steps of their own (a fraction of a full step's cost)
-  until they are through; a text step also runs where a full one does not fit.
+  (within a bucket the batch costs the same whichever rows are in it). Warm-up rows first: a new
+  row's first audio waits on its 16 warm-up steps, so once every row past its warm-up has had
+  this tick's step (real time kept for them), the warm-up rows take text steps of their own (a
+  fraction of a full step's cost) until they are through; a text step also runs where a full
+  one does not fit.
 - A row is eligible while its stream holds fewer than `lead_frames` undelivered frames: that
   caps its lead over its client (a few seconds), bounds memory, and is the back-pressure
   (nothing is ever dropped: a row waits instead). A client reading in real time gets its row
