@@ -84,6 +84,23 @@ def test_a_leading_rows_view_steps_its_rows_as_the_whole_batch_does_and_nothing_
     assert torch.equal(full.dsm.word_step[:2], bucketed.dsm.word_step[:2])
 
 
+def test_every_per_row_tensor_of_a_view_is_a_view_of_the_lowest_rows(tts):
+    """A guard for later fields: every tensor a 6-row TtsGen holds with a 6-row axis is, in the
+    3-row view, the same storage cut to 3 rows on that axis (none is left whole, none copied)."""
+    gen = loaded_gen(tts, 6)
+    view = gen.leading_rows(3)
+    per_row = []
+    for name, value in vars(gen).items():
+        if isinstance(value, torch.Tensor) and 6 in value.shape:
+            axis = value.shape.index(6)
+            got = getattr(view, name)
+            assert got.shape[axis] == 3 and got.data_ptr() == value.data_ptr(), name
+            per_row.append(name)
+    assert {"ring", "offsets", "cond_sum", "float_settings", "long_settings", "text_temp"} <= set(per_row)
+    assert view.dsm.state.shape[0] == 3 and view.dsm.state.data_ptr() == gen.dsm.state.data_ptr()
+    assert view.dsm.end_step.shape == (3,) and view.dsm.tokens.data_ptr() == gen.dsm.tokens.data_ptr()
+
+
 def test_a_view_refuses_row_counts_it_cannot_hold(tts):
     gen = loaded_gen(tts, 2)
     for n in (0, 3):
