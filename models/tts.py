@@ -6,6 +6,7 @@
     gen.start(row, entries, voice_embeddings, cfg_value="2.0", padding_bonus=0.0)   # host, at admission
     out = gen.step(active[B], full=True)            # one frame for every active row; no host sync
     out.frame [B, 1 + n_q] (de-delayed tokens), out.valid [B], gen.dsm.word_step / end_step
+    gen.leading_rows(n).step(active[:n])            # the same step over rows [0, n) only (a row bucket)
 
 What differs from the duplex LM (models/lm.py), all from config.json:
 - every audio stream is generated (n_q = dep_q), text leads audio by `audio_delay` (16 frames);
