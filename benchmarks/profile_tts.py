@@ -1,15 +1,20 @@
-"""Where a TTS step's time goes, at a given number of pool rows (CUDA only).
+"""Where a TTS step's time goes, at a given number of live rows (CUDA only).
 
     python benchmarks/profile_tts.py --rows 1,4,16
+    python benchmarks/profile_tts.py --rows 1,4,16 --slots 16   # n live rows in a 16-slot pool
 
 kyutai/tts-1.6b-en_fr shapes (tts_load.py's `--shapes 1.6b`), random bf16 weights, Mimi fp32. Per row
-count, every row holding a live request (the default paragraph, a random voice of 125 frames):
+count, rows 0..n-1 holding a live request (the default paragraph, a random voice of 125 frames),
+in a pool of `--slots` rows (default: n, every row live):
 
-1. The pool's own CUDA graphs timed over replays (median, CUDA events): the text step (backbone +
-   text sampling + DSM state machine), the full step (plus depformer and Mimi decode) and the
-   admission's device part; beside them Mimi decode alone as its own graph, so
-   depformer + its sampling = full - text - Mimi decode.
-2. Kernels of one full step by kind, from torch.profiler over graph replays (profile_frame.py's
+1. The pool's own CUDA graphs timed over replays (median, CUDA events), those of the row bucket
+   the live rows run in (the smallest of 1, 2, 4, ..., slots holding them): the text step
+   (backbone + text sampling + DSM state machine), the full step (plus depformer and Mimi decode)
+   and the admission's device part (always the whole pool); beside them Mimi decode alone as its
+   own graph, so depformer + its sampling = full - text - Mimi decode.
+2. Every bucket's text and full step (the live rows it holds active): what a step costs as the
+   pool's lowest live rows grow or shrink.
+3. Kernels of one full step by kind, from torch.profiler over graph replays (profile_frame.py's
    kinds): time per replay and kernel count; many short kernels mean launch- or latency-bound work.
 
 These are what a TTS row's slack items cost (tts_load.py prints the same items' costs as measured
@@ -58,39 +63,56 @@ def fill_rows(pool: TtsPool, lm: TtsLM, rows: int) -> None:
 
 
 @torch.no_grad()
-def profile_rows(lm: TtsLM, mimi: Mimi, rows: int, replays: int, warmup: int) -> dict:
-    pool = TtsPool(lm, mimi, rows, voice_frames=VOICE_FRAMES)
+def profile_rows(lm: TtsLM, mimi: Mimi, rows: int, slots: int, replays: int, warmup: int) -> dict:
+    pool = TtsPool(lm, mimi, slots, voice_frames=VOICE_FRAMES)
     pool.warm_up()
     fill_rows(pool, lm, rows)
-    active = torch.ones(rows, dtype=torch.bool, device="cuda")
     graphs = pool._graphs
-    result = {kind: graph_ms(graphs[kind], (active,), replays, warmup) for kind in ("text", "full")}
+
+    def active(n: int) -> torch.Tensor:  # a bucket of n rows, the live ones among them active
+        return torch.arange(n, device="cuda") < rows
+
+    per_bucket = {n: {kind: graph_ms(graphs[kind, n], (active(n),), replays, warmup) for kind in ("text", "full")}
+                  for n in pool.buckets}
+    n = pool.bucket(range(rows))
+    result = {"bucket": n, **per_bucket[n]}
     index = torch.zeros(1, dtype=torch.long, device="cuda")
     voice = [t.to("cuda") for t in pool._gen.voice_inputs((torch.randn(1, lm.cfg.speaker.dim, VOICE_FRAMES),))]
-    result["admit (device part)"] = graph_ms(graphs["admit"], (~active, index, *voice), replays, warmup)
-    state = mimi.init_state(rows, "cuda")
-    codes = torch.randint(0, lm.cfg.lm.card, (rows, mimi.num_codebooks), device="cuda")
-    decode = CUDAGraphRunner(lambda c, m: (mimi.decode_step(c, state, m),), (codes, active))
-    result["mimi decode"] = graph_ms(decode, (codes, active), replays, warmup)
+    idle = torch.zeros(slots, dtype=torch.bool, device="cuda")
+    result["admit (device part)"] = graph_ms(pool._admit_graph, (idle, index, *voice), replays, warmup)
+    state = mimi.init_state(n, "cuda")
+    codes = torch.randint(0, lm.cfg.lm.card, (n, mimi.num_codebooks), device="cuda")
+    decode = CUDAGraphRunner(lambda c, m: (mimi.decode_step(c, state, m),), (codes, active(n)))
+    result["mimi decode"] = graph_ms(decode, (codes, active(n)), replays, warmup)
     result["depformer + sampling"] = result["full"] - result["text"] - result["mimi decode"]
-    result["kernels (full step)"] = kernel_breakdown(graphs["full"], (active,), 5)
+    result["per bucket"] = per_bucket
+    result["kernels (full step)"] = kernel_breakdown(graphs["full", n], (active(n),), 5)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,4,16", help="pool rows (all live), one profile each")
+    parser.add_argument("--rows", default="1,4,16", help="live rows (the lowest ones), one profile each")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="pool rows (default: each --rows value, every row live); at least the largest --rows")
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
+    counts = [int(x) for x in args.rows.split(",")]
+    if args.slots is not None and args.slots < max(counts):
+        parser.error(f"--slots {args.slots} cannot hold {max(counts)} live rows")
     if not torch.cuda.is_available():
         sys.exit("profile_tts.py needs a CUDA device")
     lm, mimi = build("cuda")
     print(f"TTS 1.6b shapes ({sum(p.numel() for p in lm.parameters()) / 1e6:.0f}M params, bf16), "
           f"{torch.cuda.get_device_name()}")
-    for rows in (int(x) for x in args.rows.split(",")):
-        r = profile_rows(lm, mimi, rows, args.replays, args.warmup)
-        print(f"\nrows {rows}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.items() if isinstance(v, float)))
+    for rows in counts:
+        slots = args.slots or rows
+        r = profile_rows(lm, mimi, rows, slots, args.replays, args.warmup)
+        print(f"\nrows {rows}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.items() if isinstance(v, float))
+              + f" (bucket {r['bucket']} of a {slots}-slot pool)")
+        print("    per bucket (text / full ms): " + ", ".join(
+            f"{n}: {c['text']:.2f} / {c['full']:.2f}" for n, c in r["per bucket"].items()))
         for kind, k in sorted(r["kernels (full step)"].items(), key=lambda item: -item[1]["ms"]):
             top = "; ".join(f"{name} {ms:.2f} ms x{k['top_counts'][name]:.0f}" for name, ms in k["top"].items())
             print(f"    {kind:38s} {k['ms']:6.2f} ms  {k['kernels']:6.0f} kernels   top: {top}")

@@ -7,6 +7,8 @@ reference `moshi` TTSModel on the same weights.
     python benchmarks/tts_load.py --shapes tiny --duplex tiny --streams 1 --sessions 1 --device cpu
     # H200: 1.6B TTS shapes (random bf16) beside Moshi-7B shapes (random bf16), and the reference
     python benchmarks/tts_load.py --shapes 1.6b --duplex 7b --streams 1,16,32 --sessions 0,64 --device cuda --reference
+    # one stream in a 16-slot pool (row buckets: it should cost what a 1-slot pool does)
+    python benchmarks/tts_load.py --shapes 1.6b --duplex 7b --streams 1 --slots 16 --sessions 0,64 --device cuda
 
 For every (TTS streams, duplex sessions) pair it starts Parley's server in-process (uvicorn on a
 free 127.0.0.1 port; the engine's clock is real), opens the duplex sessions through the engine
@@ -22,8 +24,8 @@ requests (pcm, read as fast as they come) and prints:
   objects first, as `parley serve` does);
 - with `--delivery http,direct`, each case also with the requests handed to the pool and read on
   the benchmark's loop, no HTTP server between (what the edge's work costs the duplex frame);
-- under each TTS row, where its slack went: items, ms per item and the estimate per TTS item kind
-  (admit, text step, full step).
+- under each TTS row, where its slack went: items, ms per item and the estimate per TTS item key
+  (admit; text and full steps per row bucket, e.g. `full/4`: a full step over the lowest 4 rows).
 
 With `--reference`, the reference `moshi.models.tts.TTSModel` runs on the very same weight
 tensors, batched as Kyutai's server batches it (all rows start together, one `LMGen.step` per
@@ -62,7 +64,7 @@ from parley.engine.gc_pauses import FULL_COLLECTIONS, freeze_loaded_objects  # n
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
 from parley.engine.testing import DelayBackend  # noqa: E402
 from parley.engine.stream import Terminal  # noqa: E402
-from parley.engine.tts_pool import TtsAudio, TtsPool  # noqa: E402
+from parley.engine.tts_pool import STEP_KINDS, TtsAudio, TtsPool, step_key  # noqa: E402
 from parley.models.checkpoint import mimi_config_dict  # noqa: E402
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config  # noqa: E402
 from parley.models.lm import published_state  # noqa: E402
@@ -229,7 +231,7 @@ async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams:
     cfg, _, _, lm, mimi = models
     timed.times.clear()
     engine = Engine(timed)
-    pool = TtsPool(lm, mimi, max(streams, 1), voice_frames=args.voice_frames)
+    pool = TtsPool(lm, mimi, args.slots or max(streams, 1), voice_frames=args.voice_frames)
     store = VoiceStore.open(voices_dir, VOICE_SUFFIX, cfg.speaker.dim)
     tokenizer = TextTokenizer(voices_dir.parent / "tok.model")
     service = SpeechService(pool=pool, voices=store, tokenizer=tokenizer, codebooks=cfg.lm.n_q)
@@ -263,9 +265,11 @@ async def report_progress(engine: Engine, pool: TtsPool, every_s: float, receive
     while True:
         await asyncio.sleep(every_s)
         c = {**pool.slack_counters(), **engine.counters()}
-        estimates = {kind: (engine.slack_costs.estimate(("tts", kind)) or 0) * 1000 for kind in ("text", "full")}
+        bucket = pool.bucket(range(c["tts_live"]))  # (the bucket of that many rows, taken lowest first)
+        estimates = {kind: (engine.slack_costs.estimate(step_key(kind, bucket)) or 0) * 1000 for kind in STEP_KINDS}
         print(f"    {time.perf_counter() - start:5.1f} s: live {c['tts_live']}, steps {c['tts_steps_text']} text + "
-              f"{c['tts_steps_full']} full (est {estimates['text']:.1f} / {estimates['full']:.1f} ms), frames "
+              f"{c['tts_steps_full']} full (est {estimates['text']:.1f} / {estimates['full']:.1f} ms in bucket "
+              f"{bucket}), frames "
               f"{c['tts_frames']}, starved {c['tts_starved']}, forced {c['tts_forced']}, late ticks {c['late_ticks']}, "
               f"ended {c['tts_completed']} completed / {c['tts_failed']} failed / {c['tts_cancelled']} cancelled; "
               f"clients received {min(received, default=0) / 48000:.1f} - {max(received, default=0) / 48000:.1f} s "
@@ -331,7 +335,8 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
         "tts_steps": counters["tts_steps_text"] + counters["tts_steps_full"],
         "starved": counters["tts_starved"], "forced": counters["tts_forced"],
         "gc_full": gc_after["gc_full_collections"] - gc_before["gc_full_collections"],
-        "slack": {key[1]: (items, seconds / items * 1000, (engine.slack_costs.estimate(key) or 0) * 1000)
+        "slack": {"/".join(map(str, key[1:])): (items, seconds / items * 1000,
+                                                (engine.slack_costs.estimate(key) or 0) * 1000)
                   for key, (items, seconds) in engine.slack_by_key().items() if key[0] == "tts" and items},
         "gc_max_ms": gc_after["gc_full_max_seconds"] * 1000,
     }
@@ -397,12 +402,17 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run, in seconds (default: Python's, 0.005): how long "
                         "the engine thread may wait for the GIL while the HTTP threads run")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="TTS pool rows (default: each case's stream count); at least the largest --streams")
     args = parser.parse_args()
     if args.switch_interval is not None:
         if args.switch_interval <= 0:
             parser.error("--switch-interval must be positive")
         sys.setswitchinterval(args.switch_interval)
     deliveries = args.delivery.split(",")
+    streams_list = [int(x) for x in args.streams.split(",")]
+    if args.slots is not None and args.slots < max(max(streams_list), 1):
+        parser.error(f"--slots {args.slots} cannot hold {max(streams_list)} streams")
     if not set(deliveries) <= {"http", "direct"}:
         parser.error(f"--delivery {args.delivery!r}: expected http, direct or both")
     if args.device == "cpu":
@@ -417,7 +427,6 @@ def main() -> None:
     for i in range(4):
         write_voice(voices_dir / f"v{i}{VOICE_SUFFIX}",
                     torch.randn(1, cfg.speaker.dim, args.voice_frames, generator=torch.Generator().manual_seed(i)))
-    streams_list = [int(x) for x in args.streams.split(",")]
     sessions_list = [int(x) for x in args.sessions.split(",")]
     if args.reference:
         print("| reference TTSModel streams | first audio (ms) | x real time (median) |")

@@ -9,13 +9,14 @@
 Scheduling (engine/slack.py asks this source after prefill, before transcription and images):
 - TTS is throughput work: after each duplex tick the pool runs as many batched steps as the
   slack allows, each one work item whose measured cost fits before the next boundary.
-- Two step kinds, one CUDA graph each on CUDA (eager on CPU): `text` (backbone + text sampling
-  + DSM state machine: rows still inside the 16-frame audio delay need nothing else) and `full`
-  (plus depformer and Mimi decode). A full step runs every eligible row at once (the batch costs
-  the same whichever rows are in it). Warm-up rows first: a new row's first audio waits on its
-  16 warm-up steps, so once every row past its warm-up has had this tick's step (real time kept
-  for them), the warm-up rows take text steps of their own (a fraction of a full step's cost)
-  until they are through; a text step also runs where a full one does not fit.
+- Two step kinds, one CUDA graph each per row bucket on CUDA (eager on CPU): `text` (backbone +
+  text sampling + DSM state machine: rows still inside the 16-frame audio delay need nothing
+  else) and `full` (plus depformer and Mimi decode). A full step runs every eligible row at once
+  (within a bucket the batch costs the same whichever rows are in it). Warm-up rows first: a new
+  row's first audio waits on its 16 warm-up steps, so once every row past its warm-up has had
+  this tick's step (real time kept for them), the warm-up rows take text steps of their own (a
+  fraction of a full step's cost) until they are through; a text step also runs where a full
+  one does not fit.
 - A row is eligible while its stream holds fewer than `lead_frames` undelivered frames: that
   caps its lead over its client (a few seconds), bounds memory, and is the back-pressure
   (nothing is ever dropped: a row waits instead). A client reading in real time gets its row
@@ -25,7 +26,15 @@ Scheduling (engine/slack.py asks this source after prefill, before transcription
   estimate above the slack never gets measured again, so without this a pool could stall for
   good), one step is forced as a tick's first slack item (slack.py rule 3) and counted in
   `forced`: liveness over one possibly late tick, only under overload.
-- Admission (voice -> cross-attention keys, script -> the row's DSM arrays) is its own work item.
+- Idle rows are free (row buckets, as the duplex frame's in backend.py): rows are taken lowest
+  first, and a step runs only the lowest `n` rows holding every row it steps, `n` the smallest
+  bucket (1, 2, 4, ..., slots) that fits, over views of those rows' state (TtsGen.leading_rows
+  and the Mimi decoder's); rows above are neither read nor written. Each (kind, bucket) has its
+  own cost key (`step_key`), all measured by warm_up / slack_prepare before the first live item.
+  Default on CUDA; off on CPU (`row_buckets`), where every step runs all rows bit for bit as
+  before: a batch-size change may round a row's last bits differently.
+- Admission (voice -> cross-attention keys, script -> the row's DSM arrays) is its own work item
+  over the whole pool (one graph).
 - A failure inside a step ends the requests of that step's rows (FAILED) and nothing else.
 """
 
@@ -38,15 +47,18 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from parley.models.dsm import WordEntry
-from parley.models.mimi.codec import Mimi
+from parley.models.mimi.codec import Mimi, MimiState
+from parley.models.row_views import leading_rows
 from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
 
+from .backend import bucket_sizes
 from .cuda_graph import CUDAGraphRunner
 from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import OutputStream, Status, Terminal
@@ -59,6 +71,12 @@ MAX_ENTRIES = 2400  # words and breaks per request (4096 characters make at most
 MAX_TOKENS = 8300  # text tokens per request
 FRAME_DROP = 2  # the first two decoded frames click (the reference drops them too)
 ADMIT_KEY = ("tts", "admit")
+STEP_KINDS = ("text", "full")
+
+
+def step_key(kind: str, rows: int) -> tuple:
+    """Cost key of one step of `kind` over a bucket of `rows` rows."""
+    return ("tts", kind, rows)
 
 
 class TtsPoolFull(RuntimeError):
@@ -129,7 +147,9 @@ class TtsPool(SlackSource):
     def __init__(self, lm: TtsLM, mimi: Mimi, slots: int, *, lead_frames: int = LEAD_FRAMES,
                  voice_frames: int | None = None, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS,
                  cuda_graphs: bool = True, output_events: int | None = None,
-                 force_after_ticks: int = FORCE_AFTER_TICKS) -> None:
+                 force_after_ticks: int = FORCE_AFTER_TICKS, row_buckets: bool | None = None) -> None:
+        # row_buckets: step only the lowest rows holding the stepped ones (default: on CUDA; off on
+        # CPU, where every step runs all rows bit for bit as before; see the module docstring).
         if slots < 1:
             raise ValueError("a TTS pool needs at least one slot")
         if lm.cfg.cross_attention and voice_frames is None:
@@ -152,7 +172,14 @@ class TtsPool(SlackSource):
         self._rows: list[_Row | None] = [None] * slots
         # Per row, the admission's host inputs (its mask and its index), made once: never written.
         self._row_select = [(torch.arange(slots) == b, torch.tensor([b], dtype=torch.long)) for b in range(slots)]
-        self._graphs: dict[str, CUDAGraphRunner] = {}
+        if row_buckets is None:
+            row_buckets = self.device.type == "cuda"
+        self.buckets = bucket_sizes(slots) if row_buckets else [slots]
+        # Per bucket n: the device step over views of the lowest n rows (model and Mimi decoder).
+        self._steps_of = {n: partial(self._device_step, self._gen.leading_rows(n), leading_rows(self._mimi_state, n))
+                          for n in self.buckets}
+        self._graphs: dict[tuple[str, int], CUDAGraphRunner] = {}  # per (kind, bucket)
+        self._admit_graph: CUDAGraphRunner | None = None
         self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
         self._warm_conditions: dict | None = None  # what warm-up admissions carry (warm_up)
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
@@ -189,6 +216,16 @@ class TtsPool(SlackSource):
         return bool(self._graphs)
 
     @property
+    def step_keys(self) -> list[tuple]:
+        """Every step's cost key: one per (kind, bucket)."""
+        return [step_key(kind, n) for kind in STEP_KINDS for n in self.buckets]
+
+    def bucket(self, rows: Sequence[int]) -> int:
+        """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
+        top = max(rows, default=0) + 1
+        return next(n for n in self.buckets if n >= top)
+
+    @property
     def live(self) -> int:
         return sum(row is not None for row in self._rows)
 
@@ -209,41 +246,44 @@ class TtsPool(SlackSource):
         self._warm_conditions = conditions
         idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         if self._use_graphs:
-            for kind in ("text", "full"):
-                self._graphs[kind] = CUDAGraphRunner(lambda active, k=kind: self._device_step(active, k), (idle,))
+            pool = torch.cuda.graph_pool_handle()  # one step runs at a time: the step graphs share memory
+            for n in reversed(self.buckets):  # largest first, so the pool is sized once
+                for kind in STEP_KINDS:
+                    self._graphs[kind, n] = CUDAGraphRunner(partial(self._steps_of[n], kind=kind),
+                                                            (idle[:n],), pool=pool)
             # The admission's device part (row reset, Mimi reset, voice -> cross-attention keys and
             # values: ~700 small kernels eagerly, ~4-5 ms of launches on the H200). Captured with
             # no row selected and row 0 as the voice's target: no row is live yet.
             voice = tuple(t.to(self.device) for t in self._gen.voice_inputs(self._warm_voices()))
             index = torch.zeros(1, dtype=torch.long, device=self.device)
-            self._graphs["admit"] = CUDAGraphRunner(self._admit_device, (idle, index, *voice))
-        self._warm_costs.extend(self._measure(("text", "full", "admit")))
+            self._admit_graph = CUDAGraphRunner(self._admit_device, (idle, index, *voice))
+        self._warm_costs.extend(self._measure())
 
     def slack_prepare(self, costs: CostModel) -> None:
         """On the engine thread, before its first tick: record the warm-up costs, then run each
         key twice here and record the second (this thread's first eager calls are cold)."""
         self._seed(costs)
-        for key, seconds in self._measure(("text", "full", "admit")):
+        for key, seconds in self._measure():
             costs.record(key, seconds)
 
-    def _measure(self, kinds: tuple[str, ...]) -> list[tuple[tuple, float]]:
-        """Each kind's cost, run twice, the second kept: a step with no row active (by the model
-        contract no state changes), or an admission of a one-word script into row 0 (no live
-        row reads it, and a real admission resets it), so the first request's admission
-        already has an estimate and meets warm kernels."""
-        idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+    def _measure(self) -> list[tuple[tuple, float]]:
+        """Each key's cost (every step kind in every bucket, and an admission), run twice, the
+        second kept: a step with no row active (by the model contract no state changes), or an
+        admission of a one-word script into row 0 (no live row reads it, and a real admission
+        resets it), so no live item runs on an unmeasured key and the first request's admission
+        meets warm kernels."""
+        work = [(step_key(kind, n), partial(self._run_device, torch.zeros(n, dtype=torch.bool, device=self.device),
+                                            kind)) for kind in STEP_KINDS for n in self.buckets]
+        work.append((ADMIT_KEY, self._warm_admit))
         measured = []
-        for kind in kinds:
+        for key, run in work:
             for _ in range(2):
                 start = time.perf_counter()
-                if kind == "admit":
-                    self._warm_admit()
-                else:
-                    self._run_device(idle, kind)
+                run()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 spent = time.perf_counter() - start
-            measured.append((ADMIT_KEY if kind == "admit" else ("tts", kind), spent))
+            measured.append((key, spent))
         return measured
 
     def _warm_voices(self) -> tuple[torch.Tensor, ...]:
@@ -280,14 +320,14 @@ class TtsPool(SlackSource):
             # of their own, a fraction of a full step's cost; and where a full step would not
             # fit, a text step still may.
             caught_up = all(b in self._stepped for b in eligible if b not in warm)
-            estimate = costs.estimate(("tts", "full"))
+            estimate = costs.estimate(step_key("full", self.bucket(eligible)))
             if caught_up or (left_s is not None and estimate is not None and estimate > left_s):
                 kind, rows = "text", warm
         forced = self._idle_ticks >= self.force_after_ticks
         if forced:
             self._idle_ticks = 0
             self.forced += 1
-        return WorkItem(key=("tts", kind), run=lambda: self._step(rows, kind),
+        return WorkItem(key=step_key(kind, self.bucket(rows)), run=lambda: self._step(rows, kind),
                         fail=lambda exc: self._fail_rows(rows, exc), forced=forced)
 
     def slack_started(self, deadline: float | None) -> None:
@@ -341,9 +381,8 @@ class TtsPool(SlackSource):
         voice = self._gen.voice_inputs(req.voices)
         self._gen.dsm.check(req.entries)
         mask, index = self._row_select[row]
-        runner = self._graphs.get("admit")
-        if runner is not None:
-            runner(mask, index, *voice)
+        if self._admit_graph is not None:
+            self._admit_graph(mask, index, *voice)
         else:
             self._admit_device(mask.to(self.device), index.to(self.device), *voice)
         self._gen.begin(row, req.entries, req.conditions, req.padding_bonus, req.text_temperature,
@@ -358,26 +397,29 @@ class TtsPool(SlackSource):
         return ()
 
     @torch.no_grad()
-    def _device_step(self, active: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
-        """Device-only work of one step (captured per kind on CUDA)."""
-        out = self._gen.step(active, full=kind == "full")
-        dsm = self._gen.dsm
+    def _device_step(self, gen: TtsGen, mimi_state: MimiState, active: torch.Tensor,
+                     kind: str) -> tuple[torch.Tensor, ...]:
+        """Device-only work of one step over the rows of `gen` / `mimi_state` (a bucket's views
+        of the lowest rows); captured per (kind, bucket) on CUDA."""
+        out = gen.step(active, full=kind == "full")
         if kind == "full":
             decode = out.valid & (out.frame_index >= self.delay)
             codes = torch.where(decode[:, None], out.frame[:, 1:], 0).clamp(0, self._card - 1)
-            pcm = self.mimi.decode_step(codes, self._mimi_state, decode).clamp(-0.99, 0.99)
+            pcm = self.mimi.decode_step(codes, mimi_state, decode).clamp(-0.99, 0.99)
         else:
-            pcm = torch.zeros(self.slots, self.mimi.frame_size, device=self.device)
-        info = torch.stack([out.valid.long(), out.frame_index, dsm.next_entry, dsm.end_step], dim=1)
+            pcm = torch.zeros(gen.batch, self.mimi.frame_size, device=self.device)
+        info = torch.stack([out.valid.long(), out.frame_index, gen.dsm.next_entry, gen.dsm.end_step], dim=1)
         return pcm, info
 
     def _run_device(self, active: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        runner = self._graphs.get(kind)
+        """One step of `kind` over the bucket of `active`'s length ([bucket] bool, on the device)."""
+        n = active.shape[0]
+        runner = self._graphs.get((kind, n))
         with torch.no_grad():
-            return runner(active) if runner is not None else self._device_step(active, kind)
+            return runner(active) if runner is not None else self._steps_of[n](active, kind=kind)
 
     def _step(self, rows: list[int], kind: str) -> None:
-        active = torch.zeros(self.slots, dtype=torch.bool)
+        active = torch.zeros(self.bucket(rows), dtype=torch.bool)
         active[rows] = True
         pcm, info = self._run_device(active.to(self.device, non_blocking=True), kind)
         info = info.cpu()  # one device -> host copy of the small per-row results

@@ -27,6 +27,7 @@ token conventions (`DsmTokens`) for the ASR direction.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import deque
 from dataclasses import dataclass, field
@@ -208,11 +209,22 @@ class DsmRows:
         for name, size in spans:
             self._columns[name] = slice(width, width + size) if size else width
             width += size or 1
-        self.state = torch.zeros(batch, width, dtype=torch.long, device=device)
-        for name, column in self._columns.items():
-            setattr(self, name, self.state[:, column])
+        self._bind(torch.zeros(batch, width, dtype=torch.long, device=device))
         self.word_step.fill_(-1)  # the step each entry was consumed at
         self.end_step.fill_(-1)  # -1: not ended
+
+    def _bind(self, state: torch.Tensor) -> None:
+        """Hold `state` [rows, width] and name its columns (each array and counter a view of it)."""
+        self.state = state
+        for name, column in self._columns.items():
+            setattr(self, name, self.state[:, column])
+
+    def leading_rows(self, n: int) -> "DsmRows":
+        """These rows' state machine over rows [0, n) only: its state is a view of this one's
+        lowest rows, so `step` through it updates them in place and never touches the rows above."""
+        view = copy.copy(self)
+        view._bind(self.state[:n])
+        return view
 
     def check(self, entries: Sequence[WordEntry]) -> None:
         """ValueError when the script does not fit a row."""

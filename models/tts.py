@@ -6,6 +6,7 @@
     gen.start(row, entries, voice_embeddings, cfg_value="2.0", padding_bonus=0.0)   # host, at admission
     out = gen.step(active[B], full=True)            # one frame for every active row; no host sync
     out.frame [B, 1 + n_q] (de-delayed tokens), out.valid [B], gen.dsm.word_step / end_step
+    gen.leading_rows(n).step(active[:n])            # the same step over rows [0, n) only (a row bucket)
 
 What differs from the duplex LM (models/lm.py), all from config.json:
 - every audio stream is generated (n_q = dep_q), text leads audio by `audio_delay` (16 frames);
@@ -27,6 +28,7 @@ their audio forced to -1 either way, so a text-only step (no depformer) is exact
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConfigError, LMConfig
 from .dsm import DsmRows, DsmTokens, WordEntry
 from .host_rows import copy_from_host
 from .lm import ZeroEmbedding
+from .row_views import leading_rows
 from .sampling import sample_tokens
 from .transformer import StreamingTransformer, TransformerState, make_norm
 
@@ -394,16 +397,39 @@ class TtsGen:
                            torch.zeros(shape, dtype=lm.dtype, device=device)) for _ in range(lm_cfg.num_layers)]
         # Sampling settings as rows of one float and one long tensor (each setting stays contiguous
         # over the batch: the sampling kernel reads it so); `begin` writes a row's column of each.
-        self.float_settings = torch.tensor([[0.0], [0.6], [0.6]], dtype=torch.float32, device=device).repeat(1, batch)
-        self.padding_bonus, self.text_temp, self.audio_temp = self.float_settings
-        self.long_settings = torch.tensor([[25], [250]], dtype=torch.long, device=device).repeat(1, batch)
-        self.text_topk, self.audio_topk = self.long_settings
+        self._bind_settings(
+            torch.tensor([[0.0], [0.6], [0.6]], dtype=torch.float32, device=device).repeat(1, batch),
+            torch.tensor([[25], [250]], dtype=torch.long, device=device).repeat(1, batch))
         # `condition_sum` per distinct conditions: the LUT values are a closed set, so a few entries
         # cover every request. The weights never change after load, so an entry never goes stale.
         self._condition_sums: OrderedDict[tuple[str | None, ...], torch.Tensor] = OrderedDict()
         self.dsm = DsmRows(batch, max_entries, max_tokens, DsmTokens(card=cfg.lm.text_card + 1),
                            second_stream_ahead=cfg.second_stream_ahead, max_padding=max_padding,
                            initial_padding=initial_padding, device=device)
+
+    def _bind_settings(self, float_settings: torch.Tensor, long_settings: torch.Tensor) -> None:
+        self.float_settings, self.long_settings = float_settings, long_settings
+        self.padding_bonus, self.text_temp, self.audio_temp = float_settings
+        self.text_topk, self.audio_topk = long_settings
+
+    def leading_rows(self, n: int) -> "TtsGen":
+        """A TtsGen over rows [0, n) of this one (a row bucket): every per-row tensor is a view of
+        the lowest n rows (the settings' columns: each setting row stays contiguous, as sampling
+        needs), so `step` through it costs n rows, updates rows [0, n) in place and never reads or
+        writes the rows above. Nothing is copied; model, generator and condition cache are shared."""
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"a view of {n} rows of a {self.batch}-row TtsGen")
+        if self.cfg.cross_attention and self.cross is None:  # (a view would never see them allocated)
+            raise ValueError("row views need the cross-attention keys allocated: give TtsGen voice_frames")
+        view = copy.copy(self)
+        view.batch = n
+        view.transformer = leading_rows(self.transformer, n)
+        view.depformer = leading_rows(self.depformer, n)
+        view.ring, view.offsets, view.cond_sum = self.ring[:n], self.offsets[:n], self.cond_sum[:n]
+        view.cross = leading_rows(self.cross, n)
+        view._bind_settings(self.float_settings[:, :n], self.long_settings[:, :n])
+        view.dsm = self.dsm.leading_rows(n)
+        return view
 
     # -- admission (host side, outside any captured graph) ----------------------------------------
 

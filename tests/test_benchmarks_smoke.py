@@ -43,12 +43,13 @@ CPU_CASES = {
     "tts_load": (  # --duplex tiny: the --duplex 7b path (Checkpoint, tokenizer, ModelBackend) at tiny shapes
         "tts_load.py", ["--shapes", "tiny", "--duplex", "tiny", "--streams", "1", "--sessions", "1",
                         "--device", "cpu", "--settle", "0.2", "--idle-seconds", "0.3", "--reference",
-                        "--text", "Good morning.", "--delivery", "http,direct"],
+                        "--text", "Good morning.", "--delivery", "http,direct", "--slots", "2"],
         [r"\| reference TTSModel streams \| first audio \(ms\) \| x real time \(median\) \|",
          r"^\| 1 \| \d+ \| \d+\.\d\d \|$", r"duplex backend tiny",
          r"\| delivery \| TTS streams \| duplex sessions \| TTFB p50 / p99 \(ms\)", r"\| - \| 0 \| 1 \| nan / nan \|",
          r"\| http \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|",
-         r"\| direct \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|"]),
+         r"\| direct \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|",
+         r"slack by item: .*full/2 \d+ x \d+\.\d ms"]),  # --slots 2: one stream in a 2-row pool
     "admission_ops": ("admission_ops.py", [], [r"TtsPool\._load_row: \d+ top-level aten ops",
                                               r"TtsGen\.begin: \d+ top-level aten ops"]),
     "stt": (

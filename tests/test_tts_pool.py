@@ -14,7 +14,7 @@ from parley.engine.session import FrameOut
 from parley.engine.slack import SlackRunner
 from parley.engine.stream import Status, Terminal
 from parley.engine.testing import DelayBackend
-from parley.engine.tts_pool import ADMIT_KEY, TtsAudio, TtsPool, TtsRequest, TtsWord
+from parley.engine.tts_pool import ADMIT_KEY, TtsAudio, TtsPool, TtsRequest, TtsWord, step_key
 from parley.models.config import FRAME_SAMPLES
 from parley.models.dsm import split_words
 from parley.models.synthetic import TINY_TTS_VOICES
@@ -146,7 +146,7 @@ def test_starved_rows_are_counted_then_one_step_is_forced(tts):
         loop = asyncio.get_running_loop()
         jobs = [pool.submit(request(tts, "Hello there."), loop) for _ in range(2)]
         runner.costs.record(ADMIT_KEY, 0.001)
-        for key in (("tts", "text"), ("tts", "full")):
+        for key in pool.step_keys:
             runner.costs.record(key, 1.0)  # a step "costs" a second: it never fits a tick's slack
         forced_ticks = []
         for tick in range(8):
@@ -248,7 +248,7 @@ def test_admission_is_measured_before_the_first_request_and_leaves_no_trace(tts)
     pool.warm_up()
     costs = CostModel()
     pool.slack_prepare(costs)
-    assert all(costs.estimate(key) > 0 for key in (ADMIT_KEY, ("tts", "text"), ("tts", "full")))
+    assert all(costs.estimate(key) > 0 for key in (ADMIT_KEY, *pool.step_keys))
     warmed = synthesize(pool, req)
     assert warmed.terminal.status is Status.COMPLETED
     assert [w.text for w in warmed.words] == [w.text for w in plain.words]
@@ -283,7 +283,8 @@ def test_a_new_row_warms_up_on_text_steps_beside_a_speaking_row(tts):
         runner.add_source(pool)
         runner.costs.record(ADMIT_KEY, admit_s)
         for kind, seconds in cost.items():
-            runner.costs.record(("tts", kind), seconds)
+            for n in pool.buckets:
+                runner.costs.record(step_key(kind, n), seconds)
         loop = asyncio.get_running_loop()
         speaking = pool.submit(request(tts, "a long sentence that goes on and on for a while"), loop)
 
@@ -332,8 +333,8 @@ def test_an_admission_that_does_not_fit_waits_for_the_next_tick(tts):
         runner = SlackRunner(lambda: now[0], lambda: None, guard_s=0.003)
         runner.add_source(pool)
         runner.costs.record(ADMIT_KEY, 0.005)
-        for kind in ("text", "full"):
-            runner.costs.record(("tts", kind), 0.004)
+        for key in pool.step_keys:
+            runner.costs.record(key, 0.004)
         job = pool.submit(request(tts, "Hello there."), asyncio.get_running_loop())
         now[0] = 0.075  # the frame left 5 ms: minus the 3 ms guard, the 5 ms admission does not fit
         runner.run_until(0.08)
