@@ -422,16 +422,19 @@ class TtsPool(SlackSource):
         active = torch.zeros(self.bucket(rows), dtype=torch.bool)
         active[rows] = True
         pcm, info = self._run_device(active.to(self.device, non_blocking=True), kind)
-        info = info.cpu()  # one device -> host copy of the small per-row results
+        # One device -> host copy of the small per-row results, as Python ints at once: the loop
+        # below then makes no torch call per row (each would release and retake the GIL, and
+        # with the edge's threads busy every retake can wait).
+        info = info.cpu().tolist()
         pcm_host = pcm.float().cpu().numpy() if kind == "full" else None
         self.steps[kind] += 1
         self._stepped.update(rows)
         for b in rows:
             row = self._rows[b]
             row.steps += 1
-            valid, frame_index, consumed, end_step = (int(v) for v in info[b])
+            valid, frame_index, consumed, end_step = info[b]
             if consumed > row.words_seen:
-                self._words(b, row, consumed)
+                self._word(row, consumed)
             if end_step >= 0 and row.ended_at < 0:
                 row.ended_at = end_step
                 self._flush_word(row, end_step)
@@ -448,12 +451,13 @@ class TtsPool(SlackSource):
                 self._free(b, Terminal(Status.FAILED, "the text did not finish within its step budget"))
                 self.failed += 1
 
-    def _words(self, b: int, row: _Row, consumed: int) -> None:
-        """Entries consumed since the last step: emit the previous word with its stop time."""
-        steps = self._gen.dsm.word_step[b, row.words_seen:consumed].tolist()
-        for entry, step in zip(row.job.request.entries[row.words_seen:consumed], steps):
-            if not entry.tokens:
-                continue  # a break: the words around it carry the timing
+    def _word(self, row: _Row, consumed: int) -> None:
+        """The step consumed an entry: emit the previous word with its stop time. The state
+        machine takes at most one entry per step (DsmRows.step), at the row's own step index,
+        which is `row.steps - 1` here: no device read needed."""
+        assert consumed == row.words_seen + 1, "the DSM consumes at most one entry per step"
+        entry, step = row.job.request.entries[row.words_seen], row.steps - 1
+        if entry.tokens:  # (a break: the words around it carry the timing)
             self._flush_word(row, step)
             row.pending_word = (entry.text, step)
         row.words_seen = consumed

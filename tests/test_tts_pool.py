@@ -119,6 +119,30 @@ def test_back_pressure_waits_instead_of_dropping(tts):
     asyncio.run(main())
 
 
+def test_word_times_are_the_steps_the_state_machine_consumed_them_at(tts):
+    """Each word's start is the step its entry was consumed at (the DSM's word_step, read back
+    from the device here), shifted by the dropped frames; its stop is the next word's start."""
+    from parley.engine.tts_pool import FRAME_DROP
+    from parley.models.tts import FRAME_RATE
+
+    async def main():
+        ck, _ = tts
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10)
+        req = request(tts, "one, two <break time=\"0.5s\"/> three four five")
+        job = pool.submit(req, asyncio.get_running_loop())
+        got = []
+        while not (got and isinstance(got[-1], Terminal)):
+            run_items(pool)
+            got += job.stream.drain()
+        words = [e for e in got if isinstance(e, TtsWord)]
+        steps = pool._gen.dsm.word_step[0, :len(req.entries)].tolist()  # the finished row's state, kept
+        expected = [max(step - FRAME_DROP, 0) / FRAME_RATE for entry, step in zip(req.entries, steps) if entry.tokens]
+        assert [w.text for w in words] == ["one,", "two", "three", "four", "five"]
+        assert [w.start_s for w in words] == expected
+        assert [w.stop_s for w in words[:-1]] == expected[1:]
+    asyncio.run(main())
+
+
 def test_cancel_frees_the_row_at_the_next_offer(tts):
     async def main():
         ck, _ = tts
