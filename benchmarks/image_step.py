@@ -2,7 +2,8 @@
 
 SD-1.5 shapes with random bf16 weights (diffusion_interference.py's builder), one copy per
 variant of `speed_up` (models/image_pipeline.py): plain, channels_last (UNet and VAE weights
-NHWC), fused_qkv (one GEMM for Q, K and V), both (what the loader applies on CUDA). Each
+NHWC), fused_qkv (one GEMM for Q, K and V), both (the loader's default on CUDA today:
+CUDA_SPEEDUPS there, to change if these figures favour another variant). Each
 variant's items run as the engine runs them: the image queue's warm-up captures its CUDA
 graphs, then per size the median of `--replays` calls, timed with CUDA events, of
 

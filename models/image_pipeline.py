@@ -467,6 +467,12 @@ def stepper_for(pipe: DiffusionPipeline, name: str = "", speedups: tuple[str, ..
     return entry[1](pipe, name, speedups)
 
 
+# What the loader applies on CUDA unless told: the variant expected to win (per item, in
+# benchmarks/image_step.py; on CUDA PyTorch's GroupNorm works in NCHW, so a channels_last UNet
+# pays a layout copy around each one: switch it off here if the figures say it costs more).
+CUDA_SPEEDUPS = {"channels_last": True, "fused_qkv": True}
+
+
 def speed_up(pipe: DiffusionPipeline, *, channels_last: bool = True, fused_qkv: bool = True) -> tuple[str, ...]:
     """diffusers' inference advice, applied in place to the pipeline's components (so `pipe()`
     and a stepper run the same modules); returns what was applied, e.g. "unet channels_last".
@@ -506,7 +512,7 @@ def _fusable(module: torch.nn.Module) -> bool:
 def load_image_pipeline(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                         *, channels_last: bool | None = None, fused_qkv: bool | None = None) -> ImageStepper:
     """Load a diffusers pipeline from a local directory or a Hugging Face id and wrap it.
-    `channels_last` / `fused_qkv` (`speed_up`): None applies them on CUDA only."""
+    `channels_last` / `fused_qkv` (`speed_up`): None means CUDA_SPEEDUPS on CUDA, off elsewhere."""
     try:
         index = DiffusionPipeline.load_config(source)
     except Exception as exc:  # missing dir, no model_index.json, hub unreachable, ...
@@ -522,7 +528,7 @@ def load_image_pipeline(source: str, device: str | torch.device = "cpu", dtype: 
     absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, (list, tuple))
               and all(x is None for x in v)}
     pipe = pipe_cls.from_pretrained(source, dtype=dtype, **{**absent, **kwargs}).to(device)
-    cuda = torch.device(device).type == "cuda"
-    speedups = speed_up(pipe, channels_last=cuda if channels_last is None else channels_last,
-                        fused_qkv=cuda if fused_qkv is None else fused_qkv)
+    auto = CUDA_SPEEDUPS if torch.device(device).type == "cuda" else {"channels_last": False, "fused_qkv": False}
+    speedups = speed_up(pipe, channels_last=auto["channels_last"] if channels_last is None else channels_last,
+                        fused_qkv=auto["fused_qkv"] if fused_qkv is None else fused_qkv)
     return stepper_cls(pipe, str(source).rstrip("/").split("/")[-1], speedups)
