@@ -84,7 +84,8 @@ def measure(stepper: ImageStepper, size: int, batches: list[int], args, cuda: bo
             tiles.step()
         return tiles.image()
 
-    decode = tiled_decode if stepper.tiled(size, size) else queue.graphed(queue.decode_key(size, size)) or stepper.decode
+    decode = (tiled_decode if stepper.tiled(size, size)
+              else queue.graphed(queue.decode_key(size, size)) or stepper.decode)
     row["decode"] = median_ms(lambda: decode(latents), args.replays, args.warmup, cuda)
     preview = queue.graphed(queue.preview_key(size, size)) or stepper.preview
     row["preview"] = median_ms(lambda: preview(latents), args.replays, args.warmup, cuda)
