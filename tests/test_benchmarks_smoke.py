@@ -139,6 +139,8 @@ GPU_CASES = {
                     [r"rows 2: text \d+\.\d\d ms, full \d+\.\d\d ms", r"weight matmuls\s+\d+\.\d\d ms"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
+    "image_step": ("image_step.py", ["--variants", "plain,both", "--replays", "2", "--warmup", "1"],
+                   [r"^\| both \| 512 \| \d+\.\d\d \([+-]\d+\.\d %\) \|"]),
     "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",
                                            "--device", "cuda", "--settle", "0.5", "--idle-seconds", "0.5",
                                            "--text", "Good morning."],
