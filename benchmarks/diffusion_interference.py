@@ -2,7 +2,8 @@
 
 The real engine thread on its 80 ms clock runs B duplex sessions (Moshi-7B shapes, random bf16,
 the CUDA-graphed frame) while the image queue keeps K text-to-image requests outstanding
-(SD-1.5 shapes, random weights; a finished request is replaced at once). Per scenario:
+(SD-1.5 shapes, random weights, on CUDA with the loader's `speed_up` as the server serves them;
+a finished request is replaced at once). Per scenario:
 
     voice: tick start lateness (actual - scheduled) p50/p99/max and ticks > 1 ms late;
            voice done (tick start -> outputs on the host) p99, against the K = 0 run at that B
@@ -36,14 +37,14 @@ import time
 from pathlib import Path
 
 import torch
-
+from diffusers import DiffusionPipeline
 
 from parley.engine import Engine, EngineConfig, Terminal, TickClock
 from parley.engine.backend import ModelBackend
 from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec
 from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.config import LMConfig, MimiConfig, SamplingDefaults
-from parley.models.image_pipeline import ImageStepper, stepper_for
+from parley.models.image_pipeline import CUDA_SPEEDUPS, ImageStepper, speed_up, stepper_for
 from parley.models.lm import LMModel
 from parley.models.mimi.codec import Mimi
 from parley.models.synthetic import write_tiny_checkpoint
@@ -113,10 +114,16 @@ def voice_checkpoint(smoke: bool, device: str) -> Checkpoint:
                       sampling=SamplingDefaults(), model_type="moshi", path=Path("."))
 
 
+def image_pipe(smoke: bool, device: str) -> DiffusionPipeline:
+    """The tiny SD pipeline (CPU), or SD-1.5's shapes with random bf16 weights on `device`."""
+    return tiny_pipeline("sd") if smoke else sd15_shaped().to(device, torch.bfloat16)
+
+
 def image_stepper(smoke: bool, device: str) -> ImageStepper:
-    if smoke:
-        return stepper_for(tiny_pipeline("sd"))
-    return stepper_for(sd15_shaped().to(device, torch.bfloat16), "sd15-shaped")
+    """As the server loads a pipeline: on CUDA with the loader's default speed-ups."""
+    pipe = image_pipe(smoke, device)
+    return stepper_for(pipe, "" if smoke else "sd15-shaped",
+                       speed_up(pipe, **CUDA_SPEEDUPS) if torch.device(device).type == "cuda" else ())
 
 
 def standalone_steps_per_s(stepper: ImageStepper, size: int, batch: int, steps: int, sync) -> float:

@@ -25,6 +25,10 @@ Batched results differ from solo ones only by GEMM reduction order (about 1e-6 i
 Two families: `UNetStepper` (Stable Diffusion 1.x/2.x: UNet, CLIP, VAE, CFG) and
 `FlowStepper` (Stable Diffusion 3: MMDiT transformer, flow-matching Euler; the T5 encoder
 may be absent). Other pipelines (SDXL, FLUX, ...) are refused at load with a clear error.
+
+On CUDA the loader applies diffusers' own inference advice to the components in place
+(`speed_up`: channels_last convolutions, fused attention projections), so `pipe()` and the
+stepper run the same modules; `benchmarks/image_step.py` measures each choice.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from transformers.utils import logging as hf_logging
 # torchvision each one warns about a fallback we never use. Keep the server log for real news.
 hf_logging.get_logger("transformers.utils.import_utils").setLevel(hf_logging.ERROR)
 
-from diffusers import DiffusionPipeline, StableDiffusion3Pipeline, StableDiffusionPipeline  # noqa: E402
+from diffusers import (DiffusionPipeline, SD3Transformer2DModel, StableDiffusion3Pipeline,  # noqa: E402
+                       StableDiffusionPipeline)
+from diffusers.models.attention_processor import Attention  # noqa: E402
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift  # noqa: E402
 
 
@@ -101,9 +107,10 @@ class ImageStepper:
     family = ""
     NEGATIVES_CACHED = 16  # negative prompts whose embeddings are kept (most requests send none)
 
-    def __init__(self, pipe: DiffusionPipeline, name: str = "") -> None:
+    def __init__(self, pipe: DiffusionPipeline, name: str = "", speedups: tuple[str, ...] = ()) -> None:
         self.pipe = pipe
         self.name = name or type(pipe).__name__
+        self.speedups = speedups  # what `speed_up` applied to the components (for the log)
         pipe.set_progress_bar_config(disable=True)
         self._negatives: dict[str, tuple[torch.Tensor, ...]] = {}  # negative prompt -> embeddings, oldest first
 
@@ -452,17 +459,60 @@ STEPPERS: dict[str, tuple[type[DiffusionPipeline], type[ImageStepper], dict]] = 
 }
 
 
-def stepper_for(pipe: DiffusionPipeline, name: str = "") -> ImageStepper:
+def stepper_for(pipe: DiffusionPipeline, name: str = "", speedups: tuple[str, ...] = ()) -> ImageStepper:
     """Wrap an already-built pipeline (tests and the demo build them in memory)."""
     entry = STEPPERS.get(type(pipe).__name__)
     if entry is None:
         raise ImagePipelineError(f"{type(pipe).__name__} is not supported; supported: {', '.join(STEPPERS)}.")
-    return entry[1](pipe, name)
+    return entry[1](pipe, name, speedups)
 
 
-def load_image_pipeline(source: str, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> ImageStepper:
-    """Load a diffusers pipeline from a local directory or a Hugging Face id and wrap it."""
+# What the loader applies on CUDA unless told: the variant expected to win (per item, in
+# benchmarks/image_step.py; on CUDA PyTorch's GroupNorm works in NCHW, so a channels_last UNet
+# pays a layout copy around each one: switch it off here if the figures say it costs more).
+CUDA_SPEEDUPS = {"channels_last": True, "fused_qkv": True}
+
+
+def speed_up(pipe: DiffusionPipeline, *, channels_last: bool = True, fused_qkv: bool = True) -> tuple[str, ...]:
+    """diffusers' inference advice, applied in place to the pipeline's components (so `pipe()`
+    and a stepper run the same modules); returns what was applied, e.g. "unet channels_last".
+
+    channels_last: the conv-heavy UNet and VAE get NHWC weights (cuDNN's tensor-core convolutions
+    are NHWC; a convolution's output follows its weight's layout, so inputs need no conversion and
+    a CUDA graph captures the NHWC kernels). fused_qkv: one GEMM for an attention's Q, K and V
+    (K and V for cross-attention) instead of three; the unfused weights stay (diffusers keeps them
+    to undo the fusion), so the attention projections take their memory twice."""
+    applied = []
+    if channels_last:
+        for name in ("unet", "vae"):  # SD3's MMDiT is all GEMMs but its patch embedding: nothing to gain
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.to(memory_format=torch.channels_last)
+                applied.append(f"{name} channels_last")
+    if fused_qkv:
+        for name in ("unet", "transformer", "vae"):
+            module = getattr(pipe, name, None)
+            if module is not None and hasattr(module, "fuse_qkv_projections") and _fusable(module):
+                module.fuse_qkv_projections()
+                applied.append(f"{name} fused qkv")
+    return tuple(applied)
+
+
+def _fusable(module: torch.nn.Module) -> bool:
+    """Whether diffusers' fused processors compute what the model's own ones do. The joint
+    (SD3) one drops query/key norms (SD 3.5) and needs a text stream in every attention (SD 3.5's
+    extra image-only attention has none): such a transformer stays unfused."""
+    if not isinstance(module, SD3Transformer2DModel):  # UNet, VAE: plain self/cross attention
+        return True
+    return all(getattr(a, "add_q_proj", None) is not None
+               and all(getattr(a, n, None) is None for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"))
+               for a in module.modules() if isinstance(a, Attention))
+
+
+def load_image_pipeline(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                        *, channels_last: bool | None = None, fused_qkv: bool | None = None) -> ImageStepper:
+    """Load a diffusers pipeline from a local directory or a Hugging Face id and wrap it.
+    `channels_last` / `fused_qkv` (`speed_up`): None means CUDA_SPEEDUPS on CUDA, off elsewhere."""
     try:
         index = DiffusionPipeline.load_config(source)
     except Exception as exc:  # missing dir, no model_index.json, hub unreachable, ...
@@ -478,4 +528,7 @@ def load_image_pipeline(source: str, device: str | torch.device = "cpu",
     absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, (list, tuple))
               and all(x is None for x in v)}
     pipe = pipe_cls.from_pretrained(source, dtype=dtype, **{**absent, **kwargs}).to(device)
-    return stepper_cls(pipe, str(source).rstrip("/").split("/")[-1])
+    auto = CUDA_SPEEDUPS if torch.device(device).type == "cuda" else {"channels_last": False, "fused_qkv": False}
+    speedups = speed_up(pipe, channels_last=auto["channels_last"] if channels_last is None else channels_last,
+                        fused_qkv=auto["fused_qkv"] if fused_qkv is None else fused_qkv)
+    return stepper_cls(pipe, str(source).rstrip("/").split("/")[-1], speedups)

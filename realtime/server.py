@@ -278,8 +278,8 @@ def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtyp
     queue = ImageQueue(stepper, max_slack_s=slack, capacity=config.image_queue,
                        stall_timeout_s=config.image_stall_timeout)
     measured = queue.warm_up()
-    log.info("image model %s (%s): default %dpx, latent stride %d; warm-up: %s", stepper.name, stepper.family,
-             stepper.default_size, stepper.latent_stride,
+    log.info("image model %s (%s): default %dpx, latent stride %d; speed-ups: %s; warm-up: %s", stepper.name,
+             stepper.family, stepper.default_size, stepper.latent_stride, ", ".join(stepper.speedups) or "none",
              ", ".join(f"{k[1]}{'x' + str(k[-1]) if k[1] == 'denoise' else ''} {v * 1e3:.1f} ms"
                        for k, v in measured.items()))
     engine.add_slack_source(queue)

@@ -66,6 +66,13 @@ CPU_CASES = {
          r"\| 1 \| 1 \| 16 \| .* \| \d+\.\d \(\d+ %\) \| (\d+ %|-) \| \d+\.\d \((\d+ %|-)\) \|",  # -: alone made none
          r"bare denoise steps/s \(batch \d+, back to back\): \{16: \d+\.\d\}",
          r"queue alone K=1 16 px \(no voice, 1 s\): \d+\.\d steps/s, \d+\.\d img/min"]),
+    "image_step": (  # every variant, a whole and a tiled size
+        "image_step.py", ["--smoke", "--sizes", "16,40", "--batches", "1,2", "--replays", "1", "--warmup", "0"],
+        [r"\| variant \| px \| step b1 ms \| step b2 ms \| decode ms \| preview ms \| weights MiB \|",
+         r"^\| plain \| 16 \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d \|$",
+         *(rf"^\| {v} \| {px} \| \d+\.\d\d \([+-]\d+\.\d %\) \|.* \| \d+\.\d \|$"
+           for v in ("channels_last", "fused_qkv", "both") for px in ("16", "40\\*")),
+         r"^\* decode: tile by tile"]),
     "kv_drift": (
         "kv_drift.py", ["--tiny", "--batch", "2", "--frames", "4", "--prefix", "50"],
         [r"4 frames after a 50-frame prefix, B=2: max \|text-logit diff\| \d\.\d{4} .*greedy text agreement "
@@ -133,6 +140,8 @@ GPU_CASES = {
                     [r"rows 2: text \d+\.\d\d ms, full \d+\.\d\d ms", r"weight matmuls\s+\d+\.\d\d ms"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
+    "image_step": ("image_step.py", ["--variants", "plain,both", "--replays", "2", "--warmup", "1"],
+                   [r"^\| both \| 512 \| \d+\.\d\d \([+-]\d+\.\d %\) \|"]),
     "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",
                                            "--device", "cuda", "--settle", "0.5", "--idle-seconds", "0.5",
                                            "--text", "Good morning."],

@@ -9,15 +9,22 @@ import pytest
 import torch
 from transformers import T5Config, T5EncoderModel
 
-from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline, stepper_for
+from diffusers import SD3Transformer2DModel
+from diffusers.models.attention_processor import Attention, FusedAttnProcessor2_0, FusedJointAttnProcessor2_0
+
+from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline, speed_up, stepper_for
 from parley.models.tiny_diffusion import tiny_pipeline, tiny_tokenizer, write_tiny_pipeline
 
 BATCH_TOLERANCE = 1e-4  # batched GEMMs reduce in another order than solo ones (fp32: ~1e-6 seen)
 
 
-@pytest.fixture(scope="module", params=["sd", "sd3"])
+@pytest.fixture(scope="module", params=["sd", "sd3", "sd+speed_up", "sd3+speed_up"])
 def stepper(request):
-    return stepper_for(tiny_pipeline(request.param))
+    """Each family plain, and with `speed_up`'s layout and fusions (on CUDA by default; here on
+    the CPU so that every test below also shows the stepper still equals `pipe()` with them)."""
+    family, _, fast = request.param.partition("+")
+    pipe = tiny_pipeline(family)
+    return stepper_for(pipe, speedups=speed_up(pipe) if fast else ())
 
 
 def reference(stepper, prompt, steps, guidance, seed, size):
@@ -177,3 +184,53 @@ def test_encode_equals_encode_prompt_bit_for_bit_and_embed_replaces_the_text_enc
         assert calls == [shapes] * 2
         alone = st.encode(prompt, negative, False)
         assert torch.equal(alone.embeds, embeds[1:]) and (pooled is None or torch.equal(alone.pooled, pooled[1:]))
+
+
+def conv_weights(module):
+    return [p for p in module.parameters() if p.dim() == 4]
+
+
+def processors(module):
+    return {type(p) for p in module.attn_processors.values()}
+
+
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_load_applies_channels_last_and_fused_qkv_when_asked_and_not_on_cpu_by_default(tmp_path, monkeypatch, family):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_tiny_pipeline(tmp_path / family, family)
+    fast = load_image_pipeline(str(tmp_path / family), channels_last=True, fused_qkv=True)
+    plain = load_image_pipeline(str(tmp_path / family))  # CPU: None means off
+    assert plain.speedups == ()
+    denoiser = "unet" if family == "sd" else "transformer"
+    expected = {"sd": ("unet channels_last", "vae channels_last", "unet fused qkv", "vae fused qkv"),
+                "sd3": ("vae channels_last", "transformer fused qkv", "vae fused qkv")}[family]
+    assert fast.speedups == expected
+    for name in ("unet", "vae") if family == "sd" else ("vae",):
+        fast_convs, plain_convs = conv_weights(getattr(fast.pipe, name)), conv_weights(getattr(plain.pipe, name))
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w in fast_convs), name
+        assert any(not w.is_contiguous() for w in fast_convs), name  # (1x1 kernels are both layouts)
+        assert all(w.is_contiguous() for w in plain_convs), name
+    fused = {"sd": FusedAttnProcessor2_0, "sd3": FusedJointAttnProcessor2_0}[family]
+    assert processors(getattr(fast.pipe, denoiser)) == {fused}
+    assert processors(fast.pipe.vae) == {FusedAttnProcessor2_0}
+    assert fused not in processors(getattr(plain.pipe, denoiser))
+    assert FusedAttnProcessor2_0 not in processors(plain.pipe.vae)
+    for module in (getattr(fast.pipe, denoiser), fast.pipe.vae):
+        attentions = [m for m in module.modules() if isinstance(m, Attention)]
+        assert attentions and all(hasattr(m, "to_kv" if m.is_cross_attention else "to_qkv") for m in attentions)
+    # The same arithmetic up to the GEMMs' summation order.
+    size = plain.default_size
+    assert np.abs(run_solo(fast, "a cat", 2, 4.0, 5, size) - run_solo(plain, "a cat", 2, 4.0, 5, size)).max() < 1e-4
+
+
+def test_an_sd3_transformer_with_query_key_norms_stays_unfused():
+    """diffusers' fused joint processor skips SD 3.5's query/key norms: fusing would change the
+    model, so only the VAE fuses."""
+    pipe = tiny_pipeline("sd3")
+    config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+    pipe.register_modules(transformer=SD3Transformer2DModel(**{**config, "qk_norm": "rms_norm"}))
+    assert all(a.norm_q is not None for a in pipe.transformer.modules() if isinstance(a, Attention))
+    before = processors(pipe.transformer)
+    applied = speed_up(pipe)
+    assert "transformer fused qkv" not in applied and "vae fused qkv" in applied
+    assert processors(pipe.transformer) == before != {FusedJointAttnProcessor2_0}

@@ -20,7 +20,7 @@ from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull,
                                        ImageSpec, preview_steps)
 from parley.engine.slack import SlackRunner
 from parley.engine.stream import Status, Terminal
-from parley.models.image_pipeline import stepper_for
+from parley.models.image_pipeline import speed_up, stepper_for
 from parley.models.tiny_diffusion import tiny_pipeline
 
 from test_engine_core import baseline_outputs, frames_of, make_engine, open_ready, signal
@@ -375,6 +375,51 @@ def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
     while not job.done:
         gpu.denoise([job])
     assert np.abs(events[0].pixels.astype(int) - gpu.to_uint8(gpu.decode(job.latents))[0].astype(int)).max() <= 1
+
+
+def assert_close_bf16(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    """Within bf16 rounding of the reference's scale (8 mantissa bits, compounded over the layers
+    and two scheduler steps: a few units in the last place of the largest value)."""
+    err = (ours.float() - reference.float()).abs().max().item()
+    scale = reference.float().abs().max().item()
+    assert err <= 0.05 * scale + 1e-3, f"{what}: max |diff| {err:.4g} at scale {scale:.4g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_graphed_steps_with_speed_up_equal_eager_plain_ones_in_bf16_on_the_gpu(family):
+    """What the loader applies on CUDA (channels_last, fused QKV), captured in the queue's CUDA
+    graphs, computes what the plain eager components do, within bf16 tolerance."""
+    plain = stepper_for(tiny_pipeline(family).to("cuda", torch.bfloat16))
+    fast_pipe = tiny_pipeline(family).to("cuda", torch.bfloat16)  # the same seed: the same weights
+    applied = speed_up(fast_pipe)
+    assert {"vae channels_last", "vae fused qkv", "unet fused qkv" if family == "sd" else "transformer fused qkv"} \
+        <= set(applied)
+    fast = stepper_for(fast_pipe)
+    size = fast.default_size
+    queue = ImageQueue(fast, max_slack_s=1.0, max_batch=2)
+    queue.warm_up()
+    predict = queue.graphed_predict(size, size, True, 2)
+    assert predict is not None
+    jobs = {st: [st.start(st.encode(prompt, None, True), size, size, 4, 5.0, seed)
+                 for prompt, seed in (("a red cat", 1), ("a dog", 2))] for st in (plain, fast)}
+    x = torch.cat([j.latents for j in jobs[plain] for _ in range(2)])  # the rows one CFG batch-2 step takes
+    t = torch.cat([j.timesteps[:1].expand(2) for j in jobs[plain]])
+    emb = torch.cat([j.cond.embeds for j in jobs[plain]])
+    pooled = None if family == "sd" else torch.cat([j.cond.pooled for j in jobs[plain]])
+    assert_close_bf16(predict(x, t, emb, pooled), plain.predict(x, t, emb, pooled), "noise prediction")
+    for _ in range(2):
+        plain.denoise(jobs[plain])
+        fast.denoise(jobs[fast], predict=predict)
+    for ours, ref in zip(jobs[fast], jobs[plain]):
+        assert_close_bf16(ours.latents, ref.latents, "latents after two graphed steps")
+    latents = jobs[plain][0].latents
+    for key, eager in ((queue.decode_key(size, size), plain.decode), (queue.preview_key(size, size), plain.preview)):
+        replay = queue.graphed(key)
+        assert replay is not None, key
+        assert_close_bf16(replay(latents), eager(latents), key[1])
+    queue.close_graphs()
 
 
 @pytest.mark.gpu
