@@ -470,7 +470,7 @@ def stepper_for(pipe: DiffusionPipeline, name: str = "", speedups: tuple[str, ..
 # What the loader applies on CUDA unless told: the variant expected to win (per item, in
 # benchmarks/image_step.py; on CUDA PyTorch's GroupNorm works in NCHW, so a channels_last UNet
 # pays a layout copy around each one: switch it off here if the figures say it costs more).
-CUDA_SPEEDUPS = {"channels_last": True, "fused_qkv": True}
+CUDA_SPEEDUPS = {"channels_last": False, "fused_qkv": True}
 
 
 def speed_up(pipe: DiffusionPipeline, *, channels_last: bool = True, fused_qkv: bool = True) -> tuple[str, ...]:
