@@ -286,13 +286,13 @@ class ImageQueue(SlackSource):
         for width, height, cfg in self._warm_sizes:
             measured = self._measure(width, height, cfg, repeats=2, capture=False)
             for key, seconds in measured.items():
-                costs.record(key, seconds)
+                costs.seed(key, seconds)
             with self._lock:
                 self._measured = {**self._measured, **measured}
 
     def _seed(self, costs: CostModel) -> None:
         for key, seconds in self._warm.items():
-            costs.record(key, seconds)
+            costs.seed(key, seconds)
         self._warm = {}
 
     def _measure(self, width: int, height: int, cfg: bool, repeats: int, capture: bool) -> dict:

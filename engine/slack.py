@@ -25,7 +25,11 @@ boundary (minus a guard). The rules, one per concern:
    and its first measurement replaces the prediction (a prediction is never recorded, so a
    pessimistic one cannot keep the key out once it has run). With no prediction it runs only
    as the first item of a tick's slack (so a first measurement can cost at most one unknown
-   item a tick).
+   item a tick). Warm-up measurements are seeds (`CostModel.seed`): they stand in for a key
+   only until it has two live measurements, then they are dropped. They were taken on an idle
+   GPU around graph captures and first calls, often well above the live cost (an H200 image
+   preview: 10.7 ms seeded, 5.4 ms live), and kept in the window they would set the
+   estimate for the key's first 31 live items, each then needing more slack than it takes.
 3. A source may mark an item `forced`: it runs as the first item of a tick even when it
    does not fit. Only admission progress uses this (a prompt must advance even when the
    frame leaves no slack); everything else waits.
@@ -106,7 +110,7 @@ class SlackSource:
 
     def slack_prepare(self, costs: "CostModel") -> None:
         """Once on the engine thread before its first clocked tick: measure this source's keys
-        there and record them in `costs` (rule 2)."""
+        there and seed them in `costs` (`CostModel.seed`, rule 2)."""
 
     def slack_stop(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): end every request with `terminal`."""
@@ -118,16 +122,21 @@ class SlackSource:
 
 class CostModel:
     """Per-key cost estimates: the second largest of the last COST_WINDOW costs per unit (rule 2;
-    for a key on trial, rule 5, the next one down)."""
+    for a key on trial, rule 5, the next one down). Warm-up seeds count with them until a key has
+    two live costs (rule 2)."""
+
+    LIVE_BEFORE_SEEDS_GO = 2  # live costs that make a key's seeds redundant (the second largest needs two)
 
     def __init__(self, window: int = COST_WINDOW, max_keys: int = MAX_KEYS) -> None:
         self._window, self._max_keys = window, max_keys
         self._seen: OrderedDict[Hashable, deque[float]] = OrderedDict()
+        self._seeds: dict[Hashable, list[float]] = {}  # warm-up costs per unit, until live ones replace them
         self._trials: dict[Hashable, float] = {}  # key on trial -> the outlier cost per unit it may drop
 
     def _ranked(self, key: Hashable) -> tuple[list[float], int]:
-        """The key's costs, largest first, and the index of the one setting its estimate."""
-        ranked = sorted(self._seen.get(key, ()), reverse=True)
+        """The key's costs (live, and seeds while any are kept), largest first, and the index
+        of the one setting its estimate."""
+        ranked = sorted([*self._seen.get(key, ()), *self._seeds.get(key, ())], reverse=True)
         return ranked, min(1, len(ranked) - 1) + (key in self._trials)
 
     def estimate(self, key: Hashable, units: int = 1) -> float | None:
@@ -153,14 +162,27 @@ class CostModel:
         worst = self._trials.pop(key)
         per_unit = seconds / max(units, 1)
         seen = self._costs(key)
-        dropped = per_unit <= worst / 2 and worst in seen
+        seeds = self._seeds.get(key, [])
+        dropped = per_unit <= worst / 2 and (worst in seen or worst in seeds)
         if dropped:
-            seen.remove(worst)
-        seen.append(per_unit)
+            (seen if worst in seen else seeds).remove(worst)
+        self._live(key, seen, per_unit)
         return dropped
 
     def record(self, key: Hashable, seconds: float, units: int = 1) -> None:
-        self._costs(key).append(seconds / max(units, 1))
+        """A live cost (an item the runner ran and measured)."""
+        self._live(key, self._costs(key), seconds / max(units, 1))
+
+    def seed(self, key: Hashable, seconds: float, units: int = 1) -> None:
+        """A warm-up cost: it counts until the key has two live costs (rule 2), then goes."""
+        seen = self._costs(key)
+        if len(seen) < self.LIVE_BEFORE_SEEDS_GO:
+            self._seeds.setdefault(key, []).append(seconds / max(units, 1))
+
+    def _live(self, key: Hashable, seen: deque[float], per_unit: float) -> None:
+        seen.append(per_unit)
+        if len(seen) >= self.LIVE_BEFORE_SEEDS_GO:
+            self._seeds.pop(key, None)
 
     def _costs(self, key: Hashable) -> deque[float]:
         """The key's window, made most recent (a new key past MAX_KEYS evicts the stalest)."""
@@ -172,11 +194,12 @@ class CostModel:
         while len(self._seen) > self._max_keys:
             evicted, _ = self._seen.popitem(last=False)
             self._trials.pop(evicted, None)
+            self._seeds.pop(evicted, None)
         return seen
 
     def estimates(self) -> list[tuple[Hashable, float]]:
         """(key, estimate per unit) for every key observed (sources predict unseen keys from them)."""
-        return [(key, self.estimate(key)) for key, seen in self._seen.items() if seen]
+        return [(key, self.estimate(key)) for key, seen in self._seen.items() if seen or key in self._seeds]
 
 
 def fatal_for_device(exc: BaseException) -> bool:

@@ -491,7 +491,7 @@ class SttPool(SlackSource):
                 start = time.perf_counter()
                 step(pcm, idle)[0].cpu()
                 spent = time.perf_counter() - start
-            costs.record(step_key(n), spent)
+            costs.seed(step_key(n), spent)
 
     def close(self) -> None:
         for graph in self._graphs.values():

@@ -264,7 +264,7 @@ class TtsPool(SlackSource):
         key twice here and record the second (this thread's first eager calls are cold)."""
         self._seed(costs)
         for key, seconds in self._measure():
-            costs.record(key, seconds)
+            costs.seed(key, seconds)
 
     def _measure(self) -> list[tuple[tuple, float]]:
         """Each key's cost (every step kind in every bucket, and an admission), run twice, the
@@ -300,7 +300,7 @@ class TtsPool(SlackSource):
     def _seed(self, costs: CostModel) -> None:
         """Hand the warm-up's costs to the runner's cost model (once)."""
         for key, seconds in self._warm_costs:
-            costs.record(key, seconds)
+            costs.seed(key, seconds)
         self._warm_costs.clear()
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:

@@ -152,6 +152,24 @@ def test_cost_estimate_is_the_second_largest_of_the_recent_window_per_unit():
     assert costs.estimate("other") is None
 
 
+def test_warm_up_seeds_stand_in_for_a_key_until_it_has_two_live_costs():
+    """Seeds (warm-up costs, often cold and high) set the estimate before the key runs, still
+    count beside one live cost, and are gone once two live costs can set it on their own."""
+    costs = CostModel()
+    costs.seed("preview", 0.0107)
+    costs.seed("preview", 0.0104)
+    assert costs.estimate("preview") == pytest.approx(0.0104)
+    costs.record("preview", 0.0054)
+    assert costs.estimate("preview") == pytest.approx(0.0104)  # one live cost is not enough
+    costs.record("preview", 0.0056)
+    assert costs.estimate("preview") == pytest.approx(0.0054)  # the seeds went
+    costs.seed("preview", 0.020)  # a key with live costs takes no seed
+    assert costs.estimate("preview") == pytest.approx(0.0054)
+    assert dict(costs.estimates()) == {"preview": pytest.approx(0.0054)}
+    costs.seed("unseen", 0.003)
+    assert dict(costs.estimates())["unseen"] == pytest.approx(0.003)
+
+
 def test_one_slow_observation_does_not_hold_a_key_out_but_a_second_sets_the_estimate():
     """Issue 14: a step whose costs ran 13 ms typical, 20 ms second worst and 32 ms once (a
     preempted call; not twice the next, so rule 5 never heals it) must run in 25 ms of slack
