@@ -71,7 +71,9 @@ class ClientStats:
     arrivals: list[float] = field(default_factory=list)
     texts: list[tuple[float, str]] = field(default_factory=list)  # (arrival, piece)
     refused: bool = False
+    timed_out: bool = False  # the socket did not open within 30 s, or no handshake came within 60 s
     close_code: int | None = None
+    close_reason: str = ""
     ready_s: float | None = None  # socket open -> handshake byte
 
     def switch_delays(self) -> list[float]:
@@ -98,11 +100,19 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
     pcm = (0.3 * np.sin(2 * np.pi * freq * t) * tone_on).astype(np.float32)
     writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
     opened = time.monotonic()
-    async with connect(f"{url}/api/chat{query}", max_size=None, compression=None, open_timeout=30) as ws:
+    try:
+        ws = await connect(f"{url}/api/chat{query}", max_size=None, compression=None, open_timeout=30)
+    except TimeoutError:
+        stats.timed_out = True
+        return stats
+    async with ws:
         try:
             first = await asyncio.wait_for(ws.recv(), 60)
         except ConnectionClosed:
-            stats.refused, stats.close_code = True, ws.close_code
+            stats.refused, stats.close_code, stats.close_reason = True, ws.close_code, ws.close_reason
+            return stats
+        except TimeoutError:
+            stats.timed_out = True
             return stats
         assert first[:1] == b"\x00", first[:8]
         stats.ready_s = time.monotonic() - opened
@@ -164,14 +174,16 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def spawned_server(model: str, clients: int, device: str, extra: list[str]):
+def spawned_server(model: str, clients: int, device: str, extra: list[str], log_path: Path | None = None):
+    """`log_path`: where the server's output goes (default: a temporary file, removed after)."""
     with tempfile.TemporaryDirectory() as tmp:
         if model in ("tiny", "echo"):
             from parley.models.synthetic import write_echo_checkpoint, write_tiny_checkpoint
             ckpt = write_tiny_checkpoint(Path(tmp) / "ckpt") if model == "tiny" else write_echo_checkpoint(Path(tmp) / "ckpt")
             model = str(ckpt)
         port = free_port()
-        log = open(Path(tmp) / "serve.log", "w")
+        log_path = log_path or Path(tmp) / "serve.log"
+        log = open(log_path, "w")
         proc = subprocess.Popen([sys.executable, "-m", "parley.realtime.cli", "serve", "--model", model, "--port", str(port),
                                  "--max-sessions", str(clients), "--device", device, "--log-level", "warning",
                                  *extra],
@@ -180,7 +192,7 @@ def spawned_server(model: str, clients: int, device: str, extra: list[str]):
             deadline = time.monotonic() + 300
             while True:
                 if proc.poll() is not None:
-                    raise SystemExit(f"parley serve exited:\n{(Path(tmp) / 'serve.log').read_text()[-2000:]}")
+                    raise SystemExit(f"parley serve exited:\n{log_path.read_text()[-2000:]}")
                 try:
                     urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1)
                     break
@@ -227,7 +239,8 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
         before, t_before = await asyncio.to_thread(scrape, http), time.monotonic()
         results = [stats for group in await asyncio.gather(*futures) for stats in group]
     after, t_after = await asyncio.to_thread(scrape, http), time.monotonic()
-    served = [r for r in results if not r.refused]
+    served = [r for r in results if not (r.refused or r.timed_out)]
+    reasons = sorted({f"{r.close_code} {r.close_reason}" for r in results if r.refused})
     jitter, delay, lost, sent = [], [], 0, 0
     for r in served:
         # Only the streaming window: output frames that arrived once this client started sending.
@@ -240,7 +253,8 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
     ready = [r.ready_s for r in served if r.ready_s is not None]
     d = {k: after[k] - before[k] for k in after}
     cpu = d["process_cpu_seconds_total"] / (t_after - t_before)
-    return {"clients": clients, "served": len(served), "refused": len(results) - len(served),
+    return {"clients": clients, "served": len(served), "refused": sum(r.refused for r in results),
+            "timed_out": sum(r.timed_out for r in results), "refusals": "; ".join(reasons) or "-",
             "frames_sent": sent, "ready_p50_ms": pct(ready, 50), "ready_max_ms": pct(ready, 100), "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
             "e2e_p50_ms": pct(delay, 50), "e2e_p99_ms": pct(delay, 99), "e2e_probes": len(delay),
             "server_send_delay_mean_ms": 1000 * d["parley_frame_delay_seconds_sum"]
@@ -267,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --spawn: an extra `parley serve` argument (repeat), e.g. --serve-arg=--kv-dtype=fp8")
     p.add_argument("--text-prompt", help="persona every client sends (/api/chat text_prompt; PersonaPlex)")
     p.add_argument("--voice-prompt", help="voice every client asks for (/api/chat voice_prompt; PersonaPlex)")
+    p.add_argument("--serve-log", type=Path, help="with --spawn: write the server's log here (kept after the run)")
     p.add_argument("--echo", action="store_true",
                    help="the server at --url runs the echo checkpoint: measure end-to-end delay by content")
     args = p.parse_args(argv)
     params = {k: v for k, v in (("text_prompt", args.text_prompt), ("voice_prompt", args.voice_prompt)) if v}
     query = "?" + urllib.parse.urlencode(params) if params else ""
     if args.spawn:
-        with spawned_server(args.spawn, args.clients, args.device, args.serve_arg) as url:
+        with spawned_server(args.spawn, args.clients, args.device, args.serve_arg, args.serve_log) as url:
             report = asyncio.run(run_load(url, args.clients, args.duration, echo=args.spawn == "echo" or args.echo,
                                           procs=args.procs, query=query))
     else:
