@@ -1,11 +1,19 @@
 """Admission as slack work: a new session's prompt (PersonaPlex voice + persona) is prefilled
 in chunks sized to each tick's slack, so a long prompt never makes a tick late.
 
-One session is prefilled at a time, in arrival order. A chunk's size comes from the cost
-model's per-frame estimate and the time left; when even `MIN_PREFILL_FRAMES` do not fit,
-that many still run as the tick's first slack item (forced), so admissions always progress.
-A session whose options are refused, or whose prompt raises, fails alone: the engine and
-every other session go on.
+One session is prefilled at a time, in arrival order. Chunks come in size classes
+(`PREFILL_CHUNKS`: 8, 16, ... 256 frames), each with its own cost key, seeded on the engine
+thread before the first tick (`slack_prepare` runs one chunk of each class through the
+backend's `warm_up_prefill`). A chunk is the largest class, up to what the prompt has left,
+whose cost fits the time left. A prompt chunk's cost is far from linear in its frames: an
+eager pass over one row reads every weight and launches the same kernels whatever its length
+(a 7B PersonaPlex prompt of 170 frames costs ~49 ms on an H200, 8 frames nearly as much), so
+a per-frame estimate taken from small chunks planned ~10 frames a tick and spread each
+prompt over ~20 ticks. A class never measured runs on a prediction scaled up linearly from a
+smaller measured class (an upper bound when cost grows at most linearly). When no class
+fits, `MIN_PREFILL_FRAMES` still run as the tick's first slack item (forced), so admissions
+always progress. A session whose options are refused, or whose prompt raises, fails alone:
+the engine and every other session go on.
 """
 
 from __future__ import annotations
@@ -21,7 +29,16 @@ from .session import Session
 from .slack import CostModel, Priority, SlackSource, WorkItem
 
 MIN_PREFILL_FRAMES = 8  # prompt frames a tick runs at least, so admissions progress
-PREFILL_KEY = ("prefill",)  # one per-frame cost for every chunk size (a conservative maximum)
+PREFILL_CHUNKS = (8, 16, 32, 64, 128, 256)  # chunk size classes (frames), one cost key each
+
+
+def chunk_class(frames: int) -> int:
+    """The class a chunk of `frames` frames is costed under: the smallest holding it."""
+    return next((c for c in PREFILL_CHUNKS if c >= frames), PREFILL_CHUNKS[-1])
+
+
+def prefill_key(frames: int) -> tuple:
+    return ("prefill", chunk_class(frames))
 
 
 @dataclass
@@ -37,8 +54,10 @@ class PrefillSource(SlackSource):
     priority = Priority.PREFILL
 
     def __init__(self, backend: FrameBackend, scheduler: Scheduler, metrics: EngineMetrics,
-                 ready: Callable[[Session], None], failed: Callable[[Session, Exception], None]) -> None:
+                 ready: Callable[[Session], None], failed: Callable[[Session, Exception], None],
+                 now: Callable[[], float] = time.perf_counter) -> None:
         self._backend = backend
+        self._now = now  # the engine clock's (the chunk costs it seeds are compared with its deadlines)
         self._scheduler = scheduler
         self._metrics = metrics
         self._ready = ready  # the session's prompt is done: it goes live at the next tick
@@ -50,23 +69,49 @@ class PrefillSource(SlackSource):
         """A prompt is being prefilled or waits for it: a session is about to go live."""
         return self._current is not None or self._scheduler.has_admissions()
 
+    def slack_prepare(self, costs: CostModel) -> None:
+        """Seed every chunk class's cost (run twice on the engine thread, the second kept); a
+        backend without prompts runs none."""
+        for frames in PREFILL_CHUNKS:
+            spent = None
+            for _ in range(2):
+                start = self._now()
+                ran = self._backend.warm_up_prefill((frames,))
+                self._backend.synchronize()
+                spent = self._now() - start
+            if ran:
+                costs.seed(prefill_key(frames), spent)
+
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
         pending = self._pending()
         if pending is None:
             return None
         frames_left = pending.job.frames_left
-        forced = False
-        if left_s is None:
-            frames = frames_left
-        else:
-            per_frame = costs.estimate(PREFILL_KEY)
-            frames = 0 if per_frame is None else int(left_s / max(per_frame, 1e-9))
-            if frames < MIN_PREFILL_FRAMES:
-                frames, forced = MIN_PREFILL_FRAMES, True
-            frames = min(frames, frames_left)
-        return WorkItem(key=PREFILL_KEY, units=frames, forced=forced,
+        frames, forced, predicted = min(frames_left, PREFILL_CHUNKS[-1]), False, None
+        if left_s is not None:
+            frames, predicted = self._plan(frames_left, left_s, costs)
+            if frames == 0:
+                frames, forced = min(MIN_PREFILL_FRAMES, frames_left), True
+        return WorkItem(key=prefill_key(frames), forced=forced, predicted_s=predicted,
                         run=lambda: self._run_chunk(pending, frames),
                         fail=lambda exc: self._fail(pending.session, exc))
+
+    @staticmethod
+    def _plan(frames_left: int, left_s: float, costs: CostModel) -> tuple[int, float | None]:
+        """(frames, prediction): the largest class, up to the one holding `frames_left`, whose
+        estimate (or, never measured, its prediction) fits in `left_s`; (0, None) if none does."""
+        top = chunk_class(frames_left)
+        classes = [c for c in PREFILL_CHUNKS if c <= top]
+        known = {c: costs.estimate(("prefill", c)) for c in classes}
+        for c in reversed(classes):
+            estimate, predicted = known[c], None
+            if estimate is None:  # scaled up from the smaller measured classes: take the tightest
+                bounds = [e * c / k for k, e in known.items() if k < c and e is not None]
+                predicted = min(bounds, default=None)
+            cost = estimate if estimate is not None else predicted
+            if cost is not None and cost <= left_s:
+                return min(c, frames_left), predicted
+        return 0, None
 
     def _pending(self) -> _Prefilling | None:
         """The prompt to work on next; sessions with nothing (left) to prefill go live here."""

@@ -155,6 +155,10 @@ class FrameBackend(Protocol):
         """Check the options and plan the row's prompt (voice, persona); SessionRejected if they
         cannot be served. Once the job has run, the row's next step is the live conversation."""
 
+    def warm_up_prefill(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
+        """Run one prompt chunk of each size on an idle row and leave no trace (kernels loaded, a
+        cost to measure); returns the sizes run: none on a model without prompts."""
+
     def text_piece(self, token: int) -> str:
         """The text a token adds to the transcript ("" for padding)."""
 
@@ -311,17 +315,21 @@ class ModelBackend:
             return self._side_work(latent, live)
 
     @torch.no_grad()
-    def warm_up_prefill(self, chunks: tuple[int, ...] = PREFILL_WARMUP_FRAMES) -> None:
-        """Run the prompt path once per chunk-size class on row 0, then reset it, so the first
-        session's prefill does not pay for loading kernels and picking matmul algorithms (0.15-1.2 s
-        on an H200), which would make the tick it runs in late."""
+    def warm_up_prefill(self, chunks: tuple[int, ...] = PREFILL_WARMUP_FRAMES) -> tuple[int, ...]:
+        """Run the prompt path once per chunk size on row 0, then reset it, so the first session's
+        prefill does not pay for loading kernels and picking matmul algorithms (0.15-1.2 s on an
+        H200), which would make the tick it runs in late; the engine also times these chunks to
+        seed its chunk costs (engine/admission.py). Moshi takes no prompt: nothing runs."""
+        if self.checkpoint.model_type != "personaplex":
+            return ()
+        ran = tuple(frames for frames in chunks if frames <= self.cfg.context)
         initial = self._gen.initial[None]  # [1, n_q + 1]
-        for frames in chunks:
-            if frames <= self.cfg.context:
-                self._gen.prefill(self._lm_state, 0, self._gen.embed_frames(initial.expand(frames, -1)))
-                self.reset_rows(rows_mask(self.max_sessions, [0]))
+        for frames in ran:
+            self._gen.prefill(self._lm_state, 0, self._gen.embed_frames(initial.expand(frames, -1)))
+            self.reset_rows(rows_mask(self.max_sessions, [0]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        return ran
 
     def bucket(self, live_mask: torch.Tensor) -> int:
         """The rows a tick with this host live mask runs: the smallest bucket holding every live row."""

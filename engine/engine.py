@@ -85,7 +85,8 @@ class Engine:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
         self._prefill = PrefillSource(backend, self._scheduler, self.metrics,
-                                      ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed)
+                                      ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed,
+                                      now=self._clock.now)
         self._slack.add_source(self._prefill)
         self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
 
@@ -256,8 +257,10 @@ class Engine:
         self._serve(max_ticks=n)
 
     def _serve(self, max_ticks: int | None = None) -> None:
-        # Sources measure their work on this thread before the first tick (slack.py rule 2).
-        self._guarded(self._slack.prepare_sources)
+        # Sources measure their work on this thread before the first tick (slack.py rule 2), once:
+        # serve_ticks may resume a clock already running, whose next boundary would not wait.
+        if self._clock.next_boundary() is None:
+            self._guarded(self._slack.prepare_sources)
         ticks = 0
         while (max_ticks is None or ticks < max_ticks) and self._healthy and \
                 self._clock.wait(self._stop, idle=self._idle_slack):

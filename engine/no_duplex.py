@@ -29,6 +29,9 @@ class NoDuplexBackend:
     def start_prefill(self, row: int, options: SessionOptions):
         raise SessionRejected(NO_DUPLEX_REASON)
 
+    def warm_up_prefill(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
+        return ()
+
     def text_piece(self, token: int) -> str:
         return ""
 

@@ -107,6 +107,17 @@ class DelayBackend:
         self._maybe_fail(row, "start")
         return _DelayPrompt(self, row, options)
 
+    def warm_up_prefill(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
+        """Runs the sizes a prompt here can have (up to `prompt_frames`), costing what live chunks
+        cost (`on_prefill` with row -1, `prefill_seconds`); records nothing."""
+        ran = tuple(n for n in chunks if n <= self.prompt_frames)
+        for n in ran:
+            if self.on_prefill is not None:
+                self.on_prefill(-1, n)
+            if self.prefill_seconds:
+                time.sleep(self.prefill_seconds * n / self.prompt_frames)
+        return ran
+
     def text_piece(self, token: int) -> str:
         return "" if token == 0 else f"<{token}>"
 

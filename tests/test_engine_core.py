@@ -22,7 +22,9 @@ from parley.engine import (
     Engine, EngineClosed, EngineConfig, EngineFull, FrameOut, InputError, OptionsError,
     OutputStream, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal, TickClock,
 )
+from parley.engine.admission import PrefillSource, prefill_key
 from parley.engine.input_buffer import InputBuffer
+from parley.engine.slack import CostModel
 from parley.engine.testing import DelayBackend, FakeTime
 from parley.models.config import FRAME_SAMPLES
 
@@ -372,6 +374,50 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_making_any_tick_late():
     assert engine.counters()["late_ticks"] == 0
     assert len(frames_of(talker.events.drain())) == 8  # a frame every tick while the newcomer prefilled
     engine.shutdown()
+
+
+def test_a_prompt_whose_chunk_cost_is_flat_runs_in_the_largest_chunks_that_fit():
+    """Eager prefill of one row is launch-bound: on an H200 a 7B prompt chunk costs about the
+    same at 8 or 170 frames. Each chunk size class is costed on its own (seeded before the first
+    tick), so a 170-frame prompt at 40 ms a chunk runs as 128 + 42 frames over two ticks, not
+    ~10 frames a tick as a per-frame estimate from small chunks would plan; no tick is late."""
+    fake = FakeTime()
+
+    def on_step(i, frames, mask):
+        fake.t += 0.02
+
+    def on_prefill(row, frames):
+        fake.t += 0.04
+
+    backend = DelayBackend(2, prompt_frames=170, on_step=on_step, on_prefill=on_prefill)
+    engine = Engine(backend, clock=TickClock(0.08, now=fake.now, sleep=fake.sleep))
+
+    async def main():
+        talker = engine.open_nowait(SessionOptions())
+        engine.serve_ticks(4)
+        await asyncio.sleep(0)  # the ready callback, set from the ticks, runs
+        assert talker.ready.done()  # (a wait here would hang the test if it were not)
+        talker.push_audio(signal(0, 8))
+        newcomer = engine.open_nowait(SessionOptions())
+        engine.serve_ticks(4)
+        await asyncio.sleep(0)
+        assert newcomer.ready.done()  # live within the four ticks
+        return newcomer
+
+    newcomer = asyncio.run(main())
+    assert [n for row, n in backend.prefill_chunks if row == newcomer.row] == [128, 42]
+    assert engine.counters()["late_ticks"] == 0
+    engine.shutdown()
+
+
+def test_a_chunk_class_never_measured_runs_on_a_linear_prediction_from_smaller_ones():
+    costs = CostModel()
+    costs.seed(prefill_key(8), 0.010)
+    costs.seed(prefill_key(16), 0.012)
+    assert PrefillSource._plan(30, 0.030, costs) == (30, pytest.approx(0.024))  # class 32: min(4 x 10, 2 x 12 ms)
+    assert PrefillSource._plan(30, 0.020, costs) == (16, None)  # the prediction does not fit; 16 is measured
+    assert PrefillSource._plan(30, 0.005, costs) == (0, None)  # nothing fits: the caller forces a minimum chunk
+    assert PrefillSource._plan(5, 0.030, costs) == (5, None)  # a short rest runs under the smallest class
 
 
 # ---------------------------------------------------------------- failure
