@@ -389,8 +389,9 @@ def assert_close_bf16(ours: torch.Tensor, reference: torch.Tensor, what: str) ->
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["sd", "sd3"])
 def test_graphed_steps_with_speed_up_equal_eager_plain_ones_in_bf16_on_the_gpu(family):
-    """What the loader applies on CUDA (channels_last, fused QKV), captured in the queue's CUDA
-    graphs, computes what the plain eager components do, within bf16 tolerance."""
+    """Everything `speed_up` can apply (fused QKV, the loader's CUDA default, and channels_last),
+    captured in the queue's CUDA graphs, computes what the plain eager components do, within bf16
+    tolerance."""
     plain = stepper_for(tiny_pipeline(family).to("cuda", torch.bfloat16))
     fast_pipe = tiny_pipeline(family).to("cuda", torch.bfloat16)  # the same seed: the same weights
     applied = speed_up(fast_pipe)
