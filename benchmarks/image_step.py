@@ -2,8 +2,8 @@
 
 SD-1.5 shapes with random bf16 weights (diffusion_interference.py's builder), one copy per
 variant of `speed_up` (models/image_pipeline.py): plain, channels_last (UNet and VAE weights
-NHWC), fused_qkv (one GEMM for Q, K and V), both (the loader's default on CUDA today:
-CUDA_SPEEDUPS there, to change if these figures favour another variant). Each
+NHWC), fused_qkv (one GEMM for Q, K and V; the loader's default on CUDA, `CUDA_SPEEDUPS`
+there, chosen by these figures), both. Each
 variant's items run as the engine runs them: the image queue's warm-up captures its CUDA
 graphs, then per size the median of `--replays` calls, timed with CUDA events, of
 
@@ -33,6 +33,7 @@ from parley.models.image_pipeline import ImageStepper, speed_up, stepper_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diffusion_interference import image_pipe  # noqa: E402
+from profile_frame import graph_ms  # noqa: E402
 
 VARIANTS = {"plain": {"channels_last": False, "fused_qkv": False},
             "channels_last": {"channels_last": True, "fused_qkv": False},
@@ -41,22 +42,17 @@ VARIANTS = {"plain": {"channels_last": False, "fused_qkv": False},
 
 
 def median_ms(fn, replays: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of `replays` calls after `warmup` (CUDA events on the GPU)."""
+    """Median milliseconds of `replays` calls after `warmup` (CUDA events on the GPU, as
+    profile_frame.py times its graphs; the host clock for the CPU smoke run)."""
+    if cuda:
+        return graph_ms(fn, (), replays, warmup)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(replays):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 

@@ -73,7 +73,6 @@ class PrefillSource(SlackSource):
         """Seed every chunk class's cost (run twice on the engine thread, the second kept); a
         backend without prompts runs none."""
         for frames in PREFILL_CHUNKS:
-            spent = None
             for _ in range(2):
                 start = self._now()
                 ran = self._backend.warm_up_prefill((frames,))
