@@ -5,13 +5,12 @@ One session is prefilled at a time, in arrival order. Chunks come in size classe
 (`PREFILL_CHUNKS`: 8, 16, ... 256 frames), each with its own cost key, seeded on the engine
 thread before the first tick (`slack_prepare` runs one chunk of each class through the
 backend's `warm_up_prefill`). A chunk is the largest class, up to what the prompt has left,
-whose cost fits the time left. A prompt chunk's cost is far from linear in its frames: an
-eager pass over one row reads every weight and launches the same kernels whatever its length
-(a 7B PersonaPlex prompt of 170 frames costs ~49 ms on an H200, 8 frames nearly as much), so
-a per-frame estimate taken from small chunks planned ~10 frames a tick and spread each
-prompt over ~20 ticks. A class never measured runs on a prediction scaled up linearly from a
-smaller measured class (an upper bound when cost grows at most linearly). When no class
-fits, `MIN_PREFILL_FRAMES` still run as the tick's first slack item (forced), so admissions
+whose cost fits the time left. A chunk's cost is far from linear in its frames (every chunk
+reads every weight; on CUDA a chunk is its class's graph, engine/prompt_prefill.py), so each
+class is costed on its own: one per-frame estimate taken from small chunks planned ~10
+frames a tick and spread each prompt over ~20 ticks. A class never measured runs on a
+prediction scaled up linearly from a smaller measured class (an upper bound when cost grows
+at most linearly). When no class fits, `MIN_PREFILL_FRAMES` still run as the tick's first slack item (forced), so admissions
 always progress. A session whose options are refused, or whose prompt raises, fails alone:
 the engine and every other session go on.
 """
@@ -24,17 +23,12 @@ from typing import Callable
 
 from .backend import FrameBackend, PrefillJob, rows_mask
 from .metrics import EngineMetrics
+from .prompt_prefill import PREFILL_CHUNKS, chunk_class
 from .scheduler import Scheduler
 from .session import Session
 from .slack import CostModel, Priority, SlackSource, WorkItem
 
 MIN_PREFILL_FRAMES = 8  # prompt frames a tick runs at least, so admissions progress
-PREFILL_CHUNKS = (8, 16, 32, 64, 128, 256)  # chunk size classes (frames), one cost key each
-
-
-def chunk_class(frames: int) -> int:
-    """The class a chunk of `frames` frames is costed under: the smallest holding it."""
-    return next((c for c in PREFILL_CHUNKS if c >= frames), PREFILL_CHUNKS[-1])
 
 
 def prefill_key(frames: int) -> tuple:

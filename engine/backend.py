@@ -43,10 +43,7 @@ from parley.models.voices import PersonaError, VoicePrompt, list_voices, load_vo
 
 from .config import SamplingOptions, SessionOptions
 from .cuda_graph import CUDAGraphRunner
-
-
-# Prompt chunk lengths the warm-up runs at start (the engine sizes chunks to each tick's slack).
-PREFILL_WARMUP_FRAMES = (2, 8, 32, 128)
+from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
 
 
 class RowFailure(Exception):
@@ -169,33 +166,6 @@ class FrameBackend(Protocol):
         """Free device memory. Called once, after the engine thread has stopped."""
 
 
-class PromptPrefill:
-    """A PersonaPlex prompt for one row: its temporal inputs, run through `LMGen.prefill` in
-    chunks (each chunk attends over the ones before, like an LLM prompt in pieces)."""
-
-    def __init__(self, backend: "ModelBackend", row: int, inputs: torch.Tensor | None,
-                 plan: PromptPlan | None) -> None:
-        self._backend, self._row, self._inputs, self._plan = backend, row, inputs, plan
-        self._done = 0
-        self.frames_left = 0 if inputs is None else inputs.shape[0]
-
-    @torch.no_grad()
-    def run(self, max_frames: int | None = None) -> None:
-        n = self.frames_left if max_frames is None else min(max_frames, self.frames_left)
-        if n <= 0:
-            return
-        # Chunks of at least 2 frames: a 1-frame chunk would take the T == 1 decode path, which
-        # is built for whole-batch steps, not for one row's prompt.
-        n = min(self.frames_left, max(n, 2))
-        if self.frames_left - n == 1:
-            n += 1
-        last = n == self.frames_left
-        self._backend.prefill_chunk(self._row, self._inputs[self._done:self._done + n],
-                                    self._plan if last else None)
-        self._done += n
-        self.frames_left -= n
-
-
 class ModelBackend:
     """The real frame: Mimi encode -> LMGen.step -> Mimi decode for `max_sessions` rows.
 
@@ -246,8 +216,6 @@ class ModelBackend:
         self._prompt_user = torch.zeros(b, self.cfg.n_user, dtype=torch.long, device=self.device)
         self._prompt_mask = torch.zeros(b, dtype=torch.bool, device=self.device)
         self._handoff_rows: set[int] = set()  # rows whose handoff frame is still to run
-        if checkpoint.model_type == "personaplex" and self.device.type == "cuda":
-            self.warm_up_prefill()
         if row_buckets is None:
             row_buckets = self.device.type == "cuda"
         self._buckets = bucket_sizes(max_sessions) if row_buckets else [max_sessions]
@@ -265,6 +233,14 @@ class ModelBackend:
                 frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
                 self._graphs[n] = CUDAGraphRunner(self._frames_of[n], (frames, idle, *self._handoff_inputs(n)),
                                                   pool=pool, generators=generators)
+        # PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
+        # graph per chunk class on CUDA; warmed up here so the first session's prompt does not
+        # pay for loading kernels and picking matmul algorithms (0.15-1.2 s on an H200).
+        self._prompts: PromptRunner | None = None
+        if checkpoint.model_type == "personaplex":
+            self._prompts = PromptRunner(self._gen, kv_dtype, graphs=cuda_graphs and self.device.type == "cuda")
+            if self.device.type == "cuda":
+                self._prompts.warm_up(PREFILL_CHUNKS)
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -314,21 +290,13 @@ class ModelBackend:
         with torch.cuda.stream(self._side_stream):
             return self._side_work(latent, live)
 
-    @torch.no_grad()
-    def warm_up_prefill(self, chunks: tuple[int, ...] = PREFILL_WARMUP_FRAMES) -> tuple[int, ...]:
-        """Run the prompt path once per chunk size on row 0, then reset it, so the first session's
-        prefill does not pay for loading kernels and picking matmul algorithms (0.15-1.2 s on an
-        H200), which would make the tick it runs in late; the engine also times these chunks to
-        seed its chunk costs (engine/admission.py). Moshi takes no prompt: nothing runs."""
-        if self.checkpoint.model_type != "personaplex":
+    def warm_up_prefill(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
+        """Run one prompt chunk of each length and forget it (the engine times these to seed its
+        chunk costs, engine/admission.py). Moshi takes no prompt: nothing runs."""
+        if self._prompts is None:
             return ()
-        ran = tuple(frames for frames in chunks if frames <= self.cfg.context)
-        initial = self._gen.initial[None]  # [1, n_q + 1]
-        for frames in ran:
-            self._gen.prefill(self._lm_state, 0, self._gen.embed_frames(initial.expand(frames, -1)))
-            self.reset_rows(rows_mask(self.max_sessions, [0]))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        ran = self._prompts.warm_up(chunks)
+        self.synchronize()
         return ran
 
     def bucket(self, live_mask: torch.Tensor) -> int:
@@ -390,7 +358,7 @@ class ModelBackend:
         if self.checkpoint.model_type != "personaplex":
             if options.voice or options.persona:
                 raise SessionRejected("this model is Moshi, which takes no voice or persona; leave them out.")
-            return PromptPrefill(self, row, None, None)
+            return PromptPrefill(None, None, None)
         try:
             voice = self._voice(options.voice) if options.voice else None
             plan = build_prompt_frames(self.cfg, voice, persona_tokens(self._tokenizer, options.persona))
@@ -403,16 +371,13 @@ class ModelBackend:
         x = self._gen.embed_frames(plan.prefill_columns.to(self.device))
         if plan.embeddings is not None:
             x = torch.cat([plan.embeddings.to(self.device, dtype), x])
-        return PromptPrefill(self, row, x, plan)
+        return PromptPrefill(self._prompts, x, partial(self._adopt_prompt, row, plan))
 
-    def prefill_chunk(self, row: int, inputs: torch.Tensor, last_of: PromptPlan | None) -> None:
-        """Run `inputs` (the next temporal inputs of `row`'s prompt) through `LMGen.prefill`.
-        `last_of` is the plan when this is its last chunk: the ring then takes the plan's last
-        column and the handoff frame is armed for the row's next tick."""
-        ring_tokens = last_of.ring_tokens if last_of is not None else None
-        self._gen.prefill(self._lm_state, row, inputs, ring_tokens=ring_tokens)
-        if last_of is not None:
-            self._arm_handoff(row, last_of)
+    def _adopt_prompt(self, row: int, plan: PromptPlan, job: PromptPrefill, frames: int) -> None:
+        """`job` ran the whole prompt: the row takes it, its ring the plan's last columns, and its
+        handoff frame is armed for the row's next tick."""
+        self._prompts.adopt(job, self._lm_state, row, frames, plan.ring_tokens)
+        self._arm_handoff(row, plan)
 
     def _arm_handoff(self, row: int, plan: PromptPlan) -> None:
         """The prompt's last frame runs in the row's first tick (see _frame); it outputs the
@@ -457,6 +422,8 @@ class ModelBackend:
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
+        if self._prompts is not None:
+            self._prompts.close()
         self._frames_of.clear()
         self._lm_state = self._mimi_state = None  # type: ignore[assignment]
         self.checkpoint = None  # type: ignore[assignment]

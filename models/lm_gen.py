@@ -7,6 +7,7 @@
     gen.reset(state, mask[B])
     state.set_sampling(mask[B], text_temp=..., text_topk=..., audio_temp=..., audio_topk=...)
     x = gen.embed_frames(tokens[T, n_q + 1]);  gen.prefill(state, row, x, ring_tokens)
+    prompt = gen.prompt_state();  gen.model.transformer(x[None], prompt);  gen.adopt_prompt(state, row, prompt, T, ring_tokens)
 
 Semantics are moshi 0.2.13 `LMGen._step`, made per row (every row has its own offset, so a row
 can start, reset or pause while the others run) and free of host syncs:
@@ -212,12 +213,29 @@ class LMGen:
         offset + T, written into the row's ring so that the next `step` reads what stepping would have
         left there (the last column is the next step's input; its user semantic entry is rewritten by
         that step). None leaves the ring "not generated" (-2). The text logits of the prompt are
-        not used, so they are not sampled. The caller keeps T <= the transformer context; a prompt
+        not used, so they are not computed. The caller keeps T <= the transformer context; a prompt
         prefilled when the window is already full would lose a few keys (see transformer.py).
         """
-        T = embeddings.shape[0]
-        self.model.temporal(embeddings[None], state.transformer.row(row))
-        state.offsets[row] += T
+        self.model.transformer(embeddings[None], state.transformer.row(row))
+        self._prefilled(state, row, embeddings.shape[0], ring_tokens)
+
+    def prompt_state(self, kv_dtype: torch.dtype | None = None) -> TransformerState:
+        """A batch-of-one temporal state to run a prompt on apart from the live rows (fixed
+        addresses, so the passes can be CUDA graphs): `self.model.transformer(x[1, T, dim], it)`
+        from position 0, chunk after chunk, then `adopt_prompt` hands it to a row."""
+        return self.model.transformer.init_state(1, kv_dtype=kv_dtype)
+
+    @torch.no_grad()
+    def adopt_prompt(self, state: LMGenState, row: int, prompt: TransformerState, frames: int,
+                     ring_tokens: torch.Tensor | None = None) -> None:
+        """Row `row` (just reset) takes the first `frames` frames of a prompt run on `prompt` (see
+        `prompt_state`): the state `prefill` of those frames, with these ring tokens, leaves."""
+        state.transformer.adopt_prefix(row, prompt, frames)
+        self._prefilled(state, row, frames, ring_tokens)
+
+    def _prefilled(self, state: LMGenState, row: int, frames: int, ring_tokens: torch.Tensor | None) -> None:
+        """The row's offset and token ring after `frames` prompt frames (see `prefill`)."""
+        state.offsets[row] += frames
         ring = state.ring[row]
         ring.fill_(UNGENERATED_TOKEN)
         if ring_tokens is not None:

@@ -195,6 +195,24 @@ class TransformerState:
         self.pos.zero_()
         self.slot_pos.fill_(-1)
 
+    def adopt_prefix(self, row: int, source: "TransformerState", frames: int) -> None:
+        """Row `row` takes positions 0 .. frames - 1 from row 0 of `source`, a state of the same
+        shapes whose row 0 ran a prompt from position 0 (so slot == position): those slots' keys
+        and values (and fp8 scales), then positions `frames` on are empty, as if the row itself
+        had run the prompt. What `source` holds past `frames` (padding) is not taken."""
+        capacity = self.slot_pos.shape[1]
+        if not 0 < frames <= capacity:
+            raise ValueError(f"a prefix of {frames} frames does not fit a ring of {capacity} slots")
+        mine, theirs = self.keys + self.values, source.keys + source.values
+        if self.key_scales is not None:
+            mine = mine + self.key_scales + self.value_scales
+            theirs = theirs + source.key_scales + source.value_scales
+        for dst, src in zip(mine, theirs):
+            dst[row, :, :frames].copy_(src[0, :, :frames])
+        slots = torch.arange(capacity, device=self.slot_pos.device)
+        self.slot_pos[row] = torch.where(slots < frames, slots, -1)
+        self.pos[row] = frames
+
     def row(self, index: int) -> "TransformerState":
         """A batch-of-one view of row `index`; in-place updates through it land in this state."""
         sl = slice(index, index + 1)
