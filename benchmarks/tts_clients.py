@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx2 as httpx  # the HTTP client the pinned openai SDK ships on
 
 SCRIPT = Path(__file__).resolve()
+MAX_LINE_BYTES = 1 << 24  # the outcomes line: ~300 bytes a failed request (asyncio's default is 64 KiB)
 EXIT_GRACE_S = 30.0  # past the last request's own deadline, before the parent gives up on the child
 
 
@@ -91,7 +92,8 @@ class ClientProcess:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(SCRIPT), "--url", url, "--voices", ",".join(voices), "--text", text,
             "--streams", str(streams), "--stagger", repr(stagger_s), "--request-timeout", repr(timeout_s),
-            "--progress", repr(progress_s), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            "--progress", repr(progress_s), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            limit=MAX_LINE_BYTES)
         self = cls(proc, streams, (streams - 1) * stagger_s + timeout_s + EXIT_GRACE_S)
         try:
             message = await asyncio.wait_for(self._message(), 120)
