@@ -27,6 +27,14 @@ requests (pcm, read as fast as they come) and prints:
 - under each TTS row, where its slack went: items, ms per item and the estimate per TTS item key
   (admit; text and full steps per row bucket, e.g. `full/4`: a full step over the lowest 4 rows).
 
+By default the HTTP clients run in a process of their own (benchmarks/tts_clients.py, started
+before each case's measuring window), so this process holds only the server's work (uvicorn,
+the engine, the feeder standing in for the edge's duplex input): real clients are remote, and
+every byte a client here reads is Python work that competes with the engine thread for the GIL
+(each torch call on the engine thread releases and retakes it), which shows in the duplex frame's
+p99 under many streams. `--clients-in-process` runs them on this process's loop instead, to show
+what client work in the server's process costs. `--delivery direct` is in-process by definition.
+
 With `--reference`, the reference `moshi.models.tts.TTSModel` runs on the very same weight
 tensors, batched as Kyutai's server batches it (all rows start together, one `LMGen.step` per
 frame for the batch, Mimi decode per frame): time to the first audio frame and x real time,
@@ -57,6 +65,7 @@ from frame_setup import bench_checkpoint, random_models  # noqa: E402
 
 import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK ships on)
 import uvicorn  # noqa: E402
+from tts_clients import ClientProcess, failure_summary, gather_requests, one_request  # noqa: E402
 
 from parley.engine import Engine  # noqa: E402
 from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
@@ -183,28 +192,6 @@ def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str,
-                      delay_s: float = 0.0, received: list[int] | None = None,
-                      index: int = 0) -> tuple[float, float, float]:
-    """(ttfb_s, audio_s, total_s), the request sent after `delay_s`; `received[index]` follows the
-    bytes so far (for --progress)"""
-    await asyncio.sleep(delay_s)
-    start = time.perf_counter()
-    first = None
-    size = 0
-    async with client.stream("POST", f"{url}/v1/audio/speech",
-                             json={"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
-        async for chunk in r.aiter_bytes():
-            if first is None and chunk:
-                first = time.perf_counter() - start
-            size += len(chunk)
-            if received is not None:
-                received[index] = size
-    return first or float("nan"), size / 2 / 24000, time.perf_counter() - start
-
-
 async def one_direct_request(service: SpeechService, voice: str, text: str, delay_s: float = 0.0,
                              received: list[int] | None = None, index: int = 0) -> tuple[float, float, float]:
     """As `one_request`, but submitted to the pool and read from its stream on this loop, with
@@ -293,30 +280,38 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
             await asyncio.sleep(0.08)
 
     feeder = asyncio.create_task(feed())
-    await asyncio.sleep(args.settle)
-    timed.times.clear()
-    before = engine.counters()
-    gc_before = FULL_COLLECTIONS.snapshot()
-    results = []
-    received = [0] * streams  # bytes each client has read so far
-    reporter = (asyncio.create_task(report_progress(engine, pool, args.progress, received))
-                if args.progress else None)
-    if streams:
-        async with httpx.AsyncClient(timeout=args.request_timeout) as client:
-            def request(i: int):
-                voice, delay = store.names()[i % len(store.names())], i * args.stagger
-                if args.delivery == "direct":
-                    return one_direct_request(service, voice, args.text, delay, received, i)
-                return one_request(client, url, voice, args.text, delay, received, i)
-            outcomes = await asyncio.gather(*[asyncio.wait_for(request(i), i * args.stagger + args.request_timeout)
-                                              for i in range(streams)], return_exceptions=True)
-        results = [r for r in outcomes if not isinstance(r, BaseException)]
-        failures = [r for r in outcomes if isinstance(r, BaseException)]
-        if failures:  # said, not hidden: the figures below are over the requests that completed
-            kinds = sorted({f"{type(f).__name__}: {str(f) or f'over {args.request_timeout:g} s'}"[:160] for f in failures})
-            print(f"    {len(failures)} of {streams} requests failed: " + "; ".join(kinds), flush=True)
-    else:
-        await asyncio.sleep(args.idle_seconds)
+    clients = None
+    try:
+        if streams and args.delivery == "http" and not args.clients_in_process:  # started before the window
+            clients = await ClientProcess.start(url, store.names(), args.text, streams, args.stagger,
+                                                args.request_timeout, args.progress)
+        await asyncio.sleep(args.settle)
+        timed.times.clear()
+        before = engine.counters()
+        gc_before = FULL_COLLECTIONS.snapshot()
+        outcomes = []
+        received = [0] * streams  # bytes each client has read so far
+        reporter = (asyncio.create_task(report_progress(engine, pool, args.progress, received))
+                    if args.progress else None)
+        if clients is not None:
+            outcomes = await clients.run(received)
+        elif streams:
+            async with httpx.AsyncClient(timeout=args.request_timeout) as client:
+                def request(i: int):
+                    voice, delay = store.names()[i % len(store.names())], i * args.stagger
+                    if args.delivery == "direct":
+                        return one_direct_request(service, voice, args.text, delay, received, i)
+                    return one_request(client, url, voice, args.text, delay, received, i)
+                outcomes = await gather_requests(request, streams, args.stagger, args.request_timeout)
+        else:
+            await asyncio.sleep(args.idle_seconds)
+    finally:
+        if clients is not None:
+            await clients.close()
+    results = [(o["ttfb_s"], o["audio_s"], o["total_s"]) for o in outcomes if "error" not in o]
+    failures = failure_summary(outcomes)
+    if failures:  # said, not hidden: the figures below are over the requests that completed
+        print(f"    {failures}", flush=True)
     stop.set()
     await feeder
     if reporter is not None:
@@ -396,6 +391,10 @@ def main() -> None:
                         help="http: real HTTP clients (the figures to quote); direct: the requests go to the "
                         "pool and are read from its streams on the benchmark's loop, no HTTP server work (so "
                         "the difference is what the edge costs); or both, e.g. http,direct")
+    parser.add_argument("--clients-in-process", action="store_true",
+                        help="--delivery http: run the HTTP clients on this process's loop, beside the server, "
+                        "instead of in their own process (the default: real clients are remote, and their "
+                        "Python work here competes with the engine thread for the GIL); shows what that costs")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a TTS request may take before it counts as failed")
     parser.add_argument("--progress", type=float, default=0.0,
@@ -403,7 +402,8 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="measuring time of the 0-stream cases")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the run, in seconds (default: Python's, 0.005): how long "
-                        "the engine thread may wait for the GIL while the HTTP threads run")
+                        "the engine thread may wait for the GIL while the server's HTTP thread (and with "
+                        "--clients-in-process the clients) run")
     parser.add_argument("--slots", type=int, default=None,
                         help="TTS pool rows (default: each case's stream count); at least the largest --streams")
     args = parser.parse_args()
@@ -417,6 +417,10 @@ def main() -> None:
         parser.error(f"--slots {args.slots} cannot hold {max(streams_list)} streams")
     if not set(deliveries) <= {"http", "direct"}:
         parser.error(f"--delivery {args.delivery!r}: expected http, direct or both")
+    if args.request_timeout <= 0 or args.stagger < 0 or args.progress < 0:
+        parser.error("--request-timeout must be positive, --stagger and --progress not negative")
+    if args.clients_in_process and "http" not in deliveries:
+        parser.error("--clients-in-process applies to --delivery http (direct runs in-process by definition)")
     if args.device == "cpu":
         torch.set_num_threads(1)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -440,7 +444,8 @@ def main() -> None:
                 print(f"| {streams} | {r['first_audio_ms']:.0f} | {r['xrt_median']:.2f} |", flush=True)
         print()
     print(f"TTS {args.shapes} ({sum(p.numel() for p in models[3].parameters()) / 1e6:.0f}M params) on {args.device}, "
-          f"duplex backend {args.duplex}, GIL switch interval {sys.getswitchinterval() * 1000:g} ms")
+          f"duplex backend {args.duplex}, GIL switch interval {sys.getswitchinterval() * 1000:g} ms, HTTP clients "
+          + ("in the server's process" if args.clients_in_process else "in their own process"))
     print("| delivery | TTS streams | duplex sessions | TTFB p50 / p99 (ms) | x real time (median, min) | "
           "duplex frame p50 / p99 (ms) | late ticks | slack items past the boundary | TTS steps | starved | forced | "
           "full GCs (longest ms) |")

@@ -43,13 +43,19 @@ CPU_CASES = {
     "tts_load": (  # --duplex tiny: the --duplex 7b path (Checkpoint, tokenizer, ModelBackend) at tiny shapes
         "tts_load.py", ["--shapes", "tiny", "--duplex", "tiny", "--streams", "1", "--sessions", "1",
                         "--device", "cpu", "--settle", "0.2", "--idle-seconds", "0.3", "--reference",
-                        "--text", "Good morning.", "--delivery", "http,direct", "--slots", "2"],
+                        "--text", "Good morning.", "--delivery", "http,direct", "--slots", "2", "--progress", "0.1"],
         [r"\| reference TTSModel streams \| first audio \(ms\) \| x real time \(median\) \|",
-         r"^\| 1 \| \d+ \| \d+\.\d\d \|$", r"duplex backend tiny",
+         r"^\| 1 \| \d+ \| \d+\.\d\d \|$",
+         r"duplex backend tiny, .*HTTP clients in their own process$",  # the default: tts_clients.py as a child
          r"\| delivery \| TTS streams \| duplex sessions \| TTFB p50 / p99 \(ms\)", r"\| - \| 0 \| 1 \| nan / nan \|",
          r"\| http \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|",
          r"\| direct \| 1 \| 1 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|",
-         r"slack by item: .*full/2 \d+ x \d+\.\d ms"]),  # --slots 2: one stream in a 2-row pool
+         r"slack by item: .*full/2 \d+ x \d+\.\d ms",  # --slots 2: one stream in a 2-row pool
+         r"\d s: live \d, .*clients received \d+\.\d - \d+\.\d s of audio"]),  # --progress
+    "tts_load_clients_in_process": (  # the HTTP clients on the benchmark's loop, beside the server (8 s)
+        "tts_load.py", ["--shapes", "tiny", "--duplex", "none", "--streams", "1", "--sessions", "0", "--device", "cpu",
+                        "--settle", "0.1", "--idle-seconds", "0.1", "--text", "Hi.", "--clients-in-process"],
+        [r"HTTP clients in the server's process$", r"\| http \| 1 \| 0 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|"]),
     "admission_ops": ("admission_ops.py", [], [r"TtsPool\._load_row: \d+ top-level aten ops",
                                               r"TtsGen\.begin: \d+ top-level aten ops"]),
     "stt": (
@@ -127,7 +133,8 @@ def test_other_benchmarks_import() -> None:
 def test_every_benchmark_is_covered() -> None:
     """A new benchmark script must be added here (run on CPU, or imported and run under `gpu`)."""
     covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY)
-    scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py"}  # frame_setup: a helper module
+    # helper modules: frame_setup (shapes and checkpoints), tts_clients (tts_load's HTTP client process)
+    scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py"}
     assert scripts <= covered, f"benchmarks not smoke-tested: {sorted(scripts - covered)}"
 
 
