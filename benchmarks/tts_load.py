@@ -159,6 +159,7 @@ class TimedBackend:
     def __init__(self, backend) -> None:
         self._backend = backend
         self.times: list[float] = []
+        self.starts: list[float] = []  # perf_counter at each timed step (where the slow ones fell)
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
@@ -168,6 +169,7 @@ class TimedBackend:
         out = self._backend.step(frames, live_mask)
         self._backend.synchronize()
         self.times.append(time.perf_counter() - start)
+        self.starts.append(start)
         return out
 
     def close(self) -> None:
@@ -217,6 +219,7 @@ async def one_direct_request(service: SpeechService, voice: str, text: str, dela
 async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams: int, sessions: int) -> dict:
     cfg, _, _, lm, mimi = models
     timed.times.clear()
+    timed.starts.clear()
     engine = Engine(timed)
     pool = TtsPool(lm, mimi, args.slots or max(streams, 1), voice_frames=args.voice_frames)
     store = VoiceStore.open(voices_dir, VOICE_SUFFIX, cfg.speaker.dim)
@@ -287,6 +290,8 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
                                                 args.request_timeout, args.progress)
         await asyncio.sleep(args.settle)
         timed.times.clear()
+        timed.starts.clear()
+        window_start = time.perf_counter()
         before = engine.counters()
         gc_before = FULL_COLLECTIONS.snapshot()
         outcomes = []
@@ -326,6 +331,9 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
         "xrt_median": statistics.median(r[1] / r[2] for r in results) if results else float("nan"),
         "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
         "frame_p50": percentile(frame_ms, 50), "frame_p99": percentile(frame_ms, 99),
+        # frames 3 ms over the median: (seconds into the window, ms), to place a spike against the requests
+        "slow": [(t0 - window_start, ms) for t0, ms in zip(timed.starts, frame_ms)
+                 if ms > percentile(frame_ms, 50) + 3],
         "late_ticks": engine.counters()["late_ticks"] - before["late_ticks"],
         # slack items that ended after the next boundary: a late tick with none was not theirs
         "past_boundary": engine.counters()["slack_past_boundary"] - before["slack_past_boundary"],
@@ -465,6 +473,9 @@ def main() -> None:
                       f"{r['xrt_median']:.2f} / {r['xrt_min']:.2f} | {r['frame_p50']:.2f} / {r['frame_p99']:.2f} | "
                       f"{r['late_ticks']} | {r['past_boundary']} | {r['tts_steps']} | {r['starved']} | {r['forced']} | "
                       f"{r['gc_full']} ({r['gc_max_ms']:.1f}) |", flush=True)
+                if r["slow"]:
+                    print(f"    {len(r['slow'])} frames 3 ms over the median, at (s into the window, ms): "
+                          + ", ".join(f"{t:.2f} {ms:.1f}" for t, ms in r["slow"][:12]))
                 if r["slack"]:
                     print("    slack by item: " + ", ".join(f"{kind} {n} x {ms:.1f} ms (est {est:.1f})"
                                                         for kind, (n, ms, est) in sorted(r["slack"].items())))
