@@ -47,7 +47,7 @@ from .realtime_endpoint import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager
-from .speech_api import SpeechService, speech_routes, warm_request
+from .speech_api import SpeechService, speech_routes
 from .transcriptions import transcriptions_endpoint
 
 log = logging.getLogger("parley.app")
@@ -101,8 +101,6 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
         await codec.start()  # worker processes start on the server's loop, before any session
         if start_engine:
             engine.start()
-            if speech is not None:  # the first request's one-off costs, before any session is live
-                await warm_request(speech)
         try:
             yield
         finally:

@@ -146,31 +146,6 @@ def build_request(service: SpeechService, params: SpeechParams) -> tuple[TtsRequ
     return request, sum(len(e.tokens) for e in entries)
 
 
-WARM_TEXT = "Hello there."
-
-
-async def warm_request(service: SpeechService, timeout_s: float = 60.0) -> None:
-    """One short request through the whole path (parse, build, the pool's admission and steps
-    with a live row, the output stream), run at start before the server takes traffic: on an
-    H200 the first TTS request in a process made one duplex frame 42 ms (median 15) and a tick
-    late, whatever its delivery (benchmarks/tts_load.py); after it, none did. Raises when it
-    does not complete: the server would only fail its first real request the same way."""
-    params = parse_request({"model": "tts", "input": WARM_TEXT, "voice": service.voices.names()[0],
-                            "response_format": "pcm"}, service.voices)
-    job = service.pool.submit(build_request(service, params)[0], asyncio.get_running_loop())
-
-    async def drain() -> Terminal:
-        async for event in job.stream:
-            if isinstance(event, Terminal):
-                return event
-        return Terminal(Status.FAILED, "the stream ended without a terminal")
-
-    end = await asyncio.wait_for(drain(), timeout_s)
-    if end.status is not Status.COMPLETED:
-        raise RuntimeError(f"the TTS warm-up request ended {end.status.value}: {end.reason}")
-    log.info("TTS warm-up request done (%d frames)", job.frames)
-
-
 def speech_routes(service: SpeechService | None, api_key: str | None = None) -> list[Route]:
     """The routes; with `api_key` (--api-key) both require `Authorization: Bearer <key>`."""
 

@@ -246,15 +246,3 @@ def test_the_dataclass_request_is_greedy_here(tts_dir):
     request, tokens = build_request(service, SpeechParams(TEXT, "alloy", "pcm", 1.0, "audio"))
     assert dataclasses.asdict(request)["text_temperature"] == 0.0
     assert tokens == sum(len(e.tokens) for e in request.entries)
-
-
-def test_the_server_runs_one_warm_request_before_taking_traffic(tts_dir):
-    """The first TTS request's one-off costs are paid at start (speech_api.warm_request), so the
-    pool has completed one request, with audio, by the time the server accepts connections."""
-    service = make_service(tts_dir, slots=1)
-    engine = Engine(DelayBackend(1), EngineConfig(tick_seconds=0.5))
-    engine.add_slack_source(service.pool)
-    app = create_app(engine, info=ServerInfo(model="delay"), codec_workers=0, speech=service)
-    assert service.pool.completed == 0
-    with serve(app):
-        assert service.pool.completed == 1 and service.pool.frames_out > 0 and service.pool.live == 0
