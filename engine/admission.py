@@ -26,7 +26,7 @@ from .metrics import EngineMetrics
 from .prompt_prefill import PREFILL_CHUNKS, chunk_class
 from .scheduler import Scheduler
 from .session import Session
-from .slack import CostModel, Priority, SlackSource, WorkItem
+from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 
 MIN_PREFILL_FRAMES = 8  # prompt frames a tick runs at least, so admissions progress
 
@@ -67,11 +67,8 @@ class PrefillSource(SlackSource):
         """Seed every chunk class's cost (run twice on the engine thread, the second kept); a
         backend without prompts runs none."""
         for frames in PREFILL_CHUNKS:
-            for _ in range(2):
-                start = self._now()
-                ran = self._backend.warm_up_prefill((frames,))
-                self._backend.synchronize()
-                spent = self._now() - start
+            spent, ran = second_call_cost(lambda: self._backend.warm_up_prefill((frames,)),
+                                          self._backend.synchronize, self._now)
             if ran:
                 costs.seed(prefill_key(frames), spent)
 

@@ -54,13 +54,16 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Hashable, TypeVar
 
 import torch
 
 from .stream import Terminal
+
+T = TypeVar("T")
 
 log = logging.getLogger("parley.engine.slack")
 
@@ -118,6 +121,19 @@ class SlackSource:
     def slack_counters(self) -> dict:
         """This source's counters, for /metrics."""
         return {}
+
+
+def second_call_cost(run: Callable[[], T], sync: Callable[[], None] = lambda: None,
+                     now: Callable[[], float] = time.perf_counter) -> tuple[float, T]:
+    """(seconds, result) of the second of two calls of `run`, each followed by `sync` (the device's,
+    so the cost is real): the first pays one-time costs (kernel loading, a thread's first cuBLAS
+    handle), so the second is what a seed should say (rule 2)."""
+    for _ in range(2):
+        start = now()
+        result = run()
+        sync()
+        spent = now() - start
+    return spent, result
 
 
 class CostModel:

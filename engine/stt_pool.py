@@ -41,7 +41,7 @@ from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
 from .backend import bucket_sizes
 from .cuda_graph import CUDAGraphRunner
-from .slack import CostModel, Priority, SlackSource, WorkItem
+from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
 
 def step_key(rows: int) -> tuple:
@@ -487,10 +487,7 @@ class SttPool(SlackSource):
                 self._graphs[n] = CUDAGraphRunner(self._steps[n], (pcm, idle), pool=self._graph_pool,
                                                   generators=(self.gen.generator,))
             step = self._graphs.get(n) or self._steps[n]
-            for _ in range(2):  # the first pays one-time costs; the second is the estimate
-                start = time.perf_counter()
-                step(pcm, idle)[0].cpu()
-                spent = time.perf_counter() - start
+            spent, _ = second_call_cost(lambda: step(pcm, idle)[0].cpu())  # (the copy to the host syncs)
             costs.seed(step_key(n), spent)
 
     def close(self) -> None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
 
 from .backend import bucket_sizes
 from .cuda_graph import CUDAGraphRunner
-from .slack import CostModel, Priority, SlackSource, WorkItem
+from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
 
 log = logging.getLogger("parley.engine.tts")
@@ -275,16 +274,11 @@ class TtsPool(SlackSource):
         work = [(step_key(kind, n), partial(self._run_device, torch.zeros(n, dtype=torch.bool, device=self.device),
                                             kind)) for kind in STEP_KINDS for n in self.buckets]
         work.append((ADMIT_KEY, self._warm_admit))
-        measured = []
-        for key, run in work:
-            for _ in range(2):
-                start = time.perf_counter()
-                run()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                spent = time.perf_counter() - start
-            measured.append((key, spent))
-        return measured
+        return [(key, second_call_cost(run, self._synchronize)[0]) for key, run in work]
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _warm_voices(self) -> tuple[torch.Tensor, ...]:
         cfg = self._gen.lm.cfg

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from parley.engine import Engine, EngineConfig, EngineClosed, SessionOptions, Status
-from parley.engine.slack import STALE_TICKS, CostModel, Priority, SlackRunner, SlackSource, WorkItem
+from parley.engine.slack import STALE_TICKS, CostModel, Priority, SlackRunner, SlackSource, WorkItem, second_call_cost
 from parley.engine.testing import DelayBackend
 
 from test_engine_core import baseline_outputs, frames_of, make_engine, open_ready, signal
@@ -295,3 +295,11 @@ def test_the_cost_model_keeps_a_bounded_number_of_keys_evicting_the_least_recent
     assert costs.estimate("b") is None
     assert [k for k, _ in costs.estimates()] == ["c", "a", "d"]
     assert costs.estimate("a") == pytest.approx(0.01)  # its window survived: second largest of two
+
+
+def test_a_seed_is_the_second_call_s_cost_with_the_sync_inside_it():
+    clock = iter([0.0, 5.0, 10.0, 11.5])  # the first call is cold (5 s), the second 1.5 s
+    calls, syncs = [], []
+    spent, result = second_call_cost(lambda: calls.append(1) or len(calls), lambda: syncs.append(len(calls)),
+                                     lambda: next(clock))
+    assert spent == 1.5 and result == 2 and syncs == [1, 2]
