@@ -24,6 +24,9 @@ requests (pcm, read as fast as they come) and prints:
   objects first, as `parley serve` does);
 - with `--delivery http,direct`, each case also with the requests handed to the pool and read on
   the benchmark's loop, no HTTP server between (what the edge's work costs the duplex frame);
+- under a case, the duplex frames 3 ms over the median with their time into the measuring
+  window, and (CUDA) the caching allocator's cudaMalloc / cudaFree calls and retries during it
+  (places a one-off stall against the requests: the first TTS case of a run has had one);
 - under each TTS row, where its slack went: items, ms per item and the estimate per TTS item key
   (admit; text and full steps per row bucket, e.g. `full/4`: a full step over the lowest 4 rows).
 
@@ -150,6 +153,16 @@ def build_duplex(kind: str, sessions: int, device: str, tokenizer: TextTokenizer
     lm, mimi, lm_cfg, mimi_cfg = random_models(DUPLEX_MODELS[kind], device, default_dtype(device))
     ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg, tokenizer)
     return ModelBackend(ckpt, max(sessions, 1), cuda_graphs=True, seed=0), max(sessions, 1)
+
+
+def device_allocations() -> dict:
+    """The CUDA caching allocator's cudaMalloc / cudaFree calls and failed-then-retried allocations
+    so far (each can stall the thread that allocates; a retry frees every cached block, which
+    synchronises the device); empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
 class TimedBackend:
@@ -294,6 +307,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
         window_start = time.perf_counter()
         before = engine.counters()
         gc_before = FULL_COLLECTIONS.snapshot()
+        alloc_before = device_allocations()
         outcomes = []
         received = [0] * streams  # bytes each client has read so far
         reporter = (asyncio.create_task(report_progress(engine, pool, args.progress, received))
@@ -324,6 +338,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
     frame_ms = [t * 1000 for t in timed.times]
     counters = pool.slack_counters()
     gc_after = FULL_COLLECTIONS.snapshot()
+    allocations = {k: v - alloc_before[k] for k, v in device_allocations().items() if v != alloc_before[k]}
     return {
         "streams": streams, "sessions": sessions,
         "ttfb_p50": percentile([r[0] for r in results], 50) * 1000 if results else float("nan"),
@@ -344,6 +359,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
                                                 (engine.slack_costs.estimate(key) or 0) * 1000)
                   for key, (items, seconds) in engine.slack_by_key().items() if key[0] == "tts" and items},
         "gc_max_ms": gc_after["gc_full_max_seconds"] * 1000,
+        "allocations": allocations,
     }
 
 
@@ -476,6 +492,9 @@ def main() -> None:
                 if r["slow"]:
                     print(f"    {len(r['slow'])} frames 3 ms over the median, at (s into the window, ms): "
                           + ", ".join(f"{t:.2f} {ms:.1f}" for t, ms in r["slow"][:12]))
+                if r["allocations"]:
+                    print("    CUDA allocator during the window: "
+                          + ", ".join(f"{k} +{v}" for k, v in sorted(r["allocations"].items())))
                 if r["slack"]:
                     print("    slack by item: " + ", ".join(f"{kind} {n} x {ms:.1f} ms (est {est:.1f})"
                                                         for kind, (n, ms, est) in sorted(r["slack"].items())))
