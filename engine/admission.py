@@ -7,12 +7,12 @@ thread before the first tick (`slack_prepare` runs one chunk of each class throu
 backend's `warm_up_prefill`). A chunk is the largest class, up to what the prompt has left,
 whose cost fits the time left. A chunk's cost is far from linear in its frames (every chunk
 reads every weight; on CUDA a chunk is its class's graph, engine/prompt_prefill.py), so each
-class is costed on its own: one per-frame estimate taken from small chunks planned ~10
-frames a tick and spread each prompt over ~20 ticks. A class never measured runs on a
+class is costed on its own (one per-frame estimate, taken from small chunks, planned ~10
+frames a tick and spread each prompt over ~20 ticks). A class never measured runs on a
 prediction scaled up linearly from a smaller measured class (an upper bound when cost grows
-at most linearly). When no class fits, `MIN_PREFILL_FRAMES` still run as the tick's first slack item (forced), so admissions
-always progress. A session whose options are refused, or whose prompt raises, fails alone:
-the engine and every other session go on.
+at most linearly). When no class fits, `MIN_PREFILL_FRAMES` still run as the tick's first
+slack item (forced), so admissions always progress. A session whose options are refused,
+or whose prompt raises, fails alone: the engine and every other session go on.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from parley.models.lm_gen import LMGen, LMGenState
 
 from .cuda_graph import CUDAGraphRunner
 
-PREFILL_CHUNKS = (8, 16, 32, 64, 128, 256)  # prompt chunk size classes (frames): one graph and one cost key each
+PREFILL_CHUNKS = (8, 16, 32, 64, 128, 256)  # chunk size classes (frames): a graph and a cost key each
 
 
 def chunk_class(frames: int) -> int:
@@ -117,7 +117,7 @@ class PromptRunner:
 
 class PromptPrefill:
     """One row's prompt as the engine runs it: chunk by chunk (each attends over the ones before,
-    like an LLM prompt in pieces), handed to the row by `finish(frames)` after the last."""
+    like an LLM prompt in pieces), handed to the row by `finish(job, frames)` after the last."""
 
     def __init__(self, runner: PromptRunner | None, inputs: torch.Tensor | None,
                  finish: Callable[[PromptPrefill, int], None] | None) -> None:

@@ -7,7 +7,8 @@
     gen.reset(state, mask[B])
     state.set_sampling(mask[B], text_temp=..., text_topk=..., audio_temp=..., audio_topk=...)
     x = gen.embed_frames(tokens[T, n_q + 1]);  gen.prefill(state, row, x, ring_tokens)
-    prompt = gen.prompt_state();  gen.model.transformer(x[None], prompt);  gen.adopt_prompt(state, row, prompt, T, ring_tokens)
+    prompt = gen.prompt_state();  gen.model.transformer(x[None], prompt)   # or apart, then:
+    gen.adopt_prompt(state, row, prompt, T, ring_tokens)
 
 Semantics are moshi 0.2.13 `LMGen._step`, made per row (every row has its own offset, so a row
 can start, reset or pause while the others run) and free of host syncs:

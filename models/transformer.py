@@ -196,8 +196,8 @@ class TransformerState:
         self.slot_pos.fill_(-1)
 
     def adopt_prefix(self, row: int, source: "TransformerState", frames: int) -> None:
-        """Row `row` takes positions 0 .. frames - 1 from row 0 of `source`, a state of the same
-        shapes whose row 0 ran a prompt from position 0 (so slot == position): those slots' keys
+        """Row `row` takes positions 0 .. frames - 1 from row 0 of `source`, a state with the same
+        layers and ring whose row 0 ran a prompt from position 0 (so slot == position): those slots' keys
         and values (and fp8 scales), then positions `frames` on are empty, as if the row itself
         had run the prompt. What `source` holds past `frames` (padding) is not taken."""
         capacity = self.slot_pos.shape[1]
