@@ -91,13 +91,19 @@ class ClientStats:
         return delays
 
 
+def probe_frame(index: int, i: int) -> np.ndarray:
+    """Frame i of client `index`'s signal: ~1 s blocks of silence, then a tone of its own
+    frequency, and so on. Made frame by frame as it is sent: a long run's whole signal made up
+    front (262 s per client: 0.4 s of the client process's loop each, on a dev box) held up
+    the handshakes of the clients already connected, and counted in their ready time."""
+    t = (i * FRAME + np.arange(FRAME)) / SR
+    tone_on = (i // BLOCK_FRAMES) % 2 == 1
+    return (0.3 * np.sin(2 * np.pi * (200 + 37 * index) * t) * tone_on).astype(np.float32)
+
+
 async def client(url: str, index: int, duration: float, start_gate: asyncio.Event, query: str = "") -> ClientStats:
     stats = ClientStats()
-    freq = 200 + 37 * index
     n = int(duration / FRAME_S)
-    t = np.arange(n * FRAME) / SR
-    tone_on = (np.arange(n * FRAME) // (BLOCK_FRAMES * FRAME)) % 2 == 1  # silence, tone, silence...
-    pcm = (0.3 * np.sin(2 * np.pi * freq * t) * tone_on).astype(np.float32)
     writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
     opened = time.monotonic()
     try:
@@ -138,7 +144,7 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
             if delay > 0:
                 await asyncio.sleep(delay)
             stats.sent_at.append(time.monotonic())
-            await ws.send(b"\x01" + bytes(writer.append_pcm(pcm[i * FRAME:(i + 1) * FRAME])))
+            await ws.send(b"\x01" + bytes(writer.append_pcm(probe_frame(index, i))))
         await asyncio.sleep(0.6)
         await ws.close()
         await receiver
