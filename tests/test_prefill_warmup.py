@@ -1,4 +1,4 @@
-"""The prefill warm-up a PersonaPlex backend runs at start on CUDA (engine/backend.py), run here
+"""The prefill warm-up a PersonaPlex backend runs at start on CUDA (engine/prompt_prefill.py), run here
 on CPU: it leaves no trace in the state, so the first session is the same with or without it."""
 
 from __future__ import annotations
