@@ -72,6 +72,12 @@ def bucket_sizes(max_sessions: int) -> list[int]:
     return buckets + [max_sessions]
 
 
+def bucket_for(buckets: list[int], rows: Iterable[int]) -> int:
+    """The smallest of `buckets` (ascending row counts) holding every one of `rows` (indices)."""
+    top = max(rows, default=0) + 1
+    return next(n for n in buckets if n >= top)
+
+
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
     """[size] bool host mask with `rows` set: how the engine names rows to the backend."""
     mask = torch.zeros(size, dtype=torch.bool)
@@ -301,9 +307,7 @@ class ModelBackend:
 
     def bucket(self, live_mask: torch.Tensor) -> int:
         """The rows a tick with this host live mask runs: the smallest bucket holding every live row."""
-        live = live_mask.nonzero()
-        top = int(live.max()) + 1 if live.numel() else 1
-        return next(n for n in self._buckets if n >= top)
+        return bucket_for(self._buckets, live_mask.nonzero().flatten().tolist())
 
     @torch.no_grad()
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:

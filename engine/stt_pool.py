@@ -39,7 +39,7 @@ from parley.models.row_views import leading_rows
 from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
-from .backend import bucket_sizes
+from .backend import bucket_for, bucket_sizes
 from .cuda_graph import CUDAGraphRunner
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
@@ -287,8 +287,7 @@ class SttPool(SlackSource):
 
     def bucket(self, rows) -> int:
         """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
-        top = max(rows, default=0) + 1
-        return next(n for n in self._buckets if n >= top)
+        return bucket_for(self._buckets, rows)
 
     def _admit(self) -> None:
         free = [i for i, row in enumerate(self._rows) if row is None or self._release_if_done(i, row)]

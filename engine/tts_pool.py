@@ -57,7 +57,7 @@ from parley.models.mimi.codec import Mimi, MimiState
 from parley.models.row_views import leading_rows
 from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
 
-from .backend import bucket_sizes
+from .backend import bucket_for, bucket_sizes
 from .cuda_graph import CUDAGraphRunner
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
@@ -221,8 +221,7 @@ class TtsPool(SlackSource):
 
     def bucket(self, rows: Sequence[int]) -> int:
         """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
-        top = max(rows, default=0) + 1
-        return next(n for n in self.buckets if n >= top)
+        return bucket_for(self.buckets, rows)
 
     @property
     def live(self) -> int:
