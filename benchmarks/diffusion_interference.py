@@ -44,7 +44,7 @@ from parley.engine.backend import ModelBackend
 from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec
 from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.config import LMConfig, MimiConfig, SamplingDefaults
-from parley.models.image_pipeline import CUDA_SPEEDUPS, ImageStepper, speed_up, stepper_for
+from parley.models.image_pipeline import ImageStepper, default_speed_up, stepper_for
 from parley.models.lm import LMModel
 from parley.models.mimi.codec import Mimi
 from parley.models.synthetic import write_tiny_checkpoint
@@ -122,8 +122,7 @@ def image_pipe(smoke: bool, device: str) -> DiffusionPipeline:
 def image_stepper(smoke: bool, device: str) -> ImageStepper:
     """As the server loads a pipeline: on CUDA with the loader's default speed-ups."""
     pipe = image_pipe(smoke, device)
-    return stepper_for(pipe, "" if smoke else "sd15-shaped",
-                       speed_up(pipe, **CUDA_SPEEDUPS) if torch.device(device).type == "cuda" else ())
+    return stepper_for(pipe, "" if smoke else "sd15-shaped", default_speed_up(pipe, device))
 
 
 def standalone_steps_per_s(stepper: ImageStepper, size: int, batch: int, steps: int, sync) -> float:

@@ -498,6 +498,14 @@ def speed_up(pipe: DiffusionPipeline, *, channels_last: bool = True, fused_qkv: 
     return tuple(applied)
 
 
+def default_speed_up(pipe: DiffusionPipeline, device: str | torch.device, *, channels_last: bool | None = None,
+                     fused_qkv: bool | None = None) -> tuple[str, ...]:
+    """`speed_up` as the loader applies it: an option left None is CUDA_SPEEDUPS' on CUDA, off elsewhere."""
+    auto = CUDA_SPEEDUPS if torch.device(device).type == "cuda" else {"channels_last": False, "fused_qkv": False}
+    return speed_up(pipe, channels_last=auto["channels_last"] if channels_last is None else channels_last,
+                    fused_qkv=auto["fused_qkv"] if fused_qkv is None else fused_qkv)
+
+
 def _fusable(module: torch.nn.Module) -> bool:
     """Whether diffusers' fused processors compute what the model's own ones do. The joint
     (SD3) one drops query/key norms (SD 3.5) and needs a text stream in every attention (SD 3.5's
@@ -528,7 +536,5 @@ def load_image_pipeline(source: str, device: str | torch.device = "cpu", dtype: 
     absent = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, (list, tuple))
               and all(x is None for x in v)}
     pipe = pipe_cls.from_pretrained(source, dtype=dtype, **{**absent, **kwargs}).to(device)
-    auto = CUDA_SPEEDUPS if torch.device(device).type == "cuda" else {"channels_last": False, "fused_qkv": False}
-    speedups = speed_up(pipe, channels_last=auto["channels_last"] if channels_last is None else channels_last,
-                        fused_qkv=auto["fused_qkv"] if fused_qkv is None else fused_qkv)
+    speedups = default_speed_up(pipe, device, channels_last=channels_last, fused_qkv=fused_qkv)
     return stepper_cls(pipe, str(source).rstrip("/").split("/")[-1], speedups)
