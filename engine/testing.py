@@ -112,11 +112,15 @@ class DelayBackend:
         cost (`on_prefill` with row -1, `prefill_seconds`); records nothing."""
         ran = tuple(n for n in chunks if n <= self.prompt_frames)
         for n in ran:
-            if self.on_prefill is not None:
-                self.on_prefill(-1, n)
-            if self.prefill_seconds:
-                time.sleep(self.prefill_seconds * n / self.prompt_frames)
+            self._spend_prefill(-1, n)
         return ran
+
+    def _spend_prefill(self, row: int, frames: int) -> None:
+        """What a prompt chunk of `frames` frames costs here: `on_prefill`, then `prefill_seconds` pro rata."""
+        if self.on_prefill is not None:
+            self.on_prefill(row, frames)
+        if self.prefill_seconds:
+            time.sleep(self.prefill_seconds * frames / self.prompt_frames)
 
     def text_piece(self, token: int) -> str:
         return "" if token == 0 else f"<{token}>"
@@ -140,10 +144,7 @@ class _DelayPrompt:
         backend = self.backend
         backend._maybe_fail(self.row, "chunk")
         backend.prefill_chunks.append((self.row, n))
-        if backend.on_prefill is not None:
-            backend.on_prefill(self.row, n)
-        if backend.prefill_seconds:
-            time.sleep(backend.prefill_seconds * n / backend.prompt_frames)
+        backend._spend_prefill(self.row, n)
         self.frames_left -= n
         if self.frames_left == 0:
             backend.prefills.append((self.row, self.options))
