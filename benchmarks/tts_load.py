@@ -336,6 +336,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
     if reporter is not None:
         reporter.cancel()
     frame_ms = [t * 1000 for t in timed.times]
+    frame_p50 = percentile(frame_ms, 50)
     counters = pool.slack_counters()
     gc_after = FULL_COLLECTIONS.snapshot()
     allocations = {k: v - alloc_before[k] for k, v in device_allocations().items() if v != alloc_before[k]}
@@ -345,10 +346,10 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
         "ttfb_p99": percentile([r[0] for r in results], 99) * 1000 if results else float("nan"),
         "xrt_median": statistics.median(r[1] / r[2] for r in results) if results else float("nan"),
         "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
-        "frame_p50": percentile(frame_ms, 50), "frame_p99": percentile(frame_ms, 99),
+        "frame_p50": frame_p50, "frame_p99": percentile(frame_ms, 99),
         # frames 3 ms over the median: (seconds into the window, ms), to place a spike against the requests
         "slow": [(t0 - window_start, ms) for t0, ms in zip(timed.starts, frame_ms)
-                 if ms > percentile(frame_ms, 50) + 3],
+                 if ms > frame_p50 + 3],
         "late_ticks": engine.counters()["late_ticks"] - before["late_ticks"],
         # slack items that ended after the next boundary: a late tick with none was not theirs
         "past_boundary": engine.counters()["slack_past_boundary"] - before["slack_past_boundary"],
