@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--echo", action="store_true",
                    help="the server at --url runs the echo checkpoint: measure end-to-end delay by content")
     args = p.parse_args(argv)
+    if not args.spawn and (args.serve_log or args.serve_arg):
+        p.error("--serve-log and --serve-arg apply to a server this script starts (--spawn), not to --url")
     params = {k: v for k, v in (("text_prompt", args.text_prompt), ("voice_prompt", args.voice_prompt)) if v}
     query = "?" + urllib.parse.urlencode(params) if params else ""
     if args.spawn:

@@ -109,6 +109,14 @@ def test_benchmark_runs_on_cpu(case: str) -> None:
         assert re.search(pattern, output, re.MULTILINE), f"{script}: no /{pattern}/ in:\n{output[-4000:]}"
 
 
+def test_load_refuses_server_options_without_a_server_to_start() -> None:
+    """--serve-log / --serve-arg shape the server --spawn starts; with --url they would be ignored."""
+    for option in ("--serve-log=/tmp/x.log", "--serve-arg=--kv-dtype=fp8"):
+        proc = subprocess.run([sys.executable, str(BENCH / "load.py"), "--url", "ws://127.0.0.1:9", option],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "apply to a server this script starts" in proc.stderr, proc.stderr
+
+
 # Scripts only imported here: those whose every path needs CUDA (run small under `gpu` below),
 # and CPU ones too slow for this file (attacks.py, edge_cpu.py: a server per run and seconds per
 # attack or session; plot_frames.py draws a GPU run's JSON). Their module level (imports, shared
