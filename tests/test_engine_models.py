@@ -302,3 +302,39 @@ def test_a_prompt_prefilled_in_chunks_equals_one_prefilled_whole(tiny_personaple
     assert [h.text_tokens[0] for h in host_whole] == [h.text_tokens[0] for h in host_chunked]
     np.testing.assert_allclose(np.stack([h.pcm[0] for h in host_whole]),
                                np.stack([h.pcm[0] for h in host_chunked]), atol=1e-5)
+
+
+def test_a_refused_voice_and_an_abandoned_prompt_change_no_one_else(tiny_personaplex_dir):
+    """Prompts share one prompt state (engine/prompt_prefill.py): a session refused for its
+    voice, and one closed halfway through its prompt, leave a talking row bit-identical, and the
+    next prompt runs as it would have alone (its row's outputs bit-identical too)."""
+    good = SessionOptions(persona="Hi there", voice="NATF0", sampling=SamplingOptions.greedy())
+    frames = torch.from_numpy(np.stack([speech_like(s, 10) for s in (1, 2, 3)])).float()
+
+    def run(trouble: bool):
+        backend = ModelBackend.load(tiny_personaplex_dir, 3, seed=0)
+        backend.set_sampling(2, SamplingOptions.greedy())
+        outs = []
+        for tick in range(10):
+            if trouble and tick == 2:
+                with pytest.raises(SessionRejected):
+                    backend.start_prefill(1, SessionOptions(voice="no-such-voice"))
+                backend.reset_rows(torch.tensor([False, True, False]))
+                half = backend.start_prefill(1, good)
+                half.run(7)  # ... and its session closes: the row is reset, the prompt dropped
+                assert half.frames_left > 0
+                backend.reset_rows(torch.tensor([False, True, False]))
+            if tick == 4:
+                backend.reset_rows(torch.tensor([True, False, False]))
+                backend.set_sampling(0, good.sampling)
+                backend.prefill(0, good)
+            live = torch.tensor([tick >= 4, False, True])
+            out = backend.step(frames[:, tick * N:(tick + 1) * N], live)
+            outs.append((out.agent_codes.cpu().clone(), out.to_host()))
+        return outs
+
+    for (codes_a, host_a), (codes_b, host_b) in zip(run(False), run(True)):
+        for row in (0, 2):
+            assert torch.equal(codes_a[row], codes_b[row])
+            assert np.array_equal(host_a.pcm[row], host_b.pcm[row])
+            assert host_a.text_tokens[row] == host_b.text_tokens[row]
