@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyloudnorm  # at import: a lazy import on the engine thread at the first audio voice held the GIL
 import torch
 
 from .audio_io import read_wav
@@ -61,12 +62,6 @@ def integrated_loudness(pcm: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> fl
 
     Raises `ValueError` when the audio is shorter than one 400 ms gating block.
     """
-    try:  # PersonaPlex's own meter; only .wav voices need it, and it pulls in scipy
-        import pyloudnorm
-    except ImportError as err:
-        raise PersonaError("measuring a voice prompt's loudness needs pyloudnorm "
-                           "(pip install pyloudnorm==0.2.0)") from err
-
     data = pcm.detach().to("cpu", torch.float64).reshape(-1).numpy()
     return float(pyloudnorm.Meter(sample_rate).integrated_loudness(data))
 

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+import anyio
+import anyio.lowlevel
+from PIL import Image
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -48,6 +51,7 @@ from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager
 from .speech_api import SpeechService, speech_routes
+from .speech_formats import warm_up_encoders
 from .transcriptions import transcriptions_endpoint
 
 log = logging.getLogger("parley.app")
@@ -55,6 +59,20 @@ log = logging.getLogger("parley.app")
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 DEMO_NOTICE = ("This server runs Parley's tiny demo model: it babbles (random weights). "
                "Start `parley serve --model <checkpoint dir or Hugging Face repo id>` to talk for real.")
+
+
+async def load_lazy_modules() -> None:
+    """Import now what the first requests would import on the server's thread while the engine
+    ticks: an import holds the GIL while it runs (tens of ms, more where no .pyc was written) and
+    the engine thread waits for it, so on the H200 the first /v1/audio/speech request made a
+    duplex frame 20-50 ms late. Starlette's anyio loads its asyncio backend and stream modules on
+    the first request, and the static page reads files through anyio; Pillow registers its image
+    formats on the first save; PyAV's encoders set themselves up on their first container.
+    tests/test_lazy_imports.py fails if a request still imports a module."""
+    await anyio.lowlevel.checkpoint()
+    await anyio.Path(".").exists()
+    Image.init()
+    warm_up_encoders()
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await codec.start()  # worker processes start on the server's loop, before any session
+        await load_lazy_modules()
         if start_engine:
             engine.start()
         try:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import struct
 
+import av  # at import, not on the first mp3 response (realtime/app.py: load_lazy_modules)
 import numpy as np
 import sphn
 
-from parley.models.config import SAMPLE_RATE
+from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 CONTENT_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "opus": "audio/opus", "mp3": "audio/mpeg",
                  "flac": "audio/flac", "aac": "audio/aac"}
@@ -96,12 +97,7 @@ _AV_SPECS = {"mp3": ("mp3", "libmp3lame", "fltp", 64_000), "aac": ("adts", "aac"
 
 class AvEncoder:
     def __init__(self, fmt: str) -> None:
-        # PyAV (FFmpeg) is loaded on the first mp3/aac/flac response, not at server start:
-        # its libraries are large and wav/pcm/opus never need them.
-        import av
-
         container, codec, self._sample_format, bit_rate = _AV_SPECS[fmt]
-        self._av = av
         self._sink = _Sink()
         self._container = av.open(self._sink, mode="w", format=container)
         self._stream = self._container.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
@@ -111,7 +107,7 @@ class AvEncoder:
 
     def push(self, pcm: np.ndarray) -> bytes:
         data = pcm.astype(np.float32)[None] if self._sample_format == "fltp" else to_int16(pcm)[None]
-        frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=self._sample_format, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=self._sample_format, layout="mono")
         frame.sample_rate = SAMPLE_RATE
         frame.pts = self._pts
         self._pts += pcm.shape[-1]
@@ -136,3 +132,12 @@ def make_encoder(fmt: str):
     if fmt in _AV_SPECS:
         return AvEncoder(fmt)
     raise ValueError(f"response_format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
+def warm_up_encoders() -> None:
+    """Encode one silent frame in every format: PyAV imports more of itself, and each codec does
+    its one-time setup, on the first container it opens (realtime/app.py: load_lazy_modules)."""
+    for fmt in FORMATS:
+        encoder = make_encoder(fmt)
+        encoder.push(np.zeros(FRAME_SAMPLES, np.float32))
+        encoder.finish()

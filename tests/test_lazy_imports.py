@@ -1,0 +1,108 @@
+"""After the server starts, serving a request imports no module. An import holds the GIL while it
+runs (tens of ms), and the engine thread waits for it: on the H200 the first /v1/audio/speech
+request made a duplex frame 20-50 ms late (anyio's backend, loaded on Starlette's first request),
+and the first mp3 response imported PyAV. realtime/app.py `load_lazy_modules` imports them at
+start; this test serves one request of every kind to the demo server (every modality) in a
+process of its own and fails naming any module a request imported."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+
+import httpx2 as httpx
+import numpy as np
+import pytest
+
+from server_harness import chat_session, free_port, tone
+
+SERVER = Path(__file__).with_name("lazy_import_server.py")
+
+
+def wav_bytes(pcm: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes((pcm * 30000).astype(np.int16).tobytes())
+    return buf.getvalue()
+
+
+async def realtime_turn(base: str) -> None:
+    from websockets.asyncio.client import connect
+
+    async with connect(f"ws://{base}/v1/realtime", open_timeout=10) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime", "instructions": "Hi."}}))
+        audio = base64.b64encode((tone(300, 0.5) * 30000).astype(np.int16).tobytes()).decode()
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+        types = set()
+        while "response.output_audio.delta" not in types and "response.audio.delta" not in types:
+            types.add(json.loads(await asyncio.wait_for(ws.recv(), 10))["type"])
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SERVER), str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "READY":
+                break
+        else:
+            pytest.fail(f"the demo server exited with {proc.wait()} before serving")
+
+        def imported_since() -> list[str]:
+            proc.stdin.write("report\n")
+            proc.stdin.flush()
+            line = next(line for line in proc.stdout if line.startswith("NEW "))
+            return json.loads(line[4:])
+
+        deadline = time.monotonic() + 120
+        while httpx.get(f"http://127.0.0.1:{port}/readyz").status_code != 200:  # warmed up: started
+            assert time.monotonic() < deadline, "the demo server did not become ready"
+            time.sleep(0.1)
+        imported_since()  # what the start imported
+        yield f"127.0.0.1:{port}", imported_since
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_no_request_imports_a_module(demo_server):
+    base, imported_since = demo_server
+    imported: dict[str, list[str]] = {}
+    with httpx.Client(base_url=f"http://{base}", timeout=60) as c:
+        def check(name: str, response: httpx.Response) -> None:
+            assert response.status_code == 200, (name, response.text[:300])
+            imported[name] = imported_since()
+
+        for path in ("/", "/readyz", "/api/info", "/metrics", "/v1/audio/voices"):
+            check(f"GET {path}", c.get(path))
+        speech = {"model": "tts-1", "input": "Hello there.", "voice": "alloy"}
+        for fmt in ("pcm", "wav", "mp3", "opus", "flac", "aac"):
+            check(f"speech {fmt}", c.post("/v1/audio/speech", json={**speech, "response_format": fmt}))
+        check("speech sse", c.post("/v1/audio/speech", json={**speech, "stream_format": "sse"}))
+        upload = {"file": ("a.wav", wav_bytes(tone(440, 1.0)), "audio/wav")}
+        check("transcription", c.post("/v1/audio/transcriptions", files=upload, data={"model": "x"}))
+        check("transcription stream", c.post("/v1/audio/transcriptions", files=upload,
+                                             data={"model": "x", "stream": "true"}))
+        image = {"prompt": "a cat", "size": "16x16", "num_inference_steps": 1}
+        for fmt in ("png", "jpeg", "webp"):
+            check(f"image {fmt}", c.post("/v1/images/generations", json={**image, "output_format": fmt}))
+        check("image stream", c.post("/v1/images/generations", json={**image, "stream": True, "partial_images": 1}))
+    result = asyncio.run(chat_session(base, tone(300, 1.0), query="transcript=1"))
+    assert result.audio_messages > 0
+    imported["/api/chat"] = imported_since()
+    asyncio.run(realtime_turn(base))
+    imported["/v1/realtime"] = imported_since()
+    assert {name: mods for name, mods in imported.items() if mods} == {}
