@@ -24,6 +24,7 @@ Error contract, so the engine can tell one bad session from a broken engine:
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -44,6 +45,8 @@ from parley.models.voices import PersonaError, VoicePrompt, list_voices, load_vo
 from .config import SamplingOptions, SessionOptions
 from .cuda_graph import CUDAGraphRunner
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
+
+log = logging.getLogger("parley.engine.backend")
 
 
 class RowFailure(Exception):
@@ -209,7 +212,7 @@ class ModelBackend:
                           audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
         self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
-        self._voices: dict[str, VoicePrompt] = {}
+        self._voices: dict[Path, VoicePrompt] = {}  # by file, all read at start (_load_voices)
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
         self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
@@ -247,6 +250,7 @@ class ModelBackend:
             self._prompts = PromptRunner(self._gen, kv_dtype, graphs=cuda_graphs and self.device.type == "cuda")
             if self.device.type == "cuda":
                 self._prompts.warm_up(PREFILL_CHUNKS)
+            self._load_voices()
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -398,13 +402,24 @@ class ModelBackend:
             return ()
         return tuple(list_voices(self.checkpoint.voices_dir))
 
+    def _load_voices(self) -> None:
+        """Read every voice the checkpoint ships now, not when its first session is admitted:
+        that runs on the engine thread between ticks, outside any slack budget, and an audio
+        voice is loudness-normalised and Mimi-encoded there (hundreds of ms for a long one). Voices
+        are small; one that cannot be read is logged here and refused to the sessions that ask."""
+        for name in self.voice_names():
+            try:
+                self._voice(name)
+            except PersonaError as exc:
+                log.warning("voice %s cannot be used: %s", name, exc)
+
     def _voice(self, name: str) -> VoicePrompt:
-        if name not in self._voices:  # voices are small and reused: load each once
-            if self.checkpoint.voices_dir is None:
-                raise SessionRejected("this checkpoint ships no voices.")
-            path = resolve_voice(self.checkpoint.voices_dir, name)
-            self._voices[name] = load_voice(path, mimi_encode=self._encode_voice)
-        return self._voices[name]
+        if self.checkpoint.voices_dir is None:
+            raise SessionRejected("this checkpoint ships no voices.")
+        path = resolve_voice(self.checkpoint.voices_dir, name)  # (NATF0 and NATF0.pt: one file)
+        if path not in self._voices:  # voices are small and reused: load each once
+            self._voices[path] = load_voice(path, mimi_encode=self._encode_voice)
+        return self._voices[path]
 
     @torch.no_grad()
     def _encode_voice(self, frames: torch.Tensor) -> torch.Tensor:

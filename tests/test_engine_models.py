@@ -338,3 +338,35 @@ def test_a_refused_voice_and_an_abandoned_prompt_change_no_one_else(tiny_persona
             assert torch.equal(codes_a[row], codes_b[row])
             assert np.array_equal(host_a.pcm[row], host_b.pcm[row])
             assert host_a.text_tokens[row] == host_b.text_tokens[row]
+
+
+def test_voices_are_read_at_start_not_when_a_session_is_admitted(tiny_personaplex_dir, copy_checkpoint,
+                                                                  monkeypatch, caplog):
+    """Reading a voice (an audio one is also loudness-normalised and Mimi-encoded) ran on the
+    engine thread at its first session's admission, outside any slack budget; the backend now
+    reads every voice when it is built. A voice that cannot be read is logged at start and
+    refused to the session that asks for it, naming the problem."""
+    import soundfile
+
+    from parley.engine import backend as backend_module
+
+    ckpt = copy_checkpoint(tiny_personaplex_dir)
+    voices = ModelBackend.load(ckpt, 2).checkpoint.voices_dir  # (unpacks voices.tgz)
+    soundfile.write(voices / "ADA.wav", speech_like(5, 6), 24000)  # 0.48 s: the loudness meter needs 0.4
+    (voices / "BROKEN.pt").write_bytes(b"not a voice")
+    with caplog.at_level("WARNING", logger="parley.engine.backend"):
+        backend = ModelBackend.load(ckpt, 2)
+    assert "voice BROKEN.pt cannot be used" in caplog.text
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a voice was read at admission")
+
+    read = backend_module.load_voice
+    monkeypatch.setattr(backend_module, "load_voice", no_reading)
+    for name in ("NATF0", "NATF0.pt", "NATM0", "ADA", "ADA.wav"):
+        job = backend.start_prefill(0, SessionOptions(voice=name))
+        assert job.frames_left > 0
+        backend.reset_rows(torch.tensor([True, False]))
+    monkeypatch.setattr(backend_module, "load_voice", read)
+    with pytest.raises(SessionRejected, match="BROKEN.pt"):
+        backend.start_prefill(1, SessionOptions(voice="BROKEN"))
