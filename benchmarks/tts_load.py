@@ -25,7 +25,10 @@ requests (pcm, read as fast as they come) and prints:
 - with `--delivery http,direct`, each case also with the requests handed to the pool and read on
   the benchmark's loop, no HTTP server between (what the edge's work costs the duplex frame);
 - under a case, the duplex frames 3 ms over the median with their time into the measuring
-  window, and (CUDA) the caching allocator's cudaMalloc / cudaFree calls and retries during it
+  window and, on CUDA, the host's launch time and the GPU's time of each (by CUDA events: a slow
+  frame is one or the other); with `--watch-stalls MS`, the times a watchdog thread could not run
+  for MS ms, with every thread's stack (Python work holding the GIL, benchmarks/stall_watch.py);
+  and (CUDA) the caching allocator's cudaMalloc / cudaFree calls and retries during it
   (places a one-off stall against the requests: the first TTS case of a run had one, until the
   edge stopped importing modules on its first request, realtime/app.py `load_lazy_modules`);
 - under each TTS row, where its slack went: items, ms per item and the estimate per TTS item key
@@ -69,6 +72,7 @@ from frame_setup import bench_checkpoint, random_models  # noqa: E402
 
 import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK ships on)
 import uvicorn  # noqa: E402
+from stall_watch import StallWatch  # noqa: E402
 from tts_clients import ClientProcess, failure_summary, gather_requests, one_request  # noqa: E402
 
 from parley.engine import Engine  # noqa: E402
@@ -174,17 +178,31 @@ class TimedBackend:
         self._backend = backend
         self.times: list[float] = []
         self.starts: list[float] = []  # perf_counter at each timed step (where the slow ones fell)
+        self.split: list[tuple[float, float]] = []  # (host ms, GPU ms) of each timed step
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
     def step(self, frames, live_mask):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if torch.cuda.is_available() else None
         start = time.perf_counter()
+        if events:
+            events[0].record()
         out = self._backend.step(frames, live_mask)
+        if events:
+            events[1].record()
+        launched = time.perf_counter()
         self._backend.synchronize()
         self.times.append(time.perf_counter() - start)
         self.starts.append(start)
+        # (host ms to launch the step, GPU ms between its events): a slow frame is one or the other
+        self.split.append(((launched - start) * 1000, events[0].elapsed_time(events[1]) if events else float("nan")))
         return out
+
+    def clear(self) -> None:
+        self.times.clear()
+        self.starts.clear()
+        self.split.clear()
 
     def close(self) -> None:
         """The engine's shutdown: keep the backend for the next case (its rows reset on admission)."""
@@ -232,8 +250,7 @@ async def one_direct_request(service: SpeechService, voice: str, text: str, dela
 
 async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams: int, sessions: int) -> dict:
     cfg, _, _, lm, mimi = models
-    timed.times.clear()
-    timed.starts.clear()
+    timed.clear()
     engine = Engine(timed)
     pool = TtsPool(lm, mimi, args.slots or max(streams, 1), voice_frames=args.voice_frames)
     store = VoiceStore.open(voices_dir, VOICE_SUFFIX, cfg.speaker.dim)
@@ -303,8 +320,7 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
             clients = await ClientProcess.start(url, store.names(), args.text, streams, args.stagger,
                                                 args.request_timeout, args.progress)
         await asyncio.sleep(args.settle)
-        timed.times.clear()
-        timed.starts.clear()
+        timed.clear()
         window_start = time.perf_counter()
         before = engine.counters()
         gc_before = FULL_COLLECTIONS.snapshot()
@@ -349,8 +365,9 @@ async def measure(args, engine: Engine, timed: TimedBackend, pool: TtsPool, serv
         "xrt_min": min(r[1] / r[2] for r in results) if results else float("nan"),
         "frame_p50": frame_p50, "frame_p99": percentile(frame_ms, 99),
         # frames 3 ms over the median: (seconds into the window, ms), to place a spike against the requests
-        "slow": [(t0 - window_start, ms) for t0, ms in zip(timed.starts, frame_ms)
+        "slow": [(t0 - window_start, ms, host, gpu) for t0, ms, (host, gpu) in zip(timed.starts, frame_ms, timed.split)
                  if ms > frame_p50 + 3],
+        "stalls": [s.describe(window_start) for s in args.watch.stalls_since(window_start)] if args.watch else [],
         "late_ticks": engine.counters()["late_ticks"] - before["late_ticks"],
         # slack items that ended after the next boundary: a late tick with none was not theirs
         "past_boundary": engine.counters()["slack_past_boundary"] - before["slack_past_boundary"],
@@ -431,6 +448,10 @@ def main() -> None:
                         help="sys.setswitchinterval for the run, in seconds (default: Python's, 0.005): how long "
                         "the engine thread may wait for the GIL while the server's HTTP thread (and with "
                         "--clients-in-process the clients) run")
+    parser.add_argument("--watch-stalls", type=float, default=None, metavar="MS",
+                        help="run a watchdog thread (benchmarks/stall_watch.py) and print, under each case, the "
+                        "times it could not run for MS milliseconds, with every thread's stack: Python work "
+                        "holding the GIL, which the engine thread waits for too")
     parser.add_argument("--slots", type=int, default=None,
                         help="TTS pool rows (default: each case's stream count); at least the largest --streams")
     args = parser.parse_args()
@@ -448,6 +469,9 @@ def main() -> None:
         parser.error("--request-timeout must be positive, --stagger and --progress not negative")
     if args.clients_in_process and "http" not in deliveries:
         parser.error("--clients-in-process applies to --delivery http (direct runs in-process by definition)")
+    if args.watch_stalls is not None and args.watch_stalls <= 0:
+        parser.error("--watch-stalls must be positive")
+    args.watch = StallWatch(args.watch_stalls / 1000).start() if args.watch_stalls else None
     if args.device == "cpu":
         torch.set_num_threads(1)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -493,8 +517,11 @@ def main() -> None:
                       f"{r['late_ticks']} | {r['past_boundary']} | {r['tts_steps']} | {r['starved']} | {r['forced']} | "
                       f"{r['gc_full']} ({r['gc_ms']:.1f}) |", flush=True)
                 if r["slow"]:
-                    print(f"    {len(r['slow'])} frames 3 ms over the median, at (s into the window, ms): "
-                          + ", ".join(f"{t:.2f} {ms:.1f}" for t, ms in r["slow"][:12]))
+                    print(f"    {len(r['slow'])} frames 3 ms over the median, at (s into the window, ms; host "
+                          "launch ms, GPU ms): " + ", ".join(f"{t:.2f} {ms:.1f} ({host:.1f}, {gpu:.1f})"
+                                                            for t, ms, host, gpu in r["slow"][:12]))
+                for stall in r["stalls"][:8]:
+                    print("    " + stall.replace("\n", "\n    "))
                 if r["allocations"]:
                     print("    CUDA allocator during the window: "
                           + ", ".join(f"{k} +{v}" for k, v in sorted(r["allocations"].items())))

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,8 @@ CPU_CASES = {
          r"\d s: live \d, .*clients received \d+\.\d - \d+\.\d s of audio"]),  # --progress
     "tts_load_clients_in_process": (  # the HTTP clients on the benchmark's loop, beside the server (8 s)
         "tts_load.py", ["--shapes", "tiny", "--duplex", "none", "--streams", "1", "--sessions", "0", "--device", "cpu",
-                        "--settle", "0.1", "--idle-seconds", "0.1", "--text", "Hi.", "--clients-in-process"],
+                        "--settle", "0.1", "--idle-seconds", "0.1", "--text", "Hi.", "--clients-in-process",
+                        "--watch-stalls", "50"],
         [r"HTTP clients in the server's process$", r"\| http \| 1 \| 0 \| \d+ / \d+ \| \d+\.\d\d / \d+\.\d\d \|"]),
     "admission_ops": ("admission_ops.py", [], [r"TtsPool\._load_row: \d+ top-level aten ops",
                                               r"TtsGen\.begin: \d+ top-level aten ops"]),
@@ -141,9 +143,31 @@ def test_other_benchmarks_import() -> None:
 def test_every_benchmark_is_covered() -> None:
     """A new benchmark script must be added here (run on CPU, or imported and run under `gpu`)."""
     covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY)
-    # helper modules: frame_setup (shapes and checkpoints), tts_clients (tts_load's HTTP client process)
-    scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py"}
+    # helper modules: frame_setup (shapes and checkpoints), tts_clients (tts_load's HTTP client process),
+    # stall_watch (tts_load's --watch-stalls; tested below)
+    scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py", "stall_watch.py"}
     assert scripts <= covered, f"benchmarks not smoke-tested: {sorted(scripts - covered)}"
+
+
+def test_stall_watch_names_what_held_the_gil(monkeypatch) -> None:
+    """tts_load --watch-stalls: a C call that holds the GIL for ~0.1 s (sorting a big list) is
+    one stall of about that length, and the stacks name the function that made it."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = importlib.import_module("stall_watch")
+    data = list(range(3_000_000, 0, -1))
+    watch = module.StallWatch(0.03).start()
+    try:
+        time.sleep(0.05)  # the watchdog is running
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            sorted(data)  # in C, GIL held throughout
+        time.sleep(0.05)
+    finally:
+        watch.stop()
+    stalls = watch.stalls_since(t0 - 0.01)
+    assert stalls and max(s.seconds for s in stalls) >= 0.03
+    text = "\n".join(s.describe(t0) for s in stalls)
+    assert "test_stall_watch_names_what_held_the_gil" in text, text
 
 
 # Small GPU runs of the CUDA-only paths: the first thing to run in a GPU session.
