@@ -124,11 +124,12 @@ def test_load_refuses_server_options_without_a_server_to_start() -> None:
 # attack or session; plot_frames.py draws a GPU run's JSON). Their module level (imports, shared
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
-               "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py")
+               "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py")
 
 
 def test_other_benchmarks_import() -> None:
-    optional = {"attention_kernel.py": "triton", "plot_frames.py": "matplotlib"}  # CUDA-only / the bench extra
+    optional = {"attention_kernel.py": "triton", "fp8_attention_variants.py": "triton",  # CUDA-only
+                "plot_frames.py": "matplotlib"}  # the bench extra
     scripts = [s for s in IMPORT_ONLY if s not in optional or importlib.util.find_spec(optional[s])]
     code = ("import runpy, sys\n"
             "for path in sys.argv[1:]:\n"
@@ -177,6 +178,9 @@ GPU_CASES = {
     "profile_frame": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1"], [r"GPU: "]),
     "profile_tts": ("profile_tts.py", ["--rows", "2", "--replays", "2", "--warmup", "1"],
                     [r"rows 2: text \d+\.\d\d ms, full \d+\.\d\d ms", r"weight matmuls\s+\d+\.\d\d ms"]),
+    "fp8_attention_variants": ("fp8_attention_variants.py", ["--batches", "2", "--windows", "full"],
+                               [r"B=2 full\s+fp16\s+128x3x4: \d+\.\d+ ms .* rel\. error \d\.\de-\d\d",
+                                r"B=2 full\s+split_d .* registers"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
     "image_step": ("image_step.py", ["--variants", "plain,both", "--replays", "2", "--warmup", "1"],
