@@ -7,6 +7,7 @@ compiled kernel's registers, spills and shared memory. CUDA only.
 
     python benchmarks/fp8_attention_variants.py --batches 128,64 --windows full
     python benchmarks/fp8_attention_variants.py --variants fp16,split_d --shapes 128x3x4,128x2x4,64x4x4
+    python benchmarks/fp8_attention_variants.py --variants fp16 --shapes 128x3x4,128x3x4x168,128x2x4x128
 
 Variants: fp16 (the production arithmetic: e4m3 -> fp16, fp16 dots), fp8_qk (the first dot on
 fp8 operands, the query quantised to e4m3: no key conversion), fp8_qk2 (the query as two e4m3
@@ -141,14 +142,15 @@ def main() -> None:
     parser.add_argument("--batches", default="128,64")
     parser.add_argument("--windows", default="full,spread")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--shapes", default="128x3x4", help="launch shapes BLOCK_NxSTAGESxWARPS, comma-separated")
+    parser.add_argument("--shapes", default="128x3x4", help="launch shapes BLOCK_NxSTAGESxWARPS[xMAXNREG], "
+                        "comma-separated (MAXNREG: a cap on registers a thread, so more programs fit an SM)")
     args = parser.parse_args()
     if triton is None or not torch.cuda.is_available():
         sys.exit("fp8_attention_variants.py needs a CUDA device and Triton")
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}: expected some of {', '.join(VARIANTS)}")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [(tuple(int(x) for x in s.split("x")) + (0,))[:4] for s in args.shapes.split(",")]
     g = torch.Generator("cuda").manual_seed(0)
     for B in (int(b) for b in args.batches.split(",")):
         ck8, ks = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g, dtype=torch.bfloat16))
@@ -161,14 +163,15 @@ def main() -> None:
             filled = pos.clamp(max=S).sum().item()
             nbytes = filled * H * (2 * D + 8)  # keys and values (1 byte each) and their two fp32 scales
             for name in variants:
-                for block_n, stages, warps in shapes:
+                for block_n, stages, warps, maxnreg in shapes:
+                    cap = {"maxnreg": maxnreg} if maxnreg else {}
                     out = torch.empty(B, H, D, device="cuda")
 
                     def run():
                         return _loop[(B * H,)](q, ck8, cv8, ks, vs, sp, pos, out, H, S, D ** -0.5 * 1.4426950408889634,
                                                ck8.stride(0), ck8.stride(1), ck8.stride(2), ks.stride(0), ks.stride(1),
                                                sp.stride(0), D=D, BLOCK_N=block_n, STAGES=stages,
-                                               VAR=VARIANTS.index(name), num_warps=warps)
+                                               VAR=VARIANTS.index(name), num_warps=warps, **cap)
                     try:
                         compiled = run()
                         torch.cuda.synchronize()
@@ -176,9 +179,10 @@ def main() -> None:
                         err = ((out - ref)[live].abs().max() / ref[live].abs().max()).item()
                         ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
                     except Exception as exc:  # a shape the GPU cannot run (shared memory)
-                        print(f"B={B} {window} {name} {block_n}x{stages}x{warps}: {type(exc).__name__}")
+                        print(f"B={B} {window} {name} {block_n}x{stages}x{warps}x{maxnreg}: {type(exc).__name__}")
                         continue
-                    print(f"B={B} {window:6} {name:9} {block_n}x{stages}x{warps}: {ms:.3f} ms "
+                    label = f"{block_n}x{stages}x{warps}" + (f"x{maxnreg}" if maxnreg else "")
+                    print(f"B={B} {window:6} {name:9} {label}: {ms:.3f} ms "
                           f"{nbytes / ms / 1e9:.2f} TB/s (of {H200_COPY_TBPS}), rel. error {err:.1e}, "
                           f"{compiled.n_regs} registers, {compiled.n_spills} spills, "
                           f"{compiled.metadata.shared} B shared", flush=True)
