@@ -190,23 +190,6 @@ if _HAVE_TRITON:
             tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=st[:, None])
 
     @triton.jit
-    def _skinny_linear_kernel(X, W, Y, M, N, K, sx, sw, sy,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              STAGES: tl.constexpr):
-        # y[:, n-block] = x @ W[n-block]^T: each program streams its BLOCK_N weight rows once and
-        # multiplies them by all M (<= BLOCK_M) rows of x, which every program reads (from L2).
-        pid = tl.program_id(0)
-        m = tl.arange(0, BLOCK_M)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            x = tl.load(X + m[:, None] * sx + (k0 + kk)[None, :], mask=m[:, None] < M, other=0.0)
-            w = tl.load(W + n[:, None] * sw + (k0 + kk)[None, :], mask=n[:, None] < N, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-        tl.store(Y + m[:, None] * sy + n[None, :], acc.to(Y.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
-
-    @triton.jit
     def _attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scale,
                             sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, so_b, so_h,
                             D: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -462,35 +445,6 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
         D=D, HAS_ROPE=cos_sin is not None, HAS_EXEC=exec_mask is not None, KV_FP8=fp8, num_warps=1)
     v = qkv[:, 2 * H * D:].view(B, H, D)
     return q_out, k_out, v
-
-
-class LinearLaunch(NamedTuple):
-    block_n: int  # weight rows per program
-    block_k: int
-    stages: int
-    warps: int
-
-
-SKINNY_MAX_ROWS = 64  # up to this many rows, `linear` streams the weight once (a frame's buckets)
-SKINNY_LAUNCH = LinearLaunch(16, 256, 4, 4)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, launch: LinearLaunch | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T for the decode step's few rows: each weight row is read once, at close
-    to the memory bandwidth, where cuBLAS leaves part of it unused at small M (docs/benchmarks.md).
-    bf16 / fp16, fp32 accumulation. Other cases (more rows, a K the blocks do not divide, strided
-    operands, fp32) go to F.linear."""
-    M, K = x.shape
-    N = w.shape[0]
-    block_n, block_k, stages, warps = launch or SKINNY_LAUNCH
-    if (not available(x) or M > SKINNY_MAX_ROWS or K % block_k or x.stride(1) != 1 or w.stride(1) != 1
-            or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype):  # (fp32: F.linear's precision)
-        return torch.nn.functional.linear(x, w)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(N, block_n),)](
-        x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=max(16, _pow2(M)), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
-    return y
 
 
 def rms_norm(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:

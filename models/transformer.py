@@ -560,14 +560,14 @@ class StreamingTransformer(nn.Module):
             else:
                 res, normed = _add_norm(res, pending, prev.layer_scale_2, layer.norm1)
             w_in, w_out = layer.self_attn.weights(weight_index)
-            qkv = kernels.linear(normed, w_in)
+            qkv = F.linear(normed, w_in)
             scales = ((state.key_scales[i], state.value_scales[i]) if state.key_scales is not None
                       else (None, None))
             q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
                                          *scales)
             out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
                                            self.context, *scales)
-            update = kernels.linear(out.view(B, dim), w_out)
+            update = F.linear(out.view(B, dim), w_out)
             if layer.cross_attention is None:
                 res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)
             else:
@@ -614,5 +614,5 @@ def _ffn_fused(layer: StreamingTransformerLayer, x: torch.Tensor, weight_index: 
     if isinstance(gating, nn.ModuleList):
         gating = gating[weight_index]
     if isinstance(gating, GatedFFN) and gating.activation is F.silu:
-        return kernels.linear(kernels.silu_mul(kernels.linear(x, gating.linear_in.weight)), gating.linear_out.weight)
+        return gating.linear_out(kernels.silu_mul(gating.linear_in(x)))
     return layer._ffn(x, weight_index)

@@ -216,30 +216,3 @@ def test_transformer_fused_step_fp8_matches_general_path():
     torch.testing.assert_close(dequantize_kv(s_f.keys[2], s_f.key_scales[2], torch.float32),
                                dequantize_kv(s_g.keys[2], s_g.key_scales[2], torch.float32), atol=8e-2, rtol=8e-2)
     assert torch.equal(s_f.keys[0][1].view(torch.uint8), s_g.keys[0][1].view(torch.uint8))
-
-
-@pytest.mark.parametrize("M", [1, 3, 16, 64])
-@pytest.mark.parametrize("N,K", [(3 * 512, 512), (512, 1408), (40, 256)])
-def test_skinny_linear_matches_f_linear(M, N, K):
-    """kernels.linear (each weight row read once, all rows of x against it) equals F.linear up to
-    bf16 rounding of the fp32 sum; N not a multiple of the block; more rows than it serves, or
-    a K its blocks do not divide, go to F.linear itself."""
-    _need_cuda()
-    g = torch.Generator("cuda").manual_seed(M * 7 + N)
-    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(torch.bfloat16)
-    want = F.linear(x.float(), w.float())
-    got = fa.linear(x, w)
-    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    assert (got.float() - want).abs().max() <= (F.linear(x, w).float() - want).abs().max() * 2 + 1e-3
-
-
-def test_skinny_linear_falls_back_where_it_does_not_apply():
-    _need_cuda()
-    x = torch.randn(65, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(fa.linear(x, w), F.linear(x, w))  # more rows than SKINNY_MAX_ROWS
-    x, w = x[:4, :200].contiguous(), w[:, :200].contiguous()
-    assert torch.equal(fa.linear(x, w), F.linear(x, w))  # K not a multiple of the block
-    assert torch.equal(fa.linear(x.float(), w.float()), F.linear(x.float(), w.float()))  # fp32
