@@ -46,8 +46,9 @@ With `--reference`, the reference `moshi.models.tts.TTSModel` runs on the very s
 tensors, batched as Kyutai's server batches it (all rows start together, one `LMGen.step` per
 frame for the batch, Mimi decode per frame): time to the first audio frame and x real time,
 at each `--streams` value, each after a short warm-up run at that batch size (the reference
-captures its CUDA graphs per batch size on its first steps). Weights are random (shapes, compute and memory traffic of the real
-ones); the text (`--text`, default a fixed English paragraph) goes through a small SentencePiece model.
+captures its CUDA graphs per batch size on its first steps). Weights are random (shapes, compute
+and memory traffic of the real ones); the text (`--text`, default a fixed English paragraph) goes
+through a small SentencePiece model.
 """
 
 from __future__ import annotations
