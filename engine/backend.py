@@ -43,7 +43,7 @@ from parley.models.row_views import leading_rows
 from parley.models.voices import PersonaError, VoicePrompt, list_voices, load_voice, resolve_voice
 
 from .config import SamplingOptions, SessionOptions
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, sync_device
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
 
 log = logging.getLogger("parley.engine.backend")
@@ -434,8 +434,7 @@ class ModelBackend:
         return self._tokenizer.piece(token)
 
     def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync_device(self.device)
 
     def close(self) -> None:
         for graph in self._graphs.values():

@@ -22,6 +22,13 @@ import torch
 DISABLE_HINT = "build the backend with cuda_graphs=False to run eagerly and see the real error"
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for `device`'s queued work (nothing to wait for off CUDA): what a cost measured on
+    the host must include."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class GraphError(RuntimeError):
     """A CUDA graph was replayed with inputs unlike those it was captured with."""
 

@@ -73,7 +73,7 @@ import torch
 
 from parley.models.image_pipeline import Conditioning, ImageJob, ImageStepper, TiledDecode
 
-from .cuda_graph import CUDAGraphRunner, GraphError
+from .cuda_graph import CUDAGraphRunner, GraphError, sync_device
 from .image_costs import BLEND, DECODE, DENOISE, ENCODE, PREVIEW, TILE, predict
 from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import OutputStream, Status, Terminal
@@ -304,7 +304,7 @@ class ImageQueue(SlackSource):
         def timed(key, fn, keep_max: bool = False):
             start = self._now()
             out = fn()
-            synchronize(st)
+            sync_device(st.device)
             spent = self._now() - start
             measured[key] = max(spent, measured[key]) if keep_max and key in measured else spent
             return out
@@ -732,8 +732,3 @@ class ImageQueue(SlackSource):
     def counters(self) -> dict:
         with self._lock:
             return {**self.counts, "images_outstanding": self._outstanding}
-
-
-def synchronize(stepper: ImageStepper) -> None:
-    if stepper.device.type == "cuda":
-        torch.cuda.synchronize(stepper.device)

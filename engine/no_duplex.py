@@ -7,6 +7,7 @@ import torch
 
 from .backend import BackendOutput, SessionRejected
 from .config import SamplingOptions, SessionOptions
+from .cuda_graph import sync_device
 
 NO_DUPLEX_REASON = "this server has no duplex model loaded (start it with --model); it serves TTS only"
 
@@ -36,8 +37,7 @@ class NoDuplexBackend:
         return ""
 
     def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync_device(self.device)
 
     def close(self) -> None:
         pass

@@ -58,7 +58,7 @@ from parley.models.row_views import leading_rows
 from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
 
 from .backend import bucket_for, bucket_sizes
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, sync_device
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
 
@@ -273,11 +273,7 @@ class TtsPool(SlackSource):
         work = [(step_key(kind, n), partial(self._run_device, torch.zeros(n, dtype=torch.bool, device=self.device),
                                             kind)) for kind in STEP_KINDS for n in self.buckets]
         work.append((ADMIT_KEY, self._warm_admit))
-        return [(key, second_call_cost(run, self._synchronize)[0]) for key, run in work]
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        return [(key, second_call_cost(run, partial(sync_device, self.device))[0]) for key, run in work]
 
     def _warm_voices(self) -> tuple[torch.Tensor, ...]:
         cfg = self._gen.lm.cfg
