@@ -42,11 +42,15 @@ class Stall:
     def describe(self, origin: float = 0.0) -> str:
         lines = [f"stall at {self.start - origin:+.3f} s for {self.seconds * 1000:.1f} ms"]
         for name, stack in self.after.items():
-            lines.append(f"  {name}: {' < '.join(f'{f}:{n} {fn}' for f, n, fn in stack[:4])}")
+            lines.append(f"  {name}: {_frames(stack)}")
             earlier = self.before.get(name)
             if earlier and earlier[:3] != stack[:3]:
-                lines.append(f"  {name} before: {' < '.join(f'{f}:{n} {fn}' for f, n, fn in earlier[:4])}")
+                lines.append(f"  {name} before: {_frames(earlier)}")
         return "\n".join(lines)
+
+
+def _frames(stack: Stack) -> str:
+    return " < ".join(f"{file}:{line} {function}" for file, line, function in stack[:4])
 
 
 class StallWatch:
@@ -66,7 +70,8 @@ class StallWatch:
         self._thread.join(1)
 
     def stalls_since(self, t0: float) -> list[Stall]:
-        return [s for s in list(self.stalls) if s.start >= t0]
+        """The stalls still going on at `t0` or later (one that began just before it counts)."""
+        return [s for s in list(self.stalls) if s.start + s.seconds >= t0]
 
     def _run(self) -> None:
         before = thread_stacks()
