@@ -19,6 +19,7 @@ fewer converted values need to be live at once).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frame_setup import H200_COPY_TBPS, window_positions  # noqa: E402
+from frame_setup import H200_COPY_TBPS, WINDOWS, window_positions  # noqa: E402
 
 from parley.models.transformer import quantize_kv, ring_slot_positions  # noqa: E402
 
@@ -145,12 +146,17 @@ def main() -> None:
     parser.add_argument("--shapes", default="128x3x4", help="launch shapes BLOCK_NxSTAGESxWARPS[xMAXNREG], "
                         "comma-separated (MAXNREG: a cap on registers a thread, so more programs fit an SM)")
     args = parser.parse_args()
-    if triton is None or not torch.cuda.is_available():
-        sys.exit("fp8_attention_variants.py needs a CUDA device and Triton")
+    if not re.fullmatch(r"\d+(,\d+)*", args.batches) or not set(args.windows.split(",")) <= set(WINDOWS):
+        parser.error(f"--batches {args.batches!r} / --windows {args.windows!r}: expected counts, and windows "
+                     f"among {', '.join(WINDOWS)}")
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}: expected some of {', '.join(VARIANTS)}")
+    if not re.fullmatch(r"\d+x\d+x\d+(x\d+)?(,\d+x\d+x\d+(x\d+)?)*", args.shapes):
+        parser.error(f"--shapes {args.shapes!r}: expected BLOCK_NxSTAGESxWARPS[xMAXNREG], comma-separated")
     shapes = [(tuple(int(x) for x in s.split("x")) + (0,))[:4] for s in args.shapes.split(",")]
+    if triton is None or not torch.cuda.is_available():
+        sys.exit("fp8_attention_variants.py needs a CUDA device and Triton")
     g = torch.Generator("cuda").manual_seed(0)
     for B in (int(b) for b in args.batches.split(",")):
         ck8, ks = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g, dtype=torch.bfloat16))
