@@ -1,4 +1,5 @@
 """Fused CUDA kernels (Triton) for the one-step (T == 1) streaming decode, and for sampling.
+RoPE + ring write also serves calls of a few steps (Mimi's transformers, 2 steps a frame).
 
 A leaf module: it takes plain tensors and numbers, never model objects, and imports nothing
 from the rest of Parley.
@@ -6,6 +7,7 @@ from the rest of Parley.
     available(x) -> bool                      # CUDA tensor, Triton importable, fused paths switched on
     set_enabled(flag) -> previous flag;  with enabled(flag): ...    # the one switch
     q, k, v = rope_write(qkv[B, 3*H*D], H, D, cos_sin | None, pos[B], exec_mask[B] | None, cache_k, cache_v)
+    q, k, v = rope_write(qkv[B*T, 3*H*D], ..., steps=T)   # T steps of each row, row-major
     out = decode_attention(q[B,H,D], k_new[B,H,D], v_new[B,H,D], cache_k[B,H,S,D], cache_v, slot_pos[B,S],
                            pos[B], context | None)        # [B, H, D]
     y = rms_norm(x[B, N], alpha[N], eps)                  # RMSNorm computed in fp32
@@ -217,17 +219,19 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
-                           H, S, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h,
+                           H, S, T, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h,
                            D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr,
                            KV_FP8: tl.constexpr):
+        # One program per (row step bt = b * T + t, head): step t of row b is at position POS[b] + t.
         bh = tl.program_id(0)
-        b = bh // H
+        bt = bh // H
         h = bh % H
+        b = bt // T
         HALF: tl.constexpr = D // 2
         HD = H * D
-        base = QKV + b * s_qkv_b + h * D
+        base = QKV + bt * s_qkv_b + h * D
         i = tl.arange(0, HALF)
-        qpos = tl.load(POS + b)
+        qpos = tl.load(POS + b) + bt % T
         slot = qpos % S
         write = i >= 0
         if HAS_EXEC:
@@ -238,15 +242,15 @@ if _HAVE_TRITON:
         kr = tl.load(base + HD + 2 * i)
         ki = tl.load(base + HD + 2 * i + 1)
         if HAS_ROPE:
-            c = tl.load(COS + b * HALF + i)
-            s = tl.load(SIN + b * HALF + i)
+            c = tl.load(COS + bt * HALF + i)
+            s = tl.load(SIN + bt * HALF + i)
             qr32, qi32 = qr.to(tl.float32), qi.to(tl.float32)
             kr32, ki32 = kr.to(tl.float32), ki.to(tl.float32)
             qr = (qr32 * c - qi32 * s).to(out_ty)
             qi = (qr32 * s + qi32 * c).to(out_ty)
             kr = (kr32 * c - ki32 * s).to(out_ty)
             ki = (kr32 * s + ki32 * c).to(out_ty)
-        o = (b * H + h) * D
+        o = (bt * H + h) * D
         tl.store(QO + o + 2 * i, qr)
         tl.store(QO + o + 2 * i + 1, qi)
         tl.store(KO + o + 2 * i, kr)
@@ -422,12 +426,17 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
                pos: torch.Tensor, exec_mask: torch.Tensor | None, cache_k: torch.Tensor,
                cache_v: torch.Tensor, k_scale: torch.Tensor | None = None,
-               v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               v_scale: torch.Tensor | None = None, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [B, 3*H*D] -> q, k (rotated, [B, H, D]), v (a view); k, v written to slot pos % S of
     executing rows' caches (fp8 caches: quantized with a per-(row, head, slot) scale, written to
-    `k_scale` / `v_scale` [B, H, S]; see `quantize_kv`)."""
+    `k_scale` / `v_scale` [B, H, S]; see `quantize_kv`).
+
+    `steps` T > 1: qkv [R * T, 3*H*D] holds T consecutive steps of each of R rows (row-major), step
+    t of row r at position pos[r] + t (written to slot (pos[r] + t) % S), with cos_sin per step
+    ([R * T, D / 2]); exec_mask and pos stay per row [R]; q and k come back [R * T, H, D]."""
     B = qkv.shape[0]
     S = cache_k.shape[2]
+    assert B % steps == 0 and pos.shape[0] * steps == B, "qkv must hold `steps` steps of every row"
     assert qkv.stride(1) == 1 and cache_k.stride(3) == 1 and cache_v.stride(3) == 1
     q_out = torch.empty(B, H, D, dtype=qkv.dtype, device=qkv.device)
     k_out = torch.empty_like(q_out)
@@ -438,7 +447,7 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
     ks, vs = (k_scale, v_scale) if fp8 else (qkv, qkv)
     _rope_write_kernel[(B * H,)](
-        qkv, cos, sin, pos, ex, q_out, k_out, cache_k, cache_v, ks, vs, H, S, qkv.stride(0),
+        qkv, cos, sin, pos, ex, q_out, k_out, cache_k, cache_v, ks, vs, H, S, steps, qkv.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,

@@ -134,11 +134,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, max_period: float) -> t
     return torch.cos(angles), torch.sin(angles)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               max_period: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Interleaved rotary embedding. q, k: [B, H, T, D]; positions: [B, T] long. Computed in fp32."""
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved rotary embedding. q, k: [B, H, T, D]; cos_sin: `rope_cos_sin` of the positions
+    [B, T] (computed once per call, shared by the layers). Computed in fp32."""
     D = q.shape[-1]
-    cos, sin = (c[:, None] for c in rope_cos_sin(positions, D, max_period))  # [B, 1, T, D/2]
+    cos, sin = (c[:, None] for c in cos_sin)  # [B, 1, T, D/2]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x = x.view(*x.shape[:-1], D // 2, 2)
@@ -224,6 +224,9 @@ class TransformerState:
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Calls of at most this many steps (Mimi's 2 a frame) on CUDA attend with plain matmuls and
+# fuse RoPE with the ring write; longer ones (prompt prefill) take SDPA.
+FEW_STEPS = 4
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,16 +264,29 @@ class StreamingAttention(nn.Module):
         return (self.in_proj_weight[weight_index * 3 * dim:(weight_index + 1) * 3 * dim],
                 self.out_proj.weight[weight_index * dim:(weight_index + 1) * dim])
 
-    def forward(self, x: torch.Tensor, weight_index: int, positions: torch.Tensor,
-                rope_max_period: float | None, kv: tuple[torch.Tensor, torch.Tensor] | None,
-                slots: torch.Tensor | None, attn_mask: torch.Tensor,
-                exec_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight_index: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                kv: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor | None, attn_mask: torch.Tensor,
+                exec_mask: torch.Tensor | None, pos: torch.Tensor | None = None,
+                fused_write: bool = False) -> torch.Tensor:
+        """`rope`: `rope_cos_sin` of the steps' positions, or None without RoPE. `fused_write` (CUDA,
+        a few steps, a bf16 / fp32 ring; the transformer decides): RoPE and the ring write of
+        executing rows in one kernel (`kernels.rope_write`), from the rows' positions `pos` [B]."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.dim // self.num_heads
         w_in, w_out = self.weights(weight_index)
-        q, k, v = F.linear(x, w_in).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
-        if rope_max_period is not None:
-            q, k = apply_rope(q, k, positions, rope_max_period)
+        qkv = F.linear(x, w_in)
+        if fused_write:
+            # Rows that do not execute keep their ring as it was (nothing to restore); their
+            # outputs, which nobody reads, attend over the old slot contents.
+            cache_k, cache_v = kv
+            cos_sin = None if rope is None else tuple(c.reshape(B * T, -1) for c in rope)
+            q, _, _ = kernels.rope_write(qkv.view(B * T, 3 * self.dim), H, D, cos_sin, pos, exec_mask,
+                                         cache_k, cache_v, steps=T)
+            out = _attention(q.view(B, T, H, D).transpose(1, 2), cache_k, cache_v, attn_mask)
+            return F.linear(out.transpose(1, 2).reshape(B, T, self.dim), w_out)
+        q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        if rope is not None:
+            q, k = apply_rope(q, k, rope)
 
         if kv is None:  # stateless: attend over this call's keys only
             out = F.scaled_dot_product_attention(q, k, v, attn_mask)
@@ -319,7 +335,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     """SDPA over a ring. On CUDA, a few queries (Mimi's T = 2 steps) take plain batched matmuls:
     PyTorch's fused SDPA kernels are ~100 us a call at that shape (B = 64, 250 slots, fp32); the
     math is the same up to float rounding. CPU keeps SDPA (bit-exact with the reference)."""
-    if not (kernels.available(q) and q.shape[2] <= 4):
+    if not (kernels.available(q) and q.shape[2] <= FEW_STEPS):
         return F.scaled_dot_product_attention(q, k, v, mask)
     scores = torch.matmul(q * (q.shape[-1] ** -0.5), k.transpose(-1, -2))
     scores = scores.masked_fill(~mask, float("-inf"))  # every query sees its own key: no empty row
@@ -483,6 +499,12 @@ class StreamingTransformer(nn.Module):
             valid = valid & (delta < self.context)
         return valid[:, None]
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin of the steps' positions [B, T], once per call for every layer."""
+        if self.rope_max_period is None:
+            return None
+        return rope_cos_sin(positions, self.d_model // self.num_heads, self.rope_max_period)
+
     def cross_kv(self, source: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer cross-attention keys and values of a source [B, S, d_model]."""
         return [layer.cross_attention.kv(source) for layer in self.layers]
@@ -497,9 +519,10 @@ class StreamingTransformer(nn.Module):
         crosses = cross_kv if cross_kv is not None else [None] * len(self.layers)
         if state is None:
             positions = steps[None].expand(B, T)
-            attn = dict(kv=None, slots=None, attn_mask=self._mask(positions, positions), exec_mask=None)
+            attn = dict(kv=None, slots=None, attn_mask=self._mask(positions, positions), exec_mask=None,
+                        rope=self._rope(positions))
             for layer, cross in zip(self.layers, crosses):
-                x = layer(x, weight_index, cross, positions=positions, rope_max_period=self.rope_max_period, **attn)
+                x = layer(x, weight_index, cross, **attn)
             return x
 
         assert T <= self.capacity, f"{T} steps in one call exceed the KV ring capacity {self.capacity}"
@@ -510,9 +533,12 @@ class StreamingTransformer(nn.Module):
         # Slot positions as they are once this call's keys are written (all rows, for the mask).
         new_slot_pos = state.slot_pos.scatter(1, slots, positions)
         mask = self._mask(new_slot_pos, positions)
+        rope = self._rope(positions)
+        # A few steps (Mimi's 2 a frame) on CUDA: RoPE + ring write fused, as in the one-step path.
+        fused_write = T <= FEW_STEPS and state.key_scales is None and self._can_fuse(x)
         for i, (layer, cross) in enumerate(zip(self.layers, crosses)):
-            x = layer(x, weight_index, cross, positions=positions, rope_max_period=self.rope_max_period,
-                      kv=state.kv(i), slots=slots, attn_mask=mask, exec_mask=exec_mask)
+            x = layer(x, weight_index, cross, rope=rope, kv=state.kv(i), slots=slots, attn_mask=mask,
+                      exec_mask=exec_mask, pos=state.pos, fused_write=fused_write)
         if exec_mask is None:
             state.slot_pos.copy_(new_slot_pos)
             state.pos.add_(T)

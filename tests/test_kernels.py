@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from parley.models import kernels as fa
-from parley.models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv,
+from parley.models.transformer import (LayerScale, RMSNorm, StreamingTransformer, apply_rope, dequantize_kv, rope_cos_sin,
                                 quantize_kv, ring_slot_positions)
 
 pytestmark = pytest.mark.gpu
@@ -94,7 +94,7 @@ def test_rope_write_and_norms():
     ex = torch.tensor([True, False, True], device="cuda")
     q, k, v = fa.rope_write(qkv, H, D, (ang.cos(), ang.sin()), pos, ex, ck, cv)
     q3, k3, v3 = qkv.view(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)
-    qr, kr = apply_rope(q3, k3, pos[:, None], 1e4)
+    qr, kr = apply_rope(q3, k3, rope_cos_sin(pos[:, None], D, 1e4))
     torch.testing.assert_close(q, qr[:, :, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, kr[:, :, 0], atol=1e-5, rtol=1e-5)
     slot = pos % S
@@ -111,6 +111,61 @@ def test_rope_write_and_norms():
     torch.testing.assert_close(y, norm(x + ls(u)).view_as(x))
     h = torch.randn(4, 2 * 1000, device="cuda")
     torch.testing.assert_close(fa.silu_mul(h), F.silu(h[:, :1000]) * h[:, 1000:])
+
+
+def test_rope_write_few_steps():
+    """steps=T: T consecutive steps of each row at pos[r] + t, written to their own slots; a row
+    that does not execute keeps its ring."""
+    _need_cuda()
+    B, T, H, D, S = 3, 2, 4, 64, 10
+    qkv = torch.randn(B * T, 3 * H * D, device="cuda")
+    pos = torch.tensor([0, 7, 9], device="cuda")  # row 2 wraps: slots 9 and 0
+    positions = pos[:, None] + torch.arange(T, device="cuda")
+    cos, sin = rope_cos_sin(positions, D, 1e4)
+    ck, cv = torch.zeros(B, H, S, D, device="cuda"), torch.zeros(B, H, S, D, device="cuda")
+    ex = torch.tensor([True, False, True], device="cuda")
+    q, k, v = fa.rope_write(qkv, H, D, (cos.reshape(B * T, -1), sin.reshape(B * T, -1)), pos, ex, ck, cv, steps=T)
+    q3, k3, v3 = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # [B, H, T, D]
+    qr, kr = apply_rope(q3, k3, (cos, sin))
+    torch.testing.assert_close(q.view(B, T, H, D), qr.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k.view(B, T, H, D), kr.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    for b in (0, 2):
+        for t in range(T):
+            slot = (pos[b] + t).item() % S
+            assert torch.equal(ck[b, :, slot], k.view(B, T, H, D)[b, t])
+            assert torch.equal(cv[b, :, slot], v3[b, :, t])
+    assert ck[1].abs().max() == 0 and cv[1].abs().max() == 0
+    assert ck[0, :, 2:].abs().max() == 0  # nothing past row 0's two slots
+
+
+def test_transformer_few_steps_fused_write_matches_general_path():
+    """Mimi's case (LayerNorm, fp32, 2 steps a call, a context): the fused RoPE + ring write gives
+    the general path's outputs on executing rows and its ring; a row that does not execute keeps
+    its ring exactly (the general path writes and restores it)."""
+    _need_cuda()
+    torch.manual_seed(0)
+    tr = StreamingTransformer(128, 2, 2, 256, context=12, norm="layer_norm", layer_scale=0.1, device="cuda")
+    B = 3
+    exec_mask = torch.tensor([True, False, True], device="cuda")
+    x = torch.randn(B, 20, 128, device="cuda")
+    results = []
+    with torch.no_grad():
+        for fused in (True, False):
+            st = tr.init_state(B)
+            tr(x[:, :6], st)  # a prefix, every row
+            before = [k.clone() for k in st.keys]
+            with fa.enabled(fused):
+                ys = [tr(x[:, 6 + 2 * i:8 + 2 * i], st, exec_mask) for i in range(7)]  # wraps the ring
+            results.append((torch.cat(ys, 1), st, before))
+    (y_f, s_f, before_f), (y_g, s_g, _) = results
+    rows = exec_mask.nonzero().flatten()
+    torch.testing.assert_close(y_f[rows], y_g[rows], atol=1e-4, rtol=1e-4)
+    assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
+    for i in range(2):
+        torch.testing.assert_close(s_f.keys[i][rows], s_g.keys[i][rows], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(s_f.values[i][rows], s_g.values[i][rows], atol=1e-4, rtol=1e-4)
+        assert torch.equal(s_f.keys[i][1], before_f[i][1])
+        assert torch.equal(s_g.keys[i][1], s_f.keys[i][1])
 
 
 @pytest.mark.parametrize("V", [2048, 32000])

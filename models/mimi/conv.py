@@ -34,8 +34,9 @@ def rows(mask: Tensor, like: Tensor, batch_dim: int = 0) -> Tensor:
 
 
 def commit_rows_(buffer: Tensor, new: Tensor, exec_mask: Tensor, batch_dim: int = 0) -> None:
-    """buffer[row] = new[row] for executed rows; other rows are left as they were."""
-    buffer.copy_(torch.where(rows(exec_mask, buffer, batch_dim), new, buffer))
+    """buffer[row] = new[row] for executed rows; other rows are left as they were. `new` must not
+    overlap `buffer` (one kernel: `where` writes its result over its own input)."""
+    torch.where(rows(exec_mask, buffer, batch_dim), new, buffer, out=buffer)
 
 
 def fill_rows_(buffer: Tensor, mask: Tensor, value: Any, batch_dim: int = 0) -> None:
