@@ -19,6 +19,7 @@ at the copy bandwidth, see frame_setup.py) and the fraction of it reached (floor
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -110,6 +111,8 @@ def main() -> None:
                         "idle), default all B; with it the reference is not run")
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="Parley's LM KV cache dtype (fp8: float8_e4m3fn with per-vector scales)")
+    parser.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="Parley's Mimi (serve's --mimi-dtype); the reference's stays float32")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("frame_latency needs a CUDA GPU")
@@ -120,8 +123,10 @@ def main() -> None:
     if args.live is not None:
         args.no_reference = True
     ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
+    if args.mimi_dtype == "bfloat16":  # a copy: the reference keeps its fp32 Mimi
+        mimi = copy.deepcopy(mimi).compute_in(torch.bfloat16)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16"
-          f"  Parley KV cache: {args.kv_dtype}")
+          f"  Parley KV cache: {args.kv_dtype}  Parley Mimi: {args.mimi_dtype}")
     rows = []
     for batch in batches:
         row = {"B": batch}
@@ -162,7 +167,7 @@ def main() -> None:
     print(f"\nLargest B with full windows and p99 < 80 ms: {max(realtime) if realtime else 'none'}")
     if args.json:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kv_dtype": args.kv_dtype,
-                "frames": args.frames, "live": args.live, "warmup": args.warmup, "bandwidth_tbps": H200_COPY_TBPS}
+                "mimi_dtype": args.mimi_dtype, "frames": args.frames, "live": args.live, "warmup": args.warmup, "bandwidth_tbps": H200_COPY_TBPS}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

@@ -54,7 +54,7 @@ class TtsCheckpoint:
 
 
 def load_tts_checkpoint(source: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.bfloat16) -> TtsCheckpoint:
+                        dtype: torch.dtype = torch.bfloat16, mimi_dtype: torch.dtype = torch.float32) -> TtsCheckpoint:
     device = torch.device(device)
     directory = resolve_checkpoint_dir(source)
     config_path = directory / CONFIG_FILE
@@ -94,6 +94,7 @@ def load_tts_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     load_module_weights(lm, lm_path, "TTS LM weights", what, device, dtype, FP32_PREFIXES)
     load_module_weights(mimi, mimi_path, "Mimi weights", "Mimi config", device, torch.float32,
                         legacy=MIMI_LEGACY_NAMES)
+    mimi.compute_in(mimi_dtype)  # as load_checkpoint does
     return TtsCheckpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, config=cfg,
                          gen_defaults=dict(raw.get("lm_gen_config") or {}), path=directory)
 

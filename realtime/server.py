@@ -81,6 +81,7 @@ class ServeConfig:
     device: str = "auto"  # auto: CUDA when present, else CPU
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     kv_dtype: str | None = None  # temporal KV cache: None = the weights' dtype, "fp8" = float8 e4m3
+    mimi_dtype: str = "float32"  # every Mimi's (duplex, STT, TTS): float32 (the reference's) or bfloat16
     defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
     sampling: dict = dataclasses.field(default_factory=dict)  # SamplingOptions fields set by flags
     api_key: str | tuple[str, ...] | None = None  # one key or several (--api-key-file: rotation)
@@ -161,6 +162,7 @@ def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions
 
 def build_speech(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype,
                  duplex_mimi: Mimi | None = None) -> SpeechService | None:
+    mimi_dtype = DTYPES[config.mimi_dtype]
     """The TTS pool and voices: --tts-model, or the demo TTS when no model at all was given.
     `duplex_mimi`: the duplex model's codec, whose equal weights the TTS Mimi then shares."""
     if config.tts_model is None and not demo:
@@ -169,11 +171,11 @@ def build_speech(config: ServeConfig, demo: bool, device: torch.device, dtype: t
         directory = ensure_demo_tts()
         return load_speech_service(directory, slots=config.tts_slots, voices=directory / "voices",
                                    voice_map=directory / DEMO_TTS_VOICE_MAP, device=str(device), dtype=dtype,
-                                   share_mimi=duplex_mimi)
+                                   share_mimi=duplex_mimi, mimi_dtype=mimi_dtype)
     log.info("loading TTS %s on %s", config.tts_model, device)
     return load_speech_service(config.tts_model, slots=config.tts_slots, voices=config.tts_voices,
                                voice_map=config.tts_voice_map, device=str(device), dtype=dtype,
-                               share_mimi=duplex_mimi)
+                               share_mimi=duplex_mimi, mimi_dtype=mimi_dtype)
 
 
 def build_app(config: ServeConfig):
@@ -194,10 +196,11 @@ def build_app(config: ServeConfig):
     source = str(ensure_demo_checkpoint()) if demo else config.model
     if demo:
         log.warning(DEMO_NOTICE)
-    log.info("loading %s on %s (%s)", source, device, str(dtype).removeprefix("torch."))
+    log.info("loading %s on %s (%s, Mimi %s)", source, device, str(dtype).removeprefix("torch."), config.mimi_dtype)
     progress = LoadProgress()
     try:
-        checkpoint = load_checkpoint(source, device=device, dtype=dtype, progress=progress)
+        checkpoint = load_checkpoint(source, device=device, dtype=dtype, progress=progress,
+                                     mimi_dtype=DTYPES[config.mimi_dtype])
     finally:
         progress.close()
     prompts = checkpoint.model_type == "personaplex"
@@ -247,7 +250,7 @@ def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torc
     if config.stt_model is None:
         log.warning("demo server: %s", STT_NOTICE)
     log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)
-    return load_stt_checkpoint(source, device=device, dtype=dtype)
+    return load_stt_checkpoint(source, device=device, dtype=dtype, mimi_dtype=DTYPES[config.mimi_dtype])
 
 
 def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:

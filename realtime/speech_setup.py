@@ -27,10 +27,10 @@ DEFAULT_VOICES = "kyutai/tts-voices"
 
 def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | None,
                         voice_map: str | Path | None, device: str, dtype: torch.dtype,
-                        share_mimi: Mimi | None = None) -> SpeechService:
+                        share_mimi: Mimi | None = None, mimi_dtype: torch.dtype = torch.float32) -> SpeechService:
     """`share_mimi`: a loaded codec (the duplex model's); the TTS Mimi's weights equal to it are
     shared, not held twice (Kyutai's TTS ships the duplex model's Mimi file)."""
-    checkpoint = load_tts_checkpoint(source, device, dtype)
+    checkpoint = load_tts_checkpoint(source, device, dtype, mimi_dtype)
     if share_mimi is not None and (shared := share_equal_tensors(checkpoint.mimi, share_mimi)):
         log.info("the TTS model's Mimi shares %.0f MB of weights with the duplex model's", shared / 1e6)
     cfg = checkpoint.config
