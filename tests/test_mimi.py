@@ -17,6 +17,7 @@ import torch
 from parley.models import kernels
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config
 from parley.models.mimi import Mimi, MimiState, model_key
+from parley.models.mimi.quantizer import Codebook
 
 FRAMES = 60  # >= 50 frames (4.8 s): the tiny transformer's 20-step context ring wraps 6 times
 
@@ -431,6 +432,23 @@ def test_bf16_mimi_stays_within_its_stated_tolerance(device):
     assert (c16[..., 0] == c32[..., 0]).float().mean().item() >= 0.95
     snr = 10 * torch.log10(a32.pow(2).sum() / (a16 - a32).pow(2).sum()).item()
     assert snr >= 40, f"bf16 decode SNR {snr:.1f} dB"
+
+
+@pytest.mark.gpu
+def test_cuda_nearest_centroid_matches_cdist():
+    """The CUDA codebook search (|c|^2 - 2 x.c, one matmul) picks cdist's centroid."""
+    if not torch.cuda.is_available() or not kernels.have_triton():
+        pytest.skip("needs a CUDA device and Triton")
+    torch.manual_seed(0)
+    book = Codebook(256, 2048).cuda()
+    book.embedding_sum.normal_()
+    book.cluster_usage.uniform_(0.5, 2.0)
+    book.refresh_embedding()
+    x = torch.randn(512, 256, device="cuda")
+    fast = book.encode(x)
+    with kernels.enabled(False):
+        plain = book.encode(x)
+    assert (fast == plain).float().mean().item() >= 0.999  # only exact near-ties may differ
 
 
 @pytest.mark.gpu
