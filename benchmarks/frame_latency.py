@@ -49,10 +49,6 @@ def build_models(device: str, dtype: torch.dtype):
     lm.load_state_dict(published_state(ref_lm.state_dict()), assign=True, strict=True)
     mimi = Mimi(mimi_cfg).to("meta")
     mimi.load_state_dict(ref_mimi.state_dict(), assign=True, strict=True)
-    for module in mimi.modules():  # non-persistent derived buffers stay on meta under assign=True
-        if hasattr(module, "refresh_embedding"):
-            module._embedding = torch.empty_like(module.embedding_sum)
-            module.refresh_embedding()
     mimi.eval()
     lm.eval()
     return ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg

@@ -139,10 +139,6 @@ def build_models(shapes: str, device: str, dtype: torch.dtype):
                                 num_codebooks=cfg.lm.n_q)
     mimi = Mimi(mimi_cfg).to("meta")
     mimi.load_state_dict(ref_mimi.state_dict(), assign=True, strict=True)
-    for module in mimi.modules():  # derived buffers stay on meta under assign=True
-        if hasattr(module, "refresh_embedding"):
-            module._embedding = torch.empty_like(module.embedding_sum)
-            module.refresh_embedding()
     mimi.eval()
     return cfg, ref_lm, ref_mimi, lm, mimi
 

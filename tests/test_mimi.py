@@ -434,6 +434,17 @@ def test_bf16_mimi_stays_within_its_stated_tolerance(device):
     assert snr >= 40, f"bf16 decode SNR {snr:.1f} dB"
 
 
+def test_meta_module_assigned_a_state_dict_derives_its_centroids(tiny_mimi: Mimi):
+    """load_state_dict(assign=True) over a meta-device Mimi (the benchmarks share weights so):
+    the codebooks' derived buffers (centroids, their norms) are made from the statistics."""
+    mimi = Mimi(tiny_mimi.cfg).to("meta")
+    mimi.load_state_dict(tiny_mimi.state_dict(), assign=True, strict=True)
+    assert not [n for n, t in [*mimi.named_parameters(), *mimi.named_buffers()] if t.is_meta]
+    ours, theirs = mimi.quantizer.rvq_rest.codebook(1), tiny_mimi.quantizer.rvq_rest.codebook(1)
+    assert torch.equal(ours.embedding, theirs.embedding)
+    assert torch.equal(ours._squared_norms, theirs.embedding.pow(2).sum(-1))
+
+
 @pytest.mark.gpu
 def test_cuda_nearest_centroid_matches_cdist():
     """The CUDA codebook search (|c|^2 - 2 x.c, one matmul) picks cdist's centroid."""

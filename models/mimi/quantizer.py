@@ -48,8 +48,12 @@ class Codebook(nn.Module):
     def refresh_embedding(self) -> None:
         """Recompute the centroids; call after editing `embedding_sum` / `cluster_usage` in place."""
         usage = self.cluster_usage.clamp(min=CLUSTER_USAGE_EPSILON)
-        self._embedding.copy_(self.embedding_sum / usage[:, None])
-        self._squared_norms.copy_(self._embedding.pow(2).sum(-1))
+        embedding = self.embedding_sum / usage[:, None]
+        if self._embedding.is_meta:  # statistics assigned over a meta module (load_state_dict(assign=True))
+            self._embedding = torch.empty_like(embedding)
+            self._squared_norms = embedding.new_empty(embedding.shape[0])
+        self._embedding.copy_(embedding)
+        self._squared_norms.copy_(embedding.pow(2).sum(-1))
 
     @property
     def embedding(self) -> Tensor:
