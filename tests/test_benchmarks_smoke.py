@@ -125,7 +125,8 @@ def test_load_refuses_server_options_without_a_server_to_start() -> None:
 # attack or session; plot_frames.py draws a GPU run's JSON). Their module level (imports, shared
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
-               "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py")
+               "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
+               "mimi_steps.py")
 
 
 def test_other_benchmarks_import() -> None:
@@ -185,6 +186,8 @@ GPU_CASES = {
     "fp8_attention_variants": ("fp8_attention_variants.py", ["--batches", "2", "--windows", "full"],
                                [r"B=2 full\s+fp16\s+128x3x4: \d+\.\d+ ms .* rel\. error \d\.\de-\d\d",
                                 r"B=2 full\s+split_d .* registers"]),
+    "mimi_steps": ("mimi_steps.py", ["--batches", "2", "--frames", "2"],
+                   [r"^\| 2 \| plain \| \d+\.\d{3} \| \d+ \|", r"^\| 2 \| bfloat16 \| .* dB \|$"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
     "image_step": ("image_step.py", ["--variants", "plain,both", "--replays", "2", "--warmup", "1"],
