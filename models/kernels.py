@@ -92,13 +92,14 @@ def _pow2(n: int) -> int:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _attn_split_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, OUT, M_TMP, L_TMP, ACC_TMP,
+    def _attn_split_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, EXEC, OUT, M_TMP, L_TMP, ACC_TMP,
                            H, S, context, qk_scale,
                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
                            sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h,
                            D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                           IEEE: tl.constexpr, STAGES: tl.constexpr, KV_FP8: tl.constexpr):
+                           IEEE: tl.constexpr, STAGES: tl.constexpr, KV_FP8: tl.constexpr,
+                           WRITE: tl.constexpr = False, HAS_EXEC: tl.constexpr = False):
         # The one query row is repeated over M = 16 rows so that both products run as tensor-core
         # dots (whose operand loads Triton pipelines); only row 0 is stored.
         M: tl.constexpr = 16
@@ -183,6 +184,14 @@ if _HAVE_TRITON:
             out = acc / l_i[:, None]
             tl.store(OUT + b * so_b + h * so_h + d[None, :] + 0 * rows[:, None], out.to(OUT.dtype.element_ty),
                      mask=row0[:, None])
+            if WRITE:
+                # The new key and value go to slot `cur` (executing rows only) after the loop,
+                # which never used that slot: no other program touches this (row, head).
+                w = d >= 0
+                if HAS_EXEC:
+                    w = w & (tl.load(EXEC + b) != 0)
+                tl.store(K + b * sk_b + h * sk_h + cur * sk_s + d, tl.load(KN + b * skn_b + h * skn_h + d), mask=w)
+                tl.store(V + b * sv_b + h * sv_h + cur * sv_s + d, tl.load(VN + b * svn_b + h * svn_h + d), mask=w)
         else:
             # Splits past the filled window store nothing: the reduce reads only filled splits.
             idx = bh * NUM_SPLITS + split
@@ -374,9 +383,13 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      cache_v: torch.Tensor, slot_pos: torch.Tensor, pos: torch.Tensor,
                      context: int | None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None,
-                     launch: AttentionLaunch | None = None) -> torch.Tensor:
+                     launch: AttentionLaunch | None = None, write: bool = False,
+                     exec_mask: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n].
-    `launch`: block shape and grid (default `attention_launch`; benchmarks sweep others)."""
+    `launch`: block shape and grid (default `attention_launch`; benchmarks sweep others).
+    `write` (bf16 / fp32 caches): also store k_new, v_new at slot pos % S of the rows where
+    `exec_mask` is True (all rows without one), as `rope_write` would without RoPE: inside the
+    attention kernel when one program covers a row's ring (the depformer's), else after it."""
     B, H, D = q.shape
     S = cache_k.shape[2]
     assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
@@ -396,21 +409,23 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     qk_scale = (D ** -0.5) * 1.4426950408889634
     common = (q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
     ctx = int(context) if context is not None else 0
+    assert not (write and fp8), "write= takes bf16 / fp32 caches (rope_write quantizes fp8 ones)"
+    ex = exec_mask.view(torch.uint8) if exec_mask is not None else q
     if num_splits == 1:
         _attn_split_kernel[(B * H, 1)](
-            q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, out, out, out, out,
+            q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, ex, out, out, out, out,
             H, S, ctx, qk_scale, *common,
             cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
             cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
             out.stride(0), out.stride(1),
             D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=1, HAS_CONTEXT=context is not None, FINAL=True,
-            IEEE=ieee, STAGES=stages, KV_FP8=fp8, num_warps=warps)
+            IEEE=ieee, STAGES=stages, KV_FP8=fp8, WRITE=write, HAS_EXEC=exec_mask is not None, num_warps=warps)
         return out
     m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
     l_tmp = torch.empty_like(m_tmp)
     acc_tmp = torch.empty(B * H * num_splits * D, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(B * H, num_splits)](
-        q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, out, m_tmp, l_tmp, acc_tmp,
+        q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, ex, out, m_tmp, l_tmp, acc_tmp,
         H, S, ctx, qk_scale, *common,
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
@@ -420,7 +435,19 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     _attn_reduce_kernel[(B * H,)](
         q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
         D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
+    if write:  # after every split has read the ring
+        _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v)
     return out
+
+
+def _write_kv(k_new: torch.Tensor, v_new: torch.Tensor, pos: torch.Tensor, exec_mask: torch.Tensor | None,
+              cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    """cache[b, :, pos[b] % S] = new[b] for executing rows (rope_write's store without RoPE)."""
+    B, H, D = k_new.shape
+    keep = exec_mask[:, None, None] if exec_mask is not None else torch.ones_like(pos, dtype=torch.bool)[:, None, None]
+    index = (pos % cache_k.shape[2])[:, None, None, None].expand(B, H, 1, D)
+    for cache, new in ((cache_k, k_new), (cache_v, v_new)):
+        cache.scatter_(2, index, torch.where(keep, new, cache.gather(2, index)[:, :, 0])[:, :, None])
 
 
 def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,

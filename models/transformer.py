@@ -560,8 +560,9 @@ class StreamingTransformer(nn.Module):
                         weight_index: int, cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
         """One step (T == 1) with fused kernels; same semantics as the general path.
 
-        Per layer: [residual add +] RMSNorm, QKV matmul, RoPE + KV write (executing rows only),
-        split-KV attention over each row's filled window plus the new key, output matmul,
+        Per layer: [residual add +] RMSNorm, QKV matmul, RoPE + KV write (executing rows only;
+        without RoPE the attention kernel writes them), split-KV attention over each row's filled
+        window plus the new key, output matmul,
         residual add + RMSNorm, gated FFN (matmul, fused SiLU * gate, matmul). With cross-attention
         (DSM TTS) the residual add after the output matmul stays unfused: the cross block (the
         layer's own module: LayerNorm, one query over the fixed source) comes between it and the
@@ -589,10 +590,17 @@ class StreamingTransformer(nn.Module):
             qkv = F.linear(normed, w_in)
             scales = ((state.key_scales[i], state.value_scales[i]) if state.key_scales is not None
                       else (None, None))
-            q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
-                                         *scales)
-            out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                           self.context, *scales)
+            if cos_sin is None and scales[0] is None:
+                # No RoPE (the depformer): q, k, v are views of qkv, and the attention kernel
+                # itself writes k and v to the ring (one kernel a layer instead of two).
+                q, k, v = qkv.view(B, 3, H, D).unbind(1)
+                out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
+                                               self.context, write=True, exec_mask=exec_mask)
+            else:
+                q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
+                                             *scales)
+                out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
+                                               self.context, *scales)
             update = F.linear(out.view(B, dim), w_out)
             if layer.cross_attention is None:
                 res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)

@@ -60,6 +60,30 @@ def test_decode_attention_matches_sdpa(B, H, S, D, context):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("B,H,S,D", [(5, 16, 8, 64), (3, 4, 3000, 128)])
+def test_decode_attention_writes_the_new_key_and_value(B, H, S, D):
+    """write=True (one program a ring, and split rings): the same output as without, and k_new /
+    v_new stored at slot pos % S of executing rows only; nothing else in the ring changes."""
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(3)
+    dt = torch.bfloat16
+    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    pos, sp = _window_positions(B, S, g)
+    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    ex = torch.arange(B, device="cuda") % 2 == 0
+    plain = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, None)
+    wk, wv = ck.clone(), cv.clone()
+    out = fa.decode_attention(q, kn, vn, wk, wv, sp, pos, None, write=True, exec_mask=ex)
+    assert torch.equal(out, plain)
+    slot = pos % S
+    for b in range(B):
+        want_k, want_v = ck[b].clone(), cv[b].clone()
+        if ex[b]:
+            want_k[:, slot[b]], want_v[:, slot[b]] = kn[b], vn[b]
+        assert torch.equal(wk[b], want_k) and torch.equal(wv[b], want_v)
+
+
 @pytest.mark.parametrize("launch", [(64, 47, 3, 4), (128, 24, 3, 4), (128, 4, 3, 8), (32, 16, 4, 4)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_decode_attention_launch_shapes_match_sdpa(launch, fp8):
@@ -186,14 +210,16 @@ def test_sample_matches_sort_path(V):
     assert torch.equal(out, ref)
 
 
-def _fused_and_general(kv_dtype=None, cross=False):
+def _fused_and_general(kv_dtype=None, cross=False, rope=True):
     """The same 15 decode steps (after a 30-frame prefix) through the fused T == 1 path and the
     general SDPA path, with row 1 not executing: ((y, state) fused, (y, state) general). `cross`:
-    layers with a cross-attention block (DSM TTS) over a fixed per-row source."""
+    layers with a cross-attention block (DSM TTS) over a fixed per-row source; `rope=False`: no
+    positional embedding (the depformer's case: the attention kernel writes the ring)."""
     _need_cuda()
     torch.manual_seed(0)
     tr = StreamingTransformer(256, 2, 3, 1024, context=40, norm="rms_norm_f32", gating="silu",
-                              layer_scale=0.1, cross_attention=cross, device="cuda", dtype=torch.bfloat16)
+                              layer_scale=0.1, cross_attention=cross, device="cuda", dtype=torch.bfloat16,
+                              positional_embedding="rope" if rope else "none")
     B = 4
     states = [tr.init_state(B, kv_dtype=kv_dtype) for _ in range(2)]
     exec_mask = torch.tensor([True, False, True, True], device="cuda")
@@ -215,11 +241,12 @@ def _fused_and_general(kv_dtype=None, cross=False):
     return outs
 
 
-@pytest.mark.parametrize("cross", [False, True])
-def test_transformer_fused_step_matches_general_path(cross):
+@pytest.mark.parametrize("cross,rope", [(False, True), (True, True), (False, False)])
+def test_transformer_fused_step_matches_general_path(cross, rope):
     """Fused T == 1 decode vs the SDPA path: same outputs (bf16 tolerance) and same state, with a
-    row that does not execute and rows spread over the window; with and without cross-attention."""
-    (y_f, s_f), (y_g, s_g) = _fused_and_general(cross=cross)
+    row that does not execute and rows spread over the window; with and without cross-attention,
+    and without RoPE (the attention kernel writes the ring)."""
+    (y_f, s_f), (y_g, s_g) = _fused_and_general(cross=cross, rope=rope)
     torch.testing.assert_close(y_f.float(), y_g.float(), atol=5e-2, rtol=5e-2)
     assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
     torch.testing.assert_close(s_f.keys[2].float(), s_g.keys[2].float(), atol=5e-2, rtol=5e-2)
