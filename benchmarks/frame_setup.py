@@ -51,12 +51,31 @@ def random_models(kind: str = "moshi", device: str = "cuda",
     torch.manual_seed(0)
     lm_cfg, mimi_cfg = model_configs(kind)
     lm = LMModel(lm_cfg, device=device, dtype=dtype)  # built on the device: PyTorch's random init
-    mimi = Mimi(mimi_cfg).to(device)
-    for module in mimi.modules():  # random codebooks, so codes and audio are not degenerate
+    return lm.eval(), random_mimi(mimi_cfg, device), lm_cfg, mimi_cfg
+
+
+def random_mimi(cfg: MimiConfig, device: str = "cuda") -> Mimi:
+    """Mimi with PyTorch's random init and random codebooks, so codes and audio are not degenerate."""
+    mimi = Mimi(cfg).to(device)
+    for module in mimi.modules():
         if hasattr(module, "refresh_embedding"):
             module.embedding_sum.normal_()
             module.refresh_embedding()
-    return lm.eval(), mimi.eval(), lm_cfg, mimi_cfg
+    return mimi.eval()
+
+
+def graph_ms(runner, inputs, frames: int, warmup: int) -> float:
+    """Median GPU time of one replay of a `CUDAGraphRunner`, by CUDA events."""
+    times = []
+    for i in range(warmup + frames):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        runner(*inputs)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return percentile(times, 50)
 
 
 def bench_checkpoint(lm: LMModel, mimi: Mimi, lm_cfg: LMConfig, mimi_cfg: MimiConfig,

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frame_setup import model_configs, percentile  # noqa: E402
+from frame_setup import graph_ms, model_configs, random_mimi  # noqa: E402
 
 from parley.engine.cuda_graph import CUDAGraphRunner  # noqa: E402
 from parley.models import kernels  # noqa: E402
@@ -33,19 +33,6 @@ from parley.models.config import FRAME_SAMPLES  # noqa: E402
 from parley.models.mimi import Mimi  # noqa: E402
 
 VARIANTS = ("float32", "plain", "bfloat16")
-
-
-def replay_ms(runner: CUDAGraphRunner, inputs, replays: int = 50, warmup: int = 5) -> float:
-    times = []
-    for i in range(warmup + replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        runner(*inputs)
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return percentile(times, 50)
 
 
 def kernel_count(runner: CUDAGraphRunner, inputs, replays: int = 3) -> float:
@@ -70,7 +57,7 @@ def run_variant(mimi: Mimi, batch: int, frames: int, fused: bool) -> dict:
             runner = CUDAGraphRunner(lambda x, m: (fn(x, state, m),), (inputs[0], live))
             state.reset(live)  # the graph's warm-up stepped it
             outputs = torch.stack([runner(x, live)[0].clone() for x in inputs])
-            result[step] = {"ms": replay_ms(runner, (inputs[0], live)), "kernels": kernel_count(runner, (inputs[0], live)),
+            result[step] = {"ms": graph_ms(runner, (inputs[0], live), frames=50, warmup=5), "kernels": kernel_count(runner, (inputs[0], live)),
                             "out": outputs}
             runner.close()
     return result
@@ -95,11 +82,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("mimi_steps needs a CUDA GPU")
     torch.manual_seed(0)
-    mimi = Mimi(model_configs("moshi")[1]).cuda().eval()
-    for module in mimi.modules():  # random codebooks, so codes and audio are not degenerate
-        if hasattr(module, "refresh_embedding"):
-            module.embedding_sum.normal_()
-            module.refresh_embedding()
+    mimi = random_mimi(model_configs("moshi")[1])
     models = {"float32": (mimi, True), "plain": (mimi, False),
               "bfloat16": (copy.deepcopy(mimi).compute_in(torch.bfloat16), True)}
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  Moshi Mimi, random weights")

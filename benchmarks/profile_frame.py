@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frame_setup import (H200_COPY_TBPS, WINDOWS, bench_checkpoint, floor_ms, kv_bytes, percentile,  # noqa: E402
+from frame_setup import (H200_COPY_TBPS, WINDOWS, bench_checkpoint, floor_ms, graph_ms, kv_bytes, percentile,  # noqa: E402
                          place_rows, random_models, time_frames, weight_bytes, window_positions)
 
 from parley.engine.backend import BackendOutput, ModelBackend  # noqa: E402
@@ -54,20 +54,6 @@ def kind_of(kernel_name: str) -> str:
         if any(n.lower() in low for n in needles):
             return kind
     return "other (elementwise, gathers, copies)"
-
-
-def graph_ms(runner: CUDAGraphRunner, inputs, frames: int, warmup: int) -> float:
-    """Median GPU time of one replay, by CUDA events."""
-    times = []
-    for i in range(warmup + frames):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        runner(*inputs)
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return percentile(times, 50)
 
 
 def kernel_breakdown(runner: CUDAGraphRunner, inputs, replays: int) -> dict[str, dict[str, float]]:

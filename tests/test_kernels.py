@@ -29,6 +29,17 @@ def _window_positions(B: int, S: int, g: torch.Generator) -> tuple[torch.Tensor,
     return pos, ring_slot_positions(pos, S)
 
 
+def _random_ring(B: int, H: int, S: int, D: int, g: torch.Generator):
+    """A random bf16 ring with rows spread over the window, and a query with its new key and value:
+    (cache_k, cache_v, pos, slot_pos, q, k_new, v_new)."""
+    dt = torch.bfloat16
+    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
+    pos, sp = _window_positions(B, S, g)
+    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    return ck, cv, pos, sp, q, kn, vn
+
+
 def _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context):
     B, H, S, D = ck.shape
     rows = torch.arange(B, device=q.device)
@@ -50,11 +61,7 @@ def _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context):
 def test_decode_attention_matches_sdpa(B, H, S, D, context):
     _need_cuda()
     g = torch.Generator("cuda").manual_seed(0)
-    dt = torch.bfloat16
-    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
-    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
-    pos, sp = _window_positions(B, S, g)
-    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    ck, cv, pos, sp, q, kn, vn = _random_ring(B, H, S, D, g)
     out = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, context)
     ref = _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
@@ -66,11 +73,7 @@ def test_decode_attention_writes_the_new_key_and_value(B, H, S, D):
     v_new stored at slot pos % S of executing rows only; nothing else in the ring changes."""
     _need_cuda()
     g = torch.Generator("cuda").manual_seed(3)
-    dt = torch.bfloat16
-    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
-    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
-    pos, sp = _window_positions(B, S, g)
-    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    ck, cv, pos, sp, q, kn, vn = _random_ring(B, H, S, D, g)
     ex = torch.arange(B, device="cuda") % 2 == 0
     plain = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, None)
     wk, wv = ck.clone(), cv.clone()
@@ -92,10 +95,7 @@ def test_decode_attention_launch_shapes_match_sdpa(launch, fp8):
     _need_cuda()
     g = torch.Generator("cuda").manual_seed(1)
     B, H, S, D, dt = 5, 4, 3000, 128, torch.bfloat16
-    ck = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
-    cv = torch.randn(B, H, S, D, device="cuda", generator=g).to(dt)
-    pos, sp = _window_positions(B, S, g)
-    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(dt) for _ in range(3))
+    ck, cv, pos, sp, q, kn, vn = _random_ring(B, H, S, D, g)
     scales = ()
     if fp8:
         (ck, ks), (cv, vs) = quantize_kv(ck), quantize_kv(cv)

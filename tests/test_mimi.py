@@ -400,6 +400,16 @@ def test_cuda_streaming_matches_cpu_and_graph_capture(tiny_cfg: MimiConfig, tiny
     assert same.float().mean().item() >= 0.95
 
 
+def _published_shape_mimi(device: str) -> Mimi:
+    """Full-size Mimi, random weights and random codebooks (so codes and audio are not degenerate)."""
+    mimi = Mimi(MimiConfig()).to(device).eval()
+    for module in mimi.modules():
+        if hasattr(module, "refresh_embedding"):
+            module.embedding_sum.normal_()
+            module.refresh_embedding()
+    return mimi
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_bf16_mimi_stays_within_its_stated_tolerance(device):
     """`mimi.compute_in(torch.bfloat16)` (--mimi-dtype bfloat16), full-size Mimi with random codebooks:
@@ -409,11 +419,7 @@ def test_bf16_mimi_stays_within_its_stated_tolerance(device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     torch.manual_seed(0)
-    mimi = Mimi(MimiConfig()).to(device).eval()
-    for module in mimi.modules():
-        if hasattr(module, "refresh_embedding"):
-            module.embedding_sum.normal_()
-            module.refresh_embedding()
+    mimi = _published_shape_mimi(device)
     half = copy.deepcopy(mimi).compute_in(torch.bfloat16)
     assert half.dtype == torch.bfloat16 and mimi.dtype == torch.float32
     batch, frames = 4, 6
@@ -470,11 +476,7 @@ def test_gpu_fast_paths_match_plain_path():
     if not torch.cuda.is_available() or not kernels.have_triton():
         pytest.skip("needs a CUDA device and Triton")
     torch.manual_seed(0)
-    mimi = Mimi(MimiConfig()).cuda().eval()
-    for module in mimi.modules():
-        if hasattr(module, "refresh_embedding"):
-            module.embedding_sum.normal_()
-            module.refresh_embedding()
+    mimi = _published_shape_mimi("cuda")
     batch, frames = 4, 6
     pcm = torch.randn(batch, frames, FRAME_SAMPLES, device="cuda") * 0.1
     codes = torch.randint(0, 2048, (batch, frames, mimi.num_codebooks), device="cuda")
