@@ -13,7 +13,12 @@ Variants: fp16 (the production arithmetic: e4m3 -> fp16, fp16 dots), fp8_qk (the
 fp8 operands, the query quantised to e4m3: no key conversion), fp8_qk2 (the query as two e4m3
 parts, hi + lo / 16), fp8_qkpv (both dots on fp8 operands), fp8_qkpv2 (fp8 first dot, the
 probabilities as two e4m3 parts), split_d (fp16 dots over the two halves of the head dim, so
-fewer converted values need to be live at once).
+fewer converted values need to be live at once), v_t (fp16 dots, the values stored slots-contiguous
+[D, S] so the second dot's operand is K-major), swap / swap_v_t (both dots transposed so the key
+and value tiles are the 128-row first operands, of the values as stored / stored [D, S]),
+cuda_core (no tensor cores: elementwise products and sums in fp32), cc / cc_lazy (cuda_core with
+the scales folded and the denominator per slot lane; cc_lazy rescales only when the max grows by
+more than 2^8).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from frame_setup import H200_COPY_TBPS, WINDOWS, window_positions  # noqa: E402
 
 from parley.models.transformer import quantize_kv, ring_slot_positions  # noqa: E402
 
-VARIANTS = ("fp16", "fp8_qk", "fp8_qk2", "fp8_qkpv", "fp8_qkpv2", "split_d")
+VARIANTS = ("fp16", "fp8_qk", "fp8_qk2", "fp8_qkpv", "fp8_qkpv2", "split_d", "v_t", "swap", "swap_v_t", "cuda_core", "cc", "cc_lazy")
 H, S, D = 32, 3000, 128
 
 try:
@@ -44,7 +49,8 @@ except ImportError:  # (CPU boxes without Triton: main() says so)
 if triton is not None:
 
     @triton.jit
-    def _loop(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sks_b, sks_h, ssp_b,
+    def _loop(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sv_d,
+              sks_b, sks_h, ssp_b,
               D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, VAR: tl.constexpr):
         M: tl.constexpr = 16  # the query row repeated so both products run as tensor-core dots
         HD: tl.constexpr = D // 2
@@ -67,7 +73,7 @@ if triton is not None:
         qz = tl.load(qb + HD + dh[None, :] + 0 * rows[:, None]).to(tl.float16)
         offs = tl.arange(0, BLOCK_N)
         kb = K + b * sk_b + h * sk_h
-        vb = V + b * sk_b + h * sk_h
+        vb = V + b * sv_b + h * sv_h
         ksb = KS + b * sks_b + h * sks_h
         vsb = VS + b * sks_b + h * sks_h
         acc = tl.zeros([M, D], tl.float32)
@@ -102,12 +108,12 @@ if triton is not None:
             pv = p1 * (v_sc * 448.0)
             if VAR == 5:
                 p16 = tl.broadcast_to(pv.to(tl.float16)[None, :], (M, BLOCK_N))
-                va = tl.load(vb + n[:, None] * sk_s + dh[None, :], mask=inb[:, None], other=0.0)
+                va = tl.load(vb + n[:, None] * sv_s + dh[None, :] * sv_d, mask=inb[:, None], other=0.0)
                 acc_a = acc_a * alpha[:, None] + tl.dot(p16, va.to(tl.float16))
-                vz = tl.load(vb + n[:, None] * sk_s + HD + dh[None, :], mask=inb[:, None], other=0.0)
+                vz = tl.load(vb + n[:, None] * sv_s + (HD + dh[None, :]) * sv_d, mask=inb[:, None], other=0.0)
                 acc_z = acc_z * alpha[:, None] + tl.dot(p16, vz.to(tl.float16))
             else:
-                v = tl.load(vb + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+                v = tl.load(vb + n[:, None] * sv_s + d[None, :] * sv_d, mask=inb[:, None], other=0.0)
                 if VAR == 3:
                     acc = acc * alpha[:, None] + tl.dot(tl.broadcast_to(pv.to(tl.float8e4nv)[None, :], (M, BLOCK_N)), v)
                 elif VAR == 4:
@@ -127,6 +133,144 @@ if triton is not None:
             tl.store(ob + HD + dh[None, :] + 0 * rows[:, None], acc_z / l_i[:, None] / 448.0, mask=row0)
         else:
             tl.store(ob + d[None, :] + 0 * rows[:, None], acc / l_i[:, None] / 448.0, mask=row0)
+
+    @triton.jit
+    def _loop_swap(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sv_d,
+                   sks_b, sks_h, ssp_b,
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, VAR: tl.constexpr):
+        # The products transposed: the key tile [BLOCK_N, D] and the value tile read as [D, BLOCK_N]
+        # are the dots' first operands (M = 128 rows: Hopper's warp-group MMA), the query and the
+        # probabilities the second ([*, 16] columns, all equal).
+        M: tl.constexpr = 16
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        qpos = tl.load(POS + b)
+        n_valid = tl.minimum(qpos, S)
+        cur = qpos % S
+        d = tl.arange(0, D)
+        cols = tl.arange(0, M)
+        qt = tl.load(Q + (b * H + h) * D + d[:, None] + 0 * cols[None, :]).to(tl.float16)  # [D, M]
+        offs = tl.arange(0, BLOCK_N)
+        kb = K + b * sk_b + h * sk_h
+        vb = V + b * sv_b + h * sv_h
+        ksb = KS + b * sks_b + h * sks_h
+        vsb = VS + b * sks_b + h * sks_h
+        acc = tl.zeros([D, M], tl.float32)
+        m_i = tl.full([M], -1.0e30, tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        for n0 in tl.range(0, n_valid, BLOCK_N, num_stages=STAGES):
+            n = n0 + offs
+            inb = n < n_valid
+            sp = tl.load(SP + b * ssp_b + n, mask=inb, other=-1)
+            k_sc = tl.load(ksb + n, mask=inb, other=0.0)
+            v_sc = tl.load(vsb + n, mask=inb, other=0.0)
+            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            st = tl.dot(k.to(tl.float16), qt)  # [BLOCK_N, M]
+            s1 = tl.where(valid, tl.max(st, axis=1) * k_sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s1, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p1 = tl.exp2(s1 - tl.max(m_new, axis=0))
+            pt = tl.broadcast_to((p1 * (v_sc * 448.0)).to(tl.float16)[:, None], (BLOCK_N, M))
+            vt = tl.load(vb + d[:, None] * sv_d + n[None, :] * sv_s, mask=inb[None, :], other=0.0)  # [D, BLOCK_N]
+            acc = acc * alpha[None, :] + tl.dot(vt.to(tl.float16), pt)
+            l_i = l_i * alpha + tl.sum(p1, axis=0)
+            m_i = m_new
+        tl.store(OUT + (b * H + h) * D + d[:, None] + 0 * cols[None, :], acc / l_i[None, :] / 448.0,
+                 mask=(cols == 0)[None, :])
+
+    @triton.jit
+    def _loop_cuda_core(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sv_d,
+                        sks_b, sks_h, ssp_b,
+                        D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, VAR: tl.constexpr):
+        # No tensor cores: the key products summed over D, the values accumulated per slot lane
+        # ([BLOCK_N, D], summed over slots once at the end).
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        qpos = tl.load(POS + b)
+        n_valid = tl.minimum(qpos, S)
+        cur = qpos % S
+        d = tl.arange(0, D)
+        q = tl.load(Q + (b * H + h) * D + d).to(tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        kb = K + b * sk_b + h * sk_h
+        vb = V + b * sv_b + h * sv_h
+        ksb = KS + b * sks_b + h * sks_h
+        vsb = VS + b * sks_b + h * sks_h
+        acc = tl.zeros([BLOCK_N, D], tl.float32)
+        m_i = tl.full([1], -1.0e30, tl.float32)
+        l_i = tl.zeros([1], tl.float32)
+        for n0 in tl.range(0, n_valid, BLOCK_N, num_stages=STAGES):
+            n = n0 + offs
+            inb = n < n_valid
+            sp = tl.load(SP + b * ssp_b + n, mask=inb, other=-1)
+            k_sc = tl.load(ksb + n, mask=inb, other=0.0)
+            v_sc = tl.load(vsb + n, mask=inb, other=0.0)
+            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            s1 = tl.where(valid, s * k_sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s1, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p1 = tl.exp2(s1 - m_new)
+            v = tl.load(vb + n[:, None] * sv_s + d[None, :] * sv_d, mask=inb[:, None], other=0.0)
+            acc = acc * alpha[:, None] + (p1 * v_sc)[:, None] * v.to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p1, axis=0)
+            m_i = m_new
+        tl.store(OUT + (b * H + h) * D + d, tl.sum(acc, axis=0) / l_i)
+
+    @triton.jit
+    def _loop_cc(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sv_d,
+                 sks_b, sks_h, ssp_b,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, VAR: tl.constexpr):
+        # cuda_core with less work a slot: the key scale and qk_scale folded into one multiply a
+        # slot, the denominator kept per slot lane (summed once at the end), and (VAR 1) the
+        # running max moved only when it grows by more than 2^8, so most blocks skip the rescale.
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        qpos = tl.load(POS + b)
+        n_valid = tl.minimum(qpos, S)
+        cur = qpos % S
+        d = tl.arange(0, D)
+        q = tl.load(Q + (b * H + h) * D + d).to(tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        kb = K + b * sk_b + h * sk_h
+        vb = V + b * sv_b + h * sv_h
+        ksb = KS + b * sks_b + h * sks_h
+        vsb = VS + b * sks_b + h * sks_h
+        acc = tl.zeros([BLOCK_N, D], tl.float32)
+        m_i = tl.max(tl.full([BLOCK_N], -1.0e30, tl.float32), axis=0)
+        l_i = tl.zeros([BLOCK_N], tl.float32)
+        for n0 in tl.range(0, n_valid, BLOCK_N, num_stages=STAGES):
+            n = n0 + offs
+            inb = n < n_valid
+            sp = tl.load(SP + b * ssp_b + n, mask=inb, other=-1)
+            k_sc = tl.load(ksb + n, mask=inb, other=0.0)
+            v_sc = tl.load(vsb + n, mask=inb, other=0.0)
+            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            s = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * (k_sc * qk_scale), float("-inf"))
+            m_blk = tl.max(s, axis=0)
+            if VAR == 1:
+                if m_blk > m_i + 8.0:
+                    alpha = tl.exp2(m_i - m_blk)
+                    acc = acc * alpha
+                    l_i = l_i * alpha
+                    m_i = m_blk
+            else:
+                m_new = tl.maximum(m_i, m_blk)
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp2(s - m_i)
+            v = tl.load(vb + n[:, None] * sv_s + d[None, :] * sv_d, mask=inb[:, None], other=0.0)
+            acc += (p * v_sc)[:, None] * v.to(tl.float32)
+            l_i += p
+        tl.store(OUT + (b * H + h) * D + d, tl.sum(acc, axis=0) / tl.sum(l_i, axis=0))
 
 
 def reference(q, ck8, ks, cv8, vs, sp, pos) -> torch.Tensor:
@@ -161,6 +305,7 @@ def main() -> None:
     for B in (int(b) for b in args.batches.split(",")):
         ck8, ks = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g, dtype=torch.bfloat16))
         cv8, vs = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g, dtype=torch.bfloat16) * 0.1)
+        cv8_t = cv8.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, slots contiguous
         q = torch.randn(B, H, D, device="cuda", generator=g, dtype=torch.bfloat16)
         for window in args.windows.split(","):
             pos = window_positions(B, window, S, "cuda")
@@ -173,11 +318,17 @@ def main() -> None:
                     cap = {"maxnreg": maxnreg} if maxnreg else {}
                     out = torch.empty(B, H, D, device="cuda")
 
+                    kernel = {"swap": _loop_swap, "swap_v_t": _loop_swap, "cuda_core": _loop_cuda_core, "cc": _loop_cc,
+                              "cc_lazy": _loop_cc}.get(name, _loop)
+                    cv = cv8_t if name.endswith("v_t") else cv8
+                    var = {"v_t": 0, "cc": 0, "cc_lazy": 1}.get(name, VARIANTS.index(name))
+
                     def run():
-                        return _loop[(B * H,)](q, ck8, cv8, ks, vs, sp, pos, out, H, S, D ** -0.5 * 1.4426950408889634,
-                                               ck8.stride(0), ck8.stride(1), ck8.stride(2), ks.stride(0), ks.stride(1),
-                                               sp.stride(0), D=D, BLOCK_N=block_n, STAGES=stages,
-                                               VAR=VARIANTS.index(name), num_warps=warps, **cap)
+                        return kernel[(B * H,)](q, ck8, cv, ks, vs, sp, pos, out, H, S, D ** -0.5 * 1.4426950408889634,
+                                                ck8.stride(0), ck8.stride(1), ck8.stride(2),
+                                                cv.stride(0), cv.stride(1), cv.stride(2), cv.stride(3),
+                                                ks.stride(0), ks.stride(1), sp.stride(0), D=D, BLOCK_N=block_n,
+                                                STAGES=stages, VAR=var, num_warps=warps, **cap)
                     try:
                         compiled = run()
                         torch.cuda.synchronize()

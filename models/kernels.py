@@ -92,16 +92,17 @@ def _pow2(n: int) -> int:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _attn_split_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, EXEC, OUT, M_TMP, L_TMP, ACC_TMP,
+    def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, OUT, M_TMP, L_TMP, ACC_TMP,
                            H, S, context, qk_scale,
                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
-                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h,
+                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ssp_b, so_b, so_h,
                            D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                           IEEE: tl.constexpr, STAGES: tl.constexpr, KV_FP8: tl.constexpr,
+                           IEEE: tl.constexpr, STAGES: tl.constexpr,
                            WRITE: tl.constexpr = False, HAS_EXEC: tl.constexpr = False):
-        # The one query row is repeated over M = 16 rows so that both products run as tensor-core
-        # dots (whose operand loads Triton pipelines); only row 0 is stored.
+        # bf16 / fp32 caches. The one query row is repeated over M = 16 rows so that both
+        # products run as tensor-core dots (whose operand loads Triton pipelines); only row 0 is
+        # stored. (fp8 caches: _attn_fp8_kernel.)
         M: tl.constexpr = 16
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -113,17 +114,10 @@ if _HAVE_TRITON:
         d = tl.arange(0, D)
         rows = tl.arange(0, M)
         q = tl.load(Q + b * sq_b + h * sq_h + d[None, :] + 0 * rows[:, None])  # [M, D]
-        if KV_FP8:
-            # fp8 caches run fp16 dots: e4m3 -> fp16 is one hardware conversion per element pair
-            # on Hopper (to bf16 it goes through fp32), and fp16 holds every e4m3 value exactly.
-            q = q.to(tl.float16)
         offs_n = tl.arange(0, BLOCK_N)
         k_base = K + b * sk_b + h * sk_h
         v_base = V + b * sv_b + h * sv_h
         sp_base = SP + b * ssp_b
-        # fp8 caches: one fp32 scale per (row, head, slot) for keys and for values (same strides).
-        ks_base = KS + b * sks_b + h * sks_h
-        vs_base = VS + b * sks_b + h * sks_h
         start = split * SPLIT
         end = tl.minimum(start + SPLIT, n_valid)
         acc = tl.zeros([M, D], dtype=tl.float32)
@@ -135,11 +129,6 @@ if _HAVE_TRITON:
             k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
-            if KV_FP8:
-                k = k.to(tl.float16)
-                v = v.to(tl.float16)
-                k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
-                v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
             if HAS_CONTEXT:
                 valid = valid & (qpos - sp < context)
@@ -147,28 +136,15 @@ if _HAVE_TRITON:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            if KV_FP8:
-                # The M rows of `s` are equal: the softmax runs on one ([BLOCK_N], not [M, BLOCK_N];
-                # 1-3 % of the kernel on the H200), broadcast back over M only as the second dot's
-                # operand. p * v_sc * 448 = p * (the slot's max |v|) keeps the fp16 operand in its
-                # normal range; the 1 / 448 goes back on in fp32.
-                s1 = tl.where(valid, tl.max(s, axis=0) * k_sc * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s1, axis=0))
-                alpha = tl.exp2(m_i - m_new)
-                p1 = tl.exp2(s1 - tl.max(m_new, axis=0))
-                p_v = tl.broadcast_to((p1 * (v_sc * 448.0)).to(tl.float16)[None, :], (M, BLOCK_N))
-                acc = acc * alpha[:, None] + tl.dot(p_v, v) * (1.0 / 448.0)
-                l_i = l_i * alpha + tl.sum(p1, axis=0)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
-                s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         row0 = rows == 0
         if FINAL:
@@ -199,6 +175,82 @@ if _HAVE_TRITON:
             tl.store(M_TMP + idx + 0 * rows, m_i, mask=st)
             tl.store(L_TMP + idx + 0 * rows, l_i, mask=st)
             tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=st[:, None])
+
+    @triton.jit
+    def _attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, OUT, M_TMP, L_TMP, ACC_TMP,
+                         H, S, context, qk_scale,
+                         sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
+                         sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h,
+                         D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
+                         STAGES: tl.constexpr):
+        # fp8 caches on CUDA cores: with one query row, tensor-core dots need the row repeated 16
+        # times and a converted 128 x 128 tile in registers (195+ registers, 2 programs an SM,
+        # issue-bound at ~2.9 TB/s on the H200); elementwise fp32 products over small blocks keep
+        # ~128 registers and read ~4 TB/s (benchmarks/fp8_attention_variants.py, cc_lazy).
+        # Each slot lane of the block keeps its own value sum and denominator (summed once at the
+        # end), and the running max moves only when a block's max exceeds it by more than 2^8, so
+        # most blocks skip the rescale (p stays <= 256: no fp32 overflow).
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        qpos = tl.load(POS + b)
+        n_valid = tl.minimum(qpos, S)
+        cur = qpos % S
+        d = tl.arange(0, D)
+        q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        k_base = K + b * sk_b + h * sk_h
+        v_base = V + b * sv_b + h * sv_h
+        sp_base = SP + b * ssp_b
+        ks_base = KS + b * sks_b + h * sks_h
+        vs_base = VS + b * sks_b + h * sks_h
+        start = split * SPLIT
+        end = tl.minimum(start + SPLIT, n_valid)
+        acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_N], tl.float32)
+        m_i = tl.full([], -1.0e30, tl.float32)
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+            n = n0 + offs_n
+            inb = n < end
+            sp = tl.load(sp_base + n, mask=inb, other=-1)
+            k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
+            v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
+            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            if HAS_CONTEXT:
+                valid = valid & (qpos - sp < context)
+            k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * (k_sc * qk_scale)
+            s = tl.where(valid, s, float("-inf"))
+            m_blk = tl.max(s, axis=0)
+            if m_blk > m_i + 8.0:
+                alpha = tl.exp2(m_i - m_blk)
+                acc = acc * alpha
+                l_i = l_i * alpha
+                m_i = m_blk
+            p = tl.exp2(s - m_i)
+            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
+            acc += (p * v_sc)[:, None] * v.to(tl.float32)
+            l_i += p
+        acc_d = tl.sum(acc, axis=0)
+        l_s = tl.sum(l_i, axis=0)
+        if FINAL:
+            kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
+            vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
+            s_new = tl.sum(kn * q, axis=0) * qk_scale
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            out = (acc_d * alpha + p_new * vn) / (l_s * alpha + p_new)
+            tl.store(OUT + b * so_b + h * so_h + d, out.to(OUT.dtype.element_ty))
+        else:
+            # Splits past the filled window store nothing: the reduce reads only filled splits.
+            idx = bh * NUM_SPLITS + split
+            st = start < n_valid
+            tl.store(M_TMP + idx, m_i, mask=st)
+            tl.store(L_TMP + idx, l_s, mask=st)
+            tl.store(ACC_TMP + idx * D + d, acc_d, mask=(start + 0 * d) < n_valid)
 
     @triton.jit
     def _attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scale,
@@ -369,13 +421,17 @@ def attention_launch(B: int, H: int, S: int, fp8: bool) -> AttentionLaunch:
     From benchmarks/attention_kernel.py on the H200 (docs/figures/attention_sweep*.json), with
     2048 or more (row, head) pairs: one program per pair over the whole ring (no reduce pass,
     and nothing to do past the filled window), in 64-slot blocks for bf16 (4.5 TB/s at full
-    windows) and 128-slot blocks for fp8 (whose loop is compute-bound: fewer, wider iterations)."""
+    windows). fp8 caches run on CUDA cores in 16-slot blocks, 2 warps, 4 stages deep
+    (benchmarks/fp8_attention_variants.py: 4.0 TB/s at B = 128 full), with the same split lengths."""
     if B * H >= 2048 and S > 64:
-        block_n = 128 if fp8 else 64
-        return AttentionLaunch(block_n, triton.cdiv(S, block_n), 3, 4)
+        if fp8:
+            return AttentionLaunch(16, triton.cdiv(S, 16), 4, 2)
+        return AttentionLaunch(64, triton.cdiv(S, 64), 3, 4)
     block_n = max(16, min(64, _pow2(S)))
     blocks = 2 if B * H <= 64 else (4 if B * H <= 512 else 8)
     one_split = block_n * blocks >= S  # short rings (the depformer's, Mimi's): nothing to pipeline
+    if fp8:
+        return AttentionLaunch(16, block_n * blocks // 16, 1 if one_split else 4, 2)
     return AttentionLaunch(block_n, blocks, 1 if one_split else 3, 4)
 
 
@@ -401,37 +457,35 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     num_splits = triton.cdiv(S, split)
     ieee = cache_k.dtype == torch.float32
     fp8 = k_scale is not None
-    if fp8:
-        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
-        scales = (k_scale, v_scale, k_scale.stride(0), k_scale.stride(1))
-    else:
-        scales = (q, q, 0, 0)
     qk_scale = (D ** -0.5) * 1.4426950408889634
     common = (q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
     ctx = int(context) if context is not None else 0
     assert not (write and fp8), "write= takes bf16 / fp32 caches (rope_write quantizes fp8 ones)"
     ex = exec_mask.view(torch.uint8) if exec_mask is not None else q
-    if num_splits == 1:
-        _attn_split_kernel[(B * H, 1)](
-            q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, ex, out, out, out, out,
-            H, S, ctx, qk_scale, *common,
-            cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-            cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
-            out.stride(0), out.stride(1),
-            D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=1, HAS_CONTEXT=context is not None, FINAL=True,
-            IEEE=ieee, STAGES=stages, KV_FP8=fp8, WRITE=write, HAS_EXEC=exec_mask is not None, num_warps=warps)
+    final = num_splits == 1
+    if final:
+        m_tmp = l_tmp = acc_tmp = out
+    else:
+        m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
+        l_tmp = torch.empty_like(m_tmp)
+        acc_tmp = torch.empty(B * H * num_splits * D, dtype=torch.float32, device=q.device)
+    strides = (cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+               cache_v.stride(0), cache_v.stride(1), cache_v.stride(2))
+    shape = dict(D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None,
+                 FINAL=final, STAGES=stages, num_warps=warps)
+    if fp8:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
+        _attn_fp8_kernel[(B * H, num_splits)](
+            q, k_new, v_new, cache_k, cache_v, k_scale, v_scale, slot_pos, pos, out, m_tmp, l_tmp, acc_tmp,
+            H, S, ctx, qk_scale, *common, *strides, k_scale.stride(0), k_scale.stride(1), slot_pos.stride(0),
+            out.stride(0), out.stride(1), **shape)
+    else:
+        _attn_split_kernel[(B * H, num_splits)](
+            q, k_new, v_new, cache_k, cache_v, slot_pos, pos, ex, out, m_tmp, l_tmp, acc_tmp,
+            H, S, ctx, qk_scale, *common, *strides, slot_pos.stride(0), out.stride(0), out.stride(1),
+            IEEE=ieee, WRITE=write and final, HAS_EXEC=exec_mask is not None, **shape)
+    if final:
         return out
-    m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
-    l_tmp = torch.empty_like(m_tmp)
-    acc_tmp = torch.empty(B * H * num_splits * D, dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(B * H, num_splits)](
-        q, k_new, v_new, cache_k, cache_v, scales[0], scales[1], slot_pos, pos, ex, out, m_tmp, l_tmp, acc_tmp,
-        H, S, ctx, qk_scale, *common,
-        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), scales[2], scales[3], slot_pos.stride(0),
-        out.stride(0), out.stride(1),
-        D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None, FINAL=False,
-        IEEE=ieee, STAGES=stages, KV_FP8=fp8, num_warps=warps)
     _attn_reduce_kernel[(B * H,)](
         q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
         D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)

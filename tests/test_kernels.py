@@ -272,6 +272,29 @@ def test_decode_attention_fp8_matches_sdpa(B, H, S, D, context):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("B,H,launch", [(64, 32, None), (3, 4, None), (3, 4, (16, 8, 3, 2)), (2, 4, (64, 0, 4, 4))])
+def test_decode_attention_fp8_follows_a_growing_max(B, H, launch):
+    """The fp8 kernel moves its running max only when a block's max exceeds it by 2^8: keys whose
+    scale grows along the ring (so the max moves many times, by more and less than that) give
+    fp32 attention over the dequantized ring, for one program a ring (B * H >= 2048, the default
+    launch at B = 64) and for split rings."""
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(5)
+    S, D = 3000, 128
+    grow = torch.linspace(0.05, 12.0, S, device="cuda")[None, None, :, None]
+    ck8, ks = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g) * grow)
+    cv8, vs = quantize_kv(torch.randn(B, H, S, D, device="cuda", generator=g))
+    pos, sp = _window_positions(B, S, g)
+    pos[-1] = 10 * S + 17  # a full ring that wrapped
+    sp = ring_slot_positions(pos, S)
+    q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g) for _ in range(3))
+    blocks = launch and fa.AttentionLaunch(launch[0], launch[1] or S // launch[0] + 1, *launch[2:])
+    out = fa.decode_attention(q, kn, vn, ck8, cv8, sp, pos, S, ks, vs, launch=blocks)
+    ref = _sdpa_reference(q, kn, vn, dequantize_kv(ck8, ks, torch.float32), dequantize_kv(cv8, vs, torch.float32),
+                          sp, pos, S)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_rope_write_fp8_matches_quantize_kv():
     _need_cuda()
     B, H, D, S = 3, 4, 64, 10
