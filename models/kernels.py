@@ -92,13 +92,13 @@ def _pow2(n: int) -> int:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, OUT, M_TMP, L_TMP, ACC_TMP,
+    def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
                            H, S, context, qk_scale,
                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
                            sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ssp_b, so_b, so_h,
                            D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                           IEEE: tl.constexpr, STAGES: tl.constexpr,
+                           IEEE: tl.constexpr, STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
                            WRITE: tl.constexpr = False, HAS_EXEC: tl.constexpr = False):
         # bf16 / fp32 caches. The one query row is repeated over M = 16 rows so that both
         # products run as tensor-core dots (whose operand loads Triton pipelines); only row 0 is
@@ -107,6 +107,8 @@ if _HAVE_TRITON:
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
+        if HAS_ORDER:  # (one split a ring) rows in the given order: the longest windows start first
+            b = tl.load(ORDER + b)
         h = bh % H
         qpos = tl.load(POS + b)
         n_valid = tl.minimum(qpos, S)
@@ -177,13 +179,13 @@ if _HAVE_TRITON:
             tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=st[:, None])
 
     @triton.jit
-    def _attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, OUT, M_TMP, L_TMP, ACC_TMP,
+    def _attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
                          H, S, context, qk_scale,
                          sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
                          sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                         STAGES: tl.constexpr):
+                         STAGES: tl.constexpr, HAS_ORDER: tl.constexpr):
         # fp8 caches on CUDA cores: with one query row, tensor-core dots need the row repeated 16
         # times and a converted 128 x 128 tile in registers (195+ registers, 2 programs an SM,
         # issue-bound at ~2.9 TB/s on the H200); elementwise fp32 products over small blocks keep
@@ -194,6 +196,8 @@ if _HAVE_TRITON:
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
+        if HAS_ORDER:  # (one split a ring) rows in the given order: the longest windows start first
+            b = tl.load(ORDER + b)
         h = bh % H
         qpos = tl.load(POS + b)
         n_valid = tl.minimum(qpos, S)
@@ -435,14 +439,26 @@ def attention_launch(B: int, H: int, S: int, fp8: bool) -> AttentionLaunch:
     return AttentionLaunch(block_n, blocks, 1 if one_split else 3, 4)
 
 
+def row_order(pos: torch.Tensor, H: int, S: int, fp8: bool) -> torch.Tensor | None:
+    """Rows longest filled window first, for `decode_attention(order=)`, where the default launch
+    runs one program a (row, head) (else None): programs start roughly in grid order, so the
+    longest ones no longer start last and leave the GPU's tail half idle (rows of mixed lengths)."""
+    launch = attention_launch(pos.shape[0], H, S, fp8)
+    if launch.block_n * launch.blocks < S:
+        return None
+    return torch.argsort(pos.clamp(max=S), descending=True)
+
+
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, slot_pos: torch.Tensor, pos: torch.Tensor,
                      context: int | None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None,
                      launch: AttentionLaunch | None = None, write: bool = False,
-                     exec_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     exec_mask: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n].
     `launch`: block shape and grid (default `attention_launch`; benchmarks sweep others).
+    `order` [B] (`row_order`): the order in which a launch of one program a (row, head) takes the
+    rows; split launches need none and refuse one. The outputs do not depend on it.
     `write` (bf16 / fp32 caches): also store k_new, v_new at slot pos % S of the rows where
     `exec_mask` is True (all rows without one), as `rope_write` would without RoPE: inside the
     attention kernel when one program covers a row's ring (the depformer's), else after it."""
@@ -463,6 +479,8 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     assert not (write and fp8), "write= takes bf16 / fp32 caches (rope_write quantizes fp8 ones)"
     ex = exec_mask.view(torch.uint8) if exec_mask is not None else q
     final = num_splits == 1
+    assert order is None or final, "order= takes launches of one split a ring"
+    rows = order if order is not None else pos
     if final:
         m_tmp = l_tmp = acc_tmp = out
     else:
@@ -472,16 +490,16 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     strides = (cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
                cache_v.stride(0), cache_v.stride(1), cache_v.stride(2))
     shape = dict(D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None,
-                 FINAL=final, STAGES=stages, num_warps=warps)
+                 FINAL=final, STAGES=stages, HAS_ORDER=order is not None, num_warps=warps)
     if fp8:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
         _attn_fp8_kernel[(B * H, num_splits)](
-            q, k_new, v_new, cache_k, cache_v, k_scale, v_scale, slot_pos, pos, out, m_tmp, l_tmp, acc_tmp,
+            q, k_new, v_new, cache_k, cache_v, k_scale, v_scale, slot_pos, pos, rows, out, m_tmp, l_tmp, acc_tmp,
             H, S, ctx, qk_scale, *common, *strides, k_scale.stride(0), k_scale.stride(1), slot_pos.stride(0),
             out.stride(0), out.stride(1), **shape)
     else:
         _attn_split_kernel[(B * H, num_splits)](
-            q, k_new, v_new, cache_k, cache_v, slot_pos, pos, ex, out, m_tmp, l_tmp, acc_tmp,
+            q, k_new, v_new, cache_k, cache_v, slot_pos, pos, ex, rows, out, m_tmp, l_tmp, acc_tmp,
             H, S, ctx, qk_scale, *common, *strides, slot_pos.stride(0), out.stride(0), out.stride(1),
             IEEE=ieee, WRITE=write and final, HAS_EXEC=exec_mask is not None, **shape)
     if final:

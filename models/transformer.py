@@ -579,6 +579,9 @@ class StreamingTransformer(nn.Module):
         if self.rope_max_period is not None:
             cos_sin = rope_cos_sin(pos, D, self.rope_max_period)
         res = x.reshape(B, dim)
+        order = None
+        if cos_sin is not None:  # (the depformer's short rings split by themselves)
+            order = kernels.row_order(pos, H, self.capacity, state.key_scales is not None)
         pending: torch.Tensor | None = None
         prev: StreamingTransformerLayer | None = None
         for i, layer in enumerate(self.layers):
@@ -600,7 +603,7 @@ class StreamingTransformer(nn.Module):
                 q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
                                              *scales)
                 out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                               self.context, *scales)
+                                               self.context, *scales, order=order)
             update = F.linear(out.view(B, dim), w_out)
             if layer.cross_attention is None:
                 res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)

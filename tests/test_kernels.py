@@ -107,6 +107,27 @@ def test_decode_attention_launch_shapes_match_sdpa(launch, fp8):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_row_order_changes_only_the_schedule(fp8):
+    """`row_order` (longest filled window first) where one program covers a (row, head): the
+    outputs are bit-identical to plain row order; split launches get no order."""
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(7)
+    B, H, S, D = 64, 32, 512, 128
+    ck, cv, pos, sp, q, kn, vn = _random_ring(B, H, S, D, g)
+    scales = ()
+    if fp8:
+        (ck, ks), (cv, vs) = quantize_kv(ck), quantize_kv(cv)
+        scales = (ks, vs)
+    order = fa.row_order(pos, H, S, fp8)
+    assert order is not None and sorted(order.tolist()) == list(range(B))
+    filled = pos.clamp(max=S)[order]
+    assert bool((filled[:-1] >= filled[1:]).all())
+    plain = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, S, *scales)
+    assert torch.equal(fa.decode_attention(q, kn, vn, ck, cv, sp, pos, S, *scales, order=order), plain)
+    assert fa.row_order(pos[:2], H, S, fp8) is None  # 64 (row, head) pairs: split launches
+
+
 def test_rope_write_and_norms():
     _need_cuda()
     B, H, D, S = 3, 4, 128, 10
