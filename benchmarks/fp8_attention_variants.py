@@ -1,15 +1,18 @@
 """Variants of the fp8 decode-attention loop, timed against each other on one layer of Moshi-7B
 shapes: a place to test a hypothesis about what limits `models/kernels.py`'s fp8 kernel before
-changing it. Each variant is the production loop (one program per (row, head) over the whole
-ring, the softmax on the one query row) with one thing changed; it prints time, bandwidth over
+changing it. Each variant is the tensor-core loop production ran until `bf4ce96` (one program
+per (row, head) over the whole ring, the softmax on the one query row) with one thing changed,
+or (cuda_core, cc, cc_lazy) a loop without tensor cores; cc_lazy is what `models/kernels.py`'s
+`_attn_fp8_kernel` runs since `bf4ce96`. It prints time, bandwidth over
 the bytes read, relative error against fp32 attention over the dequantised cache, and the
 compiled kernel's registers, spills and shared memory. CUDA only.
 
     python benchmarks/fp8_attention_variants.py --batches 128,64 --windows full
     python benchmarks/fp8_attention_variants.py --variants fp16,split_d --shapes 128x3x4,128x2x4,64x4x4
     python benchmarks/fp8_attention_variants.py --variants fp16 --shapes 128x3x4,128x3x4x168,128x2x4x128
+    python benchmarks/fp8_attention_variants.py --batches 128 --windows full --variants fp16,cc,cc_lazy --shapes 128x3x4,16x4x2
 
-Variants: fp16 (the production arithmetic: e4m3 -> fp16, fp16 dots), fp8_qk (the first dot on
+Variants: fp16 (the tensor-core arithmetic: e4m3 -> fp16, fp16 dots), fp8_qk (the first dot on
 fp8 operands, the query quantised to e4m3: no key conversion), fp8_qk2 (the query as two e4m3
 parts, hi + lo / 16), fp8_qkpv (both dots on fp8 operands), fp8_qkpv2 (fp8 first dot, the
 probabilities as two e4m3 parts), split_d (fp16 dots over the two halves of the head dim, so
