@@ -41,7 +41,7 @@ from parley.models.lm_gen import LMGen  # noqa: E402
 # Kernel kinds, by name (first match wins). cuBLAS / CUTLASS GEMM and GEMV kernels are the
 # weight matmuls (nvjet is cuBLAS's Hopper GEMM family).
 KINDS = (
-    ("attention", ("_attn_split_kernel", "_attn_reduce_kernel", "fmha", "flash", "attention")),
+    ("attention", ("_attn_split_kernel", "_attn_fp8_kernel", "_attn_reduce_kernel", "fmha", "flash", "attention")),
     ("sampling", ("_sample_kernel", "sort", "topk", "exponential", "argmax", "multinomial")),
     ("weight matmuls", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "_matmul")),
     ("norms / RoPE / activations", ("_add_rms_norm_kernel", "_rope_write_kernel", "_silu_mul_kernel")),
