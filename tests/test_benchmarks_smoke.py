@@ -126,7 +126,7 @@ def test_load_refuses_server_options_without_a_server_to_start() -> None:
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
                "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
-               "mimi_steps.py")
+               "mimi_steps.py", "frame_gpu_time.py")
 
 
 def test_other_benchmarks_import() -> None:
@@ -189,6 +189,8 @@ GPU_CASES = {
     "mimi_steps": ("mimi_steps.py", ["--batches", "2", "--frames", "2"],
                    [r"^\| 2 \| plain \| \d+\.\d{3} \| \d+ \|", r"^\| 2 \| bfloat16 \| .* dB \|$"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
+    "frame_gpu_time": ("frame_gpu_time.py", ["--batch", "1", "--frames", "3", "--warmup", "1"],
+                       [r"gc as is: wall p50 \d+\.\d\d .* gpu p50 \d+\.\d\d", r"gc frozen: wall p50"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
     "image_step": ("image_step.py", ["--variants", "plain,both", "--replays", "2", "--warmup", "1"],
                    [r"^\| both \| 512 \| \d+\.\d\d \([+-]\d+\.\d %\) \|"]),
