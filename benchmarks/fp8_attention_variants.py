@@ -2,7 +2,7 @@
 shapes: a place to test a hypothesis about what limits `models/kernels.py`'s fp8 kernel before
 changing it. Each variant is the tensor-core loop production ran until `bf4ce96` (one program
 per (row, head) over the whole ring, the softmax on the one query row) with one thing changed,
-or (cuda_core, cc, cc_lazy) a loop without tensor cores; cc_lazy is what `models/kernels.py`'s
+or (cc, cc_lazy) a loop without tensor cores; cc_lazy is what `models/kernels.py`'s
 `_attn_fp8_kernel` runs since `bf4ce96`. It prints time, bandwidth over
 the bytes read, relative error against fp32 attention over the dequantised cache, and the
 compiled kernel's registers, spills and shared memory. CUDA only.
@@ -10,7 +10,8 @@ compiled kernel's registers, spills and shared memory. CUDA only.
     python benchmarks/fp8_attention_variants.py --batches 128,64 --windows full
     python benchmarks/fp8_attention_variants.py --variants fp16,split_d --shapes 128x3x4,128x2x4,64x4x4
     python benchmarks/fp8_attention_variants.py --variants fp16 --shapes 128x3x4,128x3x4x168,128x2x4x128
-    python benchmarks/fp8_attention_variants.py --batches 128 --windows full --variants fp16,cc,cc_lazy --shapes 128x3x4,16x4x2
+    python benchmarks/fp8_attention_variants.py --batches 128 --windows full --variants fp16,cc,cc_lazy \
+        --shapes 128x3x4,16x4x2
 
 Variants: fp16 (the tensor-core arithmetic: e4m3 -> fp16, fp16 dots), fp8_qk (the first dot on
 fp8 operands, the query quantised to e4m3: no key conversion), fp8_qk2 (the query as two e4m3
@@ -19,9 +20,9 @@ probabilities as two e4m3 parts), split_d (fp16 dots over the two halves of the 
 fewer converted values need to be live at once), v_t (fp16 dots, the values stored slots-contiguous
 [D, S] so the second dot's operand is K-major), swap / swap_v_t (both dots transposed so the key
 and value tiles are the 128-row first operands, of the values as stored / stored [D, S]),
-cuda_core (no tensor cores: elementwise products and sums in fp32), cc / cc_lazy (cuda_core with
-the scales folded and the denominator per slot lane; cc_lazy rescales only when the max grows by
-more than 2^8).
+cc / cc_lazy (no tensor cores: fp32 elementwise products, the scales folded, the denominator per
+slot lane; cc_lazy rescales only when the max grows by more than 2^8; the plainer cuda_core loop,
+which rescaled and summed every block, was measured at `bf4ce96` and removed after).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from frame_setup import H200_COPY_TBPS, WINDOWS, window_positions  # noqa: E402
 
 from parley.models.transformer import quantize_kv, ring_slot_positions  # noqa: E402
 
-VARIANTS = ("fp16", "fp8_qk", "fp8_qk2", "fp8_qkpv", "fp8_qkpv2", "split_d", "v_t", "swap", "swap_v_t", "cuda_core", "cc", "cc_lazy")
+VARIANTS = ("fp16", "fp8_qk", "fp8_qk2", "fp8_qkpv", "fp8_qkpv2", "split_d", "v_t", "swap", "swap_v_t", "cc", "cc_lazy")
 H, S, D = 32, 3000, 128
 
 try:
@@ -52,17 +53,29 @@ except ImportError:  # (CPU boxes without Triton: main() says so)
 if triton is not None:
 
     @triton.jit
+    def _program(POS, H, S):
+        """This program's row b and head h; the row's query position, filled slots, current slot."""
+        bh = tl.program_id(0)
+        b = bh // H
+        qpos = tl.load(POS + b)
+        return b, bh % H, qpos, tl.minimum(qpos, S), qpos % S
+
+    @triton.jit
+    def _block(SPB, ksb, vsb, n, n_valid, qpos, cur):
+        """One block's slots n: in the window, valid to attend, and their key and value scales."""
+        inb = n < n_valid
+        sp = tl.load(SPB + n, mask=inb, other=-1)
+        k_sc = tl.load(ksb + n, mask=inb, other=0.0)
+        v_sc = tl.load(vsb + n, mask=inb, other=0.0)
+        return n, inb, inb & (sp >= 0) & (sp <= qpos) & (n != cur), k_sc, v_sc
+
+    @triton.jit
     def _loop(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sv_d,
               sks_b, sks_h, ssp_b,
               D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, VAR: tl.constexpr):
         M: tl.constexpr = 16  # the query row repeated so both products run as tensor-core dots
         HD: tl.constexpr = D // 2
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        qpos = tl.load(POS + b)
-        n_valid = tl.minimum(qpos, S)
-        cur = qpos % S
+        b, h, qpos, n_valid, cur = _program(POS, H, S)
         d = tl.arange(0, D)
         dh = tl.arange(0, HD)
         rows = tl.arange(0, M)
@@ -75,22 +88,15 @@ if triton is not None:
         qa = tl.load(qb + dh[None, :] + 0 * rows[:, None]).to(tl.float16)
         qz = tl.load(qb + HD + dh[None, :] + 0 * rows[:, None]).to(tl.float16)
         offs = tl.arange(0, BLOCK_N)
-        kb = K + b * sk_b + h * sk_h
-        vb = V + b * sv_b + h * sv_h
-        ksb = KS + b * sks_b + h * sks_h
-        vsb = VS + b * sks_b + h * sks_h
+        kb, vb = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
+        ksb, vsb = KS + b * sks_b + h * sks_h, VS + b * sks_b + h * sks_h
         acc = tl.zeros([M, D], tl.float32)
         acc_a = tl.zeros([M, HD], tl.float32)
         acc_z = tl.zeros([M, HD], tl.float32)
         m_i = tl.full([M], -1.0e30, tl.float32)
         l_i = tl.zeros([M], tl.float32)
         for n0 in tl.range(0, n_valid, BLOCK_N, num_stages=STAGES):
-            n = n0 + offs
-            inb = n < n_valid
-            sp = tl.load(SP + b * ssp_b + n, mask=inb, other=-1)
-            k_sc = tl.load(ksb + n, mask=inb, other=0.0)
-            v_sc = tl.load(vsb + n, mask=inb, other=0.0)
-            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            n, inb, valid, k_sc, v_sc = _block(SP + b * ssp_b, ksb, vsb, n0 + offs, n_valid, qpos, cur)
             if VAR == 5:
                 ka = tl.load(kb + n[:, None] * sk_s + dh[None, :], mask=inb[:, None], other=0.0)
                 s = tl.dot(qa, tl.trans(ka.to(tl.float16)))
@@ -145,30 +151,18 @@ if triton is not None:
         # are the dots' first operands (M = 128 rows: Hopper's warp-group MMA), the query and the
         # probabilities the second ([*, 16] columns, all equal).
         M: tl.constexpr = 16
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        qpos = tl.load(POS + b)
-        n_valid = tl.minimum(qpos, S)
-        cur = qpos % S
+        b, h, qpos, n_valid, cur = _program(POS, H, S)
         d = tl.arange(0, D)
         cols = tl.arange(0, M)
         qt = tl.load(Q + (b * H + h) * D + d[:, None] + 0 * cols[None, :]).to(tl.float16)  # [D, M]
         offs = tl.arange(0, BLOCK_N)
-        kb = K + b * sk_b + h * sk_h
-        vb = V + b * sv_b + h * sv_h
-        ksb = KS + b * sks_b + h * sks_h
-        vsb = VS + b * sks_b + h * sks_h
+        kb, vb = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
+        ksb, vsb = KS + b * sks_b + h * sks_h, VS + b * sks_b + h * sks_h
         acc = tl.zeros([D, M], tl.float32)
         m_i = tl.full([M], -1.0e30, tl.float32)
         l_i = tl.zeros([M], tl.float32)
         for n0 in tl.range(0, n_valid, BLOCK_N, num_stages=STAGES):
-            n = n0 + offs
-            inb = n < n_valid
-            sp = tl.load(SP + b * ssp_b + n, mask=inb, other=-1)
-            k_sc = tl.load(ksb + n, mask=inb, other=0.0)
-            v_sc = tl.load(vsb + n, mask=inb, other=0.0)
-            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            n, inb, valid, k_sc, v_sc = _block(SP + b * ssp_b, ksb, vsb, n0 + offs, n_valid, qpos, cur)
             k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
             st = tl.dot(k.to(tl.float16), qt)  # [BLOCK_N, M]
             s1 = tl.where(valid, tl.max(st, axis=1) * k_sc * qk_scale, float("-inf"))
@@ -184,76 +178,23 @@ if triton is not None:
                  mask=(cols == 0)[None, :])
 
     @triton.jit
-    def _loop_cuda_core(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sv_d,
-                        sks_b, sks_h, ssp_b,
-                        D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, VAR: tl.constexpr):
-        # No tensor cores: the key products summed over D, the values accumulated per slot lane
-        # ([BLOCK_N, D], summed over slots once at the end).
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        qpos = tl.load(POS + b)
-        n_valid = tl.minimum(qpos, S)
-        cur = qpos % S
-        d = tl.arange(0, D)
-        q = tl.load(Q + (b * H + h) * D + d).to(tl.float32)
-        offs = tl.arange(0, BLOCK_N)
-        kb = K + b * sk_b + h * sk_h
-        vb = V + b * sv_b + h * sv_h
-        ksb = KS + b * sks_b + h * sks_h
-        vsb = VS + b * sks_b + h * sks_h
-        acc = tl.zeros([BLOCK_N, D], tl.float32)
-        m_i = tl.full([1], -1.0e30, tl.float32)
-        l_i = tl.zeros([1], tl.float32)
-        for n0 in tl.range(0, n_valid, BLOCK_N, num_stages=STAGES):
-            n = n0 + offs
-            inb = n < n_valid
-            sp = tl.load(SP + b * ssp_b + n, mask=inb, other=-1)
-            k_sc = tl.load(ksb + n, mask=inb, other=0.0)
-            v_sc = tl.load(vsb + n, mask=inb, other=0.0)
-            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
-            k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
-            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-            s1 = tl.where(valid, s * k_sc * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s1, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p1 = tl.exp2(s1 - m_new)
-            v = tl.load(vb + n[:, None] * sv_s + d[None, :] * sv_d, mask=inb[:, None], other=0.0)
-            acc = acc * alpha[:, None] + (p1 * v_sc)[:, None] * v.to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p1, axis=0)
-            m_i = m_new
-        tl.store(OUT + (b * H + h) * D + d, tl.sum(acc, axis=0) / l_i)
-
-    @triton.jit
     def _loop_cc(Q, K, V, KS, VS, SP, POS, OUT, H, S, qk_scale, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sv_d,
                  sks_b, sks_h, ssp_b,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, VAR: tl.constexpr):
-        # cuda_core with less work a slot: the key scale and qk_scale folded into one multiply a
-        # slot, the denominator kept per slot lane (summed once at the end), and (VAR 1) the
+        # No tensor cores: fp32 elementwise products, the key scale and qk_scale folded into one
+        # multiply a slot, the denominator kept per slot lane (summed once at the end), and (VAR 1) the
         # running max moved only when it grows by more than 2^8, so most blocks skip the rescale.
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        qpos = tl.load(POS + b)
-        n_valid = tl.minimum(qpos, S)
-        cur = qpos % S
+        b, h, qpos, n_valid, cur = _program(POS, H, S)
         d = tl.arange(0, D)
         q = tl.load(Q + (b * H + h) * D + d).to(tl.float32)
         offs = tl.arange(0, BLOCK_N)
-        kb = K + b * sk_b + h * sk_h
-        vb = V + b * sv_b + h * sv_h
-        ksb = KS + b * sks_b + h * sks_h
-        vsb = VS + b * sks_b + h * sks_h
+        kb, vb = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
+        ksb, vsb = KS + b * sks_b + h * sks_h, VS + b * sks_b + h * sks_h
         acc = tl.zeros([BLOCK_N, D], tl.float32)
         m_i = tl.max(tl.full([BLOCK_N], -1.0e30, tl.float32), axis=0)
         l_i = tl.zeros([BLOCK_N], tl.float32)
         for n0 in tl.range(0, n_valid, BLOCK_N, num_stages=STAGES):
-            n = n0 + offs
-            inb = n < n_valid
-            sp = tl.load(SP + b * ssp_b + n, mask=inb, other=-1)
-            k_sc = tl.load(ksb + n, mask=inb, other=0.0)
-            v_sc = tl.load(vsb + n, mask=inb, other=0.0)
-            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
+            n, inb, valid, k_sc, v_sc = _block(SP + b * ssp_b, ksb, vsb, n0 + offs, n_valid, qpos, cur)
             k = tl.load(kb + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
             s = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * (k_sc * qk_scale), float("-inf"))
             m_blk = tl.max(s, axis=0)
@@ -321,7 +262,7 @@ def main() -> None:
                     cap = {"maxnreg": maxnreg} if maxnreg else {}
                     out = torch.empty(B, H, D, device="cuda")
 
-                    kernel = {"swap": _loop_swap, "swap_v_t": _loop_swap, "cuda_core": _loop_cuda_core, "cc": _loop_cc,
+                    kernel = {"swap": _loop_swap, "swap_v_t": _loop_swap, "cc": _loop_cc,
                               "cc_lazy": _loop_cc}.get(name, _loop)
                     cv = cv8_t if name.endswith("v_t") else cv8
                     var = {"v_t": 0, "cc": 0, "cc_lazy": 1}.get(name, VARIANTS.index(name))

@@ -92,6 +92,27 @@ def _pow2(n: int) -> int:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _attn_program(ORDER, POS, H, S, HAS_ORDER: tl.constexpr):
+        """This program's (row, head) pair bh and split, its row b and head h, the row's query
+        position, filled slots and current slot."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H
+        if HAS_ORDER:  # (one split a ring) rows in the given order: the longest windows start first
+            b = tl.load(ORDER + b)
+        h = bh % H
+        qpos = tl.load(POS + b)
+        return bh, split, b, h, qpos, tl.minimum(qpos, S), qpos % S
+
+    @triton.jit
+    def _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale):
+        """The step's own key and value (never in the ring the loop reads): the key's score
+        against q (fp32 [D]) in log2 units, and the value in fp32."""
+        kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
+        vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
+        return tl.sum(kn * q, axis=0) * qk_scale, vn
+
+    @triton.jit
     def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
                            H, S, context, qk_scale,
                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
@@ -104,15 +125,7 @@ if _HAVE_TRITON:
         # products run as tensor-core dots (whose operand loads Triton pipelines); only row 0 is
         # stored. (fp8 caches: _attn_fp8_kernel.)
         M: tl.constexpr = 16
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // H
-        if HAS_ORDER:  # (one split a ring) rows in the given order: the longest windows start first
-            b = tl.load(ORDER + b)
-        h = bh % H
-        qpos = tl.load(POS + b)
-        n_valid = tl.minimum(qpos, S)
-        cur = qpos % S
+        bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
         d = tl.arange(0, D)
         rows = tl.arange(0, M)
         q = tl.load(Q + b * sq_b + h * sq_h + d[None, :] + 0 * rows[:, None])  # [M, D]
@@ -151,9 +164,7 @@ if _HAVE_TRITON:
         row0 = rows == 0
         if FINAL:
             qf = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
-            kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
-            vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
-            s_new = tl.sum(kn * qf, axis=0) * qk_scale
+            s_new, vn = _new_key(qf, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
@@ -193,15 +204,7 @@ if _HAVE_TRITON:
         # Each slot lane of the block keeps its own value sum and denominator (summed once at the
         # end), and the running max moves only when a block's max exceeds it by more than 2^8, so
         # most blocks skip the rescale (p stays <= 256: no fp32 overflow).
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // H
-        if HAS_ORDER:  # (one split a ring) rows in the given order: the longest windows start first
-            b = tl.load(ORDER + b)
-        h = bh % H
-        qpos = tl.load(POS + b)
-        n_valid = tl.minimum(qpos, S)
-        cur = qpos % S
+        bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
         d = tl.arange(0, D)
         q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
@@ -240,9 +243,7 @@ if _HAVE_TRITON:
         acc_d = tl.sum(acc, axis=0)
         l_s = tl.sum(l_i, axis=0)
         if FINAL:
-            kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
-            vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
-            s_new = tl.sum(kn * q, axis=0) * qk_scale
+            s_new, vn = _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
@@ -272,9 +273,7 @@ if _HAVE_TRITON:
         l = tl.load(L_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=0.0)
         acc = tl.load(ACC_TMP + (bh * NUM_SPLITS + sidx)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
         q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
-        kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
-        vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
-        s_new = tl.sum(kn * q, axis=0) * qk_scale
+        s_new, vn = _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
         m_all = tl.maximum(tl.max(m, axis=0), s_new)
         w = tl.exp2(m - m_all)
         p_new = tl.exp2(s_new - m_all)
