@@ -10,6 +10,7 @@ from the rest of Parley.
     q, k, v = rope_write(qkv[B*T, 3*H*D], ..., steps=T)   # T steps of each row, row-major
     out = decode_attention(q[B,H,D], k_new[B,H,D], v_new[B,H,D], cache_k[B,H,S,D], cache_v, slot_pos[B,S],
                            pos[B], context | None)        # [B, H, D]
+    order = row_order(pos[B], H, S, fp8) -> [B] | None     # rows longest window first, for decode_attention(order=)
     y = rms_norm(x[B, N], alpha[N], eps)                  # RMSNorm computed in fp32
     res, y = add_rms_norm(res[B, N], upd[B, N], scale[N] | None, alpha[N], eps)
     a = silu_mul(h[B, 2*F])                               # silu(h[:, :F]) * h[:, F:]
@@ -20,6 +21,9 @@ position `pos[b]` attends to the new key/value (`k_new`, `v_new`, position pos[b
 slot n != pos[b] % S whose `slot_pos[b, n]` is >= 0, <= pos[b] and, with a context, > pos[b] - context.
 `slot_pos` is the state *before* this step: the kernel never reads the slot being overwritten, so
 rows that do not execute (their cache is left unwritten) get the same output as rows that do.
+
+bf16 / fp32 caches run tensor-core dots (the query row repeated 16 times); fp8 caches run fp32
+products on CUDA cores (a tensor-core fp8 loop needed ~250 registers and was issue-bound).
 
 Only slots below min(pos[b], S) are visited: since a row's positions grow from 0 after a reset,
 slots at or above that bound have never been written. Splits of the window past it exit at once,
