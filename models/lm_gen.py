@@ -171,6 +171,7 @@ class LMGen:
         valid = (new_offsets > cfg.max_delay) & exec_mask
         return LMStepOutput(text=frame[:, 0], audio=frame[:, 1:], valid=valid)
 
+    @torch.no_grad()
     def depformer(self, state: LMGenState, hidden: torch.Tensor, text: torch.Tensor,
                   force_audio: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> torch.Tensor:
         """Step 4 of a frame alone (the frame profiler times it): hidden [B, dim] and the text

@@ -126,7 +126,7 @@ def test_load_refuses_server_options_without_a_server_to_start() -> None:
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
                "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
-               "mimi_steps.py", "frame_gpu_time.py")
+               "mimi_steps.py", "frame_gpu_time.py", "depformer_kernel.py")
 
 
 def test_other_benchmarks_import() -> None:
@@ -192,6 +192,11 @@ GPU_CASES = {
     "frame_gpu_time": ("frame_gpu_time.py", ["--batch", "1", "--frames", "3", "--warmup", "1"],
                        [r"gc as is: wall p50 \d+\.\d\d .* gpu p50 \d+\.\d\d", r"gc frozen: wall p50"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
+    "depformer_kernel": ("depformer_kernel.py", ["--batches", "2", "--frames", "2", "--warmup", "1",
+                                                 "--launch", "16,16,32,64,1,4"],
+                         [r"^\| 2 \| \d+\.\d{3} \(\d+\) \| \d+\.\d{3} \(\d+\) \| .* \| \d+\.\d\d% \| \d+\.\d% \|$"]),
+    "profile_frame_persistent": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1",
+                                                      "--depformer", "persistent"], [r"persistent depformer"]),
     "image_step": ("image_step.py", ["--variants", "plain,both", "--replays", "2", "--warmup", "1"],
                    [r"^\| both \| 512 \| \d+\.\d\d \([+-]\d+\.\d %\) \|"]),
     "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",
