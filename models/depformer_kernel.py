@@ -53,9 +53,10 @@ except Exception:  # pragma: no cover - depends on the install
 # The Triton interpreter on CPU: bf16 dots run as fp32 ones there (the same products, exact in fp32).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PHASES_PER_LAYER = 5
-# A barrier that waited this many polls (seconds on a GPU) gives up and raises the flag that the
-# start-up check (`check_step`) reads: a wrong result, never a hung GPU.
-BARRIER_POLLS = 1 << 24
+# A barrier that waited this many polls (about a second on a GPU; a phase takes microseconds)
+# gives up and raises the flag that the start-up check (persistent_depformer.check) reads: a
+# wrong result, never a hung GPU.
+BARRIER_POLLS = 1 << 20
 
 
 class PackedLayers(NamedTuple):
@@ -103,7 +104,9 @@ if _HAVE_TRITON:
         tl.debug_barrier()  # this program's threads are done with the phase
         tl.atomic_add(BAR, 1, sem="release", scope="gpu")
         polls = 0
-        while (tl.load(BAR, volatile=True) < target) & (polls < POLLS):
+        # (Once one program has given up, nobody waits any more: a broken launch ends in about
+        # POLLS polls, not POLLS at each of its barriers.)
+        while (tl.load(BAR, volatile=True) < target) & (polls < POLLS) & (tl.load(BAR + 1, volatile=True) == 0):
             polls += 1
         # Acquire: the other programs' stores of the phase are visible from here on. (Its result
         # is used, so the compiler keeps it: an unused add of 0 was dropped.)
