@@ -12,8 +12,9 @@ their sampling, captured as a CUDA graph each way:
 - `phases`: the same kernel launched once per phase (no grid barrier), which tells what the
   barriers save against plain launches.
 It prints the median GPU ms per frame, kernels per frame, the floor of reading the depformer's
-weights once a step, and the start-up check (`persistent_depformer.check`): the logits' largest
-difference from the layer path, relative to their largest, and the greedy agreement.
+weights once a step, the start-up check (`persistent_depformer.check`): the logits' largest
+difference from the layer path, relative to their largest, and the greedy agreement; and, from
+the `phases` launches, where a step's time goes by phase.
 """
 
 from __future__ import annotations
@@ -38,12 +39,29 @@ from parley.models.lm_gen import LMGen  # noqa: E402
 from parley.models.persistent_depformer import PersistentDepformer, check  # noqa: E402
 
 
-def kernels_per_replay(runner: CUDAGraphRunner, inputs) -> int:
+PHASE_NAMES = ("input", "norm + QKV", "attention", "out + residual", "norm + FFN in", "FFN out + residual")
+
+
+def replay_kernels(runner: CUDAGraphRunner, inputs) -> list[tuple[str, float]]:
+    """(name, ms) of each kernel of one replay, in start order."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         runner(*inputs)
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset")))
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not e.name.startswith(("Memcpy", "Memset"))), key=lambda e: e.time_range.start)
+    return [(e.name, (e.time_range.end - e.time_range.start) / 1000) for e in events]
+
+
+def phase_ms(kernels: list[tuple[str, float]], layers: int) -> dict[str, float]:
+    """ms a frame by phase kind, from a replay of one launch a phase (`phases`): the i-th
+    `_depformer_kernel` of a step runs phase i."""
+    per_step = 1 + 5 * layers
+    out = dict.fromkeys(PHASE_NAMES, 0.0)
+    launches = [ms for name, ms in kernels if "_depformer_kernel" in name]
+    for i, ms in enumerate(launches):
+        phase = i % per_step
+        out[PHASE_NAMES[0 if phase == 0 else 1 + (phase - 1) % 5]] += ms
+    return out
 
 
 def depformer_weight_bytes(lm: LMModel) -> int:
@@ -57,7 +75,7 @@ def depformer_weight_bytes(lm: LMModel) -> int:
 
 
 @torch.no_grad()
-def time_path(gen: LMGen, batch: int, frames: int, warmup: int) -> tuple[float, int]:
+def time_path(gen: LMGen, batch: int, frames: int, warmup: int) -> tuple[float, list[tuple[str, float]]]:
     cfg = gen.cfg
     state = gen.init_state(batch)
     state.set_sampling(torch.ones(batch, dtype=torch.bool, device="cuda"), audio_temp=0.0)
@@ -65,9 +83,9 @@ def time_path(gen: LMGen, batch: int, frames: int, warmup: int) -> tuple[float, 
     text = torch.randint(0, cfg.text_card, (batch,), device="cuda")
     runner = CUDAGraphRunner(lambda h, t: (gen.depformer(state, h, t),), (hidden, text))
     ms = graph_ms(runner, (hidden, text), frames, warmup)
-    count = kernels_per_replay(runner, (hidden, text))
+    kernels = replay_kernels(runner, (hidden, text))
     runner.close()
-    return ms, count
+    return ms, kernels
 
 
 def main() -> None:
@@ -95,20 +113,24 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         row = {"B": batch}
         lm.persistent_depformer = None
-        row["layers"] = time_path(gen, batch, args.frames, args.warmup)
+        ms, kernels = time_path(gen, batch, args.frames, args.warmup)
+        row["layers"] = (ms, len(kernels))
         lm.persistent_depformer = persistent
         row["check"] = check(lm, batch, torch.Generator().manual_seed(0))
         for name, launch, phases in ([("persistent", None, False)] + [(str(tuple(l)), l, False) for l in launches]
                                      + [("phases", None, True)]):
             persistent.launch, persistent.phase_by_phase = launch, phases
-            row[name] = time_path(gen, batch, args.frames, args.warmup)
+            ms, kernels = time_path(gen, batch, args.frames, args.warmup)
+            row[name] = (ms, len(kernels))
+            if phases:
+                row["phase_ms"] = phase_ms(kernels, cfg.depformer_num_layers)
         persistent.launch, persistent.phase_by_phase = None, False
         row["default_launch"] = list(depformer_kernel.depformer_launch(batch))
         rows.append(row)
         print(json.dumps(row), flush=True)
     lm.persistent_depformer = None
 
-    names = [k for k in rows[0] if k not in ("B", "check", "default_launch")]
+    names = [k for k in rows[0] if k not in ("B", "check", "default_launch", "phase_ms")]
     print(f"\nms a frame (kernels a frame); floor {floor:.3f} ms ({H200_COPY_TBPS} TB/s)")
     print("| B | " + " | ".join(names) + " | logits max diff | greedy agreement |")
     print("|---:|" + "---:|" * (len(names) + 2))
@@ -116,6 +138,11 @@ def main() -> None:
         cells = [f"{row[n][0]:.3f} ({row[n][1]})" for n in names]
         print(f"| {row['B']} | " + " | ".join(cells)
               + f" | {row['check']['max_diff']:.2%} | {row['check']['agreement']:.1%} |")
+    print("\nms a frame by phase (one launch a phase, default launch; GPU time of the launches only)")
+    print("| B | " + " | ".join(PHASE_NAMES) + " |")
+    print("|---:|" + "---:|" * len(PHASE_NAMES))
+    for row in rows:
+        print(f"| {row['B']} | " + " | ".join(f"{row['phase_ms'][n]:.3f}" for n in PHASE_NAMES) + " |")
     if args.json:
         args.json.write_text(json.dumps({"kind": args.kind, "floor_ms": floor, "rows": rows}, indent=2))
 
