@@ -42,7 +42,8 @@ from parley.models.persona_prompt import PromptPlan, build_prompt_frames, person
 from parley.models.row_views import leading_rows
 from parley.models.persistent_depformer import PersistentDepformer, persistent_problem
 from parley.models.persistent_depformer import check as check_persistent
-from parley.models.voices import PersonaError, VoicePrompt, list_voices, load_voice, resolve_voice
+from parley.models.voices import (PersonaError, VoicePrompt, list_voices, load_voice, voice_candidates,
+                                  voice_not_found)
 
 from .config import SamplingOptions, SessionOptions
 from .cuda_graph import CUDAGraphRunner, sync_device
@@ -217,7 +218,10 @@ class ModelBackend:
                           audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
         self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
-        self._voices: dict[Path, VoicePrompt] = {}  # by file, all read at start (_load_voices)
+        # Voices by file name, all read at start (_load_voices), and those that could not be read.
+        self._voices: dict[str, VoicePrompt] = {}
+        self._voice_errors: dict[str, str] = {}
+        self._voices_read = False
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
         self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
@@ -421,9 +425,12 @@ class ModelBackend:
         self._handoff_rows.add(row)
 
     def voice_names(self) -> tuple[str, ...]:
-        """File names of every voice `start_prefill` can load (`.pt` and audio), sorted."""
+        """File names of every voice `start_prefill` can load (`.pt` and audio), sorted: the
+        voices folder as it was at start, on a PersonaPlex model."""
         if self.checkpoint.voices_dir is None:
             return ()
+        if self._voices_read:
+            return tuple(sorted([*self._voices, *self._voice_errors]))
         return tuple(list_voices(self.checkpoint.voices_dir))
 
     def _load_voices(self) -> None:
@@ -433,17 +440,24 @@ class ModelBackend:
         are small; one that cannot be read is logged here and refused to the sessions that ask."""
         for name in self.voice_names():
             try:
-                self._voice(name)
+                self._voices[name] = load_voice(self.checkpoint.voices_dir / name, mimi_encode=self._encode_voice)
             except PersonaError as exc:
+                self._voice_errors[name] = str(exc)
                 log.warning("voice %s cannot be used: %s", name, exc)
+        self._voices_read = True
 
     def _voice(self, name: str) -> VoicePrompt:
+        """A voice read at start, by a client's name for it (NATF0 and NATF0.pt: one file). On the
+        engine thread, so it touches no file: a voice added to the folder later is refused
+        (restart to serve it), as is a name that matches nothing."""
         if self.checkpoint.voices_dir is None:
             raise SessionRejected("this checkpoint ships no voices.")
-        path = resolve_voice(self.checkpoint.voices_dir, name)  # (NATF0 and NATF0.pt: one file)
-        if path not in self._voices:  # voices are small and reused: load each once
-            self._voices[path] = load_voice(path, mimi_encode=self._encode_voice)
-        return self._voices[path]
+        for candidate in voice_candidates(name):
+            if candidate in self._voices:
+                return self._voices[candidate]
+            if candidate in self._voice_errors:
+                raise PersonaError(self._voice_errors[candidate])
+        raise voice_not_found(name, list(self.voice_names()), " (the voices folder is read when the server starts)")
 
     @torch.no_grad()
     def _encode_voice(self, frames: torch.Tensor) -> torch.Tensor:

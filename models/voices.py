@@ -225,24 +225,30 @@ def list_voices(voices_dir: str | Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix in VOICE_SUFFIXES)
 
 
-def resolve_voice(voices_dir: str | Path, name: str) -> Path:
-    """The voice file for a client-supplied name: `NATF0.pt` as is, `NATF0` -> `.pt`, else audio.
-
-    Names with directory parts are refused (PersonaPlex rejects them too); a missing voice
-    raises `PersonaError` listing what the directory holds.
-    """
-    root = Path(voices_dir)
+def voice_candidates(name: str) -> list[str]:
+    """The file names a client-supplied voice name may mean, in order: `NATF0.pt` as is, `NATF0`
+    -> `NATF0.pt`, then audio. Names with directory parts raise `PersonaError` (PersonaPlex
+    rejects them too)."""
     if not name or name != Path(name).name or name in (".", ".."):
         raise PersonaError(f"invalid voice name {name!r}: expected a file name such as 'NATF0' or 'NATF0.pt'")
-    candidates = [root / name]
-    if Path(name).suffix not in VOICE_SUFFIXES:
-        candidates = [root / f"{name}{s}" for s in VOICE_SUFFIXES] + candidates
-    for cand in candidates:
-        if cand.is_file():
-            return cand
-    available = list_voices(root)
+    if Path(name).suffix in VOICE_SUFFIXES:
+        return [name]
+    return [f"{name}{s}" for s in VOICE_SUFFIXES] + [name]
+
+
+def voice_not_found(name: str, available: list[str], note: str = "") -> PersonaError:
     shown = ", ".join(Path(v).stem if v.endswith(VOICE_PT_SUFFIX) else v for v in available) or "none"
-    raise PersonaError(f"voice {name!r} not found; available voices: {shown}")
+    return PersonaError(f"voice {name!r} not found{note}; available voices: {shown}")
+
+
+def resolve_voice(voices_dir: str | Path, name: str) -> Path:
+    """The voice file for a client-supplied name (see `voice_candidates`); a missing voice
+    raises `PersonaError` listing what the directory holds."""
+    root = Path(voices_dir)
+    for cand in voice_candidates(name):
+        if (root / cand).is_file():
+            return root / cand
+    raise voice_not_found(name, list_voices(root))
 
 
 def unpack_voices(archive: str | Path, dest: str | Path | None = None) -> Path:

@@ -340,6 +340,33 @@ def test_a_refused_voice_and_an_abandoned_prompt_change_no_one_else(tiny_persona
             assert host_a.text_tokens[row] == host_b.text_tokens[row]
 
 
+def test_admission_names_voices_without_touching_the_voices_folder(tiny_personaplex_dir, copy_checkpoint,
+                                                                   monkeypatch):
+    """start_prefill runs on the engine thread between ticks: resolving a voice name there
+    looked for each candidate file, and an unknown name listed the folder, on every admission
+    (a client could repeat that at will). Names now resolve against the voices read at start;
+    a voice added to the folder later is refused, saying the folder is read at start."""
+    import pathlib
+
+    ckpt = copy_checkpoint(tiny_personaplex_dir)
+    backend = ModelBackend.load(ckpt, 2)
+    (backend.checkpoint.voices_dir / "LATE.pt").write_bytes((backend.checkpoint.voices_dir / "NATF0.pt").read_bytes())
+
+    def no_filesystem(*args, **kwargs):
+        raise AssertionError("the voices folder was read at admission")
+
+    for method in ("is_file", "is_dir", "exists", "iterdir", "stat"):
+        monkeypatch.setattr(pathlib.Path, method, no_filesystem)
+    for name in ("NATF0", "NATF0.pt", "NATM0"):
+        assert backend.start_prefill(0, SessionOptions(voice=name)).frames_left > 0
+        backend.reset_rows(torch.tensor([True, False]))
+    for name, message in (("LATE", "not found \\(the voices folder is read when the server starts\\)"),
+                          ("VARF9", "available voices: NATF0, NATM0"), ("../NATF0.pt", "invalid voice name")):
+        with pytest.raises(SessionRejected, match=message):
+            backend.start_prefill(1, SessionOptions(voice=name))
+    assert backend.voice_names() == ("NATF0.pt", "NATM0.pt")
+
+
 def test_voices_are_read_at_start_not_when_a_session_is_admitted(tiny_personaplex_dir, copy_checkpoint,
                                                                   monkeypatch, caplog):
     """Reading a voice (an audio one is also loudness-normalised and Mimi-encoded) ran on the
