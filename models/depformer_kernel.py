@@ -177,6 +177,28 @@ if _HAVE_TRITON:
         tl.store(SQ + nt * B_P + rows, tl.sum(xf * xf, axis=1), mask=rmask)
 
     @triton.jit
+    def _tile(t, n_m, B, N, BM: tl.constexpr, BN: tl.constexpr):
+        """Tile t of a [B, N] output (row tiles vary fastest): its rows and columns, their
+        masks, and its column tile."""
+        nt = t // n_m
+        rows = (t % n_m) * BM + tl.arange(0, BM)
+        cols = nt * BN + tl.arange(0, BN)
+        return rows, rows < B, cols, cols < N, nt
+
+    @triton.jit
+    def _residual_phase(A, K, W, RES, SQ, B, B_P, C, pid, nprog, n_m, NT: tl.constexpr, IEEE: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+        """x = x + A @ W^T (rounded as the layer rounds), over the residual's tiles (P3, P5)."""
+        ty = RES.dtype.element_ty
+        for t in range(pid, n_m * NT, nprog):
+            rows, rmask, cols, cmask, nt = _tile(t, n_m, B, C, BM, BN)
+            acc, _ = _dot_tile(A, K, rows, rmask, W, K, cols, cmask, K, W, 0.0, W,
+                               False, False, IEEE, BM, BN, BK, STAGES)
+            m = rmask[:, None] & cmask[None, :]
+            old = tl.load(RES + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            _store_res(RES, SQ, B_P, C, rows, rmask, cols, cmask, nt, old + acc.to(ty).to(tl.float32))
+
+    @triton.jit
     def _depformer_kernel(HID, s_hid, PREV, W0, EMB, RES, Q, ATT, G, SQ,
                           WQKV, s_qkv, WO, s_wo, WI, s_wi, WF, s_wf, A1, A2,
                           KC, VC, s_kl, s_kb, s_kh, s_ks, SP, s_sp, POS, BAR,
@@ -196,12 +218,8 @@ if _HAVE_TRITON:
             kind = ph - 1 - layer * PER_LAYER
             if ph == 0:  # P0: x = depformer_in(hidden) + emb(prev)
                 for t in range(pid, n_m * NT, nprog):
-                    rows = (t % n_m) * BM + tl.arange(0, BM)
-                    rmask = rows < B
-                    nt = t // n_m
-                    cols = nt * BN + tl.arange(0, BN)
-                    cmask = cols < C
-                    acc, _ = _dot_tile(HID, s_hid, rows, rmask, W0, CT, cols, cmask, CT, A1, eps, W0,
+                    rows, rmask, cols, cmask, nt = _tile(t, n_m, B, C, BM, BN)
+                    acc, _ = _dot_tile(HID, s_hid, rows, rmask, W0, CT, cols, cmask, CT, W0, 0.0, W0,
                                        False, False, IEEE, BM, BN, BK, STAGES)
                     tok = tl.load(PREV + rows, mask=rmask, other=0)
                     m = rmask[:, None] & cmask[None, :]
@@ -211,11 +229,8 @@ if _HAVE_TRITON:
                                acc.to(ty).to(tl.float32) + e.to(ty).to(tl.float32))
             elif kind == 0:  # P1: q, k, v of rms_norm1(x); k and v go to the ring's slot pos % S
                 for t in range(pid, n_m * tl.cdiv(3 * C, BNW), nprog):
-                    rows = (t % n_m) * BM + tl.arange(0, BM)
-                    rmask = rows < B
-                    c0 = (t // n_m) * BNW
-                    cols = c0 + tl.arange(0, BNW)
-                    cmask = cols < 3 * C
+                    rows, rmask, cols, cmask, nt = _tile(t, n_m, B, 3 * C, BM, BNW)
+                    c0 = nt * BNW
                     rstd = _rstd(SQ, rows, rmask, B_P, C, eps, NT, NT_P2)
                     acc, _ = _dot_tile(RES, C, rows, rmask, WQKV + layer * s_qkv, C, cols, cmask, C,
                                        A1 + layer * C, rstd, WQKV, True, False, IEEE, BM, BNW, BK, STAGES)
@@ -254,23 +269,11 @@ if _HAVE_TRITON:
                     o = tl.sum(p[:, :, None] * v, axis=1) / tl.sum(p, axis=1)[:, None]  # [H, D]
                     tl.store(ATT + b * C + h[:, None] * D + d[None, :], o.to(ty))
             elif kind == 2:  # P3: x = x + a @ W_out
-                for t in range(pid, n_m * NT, nprog):
-                    rows = (t % n_m) * BM + tl.arange(0, BM)
-                    rmask = rows < B
-                    nt = t // n_m
-                    cols = nt * BN + tl.arange(0, BN)
-                    cmask = cols < C
-                    acc, _ = _dot_tile(ATT, C, rows, rmask, WO + layer * s_wo, C, cols, cmask, C, A1, eps, WO,
-                                       False, False, IEEE, BM, BN, BK, STAGES)
-                    m = rmask[:, None] & cmask[None, :]
-                    old = tl.load(RES + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                    _store_res(RES, SQ, B_P, C, rows, rmask, cols, cmask, nt, old + acc.to(ty).to(tl.float32))
+                _residual_phase(ATT, C, WO + layer * s_wo, RES, SQ, B, B_P, C, pid, nprog, n_m, NT, IEEE,
+                                BM, BN, BK, STAGES)
             elif kind == 3:  # P4: g = silu(h_a) * h_b of h = rms_norm2(x) @ W_in (W_a, W_b stacked)
                 for t in range(pid, n_m * tl.cdiv(F, BNW), nprog):
-                    rows = (t % n_m) * BM + tl.arange(0, BM)
-                    rmask = rows < B
-                    cols = (t // n_m) * BNW + tl.arange(0, BNW)
-                    cmask = cols < F
+                    rows, rmask, cols, cmask, nt = _tile(t, n_m, B, F, BM, BNW)
                     rstd = _rstd(SQ, rows, rmask, B_P, C, eps, NT, NT_P2)
                     w = WI + layer * s_wi
                     ha, hb = _dot_tile(RES, C, rows, rmask, w, C, cols, cmask, C, A2 + layer * C, rstd, w + F * C,
@@ -280,17 +283,8 @@ if _HAVE_TRITON:
                     g = act * hb.to(ty).to(tl.float32)
                     tl.store(G + rows[:, None] * F + cols[None, :], g.to(ty), mask=rmask[:, None] & cmask[None, :])
             else:  # P5: x = x + g @ W_ffn_out
-                for t in range(pid, n_m * NT, nprog):
-                    rows = (t % n_m) * BM + tl.arange(0, BM)
-                    rmask = rows < B
-                    nt = t // n_m
-                    cols = nt * BN + tl.arange(0, BN)
-                    cmask = cols < C
-                    acc, _ = _dot_tile(G, F, rows, rmask, WF + layer * s_wf, F, cols, cmask, F, A1, eps, WF,
-                                       False, False, IEEE, BM, BN, BK, STAGES)
-                    m = rmask[:, None] & cmask[None, :]
-                    old = tl.load(RES + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                    _store_res(RES, SQ, B_P, C, rows, rmask, cols, cmask, nt, old + acc.to(ty).to(tl.float32))
+                _residual_phase(G, F, WF + layer * s_wf, RES, SQ, B, B_P, C, pid, nprog, n_m, NT, IEEE,
+                                BM, BN, BK, STAGES)
                 if (layer == LAYERS - 1) & (pid == 0):
                     # Every program is past its last read of pos (P2): the step is written.
                     for r0 in range(0, B, BM):
