@@ -88,7 +88,7 @@ def main() -> None:
                     tag = ("  <- default" if cand == default else "") + ("" if ordered or not one_split else ", row order")
                     print(f"{kv} B={B} {window:6} {str(cand):16} {ms:7.3f} ms  {row['tbps']:5.2f} TB/s "
                           f"(of {H200_COPY_TBPS})  diff {err:.1e}{tag}", flush=True)
-            del ck, cv, scales
+            ck = cv = scales = None  # free the caches (not del: the timed lambda closes over them)
             torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -116,7 +116,7 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
         runner.close()
     section_ms["temporal + text (LM step - depformer)"] = (section_ms["LM step (temporal + text + depformer)"]
                                                            - section_ms["depformer"])
-    del lm_state, mimi_state
+    lm_state = mimi_state = None  # (not del: the section lambdas close over them)
     torch.cuda.empty_cache()
 
     # 2. The whole frame as the engine runs it, and its host copy.

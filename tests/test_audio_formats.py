@@ -37,7 +37,7 @@ def test_g711_properties_without_audioop():
 @pytest.mark.parametrize("kind", ["pcmu", "pcma"])
 def test_8khz_round_trip_keeps_a_tone(kind):
     fmt = AudioFormat(kind)
-    sr_model, sr_wire = 24000, 8000
+    sr_model = 24000
     t = np.arange(1920 * 13) / sr_model  # 13 frames (1.04 s) at 24 kHz
     tone = (0.4 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
     encoder, decoder = OutputEncoder(fmt), InputDecoder(fmt)

@@ -17,7 +17,6 @@ import urllib.request
 from typing import Iterator
 
 import pytest
-import uvicorn
 
 from parley.engine import Engine, EngineConfig, EngineFull
 from parley.engine.testing import DelayBackend

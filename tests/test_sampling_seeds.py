@@ -4,7 +4,6 @@ never on the shared generator or the other rows; unseeded rows sample exactly as
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from parley.engine import SamplingOptions
