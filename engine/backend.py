@@ -475,6 +475,11 @@ class ModelBackend:
         sync_device(self.device)
 
     def close(self) -> None:
+        persistent = self.checkpoint.lm.persistent_depformer
+        if persistent is not None and (gave_up := persistent.gave_up()):
+            log.error("the persistent depformer's grid barrier gave up %d times while serving: those steps' "
+                      "audio codes were wrong (other work held the GPU's SMs?); serve with --depformer layers",
+                      gave_up)
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()

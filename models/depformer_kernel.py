@@ -53,10 +53,11 @@ except Exception:  # pragma: no cover - depends on the install
 # The Triton interpreter on CPU: bf16 dots run as fp32 ones there (the same products, exact in fp32).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PHASES_PER_LAYER = 5
-# A barrier that waited this many polls (about a second on a GPU; a phase takes microseconds)
-# gives up and raises the flag that the start-up check (persistent_depformer.check) reads: a
-# wrong result, never a hung GPU.
-BARRIER_POLLS = 1 << 20
+# A barrier that waited this many polls (~half a minute on a GPU; a phase takes microseconds,
+# and programs held back by other work on the GPU wait for it, not for this) gives up and counts
+# it in BAR[1], which the start-up check (persistent_depformer.check) and the backend's close
+# read: a wrong result, never a hung GPU.
+BARRIER_POLLS = 1 << 25
 
 
 class PackedLayers(NamedTuple):
@@ -328,7 +329,8 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
     (`zero_token` embeds to zero, negative tokens read row 0); layers: `pack_layers`; w: the
     step's weight index; cache_k / cache_v [L, B, H, S, D]: the rings (this step's k, v go to
     slot pos % S); slot_pos [B, S] and pos [B] are advanced as the layer path does.
-    `barrier` (int32 [2], zeroed here): pass one to read its give-up count (BAR[1]) afterwards."""
+    `barrier` (int32 [2]): its arrival counter [0] is zeroed here, its give-up count [1] only
+    grows (default: a fresh one, whose count nobody reads)."""
     B, CT = hidden.shape
     L, _, C = layers.qkv.shape
     F = layers.ffn_out.shape[-1]
@@ -347,7 +349,9 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
     att = torch.empty(B, C, dtype=ty, device=dev)
     g = torch.empty(B, F, dtype=ty, device=dev)
     sq = torch.empty(triton.cdiv(C, bn), B, dtype=torch.float32, device=dev)
-    bar = torch.zeros(2, dtype=torch.int32, device=dev) if barrier is None else barrier.zero_()
+    bar = torch.zeros(2, dtype=torch.int32, device=dev) if barrier is None else barrier
+    if barrier is not None:
+        bar[0].zero_()
     n_m = triton.cdiv(B, bm)
     tiles = max(n_m * triton.cdiv(3 * C, bnw), n_m * triton.cdiv(F, bnw), n_m * triton.cdiv(C, bn), B)
     nprog = min(_num_sms(dev), tiles)

@@ -89,13 +89,20 @@ class PersistentDepformer:
         # or one launch a phase instead of the grid barriers.
         self.launch: depformer_kernel.DepformerLaunch | None = None
         self.phase_by_phase = False
+        # Every step's barrier: [0] arrivals (zeroed each step), [1] how often one gave up, ever.
+        self.barrier = torch.zeros(2, dtype=torch.int32, device=next(model.parameters()).device)
+
+    def gave_up(self) -> int:
+        """How many grid barriers have given up waiting since start (a host sync): each one is
+        a step whose outputs were wrong."""
+        return int(self.barrier[1])
 
     def runs(self, hidden: torch.Tensor) -> bool:
         """Whether a step on `hidden` takes the kernel (CUDA, fused kernels switched on)."""
         return kernels.available(hidden)
 
     def step(self, step: int, in_index: int, hidden: torch.Tensor, prev_token: torch.Tensor,
-             state, phase_by_phase: bool | None = None, barrier: torch.Tensor | None = None) -> torch.Tensor:
+             state, phase_by_phase: bool | None = None) -> torch.Tensor:
         """`depformer(depformer_in[in_index](hidden) + emb(prev_token), state, step)` -> [B, C]."""
         model = self.model
         emb = model.depformer_text_emb if step == 0 else model.depformer_emb[step - 1]
@@ -103,7 +110,7 @@ class PersistentDepformer:
             hidden, prev_token, model.depformer_in[in_index].weight, emb.weight, self.layers,
             model.depformer._weight_index(step), _stacked(state.keys), _stacked(state.values),
             state.slot_pos, state.pos, self.eps, ZERO_TOKEN, launch=self.launch,
-            phase_by_phase=self.phase_by_phase if phase_by_phase is None else phase_by_phase, barrier=barrier)
+            phase_by_phase=self.phase_by_phase if phase_by_phase is None else phase_by_phase, barrier=self.barrier)
 
 
 def check(model: nn.Module, batch: int, generator: torch.Generator | None = None) -> dict[str, float]:
@@ -119,14 +126,13 @@ def check(model: nn.Module, batch: int, generator: torch.Generator | None = None
     hidden = torch.randn(batch, cfg.dim, generator=generator, device="cpu").to(dev, dtype)
     prev = torch.randint(0, cfg.text_card, (batch,), generator=generator, device="cpu").to(dev)
     ours, theirs = model.depformer.init_state(batch), model.depformer.init_state(batch)
-    barrier = torch.zeros(2, dtype=torch.int32, device=dev)
-    worst, agree, gave_up = 0.0, [], 0
+    before = persistent.gave_up()
+    worst, agree = 0.0, []
     schedule = cfg.depformer_weights_per_step_schedule
     with torch.no_grad():
         for k in range(cfg.n_agent):
             in_index = (schedule[k] if schedule else k) if cfg.depformer_multi_linear else 0
-            y = model.linears[k](persistent.step(k, in_index, hidden, prev, ours, barrier=barrier)).float()
-            gave_up += int(barrier[1])
+            y = model.linears[k](persistent.step(k, in_index, hidden, prev, ours)).float()
             model.persistent_depformer = None  # the layer path, once
             try:
                 ref = model.depformer_logits(k, hidden, prev, theirs).float()
@@ -135,6 +141,7 @@ def check(model: nn.Module, batch: int, generator: torch.Generator | None = None
             worst = max(worst, ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item())
             agree.append((y.argmax(-1) == ref.argmax(-1)).float().mean().item())
             prev = ref.argmax(-1)
+    gave_up = persistent.gave_up() - before
     if gave_up:
         raise RuntimeError(f"the persistent depformer's grid barrier gave up {gave_up} times: its programs "
                            "were not all resident on this GPU; run with --depformer layers")

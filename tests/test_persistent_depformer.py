@@ -179,4 +179,5 @@ def test_the_backend_serves_frames_with_the_persistent_depformer(tiny_moshi_dir)
     for _ in range(3):
         out = backend.step(pcm, live).to_host()
     assert out.pcm.shape[0] == 4
+    assert backend.checkpoint.lm.persistent_depformer.gave_up() == 0
     backend.close()
