@@ -60,7 +60,9 @@ def _stacked(per_layer: list[torch.Tensor]) -> torch.Tensor:
 
 
 class PersistentDepformer:
-    """A model's depformer weights packed over layers, and its steps as one kernel each."""
+    """A model's depformer weights packed over layers, and its steps as one kernel each. Build
+    it once the model is on its device with its weights: moving or reloading them afterwards
+    unpacks the parameters, and `step` then refuses to run on the stale pack."""
 
     def __init__(self, model: nn.Module):
         problem = persistent_problem(model)
@@ -105,6 +107,10 @@ class PersistentDepformer:
              state, phase_by_phase: bool | None = None) -> torch.Tensor:
         """`depformer(depformer_in[in_index](hidden) + emb(prev_token), state, step)` -> [B, C]."""
         model = self.model
+        if (model.depformer.layers[0].self_attn.in_proj_weight.untyped_storage().data_ptr()
+                != self.layers.qkv.untyped_storage().data_ptr()):  # (host-side: no sync)
+            raise RuntimeError("the depformer's weights were moved or replaced after they were packed "
+                               "(model.to(), load_state_dict): build a new PersistentDepformer")
         emb = model.depformer_text_emb if step == 0 else model.depformer_emb[step - 1]
         return depformer_kernel.depformer_step(
             hidden, prev_token, model.depformer_in[in_index].weight, emb.weight, self.layers,

@@ -93,6 +93,9 @@ def test_packing_keeps_one_copy_and_the_layer_path_bit_identical():
     assert all(layer.self_attn.in_proj_weight.untyped_storage().data_ptr() == storage
                for layer in model.depformer.layers)
     assert torch.equal(gen.depformer(gen.init_state(4), hidden, text), expected)  # CPU: the layer path
+    model.load_state_dict({name: p.clone() for name, p in model.state_dict().items()}, assign=True)
+    with pytest.raises(RuntimeError, match="moved or replaced after they were packed"):
+        persistent.step(0, 0, hidden, text, model.depformer.init_state(4), phase_by_phase=True)
 
 
 def test_the_depformer_rings_are_one_tensor_over_layers():
