@@ -122,13 +122,18 @@ if _HAVE_TRITON:
             return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         return tl.dot(a, w, acc)
 
+    # Loads of what other programs wrote in this launch (activations, the ring, the sums of
+    # squares) are ".cg": from L2, never a line this SM's L1 kept from an earlier phase. (The
+    # barrier's acquire should already make them fresh; this does not rest on it.)
+
     @triton.jit
     def _load_operands(A, sa, rows, rmask, W, W2, sw, cols, cmask, k0, K, BK: tl.constexpr, TWO: tl.constexpr):
         """A[rows, k0:k0 + BK] and W[cols, k0:k0 + BK]^T (W2's too with TWO); nothing is read
         past K, so the prefetch after the last step costs no memory traffic."""
         kk = k0 + tl.arange(0, BK)
         km = kk < K
-        a = tl.load(A + rows[:, None] * sa + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+        a = tl.load(A + rows[:, None] * sa + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0,
+                    cache_modifier=".cg")
         wm = km[:, None] & cmask[None, :]
         w = tl.load(W + cols[None, :] * sw + kk[:, None], mask=wm, other=0.0)  # [BK, BN]
         w2 = w
@@ -164,7 +169,8 @@ if _HAVE_TRITON:
         """1 / sqrt(eps + mean(x^2)) of the residual's rows, from the per-tile sums of squares
         SQ [NT, B_P] that the phase writing the residual left (summed in tile order)."""
         t = tl.arange(0, NT_P2)
-        part = tl.load(SQ + t[:, None] * B_P + rows[None, :], mask=(t[:, None] < NT) & rmask[None, :], other=0.0)
+        part = tl.load(SQ + t[:, None] * B_P + rows[None, :], mask=(t[:, None] < NT) & rmask[None, :], other=0.0,
+                       cache_modifier=".cg")
         var = eps + tl.sum(part, axis=0) / C
         return 1.0 / tl.sqrt(var)
 
@@ -196,7 +202,7 @@ if _HAVE_TRITON:
             acc, _ = _dot_tile(A, K, rows, rmask, W, K, cols, cmask, K, W, 0.0, W,
                                False, False, IEEE, BM, BN, BK, STAGES)
             m = rmask[:, None] & cmask[None, :]
-            old = tl.load(RES + rows[:, None] * C + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            old = tl.load(RES + rows[:, None] * C + cols[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
             _store_res(RES, SQ, B_P, C, rows, rmask, cols, cmask, nt, old + acc.to(ty).to(tl.float32))
 
     @triton.jit
@@ -258,15 +264,15 @@ if _HAVE_TRITON:
                     sp = tl.load(SP + b * s_sp + n, mask=n < S, other=-1)
                     # Written before this step and not in the future, or this step's own slot.
                     valid = (n < S) & (((sp >= 0) & (sp <= qpos)) | (n == qpos % S))  # [S_P2]
-                    q = tl.load(Q + b * C + h[:, None] * D + d[None, :]).to(tl.float32)  # [H, D]
+                    q = tl.load(Q + b * C + h[:, None] * D + d[None, :], cache_modifier=".cg").to(tl.float32)  # [H, D]
                     off = (layer * s_kl + b * s_kb + h[:, None, None] * s_kh + n[None, :, None] * s_ks
                            + d[None, None, :])
                     vm = valid[None, :, None] & (d[None, None, :] < D)
-                    k = tl.load(KC + off, mask=vm, other=0.0).to(tl.float32)  # [H, S_P2, D]
+                    k = tl.load(KC + off, mask=vm, other=0.0, cache_modifier=".cg").to(tl.float32)  # [H, S_P2, D]
                     s = tl.sum(q[:, None, :] * k, axis=2) * qk_scale  # [H, S_P2], log2 units
                     s = tl.where(valid[None, :], s, float("-inf"))
                     p = tl.exp2(s - tl.max(s, axis=1)[:, None])
-                    v = tl.load(VC + off, mask=vm, other=0.0).to(tl.float32)
+                    v = tl.load(VC + off, mask=vm, other=0.0, cache_modifier=".cg").to(tl.float32)
                     o = tl.sum(p[:, :, None] * v, axis=1) / tl.sum(p, axis=1)[:, None]  # [H, D]
                     tl.store(ATT + b * C + h[:, None] * D + d[None, :], o.to(ty))
             elif kind == 2:  # P3: x = x + a @ W_out
