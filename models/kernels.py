@@ -181,14 +181,14 @@ if _HAVE_TRITON:
                 # The new key and value go to slot `cur` (executing rows only) after the loop,
                 # which never used that slot: no other program touches this (row, head).
                 w = d >= 0
-                if HAS_EXEC:
-                    w = w & (tl.load(EXEC + b) != 0)
+                if HAS_EXEC:  # (the flag compared as a [D] tensor: the interpreter takes no scalar in a mask)
+                    w = w & (tl.load(EXEC + b) + 0 * d != 0)
                 tl.store(K + b * sk_b + h * sk_h + cur * sk_s + d, tl.load(KN + b * skn_b + h * skn_h + d), mask=w)
                 tl.store(V + b * sv_b + h * sv_h + cur * sv_s + d, tl.load(VN + b * svn_b + h * svn_h + d), mask=w)
         else:
             # Splits past the filled window store nothing: the reduce reads only filled splits.
             idx = bh * NUM_SPLITS + split
-            st = row0 & (start < n_valid)
+            st = row0 & (start + 0 * rows < n_valid)  # (a tensor: the interpreter takes no scalar in a mask)
             tl.store(M_TMP + idx + 0 * rows, m_i, mask=st)
             tl.store(L_TMP + idx + 0 * rows, l_i, mask=st)
             tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=st[:, None])
@@ -302,8 +302,8 @@ if _HAVE_TRITON:
         qpos = tl.load(POS + b) + bt % T
         slot = qpos % S
         write = i >= 0
-        if HAS_EXEC:
-            write = write & (tl.load(EXEC + b) != 0)
+        if HAS_EXEC:  # (the flag compared as a tensor: the interpreter takes no scalar in a mask)
+            write = write & (tl.load(EXEC + b) + 0 * i != 0)
         out_ty = QO.dtype.element_ty
         qr = tl.load(base + 2 * i)
         qi = tl.load(base + 2 * i + 1)

@@ -1,0 +1,130 @@
+"""The fused decode kernels (models/kernels.py) in the Triton interpreter, float32, on the CPU.
+
+Run by tests/test_kernels_interpreted.py as `TRITON_INTERPRET=1 python tests/interpreted_kernels.py`
+(the interpreter is chosen when the kernels are defined, so it needs a process of its own).
+Each check prints "ok <name>"; a failed one raises. float32 only: the interpreter's bf16 casts
+truncate and its bf16 dots are wrong (Triton 3.9), so bf16 and fp8 stay with tests/test_kernels.py
+on a GPU. Small shapes: the interpreter runs every program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from parley.models import kernels
+from parley.models.transformer import apply_rope, ring_slot_positions, rope_cos_sin
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+torch.manual_seed(0)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= tol * max(1.0, b.float().abs().max().item()), err
+
+
+def sdpa_reference(q, kn, vn, ck, cv, sp, pos, context):
+    """The streaming mask of transformer.py, dense: the new key at slot pos % S, then SDPA."""
+    B, H, S, D = ck.shape
+    rows = torch.arange(B)
+    ck, cv, sp = ck.clone(), cv.clone(), sp.clone()
+    ck[rows, :, pos % S] = kn
+    cv[rows, :, pos % S] = vn
+    sp[rows, pos % S] = pos
+    delta = pos[:, None] - sp
+    valid = (sp >= 0) & (delta >= 0)
+    if context is not None:
+        valid &= delta < context
+    return F.scaled_dot_product_attention(q[:, :, None], ck, cv, valid[:, None, None])[:, :, 0]
+
+
+def check_decode_attention() -> None:
+    B, H, S, D = 4, 2, 40, 16
+    pos = torch.tensor([0, 5, 39, 97])  # empty, partly filled, just full, wrapped
+    sp = ring_slot_positions(pos, S)
+    ck, cv = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+    q, kn, vn = (torch.randn(B, H, D) for _ in range(3))
+    for context in (None, 30):
+        expected = sdpa_reference(q, kn, vn, ck, cv, sp, pos, context)
+        for launch in (None, kernels.AttentionLaunch(16, 1, 1, 4), kernels.AttentionLaunch(16, 2, 1, 4)):
+            close(kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, context, launch=launch), expected)
+        order = torch.argsort(pos.clamp(max=S), descending=True)
+        close(kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, context, order=order), expected)
+    # write=: the executing rows' new key and value land in slot pos % S, the others' rings stay.
+    live = torch.tensor([True, False, True, True])
+    for launch in (None, kernels.AttentionLaunch(16, 1, 1, 4)):  # in the kernel; after a split launch
+        k2, v2 = ck.clone(), cv.clone()
+        out = kernels.decode_attention(q, kn, vn, k2, v2, sp, pos, None, launch=launch, write=True, exec_mask=live)
+        close(out, sdpa_reference(q, kn, vn, ck, cv, sp, pos, None))
+        for b in range(B):
+            slot = int(pos[b]) % S
+            assert torch.equal(k2[b, :, slot], kn[b] if live[b] else ck[b, :, slot])
+            assert torch.equal(v2[b, :, slot], vn[b] if live[b] else cv[b, :, slot])
+    print("ok decode_attention")
+
+
+def check_rope_write() -> None:
+    B, H, D, S = 3, 2, 16, 10
+    for steps in (1, 2):
+        pos = torch.tensor([0, 4, 23])
+        qkv = torch.randn(B * steps, 3 * H * D)
+        positions = pos[:, None] + torch.arange(steps)
+        cos_sin = tuple(c.reshape(B * steps, -1) for c in rope_cos_sin(positions, D, 10_000.0))
+        live = torch.tensor([True, False, True])
+        ck, cv = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+        k0, v0 = ck.clone(), cv.clone()
+        q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, live, ck, cv, steps=steps)
+        x = qkv.view(B, steps, 3, H, D)
+        rq, rk = apply_rope(x[:, :, 0].transpose(1, 2), x[:, :, 1].transpose(1, 2), rope_cos_sin(positions, D, 10_000.0))
+        close(q.view(B, steps, H, D), rq.transpose(1, 2))
+        close(k.view(B, steps, H, D), rk.transpose(1, 2))
+        for b in range(B):
+            for t in range(steps):
+                slot = int(pos[b] + t) % S
+                close(ck[b, :, slot], rk[b, :, t] if live[b] else k0[b, :, slot])
+                close(cv[b, :, slot], x[b, t, 2] if live[b] else v0[b, :, slot])
+    print("ok rope_write")
+
+
+def check_norms_and_activation() -> None:
+    x, u = torch.randn(3, 48), torch.randn(3, 48)
+    alpha, scale, eps = torch.rand(48) + 0.5, torch.rand(48), 1e-8
+
+    def rms(v):
+        return v * (alpha * torch.rsqrt(eps + v.pow(2).mean(-1, keepdim=True)))
+
+    close(kernels.rms_norm(x, alpha, eps), rms(x))
+    new, y = kernels.add_rms_norm(x, u, scale, alpha, eps)
+    close(new, x + scale * u)
+    close(y, rms(x + scale * u))
+    h = torch.randn(3, 2 * 40)
+    close(kernels.silu_mul(h), F.silu(h[:, :40]) * h[:, 40:])
+    print("ok norms")
+
+
+def check_sample() -> None:
+    B, V = 4, 300
+    logits = torch.randn(B, V)
+    noise = torch.rand(B, V) + 1e-3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 2.0])
+    top_k = torch.tensor([5, 1, 25, 0])
+    got = kernels.sample(logits, temperature, top_k, noise)
+    for b in range(B):
+        if temperature[b] <= 0:
+            assert got[b] == logits[b].argmax(), b
+            continue
+        k = int(top_k[b]) if 0 < top_k[b] < V else V
+        keep = logits[b] >= logits[b].topk(k).values[-1]
+        p = torch.where(keep, torch.exp((logits[b] - logits[b].max()) / temperature[b]), 0.0)
+        assert got[b] == (p / noise[b]).argmax(), b
+    print("ok sample")
+
+
+if __name__ == "__main__":
+    check_decode_attention()
+    check_rope_write()
+    check_norms_and_activation()
+    check_sample()

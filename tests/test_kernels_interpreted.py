@@ -1,0 +1,25 @@
+"""The fused CUDA kernels' arithmetic on the CPU, in the Triton interpreter (tests/interpreted_kernels.py).
+
+CI has no GPU, so without this a change to models/kernels.py is first run in a GPU session. The
+interpreter is picked when the kernels are defined: the checks run in a process of their own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra)")
+def test_fused_kernels_in_the_interpreter_match_pytorch():
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpreted_kernels.py")], cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.split() == ["ok", "decode_attention", "ok", "rope_write", "ok", "norms", "ok", "sample"]
