@@ -30,15 +30,17 @@ for the Triton interpreter (TRITON_INTERPRET=1, whose programs run one after ano
 barrier would wait forever) and as a fallback. The launch shapes (`DepformerLaunch`) are first
 guesses, not yet swept on a GPU (benchmarks/depformer_kernel.py sweeps them).
 
-A leaf module, like kernels.py: plain tensors and numbers in, nothing from the rest of Parley.
+A leaf module beside kernels.py (whose interpreter switch it reads): plain tensors and numbers
+in, nothing else from Parley.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
+
+from . import kernels
 
 try:  # as in kernels.py: CPU-only installs have no Triton
     import triton
@@ -51,7 +53,7 @@ except Exception:  # pragma: no cover - depends on the install
     _HAVE_TRITON = False
 
 # The Triton interpreter on CPU: bf16 dots run as fp32 ones there (the same products, exact in fp32).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED = kernels.INTERPRETED
 PHASES_PER_LAYER = 5
 # A barrier that waited this many polls (~half a minute on a GPU; a phase takes microseconds,
 # and programs held back by other work on the GPU wait for it, not for this) gives up and counts
@@ -374,7 +376,7 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
                  NT=nt, NT_P2=_pow2(nt), PER_LAYER=PHASES_PER_LAYER, POLLS=BARRIER_POLLS, num_warps=warps)
     qk_scale = (D ** -0.5) * 1.4426950408889634
     phases = 1 + PHASES_PER_LAYER * L
-    if phase_by_phase:
+    if phase_by_phase or _INTERPRETED:  # (the interpreter runs programs one by one: no barrier can work)
         for ph in range(phases):
             _depformer_kernel[(nprog,)](*args, ph, ph + 1, nprog, eps, qk_scale, BARRIER=False, **shape)
     else:

@@ -4,7 +4,7 @@ RoPE + ring write also serves calls of a few steps (Mimi's transformers, 2 steps
 A leaf module: it takes plain tensors and numbers, never model objects, and imports nothing
 from the rest of Parley.
 
-    available(x) -> bool                      # CUDA tensor, Triton importable, fused paths switched on
+    available(x) -> bool                      # CUDA tensor (or TRITON_INTERPRET=1), Triton importable, switched on
     set_enabled(flag) -> previous flag;  with enabled(flag): ...    # the one switch
     q, k, v = rope_write(qkv[B, 3*H*D], H, D, cos_sin | None, pos[B], exec_mask[B] | None, cache_k, cache_v)
     q, k, v = rope_write(qkv[B*T, 3*H*D], ..., steps=T)   # T steps of each row, row-major
@@ -85,8 +85,13 @@ def have_triton() -> bool:
     return _HAVE_TRITON
 
 
+# TRITON_INTERPRET=1 (Triton's own switch): its interpreter runs the kernels on CPU tensors in
+# numpy, so the whole CUDA path can be tested without a GPU (tests/interpreted_kernels.py); slow.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available(x: torch.Tensor) -> bool:
-    return _switch["on"] and _HAVE_TRITON and x.is_cuda
+    return _switch["on"] and _HAVE_TRITON and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
 
 
 def _pow2(n: int) -> int:

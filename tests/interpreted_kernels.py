@@ -1,4 +1,6 @@
-"""The fused decode kernels (models/kernels.py) in the Triton interpreter, float32, on the CPU.
+"""The fused CUDA path in the Triton interpreter, float32, on the CPU: models/kernels.py's
+kernels, then the transformer decode, LM frames and Mimi steps that use them (with
+TRITON_INTERPRET=1, `kernels.available` is true for CPU tensors).
 
 Run by tests/test_kernels_interpreted.py as `TRITON_INTERPRET=1 python tests/interpreted_kernels.py`
 (the interpreter is chosen when the kernels are defined, so it needs a process of its own).
@@ -123,8 +125,81 @@ def check_sample() -> None:
     print("ok sample")
 
 
+def tiny_models():
+    from parley.models.config import tiny_lm_config, tiny_mimi_config
+    from parley.models.lm import LMModel
+    from parley.models.mimi import Mimi
+    torch.manual_seed(0)
+    lm = LMModel(tiny_lm_config()).eval()
+    with torch.no_grad():
+        lm.init_weights(torch.Generator().manual_seed(1))
+    mimi = Mimi(tiny_mimi_config()).eval()
+    return lm, mimi
+
+
+def check_transformer_decode() -> None:
+    """The fused one-step decode (_forward_decode) against the general path: the temporal LM
+    (RoPE, a 40-frame window that wraps, rows that do not execute) and the depformer (weights
+    per step, the ring written by the attention kernel)."""
+    lm, _ = tiny_models()
+    B = 3
+    with torch.no_grad():
+        for tr, steps, per_step in ((lm.transformer, 50, False), (lm.depformer, 8, True)):
+            fused, plain = tr.init_state(B), tr.init_state(B)
+            for t in range(steps):
+                x = torch.randn(B, 1, tr.d_model)
+                live = torch.tensor([True, t % 3 != 1, True])
+                step = dict(step=t) if per_step else {}
+                y = tr(x, fused, live, **step)
+                with kernels.enabled(False):
+                    expected = tr(x, plain, live, **step)
+                close(y, expected)
+                assert torch.equal(fused.pos, plain.pos) and torch.equal(fused.slot_pos, plain.slot_pos)
+                for a, b in zip(fused.keys + fused.values, plain.keys + plain.values):
+                    close(a, b)
+    print("ok transformer_decode")
+
+
+def check_frame() -> None:
+    """A few whole LM frames (LMGen.step: fused sampler too, greedy) and Mimi steps (RoPE +
+    ring write of 2 steps, the transposed conv as a matmul, the one-matmul codebook search)
+    against the plain path: the same tokens and codes, audio within float rounding."""
+    from parley.models.lm_gen import LMGen
+    from parley.models.persistent_depformer import PersistentDepformer
+    lm, mimi = tiny_models()
+    B = 2
+    with torch.no_grad():
+        for persistent in (False, True):
+            lm.persistent_depformer = PersistentDepformer(lm) if persistent else None
+            gen = LMGen(lm, text_temp=0.0, audio_temp=0.0)
+            fused, plain = gen.init_state(B), gen.init_state(B)
+            live = torch.ones(B, dtype=torch.bool)
+            for _ in range(6):
+                codes = torch.randint(0, lm.cfg.card, (B, lm.cfg.n_user))
+                out = gen.step(fused, codes, live)
+                with kernels.enabled(False):
+                    expected = gen.step(plain, codes, live)
+                assert torch.equal(out.text, expected.text) and torch.equal(out.audio, expected.audio)
+        lm.persistent_depformer = None
+        fused, plain = mimi.init_state(B, "cpu"), mimi.init_state(B, "cpu")
+        live = torch.ones(B, dtype=torch.bool)
+        for _ in range(4):
+            pcm = torch.randn(B, mimi.frame_size) * 0.1
+            codes = mimi.encode_step(pcm, fused, live)
+            with kernels.enabled(False):
+                expected = mimi.encode_step(pcm, plain, live)
+            assert torch.equal(codes, expected)
+            audio = mimi.decode_step(codes[:, :lm.cfg.n_agent], fused, live)
+            with kernels.enabled(False):
+                expected = mimi.decode_step(codes[:, :lm.cfg.n_agent], plain, live)
+            close(audio, expected, 1e-4)
+    print("ok frame")
+
+
 if __name__ == "__main__":
     check_decode_attention()
     check_rope_write()
     check_norms_and_activation()
     check_sample()
+    check_transformer_decode()
+    check_frame()

@@ -1,6 +1,8 @@
-"""The fused CUDA kernels' arithmetic on the CPU, in the Triton interpreter (tests/interpreted_kernels.py).
+"""The fused CUDA path on the CPU, in the Triton interpreter (tests/interpreted_kernels.py): the
+kernels, the transformer's one-step decode, whole LM frames (with the persistent depformer too)
+and Mimi steps, float32 against the plain path.
 
-CI has no GPU, so without this a change to models/kernels.py is first run in a GPU session. The
+CI has no GPU, so without this a change to the CUDA path is first run in a GPU session. The
 interpreter is picked when the kernels are defined: the checks run in a process of their own.
 """
 
@@ -22,4 +24,5 @@ def test_fused_kernels_in_the_interpreter_match_pytorch():
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "interpreted_kernels.py")], cwd=ROOT,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert proc.stdout.split() == ["ok", "decode_attention", "ok", "rope_write", "ok", "norms", "ok", "sample"]
+    assert proc.stdout.split() == ["ok", "decode_attention", "ok", "rope_write", "ok", "norms", "ok", "sample",
+                                   "ok", "transformer_decode", "ok", "frame"]
