@@ -125,6 +125,32 @@ def check_sample() -> None:
     print("ok sample")
 
 
+def check_fp8() -> None:
+    """fp8 caches: attention (CUDA-core loop; one split and split + reduce) against SDPA over
+    the dequantised ring; RoPE + write takes quantize_kv's per-vector scales. (Not the stored
+    fp8 values: the interpreter's fp32 -> e4m3 cast halves some of them, a numpy conversion
+    fault; tests/test_kernels.py checks them on a GPU.)"""
+    from parley.models.transformer import dequantize_kv, quantize_kv
+    B, H, S, D = 4, 2, 40, 16
+    pos = torch.tensor([0, 5, 39, 97])
+    sp = ring_slot_positions(pos, S)
+    (k8, ks), (v8, vs) = quantize_kv(torch.randn(B, H, S, D)), quantize_kv(torch.randn(B, H, S, D) * 0.1)
+    q, kn, vn = (torch.randn(B, H, D) for _ in range(3))
+    expected = sdpa_reference(q, kn, vn, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32),
+                              sp, pos, None)
+    for launch in (None, kernels.AttentionLaunch(16, 1, 4, 2)):
+        close(kernels.decode_attention(q, kn, vn, k8, v8, sp, pos, None, ks, vs, launch=launch), expected)
+    qkv = torch.randn(B, 3 * H * D)
+    cos_sin = rope_cos_sin(pos, D, 10_000.0)
+    k8b, v8b, ksb, vsb = k8.clone(), v8.clone(), ks.clone(), vs.clone()
+    _, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, None, k8b, v8b, ksb, vsb)  # all rows write
+    for b in range(B):
+        slot = int(pos[b]) % S
+        for new, scales in ((k[b], ksb), (v[b], vsb)):
+            close(scales[b, :, slot], quantize_kv(new)[1], 1e-6)
+    print("ok fp8")
+
+
 def tiny_models():
     from parley.models.config import tiny_lm_config, tiny_mimi_config
     from parley.models.lm import LMModel
@@ -201,5 +227,6 @@ if __name__ == "__main__":
     check_rope_write()
     check_norms_and_activation()
     check_sample()
+    check_fp8()
     check_transformer_decode()
     check_frame()

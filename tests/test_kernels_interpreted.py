@@ -25,4 +25,4 @@ def test_fused_kernels_in_the_interpreter_match_pytorch():
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.split() == ["ok", "decode_attention", "ok", "rope_write", "ok", "norms", "ok", "sample",
-                                   "ok", "transformer_decode", "ok", "frame"]
+                                   "ok", "fp8", "ok", "transformer_decode", "ok", "frame"]
