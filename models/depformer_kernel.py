@@ -82,16 +82,12 @@ class DepformerLaunch(NamedTuple):
     warps: int
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def depformer_launch(B: int) -> DepformerLaunch:
     """First guesses, not yet swept on a GPU. Few rows: long reduction steps, so that a program
     has 8-32 KB of weight loads in flight (one SM's share of HBM's bandwidth-latency product is
     ~32 KB). Many rows: shorter steps, since the activation tile [block_m, block_k] grows with
     the rows."""
-    block_m = min(128, max(16, _pow2(B)))
+    block_m = min(128, max(16, kernels._pow2(B)))
     # (sm_90 compiles at Moshi's shapes, Triton 3.9: 214-249 registers and no spills with 8
     # warps at these; block_k 256 at 16 rows, or 128 at 32, spilled.)
     block_k = {16: 128, 32: 64, 64: 64, 128: 32}[block_m]
@@ -343,7 +339,7 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
     L, _, C = layers.qkv.shape
     F = layers.ffn_out.shape[-1]
     _, _, H, S, D = cache_k.shape
-    assert H * D == C and D == _pow2(D) and H == _pow2(H), "head count and head dim must be powers of two"
+    assert H * D == C and D == kernels._pow2(D) and H == kernels._pow2(H), "head count and head dim must be powers of two"
     assert cache_k.stride() == cache_v.stride() and cache_k.stride(4) == 1 and cache_k.shape[1] == B
     assert hidden.stride(1) == 1 and prev.stride(0) == 1 and pos.stride(0) == 1 and slot_pos.stride(1) == 1
     assert w_in.is_contiguous() and emb.is_contiguous() and all(t.is_contiguous() for t in layers)
@@ -371,9 +367,9 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
             cache_k, cache_v, cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_k.stride(3),
             slot_pos, slot_pos.stride(0), pos, bar, B, B)
     nt = triton.cdiv(C, bn)
-    shape = dict(CT=CT, C=C, F=F, H=H, D=D, S=S, S_P2=_pow2(S), LAYERS=L, ZERO_TOKEN=zero_token,
+    shape = dict(CT=CT, C=C, F=F, H=H, D=D, S=S, S_P2=kernels._pow2(S), LAYERS=L, ZERO_TOKEN=zero_token,
                  BM=bm, BN=bn, BNW=bnw, BK=bk, STAGES=stages, IEEE=ty == torch.float32 or _INTERPRETED,
-                 NT=nt, NT_P2=_pow2(nt), PER_LAYER=PHASES_PER_LAYER, POLLS=BARRIER_POLLS, num_warps=warps)
+                 NT=nt, NT_P2=kernels._pow2(nt), PER_LAYER=PHASES_PER_LAYER, POLLS=BARRIER_POLLS, num_warps=warps)
     qk_scale = (D ** -0.5) * 1.4426950408889634
     phases = 1 + PHASES_PER_LAYER * L
     if phase_by_phase or _INTERPRETED:  # (the interpreter runs programs one by one: no barrier can work)
