@@ -2,7 +2,7 @@
 
     problem = persistent_problem(model)        # None, or why this model cannot take it
     model.persistent_depformer = PersistentDepformer(model)   # packs the weights (no copy kept)
-    PersistentDepformer.check(...)              # start-up: equal to the layer path, barrier sound
+    check(model, batch)                         # start-up: near the layer path, no barrier gave up
 
 `LMModel.depformer_logits` then runs each step through it on CUDA (with the fused kernels on)
 and keeps the layer-by-layer path everywhere else. Opt-in (`--depformer persistent`) until the
