@@ -1,14 +1,14 @@
 """One frame's depformer, layer by layer against the persistent kernel (CUDA only).
 
     python benchmarks/depformer_kernel.py [--kind moshi|personaplex] [--batches 1,8,32,64,128]
-        [--launch 16,16,32,128,1,8 ...] [--frames 100] [--json out.json]
+        [--launch 16,16,32,128,256,1,8 ...] [--frames 100] [--json out.json]
 
 Moshi-7B (or PersonaPlex-7B) depformer shapes, random bf16 weights (the temporal transformer is
 cut to one layer: the depformer never reads it). For each B, the depformer's n_agent steps with
 their sampling, captured as a CUDA graph each way:
 - `layers`: the layer-by-layer fused path (what serve runs by default);
 - `persistent`: one kernel a step (models/depformer_kernel.py) with the default launch, then
-  with each `--launch block_m,block_n,block_n_wide,block_k,stages,warps`;
+  with each `--launch block_m,block_n,block_n_wide,block_k,block_k_long,stages,warps`;
 - `phases`: the same kernel launched once per phase (no grid barrier), which tells what the
   barriers save against plain launches.
 It prints the median GPU ms per frame, kernels per frame, the floor of reading the depformer's
@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--kind", choices=("moshi", "personaplex"), default="moshi")
     parser.add_argument("--batches", default="1,8,32,64,128", help="comma-separated batch sizes")
     parser.add_argument("--launch", action="append", default=[],
-                        help="also time this launch: block_m,block_n,block_n_wide,block_k,stages,warps (repeatable)")
+                        help="also time this launch: block_m,block_n,block_n_wide,block_k,block_k_long,stages,warps (repeatable)")
     parser.add_argument("--frames", type=int, default=100, help="timed replays per case")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -78,6 +78,7 @@ class DepformerLaunch(NamedTuple):
     block_n: int  # output columns per tile of the C-wide phases (P0, P3, P5)
     block_n_wide: int  # output columns per tile of P1 (3C) and P4 (F)
     block_k: int  # reduction step
+    block_k_long: int  # reduction step of the long reductions: P0 (the temporal width) and P5 (F)
     stages: int  # the compiler's software pipelining of the reduction loops on top (1: off)
     warps: int
 
@@ -88,10 +89,12 @@ def depformer_launch(B: int) -> DepformerLaunch:
     ~32 KB). Many rows: shorter steps, since the activation tile [block_m, block_k] grows with
     the rows."""
     block_m = min(128, max(16, kernels._pow2(B)))
-    # (sm_90 compiles at Moshi's shapes, Triton 3.9: 214-249 registers and no spills with 8
-    # warps at these; block_k 256 at 16 rows, or 128 at 32, spilled.)
+    # (sm_90 compiles at Moshi's shapes, Triton 3.9: ~250 registers and no spills with 8 warps
+    # at these; block_k 256 at 16 rows, or 128 at 32, spilled.)
     block_k = {16: 128, 32: 64, 64: 64, 128: 32}[block_m]
-    return DepformerLaunch(block_m, 16, 32, block_k, 1, 8)
+    # P0 and P5 have one accumulator and 2.75-4x the reduction length of the others: twice the
+    # step keeps more of their loads in flight.
+    return DepformerLaunch(block_m, 16, 32, block_k, 2 * block_k, 1, 8)
 
 
 if _HAVE_TRITON:
@@ -211,7 +214,7 @@ if _HAVE_TRITON:
                           CT: tl.constexpr, C: tl.constexpr, F: tl.constexpr, H: tl.constexpr,
                           D: tl.constexpr, S: tl.constexpr, S_P2: tl.constexpr, LAYERS: tl.constexpr,
                           ZERO_TOKEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNW: tl.constexpr,
-                          BK: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
+                          BK: tl.constexpr, BKL: tl.constexpr, STAGES: tl.constexpr, IEEE: tl.constexpr,
                           NT: tl.constexpr, NT_P2: tl.constexpr, PER_LAYER: tl.constexpr,
                           BARRIER: tl.constexpr, POLLS: tl.constexpr):
         # NT: the residual's column tiles (C / BN); PER_LAYER: phases a layer (5).
@@ -225,7 +228,7 @@ if _HAVE_TRITON:
                 for t in range(pid, n_m * NT, nprog):
                     rows, rmask, cols, cmask, nt = _tile(t, n_m, B, C, BM, BN)
                     acc, _ = _dot_tile(HID, s_hid, rows, rmask, W0, CT, cols, cmask, CT, W0, 0.0, W0,
-                                       False, False, IEEE, BM, BN, BK, STAGES)
+                                       False, False, IEEE, BM, BN, BKL, STAGES)
                     tok = tl.load(PREV + rows, mask=rmask, other=0)
                     m = rmask[:, None] & cmask[None, :]
                     e = tl.load(EMB + tl.maximum(tok, 0)[:, None] * C + cols[None, :], mask=m, other=0.0)
@@ -289,7 +292,7 @@ if _HAVE_TRITON:
                     tl.store(G + rows[:, None] * F + cols[None, :], g.to(ty), mask=rmask[:, None] & cmask[None, :])
             else:  # P5: x = x + g @ W_ffn_out
                 _residual_phase(G, F, WF + layer * s_wf, RES, SQ, B, B_P, C, pid, nprog, n_m, NT, IEEE,
-                                BM, BN, BK, STAGES)
+                                BM, BN, BKL, STAGES)
                 if (layer == LAYERS - 1) & (pid == 0):
                     # Every program is past its last read of pos (P2): the step is written.
                     for r0 in range(0, B, BM):
@@ -344,7 +347,7 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
     assert hidden.stride(1) == 1 and prev.stride(0) == 1 and pos.stride(0) == 1 and slot_pos.stride(1) == 1
     assert w_in.is_contiguous() and emb.is_contiguous() and all(t.is_contiguous() for t in layers)
     launch = launch or depformer_launch(B)
-    bm, bn, bnw, bk, stages, warps = launch
+    bm, bn, bnw, bk, bkl, stages, warps = launch
     assert C % bnw == 0 and C % bn == 0, f"the depformer width {C} must be a multiple of {bnw}"
     dev = hidden.device
     ty = hidden.dtype
@@ -368,7 +371,7 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
             slot_pos, slot_pos.stride(0), pos, bar, B, B)
     nt = triton.cdiv(C, bn)
     shape = dict(CT=CT, C=C, F=F, H=H, D=D, S=S, S_P2=kernels._pow2(S), LAYERS=L, ZERO_TOKEN=zero_token,
-                 BM=bm, BN=bn, BNW=bnw, BK=bk, STAGES=stages, IEEE=ty == torch.float32 or _INTERPRETED,
+                 BM=bm, BN=bn, BNW=bnw, BK=bk, BKL=bkl, STAGES=stages, IEEE=ty == torch.float32 or _INTERPRETED,
                  NT=nt, NT_P2=kernels._pow2(nt), PER_LAYER=PHASES_PER_LAYER, POLLS=BARRIER_POLLS, num_warps=warps)
     qk_scale = (D ** -0.5) * 1.4426950408889634
     phases = 1 + PHASES_PER_LAYER * L

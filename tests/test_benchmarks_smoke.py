@@ -193,7 +193,7 @@ GPU_CASES = {
                        [r"gc as is: wall p50 \d+\.\d\d .* gpu p50 \d+\.\d\d", r"gc frozen: wall p50"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
     "depformer_kernel": ("depformer_kernel.py", ["--batches", "2", "--frames", "2", "--warmup", "1",
-                                                 "--launch", "16,16,32,64,1,4"],
+                                                 "--launch", "16,16,32,64,128,1,4"],
                          [r"^\| 2 \| \d+\.\d{3} \(\d+\) \| \d+\.\d{3} \(\d+\) \| .* \| \d+\.\d\d% \| \d+\.\d% \|$"]),
     "profile_frame_persistent": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1",
                                                       "--depformer", "persistent"], [r"persistent depformer"]),

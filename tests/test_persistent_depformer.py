@@ -47,7 +47,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
     from parley.models.persistent_depformer import PersistentDepformer
     from tests.test_persistent_depformer import tiny_lm
     torch.set_grad_enabled(False)
-    for batch, dep_q, launch in ((3, 8, None), (20, 16, dk.DepformerLaunch(16, 16, 32, 32, 1, 4))):
+    for batch, dep_q, launch in ((3, 8, None), (20, 16, dk.DepformerLaunch(16, 16, 32, 32, 64, 1, 4))):
         model = tiny_lm(dep_q=dep_q)
         ref, ours = model.depformer.init_state(batch), model.depformer.init_state(batch)
         persistent = PersistentDepformer(model)
