@@ -221,7 +221,6 @@ class ModelBackend:
         # Voices by file name, all read at start (_load_voices), and those that could not be read.
         self._voices: dict[str, VoicePrompt] = {}
         self._voice_errors: dict[str, str] = {}
-        self._voices_read = False
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
         self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
@@ -426,25 +425,21 @@ class ModelBackend:
 
     def voice_names(self) -> tuple[str, ...]:
         """File names of every voice `start_prefill` can load (`.pt` and audio), sorted: the
-        voices folder as it was at start, on a PersonaPlex model."""
-        if self.checkpoint.voices_dir is None:
-            return ()
-        if self._voices_read:
-            return tuple(sorted([*self._voices, *self._voice_errors]))
-        return tuple(list_voices(self.checkpoint.voices_dir))
+        voices folder as it was at start (a checkpoint with voices is a PersonaPlex one, whose
+        backend reads them all when it is built)."""
+        return tuple(sorted([*self._voices, *self._voice_errors]))
 
     def _load_voices(self) -> None:
         """Read every voice the checkpoint ships now, not when its first session is admitted:
         that runs on the engine thread between ticks, outside any slack budget, and an audio
         voice is loudness-normalised and Mimi-encoded there (hundreds of ms for a long one). Voices
         are small; one that cannot be read is logged here and refused to the sessions that ask."""
-        for name in self.voice_names():
+        for name in list_voices(self.checkpoint.voices_dir):
             try:
                 self._voices[name] = load_voice(self.checkpoint.voices_dir / name, mimi_encode=self._encode_voice)
             except PersonaError as exc:
                 self._voice_errors[name] = str(exc)
                 log.warning("voice %s cannot be used: %s", name, exc)
-        self._voices_read = True
 
     def _voice(self, name: str) -> VoicePrompt:
         """A voice read at start, by a client's name for it (NATF0 and NATF0.pt: one file). On the
