@@ -166,23 +166,23 @@ if _HAVE_TRITON:
         return acc, acc2
 
     @triton.jit
-    def _rstd(SQ, rows, rmask, B_P, C, eps, NT: tl.constexpr, NT_P2: tl.constexpr):
+    def _rstd(SQ, rows, rmask, B, C, eps, NT: tl.constexpr, NT_P2: tl.constexpr):
         """1 / sqrt(eps + mean(x^2)) of the residual's rows, from the per-tile sums of squares
-        SQ [NT, B_P] that the phase writing the residual left (summed in tile order)."""
+        SQ [NT, B] that the phase writing the residual left (summed in tile order)."""
         t = tl.arange(0, NT_P2)
-        part = tl.load(SQ + t[:, None] * B_P + rows[None, :], mask=(t[:, None] < NT) & rmask[None, :], other=0.0,
+        part = tl.load(SQ + t[:, None] * B + rows[None, :], mask=(t[:, None] < NT) & rmask[None, :], other=0.0,
                        cache_modifier=".cg")
         var = eps + tl.sum(part, axis=0) / C
         return 1.0 / tl.sqrt(var)
 
     @triton.jit
-    def _store_res(RES, SQ, B_P, C, rows, rmask, cols, cmask, nt, new):
+    def _store_res(RES, SQ, B, C, rows, rmask, cols, cmask, nt, new):
         """Store the residual tile (rounded to its dtype) and the tile's sums of squares."""
         m = rmask[:, None] & cmask[None, :]
         x = new.to(RES.dtype.element_ty)
         tl.store(RES + rows[:, None] * C + cols[None, :], x, mask=m)
         xf = tl.where(m, x.to(tl.float32), 0.0)
-        tl.store(SQ + nt * B_P + rows, tl.sum(xf * xf, axis=1), mask=rmask)
+        tl.store(SQ + nt * B + rows, tl.sum(xf * xf, axis=1), mask=rmask)
 
     @triton.jit
     def _tile(t, n_m, B, N, BM: tl.constexpr, BN: tl.constexpr):
@@ -194,7 +194,7 @@ if _HAVE_TRITON:
         return rows, rows < B, cols, cols < N, nt
 
     @triton.jit
-    def _residual_phase(A, K, W, RES, SQ, B, B_P, C, pid, nprog, n_m, NT: tl.constexpr, IEEE: tl.constexpr,
+    def _residual_phase(A, K, W, RES, SQ, B, C, pid, nprog, n_m, NT: tl.constexpr, IEEE: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
         """x = x + A @ W^T (rounded as the layer rounds), over the residual's tiles (P3, P5)."""
         ty = RES.dtype.element_ty
@@ -204,13 +204,13 @@ if _HAVE_TRITON:
                                False, False, IEEE, BM, BN, BK, STAGES)
             m = rmask[:, None] & cmask[None, :]
             old = tl.load(RES + rows[:, None] * C + cols[None, :], mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-            _store_res(RES, SQ, B_P, C, rows, rmask, cols, cmask, nt, old + acc.to(ty).to(tl.float32))
+            _store_res(RES, SQ, B, C, rows, rmask, cols, cmask, nt, old + acc.to(ty).to(tl.float32))
 
     @triton.jit
     def _depformer_kernel(HID, s_hid, PREV, W0, EMB, RES, Q, ATT, G, SQ,
                           WQKV, s_qkv, WO, s_wo, WI, s_wi, WF, s_wf, A1, A2,
                           KC, VC, s_kl, s_kb, s_kh, s_ks, SP, s_sp, POS, BAR,
-                          B, B_P, phase_lo, phase_hi, nprog, eps, qk_scale,
+                          B, phase_lo, phase_hi, nprog, eps, qk_scale,
                           CT: tl.constexpr, C: tl.constexpr, F: tl.constexpr, H: tl.constexpr,
                           D: tl.constexpr, S: tl.constexpr, S_P2: tl.constexpr, LAYERS: tl.constexpr,
                           ZERO_TOKEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNW: tl.constexpr,
@@ -233,13 +233,13 @@ if _HAVE_TRITON:
                     m = rmask[:, None] & cmask[None, :]
                     e = tl.load(EMB + tl.maximum(tok, 0)[:, None] * C + cols[None, :], mask=m, other=0.0)
                     e = tl.where((tok == ZERO_TOKEN)[:, None], 0.0, e.to(tl.float32))
-                    _store_res(RES, SQ, B_P, C, rows, rmask, cols, cmask, nt,
+                    _store_res(RES, SQ, B, C, rows, rmask, cols, cmask, nt,
                                acc.to(ty).to(tl.float32) + e.to(ty).to(tl.float32))
             elif kind == 0:  # P1: q, k, v of rms_norm1(x); k and v go to the ring's slot pos % S
                 for t in range(pid, n_m * tl.cdiv(3 * C, BNW), nprog):
                     rows, rmask, cols, cmask, nt = _tile(t, n_m, B, 3 * C, BM, BNW)
                     c0 = nt * BNW
-                    rstd = _rstd(SQ, rows, rmask, B_P, C, eps, NT, NT_P2)
+                    rstd = _rstd(SQ, rows, rmask, B, C, eps, NT, NT_P2)
                     acc, _ = _dot_tile(RES, C, rows, rmask, WQKV + layer * s_qkv, C, cols, cmask, C,
                                        A1 + layer * C, rstd, WQKV, True, False, IEEE, BM, BNW, BK, STAGES)
                     y = acc.to(ty)
@@ -277,12 +277,12 @@ if _HAVE_TRITON:
                     o = tl.sum(p[:, :, None] * v, axis=1) / tl.sum(p, axis=1)[:, None]  # [H, D]
                     tl.store(ATT + b * C + h[:, None] * D + d[None, :], o.to(ty))
             elif kind == 2:  # P3: x = x + a @ W_out
-                _residual_phase(ATT, C, WO + layer * s_wo, RES, SQ, B, B_P, C, pid, nprog, n_m, NT, IEEE,
+                _residual_phase(ATT, C, WO + layer * s_wo, RES, SQ, B, C, pid, nprog, n_m, NT, IEEE,
                                 BM, BN, BK, STAGES)
             elif kind == 3:  # P4: g = silu(h_a) * h_b of h = rms_norm2(x) @ W_in (W_a, W_b stacked)
                 for t in range(pid, n_m * tl.cdiv(F, BNW), nprog):
                     rows, rmask, cols, cmask, nt = _tile(t, n_m, B, F, BM, BNW)
-                    rstd = _rstd(SQ, rows, rmask, B_P, C, eps, NT, NT_P2)
+                    rstd = _rstd(SQ, rows, rmask, B, C, eps, NT, NT_P2)
                     w = WI + layer * s_wi
                     ha, hb = _dot_tile(RES, C, rows, rmask, w, C, cols, cmask, C, A2 + layer * C, rstd, w + F * C,
                                        True, True, IEEE, BM, BNW, BK, STAGES)
@@ -291,7 +291,7 @@ if _HAVE_TRITON:
                     g = act * hb.to(ty).to(tl.float32)
                     tl.store(G + rows[:, None] * F + cols[None, :], g.to(ty), mask=rmask[:, None] & cmask[None, :])
             else:  # P5: x = x + g @ W_ffn_out
-                _residual_phase(G, F, WF + layer * s_wf, RES, SQ, B, B_P, C, pid, nprog, n_m, NT, IEEE,
+                _residual_phase(G, F, WF + layer * s_wf, RES, SQ, B, C, pid, nprog, n_m, NT, IEEE,
                                 BM, BN, BKL, STAGES)
                 if (layer == LAYERS - 1) & (pid == 0):
                     # Every program is past its last read of pos (P2): the step is written.
@@ -355,7 +355,8 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
     q = torch.empty(B, C, dtype=ty, device=dev)
     att = torch.empty(B, C, dtype=ty, device=dev)
     g = torch.empty(B, F, dtype=ty, device=dev)
-    sq = torch.empty(triton.cdiv(C, bn), B, dtype=torch.float32, device=dev)
+    nt = triton.cdiv(C, bn)  # the residual's column tiles: one partial sum of squares each
+    sq = torch.empty(nt, B, dtype=torch.float32, device=dev)
     bar = torch.zeros(2, dtype=torch.int32, device=dev) if barrier is None else barrier
     if barrier is not None:
         bar[0].zero_()
@@ -368,8 +369,7 @@ def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, w_in: torch.Tensor,
             ffn_in, layers.ffn_in.stride(0), layers.ffn_out[:, w], layers.ffn_out.stride(0),
             layers.norm1, layers.norm2,
             cache_k, cache_v, cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), cache_k.stride(3),
-            slot_pos, slot_pos.stride(0), pos, bar, B, B)
-    nt = triton.cdiv(C, bn)
+            slot_pos, slot_pos.stride(0), pos, bar, B)
     shape = dict(CT=CT, C=C, F=F, H=H, D=D, S=S, S_P2=kernels._pow2(S), LAYERS=L, ZERO_TOKEN=zero_token,
                  BM=bm, BN=bn, BNW=bnw, BK=bk, BKL=bkl, STAGES=stages, IEEE=ty == torch.float32 or _INTERPRETED,
                  NT=nt, NT_P2=kernels._pow2(nt), PER_LAYER=PHASES_PER_LAYER, POLLS=BARRIER_POLLS, num_warps=warps)
