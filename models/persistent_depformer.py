@@ -30,7 +30,7 @@ def persistent_problem(model: nn.Module) -> str | None:
         return "the kernel takes a depformer with weights per step and no RoPE"
     C, H = depformer.d_model, depformer.num_heads
     D = C // H
-    if H != 1 << (H.bit_length() - 1) or D != 1 << (D.bit_length() - 1) or C % 32:
+    if H != kernels._pow2(H) or D != kernels._pow2(D) or C % 32:
         return f"the kernel takes power-of-two heads and head dims, and a width that is a multiple of 32 (here {H} x {D})"
     for layer in depformer.layers:
         norms = (layer.norm1, layer.norm2)
@@ -104,7 +104,7 @@ class PersistentDepformer:
         return kernels.available(hidden)
 
     def step(self, step: int, in_index: int, hidden: torch.Tensor, prev_token: torch.Tensor,
-             state, phase_by_phase: bool | None = None) -> torch.Tensor:
+             state) -> torch.Tensor:
         """`depformer(depformer_in[in_index](hidden) + emb(prev_token), state, step)` -> [B, C]."""
         model = self.model
         if (model.depformer.layers[0].self_attn.in_proj_weight.untyped_storage().data_ptr()
@@ -116,7 +116,7 @@ class PersistentDepformer:
             hidden, prev_token, model.depformer_in[in_index].weight, emb.weight, self.layers,
             model.depformer._weight_index(step), _stacked(state.keys), _stacked(state.values),
             state.slot_pos, state.pos, self.eps, ZERO_TOKEN, launch=self.launch,
-            phase_by_phase=self.phase_by_phase if phase_by_phase is None else phase_by_phase, barrier=self.barrier)
+            phase_by_phase=self.phase_by_phase, barrier=self.barrier)
 
 
 def check(model: nn.Module, batch: int, generator: torch.Generator | None = None) -> dict[str, float]:
@@ -131,14 +131,15 @@ def check(model: nn.Module, batch: int, generator: torch.Generator | None = None
     dtype = next(model.parameters()).dtype
     hidden = torch.randn(batch, cfg.dim, generator=generator, device="cpu").to(dev, dtype)
     prev = torch.randint(0, cfg.text_card, (batch,), generator=generator, device="cpu").to(dev)
+    if not persistent.runs(hidden):  # it would fall back to the layer path: the setting ignored
+        raise RuntimeError("the persistent depformer needs the fused CUDA kernels, which are switched off "
+                           "(PARLEY_FUSED=0) or not available here; run with --depformer layers")
     ours, theirs = model.depformer.init_state(batch), model.depformer.init_state(batch)
     before = persistent.gave_up()
     worst, agree = 0.0, []
-    schedule = cfg.depformer_weights_per_step_schedule
     with torch.no_grad():
         for k in range(cfg.n_agent):
-            in_index = (schedule[k] if schedule else k) if cfg.depformer_multi_linear else 0
-            y = model.linears[k](persistent.step(k, in_index, hidden, prev, ours)).float()
+            y = model.depformer_logits(k, hidden, prev, ours).float()  # through the kernel
             model.persistent_depformer = None  # the layer path, once
             try:
                 ref = model.depformer_logits(k, hidden, prev, theirs).float()

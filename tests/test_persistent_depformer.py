@@ -57,7 +57,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
         prev[0] = -1  # ZERO_TOKEN: embeds to zero
         for k in range(model.cfg.n_agent):
             expected = model.depformer_logits(k, hidden, prev, ref)
-            got = model.linears[k](persistent.step(k, k, hidden, prev, ours, phase_by_phase=True))
+            got = model.linears[k](persistent.step(k, k, hidden, prev, ours))
             err = ((got - expected).abs().max() / expected.abs().max()).item()
             assert err < 1e-5, (batch, k, err)
             assert torch.equal(ours.pos, ref.pos) and torch.equal(ours.slot_pos, ref.slot_pos)
@@ -95,7 +95,17 @@ def test_packing_keeps_one_copy_and_the_layer_path_bit_identical():
     assert torch.equal(gen.depformer(gen.init_state(4), hidden, text), expected)  # CPU: the layer path
     model.load_state_dict({name: p.clone() for name, p in model.state_dict().items()}, assign=True)
     with pytest.raises(RuntimeError, match="moved or replaced after they were packed"):
-        persistent.step(0, 0, hidden, text, model.depformer.init_state(4), phase_by_phase=True)
+        persistent.step(0, 0, hidden, text, model.depformer.init_state(4))
+
+
+@needs_triton
+def test_the_start_up_check_refuses_when_the_kernel_would_not_run():
+    """Off CUDA, or with PARLEY_FUSED=0, every step would quietly take the layer path: the
+    check refuses instead of passing with the setting ignored."""
+    model = tiny_lm()
+    model.persistent_depformer = PersistentDepformer(model)
+    with pytest.raises(RuntimeError, match="needs the fused CUDA kernels"):
+        check(model, 2)
 
 
 def test_the_depformer_rings_are_one_tensor_over_layers():
@@ -170,6 +180,14 @@ def test_a_graph_of_the_kernel_replays_what_eager_computes():
     for _ in range(3):
         assert torch.equal(runner(hidden, text)[0], eager)
     runner.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_the_backend_refuses_the_persistent_depformer_with_the_fused_kernels_off(tiny_moshi_dir):
+    from parley.models import kernels
+    with kernels.enabled(False), pytest.raises(RuntimeError, match="switched off"):
+        ModelBackend.load(tiny_moshi_dir, 2, device="cuda", depformer="persistent")
 
 
 @pytest.mark.gpu
