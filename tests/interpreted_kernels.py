@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from parley.models import kernels
 from parley.models.transformer import apply_rope, ring_slot_positions, rope_cos_sin
+from test_kernels import _sdpa_reference  # (this script's folder is on the path: the GPU tests' reference)
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 torch.manual_seed(0)
@@ -28,21 +29,6 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
     assert err <= tol * max(1.0, b.float().abs().max().item()), err
 
 
-def sdpa_reference(q, kn, vn, ck, cv, sp, pos, context):
-    """The streaming mask of transformer.py, dense: the new key at slot pos % S, then SDPA."""
-    B, H, S, D = ck.shape
-    rows = torch.arange(B)
-    ck, cv, sp = ck.clone(), cv.clone(), sp.clone()
-    ck[rows, :, pos % S] = kn
-    cv[rows, :, pos % S] = vn
-    sp[rows, pos % S] = pos
-    delta = pos[:, None] - sp
-    valid = (sp >= 0) & (delta >= 0)
-    if context is not None:
-        valid &= delta < context
-    return F.scaled_dot_product_attention(q[:, :, None], ck, cv, valid[:, None, None])[:, :, 0]
-
-
 def check_decode_attention() -> None:
     B, H, S, D = 4, 2, 40, 16
     pos = torch.tensor([0, 5, 39, 97])  # empty, partly filled, just full, wrapped
@@ -50,7 +36,7 @@ def check_decode_attention() -> None:
     ck, cv = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
     q, kn, vn = (torch.randn(B, H, D) for _ in range(3))
     for context in (None, 30):
-        expected = sdpa_reference(q, kn, vn, ck, cv, sp, pos, context)
+        expected = _sdpa_reference(q, kn, vn, ck, cv, sp, pos, context)
         for launch in (None, kernels.AttentionLaunch(16, 1, 1, 4), kernels.AttentionLaunch(16, 2, 1, 4)):
             close(kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, context, launch=launch), expected)
         order = torch.argsort(pos.clamp(max=S), descending=True)
@@ -60,7 +46,7 @@ def check_decode_attention() -> None:
     for launch in (None, kernels.AttentionLaunch(16, 1, 1, 4)):  # in the kernel; after a split launch
         k2, v2 = ck.clone(), cv.clone()
         out = kernels.decode_attention(q, kn, vn, k2, v2, sp, pos, None, launch=launch, write=True, exec_mask=live)
-        close(out, sdpa_reference(q, kn, vn, ck, cv, sp, pos, None))
+        close(out, _sdpa_reference(q, kn, vn, ck, cv, sp, pos, None))
         for b in range(B):
             slot = int(pos[b]) % S
             assert torch.equal(k2[b, :, slot], kn[b] if live[b] else ck[b, :, slot])
@@ -136,7 +122,7 @@ def check_fp8() -> None:
     sp = ring_slot_positions(pos, S)
     (k8, ks), (v8, vs) = quantize_kv(torch.randn(B, H, S, D)), quantize_kv(torch.randn(B, H, S, D) * 0.1)
     q, kn, vn = (torch.randn(B, H, D) for _ in range(3))
-    expected = sdpa_reference(q, kn, vn, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32),
+    expected = _sdpa_reference(q, kn, vn, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32),
                               sp, pos, None)
     for launch in (None, kernels.AttentionLaunch(16, 1, 4, 2)):
         close(kernels.decode_attention(q, kn, vn, k8, v8, sp, pos, None, ks, vs, launch=launch), expected)
