@@ -89,8 +89,8 @@ def depformer_launch(B: int) -> DepformerLaunch:
     ~32 KB). Many rows: shorter steps, since the activation tile [block_m, block_k] grows with
     the rows."""
     block_m = min(128, max(16, kernels._pow2(B)))
-    # (sm_90 compiles at Moshi's shapes, Triton 3.9: ~250 registers and no spills with 8 warps
-    # at these; block_k 256 at 16 rows, or 128 at 32, spilled.)
+    # (benchmarks/depformer_registers.py, Triton 3.9, Moshi's shapes: 244-250 registers and no
+    # spills with 8 warps at these; block_k 256 at 16 rows, or 128 at 32, spilled.)
     block_k = {16: 128, 32: 64, 64: 64, 128: 32}[block_m]
     # P0 and P5 have one accumulator and 2.75-4x the reduction length of the others: twice the
     # step keeps more of their loads in flight.

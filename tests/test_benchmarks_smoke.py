@@ -143,9 +143,17 @@ def test_other_benchmarks_import() -> None:
     assert proc.stdout.count("imported") == len(scripts), proc.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra)")
+def test_depformer_registers_compiles_without_a_gpu() -> None:
+    """benchmarks/depformer_registers.py needs Triton but no GPU: it runs here, at PersonaPlex's shapes."""
+    output = run_benchmark("depformer_registers.py", "--kind", "personaplex", "--batches", "1")
+    assert re.search(r"^\| B=1 default \| 16,16,32,128,256,1,8 \| \d+ \| \d+ / \d+ \| \d+ \| 1 / 1 \| \d+ \|$",
+                     output, re.MULTILINE), output
+
+
 def test_every_benchmark_is_covered() -> None:
     """A new benchmark script must be added here (run on CPU, or imported and run under `gpu`)."""
-    covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY)
+    covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY) | {"depformer_registers.py"}
     # helper modules: frame_setup (shapes and checkpoints), tts_clients (tts_load's HTTP client process),
     # stall_watch (tts_load's --watch-stalls; tested below)
     scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py", "stall_watch.py"}
