@@ -13,8 +13,9 @@
   naming `speed`), mapped to the model's padding bonus: bonus = -SPEED_GAIN * log2(speed),
   so faster speech pads less between words.
 - `stream_format`: `audio` (default): the encoded audio, chunked, each 80 ms frame flushed as it
-  is synthesised; `sse`: `speech.audio.delta` events (base64 of the chosen format) and one
-  `speech.audio.done` with integer usage (input tokens: text pieces; output: frames x codebooks).
+  is synthesised (flac: the whole file at the end, speech_formats.FlacEncoder); `sse`:
+  `speech.audio.delta` events (base64 of the chosen format) and one `speech.audio.done` with
+  integer usage (input tokens: text pieces; output: frames x codebooks).
 - Errors are OpenAI-shaped JSON; a full pool is 429 with Retry-After. A client that disconnects
   cancels its row at the next tick.
 """

@@ -1,18 +1,20 @@
 """Streaming audio encoders for `POST /v1/audio/speech`: one 80 ms frame in, bytes out at once.
 
     enc = make_encoder("mp3")          # pcm | wav | opus | mp3 | flac | aac
-    chunk = enc.push(pcm_float32[1920]) # may be b"" while the encoder fills its first block
+    chunk = enc.push(pcm_float32[1920]) # may be b"" while the encoder fills its first block (flac: always)
     tail = enc.finish()
 
 Libraries (well kept, pinned in pyproject.toml): raw int16 for pcm and wav (one streaming WAV
 header whose sizes are 0xFFFFFFFF, as OpenAI and Kyutai's server send); sphn's Ogg-Opus writer
 for opus (the same one the realtime protocols use); PyAV (FFmpeg, bundled in its wheel) for mp3
-(libmp3lame), flac and aac (ADTS, so each chunk is playable as it arrives). PyAV writes to a
-sink without `seek`, so its muxers never rewrite earlier bytes.
+(libmp3lame), flac and aac (ADTS, so each chunk is playable as it arrives). PyAV writes mp3 and aac
+to a sink without `seek`, so their muxers never rewrite earlier bytes. FLAC is the exception: it is
+buffered and sent whole by finish() (FlacEncoder).
 """
 
 from __future__ import annotations
 
+import io
 import struct
 
 import av  # at import, not on the first mp3 response (realtime/app.py: load_lazy_modules)
@@ -96,9 +98,9 @@ _AV_SPECS = {"mp3": ("mp3", "libmp3lame", "fltp", 64_000), "aac": ("adts", "aac"
 
 
 class AvEncoder:
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, sink=None) -> None:
         container, codec, self._sample_format, bit_rate = _AV_SPECS[fmt]
-        self._sink = _Sink()
+        self._sink = _Sink() if sink is None else sink
         self._container = av.open(self._sink, mode="w", format=container)
         self._stream = self._container.add_stream(codec, rate=SAMPLE_RATE, layout="mono")
         if bit_rate is not None:
@@ -106,6 +108,14 @@ class AvEncoder:
         self._pts = 0
 
     def push(self, pcm: np.ndarray) -> bytes:
+        self._encode(pcm)
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        self._close()
+        return self._sink.take()
+
+    def _encode(self, pcm: np.ndarray) -> None:
         data = pcm.astype(np.float32)[None] if self._sample_format == "fltp" else to_int16(pcm)[None]
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=self._sample_format, layout="mono")
         frame.sample_rate = SAMPLE_RATE
@@ -113,13 +123,29 @@ class AvEncoder:
         self._pts += pcm.shape[-1]
         for packet in self._stream.encode(frame):
             self._container.mux(packet)
-        return self._sink.take()
 
-    def finish(self) -> bytes:
+    def _close(self) -> None:
         for packet in self._stream.encode(None):
             self._container.mux(packet)
         self._container.close()
-        return self._sink.take()
+
+
+class FlacEncoder(AvEncoder):
+    """Buffered, sent whole by finish(): the muxer then seeks back to write STREAMINFO's total
+    sample count and MD5. Streamed, the total is 0 ("unknown"), which libsndfile (soundfile)
+    reads as hours of audio and fails on. FLAC is a lossless download format: nothing is lost by
+    not streaming it."""
+
+    def __init__(self) -> None:
+        super().__init__("flac", io.BytesIO())
+
+    def push(self, pcm: np.ndarray) -> bytes:
+        self._encode(pcm)
+        return b""
+
+    def finish(self) -> bytes:
+        self._close()
+        return self._sink.getvalue()
 
 
 def make_encoder(fmt: str):
@@ -129,6 +155,8 @@ def make_encoder(fmt: str):
         return WavEncoder()
     if fmt == "opus":
         return OpusEncoder()
+    if fmt == "flac":
+        return FlacEncoder()
     if fmt in _AV_SPECS:
         return AvEncoder(fmt)
     raise ValueError(f"response_format {fmt!r}: expected one of {', '.join(FORMATS)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import io
 import json
 import time
@@ -104,10 +105,31 @@ def test_lossless_formats_equal_the_engine_frames(server):
     pcm, sr = sf.read(io.BytesIO(r.content), dtype="int16")  # libsndfile takes the unknown sizes
     assert sr == 24000
     np.testing.assert_array_equal(pcm, want)
-    # FLAC streams with an unknown length (STREAMINFO total 0), which FFmpeg decodes and
-    # libsndfile does not (it seeks past the end): decoded with PyAV.
+
+
+def test_flac_is_one_complete_file_soundfile_and_pyav_read(server):
+    """FLAC is buffered, so its STREAMINFO holds the total sample count and the MD5 of the
+    samples (streamed, the total was 0, "unknown", and soundfile failed with "array is too big")."""
+    url, oracle, _ = server
+    want = to_int16(oracle.pcm)
     r = post(url, response_format="flac")
-    np.testing.assert_array_equal(av_decode(r.content, "s16"), want)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/flac"
+    flac = r.content
+    # "fLaC", a 4-byte block header, then STREAMINFO: 10 bytes of block/frame sizes, 64 bits of
+    # rate (20) / channels - 1 (3) / bits - 1 (5) / total samples (36), then the MD5.
+    fields = int.from_bytes(flac[18:26], "big")
+    assert (fields >> 44, fields >> 41 & 7, fields >> 36 & 31) == (24000, 0, 15)
+    assert fields & (2**36 - 1) == want.size
+    assert flac[26:42] == hashlib.md5(want.tobytes()).digest()
+    pcm, sr = sf.read(io.BytesIO(flac), dtype="int16")
+    assert sr == 24000
+    np.testing.assert_array_equal(pcm, want)
+    np.testing.assert_array_equal(av_decode(flac, "s16"), want)
+    # SSE: the same whole file, in one delta
+    r = post(url, response_format="flac", stream_format="sse")
+    events = [json.loads(block[len("data: "):]) for block in r.text.split("\n\n") if block]
+    assert [e["type"] for e in events] == ["speech.audio.delta", "speech.audio.done"]
+    assert base64.b64decode(events[0]["audio"]) == flac
 
 
 def av_decode(data: bytes, fmt: str = "flt") -> np.ndarray:
