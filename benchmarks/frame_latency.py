@@ -75,11 +75,11 @@ def bench_reference(ref_lm, ref_mimi, batch: int, frames: int, warmup: int) -> d
 
 @torch.no_grad()
 def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows,
-                 kv_dtype: torch.dtype | None = None, live_rows: int | None = None, depformer: str = "layers") -> dict:
+                 kv_dtype: torch.dtype | None = None, live_rows: int | None = None) -> dict:
     """`live_rows`: only the lowest rows are live (the others are idle slots), default all."""
     ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg)
     torch.cuda.reset_peak_memory_stats()
-    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype, depformer=depformer)
+    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
     live = torch.zeros(batch, dtype=torch.bool)
     live[:batch if live_rows is None else live_rows] = True
@@ -109,8 +109,6 @@ def main() -> None:
                         help="Parley's LM KV cache dtype (fp8: float8_e4m3fn with per-vector scales)")
     parser.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="Parley's Mimi (serve's --mimi-dtype); the reference's stays float32")
-    parser.add_argument("--depformer", choices=("layers", "persistent"), default="layers",
-                        help="Parley's depformer (serve's --depformer)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("frame_latency needs a CUDA GPU")
@@ -124,14 +122,13 @@ def main() -> None:
     if args.mimi_dtype == "bfloat16":  # a copy: the reference keeps its fp32 Mimi
         mimi = copy.deepcopy(mimi).compute_in(torch.bfloat16)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16"
-          f"  Parley KV cache: {args.kv_dtype}  Parley Mimi: {args.mimi_dtype}  depformer: {args.depformer}")
+          f"  Parley KV cache: {args.kv_dtype}  Parley Mimi: {args.mimi_dtype}")
     rows = []
     for batch in batches:
         row = {"B": batch}
         try:
             row["parley"] = bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch, args.frames, args.warmup, windows,
-                                         torch.float8_e4m3fn if args.kv_dtype == "fp8" else None, args.live,
-                                         args.depformer)
+                                         torch.float8_e4m3fn if args.kv_dtype == "fp8" else None, args.live)
         except torch.cuda.OutOfMemoryError:
             row["parley"] = "OOM"
         torch.cuda.empty_cache()

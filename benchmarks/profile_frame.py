@@ -37,12 +37,10 @@ from parley.engine.backend import BackendOutput, ModelBackend  # noqa: E402
 from parley.engine.cuda_graph import CUDAGraphRunner  # noqa: E402
 from parley.models.config import FRAME_SAMPLES  # noqa: E402
 from parley.models.lm_gen import LMGen  # noqa: E402
-from parley.models.persistent_depformer import PersistentDepformer  # noqa: E402
 
 # Kernel kinds, by name (first match wins). cuBLAS / CUTLASS GEMM and GEMV kernels are the
 # weight matmuls (nvjet is cuBLAS's Hopper GEMM family).
 KINDS = (
-    ("persistent depformer", ("_depformer_kernel",)),  # (--depformer persistent: a whole step)
     ("attention", ("_attn_split_kernel", "_attn_fp8_kernel", "_attn_reduce_kernel", "fmha", "flash", "attention")),
     ("sampling", ("_sample_kernel", "sort", "topk", "exponential", "argmax", "multinomial")),
     ("weight matmuls", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "_matmul")),
@@ -121,8 +119,7 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
 
     # 2. The whole frame as the engine runs it, and its host copy.
     ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg, model_type=kind)
-    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype,
-                           depformer="layers" if lm.persistent_depformer is None else "persistent")
+    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
     place_rows(backend._lm_state, window, lm_cfg.context)
     host_pcm, host_live = pcm.cpu(), live.cpu()
     whole = time_frames(lambda: backend.step(host_pcm, host_live).to_host(), frames, warmup)
@@ -173,16 +170,12 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=30, help="timed replays per section")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--depformer", choices=("layers", "persistent"), default="layers",
-                        help="the depformer's path (serve's --depformer)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_frame needs a CUDA GPU")
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  depformer: {args.depformer}")
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     models = random_models(args.kind)
-    if args.depformer == "persistent":
-        models[0].persistent_depformer = PersistentDepformer(models[0])
     results = []
     for batch in args.batch or [1]:
         for window in args.window or ["empty"]:

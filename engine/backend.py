@@ -40,8 +40,6 @@ from parley.models.sampling import UNSEEDED
 from parley.models.mimi import MimiState
 from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
 from parley.models.row_views import leading_rows
-from parley.models.persistent_depformer import PersistentDepformer, persistent_problem
-from parley.models.persistent_depformer import check as check_persistent
 from parley.models.voices import (PersonaError, VoicePrompt, list_voices, load_voice, voice_candidates,
                                   voice_not_found)
 
@@ -189,10 +187,8 @@ class ModelBackend:
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
                  seed: int | None = None, kv_dtype: torch.dtype | None = None,
                  encode_codebooks: int | None = None, row_buckets: bool | None = None,
-                 side_work: FrameSideWork | None = None, depformer: str = "layers") -> None:
+                 side_work: FrameSideWork | None = None) -> None:
         # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
-        # depformer: "layers" (layer by layer) or "persistent" (CUDA: one kernel a depformer step,
-        # models/persistent_depformer.py; checked against the layer path here, before any graph).
         # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
         # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
         # row_buckets: run each tick on the lowest rows that hold every live row (default: on CUDA;
@@ -208,7 +204,6 @@ class ModelBackend:
         self.checkpoint = checkpoint
         self.cfg = checkpoint.lm_config
         self.device = next(checkpoint.lm.parameters()).device
-        self._use_depformer(depformer)
         self._mimi = checkpoint.mimi
         self._tokenizer = checkpoint.tokenizer
         sampling = checkpoint.sampling  # a row's sampling after reset_rows, unless set_sampling
@@ -259,25 +254,6 @@ class ModelBackend:
             if self.device.type == "cuda":
                 self._prompts.warm_up(PREFILL_CHUNKS)
             self._load_voices()
-
-    def _use_depformer(self, kind: str) -> None:
-        lm = self.checkpoint.lm
-        if kind == "layers":
-            lm.persistent_depformer = None  # (the packed weights still serve the layer path)
-            return
-        if kind != "persistent":
-            raise ValueError(f"depformer must be 'layers' or 'persistent', got {kind!r}")
-        if self.device.type != "cuda":
-            raise ValueError("the persistent depformer is a CUDA kernel: use depformer 'layers' on "
-                             f"{self.device.type}")
-        problem = persistent_problem(lm)
-        if problem is not None:
-            raise ValueError(f"the persistent depformer cannot run this model: {problem}")
-        if lm.persistent_depformer is None:
-            lm.persistent_depformer = PersistentDepformer(lm)
-        result = check_persistent(lm, min(self.max_sessions, 64), torch.Generator().manual_seed(0))
-        log.info("persistent depformer: logits within %.2g of the layer path's largest, greedy agreement %.1f%%",
-                 result["max_diff"], 100 * result["agreement"])
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -470,11 +446,6 @@ class ModelBackend:
         sync_device(self.device)
 
     def close(self) -> None:
-        persistent = self.checkpoint.lm.persistent_depformer
-        if persistent is not None and (gave_up := persistent.gave_up()):
-            log.error("the persistent depformer's grid barrier gave up %d times while serving: those steps' "
-                      "audio codes were wrong (other work held the GPU's SMs?); serve with --depformer layers",
-                      gave_up)
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()

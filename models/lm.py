@@ -60,8 +60,6 @@ class LMModel(nn.Module):
     def __init__(self, cfg: LMConfig, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
-        # Set to a persistent_depformer.PersistentDepformer to run depformer steps as one kernel.
-        self.persistent_depformer = None
         factory = {"device": device, "dtype": dtype}
         dim, ddim = cfg.dim, cfg.depformer_dim
 
@@ -138,9 +136,6 @@ class LMModel(nn.Module):
         cfg = self.cfg
         schedule = cfg.depformer_weights_per_step_schedule
         in_index = (schedule[step] if schedule else step) if cfg.depformer_multi_linear else 0
-        persistent = self.persistent_depformer
-        if persistent is not None and persistent.runs(hidden):
-            return self.linears[step](persistent.step(step, in_index, hidden, prev_token, state))
         x = self.depformer_in[in_index](hidden[:, None])
         if step == 0:
             x = x + self.depformer_text_emb(prev_token[:, None])

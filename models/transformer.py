@@ -476,14 +476,8 @@ class StreamingTransformer(nn.Module):
                           value_scales=[torch.zeros(shape[:3], device=device) for _ in self.layers])
         elif kv_dtype != dtype:
             raise ValueError(f"kv_dtype {kv_dtype}: only the model dtype or torch.float8_e4m3fn")
-        if self.weights_per_step:
-            # The depformer's rings are slices of one tensor over layers: the persistent kernel
-            # (persistent_depformer.py) reaches every layer's ring from the first.
-            stacked = [torch.zeros((len(self.layers), *shape), device=device, dtype=kv_dtype) for _ in range(2)]
-            keys, values = ([t[i] for i in range(len(self.layers))] for t in stacked)
-        else:
-            keys = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in self.layers]
-            values = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in self.layers]
+        keys = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in self.layers]
+        values = [torch.zeros(shape, device=device, dtype=kv_dtype) for _ in self.layers]
         return TransformerState(
             pos=torch.zeros(batch_size, device=device, dtype=torch.long),
             slot_pos=torch.full((batch_size, self.capacity), -1, device=device, dtype=torch.long),

@@ -62,10 +62,6 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="dtype of the audio codec (Mimi) of every model served: float32, the reference's; "
                         "bfloat16 makes the codec about a third faster at 64 sessions and more on an H200 "
                         "(decoded audio within ~50 dB SNR of float32, docs/benchmarks.md)")
-    p.add_argument("--depformer", choices=("layers", "persistent"), default="layers",
-                   help="how the duplex model's depformer runs on CUDA: layers (layer by layer, ~55 kernels "
-                        "a step) or persistent (one kernel a step; experimental: checked against the layer "
-                        "path at start, not yet measured faster, docs/benchmarks.md)")
     p.add_argument("--persona", default="",
                    help="default persona / system prompt (PersonaPlex); clients override it with "
                         "text_prompt (/api/chat) or instructions (/v1/realtime)")
@@ -223,7 +219,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mimi_dtype=args.mimi_dtype,
-                         depformer=args.depformer, defaults=defaults,
+                         defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None},
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,

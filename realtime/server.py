@@ -82,7 +82,6 @@ class ServeConfig:
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     kv_dtype: str | None = None  # temporal KV cache: None = the weights' dtype, "fp8" = float8 e4m3
     mimi_dtype: str = "float32"  # every Mimi's (duplex, STT, TTS): float32 (the reference's) or bfloat16
-    depformer: str = "layers"  # the duplex model's depformer: "layers" or "persistent" (one CUDA kernel a step)
     defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
     sampling: dict = dataclasses.field(default_factory=dict)  # SamplingOptions fields set by flags
     api_key: str | tuple[str, ...] | None = None  # one key or several (--api-key-file: rotation)
@@ -186,11 +185,6 @@ def build_app(config: ServeConfig):
         torch.set_num_threads(config.torch_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device.type)
-    if config.depformer == "persistent" and device.type != "cuda":
-        raise ServeError(f"--depformer persistent is a CUDA kernel; this server runs on {device.type} "
-                         "(leave it out, or serve on a GPU)")
-    if config.depformer == "persistent" and config.model is None and not demo:
-        raise ServeError("--depformer persistent is for the duplex model; this server has none (--tts-model only)")
     if config.model is None and not demo:  # TTS only: the duplex routes refuse sessions, saying why
         speech = build_speech(config, demo, device, dtype)
         engine = Engine(NoDuplexBackend(str(device)))
@@ -225,7 +219,7 @@ def build_app(config: ServeConfig):
     # Paired transcription (engine/stt_paired.py): after the frame (PAIRED_IN_FRAME False) or in it.
     transcription = PairedTranscription(stt, config.max_sessions, in_frame=PAIRED_IN_FRAME) if paired else None
     in_frame = transcription is not None and PAIRED_IN_FRAME
-    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype, depformer=config.depformer,
+    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
                            encode_codebooks=stt.lm_config.n_q if paired and not in_frame else None,
                            side_work=transcription.frame_work if in_frame else None)
     engine = Engine(backend)

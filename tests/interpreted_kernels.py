@@ -177,22 +177,18 @@ def check_frame() -> None:
     ring write of 2 steps, the transposed conv as a matmul, the one-matmul codebook search)
     against the plain path: the same tokens and codes, audio within float rounding."""
     from parley.models.lm_gen import LMGen
-    from parley.models.persistent_depformer import PersistentDepformer
     lm, mimi = tiny_models()
     B = 2
     with torch.no_grad():
-        for persistent in (False, True):
-            lm.persistent_depformer = PersistentDepformer(lm) if persistent else None
-            gen = LMGen(lm, text_temp=0.0, audio_temp=0.0)
-            fused, plain = gen.init_state(B), gen.init_state(B)
-            live = torch.ones(B, dtype=torch.bool)
-            for _ in range(6):
-                codes = torch.randint(0, lm.cfg.card, (B, lm.cfg.n_user))
-                out = gen.step(fused, codes, live)
-                with kernels.enabled(False):
-                    expected = gen.step(plain, codes, live)
-                assert torch.equal(out.text, expected.text) and torch.equal(out.audio, expected.audio)
-        lm.persistent_depformer = None
+        gen = LMGen(lm, text_temp=0.0, audio_temp=0.0)
+        fused, plain = gen.init_state(B), gen.init_state(B)
+        live = torch.ones(B, dtype=torch.bool)
+        for _ in range(6):
+            codes = torch.randint(0, lm.cfg.card, (B, lm.cfg.n_user))
+            out = gen.step(fused, codes, live)
+            with kernels.enabled(False):
+                expected = gen.step(plain, codes, live)
+            assert torch.equal(out.text, expected.text) and torch.equal(out.audio, expected.audio)
         fused, plain = mimi.init_state(B, "cpu"), mimi.init_state(B, "cpu")
         live = torch.ones(B, dtype=torch.bool)
         for _ in range(4):

@@ -126,7 +126,7 @@ def test_load_refuses_server_options_without_a_server_to_start() -> None:
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
                "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
-               "mimi_steps.py", "frame_gpu_time.py", "depformer_kernel.py")
+               "mimi_steps.py", "frame_gpu_time.py")
 
 
 def test_other_benchmarks_import() -> None:
@@ -143,17 +143,9 @@ def test_other_benchmarks_import() -> None:
     assert proc.stdout.count("imported") == len(scripts), proc.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the test extra)")
-def test_depformer_registers_compiles_without_a_gpu() -> None:
-    """benchmarks/depformer_registers.py needs Triton but no GPU: it runs here, at PersonaPlex's shapes."""
-    output = run_benchmark("depformer_registers.py", "--kind", "personaplex", "--batches", "1")
-    assert re.search(r"^\| B=1 default \| 16,16,32,128,256,1,8 \| \d+ \| \d+ / \d+ \| \d+ \| 1 / 1 \| \d+ \|$",
-                     output, re.MULTILINE), output
-
-
 def test_every_benchmark_is_covered() -> None:
     """A new benchmark script must be added here (run on CPU, or imported and run under `gpu`)."""
-    covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY) | {"depformer_registers.py"}
+    covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY)
     # helper modules: frame_setup (shapes and checkpoints), tts_clients (tts_load's HTTP client process),
     # stall_watch (tts_load's --watch-stalls; tested below)
     scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py", "stall_watch.py"}
@@ -200,11 +192,6 @@ GPU_CASES = {
     "frame_gpu_time": ("frame_gpu_time.py", ["--batch", "1", "--frames", "3", "--warmup", "1"],
                        [r"gc as is: wall p50 \d+\.\d\d .* gpu p50 \d+\.\d\d", r"gc frozen: wall p50"]),
     "seeded_sampling": ("seeded_sampling.py", ["--batch", "2"], [r"GPU .*batch 2"]),
-    "depformer_kernel": ("depformer_kernel.py", ["--batches", "2", "--frames", "2", "--warmup", "1",
-                                                 "--launch", "16,16,32,64,128,1,4"],
-                         [r"^\| 2 \| \d+\.\d{3} \(\d+\) \| \d+\.\d{3} \(\d+\) \| .* \| \d+\.\d\d% \| \d+\.\d% \|$"]),
-    "profile_frame_persistent": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1",
-                                                      "--depformer", "persistent"], [r"persistent depformer"]),
     "image_step": ("image_step.py", ["--variants", "plain,both", "--replays", "2", "--warmup", "1"],
                    [r"^\| both \| 512 \| \d+\.\d\d \([+-]\d+\.\d %\) \|"]),
     "tts_load_duplex_7b": ("tts_load.py", ["--shapes", "tiny", "--duplex", "7b", "--streams", "1", "--sessions", "1",

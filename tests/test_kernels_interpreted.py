@@ -1,5 +1,5 @@
 """The fused CUDA path on the CPU, in the Triton interpreter (tests/interpreted_kernels.py): the
-kernels, the transformer's one-step decode, whole LM frames (with the persistent depformer too)
+kernels, the transformer's one-step decode, whole LM frames
 and Mimi steps, float32 against the plain path.
 
 CI has no GPU, so without this a change to the CUDA path is first run in a GPU session. The
