@@ -6,7 +6,8 @@
 
 The input may be any rate and channel count (it is mixed to mono and resampled to 24 kHz).
 It is streamed paced in real time, followed by `--tail` seconds of silence so the agent can
-answer; the agent's audio goes to `--out` (WAV, 24 kHz) and its text to `--text-out`.
+answer; the agent's audio goes to `--out` (WAV, 24 kHz; default reply.wav) and its text to
+`--text-out` (default reply.txt).
 
 /api/chat: Ogg-Opus both ways (sphn), text as 0x02 messages; everything the agent says is
 kept, including its silences, so the reply lines up in time with the input.
@@ -144,20 +145,25 @@ async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[
     return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("wav", help="input audio file (WAV/FLAC/OGG, any rate)")
     p.add_argument("--url", default="ws://127.0.0.1:8998",
-                   help="server base URL (ws://, wss://, or http(s):// which is mapped to ws(s)://)")
-    p.add_argument("--out", default="reply.wav", help="where to write the agent's audio")
-    p.add_argument("--text-out", default="reply.txt", help="where to write the agent's text")
+                   help="server base URL: ws://, wss://, or http(s):// (mapped to ws(s)://); default %(default)s")
+    p.add_argument("--out", default="reply.wav", help="where to write the agent's audio (default %(default)s)")
+    p.add_argument("--text-out", default="reply.txt", help="where to write the agent's text (default %(default)s)")
     p.add_argument("--persona", default="", help="persona / system prompt (PersonaPlex)")
     p.add_argument("--voice", default=None, help="voice prompt name, e.g. NATF2.pt (PersonaPlex)")
-    p.add_argument("--tail", type=float, default=3.0, help="seconds of silence streamed after the input")
+    p.add_argument("--tail", type=float, default=3.0,
+                   help="seconds of silence streamed after the input (default %(default)s)")
     p.add_argument("--realtime", action="store_true", help="use /v1/realtime (OpenAI Realtime API) instead")
-    p.add_argument("--model", default="parley", help="model name sent to /v1/realtime")
+    p.add_argument("--model", default="parley", help="model name sent to /v1/realtime (default %(default)s)")
     p.add_argument("--api-key", default=None, help="bearer key for /v1/realtime, if the server requires one")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     # Browsers' http(s) addresses work too: the WebSocket scheme is the same address's ws(s).
     args.url = re.sub(r"^http(s?)://", r"ws\1://", args.url)
 
