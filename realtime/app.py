@@ -1,17 +1,10 @@
 """The starlette app: routes, and the engine's lifetime tied to the app's lifespan.
 
-    GET  /             the browser voice-chat page (web/), when that folder exists
-    WS   /api/chat     Moshi / PersonaPlex binary protocol          (moshi_protocol.py)
-    WS   /v1/realtime  OpenAI Realtime API, GA and beta dialects     (openai_realtime.py)
-    POST /v1/images/generations  OpenAI Images, through the engine's image queue (images_api.py)
-    GET  /api/voices   the model's voice prompts, for the page
-    GET  /api/info     model name, and whether it is the babbling demo model
-    POST /v1/audio/speech, GET /v1/audio/voices   OpenAI speech API on the TTS pool (speech_api.py)
-    GET  /health /ready /metrics                                    (health.py)
-    POST /v1/audio/transcriptions  OpenAI transcription, on the STT rows (transcriptions.py)
-    GET  /livez /readyz /load (aliases /health, /ready)              (capacity.py)
-    GET  /metrics                                                    (health.py)
-    POST /admin/drain  stop admitting, let live sessions finish, exit  (drain.py)
+The routes are the doors of doors.py's table whose service is loaded, each served by
+ENDPOINTS below: the Moshi protocol (moshi_protocol.py), the OpenAI Realtime API
+(realtime_endpoint.py), speech (speech_api.py), transcription (transcriptions.py), images
+(images_api.py), the probes and /load (capacity.py), /metrics (health.py), /admin/drain
+(drain.py), and the page (web/). What no door serves is answered by not_found.py.
 
 The app does not build the engine (server.py does, from a checkpoint; tests hand in one
 over a fabricated backend); it starts it on startup if needed and shuts it down, bounded,
@@ -31,30 +24,49 @@ import anyio
 import anyio.lowlevel
 from PIL import Image
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from parley.engine import Engine
 from parley.engine.stt_pool import SttPool
 
-from . import capacity, health
+from . import capacity, doors, health
 from .demo_model import STT_NOTICE
 from .capacity import Admission
 from .drain import Drainer, drain_endpoint
+from .not_found import UnknownWebSocket, http_error
 from .images_api import ImageService, images_generations
 from .moshi_protocol import chat_endpoint
 from .realtime_endpoint import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .sessions import ServerDefaults, SessionManager
-from .speech_api import SpeechService, speech_routes
+from .speech_api import SpeechService, speech_endpoint, voices_endpoint
 from .speech_formats import warm_up_encoders
 from .transcriptions import transcriptions_endpoint
 
 log = logging.getLogger("parley.app")
+
+# The doors' endpoints, by path (doors.py); /api/voices and /api/info, which read the app's info, come from create_app.
+ENDPOINTS = {
+    "/api/chat": chat_endpoint,
+    "/v1/realtime": realtime_endpoint,
+    "/v1/audio/speech": speech_endpoint,
+    "/v1/audio/voices": voices_endpoint,
+    "/v1/audio/transcriptions": transcriptions_endpoint,
+    "/v1/images/generations": images_generations,
+    "/livez": capacity.livez,
+    "/readyz": capacity.readyz,
+    "/health": capacity.livez,
+    "/ready": capacity.readyz,
+    "/load": capacity.load,
+    "/metrics": health.metrics,
+    "/admin/drain": drain_endpoint,
+}
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 DEMO_NOTICE = ("This server runs Parley's tiny demo model: it babbles (random weights). "
@@ -111,7 +123,8 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     if images is not None:
         metrics.registry.register(images)  # parley_images_* (images_api.ImageService.collect)
     manager = SessionManager(engine, defaults, codec, metrics,
-                             Admission(engine, metrics.registry, ready_min_free=ready_min_free))
+                             Admission(engine, metrics.registry, ready_min_free=ready_min_free,
+                                       refusals=metrics.refusals))
     drainer = Drainer(manager, drain_timeout)
 
     @contextlib.asynccontextmanager
@@ -143,34 +156,36 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
             body["transcription_notice"] = STT_NOTICE
         return JSONResponse(body)
 
-    routes = [
-        WebSocketRoute("/api/chat", chat_endpoint),
-        WebSocketRoute("/v1/realtime", realtime_endpoint),
-        Route("/api/voices", voices),
-        Route("/api/info", api_info),
-        Route("/livez", capacity.livez),
-        Route("/readyz", capacity.readyz),
-        Route("/health", capacity.livez),
-        Route("/ready", capacity.readyz),
-        Route("/load", capacity.load),
-        Route("/metrics", health.metrics),
-        Route("/v1/audio/transcriptions", transcriptions_endpoint, methods=["POST"]),
-        Route("/admin/drain", drain_endpoint, methods=["POST"]),
-        Route("/v1/images/generations", images_generations, methods=["POST"]),
-        *speech_routes(speech, defaults.api_key),
-    ]
-    if web_dir is not None and (web_dir / "index.html").is_file():  # public: see security.py
-        routes.append(Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web"))
-    has_page = web_dir is not None and (web_dir / "index.html").is_file()
+    has_page = web_dir is not None and (web_dir / "index.html").is_file()  # public: see security.py
+    served = doors.mounted({"page": has_page, "tts": speech is not None, "stt": stt_pool is not None,
+                            "images": images is not None})
+    endpoints = {**ENDPOINTS, "/api/voices": voices, "/api/info": api_info}
+    routes = [_route(door, endpoints, web_dir) for door in served]
     access = Middleware(AccessMiddleware, keys=defaults.api_keys, protect_metrics=defaults.protect_metrics,
                         allowed_origins=defaults.allowed_origins,
-                        static_paths=static_paths(web_dir) if has_page else (),
-                        on_refused=lambda reason: metrics.refused_requests.labels(reason).inc())
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[access])
+                        static_paths=static_paths(web_dir) if has_page else (), refusals=metrics.refusals)
+    unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[access, unknown_ws],
+                    exception_handlers={HTTPException: http_error})
+    app.state.doors = served
     app.state.sessions = manager
     app.state.drainer = drainer
     app.state.codec = codec
     app.state.info = info
     app.state.stt_pool = stt_pool
     app.state.images = images
+    app.state.speech = speech
     return app
+
+
+def _route(door: doors.Door, endpoints: dict, web_dir: Path | None) -> BaseRoute:
+    if door.path == "/":  # the page: its files under every path no other door takes
+        return Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web")
+    if door.method == doors.WS:
+        return WebSocketRoute(door.path, endpoints[door.path])
+    return Route(door.path, endpoints[door.path], methods=[door.method])
+
+
+def served_paths(app: Starlette) -> list[str]:
+    """The paths the app's router serves, in its order (the startup banner lists them)."""
+    return [route.path or "/" for route in app.routes]  # Mount("/") keeps its path as ""

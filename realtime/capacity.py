@@ -30,12 +30,15 @@ from starlette.websockets import WebSocket
 
 from parley.engine import Engine
 
+from .refusals import Refusals
+
 log = logging.getLogger("parley.capacity")
 
 RETRY_AFTER_S = 1  # a refused client (or proxy) may try again this soon
 LIVEZ_STALL_S = 10.0  # no tick for this long: the tick loop is stuck (a tick is due every 80 ms)
 REFUSAL_REASONS = ("full", "draining", "unhealthy")
 CLOSE_TRY_AGAIN_LATER = 1013  # the fallback when the server cannot send a denial response
+CLOSE_POLICY = 1008  # the same, for a refusal that is not about load
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,12 @@ class Reservation:
 class Admission:
     """The edge's admission gate and the capacity signals read from the engine's slot table."""
 
-    def __init__(self, engine: Engine, registry: CollectorRegistry, ready_min_free: int = 1) -> None:
+    def __init__(self, engine: Engine, registry: CollectorRegistry, ready_min_free: int = 1, *,
+                 refusals: Refusals) -> None:
         if ready_min_free < 0:
             raise ValueError("ready_min_free must be 0 or more")
         self.engine = engine
+        self.refusals = refusals
         self.ready_min_free = ready_min_free
         self.draining = False  # set by the drainer (drain.py); never cleared
         self._pending = 0  # reserved, engine slot not taken yet
@@ -157,16 +162,22 @@ class Admission:
         message = {"full": f"all {load.slots_total} session slots are in use; try again later",
                    "draining": "this server is draining (shutting down); connect again to reach another one",
                    "unhealthy": "the engine is not serving"}[reason]
-        log.info("refused %s upgrade: %s", websocket.url.path, reason)
+        self.refusals.record(websocket.scope, reason, message)
         body = {"error": message, "reason": reason, "free": load.free, "total": load.slots_total,
                 "draining": load.draining}
-        response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        try:
-            await websocket.send_denial_response(response)
-            DENIAL_LOG_FILTER.expected += 1
-        except RuntimeError:  # the ASGI server lacks the denial extension: refuse as best it can
-            await websocket.close(CLOSE_TRY_AGAIN_LATER, message)
+        await deny_upgrade(websocket, JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)}),
+                           message, CLOSE_TRY_AGAIN_LATER)
         return None
+
+
+async def deny_upgrade(websocket: WebSocket, response: Response, reason: str, close_code: int = CLOSE_POLICY) -> None:
+    """Answer a WebSocket upgrade with an HTTP response instead of accepting it (where the ASGI
+    server lacks the denial extension: close `close_code` with `reason`, unaccepted)."""
+    try:
+        await websocket.send_denial_response(response)
+        DENIAL_LOG_FILTER.expected += 1
+    except RuntimeError:
+        await websocket.close(close_code, reason)
 
 
 class _CapacityCollector:

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
 
-from . import cli_sources
+from . import cli_sources, doors
 from .help_format import HelpFormatter
 from .launch import add_launch
 from .limits import EdgeLimits
@@ -37,10 +37,11 @@ DEFAULT_SAMPLING = SamplingOptions()
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "serve", help="run the realtime server (/api/chat, /v1/realtime, /livez, /readyz, /load, /metrics)",
+        "serve", help=f"run the realtime server ({doors.help_summary()}, probes, /metrics)",
         description="Serve a Moshi-family model over WebSockets: the Moshi/PersonaPlex protocol on "
                     "/api/chat and the OpenAI Realtime API on /v1/realtime. With no --model, a tiny "
-                    "demo model is generated on first run and served: it babbles.",
+                    "demo model is generated on first run and served: it babbles.\n\n"
+                    "Doors (one in [brackets] is served only with what the brackets name):\n" + doors.help_table(),
         formatter_class=HelpFormatter)
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face repo id (e.g. kyutai/moshiko-pytorch-bf16, "

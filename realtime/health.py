@@ -3,7 +3,8 @@
 - `/metrics`: Prometheus text. The engine's counters and histograms (read from
   `engine.counters()` at scrape time), plus the edge's own: connections, refusals, live
   sessions, bytes in and out per protocol, and the per-frame send delay. Labels are
-  protocol names only, never session ids (their cardinality is unbounded).
+  protocol names, door paths and fixed reason codes only, never session ids or client
+  addresses (their cardinality is unbounded).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from parley.engine.gc_pauses import FULL_COLLECTIONS
+
+from .refusals import Refusals
 
 # Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
 # means a client hears a gap.
@@ -149,8 +152,7 @@ class EdgeMetrics:
                                     "byte rate limit", ["protocol"], registry=r)
         self.lag_dropped = Counter("parley_lag_dropped_frames", "output frames dropped because their client was "
                                    "more than the lag limit behind", ["protocol"], registry=r)
-        self.refused_requests = Counter("parley_refused_requests", "requests refused for a missing/wrong API key "
-                                        "or a disallowed Origin", ["reason"], registry=r)
+        self.refusals = Refusals(r)  # parley_refusals_total{door, reason}: every refusal (refusals.py)
         ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: benchmarks/load.py reads CPU here
         r.register(_FullCollectionsCollector())
         if engine_counters is not None:

@@ -13,3 +13,22 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, "", False, argparse.SUPPRESS) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Filled as usual, except lines indented by two spaces (a table): kept as written."""
+        out: list[str] = []
+        prose: list[str] = []
+
+        def flush() -> None:
+            if prose:
+                out.append(argparse.ArgumentDefaultsHelpFormatter._fill_text(self, " ".join(prose), width, indent))
+                prose.clear()
+
+        for line in text.splitlines():
+            if line.startswith("  ") or not line.strip():
+                flush()
+                out.append(indent + line if line.strip() else "")
+            else:
+                prose.append(line)
+        flush()
+        return "\n".join(out)

@@ -23,7 +23,8 @@ Refusals before the upgrade (capacity.py): HTTP 503 + Retry-After when every slo
 or the server is draining. Closes: 1013 when the last slot went between upgrade and admission, 1008 for options the model cannot serve, 1007 for
 bytes that are not Ogg-Opus, 1009 for a message over `MAX_MESSAGE_BYTES`, 1011 when the
 engine fails the session or its codec worker is lost, 1008 for a client over its message or
-byte rate (limits.py). Each affects only its own connection.
+byte rate (limits.py). Each affects only its own connection; each refusal and refusing close
+is logged once and counted (refusals.py).
 """
 
 from __future__ import annotations
@@ -143,14 +144,14 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
         options = options_from_query(websocket.query_params, manager.defaults.options)
         await edge.open_engine_session(options)
     except EngineFull as exc:
-        await edge.close_socket(CLOSE_TRY_AGAIN_LATER, f"server full: {exc}")
+        await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"server full: {exc}")
         return
     except (OptionsError, SessionRejected) as exc:
         manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-        await edge.close_socket(CLOSE_POLICY, str(exc))
+        await edge.refuse(CLOSE_POLICY, "options", str(exc))
         return
     except EngineClosed as exc:
-        await edge.close_socket(CLOSE_INTERNAL, f"engine unavailable: {exc}")
+        await edge.refuse(CLOSE_INTERNAL, "unavailable", f"engine unavailable: {exc}")
         return
 
     transcript = None
@@ -159,13 +160,13 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
             transcript = manager.engine.enable_transcription(edge.engine_session)
         except OptionsError as exc:
             manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-            await edge.close_socket(CLOSE_POLICY, f"transcript=1: {exc}")
+            await edge.refuse(CLOSE_POLICY, "options", f"transcript=1: {exc}")
             return
 
     try:
         edge.codec = manager.codec.open()  # pinned to one codec worker for the connection's life
     except CodecUnavailable as exc:
-        await edge.close_socket(CLOSE_INTERNAL, f"audio codec unavailable: {exc}")
+        await edge.refuse(CLOSE_INTERNAL, "codec", f"audio codec unavailable: {exc}")
         return
     log.info("chat session %d open (persona %d chars, voice %s)", edge.number, len(options.persona), options.voice)
     await edge.send_bytes(HANDSHAKE)
@@ -198,7 +199,7 @@ async def _receive(edge: EdgeSession) -> None:
             return
         if len(data) > MAX_MESSAGE_BYTES:
             manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-            await edge.close_socket(CLOSE_TOO_BIG, f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+            await edge.refuse(CLOSE_TOO_BIG, "too_large", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
             return
         if not data or data[0] != TAG_AUDIO:
             continue  # unknown or server-only tags are ignored

@@ -118,12 +118,12 @@ class RealtimeConnection:
             await edge.open_engine_session(self.options)
         except EngineFull as exc:
             await self.send(self.events.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
-            await edge.close_socket(CLOSE_TRY_AGAIN_LATER, "server full: every session slot is taken")
+            await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every session slot is taken")
             return
         except (OptionsError, SessionRejected, EngineClosed) as exc:
             await self.send(self.events.error(f"cannot start the session: {exc}", "session_failed",
                                               kind="server_error"))
-            await edge.close_socket(CLOSE_INTERNAL, str(exc))
+            await edge.refuse(CLOSE_INTERNAL, "unavailable" if isinstance(exc, EngineClosed) else "options", str(exc))
             return
         await self.send(self.events.session_created(self.config))
         if self._opening_error is not None:

@@ -65,7 +65,7 @@ class TranscriptionConnection(RealtimeConnection):
             self.request = self.pool.submit(asyncio.get_running_loop(), live=True)
         except SttBusy as exc:
             await self.send(self.events.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
-            await edge.close_socket(CLOSE_TRY_AGAIN_LATER, "server full: every transcription row is taken")
+            await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every transcription row is taken")
             return
         await self.send(self.events.session_created(self.config))
         try:

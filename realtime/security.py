@@ -12,7 +12,7 @@
   on a user's local server (cross-site WebSocket hijacking).
 
 Refusals: 401 (key) or 403 (origin), as a plain HTTP response, also for a WebSocket upgrade;
-they are logged at INFO without the key.
+each is logged at INFO without the key and counted (refusals.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from .capacity import DENIAL_LOG_FILTER
-
-log = logging.getLogger("parley.security")
+from .capacity import deny_upgrade
+from .refusals import Refusals
 
 PUBLIC_PATHS = frozenset({"/", "/livez", "/readyz", "/health", "/ready", "/load"})  # probes: no key
 METRICS_PATH = "/metrics"
@@ -115,13 +114,13 @@ class AccessMiddleware:
 
     def __init__(self, app: ASGIApp, *, keys: tuple[str, ...], protect_metrics: bool,
                  allowed_origins: tuple[str, ...] | None, static_paths: Iterable[str] = (),
-                 on_refused=None) -> None:
+                 refusals: Refusals) -> None:
         self.app = app
         self.keys = keys
         self.protect_metrics = protect_metrics
         self.allowed_origins = allowed_origins
         self.public = PUBLIC_PATHS | frozenset(static_paths)
-        self.on_refused = on_refused  # callable(reason) for the metrics
+        self.refusals = refusals
 
     def needs_key(self, path: str) -> bool:
         if not self.keys or path in self.public:
@@ -146,15 +145,11 @@ class AccessMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, reason: str,
                       text: str) -> None:
-        client = scope.get("client") or ("?", 0)
-        log.info("refused %s %s from %s: %s", scope["type"], scope.get("path", ""), client[0],
-                 "wrong or missing API key" if reason == "api_key" else "Origin not allowed")
-        if self.on_refused is not None:
-            self.on_refused(reason)
+        self.refusals.record(scope, reason, "wrong or missing API key" if reason == "api_key"
+                             else "Origin not allowed")  # never the key itself
         response = PlainTextResponse(text, status_code=status)
         if scope["type"] == "websocket":
-            await WebSocket(scope, receive, send).send_denial_response(response)
-            DENIAL_LOG_FILTER.expected += 1  # uvicorn logs every denial at ERROR; this one is routine
+            await deny_upgrade(WebSocket(scope, receive, send), response, f"refused: {reason}")
         else:
             await response(scope, receive, send)
 

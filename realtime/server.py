@@ -44,7 +44,7 @@ from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline
 from parley.models.mimi.codec import Mimi
 from parley.models.tensor_sharing import share_equal_tensors
 
-from .app import DEMO_NOTICE, ServerInfo, create_app
+from .app import DEMO_NOTICE, ServerInfo, create_app, served_paths
 from .demo_model import (DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
                          ensure_demo_stt_checkpoint, ensure_demo_tts)
 from .drain import DrainingServer
@@ -297,12 +297,16 @@ def serve(config: ServeConfig) -> int:
         return 2
     frozen = freeze_loaded_objects()  # full GC passes must not walk the models (engine/gc_pauses.py)
     log.info("froze %d loaded objects out of garbage collection", frozen)
-    scheme = "https" if config.ssl_certfile else "http"
-    images = ", /v1/images/generations" if app.state.images is not None else ""
-    log.info("serving on %s://%s:%d  (/api/chat, /v1/realtime%s, /livez, /readyz, /load, /metrics; %d sessions)",
-             scheme, config.host, config.port, images, config.max_sessions)
+    log_serving(app, config)
     return run_app(app, uvicorn_config(app, config.host, config.port, config.log_level,
                                        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
+
+
+def log_serving(app, config: ServeConfig) -> None:
+    """The startup banner: where, and every path the router mounted (doors.py), nothing else."""
+    scheme = "https" if config.ssl_certfile else "http"
+    log.info("serving on %s://%s:%d (%d sessions): %s", scheme, config.host, config.port, config.max_sessions,
+             ", ".join(served_paths(app)))
 
 
 def run_app(app, uv_config: uvicorn.Config) -> int:

@@ -94,7 +94,7 @@ class SessionManager:
         self.defaults = defaults
         self.codec = codec
         self.metrics = metrics
-        self.admission = admission or Admission(engine, metrics.registry)
+        self.admission = admission or Admission(engine, metrics.registry, refusals=metrics.refusals)
         self._live: set[EdgeSession] = set()
         self._ids = itertools.count(1)
 
@@ -221,8 +221,7 @@ class EdgeSession:
         why = self._rate.admit(n_bytes)
         if why is not None:
             self.manager.metrics.rate_limited.labels(self.protocol).inc()
-            log.warning("%s session %d closed: %s", self.protocol, self.number, why)
-            await self.close_socket(CLOSE_POLICY, f"rate limit: {why}")
+            await self.refuse(CLOSE_POLICY, "rate_limit", f"rate limit: {why}")
             return False
         await asyncio.sleep(0)
         return True
@@ -249,6 +248,12 @@ class EdgeSession:
         STT step read (SttPartial.input_at, time.monotonic()). `path`: "paired" or "standalone"."""
         if input_at is not None:
             self.manager.metrics.transcript_delay.labels(path).observe(max(0.0, time.monotonic() - input_at))
+
+    async def refuse(self, code: int, reason: str, message: str) -> None:
+        """Close this connection for a refusal: logged and counted once (refusals.py), then
+        `code` with `message` as the close reason. `reason`: a refusals.REASONS code."""
+        self.manager.metrics.refusals.record(self.websocket.scope, reason, message)
+        await self.close_socket(code, message)
 
     async def close_socket(self, code: int, reason: str = "") -> None:
         """Send a close frame if the socket is still open (never raises)."""

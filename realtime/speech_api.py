@@ -18,6 +18,8 @@
   integer usage (input tokens: text pieces; output: frames x codebooks).
 - Errors are OpenAI-shaped JSON; a full pool is 429 with Retry-After. A client that disconnects
   cancels its row at the next tick.
+- Both doors are mounted only with a TTS model (doors.py; without one, a 404 names --tts-model)
+  and, with --api-key, behind security.AccessMiddleware like every door.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from parley.engine.stream import Status, Terminal
 from parley.engine.tts_pool import TtsAudio, TtsJob, TtsPool, TtsPoolFull, TtsRequest
@@ -42,11 +43,11 @@ from parley.models.tts import FRAME_RATE
 from parley.models.tts_checkpoint import VoiceStore
 
 from .speech_formats import CONTENT_TYPES, FORMATS, make_encoder
+from .speech_options import SPEED_MAX, SPEED_MIN
 
 log = logging.getLogger("parley.speech")
 
 MAX_INPUT_CHARS = 4096
-SPEED_MIN, SPEED_MAX = 0.5, 2.0  # the range tests/test_speech_api.py checks on the model's speech rate
 SPEED_GAIN = 2.0  # padding bonus per halving of speed
 DEFAULT_CFG = "2.0"  # the distilled CFG value Kyutai's servers use
 RETRY_AFTER_S = 1
@@ -147,57 +148,44 @@ def build_request(service: SpeechService, params: SpeechParams) -> tuple[TtsRequ
     return request, sum(len(e.tokens) for e in entries)
 
 
-def speech_routes(service: SpeechService | None, api_key: str | None = None) -> list[Route]:
-    """The routes; with `api_key` (--api-key) both require `Authorization: Bearer <key>`."""
-
-    def check_key(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise SpeechError(401, "missing or wrong API key (Authorization: Bearer <key>)", code="invalid_api_key")
-
-    async def speech(request: Request) -> Response:
+async def speech_endpoint(request: Request) -> Response:
+    """POST /v1/audio/speech (mounted only with a TTS model: doors.py)."""
+    service: SpeechService = request.app.state.speech
+    try:
         try:
-            check_key(request)
-            if service is None:
-                raise SpeechError(404, "this server has no TTS model loaded (start it with --tts-model)",
-                                  code="model_not_found")
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise SpeechError(400, "the request body is not valid JSON") from None
-            params = parse_request(body, service.voices)
-            tts_request, input_tokens = build_request(service, params)
-            try:
-                job = service.pool.submit(tts_request, asyncio.get_running_loop())
-            except TtsPoolFull as exc:
-                raise SpeechError(429, f"{exc}; retry shortly", code="tts_pool_full",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except SpeechError as err:
-            return err.response()
-        except ValueError as err:  # a script too long for a row, a bad voice file
-            return SpeechError(400, str(err), "input").response()
-        first = await _first_audio(job, request)
-        if first is None:  # the client went away before any audio
-            return Response(status_code=499)
-        if isinstance(first, Terminal):  # nothing was synthesised: the status can still say so
-            if first.status is Status.COMPLETED:
-                first = None
-            else:
-                return SpeechError(500, f"synthesis failed: {first.reason}", code="tts_failed").response()
-        body = (_sse(job, first, params.response_format, input_tokens, service.codebooks)
-                if params.stream_format == "sse" else _audio(job, first, params.response_format))
-        media = "text/event-stream" if params.stream_format == "sse" else CONTENT_TYPES[params.response_format]
-        return StreamingResponse(body, media_type=media, headers={"Cache-Control": "no-cache",
-                                                                  "X-Accel-Buffering": "no"})
-
-    async def voices(request: Request) -> Response:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise SpeechError(400, "the request body is not valid JSON") from None
+        params = parse_request(body, service.voices)
+        tts_request, input_tokens = build_request(service, params)
         try:
-            check_key(request)
-        except SpeechError as err:
-            return err.response()
-        names = service.voices.names() if service is not None else []
-        return JSONResponse({"object": "list", "data": [{"id": n, "object": "voice", "name": n} for n in names]})
+            job = service.pool.submit(tts_request, asyncio.get_running_loop())
+        except TtsPoolFull as exc:
+            raise SpeechError(429, f"{exc}; retry shortly", code="tts_pool_full",
+                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except SpeechError as err:
+        return err.response()
+    except ValueError as err:  # a script too long for a row, a bad voice file
+        return SpeechError(400, str(err), "input").response()
+    first = await _first_audio(job, request)
+    if first is None:  # the client went away before any audio
+        return Response(status_code=499)
+    if isinstance(first, Terminal):  # nothing was synthesised: the status can still say so
+        if first.status is Status.COMPLETED:
+            first = None
+        else:
+            return SpeechError(500, f"synthesis failed: {first.reason}", code="tts_failed").response()
+    body = (_sse(job, first, params.response_format, input_tokens, service.codebooks)
+            if params.stream_format == "sse" else _audio(job, first, params.response_format))
+    media = "text/event-stream" if params.stream_format == "sse" else CONTENT_TYPES[params.response_format]
+    return StreamingResponse(body, media_type=media, headers={"Cache-Control": "no-cache",
+                                                              "X-Accel-Buffering": "no"})
 
-    return [Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/audio/voices", voices)]
+
+async def voices_endpoint(request: Request) -> Response:
+    """GET /v1/audio/voices."""
+    names = request.app.state.speech.voices.names()
+    return JSONResponse({"object": "list", "data": [{"id": n, "object": "voice", "name": n} for n in names]})
 
 
 async def _first_audio(job: TtsJob, request: Request) -> TtsAudio | Terminal | None:

@@ -11,7 +11,8 @@ Form fields (multipart, as the openai SDK sends them):
 - `temperature`: 0 (default, greedy) to 2, honoured per request.
 - `prompt`: refused when non-empty (Kyutai STT takes no prompt).
 - `stream`: true answers as server-sent events `transcript.text.delta` ... `transcript.text.done`.
-Errors are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`.
+Errors are OpenAI-shaped: `{"error": {"message", "type", "param", "code"}}`. Mounted only with an
+STT model (doors.py); without one, a 404 names --stt-model.
 """
 
 from __future__ import annotations
@@ -78,11 +79,8 @@ def _bool(value: str | None, name: str) -> bool:
 
 
 async def transcriptions_endpoint(request: Request) -> Response:
-    pool: SttPool | None = getattr(request.app.state, "stt_pool", None)
+    pool: SttPool = request.app.state.stt_pool  # mounted only with an STT model (doors.py)
     try:
-        if pool is None:
-            raise RequestError("this server has no speech-to-text model loaded; start it with "
-                               "`parley serve --stt-model DIR_OR_HF_ID`.", "model", 404, "model_not_found")
         fields = await _form(request)
         upload = (fields.get("file") or [None])[0]
         if not isinstance(upload, UploadFile):

@@ -1,0 +1,162 @@
+"""Every refused session or request leaves one INFO line (door, reason, client; never a key) and
+one step of parley_refusals_total{door, reason} (realtime/refusals.py), whichever door refused it
+and however: 503 / 401 / 403 before the upgrade, or a close after it. Real uvicorn on loopback
+over the fabricated echo backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+from parley.engine import Engine
+from parley.engine.testing import DelayBackend
+from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.limits import EdgeLimits
+from parley.realtime.moshi_protocol import MAX_MESSAGE_BYTES
+from parley.realtime.refusals import REASONS
+from parley.realtime.sessions import ServerDefaults
+from server_harness import serve
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "sk-SECRET-123"
+
+
+def make_app(max_sessions: int = 1, **defaults):
+    return create_app(Engine(DelayBackend(max_sessions)), ServerDefaults(**defaults), ServerInfo(model="delay"),
+                      codec_workers=0, web_dir=None)
+
+
+def refusals_total(base: str, door: str, reason: str) -> float:
+    request = urllib.request.Request(f"http://{base}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(request, timeout=10).read().decode()
+    match = re.search(rf'^parley_refusals_total\{{door="{re.escape(door)}",reason="{reason}"\}} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def connect_ws(base: str, path: str, **kwargs):
+    """('status', HTTP status of a refused upgrade) or ('closed', close code, reason) for a
+    session refused after it, or ('open', the connection)."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    try:
+        ws = await connect(f"ws://{base}{path}", open_timeout=10, max_size=None, **kwargs)
+    except InvalidStatus as exc:
+        return "status", exc.response.status_code
+    try:
+        await asyncio.wait_for(ws.recv(), 10)  # /api/chat's handshake byte, /v1/realtime's session.created
+    except ConnectionClosed:
+        return "closed", ws.close_code, ws.close_reason
+    return "open", ws
+
+
+async def flood(ws, message, count: int):
+    """Send `message` `count` times (or until closed); then the close code."""
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        for _ in range(count):
+            await ws.send(message)
+        await asyncio.wait_for(ws.recv(), 10)
+    except ConnectionClosed:
+        pass
+    await ws.wait_closed()
+    return ws.close_code
+
+
+def refused_lines(caplog) -> list[str]:
+    """Every parley log line about a refusal (the refusal's own, and any other logger's)."""
+    return [r.getMessage() for r in caplog.records if r.name.startswith("parley")
+            and "refused" in r.getMessage().lower()]
+
+
+def check_one_refusal(caplog, base: str, door: str, reason: str, before: float) -> None:
+    [line] = refused_lines(caplog)
+    assert re.fullmatch(rf"refused {re.escape(door)} from 127\.0\.0\.1:\d+: {reason} \(.+\)", line), line
+    assert KEY not in line and "WRONG" not in line  # never a key, nor the query string it rides in
+    assert refusals_total(base, door, reason) == before + 1
+    caplog.clear()
+
+
+def test_refusals_before_the_upgrade_and_at_the_key(caplog):
+    caplog.set_level(logging.INFO, logger="parley")
+    app = make_app(api_key=KEY, allowed_origins=("https://ok.example",))
+    auth = {"additional_headers": {"Authorization": f"Bearer {KEY}"}}
+    with serve(app) as base:
+        cases = [  # (path, connect kwargs, expected, door, reason)
+            ("/api/chat?api_key=WRONG", {}, ("status", 401), "/api/chat", "api_key"),
+            ("/v1/realtime", {"additional_headers": {"Authorization": f"Bearer {KEY}", "Origin": "https://x.example"}},
+             ("status", 403), "/v1/realtime", "origin"),
+        ]
+        for path, kwargs, expected, door, reason in cases:
+            before = refusals_total(base, door, reason)
+            assert asyncio.run(connect_ws(base, path, **kwargs)) == expected
+            check_one_refusal(caplog, base, door, reason, before)
+        # an HTTP door refuses a request without the key the same way
+        before = refusals_total(base, "/api/info", "api_key")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://{base}/api/info?api_key=WRONG", timeout=10)
+        assert err.value.code == 401
+        check_one_refusal(caplog, base, "/api/info", "api_key", before)
+
+        async def full_then_draining():
+            first = await connect_ws(base, "/api/chat", **auth)
+            assert first[0] == "open"
+            full = await connect_ws(base, "/v1/realtime", **auth)
+            await first[1].close()
+            return full
+
+        before = refusals_total(base, "/v1/realtime", "full")
+        assert asyncio.run(full_then_draining()) == ("status", 503)
+        check_one_refusal(caplog, base, "/v1/realtime", "full", before)
+        app.state.sessions.admission.draining = True
+        assert asyncio.run(connect_ws(base, "/api/chat", **auth)) == ("status", 503)
+        check_one_refusal(caplog, base, "/api/chat", "draining", 0.0)
+
+
+@pytest.mark.parametrize("query,reason,code", [
+    ("text_topk=abc", "options", 1008),  # a sampling parameter that is not a number
+    ("voice_prompt=unknown", "options", 1008),  # a voice the model rejects
+])
+def test_a_session_refused_for_its_options(caplog, query, reason, code):
+    caplog.set_level(logging.INFO, logger="parley")
+    with serve(make_app()) as base:
+        kind, close_code, close_reason = asyncio.run(connect_ws(base, f"/api/chat?{query}"))
+        assert (kind, close_code) == ("closed", code)
+        check_one_refusal(caplog, base, "/api/chat", reason, 0.0)
+
+
+@pytest.mark.parametrize("reason", ["rate_limit", "too_large"])
+def test_a_session_closed_at_a_limit(caplog, reason):
+    caplog.set_level(logging.INFO, logger="parley")
+    app = make_app(limits=EdgeLimits(max_messages_per_s=5))  # a burst of 10 messages, then closed
+
+    async def scenario(base):
+        kind, ws = await connect_ws(base, "/api/chat")
+        assert kind == "open"
+        if reason == "rate_limit":
+            return await flood(ws, b"\x03", 50)  # 0x03: ignored tags, only the rate counts
+        return await flood(ws, b"\x01" + bytes(MAX_MESSAGE_BYTES), 1)
+
+    with serve(app) as base:
+        assert asyncio.run(scenario(base)) == (1008 if reason == "rate_limit" else 1009)
+        check_one_refusal(caplog, base, "/api/chat", reason, 0.0)
+
+
+def test_reasons_are_a_fixed_set(caplog):
+    """The reason is a label: a code outside the fixed set is a programming error, not a new label."""
+    app = make_app()
+    with pytest.raises(ValueError, match="unknown refusal reason"):
+        app.state.sessions.metrics.refusals.record({"path": "/api/chat", "client": ("1.2.3.4", 5)}, "oops", "x")
+    app.state.sessions.metrics.refusals.record({"path": "/no/such/door", "client": ("1.2.3.4", 5)}, "full", "x")
+    text = app.state.sessions.metrics.render().decode()
+    assert 'parley_refusals_total{door="other",reason="full"} 1.0' in text  # unknown paths share one label
+    assert set(REASONS) >= {"full", "draining", "unhealthy", "origin", "api_key", "options", "rate_limit",
+                            "too_large"}
