@@ -26,5 +26,12 @@ if ! command -v haproxy >/dev/null; then
         echo "haproxy not installed and no root apt-get: the launch end-to-end test will skip"
     fi
 fi
+# The openai Node SDK test (tests/test_node_sdk.py) runs the SDK version tests/node/package-lock.json pins.
+if command -v node >/dev/null && command -v npm >/dev/null; then
+    (cd tests/node && npm ci --no-audit --no-fund --loglevel=error) \
+        || echo "npm ci failed in tests/node: the Node SDK test will skip"
+else
+    echo "node/npm not installed: the Node SDK test (tests/test_node_sdk.py) will skip"
+fi
 if [ -f tests/web_setup.sh ]; then bash tests/web_setup.sh || echo "web_setup: chromium unavailable; browser tests will skip"; fi
 exec python -m pytest -q "$@"
