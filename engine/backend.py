@@ -169,6 +169,11 @@ class FrameBackend(Protocol):
     def text_piece(self, token: int) -> str:
         """The text a token adds to the transcript ("" for padding)."""
 
+    # Optional: forced text (spoken commentary). A backend without these two refuses it (Engine.force_text).
+    # def text_tokens(self, text: str) -> list[int]: the text's token ids (any thread).
+    # def force_text(self, row: int, ids: list[int]) -> bool: queue them on the row from its next
+    #     pause (models/forced_text.py); False when they do not fit. Engine thread, between ticks.
+
     def synchronize(self) -> None:
         """Wait for the device's queued work (slack items are timed after it)."""
 
@@ -441,6 +446,12 @@ class ModelBackend:
 
     def text_piece(self, token: int) -> str:
         return self._tokenizer.piece(token)
+
+    def text_tokens(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+    def force_text(self, row: int, ids: list[int]) -> bool:
+        return self._lm_state.forced.push(row, ids)
 
     def synchronize(self) -> None:
         sync_device(self.device)

@@ -49,6 +49,7 @@ from .slack import SlackRunner, SlackSource
 from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
+from .text_forcing import TextForcing
 
 log = logging.getLogger("parley.engine")
 
@@ -89,6 +90,8 @@ class Engine:
                                       now=self._clock.now)
         self._slack.add_source(self._prefill)
         self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
+        force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
+        self._forcing = TextForcing(force, _settle) if force is not None else None
 
     # ---- lifecycle ----
 
@@ -140,6 +143,20 @@ class Engine:
             raise OptionsError("no speech-to-text model is loaded (parley serve --stt-model), so the "
                                "user's audio cannot be transcribed.")
         return self._paired.enable(session.row, session.request_id, asyncio.get_running_loop())
+
+    async def force_text(self, session: Session, text: str) -> int:
+        """Have `session`'s model say `text`: its tokens replace the sampled text tokens from the
+        model's next pause (models/forced_text.py) and come out in FrameOut.text; its speech follows
+        if the model's speech follows its text stream. Returns the tokens queued, once they are
+        (within a tick). OptionsError: the model cannot, the text has no tokens, or it does not fit."""
+        if self._forcing is None:
+            raise OptionsError("this model cannot be given text to say (its backend forces no text).")
+        ids = self._backend.text_tokens(text)  # type: ignore[attr-defined]  # with force_text
+        if not ids:
+            raise OptionsError("the text has no tokens to say.")
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._forcing.submit(session, ids, done)
+        return await done
 
     def slack_by_key(self) -> dict:
         """Slack items run and seconds spent per cost key so far (benchmarks: where the slack goes)."""
@@ -281,6 +298,8 @@ class Engine:
         self._tick += 1
         if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
             self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
+        if self._forcing is not None:  # after the reset: a released row's queue is gone, a live one's text joins it
+            self._forcing.apply(plan)
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all

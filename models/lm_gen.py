@@ -28,6 +28,8 @@ Rows where `exec_mask` is False are computed but their ring, offset and KV are l
 
 Forcing (teacher forcing, PersonaPlex prompts): `force_text[b]` / `force_audio[b, k]` other than -2
 replace the sampled token, both in the ring and as the next depformer step's input.
+Forced text (spoken commentary): `state.forced.push(row, ids)` queues text tokens that replace the
+row's sampled ones from its next pause on, the same way (models/forced_text.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import UNGENERATED_TOKEN, SamplingDefaults
+from .forced_text import FORCED_TEXT_CAPACITY, ForcedText
 from .lm import LMModel
 from .sampling import UNSEEDED, sample_tokens
 from .transformer import TransformerState
@@ -65,6 +68,7 @@ class LMGenState:
     # (seed, its step, the sampler), so the same input gives the same output (models/sampling.py).
     text_seed: torch.Tensor  # [B] long
     audio_seed: torch.Tensor  # [B] long
+    forced: ForcedText  # per-row queues of text tokens to force from the row's next pause
 
     @property
     def batch_size(self) -> int:
@@ -76,6 +80,7 @@ class LMGenState:
         self.ring.masked_fill_(mask[:, None, None], UNGENERATED_TOKEN)
         self.offsets.masked_fill_(mask, 0)
         self.set_sampling(mask, *self.defaults, text_seed=UNSEEDED, audio_seed=UNSEEDED)
+        self.forced.reset(mask)
 
     def set_sampling(self, mask: torch.Tensor, text_temp: float | None = None, text_topk: int | None = None,
                      audio_temp: float | None = None, audio_topk: int | None = None,
@@ -101,6 +106,9 @@ class LMGen:
         self.delays = torch.tensor(self.cfg.delays, dtype=torch.long, device=device)
         self.initial = model.initial_tokens(device)
         self.ring_size = self.cfg.max_delay + 2
+        # The text ids that mark a pause, where forced text may start (models/forced_text.py).
+        self.pauses = torch.tensor([self.cfg.existing_text_padding_id, self.cfg.existing_text_end_padding_id],
+                                   dtype=torch.long, device=device)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -124,6 +132,7 @@ class LMGen:
             text_temp=full(text_temp, torch.float32), text_topk=full(text_topk, torch.long),
             audio_temp=full(audio_temp, torch.float32), audio_topk=full(audio_topk, torch.long),
             defaults=self.defaults, text_seed=full(UNSEEDED, torch.long), audio_seed=full(UNSEEDED, torch.long),
+            forced=ForcedText.empty(batch_size, FORCED_TEXT_CAPACITY, device),
         )
 
     def reset(self, state: LMGenState, mask: torch.Tensor) -> None:
@@ -154,7 +163,9 @@ class LMGen:
         hidden = hidden[:, 0]
         text = sample_tokens(text_logits[:, 0], state.text_temp, state.text_topk, self.generator,
                              seeds=state.text_seed, counter=offsets, stream=0)
-        text = _forced(text, force_text)
+        # Queued text (commentary) where no prompt token is forced this step.
+        queue_rows = exec_mask if force_text is None else exec_mask & (force_text == UNGENERATED_TOKEN)
+        text = _forced(state.forced.apply(text, queue_rows, self.pauses), force_text)
 
         # 4. Depformer: agent codes, autoregressive over codebooks.
         audio = self.depformer(state, hidden, text, force_audio, offsets)
