@@ -160,3 +160,29 @@ def test_reasons_are_a_fixed_set(caplog):
     assert 'parley_refusals_total{door="other",reason="full"} 1.0' in text  # unknown paths share one label
     assert set(REASONS) >= {"full", "draining", "unhealthy", "origin", "api_key", "options", "rate_limit",
                             "too_large"}
+
+
+def test_a_session_the_stopped_engine_cannot_open_is_refused(caplog):
+    caplog.set_level(logging.INFO, logger="parley")
+    app = make_app()
+    with serve(app) as base:
+        app.state.sessions.engine.shutdown()  # still healthy (not failed): admitted, then the open fails
+        kind, code, _ = asyncio.run(connect_ws(base, "/api/chat"))
+        assert (kind, code) == ("closed", 1011)
+        check_one_refusal(caplog, base, "/api/chat", "unavailable", 0.0)
+
+
+def test_a_session_without_a_codec_worker_is_refused(caplog, monkeypatch):
+    from parley.realtime.opus import CodecUnavailable
+
+    caplog.set_level(logging.INFO, logger="parley")
+    app = make_app()
+
+    def lost():  # as when every codec worker process is gone
+        raise CodecUnavailable("no codec worker is running")
+
+    monkeypatch.setattr(app.state.codec, "open", lost)
+    with serve(app) as base:
+        kind, code, _ = asyncio.run(connect_ws(base, "/api/chat"))
+        assert (kind, code) == ("closed", 1011)
+        check_one_refusal(caplog, base, "/api/chat", "codec", 0.0)
