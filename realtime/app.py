@@ -175,6 +175,7 @@ def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info
     app.state.stt_pool = stt_pool
     app.state.images = images
     app.state.speech = speech
+    app.state.refusals = metrics.refusals  # for the HTTP doors' own refusals (a full pool or queue)
     return app
 
 

@@ -259,6 +259,7 @@ async def images_generations(http: Request) -> Response:
             raise ApiError(503, "the engine is not serving (see the server log).", kind="server_error")
         request = service.queue.submit(parsed.spec)
     except ImageQueueFull as exc:
+        http.app.state.refusals.record(http.scope, "full", str(exc))
         return ApiError(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error",
                         headers={"Retry-After": str(exc.retry_after_s)}).response()
     except ImageRefused as exc:

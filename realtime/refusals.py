@@ -2,7 +2,8 @@
 
 Every door that turns a client away calls `Refusals.record` (security.py for keys and
 Origins, capacity.py for the 503s before an upgrade, `EdgeSession.refuse` for closes after
-it), so a refusal never shows only as uvicorn's `connection open`. The line names the door
+it, the HTTP doors for a full TTS pool, STT queue or image queue), so a refusal never shows
+only as uvicorn's `connection open`. The line names the door
 (the path, never the query string: keys ride there), the reason and the client address;
 `parley_refusals_total{door, reason}` counts them. Both labels are bounded: `door` is a path
 of the doors table or `other` (doors.py), `reason` one of REASONS.
@@ -20,7 +21,7 @@ from . import doors
 log = logging.getLogger("parley.refusals")
 
 REASONS = {
-    "full": "every session slot (or transcription row) is taken",
+    "full": "every session slot, transcription row, TTS row or image queue place is taken",
     "draining": "the server is draining",
     "unhealthy": "the engine is not serving",
     "origin": "a browser Origin that is not allowed",

@@ -161,6 +161,7 @@ async def speech_endpoint(request: Request) -> Response:
         try:
             job = service.pool.submit(tts_request, asyncio.get_running_loop())
         except TtsPoolFull as exc:
+            request.app.state.refusals.record(request.scope, "full", str(exc))
             raise SpeechError(429, f"{exc}; retry shortly", code="tts_pool_full",
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except SpeechError as err:

@@ -129,6 +129,7 @@ async def transcriptions_endpoint(request: Request) -> Response:
     except RequestError as exc:
         return error_response(str(exc), exc.param, exc.status, exc.code)
     except SttBusy as exc:
+        request.app.state.refusals.record(request.scope, "full", str(exc))
         return error_response(str(exc), None, 503, "server_busy")
 
     duration = pcm.size / 24_000

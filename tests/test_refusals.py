@@ -186,3 +186,28 @@ def test_a_session_without_a_codec_worker_is_refused(caplog, monkeypatch):
         kind, code, _ = asyncio.run(connect_ws(base, "/api/chat"))
         assert (kind, code) == ("closed", 1011)
         check_one_refusal(caplog, base, "/api/chat", "codec", 0.0)
+
+
+def test_a_request_refused_by_a_full_tts_pool(caplog, tiny_tts_dir):
+    """The HTTP doors' own refusals (here 429 from a full TTS pool) take the same one line and count."""
+    import httpx2 as httpx  # what the pinned openai SDK ships on
+    import torch
+
+    from parley.engine import EngineConfig
+    from parley.realtime.speech_setup import load_speech_service
+
+    caplog.set_level(logging.INFO, logger="parley")
+    service = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,
+                                  device="cpu", dtype=torch.float32)
+    engine = Engine(DelayBackend(1), EngineConfig(tick_seconds=0.5))
+    engine.add_slack_source(service.pool)
+    app = create_app(engine, info=ServerInfo(model="delay"), codec_workers=0, web_dir=None, speech=service)
+    body = {"model": "tts", "input": " ".join(["hello there my friend"] * 30), "voice": service.voices.names()[0],
+            "response_format": "pcm"}
+    with serve(app) as base, httpx.Client(timeout=60) as c:
+        url = f"http://{base}/v1/audio/speech"
+        with c.stream("POST", url, json=body) as first:  # holds the pool's one row while it streams
+            assert first.status_code == 200
+            second = httpx.post(url, json=body, timeout=60)
+            assert second.status_code == 429
+        check_one_refusal(caplog, base, "/v1/audio/speech", "full", 0.0)
