@@ -1,7 +1,8 @@
 """Checkpoints Parley writes for its own tests, in the exact published layout.
 
 `write_tiny_checkpoint(dir, kind)`: random weights for `tiny_lm_config()` / `tiny_mimi_config()`,
-a tiny SentencePiece tokenizer (vocab = text_card) and config.json; PersonaPlex also a voices.tgz.
+a tiny SentencePiece tokenizer (vocab = text_card) and config.json; PersonaPlex also a voices.tgz
+(NATF0 and NATM0 unless `voices` names others).
 
 `write_echo_checkpoint(dir)`: an LM whose weights are *constructed* so that greedy decoding
 repeats the user's audio codes with a fixed one-frame delay, `ECHO_DELAY_FRAMES`:
@@ -45,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -124,24 +126,33 @@ def _config_json(cfg: LMConfig) -> dict:
     return {**lm_config_dict(cfg), "lm_gen_config": SamplingDefaults().to_lm_gen_config()}
 
 
-def _tiny_layout(directory: str | Path, kind: str, mimi_levels: int | None = None) -> tuple[Path, LMConfig, MimiConfig]:
+def _tiny_layout(directory: str | Path, kind: str, mimi_levels: int | None = None,
+                 context: int | None = None) -> tuple[Path, LMConfig, MimiConfig]:
     """The directory (created) and the tiny shapes of a `kind` checkpoint."""
     if kind not in ("moshi", "personaplex"):
         raise ValueError(f"kind must be 'moshi' or 'personaplex', got {kind!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    return directory, tiny_lm_config(dep_q=16 if kind == "personaplex" else 8), tiny_mimi_config(levels=mimi_levels)
+    cfg = tiny_lm_config(dep_q=16 if kind == "personaplex" else 8)
+    if context is not None:
+        cfg = dataclasses.replace(cfg, context=context)
+    return directory, cfg, tiny_mimi_config(levels=mimi_levels)
 
 
 def write_tiny_checkpoint(directory: str | Path, kind: str = "moshi", seed: int = 0,
-                          dtype: torch.dtype = torch.float32, mimi_levels: int | None = None) -> Path:
+                          dtype: torch.dtype = torch.float32, mimi_levels: int | None = None,
+                          voices: Sequence[str] = _VOICE_NAMES, context: int | None = None) -> Path:
     """A tiny random checkpoint (`kind` 'moshi' or 'personaplex'), LM stored in `dtype`.
     `mimi_levels`: codebooks in its Mimi (default 8, what the LM reads; more lets an STT
-    checkpoint sharing this Mimi read extra codebooks, as the real 32-codebook Mimi does)."""
-    directory, cfg, mimi_cfg = _tiny_layout(directory, kind, mimi_levels)
+    checkpoint sharing this Mimi read extra codebooks, as the real 32-codebook Mimi does).
+    `voices`: the PersonaPlex voice names in its voices.tgz. `context`: the temporal
+    transformer's context in frames (default `tiny_lm_config`'s 40; a persona prompt must fit)."""
+    if kind != "personaplex" and tuple(voices) != _VOICE_NAMES:
+        raise ValueError("voices are for kind='personaplex'; a Moshi checkpoint takes no voice prompt")
+    directory, cfg, mimi_cfg = _tiny_layout(directory, kind, mimi_levels, context)
     lm = _random_lm(cfg, seed)
     tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
-    voices = _write_voices(directory, lm, seed) if kind == "personaplex" else {}
+    voices = _write_voices(directory, lm, seed, voices) if kind == "personaplex" else {}
     write_checkpoint(directory, lm.state_dict(), _tiny_mimi_state(mimi_cfg, seed), tokenizer,
                      _config_json(cfg), voices, lm_dtype=dtype, mimi_config=mimi_config_dict(mimi_cfg))
     for path in (tokenizer, *voices.values()):  # scratch files, now inside the layout's files
@@ -150,11 +161,11 @@ def write_tiny_checkpoint(directory: str | Path, kind: str = "moshi", seed: int 
 
 
 @torch.no_grad()
-def _write_voices(directory: Path, lm: LMModel, seed: int) -> dict[str, Path]:
+def _write_voices(directory: Path, lm: LMModel, seed: int, names: Sequence[str] = _VOICE_NAMES) -> dict[str, Path]:
     """Random-code voice prompts in PersonaPlex's `.pt` form, embedded with this LM."""
     generator = torch.Generator().manual_seed(seed + 2)
     voices = {}
-    for name in _VOICE_NAMES:
+    for name in names:
         codes = torch.randint(0, lm.cfg.card, (_VOICE_FRAMES, lm.cfg.n_agent), generator=generator)
         voice = voice_to_pt(VoicePrompt(source=name, codes=codes), lm.embed, lm.cfg)
         voices[name] = directory / f".{name}.pt"

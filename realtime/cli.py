@@ -46,6 +46,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face repo id (e.g. kyutai/moshiko-pytorch-bf16, "
                         "nvidia/personaplex-7b-v1); omitted: the built-in demo model, which babbles")
+    p.add_argument("--demo", choices=("personaplex", "moshi"), default=None,
+                   help="which built-in demo model to serve when --model is omitted: personaplex (the default: "
+                        "persona prompts and PersonaPlex's 18 voice names) or moshi (no persona, one voice); "
+                        "refused together with --model or --tts-model")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 to accept connections from other machines")
     p.add_argument("--port", type=int, default=8998, help="TCP port to listen on")
@@ -218,7 +222,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
         return 2
-    config = ServeConfig(model=args.model, host=args.host, port=args.port, max_sessions=args.max_sessions,
+    config = ServeConfig(model=args.model, demo=args.demo, host=args.host, port=args.port,
+                         max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mimi_dtype=args.mimi_dtype,
                          defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None},

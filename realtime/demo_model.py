@@ -1,8 +1,12 @@
 """The built-in demo checkpoint, so `parley serve` works on a fresh machine with no weights.
 
-It is Parley's tiny random Moshi-layout checkpoint (`models.synthetic.write_tiny_checkpoint`):
-a few megabytes, generated on first use into `$PARLEY_CACHE/demo` (default
-`~/.cache/parley/demo`) and reused afterwards. Its weights are random, so it babbles:
+It is Parley's tiny random checkpoint (`models.synthetic.write_tiny_checkpoint`), PersonaPlex
+kind by default: PersonaPlex's 18 published voice names (NATF0-3, NATM0-3, VARF0-4, VARM0-4)
+and a context long enough for an ordinary persona, so the page's persona box and voice list
+and unmodified PersonaPlex clients (which always send a voice and a persona) work against it.
+`parley serve --demo moshi` serves the Moshi kind instead (no persona, one voice). A few
+megabytes, generated on first use into `$PARLEY_CACHE/demo-<kind>` (default
+`~/.cache/parley/demo-<kind>`) and reused afterwards. Its weights are random, so it babbles:
 it exercises every part of the server (protocols, codec, engine, metrics) but says nothing
 meaningful. Real weights: `parley serve --model <checkpoint dir or Hugging Face repo id>`.
 """
@@ -32,29 +36,54 @@ log = logging.getLogger("parley.demo")
 DONE_MARKER = ".parley-demo-complete"  # written last, so a half-written cache is never used
 
 
-def cache_dir() -> Path:
+# `parley serve --demo KIND`; the first is the default.
+DEMO_KINDS = ("personaplex", "moshi")
+# PersonaPlex's published voice names (LiveKit's plugin defaults to NATF2): the demo ships all 18.
+PERSONAPLEX_VOICES = (*(f"NAT{g}{i}" for g in "FM" for i in range(4)), *(f"VAR{g}{i}" for g in "FM" for i in range(5)))
+# Frames of temporal context (80 ms each): the prompt (voice, silences and persona: about four
+# frames a word with the tiny tokenizer) must fit, so ~200 words do with a minute of conversation
+# beside them. At this width attention over it costs little beside Mimi: on 2 shared cores a
+# 4-session tick measured within noise of the 40-frame context's (well inside 80 ms).
+DEMO_CONTEXT = 1500
+
+
+def cache_root() -> Path:
     root = os.environ.get("PARLEY_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "parley"
-    return base / "demo"
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "parley"
+
+
+def cache_dir(kind: str = DEMO_KINDS[0]) -> Path:
+    """Where the `kind` demo is cached. Named for the kind (and renamed when its layout changes), so
+    a cache written by an older Parley (`demo`: the Moshi kind, 40 frames) is never served."""
+    if kind not in DEMO_KINDS:
+        raise ValueError(f"the demo is one of {', '.join(DEMO_KINDS)}, not {kind!r}")
+    return cache_root() / f"demo-{kind}"
 
 
 STT_NOTICE = ("the demo's speech-to-text model is tiny and random: it transcribes nonsense. For real "
               "transcripts run `parley serve --stt-model kyutai/stt-1b-en_fr` (or a local STT checkpoint).")
 
 
-def ensure_demo_checkpoint(directory: Path | None = None) -> Path:
-    """Return the demo checkpoint directory, writing it first if it is not there yet."""
-    target = directory or cache_dir()
-    return _ensure(target, lambda scratch: write_tiny_checkpoint(scratch, kind="moshi"),
-                   "no --model given: writing the tiny demo checkpoint to %s (once). It babbles: its weights "
-                   "are random. For a real conversation run `parley serve --model <dir or HF repo id>`.")
+def write_demo_checkpoint(directory: Path, kind: str = DEMO_KINDS[0]) -> Path:
+    """The `kind` demo's files in `directory` (PersonaPlex: the 18 voices and DEMO_CONTEXT)."""
+    if kind == "moshi":
+        return write_tiny_checkpoint(directory, kind="moshi")
+    return write_tiny_checkpoint(directory, kind="personaplex", voices=PERSONAPLEX_VOICES, context=DEMO_CONTEXT)
 
 
-def ensure_demo_stt_checkpoint(directory: Path | None = None) -> Path:
-    """The demo's tiny STT (random; it transcribes nonsense), sharing the demo model's Mimi so
-    that duplex sessions can be transcribed from the same codes."""
-    duplex = ensure_demo_checkpoint()
-    target = directory or cache_dir().with_name("demo-stt")
+def ensure_demo_checkpoint(kind: str = DEMO_KINDS[0], directory: Path | None = None) -> Path:
+    """Return the `kind` demo checkpoint directory, writing it first if it is not there yet."""
+    target = directory or cache_dir(kind)
+    return _ensure(target, lambda scratch: write_demo_checkpoint(scratch, kind),
+                   f"no --model given: writing the tiny {kind} demo checkpoint to %s (once). It babbles: its "
+                   "weights are random. For a real conversation run `parley serve --model <dir or HF repo id>`.")
+
+
+def ensure_demo_stt_checkpoint(kind: str = DEMO_KINDS[0], directory: Path | None = None) -> Path:
+    """The demo's tiny STT (random; it transcribes nonsense), sharing the `kind` demo model's Mimi
+    so that duplex sessions can be transcribed from the same codes."""
+    duplex = ensure_demo_checkpoint(kind)
+    target = directory or duplex.with_name(f"{duplex.name}-stt")
     return _ensure(target, lambda scratch: write_tiny_stt_checkpoint(scratch, mimi_from=duplex),
                    "writing the tiny demo speech-to-text checkpoint to %s (once); " + STT_NOTICE)
 
@@ -65,7 +94,7 @@ DEMO_TTS_VOICE_MAP = "voice_map.json"
 
 
 def demo_tts_dir() -> Path:
-    return cache_dir().with_name("demo-tts")
+    return cache_root() / "demo-tts"
 
 
 def ensure_demo_tts(directory: Path | None = None) -> Path:

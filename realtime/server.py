@@ -45,7 +45,7 @@ from parley.models.mimi.codec import Mimi
 from parley.models.tensor_sharing import share_equal_tensors
 
 from .app import DEMO_NOTICE, ServerInfo, create_app, served_paths
-from .demo_model import (DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
+from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
                          ensure_demo_stt_checkpoint, ensure_demo_tts)
 from .drain import DrainingServer
 from .images_api import ImageService
@@ -75,6 +75,7 @@ class ServeConfig:
     """Everything `parley serve` was asked for (the CLI builds it from its flags)."""
 
     model: str | None  # checkpoint directory or Hugging Face repo id; None: the demo model
+    demo: str | None = None  # which demo (demo_model.DEMO_KINDS) when no model is given; None: the first
     host: str = "127.0.0.1"
     port: int = 8998
     max_sessions: int = 8
@@ -181,6 +182,12 @@ def build_speech(config: ServeConfig, demo: bool, device: torch.device, dtype: t
 def build_app(config: ServeConfig):
     """Load the model(s) and wire engine + app (no sockets yet)."""
     demo = config.model is None and config.tts_model is None
+    if config.demo is not None and not demo:
+        raise ServeError("--demo picks the built-in demo model, which is served only without --model and "
+                         "--tts-model: drop --demo, or those")
+    demo_kind = config.demo or DEMO_KINDS[0]
+    if demo_kind not in DEMO_KINDS:
+        raise ServeError(f"--demo must be one of {', '.join(DEMO_KINDS)}, not {demo_kind!r}")
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     device = resolve_device(config.device)
@@ -193,7 +200,7 @@ def build_app(config: ServeConfig):
         return create_app(engine, _server_defaults(config, config.defaults, info.model, prompts=False), info,
                           codec_workers=config.codec_workers, ready_min_free=config.ready_min_free,
                           drain_timeout=config.drain_timeout, speech=speech)
-    source = str(ensure_demo_checkpoint()) if demo else config.model
+    source = str(ensure_demo_checkpoint(demo_kind)) if demo else config.model
     if demo:
         log.warning(DEMO_NOTICE)
     log.info("loading %s on %s (%s, Mimi %s)", source, device, str(dtype).removeprefix("torch."), config.mimi_dtype)
@@ -209,7 +216,7 @@ def build_app(config: ServeConfig):
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     speech = build_speech(config, demo, device, dtype, checkpoint.mimi)
-    stt = _load_stt(config, demo, device, dtype)
+    stt = _load_stt(config, demo_kind if demo else None, device, dtype)
     if stt is not None and (shared := share_equal_tensors(stt.mimi, checkpoint.mimi)):
         log.info("the STT model's Mimi shares %.0f MB of weights with the duplex model's", shared / 1e6)
     paired = stt is not None and _shares_mimi(checkpoint, stt)
@@ -243,10 +250,11 @@ def _server_defaults(config: ServeConfig, options: SessionOptions, model_name: s
                           limits=config.limits)
 
 
-def _load_stt(config: ServeConfig, demo: bool, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
-    if config.stt_model is None and not demo:
+def _load_stt(config: ServeConfig, demo: str | None, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:
+    """--stt-model, or with `demo` (the demo kind served) the demo's tiny STT sharing its Mimi."""
+    if config.stt_model is None and demo is None:
         return None
-    source = config.stt_model or str(ensure_demo_stt_checkpoint())
+    source = config.stt_model or str(ensure_demo_stt_checkpoint(demo))
     if config.stt_model is None:
         log.warning("demo server: %s", STT_NOTICE)
     log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)

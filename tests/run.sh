@@ -17,6 +17,10 @@ python -m pip install -q --no-deps "moshi==0.2.13"
 # would downgrade soundfile/soxr and pull numba and onnxruntime, so only what the parser imports.
 python -m pip install -q --no-deps "pipecat-ai==1.14.0" "loguru==0.7.3" "wait_for2==0.4.1" \
     "docstring_parser==0.18.0" "loudness==0.2.0" "sentencex==1.0.32" "pillow==13.0.0"
+# LiveKit's PersonaPlex plugin (tests/test_demo_model.py; livekit-agents is in the test extra). Its
+# package imports NVIDIA's Riva client, which pins websockets<16 and would downgrade the server's
+# websockets 16, hence --no-deps (the Riva client's grpcio and protobuf come with livekit-agents).
+python -m pip install -q --no-deps "livekit-plugins-nvidia==1.8.9" "nvidia-riva-client==2.28.0"
 # HAProxy for the `parley launch` end-to-end tests (tests/test_launch.py): the distribution's package.
 if ! command -v haproxy >/dev/null; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -113,7 +113,7 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
     text = log.read_text()
     assert "babbles" in text and "--model" in text and "transcribes nonsense" in text
     assert "Application shutdown complete" in text
-    assert (tmp_path / "cache" / "demo" / "model.safetensors").is_file()
+    assert (tmp_path / "cache" / "demo-personaplex" / "model.safetensors").is_file()
 
 
 def test_parley_serve_help_explains_flags():

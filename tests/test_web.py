@@ -462,12 +462,15 @@ def test_page_behind_an_api_key_passes_it_on(tmp_path):
 
 
 def test_page_with_parley_serve_demo(tmp_path):
-    """Plain `parley serve` (the built-in demo model): the page says it babbles, and the agent's
-    text and voice arrive."""
+    """Plain `parley serve` (the built-in demo model, a tiny PersonaPlex): the page lists its 18
+    voices, takes a persona and the last voice, says it babbles, and the agent's text and voice arrive."""
+    from parley.realtime.demo_model import PERSONAPLEX_VOICES
     _need_browser()
     _need_server()
+    voices = sorted(f"{v}.pt" for v in PERSONAPLEX_VOICES)
     with parley_serve(tmp_path, None, max_sessions=1) as url:
-        res = run_page_scenario(url, tmp_path, expect_voices=None, screenshot="parley_web_demo", check_full=False)
+        res = run_page_scenario(url, tmp_path, expect_voices=voices, screenshot="parley_web_demo", check_full=False)
+    assert res["a"]["prompts"] is True  # the persona box was enabled and filled
     _check_live_stats(res["a"], max_buffer_ms=200)
     assert "babble" in res["notice"], res["notice"]
     assert res["user_text"].strip(), "the demo's tiny STT should show (nonsense) user words"
