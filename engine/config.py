@@ -16,6 +16,9 @@ TICK_SECONDS = FRAME_SAMPLES / SAMPLE_RATE  # 0.08: one frame of audio per tick
 # past these does not fit (writing it raises on the engine thread, in every session's tick).
 MAX_TEMPERATURE = 3.4028234663852886e38  # the largest finite float32
 MAX_TOP_K = 2**63 - 1  # int64; any top-k at or above the vocabulary size means "no restriction"
+# An image request with no work run for this long fails (engine/image_queue.py); here, torch-free,
+# so `parley serve --help` can show it.
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 
 class OptionsError(ValueError):

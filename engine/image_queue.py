@@ -73,6 +73,7 @@ import torch
 
 from parley.models.image_pipeline import Conditioning, ImageJob, ImageStepper, TiledDecode
 
+from .config import DEFAULT_STALL_TIMEOUT_S
 from .cuda_graph import CUDAGraphRunner, GraphError, sync_device
 from .image_costs import BLEND, DECODE, DENOISE, ENCODE, PREVIEW, TILE, predict
 from .slack import CostModel, Priority, SlackSource, WorkItem
@@ -82,7 +83,6 @@ log = logging.getLogger("parley.engine.images")
 
 DEFAULT_CAPACITY = 16
 DEFAULT_MAX_BATCH = 4
-DEFAULT_STALL_TIMEOUT_S = 60.0
 # A job this old (s since its request was submitted) takes denoise places ahead of younger jobs
 # past their first output: the bound on their wait (the module docstring's Order). Well above an
 # image's time through a full queue (16 at 512 px, B = 64: about 4.6 s by Little's law from the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
@@ -28,9 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket
 
-from parley.engine import Engine
-
 from .refusals import Refusals
+
+if TYPE_CHECKING:  # security.py imports this module: `parley serve` must not load torch through it
+    from parley.engine import Engine
 
 log = logging.getLogger("parley.capacity")
 

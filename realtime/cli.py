@@ -17,16 +17,18 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, Sequence
 
+# Only torch-free modules here: `parley --help` must not wait for torch (tests/test_lazy_imports.py).
+# Each handler imports what its command needs when it runs.
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
+from parley.engine.config import DEFAULT_STALL_TIMEOUT_S
 
 from . import cli_sources, doors
 from .help_format import HelpFormatter
 from .launch import add_launch
-from .limits import EdgeLimits
+from .limits import WS_MAX_SIZE, EdgeLimits
 from .log_format import LOG_FORMATS, configure_logging
 from .offline_cli import add_offline
-from .security import parse_origins, read_key_file
-from .server import WS_MAX_SIZE, ServeConfig, serve
+from .server_sockets import bind
 from .transcribe_cli import add_transcribe
 from .tts_cli import add_tts
 
@@ -117,7 +119,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "demo pipeline (noise) when --model is omitted too, else no image endpoint")
     p.add_argument("--image-queue", type=int, default=16,
                    help="images waiting or running at once; more are refused with 429 and Retry-After")
-    p.add_argument("--image-stall-timeout", type=float, default=ServeConfig.image_stall_timeout, metavar="SECONDS",
+    p.add_argument("--image-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
                    help="an image request that has had no work run for this long (the voice load leaves no "
                         "slack for its size, or it is queued behind others) fails with a message saying so; "
                         "a client not reading its stream does not count")
@@ -168,6 +170,8 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
 
 def reliability_settings(args: argparse.Namespace) -> dict:
     """ServeConfig fields from the flags above; raises ValueError with a sentence naming the flag."""
+    from .security import parse_origins, read_key_file  # starlette: only once serving
+
     if args.api_key and args.api_key_file:
         raise ValueError("give --api-key or --api-key-file, not both")
     keys = read_key_file(args.api_key_file) if args.api_key_file else args.api_key
@@ -222,6 +226,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
         return 2
+    try:  # before loading anything: a taken port is found at once (server_sockets.py)
+        sockets = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"parley serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    from .server import ServeConfig, serve  # torch and the models: only once serving
+
     config = ServeConfig(model=args.model, demo=args.demo, host=args.host, port=args.port,
                          max_sessions=args.max_sessions,
                          device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mimi_dtype=args.mimi_dtype,
@@ -234,7 +245,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          image_stall_timeout=args.image_stall_timeout, tts_model=args.tts_model,
                          tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map,
                          **reliability)
-    return serve(config)
+    return serve(config, sockets)
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_transcribe,

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 BURST_SECONDS = 2.0  # a bucket holds this many seconds of its rate: bursts pass, floods do not
+# The WebSocket transport's hard cap on one message (uvicorn's ws_max_size: close 1009; server.py).
+WS_MAX_SIZE = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from parley.engine import OptionsError, SamplingOptions, SessionOptions
-from parley.engine.backend import ModelBackend, SessionRejected
-from parley.engine.offline import run_offline
-from parley.models.audio_io import AudioFileError, read_wav, write_wav
-from parley.models.checkpoint import CheckpointError
-
 from .help_format import HelpFormatter
-from .server import ServeError, resolve_device, resolve_dtype
 
 log = logging.getLogger("parley.offline")
 
@@ -43,6 +34,8 @@ def add_offline(subparsers: argparse._SubParsersAction) -> None:
 
 def device_arg(name: str) -> str:
     """argparse type for --device: a device this machine has (checked now, not after loading)."""
+    from .server import ServeError, resolve_device
+
     try:
         return str(resolve_device(name))
     except ServeError as exc:
@@ -67,6 +60,16 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_offline_command(args: argparse.Namespace) -> int:
+    import torch  # the model stack loads here, not for --help
+
+    from parley.engine import OptionsError, SamplingOptions, SessionOptions
+    from parley.engine.backend import ModelBackend, SessionRejected
+    from parley.engine.offline import run_offline
+    from parley.models.audio_io import AudioFileError, read_wav, write_wav
+    from parley.models.checkpoint import CheckpointError
+
+    from .server import resolve_dtype
+
     try:
         options = SessionOptions(persona=args.persona, voice=args.voice,
                                  sampling=SamplingOptions.greedy() if args.greedy else None)

@@ -25,6 +25,7 @@ import dataclasses
 import importlib.util
 import logging
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_
                          ensure_demo_stt_checkpoint, ensure_demo_tts)
 from .drain import DrainingServer
 from .images_api import ImageService
-from .limits import EdgeLimits
+from .limits import WS_MAX_SIZE, EdgeLimits
 from .load_progress import LoadProgress
 from .security import RedactKeys
 from .sessions import ServerDefaults
@@ -62,8 +63,6 @@ log = logging.getLogger("parley.server")
 # H200 against +20 % after it (docs/benchmarks.md); graphed equals eager on CUDA
 # (tests/test_stt_graphs.py). False steps them after the frame in a graph of their own.
 PAIRED_IN_FRAME = True
-
-WS_MAX_SIZE = 16 * 1024 * 1024
 
 
 class ServeError(RuntimeError):
@@ -297,17 +296,20 @@ def build_images(config: ServeConfig, engine: Engine, device: torch.device, dtyp
     return ImageService(queue, engine, stepper.name)
 
 
-def serve(config: ServeConfig) -> int:
+def serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
+    """Load and serve on `sockets`, already bound to config's address (server_sockets.py)."""
     try:
         app = build_app(config)
     except (ServeError, CheckpointError) as exc:
         log.error("%s", exc)
+        for sock in sockets:
+            sock.close()
         return 2
     frozen = freeze_loaded_objects()  # full GC passes must not walk the models (engine/gc_pauses.py)
     log.info("froze %d loaded objects out of garbage collection", frozen)
     log_serving(app, config)
     return run_app(app, uvicorn_config(app, config.host, config.port, config.log_level,
-                                       ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
+                                       ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile), sockets)
 
 
 def log_serving(app, config: ServeConfig) -> None:
@@ -317,9 +319,9 @@ def log_serving(app, config: ServeConfig) -> None:
              ", ".join(served_paths(app)))
 
 
-def run_app(app, uv_config: uvicorn.Config) -> int:
-    """Run uvicorn (SIGTERM drains, drain.py) until it stops: exit 0 with no traceback, or 1
-    after a fatal engine error."""
+def run_app(app, uv_config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> int:
+    """Run uvicorn (SIGTERM drains, drain.py) on `sockets` (None: it binds the config's address)
+    until it stops: exit 0 with no traceback, or 1 after a fatal engine error."""
     for name in ("uvicorn.access", "uvicorn.error"):  # they log request paths, query strings included
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactKeys) for f in logger.filters):
@@ -337,7 +339,7 @@ def run_app(app, uv_config: uvicorn.Config) -> int:
         # into a clean exit (no KeyboardInterrupt traceback, no death by SIGTERM).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=sockets)
     if fatal:
         log.error("exiting with status 1 after a fatal engine error, so a supervisor can restart the server")
         return 1

@@ -19,10 +19,9 @@ from parley.models.tensor_sharing import share_equal_tensors
 from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
 
 from .speech_api import DEFAULT_CFG, SpeechService
+from .speech_options import DEFAULT_VOICES
 
 log = logging.getLogger("parley.speech")
-
-DEFAULT_VOICES = "kyutai/tts-voices"
 
 
 def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | None,

@@ -8,15 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from parley.engine.stt_pool import SttFailed, SttPool, collect_transcript
-from parley.models.audio_io import AudioFileError, read_wav
-from parley.models.checkpoint import CheckpointError, load_stt_checkpoint
-
 from .help_format import HelpFormatter
 from .offline_cli import add_device_flags
-from .server import resolve_dtype
 
 
 def add_transcribe(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +28,14 @@ def add_transcribe(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_transcribe(args: argparse.Namespace) -> int:
+    import torch  # the model stack loads here, not for --help
+
+    from parley.engine.stt_pool import SttFailed, SttPool, collect_transcript
+    from parley.models.audio_io import AudioFileError, read_wav
+    from parley.models.checkpoint import CheckpointError, load_stt_checkpoint
+
+    from .server import resolve_dtype
+
     try:
         pcm = read_wav(args.input).numpy()
         checkpoint = load_stt_checkpoint(args.model, args.device, resolve_dtype(args.dtype, args.device))

@@ -10,17 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from parley.engine.tts_offline import synthesize
-from parley.models.audio_io import write_wav
-from parley.models.checkpoint import CheckpointError
-
 from .help_format import HelpFormatter
 from .offline_cli import add_run_flags
-from .server import resolve_dtype
-from .speech_api import SPEED_MAX, SPEED_MIN, SpeechError, SpeechParams, build_request
-from .speech_setup import DEFAULT_VOICES, load_speech_service
+from .speech_options import DEFAULT_VOICES, SPEED_MAX, SPEED_MIN
 
 log = logging.getLogger("parley.tts")
 
@@ -45,6 +37,16 @@ def add_tts(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_tts_command(args: argparse.Namespace) -> int:
+    import torch  # the model stack loads here, not for --help
+
+    from parley.engine.tts_offline import synthesize
+    from parley.models.audio_io import write_wav
+    from parley.models.checkpoint import CheckpointError
+
+    from .server import resolve_dtype
+    from .speech_api import SpeechError, SpeechParams, build_request
+    from .speech_setup import load_speech_service
+
     if args.seed is not None:
         torch.manual_seed(args.seed)
     try:

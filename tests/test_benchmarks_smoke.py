@@ -101,6 +101,11 @@ CPU_CASES = {
         "soak.py", ["--spawn", "tiny", "--sessions", "2", "--minutes", "0.1", "--procs", "1"],
         [r"sessions 2 \(0 refused, 1 client processes\)", r"frames lost per session: mean \d+\.\d",
          r"late ticks \d+, skipped \d+", r"RSS: "]),
+    "cli_startup": (
+        "cli_startup.py", ["--runs", "1"],
+        [r"^\| command \| median \(s\) \| slowest \(s\) \| heavy imports \|$",
+         r"^\| parley serve --help \| \d+\.\d\d \| \d+\.\d\d \| none \|$",
+         r"^\| parley --version \| \d+\.\d\d \| \d+\.\d\d \| none \|$"]),
 }
 
 

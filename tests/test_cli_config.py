@@ -156,3 +156,58 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_loads(capsys, de
         assert "argument --device" in (err := capsys.readouterr().err) and needle in err, err
     with pytest.raises(ServeError, match=needle):
         resolve_device(device)
+
+
+def test_a_taken_port_is_refused_before_anything_loads():
+    """`parley serve` beside a server on its port: one line naming the address, exit 2, and no
+    model stack loaded (it used to load every model, then exit on uvicorn's bind error)."""
+    import socket
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom parley.realtime.cli import main\ncode = main(sys.argv[1:])\n"
+              "print('torch' in sys.modules, code)")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-c", script, "serve", "--host", "127.0.0.1", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "2"], done.stderr
+    assert done.stderr.splitlines() == [f"parley serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+def test_the_server_answers_on_the_sockets_bound_before_loading():
+    """run_app serves on the sockets handed to it: uvicorn's own address (another port) stays unbound."""
+    import threading
+    import time
+    import urllib.request
+
+    from parley.engine import Engine
+    from parley.engine.testing import DelayBackend
+    from parley.realtime.app import create_app
+    from parley.realtime.server import run_app, uvicorn_config
+    from parley.realtime.server_sockets import bind
+    from server_harness import free_port
+
+    app = create_app(Engine(DelayBackend(1)), web_dir=None)
+    [sock] = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(
+        run_app(app, uvicorn_config(app, "127.0.0.1", free_port(), log_level="warning"), [sock])))
+    thread.start()
+    deadline = time.monotonic() + 30
+    try:
+        while True:  # refused until uvicorn has started and listens on it
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=5) as r:
+                    status = r.status
+                break
+            except OSError:
+                assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.05)
+    finally:
+        app.state.sessions.engine.on_fatal(RuntimeError("stop the test server"))  # run_app's stop hook
+        thread.join(30)
+    assert status == 200 and result == [1]

@@ -1,4 +1,10 @@
-"""After the server starts, serving a request imports no module. An import holds the GIL while it
+"""Imports at the two ends of a server's life.
+
+The `parley` command's help and version load no model stack: torch, diffusers and transformers
+took 7-9 s before argparse ran. Each command's handler imports what it needs when it runs; the
+defaults --help shows come from torch-free modules (engine/config.py, realtime/limits.py, ...).
+
+After the server starts, serving a request imports no module. An import holds the GIL while it
 runs (tens of ms), and the engine thread waits for it: on the H200 the first /v1/audio/speech
 request made a duplex frame 20-50 ms late (anyio's backend, loaded on Starlette's first request),
 and the first mp3 response imported PyAV. realtime/app.py `load_lazy_modules` imports them at
@@ -24,6 +30,35 @@ import pytest
 from server_harness import chat_session, free_port, tone
 
 SERVER = Path(__file__).with_name("lazy_import_server.py")
+HEAVY = ("torch", "diffusers", "transformers", "triton")
+# Runs `parley ARGV...` in a fresh interpreter, then prints which of HEAVY it imported.
+CLI = ("import json, sys\nfrom parley.realtime.cli import main\n"
+       "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+       f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr)")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["serve", "--help"], ["offline", "--help"],
+                                  ["tts", "--help"], ["transcribe", "--help"], ["launch", "--help"]],
+                         ids=" ".join)
+def test_help_and_version_import_no_model_stack(argv):
+    done = subprocess.run([sys.executable, "-c", CLI, *argv], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip(), done.stderr  # the help or version text was printed
+    assert json.loads(done.stderr.splitlines()[-1]) == []
+
+
+def test_serve_help_shows_the_engines_defaults():
+    """The defaults --help prints are the engine's own values (one definition, read torch-free)."""
+    from parley.engine import SamplingOptions
+    from parley.engine.image_queue import DEFAULT_STALL_TIMEOUT_S
+    from parley.realtime.cli import build_parser
+    from parley.realtime.limits import EdgeLimits
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = " ".join(serve.format_help().split())
+    sampling, limits = SamplingOptions(), EdgeLimits()
+    assert f"else {sampling.text_temperature})" in text and f"else {sampling.audio_top_k})" in text
+    assert f"(default: {DEFAULT_STALL_TIMEOUT_S})" in text
+    assert f"(default: {limits.max_messages_per_s})" in text
 
 
 def wav_bytes(pcm: np.ndarray) -> bytes:
