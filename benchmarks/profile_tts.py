@@ -67,13 +67,12 @@ def profile_rows(lm: TtsLM, mimi: Mimi, rows: int, slots: int, replays: int, war
     pool = TtsPool(lm, mimi, slots, voice_frames=VOICE_FRAMES)
     pool.warm_up()
     fill_rows(pool, lm, rows)
-    graphs = pool._graphs
 
     def active(n: int) -> torch.Tensor:  # a bucket of n rows, the live ones among them active
         return torch.arange(n, device="cuda") < rows
 
-    per_bucket = {n: {kind: graph_ms(graphs[kind, n], (active(n),), replays, warmup) for kind in ("text", "full")}
-                  for n in pool.buckets}
+    per_bucket = {n: {kind: graph_ms(pool._steps[kind].graph(n), (active(n),), replays, warmup)
+                      for kind in ("text", "full")} for n in pool.buckets}
     n = pool.bucket(range(rows))
     result = {"bucket": n, **per_bucket[n]}
     index = torch.zeros(1, dtype=torch.long, device="cuda")

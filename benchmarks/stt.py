@@ -151,7 +151,7 @@ def bench_paired(duplex, stt, batch: int, frames: int, warmup: int, device, brea
             if transcription.graphed:
                 codes = torch.zeros(batch, stt.lm_config.n_q, dtype=torch.long, device=device)
                 inputs = (codes, torch.ones(batch, dtype=torch.bool, device=device))
-                graph = transcription._graphs[batch]
+                graph = transcription._steps.graph(batch)
                 out["stt graph"] = (graph_ms(graph, inputs, frames, warmup) / 1e3,) * 2
                 out["stt kernels"] = kernel_breakdown(graph, inputs, replays=5)
         if transcription is not None:

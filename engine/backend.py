@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 import numpy as np
 import torch
@@ -39,12 +39,12 @@ from parley.models.lm_gen import LMGen, LMGenState
 from parley.models.sampling import UNSEEDED
 from parley.models.mimi import MimiState
 from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
-from parley.models.row_views import leading_rows
 from parley.models.voices import (PersonaError, VoicePrompt, list_voices, load_voice, voice_candidates,
                                   voice_not_found)
 
 from .config import SamplingOptions, SessionOptions
-from .cuda_graph import CUDAGraphRunner, sync_device
+from .bucketed_step import BucketedStep, bucket_sizes
+from .cuda_graph import sync_device
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
 
 log = logging.getLogger("parley.engine.backend")
@@ -65,21 +65,6 @@ class SessionRejected(ValueError):
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """Weights in bfloat16 on CUDA, float32 on CPU (where bf16 matmuls are slow and inexact)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def bucket_sizes(max_sessions: int) -> list[int]:
-    """1, 2, 4, ... below max_sessions, then max_sessions: the row counts a tick may run."""
-    buckets, n = [], 1
-    while n < max_sessions:
-        buckets.append(n)
-        n *= 2
-    return buckets + [max_sessions]
-
-
-def bucket_for(buckets: list[int], rows: Iterable[int]) -> int:
-    """The smallest of `buckets` (ascending row counts) holding every one of `rows` (indices)."""
-    top = max(rows, default=0) + 1
-    return next(n for n in buckets if n >= top)
 
 
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
@@ -186,7 +171,7 @@ class ModelBackend:
 
     All per-row state (LM KV ring, token ring, offsets, sampling, Mimi streams) lives in
     device tensors allocated once here. On CUDA the whole frame is one graph per row bucket
-    (see cuda_graph.py and the module doc); on CPU it runs eagerly with the same code.
+    (see bucketed_step.py and the module doc); on CPU it runs eagerly with the same code.
     """
 
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
@@ -233,23 +218,8 @@ class ModelBackend:
         self._prompt_user = torch.zeros(b, self.cfg.n_user, dtype=torch.long, device=self.device)
         self._prompt_mask = torch.zeros(b, dtype=torch.bool, device=self.device)
         self._handoff_rows: set[int] = set()  # rows whose handoff frame is still to run
-        if row_buckets is None:
-            row_buckets = self.device.type == "cuda"
-        self._buckets = bucket_sizes(max_sessions) if row_buckets else [max_sessions]
-        # Per bucket n: the frame over views of the lowest n rows, and its CUDA graph.
-        self._frames_of: dict[int, Callable[..., tuple[torch.Tensor, ...]]] = {
-            n: partial(self._frame, leading_rows(self._lm_state, n), leading_rows(self._mimi_state, n))
-            for n in self._buckets}
-        self._graphs: dict[int, CUDAGraphRunner] = {}
         self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
-        if cuda_graphs and self.device.type == "cuda":
-            pool = torch.cuda.graph_pool_handle()  # one tick runs at a time: the graphs share memory
-            generators = side_work.generators if side_work is not None else ()
-            for n in reversed(self._buckets):  # largest first, so the pool is sized once
-                idle = torch.zeros(n, dtype=torch.bool, device=self.device)
-                frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
-                self._graphs[n] = CUDAGraphRunner(self._frames_of[n], (frames, idle, *self._handoff_inputs(n)),
-                                                  pool=pool, generators=generators)
+        self._frames = self._frame_steps(row_buckets, cuda_graphs)
         # PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
         # graph per chunk class on CUDA; warmed up here so the first session's prompt does not
         # pay for loading kernels and picking matmul algorithms (0.15-1.2 s on an H200).
@@ -267,6 +237,22 @@ class ModelBackend:
         return cls(load_checkpoint(source, device, dtype or default_dtype(device)), max_sessions, **kwargs)
 
     # ---- the frame ----
+
+    def _frame_steps(self, row_buckets: bool | None, cuda_graphs: bool) -> BucketedStep:
+        """Per bucket n, the frame over views of the lowest n rows; on CUDA one graph each."""
+        if row_buckets is None:
+            row_buckets = self.device.type == "cuda"
+        frames = BucketedStep(self._frame, (self._lm_state, self._mimi_state),
+                              bucket_sizes(self.max_sessions) if row_buckets else [self.max_sessions])
+        if cuda_graphs and self.device.type == "cuda":
+            side = self._side_work
+            frames.capture(self._idle_frame_inputs, generators=side.generators if side is not None else ())
+        return frames
+
+    def _idle_frame_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
+        """A bucket's capture inputs: silence, no row live (by the model contract no state changes)."""
+        frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
+        return frames, torch.zeros(n, dtype=torch.bool, device=self.device), *self._handoff_inputs(n)
 
     def _handoff_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
         return self._force_text[:n], self._force_audio[:n], self._prompt_user[:n], self._prompt_mask[:n]
@@ -319,7 +305,7 @@ class ModelBackend:
 
     def bucket(self, live_mask: torch.Tensor) -> int:
         """The rows a tick with this host live mask runs: the smallest bucket holding every live row."""
-        return bucket_for(self._buckets, live_mask.nonzero().flatten().tolist())
+        return self._frames.bucket(live_mask.nonzero().flatten().tolist())
 
     @torch.no_grad()
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
@@ -331,8 +317,7 @@ class ModelBackend:
             frames, live_mask = self._frames_host, self._mask_host
         frames = frames[:n].to(self.device, non_blocking=True)
         live_mask = live_mask[:n].to(self.device, non_blocking=True)
-        run = self._graphs.get(n) or self._frames_of[n]
-        pcm, text, valid, agent, user, *side = run(frames, live_mask, *self._handoff_inputs(n))
+        pcm, text, valid, agent, user, *side = self._frames(n, frames, live_mask, *self._handoff_inputs(n))
         if stepped:  # their handoff frame is done
             self._clear_handoff(stepped)
         return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user,
@@ -457,12 +442,10 @@ class ModelBackend:
         sync_device(self.device)
 
     def close(self) -> None:
-        for graph in self._graphs.values():
-            graph.close()
-        self._graphs.clear()
+        self._frames.close()
         if self._prompts is not None:
             self._prompts.close()
-        self._frames_of.clear()
+        self._frames = None  # type: ignore[assignment]  # (its steps hold views of the state)
         self._lm_state = self._mimi_state = None  # type: ignore[assignment]
         self.checkpoint = None  # type: ignore[assignment]
         self._gen = None  # type: ignore[assignment]

@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from functools import partial
 
 import torch
 
 from parley.models.checkpoint import SttCheckpoint
 from parley.models.config import FRAME_RATE
-from parley.models.row_views import leading_rows
 from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
-from .backend import BackendOutput, bucket_sizes
-from .cuda_graph import CUDAGraphRunner
+from .backend import BackendOutput
+from .bucketed_step import BucketedStep, bucket_sizes
 from .scheduler import TickPlan
 from .stream import OutputStream, Status, Terminal
 from .stt_pool import SttPartial
@@ -65,16 +63,12 @@ class PairedTranscription:
         device = self._state.offsets.device
         self._mask_dev = torch.zeros(max_sessions, dtype=torch.bool, device=device)  # read by frame_work
         # Per row count n (every bucket the backend may run): the step over the lowest n rows.
-        self._steps = {n: partial(self._device_step, leading_rows(self._state, n)) for n in bucket_sizes(max_sessions)}
+        self._steps = BucketedStep(self._device_step, (self._state,), bucket_sizes(max_sessions))
         self.frame_work = _FrameWork(self) if in_frame else None  # the backend's FrameSideWork
-        self._graphs: dict[int, CUDAGraphRunner] = {}
         if cuda_graphs and device.type == "cuda" and not in_frame:
-            pool = torch.cuda.graph_pool_handle()  # one bucket runs per tick: the graphs share memory
-            for n in sorted(self._steps, reverse=True):
-                idle = torch.zeros(n, dtype=torch.bool, device=device)
-                codes = torch.zeros(n, self.n_q, dtype=torch.long, device=device)
-                self._graphs[n] = CUDAGraphRunner(self._steps[n], (codes, idle), pool=pool,
-                                                  generators=(self.gen.generator,))
+            self._steps.capture(lambda n: (torch.zeros(n, self.n_q, dtype=torch.long, device=device),
+                                           torch.zeros(n, dtype=torch.bool, device=device)),
+                                generators=(self.gen.generator,))
         self._rows: list[_Row | None] = [None] * max_sessions
         self._pending: list[tuple[int, _Row | None]] = []  # (row, new state) from the loop thread
         self._lock = threading.Lock()
@@ -130,17 +124,16 @@ class PairedTranscription:
             n = out.user_codes.shape[0]
             mask = self._mask_dev[:n]
             codes = out.user_codes[:, :self.n_q].long()
-            step = self._graphs.get(n) or self._steps.get(n)
-            if step is None:  # a backend without buckets runs max_sessions rows: always a key
+            if n not in self._steps.buckets:  # a backend without buckets runs max_sessions rows: always one
                 raise RuntimeError(f"the frame ran {n} rows; paired transcription has {self.max_sessions}")
-            (self._out,) = step(codes, mask)
+            (self._out,) = self._steps(n, codes, mask)
         self.steps += 1
         self.rows_stepped += sum(run)
 
     def _frame_step(self, latent: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """In the frame (FrameSideWork): quantize the frame's latent to the STT's codebooks, step."""
         codes = self.checkpoint.mimi.quantize(latent, self.n_q)
-        (out,) = self._steps[latent.shape[0]](codes, self._mask_dev[:latent.shape[0]] & live)
+        (out,) = self._steps.eager(latent.shape[0])(codes, self._mask_dev[:latent.shape[0]] & live)
         return out
 
     @torch.no_grad()
@@ -150,12 +143,10 @@ class PairedTranscription:
     @property
     def graphed(self) -> bool:
         """Whether the steps replay CUDA graphs (CUDA, cuda_graphs on)."""
-        return bool(self._graphs)
+        return self._steps.graphed
 
     def close(self) -> None:
-        for graph in self._graphs.values():
-            graph.close()
-        self._graphs.clear()
+        self._steps.close()
 
     def counters(self) -> dict:
         """For /metrics (engine.counters)."""

@@ -28,19 +28,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
 
 from parley.models.checkpoint import SttCheckpoint
 from parley.models.config import FRAME_RATE, FRAME_SAMPLES
-from parley.models.row_views import leading_rows
 from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
-from .backend import bucket_for, bucket_sizes
-from .cuda_graph import CUDAGraphRunner
+from .bucketed_step import BucketedStep, bucket_sizes
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
 
@@ -199,10 +196,7 @@ class SttPool(SlackSource):
         self.gen = SttGen(checkpoint.lm)
         self._state = self.gen.init_state(slots)
         self._mimi_state = checkpoint.mimi.init_state(slots, self.device)
-        self._buckets = bucket_sizes(slots)
-        self._steps = {n: partial(self._device_step, leading_rows(self._state, n), leading_rows(self._mimi_state, n))
-                       for n in self._buckets}
-        self._graphs: dict[int, CUDAGraphRunner] = {}
+        self._steps = BucketedStep(self._device_step, (self._state, self._mimi_state), bucket_sizes(slots))
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(slots, FRAME_SAMPLES, pin_memory=self._pinned)
@@ -287,7 +281,7 @@ class SttPool(SlackSource):
 
     def bucket(self, rows) -> int:
         """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
-        return bucket_for(self._buckets, rows)
+        return self._steps.bucket(rows)
 
     def _admit(self) -> None:
         free = [i for i, row in enumerate(self._rows) if row is None or self._release_if_done(i, row)]
@@ -391,7 +385,7 @@ class SttPool(SlackSource):
         self._mask_host[:n].copy_(torch.tensor(run[:n]))
         pcm = self._frames_host[:n].to(self.device, non_blocking=True)
         mask = self._mask_host[:n].to(self.device, non_blocking=True)
-        (out,) = (self._graphs.get(n) or self._steps[n])(pcm, mask)
+        (out,) = self._steps(n, pcm, mask)
         return out.cpu().numpy()
 
     @torch.no_grad()
@@ -402,7 +396,7 @@ class SttPool(SlackSource):
     @property
     def graphed(self) -> bool:
         """Whether steps replay CUDA graphs (CUDA, after `warm_up`)."""
-        return bool(self._graphs)
+        return self._steps.graphed
 
     def _publish(self, i: int, values: np.ndarray, input_at: float) -> None:
         row = self._rows[i]
@@ -477,22 +471,19 @@ class SttPool(SlackSource):
     def warm_up(self, costs: CostModel) -> None:
         """Capture each bucket's graph (CUDA), then time one step per bucket with no row running
         (by the model contract no state changes) and seed its cost estimate."""
-        for n in reversed(self._buckets):  # largest first, so the shared pool is sized once
-            idle = torch.zeros(n, dtype=torch.bool, device=self.device)
-            pcm = torch.zeros(n, FRAME_SAMPLES, device=self.device)
-            if self._use_graphs and n not in self._graphs:
-                if not self._graphs:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
-                self._graphs[n] = CUDAGraphRunner(self._steps[n], (pcm, idle), pool=self._graph_pool,
-                                                  generators=(self.gen.generator,))
-            step = self._graphs.get(n) or self._steps[n]
-            spent, _ = second_call_cost(lambda: step(pcm, idle)[0].cpu())  # (the copy to the host syncs)
+        if self._use_graphs:
+            self._steps.capture(self._idle_inputs, generators=(self.gen.generator,))
+        for n in reversed(self._steps.buckets):
+            pcm, idle = self._idle_inputs(n)
+            spent, _ = second_call_cost(lambda: self._steps(n, pcm, idle)[0].cpu())  # (the copy to the host syncs)
             costs.seed(step_key(n), spent)
 
+    def _idle_inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of bucket n with no row running: silence, an all-False mask."""
+        return torch.zeros(n, FRAME_SAMPLES, device=self.device), torch.zeros(n, dtype=torch.bool, device=self.device)
+
     def close(self) -> None:
-        for graph in self._graphs.values():
-            graph.close()
-        self._graphs.clear()
+        self._steps.close()
 
     def run_until_idle(self) -> None:
         """Manual mode (CLI, tests without an engine): step until no row can advance."""

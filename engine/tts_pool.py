@@ -54,10 +54,9 @@ import torch
 
 from parley.models.dsm import WordEntry
 from parley.models.mimi.codec import Mimi, MimiState
-from parley.models.row_views import leading_rows
 from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
 
-from .backend import bucket_for, bucket_sizes
+from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import CUDAGraphRunner, sync_device
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
@@ -174,10 +173,9 @@ class TtsPool(SlackSource):
         if row_buckets is None:
             row_buckets = self.device.type == "cuda"
         self.buckets = bucket_sizes(slots) if row_buckets else [slots]
-        # Per bucket n: the device step over views of the lowest n rows (model and Mimi decoder).
-        self._steps_of = {n: partial(self._device_step, self._gen.leading_rows(n), leading_rows(self._mimi_state, n))
-                          for n in self.buckets}
-        self._graphs: dict[tuple[str, int], CUDAGraphRunner] = {}  # per (kind, bucket)
+        # Per kind, per bucket n: the device step over views of the lowest n rows (model and Mimi decoder).
+        self._steps = {kind: BucketedStep(partial(self._device_step, kind=kind), (self._gen, self._mimi_state),
+                                          self.buckets) for kind in STEP_KINDS}
         self._admit_graph: CUDAGraphRunner | None = None
         self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
         self._warm_conditions: dict | None = None  # what warm-up admissions carry (warm_up)
@@ -212,7 +210,7 @@ class TtsPool(SlackSource):
     @property
     def graphed(self) -> bool:
         """Whether the steps replay CUDA graphs (CUDA, after `warm_up`)."""
-        return bool(self._graphs)
+        return self._steps["full"].graphed
 
     @property
     def step_keys(self) -> list[tuple]:
@@ -221,7 +219,7 @@ class TtsPool(SlackSource):
 
     def bucket(self, rows: Sequence[int]) -> int:
         """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
-        return bucket_for(self.buckets, rows)
+        return self._steps["full"].bucket(rows)
 
     @property
     def live(self) -> int:
@@ -244,11 +242,9 @@ class TtsPool(SlackSource):
         self._warm_conditions = conditions
         idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         if self._use_graphs:
-            pool = torch.cuda.graph_pool_handle()  # one step runs at a time: the step graphs share memory
-            for n in reversed(self.buckets):  # largest first, so the pool is sized once
-                for kind in STEP_KINDS:
-                    self._graphs[kind, n] = CUDAGraphRunner(partial(self._steps_of[n], kind=kind),
-                                                            (idle[:n],), pool=pool)
+            pool = None  # one step runs at a time: the step graphs of both kinds share memory
+            for kind in reversed(STEP_KINDS):  # the full steps' largest bucket first: it sizes the pool
+                pool = self._steps[kind].capture(lambda n: (idle[:n],), pool=pool)
             # The admission's device part (row reset, Mimi reset, voice -> cross-attention keys and
             # values: ~700 small kernels eagerly, ~4-5 ms of launches on the H200). Captured with
             # no row selected and row 0 as the voice's target: no row is live yet.
@@ -402,10 +398,8 @@ class TtsPool(SlackSource):
 
     def _run_device(self, active: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """One step of `kind` over the bucket of `active`'s length ([bucket] bool, on the device)."""
-        n = active.shape[0]
-        runner = self._graphs.get((kind, n))
         with torch.no_grad():
-            return runner(active) if runner is not None else self._steps_of[n](active, kind=kind)
+            return self._steps[kind](active.shape[0], active)
 
     def _step(self, rows: list[int], kind: str) -> None:
         active = torch.zeros(self.bucket(rows), dtype=torch.bool)

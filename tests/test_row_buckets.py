@@ -1,4 +1,5 @@
-"""Row buckets: a tick runs only the lowest rows that hold every live row (engine/backend.py)."""
+"""Row buckets: a tick runs only the lowest rows that hold every live row (engine/backend.py on
+engine/bucketed_step.py, whose own tests are in test_bucketed_step.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,8 @@ import pytest
 import torch
 
 from parley.engine import SamplingOptions
-from parley.engine.backend import ModelBackend, bucket_sizes
+from parley.engine.backend import ModelBackend
 from parley.models.config import FRAME_SAMPLES
-
-
-def test_bucket_sizes():
-    assert bucket_sizes(1) == [1]
-    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
-    assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
 def _frames(t: int, rows: int) -> torch.Tensor:
