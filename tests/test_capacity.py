@@ -317,7 +317,11 @@ def test_sigterm_drains_a_real_server_then_it_exits_cleanly(tmp_path, tiny_moshi
                 proc.wait()
     assert code == 1001 and last[:1] == b"\x05" and b"going away" in last
     assert held >= 1.5 and messages > 10  # the session kept being served through the drain window
-    assert "draining (SIGTERM)" in log.read_text()
+    text = log.read_text()
+    assert "draining (SIGTERM)" in text
+    # A clean exit looks clean: no extension reports objects leaked (the frozen models are
+    # unfrozen at exit, engine/gc_pauses.py; Triton's nanobind module printed ~45 lines).
+    assert "leaked" not in text, text[-3000:]
 
 
 def _port_open(base: str) -> bool:
