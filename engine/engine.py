@@ -109,6 +109,11 @@ class Engine:
     def healthy(self) -> bool:
         return self._healthy
 
+    @property
+    def running(self) -> bool:
+        """The engine thread is alive: started and not stopped (it may still be warming up)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def counters(self) -> dict:
         stats = self._slack.stats
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),

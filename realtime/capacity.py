@@ -1,7 +1,9 @@
 """Capacity: what a load balancer reads, and admission decided before the WebSocket upgrade.
 
-    GET /livez   200 while the engine's tick loop runs (a tick within LIVEZ_STALL_S); never
-                 load-dependent, so a liveness probe never restarts a full worker. /health is an alias.
+    GET /livez   200 while the engine thread is alive and healthy: from the first request a started
+                 server answers (warming up included: readiness is the probe that waits), then as
+                 long as it ticks (a tick within LIVEZ_STALL_S); never load-dependent, so a liveness
+                 probe never restarts a full worker. /health is an alias.
     GET /readyz  200 only when warmed up (the engine has ticked), healthy, not draining, and at
                  least `ready_min_free` slots free; else 503. /ready is an alias.
     GET /load    slots_total, live, prefill, free, draining, tick_ms_p50, tick_ms_p99.
@@ -56,6 +58,7 @@ class Load:
     healthy: bool
     warmed: bool
     seconds_since_tick: float | None
+    running: bool  # the engine thread is alive
 
 
 class _DenialLogFilter(logging.Filter):
@@ -133,10 +136,12 @@ class Admission:
                     prefill=self._pending + self._prefilling, free=free, draining=self.draining,
                     tick_ms_p50=c.get("tick_ms_p50"), tick_ms_p99=c.get("tick_ms_p99"),
                     healthy=bool(c["healthy"]), warmed=int(c["ticks"]) > 0,
-                    seconds_since_tick=c.get("seconds_since_tick"))
+                    seconds_since_tick=c.get("seconds_since_tick"), running=self.engine.running)
 
     def alive(self, load: Load) -> bool:
-        return load.healthy and load.seconds_since_tick is not None and load.seconds_since_tick < LIVEZ_STALL_S
+        """The engine thread runs, healthy, and ticks (before its first tick it warms up)."""
+        stalled = load.seconds_since_tick is not None and load.seconds_since_tick >= LIVEZ_STALL_S
+        return load.healthy and load.running and not stalled
 
     def ready(self, load: Load) -> bool:
         return load.warmed and load.healthy and not load.draining and load.free >= self.ready_min_free

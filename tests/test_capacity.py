@@ -19,6 +19,7 @@ from typing import Iterator
 import pytest
 
 from parley.engine import Engine, EngineConfig, EngineFull
+from parley.engine.slack import Priority, SlackSource
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import create_app
 from parley.realtime.drain import DrainingServer
@@ -119,6 +120,49 @@ def test_probes_load_and_gauges_follow_the_slot_table():
         assert status == 503 and retry_after == "1" and body["reason"] == "full" and body["free"] == 0
         run(wait_for(lambda: get_json(base, "/load")[1]["free"] == 2, 10))
         assert 'parley_admission_rejected_total{reason="full"} 1.0' in http(base, "/metrics")[2]
+
+
+class _HeldWarmUp(SlackSource):
+    """A slack source whose warm-up (on the engine thread, before its first tick) waits for `go`."""
+
+    priority = Priority.IMAGES
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def offer(self, left_s, costs):
+        return None
+
+    def slack_prepare(self, costs) -> None:
+        self.go.wait(30)
+
+
+def test_livez_is_200_while_the_engine_warms_up_and_readyz_waits():
+    engine = Engine(DelayBackend(1), EngineConfig())
+    warm_up = _HeldWarmUp()
+    engine.add_slack_source(warm_up)
+    assert not engine.running
+    with serve(create_app(engine, web_dir=None)) as base:  # started: the lifespan started the engine thread
+        livez, readyz = get_json(base, "/livez"), get_json(base, "/readyz")
+        warm_up.go.set()
+        run(wait_for(lambda: get_json(base, "/readyz")[0] == 200, 10))
+        after = get_json(base, "/livez")
+    assert livez == (200, {"status": "ok", "healthy": True, "seconds_since_tick": None})
+    assert readyz[0] == 503 and readyz[1]["warmed"] is False
+    assert after[0] == 200 and after[1]["seconds_since_tick"] is not None
+
+
+def test_livez_is_503_while_the_engine_thread_is_not_running():
+    engine = Engine(DelayBackend(1), EngineConfig())
+    with serve(create_app(engine, web_dir=None, start_engine=False)) as base:
+        never_started = get_json(base, "/livez")[0]
+        engine.start()
+        run(wait_for(lambda: get_json(base, "/readyz")[0] == 200, 10))
+        running = get_json(base, "/livez")[0]
+        engine.shutdown()
+        stopped = get_json(base, "/livez")
+    assert (never_started, running) == (503, 200)
+    assert stopped[0] == 503 and stopped[1]["status"] == "unhealthy"
 
 
 def test_ready_min_free_is_honoured():
