@@ -54,7 +54,7 @@ import torch
 
 from parley.models.dsm import WordEntry
 from parley.models.mimi.codec import Mimi, MimiState
-from parley.models.tts import FRAME_RATE, TtsGen, TtsLM
+from parley.models.tts import FRAME_RATE, TtsGen, TtsLM, TtsSampling
 
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import CUDAGraphRunner, sync_device
@@ -87,10 +87,10 @@ class TtsRequest:
     voices: tuple[torch.Tensor, ...]  # [1, dim, frames] each (one voice, or up to 5 speakers)
     conditions: dict  # sum conditions, e.g. {"control": "ok", "cfg": "2.0"}
     padding_bonus: float = 0.0
-    text_temperature: float = 0.6
-    text_top_k: int = 25
-    audio_temperature: float = 0.6
-    audio_top_k: int = 250
+    text_temperature: float = TtsSampling.text_temperature
+    text_top_k: int = TtsSampling.text_top_k
+    audio_temperature: float = TtsSampling.audio_temperature
+    audio_top_k: int = TtsSampling.audio_top_k
 
 
 @dataclass(frozen=True)

@@ -358,11 +358,22 @@ class TtsStepOutput:
 MAX_CONDITION_SUMS = 64  # distinct `sum` conditions a TtsGen keeps (the published LUTs give 16)
 
 
+@dataclass(frozen=True)
+class TtsSampling:
+    """A TTS row's sampling unless its request says otherwise: the published TTSModel's defaults
+    (<= 0: greedy / no top-k). The one source of these numbers (TtsGen, engine/tts_pool.py)."""
+
+    text_temperature: float = 0.6
+    text_top_k: int = 25
+    audio_temperature: float = 0.6
+    audio_top_k: int = 250
+
+
 class TtsGen:
     """Rows of independent TTS requests over one `TtsLM`; all state in tensors.
 
     Sampling: temperature and top-k per row for text and audio (<= 0: greedy / no top-k);
-    the published defaults are temp 0.6, text top-k 25, audio top-k 250.
+    `TtsSampling` until a row's `begin` says otherwise.
     """
 
     def __init__(self, lm: TtsLM, batch: int, max_entries: int, max_tokens: int, *,
@@ -398,8 +409,10 @@ class TtsGen:
         # Sampling settings as rows of one float and one long tensor (each setting stays contiguous
         # over the batch: the sampling kernel reads it so); `begin` writes a row's column of each.
         self._bind_settings(
-            torch.tensor([[0.0], [0.6], [0.6]], dtype=torch.float32, device=device).repeat(1, batch),
-            torch.tensor([[25], [250]], dtype=torch.long, device=device).repeat(1, batch))
+            torch.tensor([[0.0], [TtsSampling.text_temperature], [TtsSampling.audio_temperature]],
+                         dtype=torch.float32, device=device).repeat(1, batch),
+            torch.tensor([[TtsSampling.text_top_k], [TtsSampling.audio_top_k]], dtype=torch.long,
+                         device=device).repeat(1, batch))
         # `condition_sum` per distinct conditions: the LUT values are a closed set, so a few entries
         # cover every request. The weights never change after load, so an entry never goes stale.
         self._condition_sums: OrderedDict[tuple[str | None, ...], torch.Tensor] = OrderedDict()
@@ -436,7 +449,8 @@ class TtsGen:
     @torch.no_grad()
     def start(self, row: int, entries: Sequence[WordEntry], voices: Sequence[torch.Tensor] = (),
               conditions: dict[str, str | None] | None = None, padding_bonus: float = 0.0,
-              text_temp: float = 0.6, text_topk: int = 25, audio_temp: float = 0.6, audio_topk: int = 250) -> None:
+              text_temp: float = TtsSampling.text_temperature, text_topk: int = TtsSampling.text_top_k,
+              audio_temp: float = TtsSampling.audio_temperature, audio_topk: int = TtsSampling.audio_top_k) -> None:
         """Reset `row` and load one request: its script, voice(s) and conditions. The same as
         `voice_inputs` (host), `reset_rows` (device only: a pool captures it in a CUDA graph) and
         `begin` (host -> device)."""
@@ -479,8 +493,9 @@ class TtsGen:
 
     @torch.no_grad()
     def begin(self, row: int, entries: Sequence[WordEntry], conditions: dict[str, str | None] | None = None,
-              padding_bonus: float = 0.0, text_temp: float = 0.6, text_topk: int = 25, audio_temp: float = 0.6,
-              audio_topk: int = 250) -> None:
+              padding_bonus: float = 0.0, text_temp: float = TtsSampling.text_temperature,
+              text_topk: int = TtsSampling.text_top_k, audio_temp: float = TtsSampling.audio_temperature,
+              audio_topk: int = TtsSampling.audio_top_k) -> None:
         """Load `row`'s script, conditions and sampling (after `reset_rows`)."""
         self.dsm.load(row, entries)
         self.cond_sum[row] = self.condition_sum(conditions or {})

@@ -3,6 +3,7 @@ unpacked attention names) loads into moshi's own `LMModel` strictly, and greedy 
 the same tokens, word timings and end of speech as `moshi.models.tts.TTSModel.generate` -- with
 rows started at different steps. Also the loader's errors."""
 
+import inspect
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from parley.models.checkpoint import CheckpointError
 from parley.models.dsm import split_words
 from parley.models.synthetic import TINY_TTS_SUFFIX, TINY_TTS_VOICES
-from parley.models.tts import TtsGen
+from parley.models.tts import TtsGen, TtsSampling
 from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
 
 TEXTS = ["Hello, how are you doing today?", "The quick brown fox <break time=\"0.3s\"/> jumps over."]
@@ -150,3 +151,30 @@ def test_condition_sums_are_cached_per_distinct_conditions(tiny_tts_dir):
     assert (gen.padding_bonus.tolist(), gen.text_temp.tolist(), gen.audio_temp.tolist()) == \
         ([0.0, 1.5], [pytest.approx(0.6), 0.0], [pytest.approx(0.6), pytest.approx(0.9)])
     assert (gen.text_topk.tolist(), gen.audio_topk.tolist()) == ([25, 7], [250, 40])
+
+
+def test_sampling_defaults_are_the_reference_ones_and_written_once(tiny_tts_dir):
+    """TtsSampling is the published TTSModel's sampling (temp for text and audio, LMGen's top-ks);
+    a fresh TtsGen row, `begin` without settings and a TtsRequest all take it."""
+    from moshi.models.lm import LMGen as RefLMGen
+
+    from parley.engine.tts_pool import TtsRequest
+
+    ref = inspect.signature(RefLMGen.__init__).parameters
+    temp = ref_tts.TTSModel.__dataclass_fields__["temp"].default
+    assert TtsSampling() == TtsSampling(temp, ref["top_k_text"].default, temp, ref["top_k"].default)
+    ck = load_tts_checkpoint(tiny_tts_dir, dtype=torch.float32)
+    gen = TtsGen(ck.lm, batch=2, max_entries=4, max_tokens=8)
+
+    def settings(row: int) -> tuple:
+        return (gen.text_temp[row].item(), gen.text_topk[row].item(), gen.audio_temp[row].item(),
+                gen.audio_topk[row].item())
+
+    expected = (pytest.approx(temp), TtsSampling.text_top_k, pytest.approx(temp), TtsSampling.audio_top_k)
+    assert settings(0) == expected
+    gen.begin(1, [], {"control": "ok", "cfg": "2.0"}, text_temp=0.0, text_topk=7, audio_temp=0.9, audio_topk=40)
+    gen.begin(1, [], {"control": "ok", "cfg": "2.0"})
+    assert settings(1) == expected
+    request = TtsRequest((), (), {})
+    assert (request.text_temperature, request.text_top_k, request.audio_temperature, request.audio_top_k) == \
+        (temp, TtsSampling.text_top_k, temp, TtsSampling.audio_top_k)
