@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import subprocess
+import sys
 import urllib.request
 
 import numpy as np
@@ -133,6 +136,16 @@ def test_demo_flag_is_refused_with_a_model(tiny_moshi_dir):
         build_app(ServeConfig(model=None, tts_model="x", demo="personaplex"))
     with pytest.raises(ServeError, match="--demo must be one of"):
         build_app(ServeConfig(model=None, demo="nope"))
+
+
+def test_parley_serve_refuses_demo_with_model(tmp_path):
+    """The command line: `--demo` with `--model` exits 2 with the reason, before loading anything."""
+    out = subprocess.run([sys.executable, "-m", "parley.realtime.cli", "serve", "--demo", "moshi", "--model",
+                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PARLEY_CACHE": str(tmp_path)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "served only without --model and --tts-model: drop --demo" in out.stderr, out.stderr[-2000:]
+    assert not any(tmp_path.iterdir())  # no demo was written
 
 
 def test_an_old_moshi_cache_is_not_served_as_the_default(tmp_path, monkeypatch):
