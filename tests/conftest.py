@@ -6,6 +6,10 @@
     tiny_tts_dir          tiny random DSM TTS (tts-1.6b-en_fr layout), fp32, voices in voices/
 
 Treat them as read-only: tests that damage a checkpoint copy it first (`copy_checkpoint`).
+
+New tests follow tests/README.md: bit-exact only for the same computation (same shapes, device
+and weights in memory), a stated tolerance across batch shapes, reloads and devices; a fake
+clock, never a measured duration, for anything that schedules.
 """
 
 from __future__ import annotations

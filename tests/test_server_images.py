@@ -68,12 +68,16 @@ def test_generate_returns_n_images_reproducible_by_seed(server):
     a, b = (pixels(d.b64_json) for d in first.data)
     assert a.shape == (16, 16, 3)
     assert not np.array_equal(a, b)  # image i uses seed + i
-    assert np.array_equal(pixels(again.data[0].b64_json), a)
-    # The same image the stepper makes by hand (guidance: the pipeline's default, 7.5).
+    single = pixels(again.data[0].b64_json)
+    # The same seed: `a` shared its denoise steps with image 1 (a batch of 2), `again` ran alone,
+    # and batched CPU convolutions may take other kernels than unbatched ones: one uint8 level.
+    assert np.abs(single.astype(int) - a.astype(int)).max() <= 1
+    # The same image the stepper makes by hand at batch 1 (guidance: the pipeline's default, 7.5):
+    # the same shapes on the same device, so bit for bit.
     job = stepper.start(stepper.encode("a red cat", None, True), 16, 16, 2, 7.5, 5)
     while not job.done:
         stepper.denoise([job])
-    assert np.abs(stepper.to_uint8(stepper.decode(job.latents))[0].astype(int) - a.astype(int)).max() <= 1
+    assert np.array_equal(stepper.to_uint8(stepper.decode(job.latents))[0], single)
 
 
 def test_output_formats_and_sizes(server):
