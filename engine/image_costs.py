@@ -1,20 +1,36 @@
-"""Conservative costs for image items of a size never measured (engine/image_queue.py).
+"""Predicted costs for image items of a size never measured (engine/image_queue.py).
 
 Cost keys are ("image", kind, width, height[, cfg, batch]). A key with no observation yet is
-bounded from the measured keys of its family, assuming an item's cost never falls as its rows
-or its pixels grow, and grows at most linearly in each from any measured point (kernels have a
-fixed overhead and fill the GPU better with more work: on an H200, SD-1.5 denoise at 512 px
-costs 13.5 ms at batch 1 and 29.9 ms at batch 4, and 40.0 ms at 1024 px, four times the pixels):
+predicted from the measured keys of its family. Per row count (a denoise step's rows are its
+batch, times 2 with CFG: a conditioned and an unconditioned row per image; other kinds have
+one), the measured (pixels, seconds) points make a cost curve in pixels:
 
-    predicted(key) = min over measured keys k of
-                     cost(k) * max(1, rows(key) / rows(k)) * max(1, pixels(key) / pixels(k))
+- one measured size: linear from it (cost(k) * pixels / pixels(k)), every cost taken as
+  per-pixel work. A small size's cost is mostly fixed overhead (the demo's 16 px step: ~12 ms
+  of launch and host work), so this overstates larger sizes many times over (64 px: 16x, about
+  190-270 ms predicted against ~51 ms measured on one CPU core), and the queue warms a second
+  size for that reason;
+- two or more sizes (the warm-up measures the default size and twice its side): fixed +
+  per-pixel, the line through the measured points, extended past the largest with the slope
+  of the last two (never below 0). Attention grows with the square of the tokens, so past the
+  largest measured size the line is optimistic, more so the farther out (the demo on one CPU
+  core, fitted on 16 and 32 px: 64 px ~42 ms predicted, ~51 ms measured; 128 px ~140 ms on the
+  line, ~311 ms measured). Two sizes whose costs are both mostly overhead give a slope near 0,
+  so past `REACH` times the largest measured pixels (the 2x-side warm size's 2x side) the line
+  is scaled by pixels / (REACH x largest), quadratic growth from there (128 px: 4x the line).
+  And the queue never trusts a prediction past an empty tick's slack: such a size is measured
+  once in an idle tick before it is served or refused (image_queue.py);
+- at or below the smallest measured size: the smallest's cost (cost never falls as pixels grow).
 
-The two factors never trade: fewer rows do not pay for more pixels (attention grows faster
-with the pixels of one image than with the images of a batch: 512 px batch 4 costs 29.9 ms,
-1024 px batch 1 40.0 ms). A denoise step's rows are its batch, times 2 with CFG (a conditioned
-and an unconditioned row per image); other kinds have one. A tile's pixels are one VAE tile's
-whatever the image's size (the final decode of an image no larger than one tile is bounded by
-a tile, and the other way round). Encode has no size: it is always measured.
+Across rows the growth is at most linear from any measured row count, and rows never trade for
+pixels (attention grows faster with the pixels of one image than with the images of a batch:
+on an H200, SD-1.5 512 px batch 4 costs 29.9 ms, 1024 px batch 1 40.0 ms):
+
+    predicted(key) = min over measured row counts r of curve_r(pixels(key)) * max(1, rows(key) / r)
+
+A tile's pixels are one VAE tile's whatever the image's size (the final decode of an image no
+larger than one tile is bounded by a tile, and the other way round). Encode has no size: it is
+always measured.
 """
 
 from __future__ import annotations
@@ -23,6 +39,10 @@ from typing import Hashable, Iterable
 
 ENCODE, DENOISE, PREVIEW, DECODE = "encode", "denoise", "preview", "decode"
 TILE, BLEND = "tile", "blend"  # a tiled final decode: one item per tile, then the blend
+
+# How far past the largest measured size (times its pixels) the fitted line is taken as it is;
+# farther out it grows with the square of the pixels, as attention does (module docstring).
+REACH = 4
 
 FAMILY = {DENOISE: (DENOISE,), PREVIEW: (PREVIEW,), DECODE: (DECODE, TILE), TILE: (DECODE, TILE),
           BLEND: (BLEND,)}  # kind -> the measured kinds that bound it
@@ -39,15 +59,31 @@ def work(key: tuple, tile_pixels: int) -> tuple[int, int]:
     return 1, width * height
 
 
-def bound(seconds: float, measured: tuple[int, int], wanted: tuple[int, int]) -> float:
-    return seconds * max(1.0, wanted[0] / measured[0]) * max(1.0, wanted[1] / measured[1])
+def along(points: dict[int, float], pixels: int) -> float:
+    """The cost at `pixels` on one row count's curve of measured {pixels: seconds} (module docstring)."""
+    xs = sorted(points)
+    ys = [points[xs[0]]]
+    for x in xs[1:]:
+        ys.append(max(ys[-1], points[x]))  # never falling: a lower cost at more pixels is noise
+    if pixels <= xs[0]:
+        return ys[0]
+    if len(xs) == 1:
+        return ys[0] * pixels / xs[0]
+    i = next((i for i in range(1, len(xs)) if pixels <= xs[i]), len(xs) - 1)  # the segment (or the last)
+    slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+    return (ys[i - 1] + slope * (pixels - xs[i - 1])) * max(1.0, pixels / (REACH * xs[-1]))
 
 
 def predict(key: tuple, measured: Iterable[tuple[Hashable, float]], tile_pixels: int) -> float | None:
-    """A conservative cost of `key` from (key, seconds) measurements; None with nothing to go on."""
+    """The predicted cost of `key` from (key, seconds) measurements; None with nothing to go on."""
     family = FAMILY.get(key[1])
     if family is None:
         return None
-    need = work(key, tile_pixels)
-    return min((bound(seconds, work(k, tile_pixels), need) for k, seconds in measured
-                if isinstance(k, tuple) and len(k) >= 4 and k[0] == "image" and k[1] in family), default=None)
+    rows, pixels = work(key, tile_pixels)
+    curves: dict[int, dict[int, float]] = {}  # rows -> pixels -> seconds (the largest at equal pixels)
+    for k, seconds in measured:
+        if isinstance(k, tuple) and len(k) >= 4 and k[0] == "image" and k[1] in family:
+            r, p = work(k, tile_pixels)
+            curve = curves.setdefault(r, {})
+            curve[p] = max(seconds, curve.get(p, 0.0))
+    return min((along(curve, pixels) * max(1.0, rows / r) for r, curve in curves.items()), default=None)

@@ -10,7 +10,8 @@ only when its estimated cost fits before the next boundary:
              a `blend` item, so no item grows with the image)
 
 Cost keys are ("image", kind, width, height[, cfg, batch]). `warm_up` measures every key of
-a size before the engine starts (the model's default size unless told; it also captures the
+a size before the engine starts (the model's default size unless told; and twice its side at
+batch 1, eagerly, so that other sizes are predicted from two: fixed + per-pixel; it also captures the
 denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA;
 for a size decoded whole, also the tiles and blend of the smallest tiled size, so larger sizes
 have a measured tile and blend to scale from; on CUDA also the preview and whole decode of
@@ -18,9 +19,9 @@ each warmed size, and the text encoders once: prompts pad to one token shape, so
 serves every encode); `slack_prepare` measures them once more on the
 engine thread before its first tick, since a thread's first library calls (cuBLAS and cuDNN
 handles, workspaces) cost far more than later ones. So no live item runs with an unmeasured key
-at a warmed size, and an item of any other size starts only when a conservative prediction of
-its cost (engine/image_costs.py, from the keys measured so far) fits; its first measurement
-then replaces the prediction.
+at a warmed size, and an item of any other size starts only when a prediction of its cost
+(engine/image_costs.py, from the keys measured so far) fits; its first measurement then
+replaces the prediction.
 
 Order: pending encodes first (cheap; a started job can join the next shared step), then
 output items (previews and final decodes: the client waits for them, and a job in preview
@@ -43,7 +44,9 @@ Back-pressure: a job whose next item would push an event
 dropped and a slow client holds at most `stream_events` images in memory. Limits: at most
 `capacity` images wait or run (`ImageQueueFull`, with a retry hint); a size whose smallest
 item cannot fit in an empty tick's slack is refused (`ImageRefused`), at admission once it is
-known and by prediction from the warm-up's measurements before that. A cancelled request (client gone)
+known and by prediction from the warm-up's measurements before that; a prediction over that slack
+by at most `PROBE_FACTOR` is not trusted either way: the item runs once as the first item of an
+idle tick, and its measurement serves or refuses the size. A cancelled request (client gone)
 is dropped, and its tensors freed, at the next offer.
 
 Stalls: a request that has had no item of its own run for `stall_timeout_s` seconds of the
@@ -89,6 +92,12 @@ DEFAULT_MAX_BATCH = 4
 # replay of the H200's costs, benchmarks/image_queue_replay.py), so it acts only on a job being
 # passed over, and well below the stall timeout (a job with no item for that long fails).
 DEFAULT_AGE_LIMIT_S = 10.0
+# A size whose item is predicted (never measured) to cost more than an empty tick's slack, by no
+# more than this factor, is measured once before it is refused: predictions from two sizes are
+# optimistic past them and from one size pessimistic (engine/image_costs.py), so near the slack
+# neither settles it. The measurement runs as the first item of an idle tick (no session live:
+# engine.py lets that slack run a period past the boundary, about twice an empty tick's slack).
+PROBE_FACTOR = 2.0
 STALLED = "no slack for"  # how a stalled request's reason begins (the edge answers it 503)
 MAX_PARTIAL_IMAGES = 3
 
@@ -216,8 +225,9 @@ class ImageQueue(SlackSource):
         self._outstanding = 0  # images admitted and not yet ended
         self._refused_sizes: dict[tuple[int, int], str] = {}
         self._jobs: list[_Job] = []  # engine thread only, oldest first
+        self._tick_fresh = False  # engine thread: no item of ours has run in this tick's slack yet
         self._warm: dict[Hashable, float] = {}  # warm-up costs, recorded into the runner's model once
-        self._warm_sizes: list[tuple[int, int, bool]] = []  # (width, height, cfg) measured by warm_up
+        self._warm_sizes: dict[tuple[int, int, bool], int] = {}  # (width, height, cfg) warmed -> batches measured
         self._step_s: float | None = None  # a batch-1 denoise step at the first warmed size (retry hints)
         self._measured: dict[Hashable, float] = {}  # every warm-up cost, kept: admission predicts from it
         self._tile_pixels = (stepper.vae_tile * stepper.pipe.vae_scale_factor) ** 2  # one VAE tile's output
@@ -265,17 +275,26 @@ class ImageQueue(SlackSource):
     def warm_up(self, width: int | None = None, height: int | None = None, cfg: bool = True) -> dict:
         """Measure every item kind at one size (denoise at each batch size; the model's default
         size unless told), capturing the denoise graphs, before the engine starts; call once per
-        size to serve. Returns the measured seconds per key."""
+        size to serve. Also measures twice that side at batch 1, eagerly (no graphs kept for it),
+        so that other sizes are predicted from two sizes (engine/image_costs.py: fixed + per-pixel
+        cost). Returns the measured seconds per key."""
         st = self.stepper
-        size = (width or st.default_size, height or st.default_size, cfg)
-        measured = self._measure(*size, repeats=2, capture=self.cuda_graphs)
-        if size not in self._warm_sizes:
-            self._warm_sizes.append(size)
+        width, height = width or st.default_size, height or st.default_size
+        measured = self._warm_size((width, height, cfg), self.max_batch, capture=self.cuda_graphs)
+        if self._step_s is None:
+            self._step_s = measured[self.denoise_key(width, height, cfg, 1)]
+        fit = (2 * width, 2 * height, cfg)
+        if self._warm_sizes.get(fit, 0) < 1:
+            measured.update(self._warm_size(fit, 1, capture=False))
+        return measured
+
+    def _warm_size(self, size: tuple[int, int, bool], batches: int, capture: bool) -> dict:
+        """Measure one size's items (denoise at batch 1 to `batches`) and keep them as warm-up costs."""
+        measured = self._measure(*size, repeats=2, capture=capture, batches=batches)
+        self._warm_sizes[size] = max(batches, self._warm_sizes.get(size, 0))
         self._warm.update(measured)
         with self._lock:
             self._measured = {**self._measured, **measured}
-        if self._step_s is None:
-            self._step_s = measured[self.denoise_key(*size, 1)]
         return measured
 
     def slack_prepare(self, costs: CostModel) -> None:
@@ -283,8 +302,8 @@ class ImageQueue(SlackSource):
         warmed key here twice and record the second round only (a thread's first cuBLAS/cuDNN
         calls are cold: recorded, they would keep every key from fitting for a long while)."""
         self._seed(costs)
-        for width, height, cfg in self._warm_sizes:
-            measured = self._measure(width, height, cfg, repeats=2, capture=False)
+        for (width, height, cfg), batches in self._warm_sizes.items():
+            measured = self._measure(width, height, cfg, repeats=2, capture=False, batches=batches)
             for key, seconds in measured.items():
                 costs.seed(key, seconds)
             with self._lock:
@@ -295,9 +314,10 @@ class ImageQueue(SlackSource):
             costs.seed(key, seconds)
         self._warm = {}
 
-    def _measure(self, width: int, height: int, cfg: bool, repeats: int, capture: bool) -> dict:
-        """Run each item kind of one size `repeats` times; the last round's seconds per key (the
-        first call pays one-off allocation and dispatch costs; for tiles, the largest tile)."""
+    def _measure(self, width: int, height: int, cfg: bool, repeats: int, capture: bool, batches: int) -> dict:
+        """Run each item kind of one size `repeats` times (denoise at batch 1 to `batches`); the last
+        round's seconds per key (the first call pays one-off allocation and dispatch costs; for
+        tiles, the largest tile)."""
         st = self.stepper
         measured: dict[Hashable, float] = {}
 
@@ -314,7 +334,7 @@ class ImageQueue(SlackSource):
         for _ in range(repeats):
             measured.clear()
             cond = timed(self.encode_key(), lambda: st.encode("warm up", None, cfg, embed=self.graphed_embed()))
-            for b in range(1, self.max_batch + 1):
+            for b in range(1, batches + 1):
                 key = self.denoise_key(width, height, cfg, b)
                 jobs = [st.start(cond, width, height, 5, 5.0, i) for i in range(b)]
                 if capture and key not in self._graphs:
@@ -469,9 +489,10 @@ class ImageQueue(SlackSource):
 
     def refusal(self, width: int, height: int, cfg: bool = True) -> str | None:
         """Why images of this size (with classifier-free guidance or not) can never be served
-        here, or None. Predicted from the warm-up's measurements for the items no size can split:
-        a batch-1 denoise step and the final decode (whole, or a tile and the blend; a preview
-        costs less than either by construction)."""
+        here, or None. From the warm-up's measurements for the items no size can split: a batch-1
+        denoise step and the final decode (whole, or a tile and the blend; a preview costs less
+        than either by construction), measured over an empty tick's slack, or predicted over
+        `PROBE_FACTOR` times it (nearer, the size is admitted and measured once: `offer`)."""
         with self._lock:
             known = self._refused_sizes.get((width, height))
             measured = self._measured
@@ -482,8 +503,10 @@ class ImageQueue(SlackSource):
         else:
             keys = [self.decode_key(width, height)]
         for key in [self.denoise_key(width, height, cfg, 1)] + keys:
-            cost = measured.get(key, predict(key, measured.items(), self._tile_pixels))
-            if cost is not None and cost > self.max_slack_s:
+            cost = measured.get(key)
+            limit = self.max_slack_s if cost is not None else PROBE_FACTOR * self.max_slack_s  # (PROBE_FACTOR)
+            cost = predict(key, measured.items(), self._tile_pixels) if cost is None else cost
+            if cost is not None and cost > limit:
                 return self._too_large(width, height, key, cost)
         return None
 
@@ -508,6 +531,7 @@ class ImageQueue(SlackSource):
 
     def slack_started(self, deadline: float | None) -> None:
         """Once a tick: fail the requests that have waited `stall_timeout_s` for an item."""
+        self._tick_fresh = True
         self._intake()
         self._drop_ended()
         now = self._now()
@@ -532,19 +556,30 @@ class ImageQueue(SlackSource):
             self._seed(costs)
         self._intake()
         self._drop_ended()
+        # Only an idle tick's slack reaches past an empty tick's (engine.py): a probe may run there.
+        probe_now = self._tick_fresh and left_s is not None and left_s > self.max_slack_s
+        fitting: WorkItem | None = None
         first: WorkItem | None = None
         for item in self._candidates(left_s, costs):
             estimate = costs.estimate(item.key, item.units)
-            if estimate is None:  # a size never measured: the runner starts it on its prediction
+            measured = estimate is not None
+            if not measured:  # a size never measured: the runner starts it on its prediction
                 estimate = item.predicted_s = self._predict(item.key, costs)
             if (left_s is not None and item.key[1] != ENCODE and estimate is not None
                     and estimate > self.max_slack_s):  # (manual mode, left_s None, runs anything)
-                self._refuse_size(item.key[2], item.key[3], item.key, estimate)
-                return self.offer(left_s, costs)  # that size's jobs are gone; look again
-            if left_s is None or estimate is None or estimate <= left_s:
-                return item  # fits (or nothing to predict from: the runner runs it only as a tick's first item)
+                if measured or estimate > PROBE_FACTOR * self.max_slack_s:
+                    self._refuse_size(item.key[2], item.key[3], item.key, estimate)
+                    return self.offer(left_s, costs)  # that size's jobs are gone; look again
+                if probe_now:  # measure it once: the runner runs an item with no estimate only first
+                    item.predicted_s = None
+                    return item
+                continue  # wait for an idle tick
+            if fitting is None and (left_s is None or estimate is None or estimate <= left_s):
+                fitting = item  # fits (or nothing to predict from: the runner runs it only as a tick's first item)
+                if not probe_now:
+                    break
             first = first or item
-        return first  # nothing fits: the runner will decline it, and the next tick tries again
+        return fitting or first  # nothing fits: the runner will decline it, and the next tick tries again
 
     def _predict(self, key: tuple, costs: CostModel) -> float | None:
         return predict(key, costs.estimates(), self._tile_pixels)
@@ -625,19 +660,21 @@ class ImageQueue(SlackSource):
         return self._item(self.denoise_key(*job.bucket, len(chosen)), chosen, lambda: self._denoise(chosen))
 
     def _batch_size(self, job: _Job, available: int, left_s: float | None, costs: CostModel) -> int:
-        """The largest batch whose estimate (or, unmeasured, prediction) fits."""
+        """The largest batch whose estimate (or, unmeasured, prediction) fits, and would fit an
+        empty tick (an idle tick's longer slack must not make a size look too large)."""
         if left_s is None:
             return available
         best = 1
         for b in range(1, available + 1):
             estimate = self._cost(self.denoise_key(*job.bucket, b), costs)
-            if estimate is not None and estimate <= left_s:
+            if estimate is not None and estimate <= min(left_s, self.max_slack_s):
                 best = b
         return best
 
     def _item(self, key: tuple, jobs: list[_Job], run: Callable[[], None], units: int = 1) -> WorkItem:
         """A work item for `jobs`: once it has run, their requests' stall clocks start again."""
         def run_and_note() -> None:
+            self._tick_fresh = False
             run()
             now = self._now()
             for job in jobs:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from parley.engine.clocked_stepper import DEFAULT_COSTS, ClockedStepper
+from parley.engine.image_costs import predict
 from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageRequest, ImageResult,
                                        ImageSpec, preview_steps)
 from parley.engine.slack import SlackRunner
@@ -214,25 +215,72 @@ def test_a_size_that_can_never_fit_fails_then_is_refused_at_admission(sd):
     assert stats.past_boundary == 0 and queue.outstanding == 0
 
 
+def fake_clock_queue(sd, costs: dict | None = None, exponent: float = 1.0, **queue_kwargs):
+    """A queue whose stepper's calls cost scripted time on a fake clock that is also the queue's
+    timer: its warm-up measures the script, never the machine (costs at 16 px, scaled by pixels
+    to `exponent`)."""
+    clock = FakeClock()
+    stepper = ClockedStepper(sd, clock, costs, scale_from=sd.default_size, exponent=exponent)
+    return clock, ImageQueue(stepper, now=clock.now, **queue_kwargs)
+
+
 def test_warm_up_seeds_estimates_and_predicts_sizes_that_cannot_fit(sd):
-    queue = ImageQueue(sd, max_slack_s=0.5, max_batch=2)
+    """Warm-up measures the default size (16 px) at every batch, twice its side at batch 1, and
+    the smallest tiled size's tiles and blend, on the queue's clock (a fake one here: the costs are
+    scripted, 10 ms a 16 px step, linear in pixels). A size whose step is predicted past twice an
+    empty tick's slack is refused at admission, with the predicted cost."""
+    _, queue = fake_clock_queue(sd, {"decode": 0.010}, max_slack_s=0.080, max_batch=2)
     measured = queue.warm_up()
-    s = sd.default_size
+    s, f = sd.default_size, 2 * sd.default_size
     p = 34  # the smallest tiled size (latents of 17 cells > the 16-cell tile): its tiles and blend
     assert set(measured) == {queue.encode_key(), queue.denoise_key(s, s, True, 1), queue.denoise_key(s, s, True, 2),
                              queue.preview_key(s, s), queue.decode_key(s, s), queue.tile_key(p, p),
-                             queue.blend_key(p, p)}
-    # Timings on a shared CPU vary: size the slack from what was measured. Cost is predicted
-    # linearly in pixels, so 2x the side (32 px, still decoded whole) is 4x each item.
-    step = measured[queue.denoise_key(s, s, True, 1)]
-    queue.max_slack_s = 4 * max(step, measured[queue.decode_key(s, s)])
-    assert queue.refusal(s, s) is None and queue.refusal(2 * s, 2 * s) is None
-    big = (math.isqrt(int(queue.max_slack_s / step)) + 1) * s  # its denoise step alone exceeds the slack
-    assert "a denoise item would take about" in queue.refusal(big, big)
+                             queue.blend_key(p, p), queue.denoise_key(f, f, True, 1), queue.preview_key(f, f),
+                             queue.decode_key(f, f)}
+    assert measured[queue.denoise_key(s, s, True, 1)] == pytest.approx(0.010)
+    assert measured[queue.denoise_key(f, f, True, 1)] == pytest.approx(0.040)
+    assert queue.refusal(s, s) is None and queue.refusal(f, f) is None
+    assert queue.refusal(48, 48) is None  # 90 ms predicted: within twice the slack, measured before refused
+    # 80 px, 25x the pixels of 16 px: the batch-2 step's 14 ms scaled by them (a row count measured
+    # at one size) is 350 ms, less than the two-size line's 250 ms grown past 4x 32 px's pixels.
+    assert "a denoise item would take about 350 ms" in queue.refusal(80, 80)
     runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
     runner.add_source(queue)
     runner.run_until(1.0)  # the first offer records the warm-up into the runner's cost model
     assert runner.costs.estimate(queue.decode_key(s, s)) == pytest.approx(measured[queue.decode_key(s, s)])
+
+
+def test_two_warmed_sizes_predict_fixed_plus_per_pixel_costs(sd):
+    """The demo's case: a step that is mostly fixed overhead (here 16 px 10 ms, 32 px 20 ms: cost
+    to the 0.5 power of the pixels). Predicted linearly from 16 px alone, 64 px was 160 ms and
+    refused against a 77 ms slack; the line through 16 and 32 px predicts 60 ms (6.7 ms fixed +
+    13 us a pixel; it costs 40 ms), so it is admitted, and it runs in ticks with room for it.
+    Past 4x the pixels of 32 px the line grows with the square of the pixels (attention)."""
+    clock, queue = fake_clock_queue(sd, {"decode": 0.010}, exponent=0.5, max_slack_s=0.080 - GUARD,
+                                    max_batch=1, stream_events=8)
+    measured = queue.warm_up()
+    tile = (sd.vae_tile * sd.pipe.vae_scale_factor) ** 2
+    step = predict(queue.denoise_key(64, 64, True, 1), measured.items(), tile)
+    assert step == pytest.approx(0.010 - 256 * 0.010 / 768 + 4096 * 0.010 / 768)  # 60 ms
+    far = predict(queue.denoise_key(128, 128, True, 1), measured.items(), tile)  # 16x the pixels of 32 px
+    assert far == pytest.approx((0.010 - 256 * 0.010 / 768 + 16384 * 0.010 / 768) * 16384 / (4 * 1024))
+    assert queue.refusal(64, 64) is None
+    assert "too large" in queue.refusal(96, 96)  # 140 ms on the line, 2.25x that past 4x 32 px's pixels
+
+    async def main():
+        runner = SlackRunner(clock.now, lambda: None, GUARD)
+        runner.add_source(queue)
+        request = queue.submit(ImageSpec("x", 64, 64, steps=3, guidance=5.0, seed=1))
+        started = len(queue.stepper.log)
+        for tick in range(20):
+            clock.t = tick * 0.080 + 0.010  # a 10 ms voice frame: 67 ms of slack
+            runner.run_until(tick * 0.080 + 0.080)
+        return request, runner, queue.stepper.log[started:]
+
+    request, runner, log = asyncio.run(main())
+    assert [type(e) for e in request.events.drain()] == [ImageResult, Terminal]
+    assert [kind for _, kind, _ in log].count("denoise") == 3
+    assert runner.stats.past_boundary == 0
 
 
 def test_a_failing_item_ends_its_request_only(sd):
@@ -514,7 +562,8 @@ def test_warm_up_at_a_tiled_size_measures_tiles_and_the_blend(sd):
     queue = ImageQueue(sd, max_slack_s=1e3, max_batch=1)
     measured = queue.warm_up(48, 48)
     assert set(measured) == {queue.encode_key(), queue.denoise_key(48, 48, True, 1), queue.preview_key(48, 48),
-                             queue.tile_key(48, 48), queue.blend_key(48, 48)}
+                             queue.tile_key(48, 48), queue.blend_key(48, 48), queue.denoise_key(96, 96, True, 1),
+                             queue.preview_key(96, 96), queue.tile_key(96, 96), queue.blend_key(96, 96)}
 
 
 def test_keys_are_measured_again_on_the_engine_thread_before_the_first_tick(sd):
@@ -589,6 +638,17 @@ class ColdSize:
             self.tick += 1
         return [kind for _, kind, _ in self.stepper.log[start:]]
 
+    def idle_tick(self) -> list[tuple[float, str, float]]:
+        """One tick with no session live: engine.py lets its slack run a period past the boundary
+        (and the next tick starts on the grid after it). The (start, kind, cost) of its items."""
+        start = len(self.stepper.log)
+        self.clock.t = self.tick * 0.080
+        deadline = self.tick * 0.080 + 2 * 0.080
+        self.slacks.append((self.clock.t, deadline - GUARD))
+        self.runner.run_until(deadline)
+        self.tick = math.ceil(self.clock.t / 0.080)
+        return self.stepper.log[start:]
+
     def assert_every_item_ended_in_its_slack(self) -> None:
         for started, kind, cost in self.stepper.log:
             end = next(e for s, e in self.slacks if s <= started < e)
@@ -642,21 +702,76 @@ def test_a_pessimistic_prediction_gives_way_to_the_first_measurement(sd):
     assert [type(e) for e in events] == [ImageResult, Terminal] and events[-1].status is Status.COMPLETED
 
 
+def test_a_size_predicted_a_little_over_the_slack_is_measured_once_in_an_idle_tick_then_served(sd):
+    """48 px with only 16 px measured: its step is predicted at 9x the 16 px 10 ms, 90 ms, over an
+    empty tick's 77 ms slack but within twice it; it costs 30 ms (a GPU-like 0.5 power). It is
+    admitted (it was refused), waits through busy ticks, runs once as the first item of an idle
+    tick (ahead of an older 16 px job's step), and from then on its 30 ms fits the busy ticks."""
+    async def main():
+        cold = ColdSize(sd, exponent=0.5)
+        small = cold.queue.submit(ImageSpec("y", 16, 16, steps=40, guidance=5.0, seed=2))
+        assert cold.queue.refusal(48, 48) is None
+        request = cold.queue.submit(ImageSpec("x", 48, 48, steps=3, guidance=5.0, seed=1))
+        cold.ticks(5, LIGHT)
+        busy = list(cold.stepper.log)
+        idle_at = cold.tick * 0.080
+        idle = cold.idle_tick()
+        cold.ticks(12, LIGHT)
+        cold.assert_every_item_ended_in_its_slack()
+        small.cancel()
+        return busy, idle_at, idle, events_of(request), cold
+
+    busy, idle_at, idle, events, cold = asyncio.run(main())
+    steps = [cost for _, kind, cost in busy if kind == "denoise"]
+    assert steps and all(cost == pytest.approx(0.010) for cost in steps)  # busy ticks: the 16 px job's only
+    assert idle[0] == (idle_at, "denoise", pytest.approx(0.030))  # the probe: the idle tick's first item
+    assert cold.runner.costs.estimate(cold.queue.denoise_key(48, 48, True, 1)) == pytest.approx(0.030)
+    assert [type(e) for e in events] == [ImageResult, Terminal] and events[-1].status is Status.COMPLETED
+    assert events[0].pixels.shape == (48, 48, 3)
+
+
+def test_a_size_whose_one_measurement_is_over_the_slack_is_refused_from_then_on(sd):
+    """The same 48 px, but costing its predicted 90 ms: measured once in an idle tick, then the
+    request fails and the size is refused at admission with the measured cost. 64 px, predicted
+    at 160 ms (more than twice the slack), fails at its first step's offer, never measured."""
+    async def main():
+        cold = ColdSize(sd, exponent=1.0)
+        request = cold.queue.submit(ImageSpec("x", 48, 48, steps=3, guidance=5.0, seed=1))
+        larger = cold.queue.submit(ImageSpec("x", 64, 64, steps=3, guidance=5.0, seed=1))
+        busy = cold.ticks(5, LOADED)
+        idle = cold.idle_tick()
+        later = cold.ticks(2, LIGHT)
+        with pytest.raises(ImageRefused, match="size 48x48 is too large .* denoise item would take about 90 ms"):
+            cold.queue.submit(ImageSpec("x", 48, 48, steps=3, guidance=5.0))
+        with pytest.raises(ImageRefused, match="size 64x64 is too large .* denoise item would take about 160 ms"):
+            cold.queue.submit(ImageSpec("x", 64, 64, steps=3, guidance=5.0))
+        return busy, idle, later, events_of(request), events_of(larger), cold
+
+    busy, idle, later, events, larger, cold = asyncio.run(main())
+    assert busy == ["encode", "encode"]
+    assert [(kind, cost) for _, kind, cost in idle] == [("denoise", pytest.approx(0.090))]
+    assert later == []
+    assert events[-1].status is Status.FAILED and "48x48 is too large" in events[-1].reason
+    assert larger[-1].status is Status.FAILED and "about 160 ms" in larger[-1].reason
+    assert cold.queue.outstanding == 0
+
+
 def test_a_size_whose_predicted_step_never_fits_is_refused_at_admission(sd):
-    """Warmed at 16 px without CFG at batch 1 only (one row): a 24 px step with CFG is two rows
-    of 2.25x the pixels, 45 ms, more than a 40 ms slack; without CFG it is 22.5 ms and served."""
+    """Warmed at 16 and 32 px without CFG at batch 1 only (one row; 10 and 40 ms): a 34 px step
+    with CFG is two rows of 4.5x the 16 px pixels, 90 ms, more than twice a 40 ms slack, and is
+    refused; without CFG it is 45 ms, near enough the slack to be admitted and measured."""
     async def main():
         clock = FakeClock()
         stepper = ClockedStepper(sd, clock, {"decode": 0.005, "preview": 0.003}, scale_from=sd.default_size)
         queue = ImageQueue(stepper, max_slack_s=0.040, max_batch=1, now=clock.now)
         queue.warm_up(cfg=False)
-        with pytest.raises(ImageRefused, match=r"size 24x24 is too large .* denoise item would take about 45 ms"):
-            queue.submit(ImageSpec("x", 24, 24, steps=2, guidance=5.0))
-        served = queue.submit(ImageSpec("x", 24, 24, steps=2, guidance=1.0))
+        with pytest.raises(ImageRefused, match=r"size 34x34 is too large .* denoise item would take about 90 ms"):
+            queue.submit(ImageSpec("x", 34, 34, steps=2, guidance=5.0))
+        served = queue.submit(ImageSpec("x", 34, 34, steps=2, guidance=1.0))
         return queue, served
 
     queue, served = asyncio.run(main())
-    assert queue.refusal(24, 24, cfg=False) is None and served.spec.width == 24
+    assert queue.refusal(34, 34, cfg=False) is None and served.spec.width == 34
     assert queue.counters()["images_refused"] == 1
 
 
