@@ -756,6 +756,28 @@ def test_a_size_whose_one_measurement_is_over_the_slack_is_refused_from_then_on(
     assert cold.queue.outstanding == 0
 
 
+def test_an_idle_ticks_longer_slack_never_makes_a_served_size_look_too_large(sd):
+    """Steps of 40 ms + 15 ms a job: batches of 1 to 3 fit an empty tick's 77 ms, a batch of 4
+    (85 ms) never does. In idle ticks (a period past the boundary: 157 ms) four jobs step in
+    batches that fit an empty tick and complete; the idle slack used to pick the batch of 4,
+    whose cost then refused the size it serves."""
+    async def main():
+        clock = FakeClock()
+        stepper = ClockedStepper(sd, clock, {"denoise": 0.040, "denoise_row": 0.015})
+        queue = ImageQueue(stepper, max_slack_s=0.080 - GUARD, stream_events=8, now=clock.now)
+        runner = seeded_runner(clock, queue, sd.default_size)
+        requests = [queue.submit(ImageSpec(f"p{i}", 16, 16, steps=2, guidance=5.0, seed=i)) for i in range(4)]
+        for tick in range(0, 40, 2):  # each idle tick may run into the next period
+            clock.t = tick * 0.080
+            runner.run_until(tick * 0.080 + 2 * 0.080)
+        return [events_of(r) for r in requests], stepper.log
+
+    events, log = asyncio.run(main())
+    assert all(e[-1] == Terminal(Status.COMPLETED) for e in events)
+    steps = [cost for _, kind, cost in log if kind == "denoise"]
+    assert max(steps) == pytest.approx(0.070)  # batches of 3 at most
+
+
 def test_a_size_whose_predicted_step_never_fits_is_refused_at_admission(sd):
     """Warmed at 16 and 32 px without CFG at batch 1 only (one row; 10 and 40 ms): a 34 px step
     with CFG is two rows of 4.5x the 16 px pixels, 90 ms, more than twice a 40 ms slack, and is
