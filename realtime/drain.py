@@ -96,6 +96,11 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:  # uvicorn says where it runs only when it bound itself
+            self._log_started_message(sockets)
+
     def _drained(self) -> None:
         self.should_exit = True
 

@@ -363,6 +363,7 @@ def test_sigterm_drains_a_real_server_then_it_exits_cleanly(tmp_path, tiny_moshi
     assert held >= 1.5 and messages > 10  # the session kept being served through the drain window
     text = log.read_text()
     assert "draining (SIGTERM)" in text
+    assert f"Uvicorn running on http://{base}" in text  # said by us: uvicorn serves the sockets bound first
     # A clean exit looks clean: no extension reports objects leaked (the frozen models are
     # unfrozen at exit, engine/gc_pauses.py; Triton's nanobind module printed ~45 lines).
     assert "leaked" not in text, text[-3000:]
