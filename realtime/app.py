@@ -2,8 +2,8 @@
 
 The routes are the doors of doors.py's table whose service is loaded, each served by
 ENDPOINTS below: the Moshi protocol (moshi_protocol.py), the OpenAI Realtime API
-(realtime_endpoint.py), speech (speech_api.py), transcription (transcriptions.py), images
-(images_api.py), the probes and /load (capacity.py), /metrics (health.py), /admin/drain
+(realtime_endpoint.py), OpenAI's GPT-Live (live_session.py), speech (speech_api.py),
+transcription (transcriptions.py), images (images_api.py), the probes and /load (capacity.py), /metrics (health.py), /admin/drain
 (drain.py), and the page (web/). What no door serves is answered by not_found.py.
 
 The app does not build the engine (server.py does, from a checkpoint; tests hand in one
@@ -41,6 +41,7 @@ from .drain import Drainer, drain_endpoint
 from .not_found import UnknownWebSocket, http_error
 from .images_api import ImageService, images_generations
 from .moshi_protocol import chat_endpoint
+from .live_session import live_endpoint
 from .realtime_endpoint import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
@@ -55,6 +56,7 @@ log = logging.getLogger("parley.app")
 ENDPOINTS = {
     "/api/chat": chat_endpoint,
     "/v1/realtime": realtime_endpoint,
+    "/v1/live/sessions": live_endpoint,
     "/v1/audio/speech": speech_endpoint,
     "/v1/audio/voices": voices_endpoint,
     "/v1/audio/transcriptions": transcriptions_endpoint,

@@ -85,13 +85,14 @@ class AudioFormat:
     """One direction's wire format: `pcm16` (24 kHz) or G.711 `pcmu` / `pcma` (8 kHz)."""
 
     kind: str = "pcm16"
+    pcm_rate: int = SAMPLE_RATE  # pcm16's rate: 24 kHz on /v1/realtime; GPT-Live also takes 16 kHz
 
     BETA_NAMES = {"pcm16": "pcm16", "g711_ulaw": "pcmu", "g711_alaw": "pcma"}
     GA_TYPES = {"audio/pcm": "pcm16", "audio/pcmu": "pcmu", "audio/pcma": "pcma"}
 
     @property
     def rate(self) -> int:
-        return SAMPLE_RATE if self.kind == "pcm16" else G711_RATE
+        return self.pcm_rate if self.kind == "pcm16" else G711_RATE
 
     @property
     def bytes_per_sample(self) -> int:

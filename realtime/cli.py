@@ -26,6 +26,7 @@ from . import cli_sources, doors
 from .help_format import HelpFormatter
 from .launch import add_launch
 from .limits import WS_MAX_SIZE, EdgeLimits
+from .live_policy import parse_policy
 from .log_format import LOG_FORMATS, configure_logging
 from .offline_cli import add_offline
 from .server_sockets import bind
@@ -166,6 +167,10 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
                    help="largest /v1/realtime event (larger: an error event)")
     p.add_argument("--max-conversation-bytes", type=int, default=limits.max_conversation_bytes,
                    help="/v1/realtime conversation items kept per session (over it: the item is refused)")
+    p.add_argument("--live-delegation", default="every_turn", metavar="POLICY",
+                   help="GPT-Live (/v1/live/sessions): when a session delegates to its client: every_turn (at "
+                        "the end of each user turn), never, or pattern:REGEX (turns whose input transcript "
+                        "matches; needs --stt-model)")
 
 
 def reliability_settings(args: argparse.Namespace) -> dict:
@@ -183,6 +188,7 @@ def reliability_settings(args: argparse.Namespace) -> dict:
                         max_lag_s=args.max_lag_s, max_event_bytes=args.max_event_bytes,
                         max_conversation_bytes=args.max_conversation_bytes)
     return {"api_key": keys, "protect_metrics": args.protect_metrics,
+            "live_delegation": parse_policy(args.live_delegation),
             "allowed_origins": parse_origins(args.allowed_origins), "ssl_certfile": args.ssl_certfile,
             "ssl_keyfile": args.ssl_keyfile, "limits": limits}
 

@@ -34,6 +34,7 @@ NEEDS = {
 DOORS = (
     Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol"),
     Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, or ?intent=transcription)"),
+    Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation"),
     Door("/v1/audio/speech", "POST", "OpenAI speech: text to speech", "tts"),
     Door("/v1/audio/voices", "GET", "the text-to-speech voices", "tts"),
     Door("/v1/audio/transcriptions", "POST", "OpenAI transcription", "stt"),

@@ -38,7 +38,6 @@ from starlette.websockets import WebSocketDisconnect
 
 from parley.engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
-    Terminal,
 )
 from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
@@ -48,9 +47,10 @@ from .realtime_session import (
     NO_STT, OPENAI_VOICES, TRANSCRIPTION_INTENT, ClientError, ModelCaps, apply_session_update, parse_item,
     parse_response_options,
 )
-from .limits import ConversationBudget, JSONLimitError, parse_json_event
+from .event_reader import client_event_id, event_type, next_message, parse_client_event
+from .limits import ConversationBudget
 from .realtime_turns import Turns
-from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession, now
+from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession
 
 log = logging.getLogger("parley.realtime")
 
@@ -158,44 +158,18 @@ class RealtimeConnection:
     # ---- client -> server ----
 
     async def _receive_loop(self) -> None:
-        websocket = self.edge.websocket
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            raw = message.get("text")
-            if raw is None:
-                data = message.get("bytes") or b""
-                if not await self.edge.admit_message(len(data)):
-                    return
-                try:
-                    raw = data.decode()
-                except UnicodeDecodeError:
-                    self._client_event_id = None
-                    await self.error(ClientError("binary messages must be UTF-8 JSON events", "invalid_json"))
-                    continue
-            elif not await self.edge.admit_message(len(raw)):
-                return
+        while (data := await next_message(self.edge)) is not None:
             try:
-                await self._handle_raw(raw)
+                await self._handle_raw(data)
             except SessionLost:
                 return
 
-    async def _handle_raw(self, raw: str) -> None:
+    async def _handle_raw(self, raw: str | bytes) -> None:
         self._client_event_id = None
         try:
-            try:
-                event = parse_json_event(raw, self.manager.defaults.limits)
-            except JSONLimitError as exc:
-                raise ClientError(str(exc), exc.code) from None
-            except json.JSONDecodeError as exc:
-                raise ClientError(f"invalid JSON: {exc}", "invalid_json") from None
-            if not isinstance(event, dict):
-                raise ClientError("an event must be a JSON object", "invalid_json")
-            self._client_event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
-            kind = event.get("type")
-            if not isinstance(kind, str):
-                raise ClientError("the event has no 'type'", "missing_required_parameter", "type")
+            event = parse_client_event(raw, self.manager.defaults.limits)
+            self._client_event_id = client_event_id(event)
+            kind = event_type(event)
             handler = self._handlers.get(kind)
             if handler is None:
                 raise ClientError(f"unknown event type {kind!r:.60}", "invalid_value", "type")
@@ -233,26 +207,15 @@ class RealtimeConnection:
     # ---- input transcription (paired STT row) ----
 
     async def _transcript_loop(self) -> None:
-        """Follow the session's transcript; a re-prefill hands the slot to a new engine session,
-        whose transcript is followed in turn."""
-        while True:
-            session = self.edge.engine_session
-            if session is None or session.closed:
-                return
-            try:
-                stream = self.manager.engine.enable_transcription(session)
-            except OptionsError:
-                return
-            async for event in stream:
-                if isinstance(event, Terminal):
-                    if event.status is Status.FAILED:
-                        await self.send_all(self.turns.transcript_failed(event.reason))
-                    break
-                if await self.send_all(self.turns.transcript(event.text, event.end_of_turn)):
-                    self.edge.observe_transcript_sent("paired", event.input_at)
-            await asyncio.sleep(0.05)
-            if self.edge.engine_session is session:
-                return
+        """Follow the session's transcript (and, after a re-prefill, the new session's)."""
+
+        async def heard(event) -> bool:
+            return bool(await self.send_all(self.turns.transcript(event.text, event.end_of_turn)))
+
+        async def failed(reason: str) -> None:
+            await self.send_all(self.turns.transcript_failed(reason))
+
+        await self.edge.follow_transcript(heard, failed)
 
     def _stop_transcript(self) -> None:
         if self._transcript is not None:
@@ -389,28 +352,13 @@ class RealtimeConnection:
     # ---- engine -> client ----
 
     async def _send_loop(self) -> None:
-        while True:
-            session = self.edge.engine_session
-            assert session is not None
-            terminal: Terminal | None = None
-            async for event in session.events:
-                if isinstance(event, Terminal):
-                    terminal = event
-                    break
-                assert isinstance(event, FrameOut)
-                start = now()
-                await self._on_frame(event)
-                self.edge.observe_frame_delay(now() - start)
-            await self.edge.wait_reopen()
-            if session is not self.edge.engine_session:
-                continue  # replaced by a re-prefill: follow the new session
-            failed = terminal is not None and terminal.status is Status.FAILED
-            await self.send_all(self.turns.finish_response("failed" if failed else "incomplete", None))
-            if failed:
-                await self.send(self.events.error(f"the session failed: {terminal.reason}", "session_failed",
-                                                  kind="server_error"))
-                await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
-            return
+        terminal = await self.edge.follow_frames(self._on_frame)  # re-prefills followed
+        failed = terminal is not None and terminal.status is Status.FAILED
+        await self.send_all(self.turns.finish_response("failed" if failed else "incomplete", None))
+        if failed:
+            await self.send(self.events.error(f"the session failed: {terminal.reason}", "session_failed",
+                                              kind="server_error"))
+            await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
 
     async def _on_frame(self, frame: FrameOut) -> None:
         events = self.turns.output_frame(frame.pcm, frame.text)

@@ -31,7 +31,8 @@ from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
 
 from .audio_formats import InputDecoder, OutputEncoder
 from .limits import ConversationBudget
-from .openai_events import AssistantItem, Event, Events, ResponseState, SessionConfig, UserItem, new_id
+from .openai_events import (AssistantItem, Event, Events, ResponseState, SessionConfig, TurnDetection, UserItem,
+                            new_id)
 from .realtime_session import EAGERNESS, ClientError, ResponseOptions
 
 FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE  # 80
@@ -49,6 +50,22 @@ CUT_OFF = {"type": "incomplete", "reason": "max_output_tokens"}
 
 def rms(pcm: np.ndarray) -> float:
     return float(np.sqrt(np.mean(pcm * pcm))) if pcm.size else 0.0
+
+
+# The user-turn rules, shared with GPT-Live's delegation policy (live_delegation.py).
+
+def is_loud(frame: np.ndarray, td: TurnDetection) -> bool:
+    """The energy detector's verdict on one 80 ms input frame."""
+    return rms(frame) > SPEECH_RMS_AT_HALF * (td.threshold / 0.5)
+
+
+def turn_ended(td: TurnDetection, quiet_ms: int, end_of_turn: float) -> bool:
+    """Whether the user's turn is over after `quiet_ms` of quiet, the paired STT's latest
+    end-of-turn probability being `end_of_turn` (semantic_vad)."""
+    if td.type != "semantic_vad":
+        return quiet_ms >= td.silence_duration_ms
+    threshold, timeout_ms = EAGERNESS[td.eagerness]
+    return (quiet_ms >= SEMANTIC_MIN_QUIET_MS and end_of_turn >= threshold) or quiet_ms >= timeout_ms
 
 
 @dataclass
@@ -199,7 +216,7 @@ class Turns:
                 self.response.input_frames += 1
             if td is None:
                 continue
-            loud = rms(frames[start:start + FRAME_SAMPLES]) > SPEECH_RMS_AT_HALF * (td.threshold / 0.5)
+            loud = is_loud(frames[start:start + FRAME_SAMPLES], td)
             clock_ms = tracker.total_samples * 1000 // SAMPLE_RATE
             if loud and not tracker.speaking:
                 tracker.speaking, tracker.quiet_ms = True, 0
@@ -220,10 +237,7 @@ class Turns:
     def _turn_ended(self, quiet_ms: int) -> bool:
         td = self.config.turn_detection
         assert td is not None
-        if td.type != "semantic_vad":
-            return quiet_ms >= td.silence_duration_ms
-        threshold, timeout_ms = EAGERNESS[td.eagerness]
-        return (quiet_ms >= SEMANTIC_MIN_QUIET_MS and self.end_of_turn >= threshold) or quiet_ms >= timeout_ms
+        return turn_ended(td, quiet_ms, self.end_of_turn)
 
     def _commit(self, item_id: str) -> list[Event]:
         previous = self.last_item_id

@@ -51,6 +51,7 @@ from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_
 from .drain import DrainingServer
 from .images_api import ImageService
 from .limits import WS_MAX_SIZE, EdgeLimits
+from .live_policy import DelegationPolicy
 from .load_progress import LoadProgress
 from .security import RedactKeys
 from .sessions import ServerDefaults
@@ -112,6 +113,7 @@ class ServeConfig:
     tts_slots: int = 4
     tts_voices: str | None = None  # voice set directory or HF repo id; None: kyutai/tts-voices
     tts_voice_map: str | None = None  # JSON {alias: voice name}, e.g. OpenAI's names
+    live_delegation: DelegationPolicy = DelegationPolicy()  # GPT-Live: when sessions delegate (live_policy.py)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -219,6 +221,9 @@ def build_app(config: ServeConfig):
     if stt is not None and (shared := share_equal_tensors(stt.mimi, checkpoint.mimi)):
         log.info("the STT model's Mimi shares %.0f MB of weights with the duplex model's", shared / 1e6)
     paired = stt is not None and _shares_mimi(checkpoint, stt)
+    if config.live_delegation.needs_transcript and not paired:
+        raise ServeError(f"--live-delegation {config.live_delegation} matches the user's words, which need a paired "
+                         "speech-to-text model (--stt-model, sharing the duplex model's Mimi); use every_turn or never")
     if stt is not None and not paired:
         log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
                     "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
@@ -246,7 +251,7 @@ def build_app(config: ServeConfig):
 def _server_defaults(config: ServeConfig, options: SessionOptions, model_name: str, prompts: bool) -> ServerDefaults:
     return ServerDefaults(options=options, model_name=model_name, api_key=config.api_key, prompts=prompts,
                           protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
-                          limits=config.limits)
+                          limits=config.limits, live_delegation=config.live_delegation)
 
 
 def _load_stt(config: ServeConfig, demo: str | None, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:

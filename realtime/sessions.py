@@ -22,13 +22,15 @@ from typing import Any, Awaitable, Callable, Coroutine
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from parley.engine import (
-    Engine, EngineClosed, EngineFull, OptionsError, Session, SessionOptions, SessionRejected,
+    Engine, EngineClosed, EngineFull, FrameOut, OptionsError, Session, SessionOptions, SessionRejected, Status,
+    Terminal,
 )
 from parley.engine.config import TICK_SECONDS
 
 from .capacity import Admission, Reservation
 from .health import EdgeMetrics
 from .limits import EdgeLimits, LagMeter, RateLimiter
+from .live_policy import DelegationPolicy
 from .opus import CodecRunner, CodecStream
 
 log = logging.getLogger("parley.sessions")
@@ -66,6 +68,7 @@ class ServerDefaults:
     # Whether the model takes a persona / voice prompt (PersonaPlex). Moshi does not: a client's
     # persona or voice is then refused, never dropped.
     prompts: bool = True
+    live_delegation: DelegationPolicy = DelegationPolicy()  # GPT-Live: when a session delegates (live_policy.py)
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -197,6 +200,49 @@ class EdgeSession:
         ends, to tell a replaced session from a finished one)."""
         async with self._reopen_lock:
             return
+
+    async def follow_frames(self, on_frame: Callable[[FrameOut], Awaitable[None]]) -> Terminal | None:
+        """Hand every output frame of this connection's engine session to `on_frame` (its handling
+        time observed), following the session a re-prefill hands the slot to; returns how the
+        last one ended (None: its stream ended without a terminal)."""
+        while True:
+            session = self.engine_session
+            assert session is not None
+            terminal: Terminal | None = None
+            async for event in session.events:
+                if isinstance(event, Terminal):
+                    terminal = event
+                    break
+                start = now()
+                await on_frame(event)
+                self.observe_frame_delay(now() - start)
+            await self.wait_reopen()
+            if session is self.engine_session:
+                return terminal
+
+    async def follow_transcript(self, on_partial: Callable[[Any], Awaitable[bool]],
+                                on_failed: Callable[[str], Awaitable[None]]) -> None:
+        """Follow what the paired STT hears on this connection's engine session (SttPartial to
+        `on_partial`, which says whether it sent something: its delay is observed), and after a
+        re-prefill on the new session's; a failed transcript's reason goes to `on_failed`."""
+        while True:
+            session = self.engine_session
+            if session is None or session.closed:
+                return
+            try:
+                stream = self.manager.engine.enable_transcription(session)
+            except OptionsError:
+                return
+            async for event in stream:
+                if isinstance(event, Terminal):
+                    if event.status is Status.FAILED:
+                        await on_failed(event.reason)
+                    break
+                if await on_partial(event):
+                    self.observe_transcript_sent("paired", event.input_at)
+            await asyncio.sleep(0.05)
+            if self.engine_session is session:
+                return
 
     # ---- the socket (single writer) ----
 

@@ -1,0 +1,355 @@
+"""`/v1/live/sessions`: OpenAI's GPT-Live over WebSocket, on a duplex model. I/O and dispatch only.
+
+- settings are judged in live_config.py (every field honoured or refused by name), events built in
+  live_events.py, delegation turns watched in live_delegation.py (policy: live_policy.py);
+- admission, auth, Origin, limits, metrics and drain are the other doors' (capacity.py,
+  security.py, sessions.py), and so is the receive side (event_reader.py);
+- the first event must be `session.start`; the engine session opens on it (the persona and voice
+  prompt are prefilled), then `session.started`. Until then the slot reserved before the upgrade
+  is held, for at most START_TIMEOUT_S;
+- the model's frames go out as `session.output_audio.delta` and, where it wrote text,
+  `session.output_transcript.delta`; the paired STT's words (when one is loaded) as
+  `session.input_transcript.delta`; `session.usage.updated` every USAGE_EVERY_FRAMES frames;
+- commentary is forced into the model's text stream from its next pause (Engine.force_text);
+  instructions and thinking go into the persona (PersonaPlex) by a re-prefill, and are refused
+  by name by a model without one.
+Errors are `error` events carrying the client's `event_id`; the session goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import json
+import logging
+from typing import Awaitable, Callable
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from parley.engine import EngineClosed, EngineFull, FrameOut, OptionsError, SessionRejected, Status
+from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+
+from . import live_events as ev
+from .audio_formats import FormatError, InputDecoder, OutputEncoder
+from .event_reader import client_event_id, event_type, next_message, parse_client_event
+from .live_config import LiveConfig, check_update, parse_start
+from .live_delegation import Delegations, TurnWatcher
+from .realtime_session import ClientError, ModelCaps
+from .realtime_turns import FRAME_MS
+from .security import choose_subprotocol
+from .sessions import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, EdgeSession
+
+log = logging.getLogger("parley.live")
+
+PROTOCOL = "live"
+START_TIMEOUT_S = 10.0  # a connection that sends no acceptable session.start by then is closed (1008)
+USAGE_EVERY_FRAMES = 25  # session.usage.updated every 2 s of session audio
+MAX_APPEND_CHARS = 4000  # one append: about OpenAI's 500 tokens of English
+REFUSED_EVENTS = {
+    "session.output_audio.fixture.play": "audio fixtures are not served by Parley",
+    "response.item.create": "Responses delegation is not served by Parley yet (this session delegates to the client)",
+    "response.create": "Responses delegation is not served by Parley yet (this session delegates to the client)",
+    "decision.create": "Decisions delegation is not served by Parley",
+    "decision.item.create": "Decisions delegation is not served by Parley",
+    "decision.item.delete": "Decisions delegation is not served by Parley",
+}
+
+
+class SessionLost(Exception):
+    """The engine session could not be re-established (or the client closed it): the receive side ends."""
+
+
+class LiveConnection:
+    """One `/v1/live/sessions` connection: reads events, dispatches them, writes what comes back."""
+
+    def __init__(self, edge: EdgeSession) -> None:
+        self.edge = edge
+        self.manager = edge.manager
+        defaults = self.manager.defaults
+        self.caps = ModelCaps(prompts=defaults.prompts, transcribe=self.manager.engine.can_transcribe)
+        self.policy = defaults.live_delegation
+        self.config: LiveConfig | None = None
+        self.options = defaults.options
+        self.context: tuple[str, ...] = ()  # instructions and thinking appended since start (the persona's tail)
+        self.delegations = Delegations()
+        self.watcher = TurnWatcher(self.policy, semantic=self.caps.transcribe)
+        self.decoder = self.encoder = None  # type: InputDecoder | OutputEncoder | None
+        self.muted = False
+        self.frames = 0  # output frames sent: the session's audio clock, 80 ms each
+        self.heard_ms = 0  # the input transcript's clock (where its last delta ended)
+        self._client_event_id: str | None = None
+        self._reprefill_lock = asyncio.Lock()
+        self._handlers: dict[str, Callable[[dict], Awaitable[None]]] = {
+            "session.start": self._on_start_again, "session.update": self._on_update,
+            "session.input_audio.append": self._on_append, "session.input_audio.mute": self._on_mute,
+            "session.input_audio.unmute": self._on_mute, "session.commentary.append": self._on_commentary,
+            "session.thinking.append": self._on_context, "session.instructions.append": self._on_context,
+            "session.close": self._on_close,
+        }
+
+    @property
+    def clock_ms(self) -> int:
+        return self.frames * FRAME_MS
+
+    # ---- lifecycle ----
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                started = await self._start()
+        except TimeoutError:
+            await self.send(ev.error(f"no session.start was accepted within {START_TIMEOUT_S:.0f} s",
+                                     "session_start_timeout"))
+            await self.edge.close_socket(CLOSE_POLICY, "no session.start")
+            return
+        if not started:
+            return
+        config = self.config
+        log.info("live session %s (%d): model %s, %s, delegation policy %s%s", config.id, self.edge.number,
+                 config.model, config.format, self.policy,
+                 f", safety_identifier {config.safety_identifier}" if config.safety_identifier else "")
+        await self.send(ev.session_event("session.started", config.resource(), self._client_event_id))
+        transcript = asyncio.create_task(self.edge.follow_transcript(self._heard, self._transcript_failed))
+        try:
+            await self.edge.run_duplex(self._send_loop(), self._receive_loop())
+        finally:
+            transcript.cancel()
+
+    async def _start(self) -> bool:
+        """Read events until a session.start is accepted and its engine session is open (True), or
+        the connection is gone or refused (False)."""
+        while (data := await next_message(self.edge)) is not None:
+            event = await self._read(data)
+            if event is None:
+                continue
+            if event["type"] != "session.start":
+                await self.error(ClientError(f"{event['type']!s:.60} before session.start: send session.start "
+                                             "first and wait for session.started", "session_not_started", "type"))
+                continue
+            config, refused = parse_start(event.get("session"), self.caps)
+            for exc in refused:
+                await self.error(exc)
+            if config is not None and await self._open(config):
+                return True
+            if self.edge.closed:
+                return False
+        return False
+
+    async def _open(self, config: LiveConfig) -> bool:
+        """The engine session for `config`; False (and an error) if it cannot open."""
+        defaults = self.manager.defaults.options
+        options = dataclasses.replace(defaults, persona=config.persona(defaults.persona),
+                                      voice=config.voice_prompt or defaults.voice)
+        try:
+            await self.edge.open_engine_session(options)
+        except EngineFull as exc:
+            await self.send(ev.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
+            await self.edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every session slot is taken")
+            return False
+        except EngineClosed as exc:
+            await self.send(ev.error(f"cannot start the session: {exc}", "session_failed", kind="server_error"))
+            await self.edge.refuse(CLOSE_INTERNAL, "unavailable", str(exc))
+            return False
+        except (OptionsError, SessionRejected) as exc:  # the session may start again with other settings
+            param = "session.audio.output.voice" if "voice" in str(exc).lower() else "session.instructions"
+            await self.error(ClientError(f"the model cannot use these settings: {exc}", "invalid_value", param))
+            return False
+        self.config, self.options = config, options
+        self.decoder, self.encoder = InputDecoder(config.format), OutputEncoder(config.format)
+        return True
+
+    async def send(self, event: dict) -> int:
+        """Send one event; its size (0 if the client has left)."""
+        text = json.dumps(event, separators=(",", ":"))
+        try:
+            await self.edge.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            return 0  # the receive side sees the disconnect and ends the session
+        return len(text)
+
+    async def error(self, exc: ClientError) -> None:
+        self.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
+        await self.send(ev.error(str(exc), exc.code, exc.param, self._client_event_id))
+
+    # ---- client -> server ----
+
+    async def _read(self, data: str | bytes) -> dict | None:
+        """One message as an event with a type (None: it was bad, and the client was told)."""
+        self._client_event_id = None
+        try:
+            event = parse_client_event(data, self.manager.defaults.limits)
+            self._client_event_id = client_event_id(event)
+            event_type(event)
+            return event
+        except ClientError as exc:
+            await self.error(exc)
+            return None
+
+    async def _receive_loop(self) -> None:
+        while (data := await next_message(self.edge)) is not None:
+            event = await self._read(data)
+            if event is None:
+                continue
+            try:
+                handler = self._handlers.get(event["type"])
+                if handler is None:
+                    why = REFUSED_EVENTS.get(event["type"], "not a GPT-Live client event")
+                    raise ClientError(f"{event['type']!s:.60}: {why}", "invalid_value", "type")
+                await handler(event)
+            except ClientError as exc:
+                await self.error(exc)
+            except SessionLost:
+                return
+
+    async def _on_start_again(self, event: dict) -> None:
+        raise ClientError("the session has started; session.start comes once", "session_already_started", "type")
+
+    async def _on_update(self, event: dict) -> None:
+        refused = check_update(event.get("session"))
+        for exc in refused:
+            await self.error(exc)
+        if not refused:
+            await self.send(ev.session_event("session.updated", self.config.resource(), self._client_event_id))
+
+    async def _on_append(self, event: dict) -> None:
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise ClientError("session.input_audio.append needs 'audio': base64 audio in the session's format",
+                              "missing_required_parameter", "audio")
+        try:
+            pcm = self.decoder.decode(base64.b64decode(audio, validate=True))
+        except (binascii.Error, ValueError):
+            raise ClientError("audio is not valid base64", "invalid_value", "audio") from None
+        except FormatError as exc:
+            raise ClientError(str(exc), "invalid_value", "audio") from None
+        if self.muted:  # the model hears silence while the input is muted
+            pcm = np.zeros_like(pcm)
+        for _ in self.watcher.audio(pcm):
+            await self.send(ev.delegation_created(self.delegations.create(), self.clock_ms))
+        session = self.edge.engine_session
+        if session is not None and pcm.size:
+            session.push_audio(pcm)
+
+    async def _on_mute(self, event: dict) -> None:
+        self.muted = event["type"].endswith(".mute")
+        await self.send(ev.event("session.input_audio.muted" if self.muted else "session.input_audio.unmuted",
+                                 self._client_event_id))
+
+    async def _on_close(self, event: dict) -> None:
+        """No delegation work runs on the server (client delegation): the session closes at once."""
+        await self.send(ev.session_closed(self.config.resource(), "close_requested", self.seconds,
+                                          self._client_event_id))
+        await self.edge.close_socket(CLOSE_NORMAL, "session closed")
+        raise SessionLost("closed by the client")
+
+    @property
+    def seconds(self) -> float:
+        return round(self.frames * FRAME_SAMPLES / SAMPLE_RATE, 2)
+
+    # ---- appends: commentary (spoken), instructions and thinking (the persona) ----
+
+    def _content(self, event: dict) -> str:
+        content = event.get("content")
+        if not isinstance(content, str) or not content.strip():
+            raise ClientError(f"{event['type']} needs 'content': text", "missing_required_parameter", "content")
+        if len(content) > MAX_APPEND_CHARS:
+            raise ClientError(f"content is {len(content)} characters; an append holds at most {MAX_APPEND_CHARS} "
+                              "(about 500 tokens): split it", "invalid_value", "content")
+        if "delegation_id" not in event:
+            raise ClientError("delegation_id is required: the id of a session.delegation.created, or null",
+                              "missing_required_parameter", "delegation_id")
+        self.delegations.check(event["delegation_id"])
+        return content
+
+    async def _on_commentary(self, event: dict) -> None:
+        """Forced into the model's text stream from its next pause; placed from now, one token a frame."""
+        content = self._content(event)
+        start = self.clock_ms
+        try:
+            tokens = await self.manager.engine.force_text(self.edge.engine_session, content)
+        except OptionsError as exc:
+            raise ClientError(f"the commentary was not placed: {exc}", "invalid_value", "content") from None
+        await self.send(ev.appended("commentary", start, start + tokens * FRAME_MS, self._client_event_id))
+
+    async def _on_context(self, event: dict) -> None:
+        """Instructions and thinking join the persona (PersonaPlex), by a re-prefill."""
+        channel = event["type"].split(".")[1]
+        if not self.caps.prompts:
+            raise ClientError(f"{event['type']}: this model has no persona (a Moshi checkpoint) to keep {channel} "
+                              "in, so it cannot take it", "unsupported_parameter", "type")
+        content = self._content(event)
+        start = self.clock_ms
+        await self._reprefill((*self.context, content if channel == "instructions" else f"(thinking) {content}"))
+        await self.send(ev.appended(channel, start, self.clock_ms, self._client_event_id))
+
+    async def _reprefill(self, context: tuple[str, ...]) -> None:
+        """Hand the slot to a session prefilled with the longer persona (EdgeSession.reopen)."""
+        persona = self.config.persona(self.manager.defaults.options.persona, context)
+        options = dataclasses.replace(self.options, persona=persona)
+        async with self._reprefill_lock:
+            try:
+                await self.edge.reopen(options)
+            except SessionRejected as exc:  # the previous persona is back
+                raise ClientError(f"the model cannot take it: {exc}", "invalid_value", "content") from None
+            except (EngineFull, EngineClosed) as exc:
+                await self.send(ev.error(f"lost the session slot while re-prefilling: {exc}", "session_failed",
+                                         kind="server_error"))
+                await self.edge.close_socket(CLOSE_TRY_AGAIN_LATER, "session slot lost while re-prefilling")
+                raise SessionLost(str(exc)) from exc
+        self.context, self.options = context, options
+
+    # ---- engine -> client ----
+
+    async def _send_loop(self) -> None:
+        terminal = await self.edge.follow_frames(self._on_frame)
+        if terminal is not None and terminal.status is Status.FAILED:
+            await self.send(ev.error(f"the session failed: {terminal.reason}", "session_failed", kind="server_error"))
+            await self.send(ev.session_closed(self.config.resource(), "connection_lost", self.seconds))
+            await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
+
+    async def _on_frame(self, frame: FrameOut) -> None:
+        start = self.clock_ms
+        self.frames += 1
+        if frame.text:
+            await self.send(ev.transcript("output", frame.text, start, self.clock_ms))
+        wire = base64.b64encode(self.encoder.encode(frame.pcm)).decode()
+        # A client reading too slowly loses its oldest audio (counted); its text still goes out.
+        if not self.edge.drop_if_lagging(frame.produced_at):
+            self.edge.lag.sent(await self.send(ev.output_audio(wire)))
+            self.manager.metrics.frames_out.labels(PROTOCOL).inc()
+            self.edge.observe_frame_sent(frame.produced_at)
+        if self.frames % USAGE_EVERY_FRAMES == 0:
+            await self.send(ev.usage_updated(self.seconds))
+
+    async def _heard(self, partial) -> bool:
+        """One paired-STT step (engine SttPartial): the turn watcher's, and the client's if it has words."""
+        self.watcher.heard(partial.text, partial.end_of_turn)
+        if not partial.text:
+            return False
+        start, self.heard_ms = self.heard_ms, max(self.heard_ms, self.clock_ms)
+        return bool(await self.send(ev.transcript("input", partial.text, start, self.heard_ms)))
+
+    async def _transcript_failed(self, reason: str) -> None:
+        await self.send(ev.error(f"input transcription failed: {reason}", "transcription_failed", kind="server_error"))
+
+
+async def live_endpoint(websocket: WebSocket) -> None:
+    """Keys and Origins are checked before this runs (security.AccessMiddleware); a full or
+    draining server answers the upgrade with 503 (capacity.py)."""
+    manager = websocket.app.state.sessions
+    reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=True)
+    if reservation is None:
+        return
+    edge = manager.attach(websocket, PROTOCOL, reservation)
+    try:
+        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
+        connection = LiveConnection(edge)
+        edge.notice = lambda reason: connection.send(ev.error(reason, "server_shutting_down", kind="server_error"))
+        await connection.run()
+    except (WebSocketDisconnect, OSError):
+        log.info("live session %d: the client left", edge.number)
+    finally:
+        edge.close()

@@ -1,0 +1,242 @@
+"""`/v1/live/sessions` (GPT-Live) driven by the unmodified openai SDK (`client.live.connect()`),
+against tiny models on a real server; every server event is validated by the SDK's own
+pydantic types (`openai.types.live.ServerEvent`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import urllib.request
+
+import numpy as np
+import pydantic
+import pytest
+from openai.types.live import ServerEvent
+
+from parley.models.synthetic import write_tiny_stt_checkpoint
+from parley.realtime.audio_formats import g711_decode, g711_encode
+from parley.realtime.server import ServeConfig, build_app
+from parley.realtime.sessions import ServerDefaults
+
+from live_checkpoints import write_pausing_checkpoint
+from server_harness import best_lag_correlation, delay_app, serve, tone
+from test_server_realtime import Recorder, client, run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SR = 24_000
+FRAME = 1920
+SERVER_EVENT = pydantic.TypeAdapter(ServerEvent)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny Moshi whose text stream pauses often (so commentary starts soon) and a tiny STT."""
+    root = tmp_path_factory.mktemp("live")
+    model = write_pausing_checkpoint(root / "moshi")
+    stt = write_tiny_stt_checkpoint(root / "stt", mimi_from=model)
+    return model, stt
+
+
+def live_app(checkpoints, **config):
+    model, stt = checkpoints
+    return build_app(ServeConfig(model=str(model), stt_model=str(stt), max_sessions=1, stt_slots=1, **config))
+
+
+def validate(events: list[dict]) -> None:
+    """Every event parses as the SDK's discriminated ServerEvent union, unknown types included."""
+    for event in events:
+        SERVER_EVENT.validate_python(event)
+
+
+def encode(pcm: np.ndarray) -> str:
+    return base64.b64encode((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+
+
+async def speak(conn, wire: list[bytes], frame_s: float = FRAME / SR) -> None:
+    """Send wire chunks (one 80 ms frame each) at real-time pace after three at once."""
+    t0 = time.monotonic()
+    for i, chunk in enumerate(wire):
+        await conn.session.input_audio.append(audio=base64.b64encode(chunk).decode())
+        await asyncio.sleep(max(0.0, t0 + max(0, i - 2) * frame_s - time.monotonic()))
+
+
+def pcm_frames(pcm: np.ndarray) -> list[bytes]:
+    return [base64.b64decode(encode(pcm[i:i + FRAME])) for i in range(0, pcm.size - FRAME + 1, FRAME)]
+
+
+def speech_then_quiet(speech_s: float = 1.2, quiet_s: float = 3.0) -> np.ndarray:
+    # quiet past semantic eagerness medium's 4 s timeout is not needed: 160 ms + the head, or 4 s
+    return np.concatenate([tone(300, speech_s), np.zeros(int(quiet_s * SR), np.float32)])
+
+
+async def start(conn, rec, session: dict) -> dict:
+    await conn.session.start(session=session, event_id="start-1")
+    return await rec.wait(lambda e: e.get("client_event_id") == "start-1", timeout=20)
+
+
+def output_deltas(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["type"] == "session.output_transcript.delta"]
+
+
+def test_sdk_conversation_with_transcripts_a_delegation_and_spoken_commentary(checkpoints):
+    commentary = "hello world"
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            started = await start(conn, rec, {"model": "gpt-live-1", "audio": {
+                "format": {"type": "audio/pcm", "rate": 24000}, "output": {"voice": "marin"}}})
+            assert started["type"] == "session.started", started
+            pcm = speech_then_quiet(1.2, 4.8)
+            speaker = asyncio.create_task(speak(conn, pcm_frames(pcm)))
+            created = await rec.wait_type("session.delegation.created", timeout=20)
+            await conn.session.commentary.append(content=commentary, delegation_id=created["delegation"]["id"],
+                                                 event_id="comment-1")
+            appended = await rec.wait_type("session.commentary.appended", timeout=10)
+            await speaker
+            await asyncio.sleep(1.0)
+            await conn.session.close(event_id="close-1")
+            await rec.wait_type("session.closed", timeout=10)
+            await rec.task
+            return rec.events, pcm.size / SR, started, created, appended
+
+    with serve(live_app(checkpoints)) as base:
+        events, sent_s, started, created, appended = run(scenario(base))
+    validate(events)
+    assert started["client_event_id"] == "start-1"
+    resource = started["session"]
+    assert resource["model"] == "gpt-live-1" and resource["delegation"] == {"type": "client"}
+    assert resource["audio"] == {"format": {"type": "audio/pcm", "rate": 24000}, "output": {"voice": "marin"}}
+    # Audio both ways: at least 70 % of the seconds sent came back.
+    received = sum(len(base64.b64decode(e["delta"])) for e in events if e["type"] == "session.output_audio.delta")
+    assert received / (2 * SR) >= 0.7 * sent_s
+    # The model's text stream, frame-aligned on the session's clock.
+    deltas = output_deltas(events)
+    assert deltas and all(d["end_ms"] - d["start_ms"] == 80 and d["start_ms"] % 80 == 0 for d in deltas)
+    assert [d["start_ms"] for d in deltas] == sorted(d["start_ms"] for d in deltas)
+    assert [e for e in events if e["type"] == "session.input_transcript.delta"]  # the paired STT
+    # The delegation came at the end of the user's turn; the commentary was spoken into the transcript.
+    assert created["delegation"]["target"] == "client" and created["offset_ms"] >= 1200
+    assert appended["client_event_id"] == "comment-1" and appended["end_ms"] > appended["start_ms"]
+    spoken = "".join(d["delta"] for d in deltas if d["start_ms"] >= appended["start_ms"])
+    assert commentary in spoken
+    usage = [e["usage"]["seconds"] for e in events if e["type"] == "session.usage.updated"]
+    assert usage and usage == sorted(usage)
+    closed = events[-1]
+    assert closed["type"] == "session.closed" and closed["reason"] == "close_requested"
+    assert closed["client_event_id"] == "close-1" and closed["usage"]["seconds"] >= usage[-1]
+
+
+def errors_of(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["type"] == "error"]
+
+
+def test_errors_carry_the_client_event_id_refused_fields_are_named_and_the_session_goes_on():
+    app, _ = delay_app(2, defaults=ServerDefaults(prompts=False))
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            await conn.session.input_audio.append(audio=encode(np.zeros(FRAME)), event_id="early")
+            await conn.send_raw("{not json")
+            await conn.session.start(event_id="bad", session={
+                "model": "gpt-live-1", "instructions": "be kind", "store": True,
+                "delegation": {"type": "responses", "responses": {"model": "gpt-5"}},
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]})
+            started = await start(conn, rec, {"model": "gpt-live-1"})
+            assert started["type"] == "session.started"
+            await conn.send({"type": "response.create", "event_id": "resp"})
+            await conn.session.update(session={"instructions": "x"}, event_id="upd-bad")
+            await conn.session.update(session={"delegation": {"type": "client"}}, event_id="upd")
+            await rec.wait_type("session.updated")
+            await conn.session.commentary.append(content="hi", delegation_id="dlg_nope", event_id="c-bad")
+            await conn.session.commentary.append(content="hi", delegation_id=None, event_id="c-none")
+            await conn.session.thinking.append(content="hm", delegation_id=None, event_id="think")
+            await conn.session.input_audio.mute(event_id="mute")
+            await conn.session.input_audio.unmute(event_id="unmute")
+            await conn.session.start(session={"model": "gpt-live-1"}, event_id="again")
+            await conn.session.close(event_id="bye")
+            await rec.wait_type("session.closed")
+            await rec.task
+            return rec.events
+
+    with serve(app) as base:
+        events = run(scenario(base))
+    validate(events)
+    errors = {(e["client_event_id"] if "client_event_id" in e else None, e["error"]["param"]): e["error"]
+              for e in errors_of(events)}
+    for error in errors.values():  # the SDK reads the id from the error too
+        assert error.get("client_event_id") == next(k for k, v in errors.items() if v is error)[0]
+    assert errors[("early", "type")]["code"] == "session_not_started"
+    assert errors[(None, None)]["code"] == "invalid_json"
+    assert {param for cid, param in errors if cid == "bad"} == {
+        "session.instructions", "session.store", "session.delegation.type", "session.input"}
+    assert "Responses" in errors[("resp", "type")]["message"]
+    assert errors[("upd-bad", "session.instructions")]["code"] == "unsupported_parameter"
+    assert errors[("c-bad", "delegation_id")]["code"] == "invalid_value"
+    assert "cannot be given text" in errors[("c-none", "content")]["message"]  # this backend forces no text
+    assert "no persona" in errors[("think", "type")]["message"]
+    assert errors[("again", "type")]["code"] == "session_already_started"
+    acks = {e["type"]: e.get("client_event_id") for e in events if "client_event_id" in e and e["type"] != "error"}
+    assert acks == {"session.started": "start-1", "session.updated": "upd", "session.input_audio.muted": "mute",
+                    "session.input_audio.unmuted": "unmute", "session.closed": "bye"}
+
+
+@pytest.mark.parametrize("kind,rate", [("audio/pcmu", 8000), ("audio/pcma", 8000), ("audio/pcm", 16000)])
+def test_wire_formats_come_back_in_kind_frame_by_frame(kind, rate):
+    app, _ = delay_app(1)  # echo: output frame t is input frame t - 1
+    width = 2 if kind == "audio/pcm" else 1
+    frame_bytes = rate * width * 80 // 1000
+    pcm16 = (tone(440, 2.0, sr=rate) * 32767).astype("<i2")
+    wire = pcm16.tobytes() if width == 2 else g711_encode(pcm16, kind.removeprefix("audio/"))
+    chunks = [wire[i:i + frame_bytes] for i in range(0, len(wire), frame_bytes)]
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            started = await start(conn, rec, {"model": "gpt-live-1", "audio": {"format": {"type": kind, "rate": rate}}})
+            assert started["session"]["audio"]["format"] == {"type": kind, "rate": rate}
+            await speak(conn, chunks)
+            await asyncio.sleep(0.5)
+            await conn.session.close()
+            await rec.wait_type("session.closed")
+            await rec.task
+            return rec.events
+
+    with serve(app) as base:
+        events = run(scenario(base))
+    validate(events)
+    out = [base64.b64decode(e["delta"]) for e in events if e["type"] == "session.output_audio.delta"]
+    assert {len(chunk) for chunk in out} == {frame_bytes}
+    assert len(out) * 0.08 >= 0.7 * 2.0
+    got = b"".join(out)
+    got16 = np.frombuffer(got, "<i2") if width == 2 else g711_decode(got, kind.removeprefix("audio/"))
+    corr, _ = best_lag_correlation(pcm16.astype(np.float32), got16.astype(np.float32), rate // 2)
+    assert corr > 0.9  # the echo came back through both resamplers and codecs
+
+
+def test_a_full_server_refuses_the_upgrade_with_503_and_counts_live_sessions():
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    app, _ = delay_app(1)
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            assert (await start(conn, rec, {"model": "gpt-live-1"}))["type"] == "session.started"
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(f"ws://{base}/v1/live/sessions")
+            with urllib.request.urlopen(f"http://{base}/metrics", timeout=10) as response:
+                metrics = response.read().decode()
+            await conn.session.close()
+            await rec.task
+            return refused.value.response, metrics
+
+    with serve(app) as base:
+        response, metrics = run(scenario(base))
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert 'parley_connections_total{protocol="live"} 1.0' in metrics
+    assert 'parley_refusals_total{door="/v1/live/sessions",reason="full"} 1.0' in metrics
