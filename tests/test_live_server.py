@@ -240,3 +240,47 @@ def test_a_full_server_refuses_the_upgrade_with_503_and_counts_live_sessions():
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     assert 'parley_connections_total{protocol="live"} 1.0' in metrics
     assert 'parley_refusals_total{door="/v1/live/sessions",reason="full"} 1.0' in metrics
+
+
+def test_personaplex_keeps_instructions_prior_messages_and_appends_in_its_persona(tmp_path):
+    model = write_pausing_checkpoint(tmp_path / "personaplex", kind="personaplex", context=400)
+    app = build_app(ServeConfig(model=str(model), max_sessions=1))  # no STT: turns end after 500 ms of quiet
+    personas = []
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            started = await start(conn, rec, {
+                "model": "gpt-live-1", "instructions": "You are a helpful agent.",
+                "audio": {"output": {"voice": "NATF0"}},
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "My name is Ada."}]},
+                          {"role": "assistant", "content": [{"type": "output_text", "text": "Hello Ada."}]}]})
+            assert started["type"] == "session.started", started
+            await speak(conn, pcm_frames(speech_then_quiet(1.0, 1.0)))
+            created = await rec.wait_type("session.delegation.created", timeout=10)
+            task = created["delegation"]["id"]
+            await conn.session.instructions.append(content="Answer in French.", delegation_id=task, event_id="i")
+            await rec.wait_type("session.instructions.appended", timeout=15)
+            await conn.session.thinking.append(content="The user likes tea.", delegation_id=None, event_id="t")
+            await rec.wait_type("session.thinking.appended", timeout=15)
+            personas.extend(edge.engine_session.options.persona for edge in app.state.sessions._live)
+            await conn.session.instructions.append(content="word " * 700, delegation_id=None, event_id="long")
+            await rec.wait(lambda e: e.get("client_event_id") == "long", timeout=15)
+            await conn.session.commentary.append(content="hello world", delegation_id=task, event_id="c")
+            await rec.wait_type("session.commentary.appended", timeout=10)
+            await speak(conn, pcm_frames(np.zeros(SR * 2, np.float32)))
+            await conn.session.close()
+            await rec.wait_type("session.closed")
+            await rec.task
+            return rec.events
+
+    with serve(app) as base:
+        events = run(scenario(base))
+    validate(events)
+    assert personas == ["You are a helpful agent.\nUser: My name is Ada.\nAssistant: Hello Ada.\n"
+                        "Answer in French.\n(thinking) The user likes tea."]
+    refused = [e["error"] for e in errors_of(events) if e.get("client_event_id") == "long"]
+    assert refused and refused[0]["param"] == "content" and "context" in refused[0]["message"]
+    resource = events[0]["session"] if events[0]["type"] == "session.started" else None
+    assert resource and resource["instructions"] == "You are a helpful agent." and len(resource["input"]) == 2
+    assert "hello world" in "".join(d["delta"] for d in output_deltas(events))  # spoken after the re-prefills
