@@ -19,7 +19,7 @@ import pytest
 from parley.realtime.demo_model import (DEMO_KINDS, PERSONAPLEX_VOICES, cache_dir, ensure_demo_checkpoint,
                                         write_demo_checkpoint)
 from parley.realtime.server import ServeConfig, ServeError, build_app
-from server_harness import chat_session, serve, tone
+from server_harness import chat_session, free_port, serve, tone
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -141,7 +141,7 @@ def test_demo_flag_is_refused_with_a_model(tiny_moshi_dir):
 def test_parley_serve_refuses_demo_with_model(tmp_path):
     """The command line: `--demo` with `--model` exits 2 with the reason, before loading anything."""
     out = subprocess.run([sys.executable, "-m", "parley.realtime.cli", "serve", "--demo", "moshi", "--model",
-                          str(tmp_path / "missing")], capture_output=True, text=True, timeout=120,
+                          str(tmp_path / "missing"), "--port", str(free_port())], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PARLEY_CACHE": str(tmp_path)})
     assert out.returncode == 2, out.stderr[-2000:]
     assert "served only without --model and --tts-model: drop --demo" in out.stderr, out.stderr[-2000:]
