@@ -576,7 +576,7 @@ class ImageQueue(SlackSource):
                 continue  # wait for an idle tick
             if fitting is None and (left_s is None or estimate is None or estimate <= left_s):
                 fitting = item  # fits (or nothing to predict from: the runner runs it only as a tick's first item)
-                if not probe_now:
+                if not probe_now:  # (a probe would go ahead of it: look on)
                     break
             first = first or item
         return fitting or first  # nothing fits: the runner will decline it, and the next tick tries again
