@@ -180,6 +180,39 @@ class _Row:
     suffix_left: int | None = None  # flush frames still to feed once the input ended
     audio_frames: int = 0  # frames of real audio read
 
+    def next_input(self, suffix_frames: int) -> tuple[bool, np.ndarray | None, float | None]:
+        """What this row feeds the next step: (it steps, its audio frame (None: silence, of the
+        prefix or the flush), when that frame arrived). A row that does not step waits for input,
+        or has flushed (`suffix_left` 0: its request completes)."""
+        if self.prefix_left:
+            self.prefix_left -= 1
+            return True, None, None
+        if self.suffix_left is None:
+            frame, ended, at = self.request._take()
+            if ended:
+                self.suffix_left = suffix_frames
+                self.decoder.audio_ended(self.request.input_seconds)
+            if frame is not None:
+                self.audio_frames += 1
+                return True, frame, at
+            if not ended:
+                return False, None, None
+        if self.suffix_left == 0:
+            return False, None, None
+        self.suffix_left -= 1
+        return True, None, None
+
+    def publish(self, values: np.ndarray, input_at: float) -> None:
+        """One step's output (text token, valid, end-of-turn probability) to the request's stream."""
+        step = self.step
+        self.step += 1
+        events = self.decoder.feed(int(values[0]), step) if values[1] > 0.5 else []
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        words = tuple(e for e in events if isinstance(e, Word))
+        if text or words or self.request.live:
+            self.request.events.push(SttPartial(text, words, float(values[2]), self.audio_frames / FRAME_RATE,
+                                                input_at))
+
 
 class SttPool(SlackSource):
     priority = Priority.TRANSCRIPTION
@@ -345,27 +378,11 @@ class SttPool(SlackSource):
         for i, row in enumerate(self._rows):
             if not self._runnable(row) or (only is not None and i not in only):
                 continue
-            if row.prefix_left:
-                row.prefix_left -= 1
-                run[i] = True
-                continue
-            if row.suffix_left is None:
-                frame, ended, at = row.request._take()
-                if frame is not None:
-                    frames[i], arrivals[i] = frame, at
-                    row.audio_frames += 1
-                    run[i] = True
-                if ended:
-                    row.suffix_left = self.checkpoint.settings.suffix_frames
-                    row.decoder.audio_ended(row.request.input_seconds)
-                if frame is not None:
-                    continue
-            if row.suffix_left is not None:
-                if row.suffix_left == 0:
-                    finishing.add(i)
-                else:
-                    row.suffix_left -= 1
-                    run[i] = True
+            run[i], frame, at = row.next_input(self.checkpoint.settings.suffix_frames)
+            if frame is not None:
+                frames[i], arrivals[i] = frame, at
+            elif not run[i] and row.suffix_left == 0:
+                finishing.add(i)
         for i in finishing:
             self._complete(i)
         if not any(run):
@@ -374,7 +391,7 @@ class SttPool(SlackSource):
         self.counters["stt_steps"] += 1
         self._stepped.update(i for i, flag in enumerate(run) if flag)
         for i in np.flatnonzero(run):
-            self._publish(i, host[i], arrivals[i])
+            self._rows[i].publish(host[i], arrivals[i])
         return True
 
     def run_device(self, frames: np.ndarray, run: list[bool]) -> np.ndarray:
@@ -397,17 +414,6 @@ class SttPool(SlackSource):
     def graphed(self) -> bool:
         """Whether steps replay CUDA graphs (CUDA, after `warm_up`)."""
         return self._steps.graphed
-
-    def _publish(self, i: int, values: np.ndarray, input_at: float) -> None:
-        row = self._rows[i]
-        step = row.step
-        row.step += 1
-        events = row.decoder.feed(int(values[0]), step) if values[1] > 0.5 else []
-        text = "".join(e.text for e in events if isinstance(e, TextDelta))
-        words = tuple(e for e in events if isinstance(e, Word))
-        if text or words or row.request.live:
-            row.request.events.push(SttPartial(text, words, float(values[2]), row.audio_frames / FRAME_RATE,
-                                                 input_at))
 
     def _complete(self, i: int) -> None:
         row = self._rows[i]

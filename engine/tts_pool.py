@@ -54,7 +54,7 @@ import torch
 
 from parley.models.dsm import WordEntry
 from parley.models.mimi.codec import Mimi, MimiState
-from parley.models.tts import FRAME_RATE, TtsGen, TtsLM, TtsSampling
+from parley.models.tts import FRAME_RATE, TtsConfig, TtsGen, TtsLM, TtsSampling
 
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import CUDAGraphRunner, sync_device
@@ -132,11 +132,61 @@ class _Row:
     pending_word: tuple[str, int] | None = None  # (text, step) of the last word, stop not yet known
     ended_at: int = -1  # the DSM end step, once known
 
+    def advance(self, info: list[int], pcm: np.ndarray | None, first: int) -> Terminal | None:
+        """One step's results for this row: `info` (valid, frame index, entries consumed, DSM end
+        step), `pcm` its decoded frame (a full step) and `first` the frame index heard first.
+        Pushes the words and audio it finished; returns the request's end, if this is it."""
+        self.steps += 1
+        valid, frame_index, consumed, end_step = info
+        if consumed > self.words_seen:
+            self._word(consumed)
+        if end_step >= 0 and self.ended_at < 0:
+            self.ended_at = end_step
+            self._flush_word(end_step)
+        if pcm is not None and valid and frame_index >= first and (self.ended_at < 0
+                                                                   or frame_index < first + self.ended_at):
+            self.job.stream.push(TtsAudio(pcm.copy()))
+            self.job.frames += 1
+        if self.ended_at >= 0 and frame_index + 1 >= first + self.ended_at:
+            return Terminal(Status.COMPLETED)
+        if self.steps > self.budget:
+            return Terminal(Status.FAILED, "the text did not finish within its step budget")
+        return None
+
+    def _word(self, consumed: int) -> None:
+        """The step consumed an entry: emit the previous word with its stop time. The state
+        machine takes at most one entry per step (DsmRows.step), at the row's own step index,
+        which is `self.steps - 1` here: no device read needed."""
+        assert consumed == self.words_seen + 1, "the DSM consumes at most one entry per step"
+        entry, step = self.job.request.entries[self.words_seen], self.steps - 1
+        if entry.tokens:  # (a break: the words around it carry the timing)
+            self._flush_word(step)
+            self.pending_word = (entry.text, step)
+        self.words_seen = consumed
+
+    def _flush_word(self, stop_step: int) -> None:
+        if self.pending_word is None:
+            return
+        text, start = self.pending_word
+        # Text step s is heard in audio frame s + delay, i.e. s - FRAME_DROP in the emitted audio.
+        self.job.stream.push(TtsWord(text, max(start - FRAME_DROP, 0) / FRAME_RATE,
+                                     max(stop_step - FRAME_DROP, 0) / FRAME_RATE))
+        self.pending_word = None
+
 
 def step_budget(entries: Sequence[WordEntry], delay: int, max_padding: int = 8, initial_padding: int = 2) -> int:
     """An upper bound on the steps a script can take: each entry is consumed within its tokens,
     padding and `max_padding` + 2 steps; then the audio delay and the tail."""
     return initial_padding + sum(len(e.tokens) + e.padding + max_padding + 2 for e in entries) + delay + 16
+
+
+def warm_request(cfg: TtsConfig, voice_frames: int | None, conditions: dict | None) -> TtsRequest:
+    """A one-word request that warm-up admissions load (silent voices; `conditions` None: each
+    condition's first value)."""
+    voices = (torch.zeros(1, cfg.speaker.dim, voice_frames),) if cfg.cross_attention else ()
+    if conditions is None:
+        conditions = {name: cfg.lut_values(name)[0] for name in cfg.fuse_sum}
+    return TtsRequest((WordEntry((0,), "warm", 0),), voices, conditions)
 
 
 class TtsPool(SlackSource):
@@ -162,7 +212,6 @@ class TtsPool(SlackSource):
         self._mimi_state = mimi.init_state(slots, self.device)
         self._card = lm.cfg.lm.card
         self.delay = lm.cfg.audio_delay_frames
-        self.max_delay = lm.cfg.lm.max_delay
         self._lock = threading.Lock()
         self._pending: deque[TtsJob] = deque()
         self._reserved = 0  # pending + live, so submit can refuse at once
@@ -170,8 +219,7 @@ class TtsPool(SlackSource):
         self._rows: list[_Row | None] = [None] * slots
         # Per row, the admission's host inputs (its mask and its index), made once: never written.
         self._row_select = [(torch.arange(slots) == b, torch.tensor([b], dtype=torch.long)) for b in range(slots)]
-        if row_buckets is None:
-            row_buckets = self.device.type == "cuda"
+        row_buckets = self.device.type == "cuda" if row_buckets is None else row_buckets
         self.buckets = bucket_sizes(slots) if row_buckets else [slots]
         # Per kind, per bucket n: the device step over views of the lowest n rows (model and Mimi decoder).
         self._steps = {kind: BucketedStep(partial(self._device_step, kind=kind), (self._gen, self._mimi_state),
@@ -186,12 +234,8 @@ class TtsPool(SlackSource):
         self._idle_ticks = 0  # consecutive ticks where rows wanted a step and none ran
         # Counters (engine thread writes, anyone reads).
         self.steps = {"text": 0, "full": 0}
-        self.frames_out = 0
-        self.starved = 0
-        self.forced = 0
-        self.completed = 0
-        self.cancelled = 0
-        self.failed = 0
+        self.frames_out = self.starved = self.forced = 0
+        self.completed = self.cancelled = self.failed = 0
 
     # ---- event loop side ----
 
@@ -248,7 +292,8 @@ class TtsPool(SlackSource):
             # The admission's device part (row reset, Mimi reset, voice -> cross-attention keys and
             # values: ~700 small kernels eagerly, ~4-5 ms of launches on the H200). Captured with
             # no row selected and row 0 as the voice's target: no row is live yet.
-            voice = tuple(t.to(self.device) for t in self._gen.voice_inputs(self._warm_voices()))
+            warm = warm_request(self._gen.lm.cfg, self._voice_frames, conditions)
+            voice = tuple(t.to(self.device) for t in self._gen.voice_inputs(warm.voices))
             index = torch.zeros(1, dtype=torch.long, device=self.device)
             self._admit_graph = CUDAGraphRunner(self._admit_device, (idle, index, *voice))
         self._warm_costs.extend(self._measure())
@@ -266,21 +311,13 @@ class TtsPool(SlackSource):
         admission of a one-word script into row 0 (no live row reads it, and a real admission
         resets it), so no live item runs on an unmeasured key and the first request's admission
         meets warm kernels."""
-        work = [(step_key(kind, n), partial(self._run_device, torch.zeros(n, dtype=torch.bool, device=self.device),
-                                            kind)) for kind in STEP_KINDS for n in self.buckets]
+        work = [(step_key(kind, n), partial(self._steps[kind], n, torch.zeros(n, dtype=torch.bool, device=self.device)))
+                for kind in STEP_KINDS for n in self.buckets]
         work.append((ADMIT_KEY, self._warm_admit))
         return [(key, second_call_cost(run, partial(sync_device, self.device))[0]) for key, run in work]
 
-    def _warm_voices(self) -> tuple[torch.Tensor, ...]:
-        cfg = self._gen.lm.cfg
-        return (torch.zeros(1, cfg.speaker.dim, self._voice_frames),) if cfg.cross_attention else ()
-
     def _warm_admit(self) -> None:
-        cfg = self._gen.lm.cfg
-        conditions = self._warm_conditions
-        if conditions is None:
-            conditions = {name: cfg.lut_values(name)[0] for name in cfg.fuse_sum}
-        self._load_row(0, TtsRequest((WordEntry((0,), "warm", 0),), self._warm_voices(), conditions))
+        self._load_row(0, warm_request(self._gen.lm.cfg, self._voice_frames, self._warm_conditions))
 
     def _seed(self, costs: CostModel) -> None:
         """Hand the warm-up's costs to the runner's cost model (once)."""
@@ -396,15 +433,10 @@ class TtsPool(SlackSource):
         info = torch.stack([out.valid.long(), out.frame_index, gen.dsm.next_entry, gen.dsm.end_step], dim=1)
         return pcm, info
 
-    def _run_device(self, active: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step of `kind` over the bucket of `active`'s length ([bucket] bool, on the device)."""
-        with torch.no_grad():
-            return self._steps[kind](active.shape[0], active)
-
     def _step(self, rows: list[int], kind: str) -> None:
         active = torch.zeros(self.bucket(rows), dtype=torch.bool)
         active[rows] = True
-        pcm, info = self._run_device(active.to(self.device, non_blocking=True), kind)
+        pcm, info = self._steps[kind](len(active), active.to(self.device, non_blocking=True))
         # One device -> host copy of the small per-row results, as Python ints at once: the loop
         # below then makes no torch call per row (each would release and retake the GIL, and
         # with the edge's threads busy every retake can wait).
@@ -412,47 +444,16 @@ class TtsPool(SlackSource):
         pcm_host = pcm.float().cpu().numpy() if kind == "full" else None
         self.steps[kind] += 1
         self._stepped.update(rows)
+        first = self.delay + FRAME_DROP
         for b in rows:
             row = self._rows[b]
-            row.steps += 1
-            valid, frame_index, consumed, end_step = info[b]
-            if consumed > row.words_seen:
-                self._word(row, consumed)
-            if end_step >= 0 and row.ended_at < 0:
-                row.ended_at = end_step
-                self._flush_word(row, end_step)
-            first = self.delay + FRAME_DROP
-            if kind == "full" and valid and frame_index >= first and (row.ended_at < 0
-                                                                      or frame_index < first + row.ended_at):
-                row.job.stream.push(TtsAudio(pcm_host[b].copy()))
-                row.job.frames += 1
-                self.frames_out += 1
-            if row.ended_at >= 0 and frame_index + 1 >= first + row.ended_at:
-                self._free(b, Terminal(Status.COMPLETED))
-                self.completed += 1
-            elif row.steps > row.budget:
-                self._free(b, Terminal(Status.FAILED, "the text did not finish within its step budget"))
-                self.failed += 1
-
-    def _word(self, row: _Row, consumed: int) -> None:
-        """The step consumed an entry: emit the previous word with its stop time. The state
-        machine takes at most one entry per step (DsmRows.step), at the row's own step index,
-        which is `row.steps - 1` here: no device read needed."""
-        assert consumed == row.words_seen + 1, "the DSM consumes at most one entry per step"
-        entry, step = row.job.request.entries[row.words_seen], row.steps - 1
-        if entry.tokens:  # (a break: the words around it carry the timing)
-            self._flush_word(row, step)
-            row.pending_word = (entry.text, step)
-        row.words_seen = consumed
-
-    def _flush_word(self, row: _Row, stop_step: int) -> None:
-        if row.pending_word is None:
-            return
-        text, start = row.pending_word
-        # Text step s is heard in audio frame s + delay, i.e. s - FRAME_DROP in the emitted audio.
-        row.job.stream.push(TtsWord(text, max(start - FRAME_DROP, 0) / FRAME_RATE,
-                                    max(stop_step - FRAME_DROP, 0) / FRAME_RATE))
-        row.pending_word = None
+            frames = row.job.frames
+            end = row.advance(info[b], None if pcm_host is None else pcm_host[b], first)
+            self.frames_out += row.job.frames - frames
+            if end is not None:
+                self._free(b, end)
+                self.completed += end.status is Status.COMPLETED
+                self.failed += end.status is Status.FAILED
 
     def _free(self, b: int, terminal: Terminal) -> None:
         row = self._rows[b]
