@@ -1,5 +1,5 @@
-"""`/v1/realtime` audio formats: PCM16 at 24 kHz (the model's rate) and G.711 mu-law / A-law
-at 8 kHz (telephony: Twilio media streams, pipecat), both directions.
+"""`/v1/realtime` and GPT-Live audio formats: PCM16 at 24 kHz (the model's rate; GPT-Live also at
+16 kHz) and G.711 mu-law / A-law at 8 kHz (telephony: Twilio media streams, pipecat), both directions.
 
 G.711 coding follows ITU-T G.711 (the classic Sun reference algorithm: 14-bit mu-law with bias
 33, 13-bit A-law), vectorised as lookup tables built once. Python's `audioop` did this but is

@@ -16,7 +16,8 @@ from openai.types.live import ServerEvent
 
 from parley.models.synthetic import write_tiny_stt_checkpoint
 from parley.realtime.audio_formats import g711_decode, g711_encode
-from parley.realtime.server import ServeConfig, build_app
+from parley.realtime.live_policy import parse_policy
+from parley.realtime.server import ServeConfig, ServeError, build_app
 from parley.realtime.sessions import ServerDefaults
 
 from live_checkpoints import write_pausing_checkpoint
@@ -96,7 +97,10 @@ def test_sdk_conversation_with_transcripts_a_delegation_and_spoken_commentary(ch
                                                  event_id="comment-1")
             appended = await rec.wait_type("session.commentary.appended", timeout=10)
             await speaker
-            await asyncio.sleep(1.0)
+            for _ in range(8):  # until the model pauses and the commentary is out (this model: within ~1 s)
+                if commentary in "".join(d["delta"] for d in output_deltas(rec.events)):
+                    break
+                await speak(conn, pcm_frames(np.zeros(SR, np.float32)))
             await conn.session.close(event_id="close-1")
             await rec.wait_type("session.closed", timeout=10)
             await rec.task
@@ -243,7 +247,7 @@ def test_a_full_server_refuses_the_upgrade_with_503_and_counts_live_sessions():
 
 
 def test_personaplex_keeps_instructions_prior_messages_and_appends_in_its_persona(tmp_path):
-    model = write_pausing_checkpoint(tmp_path / "personaplex", kind="personaplex", context=400)
+    model = write_pausing_checkpoint(tmp_path / "personaplex", kind="personaplex", context=400, gain=8.0)
     app = build_app(ServeConfig(model=str(model), max_sessions=1))  # no STT: turns end after 500 ms of quiet
     personas = []
 
@@ -268,7 +272,10 @@ def test_personaplex_keeps_instructions_prior_messages_and_appends_in_its_person
             await rec.wait(lambda e: e.get("client_event_id") == "long", timeout=15)
             await conn.session.commentary.append(content="hello world", delegation_id=task, event_id="c")
             await rec.wait_type("session.commentary.appended", timeout=10)
-            await speak(conn, pcm_frames(np.zeros(SR * 2, np.float32)))
+            for _ in range(10):  # until the model pauses and the commentary is out (random weights: ~1 s)
+                await speak(conn, pcm_frames(np.zeros(SR, np.float32)))
+                if "hello world" in "".join(d["delta"] for d in output_deltas(rec.events)):
+                    break
             await conn.session.close()
             await rec.wait_type("session.closed")
             await rec.task
@@ -284,3 +291,30 @@ def test_personaplex_keeps_instructions_prior_messages_and_appends_in_its_person
     resource = events[0]["session"] if events[0]["type"] == "session.started" else None
     assert resource and resource["instructions"] == "You are a helpful agent." and len(resource["input"]) == 2
     assert "hello world" in "".join(d["delta"] for d in output_deltas(events))  # spoken after the re-prefills
+
+
+def test_the_delegation_policy_is_the_servers(checkpoints):
+    model, _ = checkpoints
+    with pytest.raises(ServeError, match="--stt-model"):  # a pattern needs the user's words
+        build_app(ServeConfig(model=str(model), live_delegation=parse_policy("pattern:weather")))
+
+    def delegations(policy: str) -> int:
+        app, _ = delay_app(1, defaults=ServerDefaults(live_delegation=parse_policy(policy)))
+
+        async def scenario(base):
+            async with client(base).live.connect() as conn:
+                rec = Recorder(conn)
+                await start(conn, rec, {"model": "gpt-live-1"})
+                await speak(conn, pcm_frames(speech_then_quiet(0.8, 0.8)))
+                await conn.session.close()
+                await rec.wait_type("session.closed")
+                await rec.task
+                return rec.events
+
+        with serve(app) as base:
+            events = run(scenario(base))
+        validate(events)
+        return len([e for e in events if e["type"] == "session.delegation.created"])
+
+    assert delegations("every_turn") == 1
+    assert delegations("never") == 0
