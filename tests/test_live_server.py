@@ -5,6 +5,7 @@ pydantic types (`openai.types.live.ServerEvent`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import time
 import urllib.request
@@ -318,3 +319,36 @@ def test_the_delegation_policy_is_the_servers(checkpoints):
 
     assert delegations("every_turn") == 1
     assert delegations("never") == 0
+
+
+def test_a_drain_refuses_new_live_sessions_then_notices_the_live_one_and_closes_1001():
+    import json
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    from test_capacity import http, serve_draining, upgrade
+
+    app, _ = delay_app(2)
+    app.state.drainer.timeout_s = 1.0
+
+    async def scenario(base):
+        async with connect(f"ws://{base}/v1/live/sessions") as ws:
+            await ws.send(json.dumps({"type": "session.start", "session": {"model": "gpt-live-1"}}))
+            assert json.loads(await ws.recv())["type"] == "session.started"
+            status, _, _ = await asyncio.to_thread(http, base, "/admin/drain", "POST")
+            refused = await upgrade(base, "/v1/live/sessions")
+            events = []
+            with contextlib.suppress(ConnectionClosed):
+                async for message in ws:
+                    events.append(json.loads(message))
+            return status, refused, events, ws.close_code
+
+    with serve_draining(app) as (base, thread):
+        status, refused, events, code = run(scenario(base))
+        thread.join(15)
+    validate(events)
+    assert status == 202 and refused[0] == "refused" and refused[1][0] == 503
+    assert refused[1][2]["reason"] == "draining"
+    assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "server_shutting_down"
+    assert code == 1001
