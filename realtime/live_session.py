@@ -76,7 +76,8 @@ class LiveConnection:
         self.context: tuple[str, ...] = ()  # instructions and thinking appended since start (the persona's tail)
         self.delegations = Delegations()
         self.watcher = TurnWatcher(self.policy, semantic=self.caps.transcribe)
-        self.decoder = self.encoder = None  # type: InputDecoder | OutputEncoder | None
+        self.decoder: InputDecoder | None = None  # the session's format, set at start
+        self.encoder: OutputEncoder | None = None
         self.muted = False
         self.frames = 0  # output frames sent: the session's audio clock, 80 ms each
         self.heard_ms = 0  # the input transcript's clock (where its last delta ended)
@@ -97,15 +98,7 @@ class LiveConnection:
     # ---- lifecycle ----
 
     async def run(self) -> None:
-        try:
-            async with asyncio.timeout(START_TIMEOUT_S):
-                started = await self._start()
-        except TimeoutError:
-            await self.send(ev.error(f"no session.start was accepted within {START_TIMEOUT_S:.0f} s",
-                                     "session_start_timeout"))
-            await self.edge.close_socket(CLOSE_POLICY, "no session.start")
-            return
-        if not started:
+        if not await self._start():
             return
         config = self.config
         log.info("live session %s (%d): model %s, %s, delegation policy %s%s", config.id, self.edge.number,
@@ -120,8 +113,19 @@ class LiveConnection:
 
     async def _start(self) -> bool:
         """Read events until a session.start is accepted and its engine session is open (True), or
-        the connection is gone or refused (False)."""
-        while (data := await next_message(self.edge)) is not None:
+        the connection is gone or refused (False). Reading is bounded (START_TIMEOUT_S), the prefill is not."""
+        deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    data = await next_message(self.edge)
+            except TimeoutError:
+                await self.send(ev.error(f"no session.start was accepted within {START_TIMEOUT_S:.0f} s",
+                                         "session_start_timeout"))
+                await self.edge.close_socket(CLOSE_POLICY, "no session.start")
+                return False
+            if data is None:
+                return False
             event = await self._read(data)
             if event is None:
                 continue
@@ -136,7 +140,6 @@ class LiveConnection:
                 return True
             if self.edge.closed:
                 return False
-        return False
 
     async def _open(self, config: LiveConfig) -> bool:
         """The engine session for `config`; False (and an error) if it cannot open."""
@@ -154,7 +157,8 @@ class LiveConnection:
             await self.edge.refuse(CLOSE_INTERNAL, "unavailable", str(exc))
             return False
         except (OptionsError, SessionRejected) as exc:  # the session may start again with other settings
-            param = "session.audio.output.voice" if "voice" in str(exc).lower() else "session.instructions"
+            voice = config.voice_prompt is not None and "voice" in str(exc).lower()
+            param = "session.audio.output.voice" if voice else "session.instructions"
             await self.error(ClientError(f"the model cannot use these settings: {exc}", "invalid_value", param))
             return False
         self.config, self.options = config, options

@@ -131,3 +131,28 @@ def test_engine_force_text_comes_out_in_the_session_frames(tmp_path):
     engine.shutdown()
     start = tokens.index(ids[0])
     assert tokens[start:start + len(ids)] == ids
+
+
+def forced_run(checkpoint, device: str, graphs: bool, frames: int = 40) -> tuple[list, list[int]]:
+    """Greedy text tokens of three live rows of four, "hello world" queued on row 2 before the first step."""
+    backend = ModelBackend.load(checkpoint, 4, device=device, dtype=torch.float32, cuda_graphs=graphs, seed=3)
+    for row in range(4):
+        backend.set_sampling(row, SamplingOptions.greedy())
+    ids = backend.text_tokens("hello world")
+    assert backend.force_text(2, ids)
+    mask = torch.tensor([True, True, True, False])
+    inputs = torch.randn(frames, 4, 1920, generator=torch.Generator().manual_seed(0)) * 0.1
+    outs = [backend.step(inputs[t], mask).to_host().text_tokens.tolist() for t in range(frames)]
+    backend.close()
+    return outs, ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_forced_text_inside_the_cuda_graph_equals_eager(tmp_path):
+    checkpoint = write_pausing_checkpoint(tmp_path / "ckpt")
+    (eager, ids), (graphed, _) = forced_run(checkpoint, "cuda", False), forced_run(checkpoint, "cuda", True)
+    assert eager == graphed
+    row = [tokens[2] for tokens in graphed]
+    start = row.index(ids[0])
+    assert row[start:start + len(ids)] == ids

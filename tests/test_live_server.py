@@ -352,3 +352,34 @@ def test_a_drain_refuses_new_live_sessions_then_notices_the_live_one_and_closes_
     assert refused[1][2]["reason"] == "draining"
     assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "server_shutting_down"
     assert code == 1001
+
+
+def test_a_refused_voice_names_it_and_the_session_may_start_again_and_silence_times_out(monkeypatch):
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from parley.realtime import live_session
+
+    monkeypatch.setattr(live_session, "START_TIMEOUT_S", 0.5)  # the server runs in this process
+    app, _ = delay_app(1)  # its backend rejects the voice "unknown"
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            await conn.session.start(session={"model": "m", "audio": {"output": {"voice": "unknown"}}}, event_id="v")
+            refused = await rec.wait(lambda e: e.get("client_event_id") == "v")
+            started = await start(conn, rec, {"model": "m", "audio": {"output": {"voice": "marin"}}})
+            await conn.session.close()
+            await rec.task
+        async with connect(f"ws://{base}/v1/live/sessions") as ws:  # says nothing
+            timed_out = json.loads(await ws.recv())
+            await ws.wait_closed()
+            return refused, started, timed_out, ws.close_code
+
+    with serve(app) as base:
+        refused, started, timed_out, code = run(scenario(base))
+    validate([refused, started, timed_out])
+    assert refused["type"] == "error" and refused["error"]["param"] == "session.audio.output.voice"
+    assert started["type"] == "session.started"
+    assert timed_out["error"]["code"] == "session_start_timeout" and code == 1008
