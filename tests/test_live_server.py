@@ -383,3 +383,36 @@ def test_a_refused_voice_names_it_and_the_session_may_start_again_and_silence_ti
     assert refused["type"] == "error" and refused["error"]["param"] == "session.audio.output.voice"
     assert started["type"] == "session.started"
     assert timed_out["error"]["code"] == "session_start_timeout" and code == 1008
+
+
+def test_the_key_the_origin_and_the_event_size_are_checked_as_on_the_other_doors():
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    from parley.realtime.limits import EdgeLimits
+
+    app, _ = delay_app(1, defaults=ServerDefaults(api_key="sk-test", limits=EdgeLimits(max_event_bytes=4096)))
+
+    async def scenario(base):
+        statuses = []
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"},
+                        {"Authorization": "Bearer sk-test", "Origin": "https://elsewhere.example"}):
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(f"ws://{base}/v1/live/sessions", additional_headers=headers)
+            statuses.append(refused.value.response.status_code)
+        async with client(base).live.connect() as conn:  # the SDK sends the key as a Bearer token
+            rec = Recorder(conn)
+            assert (await start(conn, rec, {"model": "m"}))["type"] == "session.started"
+            await conn.send_raw('{"type": "session.update", "event_id": "big", "pad": "' + "x" * 5000 + '"}')
+            await conn.session.input_audio.mute(event_id="after")
+            await rec.wait_type("session.input_audio.muted")
+            await conn.session.close()
+            await rec.task
+        return statuses, rec.events
+
+    with serve(app) as base:
+        statuses, events = run(scenario(base))
+    validate(events)
+    assert statuses == [401, 401, 403]
+    too_big = errors_of(events)
+    assert len(too_big) == 1 and too_big[0]["error"]["code"] == "message_too_large"  # and the session went on
