@@ -155,7 +155,7 @@ class FrameBackend(Protocol):
         """The text a token adds to the transcript ("" for padding)."""
 
     # Optional: forced text (spoken commentary). A backend without these two refuses it (Engine.force_text).
-    # def text_tokens(self, text: str) -> list[int]: the text's token ids (any thread).
+    # def text_tokens(self, text: str) -> list[int]: the ids that say `text` in the text stream (any thread).
     # def force_text(self, row: int, ids: list[int]) -> bool: queue them on the row from its next
     #     pause (models/forced_text.py); False when they do not fit. Engine thread, between ticks.
 
@@ -433,7 +433,9 @@ class ModelBackend:
         return self._tokenizer.piece(token)
 
     def text_tokens(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)
+        # An end-of-padding token first: in the model's text stream it says a word follows.
+        ids = self._tokenizer.encode(text)
+        return [self.cfg.existing_text_end_padding_id, *ids] if ids else []
 
     def force_text(self, row: int, ids: list[int]) -> bool:
         return self._lm_state.forced.push(row, ids)

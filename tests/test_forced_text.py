@@ -129,8 +129,13 @@ def test_engine_force_text_comes_out_in_the_session_frames(tmp_path):
 
     tokens = asyncio.run(main())
     engine.shutdown()
-    start = tokens.index(ids[0])
-    assert tokens[start:start + len(ids)] == ids
+    assert ids[0] == TEXT_EPAD and len(ids) > 1  # an end-of-padding token says a word follows
+    assert holds(tokens, ids)
+
+
+def holds(stream: list[int], run_of: list[int]) -> bool:
+    """`run_of` appears in `stream` as one contiguous run."""
+    return any(stream[i:i + len(run_of)] == run_of for i in range(len(stream) - len(run_of) + 1))
 
 
 def forced_run(checkpoint, device: str, graphs: bool, frames: int = 40) -> tuple[list, list[int]]:
@@ -153,6 +158,4 @@ def test_forced_text_inside_the_cuda_graph_equals_eager(tmp_path):
     checkpoint = write_pausing_checkpoint(tmp_path / "ckpt")
     (eager, ids), (graphed, _) = forced_run(checkpoint, "cuda", False), forced_run(checkpoint, "cuda", True)
     assert eager == graphed
-    row = [tokens[2] for tokens in graphed]
-    start = row.index(ids[0])
-    assert row[start:start + len(ids)] == ids
+    assert holds([tokens[2] for tokens in graphed], ids)
