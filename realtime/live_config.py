@@ -52,12 +52,13 @@ class LiveConfig:
         lines += [f"{ROLES[item['role']]}: {item['content'][0]['text']}" for item in self.input or ()]
         return "\n".join(line for line in (*lines, *context) if line)
 
-    def resource(self) -> Event:
-        """The session resource of session.started / .updated / .closed."""
+    def resource(self, default_instructions: str = "") -> Event:
+        """The session resource of session.started / .updated / .closed (blank instructions: the
+        server's, which the model runs on)."""
         fmt = {"type": "audio/pcm" if self.format.kind == "pcm16" else f"audio/{self.format.kind}",
                "rate": self.format.rate}
         return {"id": self.id, "model": self.model, "status": "active", "expires_at": 0,
-                "instructions": self.instructions, "audio": {"format": fmt, "output": {"voice": self.voice}},
+                "instructions": self.instructions or default_instructions, "audio": {"format": fmt, "output": {"voice": self.voice}},
                 "delegation": {"type": "client"}, "input": list(self.input) if self.input is not None else None,
                 "store": self.store, "safety_identifier": self.safety_identifier}
 

@@ -92,6 +92,11 @@ class LiveConnection:
         }
 
     @property
+    def resource(self) -> dict:
+        """The session resource, its blank instructions resolved to the server's persona."""
+        return self.config.resource(self.manager.defaults.options.persona)
+
+    @property
     def clock_ms(self) -> int:
         return self.frames * FRAME_MS
 
@@ -104,7 +109,7 @@ class LiveConnection:
         log.info("live session %s (%d): model %s, %s, delegation policy %s%s", config.id, self.edge.number,
                  config.model, config.format, self.policy,
                  f", safety_identifier {config.safety_identifier}" if config.safety_identifier else "")
-        await self.send(ev.session_event("session.started", config.resource(), self._client_event_id))
+        await self.send(ev.session_event("session.started", self.resource, self._client_event_id))
         transcript = asyncio.create_task(self.edge.follow_transcript(self._heard, self._transcript_failed))
         try:
             await self.edge.run_duplex(self._send_loop(), self._receive_loop())
@@ -216,7 +221,7 @@ class LiveConnection:
         for exc in refused:
             await self.error(exc)
         if not refused:
-            await self.send(ev.session_event("session.updated", self.config.resource(), self._client_event_id))
+            await self.send(ev.session_event("session.updated", self.resource, self._client_event_id))
 
     async def _on_append(self, event: dict) -> None:
         audio = event.get("audio")
@@ -244,7 +249,7 @@ class LiveConnection:
 
     async def _on_close(self, event: dict) -> None:
         """No delegation work runs on the server (client delegation): the session closes at once."""
-        await self.send(ev.session_closed(self.config.resource(), "close_requested", self.seconds,
+        await self.send(ev.session_closed(self.resource, "close_requested", self.seconds,
                                           self._client_event_id))
         await self.edge.close_socket(CLOSE_NORMAL, "session closed")
         raise SessionLost("closed by the client")
@@ -311,7 +316,7 @@ class LiveConnection:
         terminal = await self.edge.follow_frames(self._on_frame)
         if terminal is not None and terminal.status is Status.FAILED:
             await self.send(ev.error(f"the session failed: {terminal.reason}", "session_failed", kind="server_error"))
-            await self.send(ev.session_closed(self.config.resource(), "connection_lost", self.seconds))
+            await self.send(ev.session_closed(self.resource, "connection_lost", self.seconds))
             await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
 
     async def _on_frame(self, frame: FrameOut) -> None:

@@ -115,6 +115,7 @@ def test_personaplex_takes_instructions_voice_and_prior_messages_into_its_person
     assert config.persona("default", ("Be brief.",)) == "You are kind.\nUser: Hi there.\nAssistant: Hello!\nBe brief."
     blank, _ = parse_start({"model": "m", "audio": {"output": {"voice": "marin"}}}, PERSONAPLEX)
     assert blank.voice_prompt is None and blank.persona("the server's") == "the server's"
+    assert blank.resource("the server's")["instructions"] == "the server's"  # resolved, as OpenAI shows it
     resource = config.resource()
     assert resource["audio"] == {"format": {"type": "audio/pcm", "rate": 16000}, "output": {"voice": {"id": "NATF0"}}}
 
