@@ -106,8 +106,9 @@ class LiveConnection:
         if not await self._start():
             return
         config = self.config
-        log.info("live session %s (%d): model %s, %s, delegation policy %s%s", config.id, self.edge.number,
-                 config.model, config.format, self.policy,
+        fmt = self.resource["audio"]["format"]
+        log.info("live session %s (%d): model %s, %s at %d Hz, delegation policy %s%s", config.id,
+                 self.edge.number, config.model, fmt["type"], fmt["rate"], self.policy,
                  f", safety_identifier {config.safety_identifier}" if config.safety_identifier else "")
         await self.send(ev.session_event("session.started", self.resource, self._client_event_id))
         transcript = asyncio.create_task(self.edge.follow_transcript(self._heard, self._transcript_failed))
