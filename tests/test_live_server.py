@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import base64
 import time
 import urllib.request
@@ -47,9 +48,16 @@ def live_app(checkpoints, **config):
 
 
 def validate(events: list[dict]) -> None:
-    """Every event parses as the SDK's discriminated ServerEvent union, unknown types included."""
+    """Every event parses as the SDK's discriminated ServerEvent union, and with pipecat's GPT-Live
+    parser when it is installed (what its OpenAILiveLLMService reads)."""
+    try:
+        from pipecat.services.openai.live.events import parse_server_event
+    except ImportError:
+        parse_server_event = None
     for event in events:
         SERVER_EVENT.validate_python(event)
+        if parse_server_event is not None:
+            parse_server_event(json.dumps(event))
 
 
 def encode(pcm: np.ndarray) -> str:
@@ -322,8 +330,6 @@ def test_the_delegation_policy_is_the_servers(checkpoints):
 
 
 def test_a_drain_refuses_new_live_sessions_then_notices_the_live_one_and_closes_1001():
-    import json
-
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
@@ -355,8 +361,6 @@ def test_a_drain_refuses_new_live_sessions_then_notices_the_live_one_and_closes_
 
 
 def test_a_refused_voice_names_it_and_the_session_may_start_again_and_silence_times_out(monkeypatch):
-    import json
-
     from websockets.asyncio.client import connect
 
     from parley.realtime import live_session
