@@ -131,7 +131,8 @@ def test_sdk_conversation_with_transcripts_a_delegation_and_spoken_commentary(ch
     assert [d["start_ms"] for d in deltas] == sorted(d["start_ms"] for d in deltas)
     assert [e for e in events if e["type"] == "session.input_transcript.delta"]  # the paired STT
     # The delegation came at the end of the user's turn; the commentary was spoken into the transcript.
-    assert created["delegation"]["target"] == "client" and created["offset_ms"] >= 1200
+    # (on the output clock, which trails the input the client sent by its prebuffer and the engine's lag)
+    assert created["delegation"]["target"] == "client" and created["offset_ms"] >= 600
     assert appended["client_event_id"] == "comment-1" and appended["end_ms"] > appended["start_ms"]
     spoken = "".join(d["delta"] for d in deltas if d["start_ms"] >= appended["start_ms"])
     assert commentary in spoken
