@@ -26,7 +26,7 @@ from . import cli_sources, doors
 from .help_format import HelpFormatter
 from .launch import add_launch
 from .limits import WS_MAX_SIZE, EdgeLimits
-from .live_policy import parse_policy
+from .live_policy import DelegateBackend, parse_policy
 from .log_format import LOG_FORMATS, configure_logging
 from .offline_cli import add_offline
 from .server_sockets import bind
@@ -171,6 +171,12 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
                    help="GPT-Live (/v1/live/sessions): when a session delegates to its client: every_turn (at "
                         "the end of each user turn), never, or pattern:REGEX (turns whose input transcript "
                         "matches; needs --stt-model)")
+    p.add_argument("--delegate-url", metavar="URL",
+                   help="GPT-Live Responses delegation: an OpenAI-compatible backend's base URL (e.g. "
+                        "http://127.0.0.1:8000/v1, a `vllm serve` of an instruction model with tool calls); "
+                        "without it, sessions asking for responses delegation are refused")
+    p.add_argument("--delegate-api-key-file", metavar="PATH",
+                   help="the key --delegate-url takes (the file's first key); none by default")
 
 
 def reliability_settings(args: argparse.Namespace) -> dict:
@@ -187,8 +193,14 @@ def reliability_settings(args: argparse.Namespace) -> dict:
     limits = EdgeLimits(max_messages_per_s=args.max_messages_per_s, max_bytes_per_s=args.max_bytes_per_s,
                         max_lag_s=args.max_lag_s, max_event_bytes=args.max_event_bytes,
                         max_conversation_bytes=args.max_conversation_bytes)
+    if args.delegate_api_key_file and not args.delegate_url:
+        raise ValueError("--delegate-api-key-file is the key of --delegate-url: give both")
+    delegate = DelegateBackend(args.delegate_url, read_key_file(args.delegate_api_key_file)[0]
+                               if args.delegate_api_key_file else None) if args.delegate_url else None
+    if delegate is not None and not delegate.url.startswith(("http://", "https://")):
+        raise ValueError(f"--delegate-url {delegate.url!r:.80} is not an http(s) URL")
     return {"api_key": keys, "protect_metrics": args.protect_metrics,
-            "live_delegation": parse_policy(args.live_delegation),
+            "live_delegation": parse_policy(args.live_delegation), "live_delegate": delegate,
             "allowed_origins": parse_origins(args.allowed_origins), "ssl_certfile": args.ssl_certfile,
             "ssl_keyfile": args.ssl_keyfile, "limits": limits}
 

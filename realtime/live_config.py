@@ -17,6 +17,7 @@ from typing import Any, Callable
 from parley.models.config import SAMPLE_RATE
 
 from .audio_formats import G711_RATE, AudioFormat
+from .live_responses import ResponsesSettings, parse_settings
 from .openai_events import new_id
 from .realtime_session import ClientError, ModelCaps
 
@@ -33,7 +34,7 @@ ROLES = {"developer": "Developer", "user": "User", "assistant": "Assistant"}
 
 @dataclass(frozen=True)
 class LiveConfig:
-    """A started session's settings (fixed at start: all but the delegation, which is `client`)."""
+    """A started session's settings (all fixed at start)."""
 
     model: str
     id: str = dataclasses.field(default_factory=lambda: new_id("sess"))
@@ -44,6 +45,7 @@ class LiveConfig:
     input: tuple[Event, ...] | None = None  # prior messages, as sent
     store: bool | None = None
     safety_identifier: str | None = None
+    responses: ResponsesSettings | None = None  # Responses delegation (None: client delegation)
 
     def persona(self, default: str, context: tuple[str, ...] = ()) -> str:
         """The PersonaPlex persona: the instructions (or the server's), the prior messages one line
@@ -59,7 +61,8 @@ class LiveConfig:
                "rate": self.format.rate}
         return {"id": self.id, "model": self.model, "status": "active", "expires_at": 0,
                 "instructions": self.instructions or default_instructions, "audio": {"format": fmt, "output": {"voice": self.voice}},
-                "delegation": {"type": "client"}, "input": list(self.input) if self.input is not None else None,
+                "delegation": {"type": "responses", "responses": self.responses.sent} if self.responses
+                else {"type": "client"}, "input": list(self.input) if self.input is not None else None,
                 "store": self.store, "safety_identifier": self.safety_identifier}
 
 
@@ -138,25 +141,30 @@ def _audio(param: str, value: Any, caps: ModelCaps) -> dict:
     return out
 
 
-def delegation(param: str, value: Any) -> None:
-    """Client delegation (omitted, null or {type: client}) is served; the others are refused by name."""
+def delegation(param: str, value: Any, backend: bool = False) -> ResponsesSettings | None:
+    """Client delegation (omitted, null or {type: client}): None. Responses delegation: its settings,
+    when the server has a backend (--delegate-url). Decisions, and Responses without a backend, are
+    refused by name."""
     if value is None:
-        return
+        return None
     fields = _fields(param, value, ("type", "acknowledgement_delay_ms", "responses", "decisions"))
     kind = fields.get("type")
-    if kind in ("responses", "decisions"):
-        raise _refuse(f"{param}.type", f"{kind} delegation is not served by Parley yet; use {{type: client}} "
+    if kind == "decisions" or (kind == "responses" and not backend):
+        why = ("this server has no delegation backend (parley serve --delegate-url)" if kind == "responses"
+               else "Parley serves client and responses delegation")
+        raise _refuse(f"{param}.type", f"{kind} delegation is not served: {why}; use {{type: client}} "
                                        "(or leave delegation out) and answer delegations with commentary")
-    if kind != "client":
-        raise _wrong(f"{param}.type", "'client'", kind)
-    for key in ("responses", "decisions"):
-        if key in fields:
-            raise ClientError(f"unknown field {param}.{key} for client delegation", "unknown_parameter",
-                              f"{param}.{key}")
+    if kind not in ("client", "responses"):
+        raise _wrong(f"{param}.type", "'client' or 'responses'", kind)
     if fields.get("acknowledgement_delay_ms") is not None:
         raise _refuse(f"{param}.acknowledgement_delay_ms", "Parley's models make no automatic spoken "
                       "acknowledgement of a delegation (they speak when they will; commentary is what they "
                       "say); leave it out")
+    for other in ("responses", "decisions"):
+        if other in fields and other != kind:
+            raise ClientError(f"unknown field {param}.{other} for {kind} delegation", "unknown_parameter",
+                              f"{param}.{other}")
+    return parse_settings(f"{param}.responses", fields.get("responses")) if kind == "responses" else None
 
 
 def _input(param: str, value: Any, caps: ModelCaps) -> tuple[Event, ...] | None:
@@ -210,12 +218,12 @@ def _client(param: str, value: Any, caps: ModelCaps) -> None:
 _START: dict[str, Callable[[str, Any, ModelCaps], Any]] = {
     "model": _model, "instructions": _instructions, "audio": _audio, "input": _input, "store": _store,
     "safety_identifier": _safety_identifier, "triggers": _triggers, "client": _client,
-    "delegation": lambda param, value, caps: delegation(param, value),
 }
 
 
-def parse_start(raw: Any, caps: ModelCaps) -> tuple[LiveConfig | None, list[ClientError]]:
-    """session.start's `session` -> (the config, []) or (None, one error per refused field)."""
+def parse_start(raw: Any, caps: ModelCaps, backend: bool = False) -> tuple[LiveConfig | None, list[ClientError]]:
+    """session.start's `session` -> (the config, []) or (None, one error per refused field).
+    `backend`: the server has a Responses delegation backend."""
     if not isinstance(raw, dict):
         return None, [ClientError("session.start needs 'session': an object with at least 'model'",
                                   "missing_required_parameter", "session")]
@@ -225,6 +233,9 @@ def parse_start(raw: Any, caps: ModelCaps) -> tuple[LiveConfig | None, list[Clie
     for key, value in raw.items():
         check = _START.get(key)
         try:
+            if key == "delegation":
+                values[key] = delegation("session.delegation", value, backend)
+                continue
             if check is None:
                 raise ClientError(f"unknown field session.{key!s:.40}", "unknown_parameter", f"session.{key!s:.40}")
             values[key] = check(f"session.{key}", value, caps)
@@ -236,12 +247,14 @@ def parse_start(raw: Any, caps: ModelCaps) -> tuple[LiveConfig | None, list[Clie
     return LiveConfig(model=values["model"], instructions=values.get("instructions", ""),
                       voice=audio.get("voice"), voice_prompt=audio.get("voice_prompt"),
                       format=audio.get("format", AudioFormat()), input=values.get("input"),
-                      store=values.get("store"), safety_identifier=values.get("safety_identifier")), []
+                      store=values.get("store"), safety_identifier=values.get("safety_identifier"),
+                      responses=values.get("delegation")), []
 
 
-def check_update(raw: Any) -> list[ClientError]:
-    """session.update's `session`: only the delegation (client, within its mode) and triggers may be
-    sent; the rest is fixed at start. Returns one error per refused field (none: updated)."""
+def check_update(raw: Any, config: LiveConfig, backend: bool = False) -> list[ClientError]:
+    """session.update's `session`: only the delegation (as started: its mode and, on Parley, its
+    responses settings) and triggers may be sent; the rest is fixed at start. Returns one error per
+    refused field (none: updated)."""
     if not isinstance(raw, dict):
         return [ClientError("session.update needs 'session': an object", "missing_required_parameter", "session")]
     errors = []
@@ -249,7 +262,10 @@ def check_update(raw: Any) -> list[ClientError]:
         param = f"session.{key!s:.40}"
         try:
             if key == "delegation":
-                delegation(param, value)
+                settings = delegation(param, value, backend)
+                if (settings and settings.sent) != (config.responses and config.responses.sent):
+                    raise _refuse(param, "the delegation is fixed at session.start on Parley (send the "
+                                         "one the session started with, or leave it out)")
             elif key == "triggers":
                 _triggers(param, value)
             elif key in _START:

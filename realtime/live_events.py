@@ -44,9 +44,12 @@ def transcript(which: str, delta: str, start_ms: int, end_ms: int) -> Event:
     return event(f"session.{which}_transcript.delta", delta=delta, start_ms=start_ms, end_ms=end_ms)
 
 
-def delegation_created(delegation_id: str, offset_ms: int) -> Event:
-    return event("session.delegation.created", offset_ms=offset_ms,
-                 delegation={"id": delegation_id, "type": "delegation", "target": "client"})
+def delegation_created(delegation_id: str, offset_ms: int, response_id: str | None = None) -> Event:
+    """A client delegation, or (with `response_id`) one Parley's Responses backend works on."""
+    delegation = {"id": delegation_id, "type": "delegation", "target": "responses" if response_id else "client"}
+    if response_id:
+        delegation["response_id"] = response_id
+    return event("session.delegation.created", offset_ms=offset_ms, delegation=delegation)
 
 
 def appended(channel: str, start_ms: int, end_ms: int, client_event_id: str | None) -> Event:

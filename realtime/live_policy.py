@@ -8,6 +8,8 @@ cannot, so Parley decides, at the end of each user turn (realtime/live_delegatio
     pattern:REGEX    turns whose input transcript matches REGEX (Python `re.search`, case-insensitive);
                      needs a paired speech-to-text model (--stt-model), which writes that transcript
 
+`DelegateBackend` is where Responses delegations go (`--delegate-url`; live_responses.py).
+
 Standard library only: `parley serve --help` and the flag's parsing import it without torch.
 """
 
@@ -44,6 +46,17 @@ class DelegationPolicy:
 
     def __str__(self) -> str:
         return f"pattern:{self.pattern}" if self.kind == "pattern" else self.kind
+
+
+@dataclass(frozen=True)
+class DelegateBackend:
+    """`parley serve --delegate-url` (and --delegate-api-key-file): an OpenAI-compatible backend."""
+
+    url: str
+    api_key: str | None = None
+
+    def __repr__(self) -> str:  # the key stays out of logs
+        return f"DelegateBackend(url={self.url!r})"
 
 
 def parse_policy(text: str) -> DelegationPolicy:

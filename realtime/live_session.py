@@ -10,6 +10,10 @@
 - the model's frames go out as `session.output_audio.delta` and, where it wrote text,
   `session.output_transcript.delta`; the paired STT's words (when one is loaded) as
   `session.input_transcript.delta`; `session.usage.updated` every USAGE_EVERY_FRAMES frames;
+- with Responses delegation (live_responses.py, `parley serve --delegate-url`) Parley's backend
+  works each delegation off the event path, its reply spoken as commentary, its function calls
+  forwarded to the client (`response.event`), answered with `response.item.create` and continued
+  with `response.create`;
 - commentary is forced into the model's text stream from its next pause (Engine.force_text);
   instructions and thinking go into the persona (PersonaPlex) by a re-prefill, and are refused
   by name by a model without one.
@@ -37,6 +41,8 @@ from .audio_formats import FormatError, InputDecoder, OutputEncoder
 from .event_reader import client_event_id, event_type, next_message, parse_client_event
 from .live_config import LiveConfig, check_update, parse_start
 from .live_delegation import Delegations, TurnWatcher
+from .live_responses import ResponsesDelegate
+from .openai_events import new_id
 from .realtime_session import ClientError, ModelCaps
 from .realtime_turns import FRAME_MS
 from .security import choose_subprotocol
@@ -50,8 +56,6 @@ USAGE_EVERY_FRAMES = 25  # session.usage.updated every 2 s of session audio
 MAX_APPEND_CHARS = 4000  # one append: about OpenAI's 500 tokens of English
 REFUSED_EVENTS = {
     "session.output_audio.fixture.play": "audio fixtures are not served by Parley",
-    "response.item.create": "Responses delegation is not served by Parley yet (this session delegates to the client)",
-    "response.create": "Responses delegation is not served by Parley yet (this session delegates to the client)",
     "decision.create": "Decisions delegation is not served by Parley",
     "decision.item.create": "Decisions delegation is not served by Parley",
     "decision.item.delete": "Decisions delegation is not served by Parley",
@@ -71,6 +75,9 @@ class LiveConnection:
         defaults = self.manager.defaults
         self.caps = ModelCaps(prompts=defaults.prompts, transcribe=self.manager.engine.can_transcribe)
         self.policy = defaults.live_delegation
+        self.backend = defaults.live_delegate  # None: Responses delegation is refused at start
+        self.responder: ResponsesDelegate | None = None  # the session's, with Responses delegation
+        self.model_said = ""  # the output transcript since the last delegation (for the backend)
         self.config: LiveConfig | None = None
         self.options = defaults.options
         self.context: tuple[str, ...] = ()  # instructions and thinking appended since start (the persona's tail)
@@ -88,7 +95,8 @@ class LiveConnection:
             "session.input_audio.append": self._on_append, "session.input_audio.mute": self._on_mute,
             "session.input_audio.unmute": self._on_mute, "session.commentary.append": self._on_commentary,
             "session.thinking.append": self._on_context, "session.instructions.append": self._on_context,
-            "session.close": self._on_close,
+            "session.close": self._on_close, "response.item.create": self._on_response,
+            "response.create": self._on_response,
         }
 
     @property
@@ -116,6 +124,8 @@ class LiveConnection:
             await self.edge.run_duplex(self._send_loop(), self._receive_loop())
         finally:
             transcript.cancel()
+            if self.responder is not None:
+                self.responder.close()
 
     async def _start(self) -> bool:
         """Read events until a session.start is accepted and its engine session is open (True), or
@@ -139,7 +149,7 @@ class LiveConnection:
                 await self.error(ClientError(f"{event['type']!s:.60} before session.start: send session.start "
                                              "first and wait for session.started", "session_not_started", "type"))
                 continue
-            config, refused = parse_start(event.get("session"), self.caps)
+            config, refused = parse_start(event.get("session"), self.caps, backend=self.backend is not None)
             for exc in refused:
                 await self.error(exc)
             if config is not None and await self._open(config):
@@ -169,6 +179,8 @@ class LiveConnection:
             return False
         self.config, self.options = config, options
         self.decoder, self.encoder = InputDecoder(config.format), OutputEncoder(config.format)
+        if config.responses is not None:
+            self.responder = ResponsesDelegate(config.responses, self.backend, self.send, self._speak)
         return True
 
     async def send(self, event: dict) -> int:
@@ -218,7 +230,7 @@ class LiveConnection:
         raise ClientError("the session has started; session.start comes once", "session_already_started", "type")
 
     async def _on_update(self, event: dict) -> None:
-        refused = check_update(event.get("session"))
+        refused = check_update(event.get("session"), self.config, backend=self.backend is not None)
         for exc in refused:
             await self.error(exc)
         if not refused:
@@ -237,8 +249,15 @@ class LiveConnection:
             raise ClientError(str(exc), "invalid_value", "audio") from None
         if self.muted:  # the model hears silence while the input is muted
             pcm = np.zeros_like(pcm)
-        for _ in self.watcher.audio(pcm):
-            await self.send(ev.delegation_created(self.delegations.create(), self.clock_ms))
+        for heard in self.watcher.audio(pcm):
+            delegation_id = self.delegations.create()
+            if self.responder is None:
+                await self.send(ev.delegation_created(delegation_id, self.clock_ms))
+                continue
+            response_id = new_id("resp")
+            await self.send(ev.delegation_created(delegation_id, self.clock_ms, response_id))
+            self.responder.delegate(delegation_id, response_id, heard, self.model_said)
+            self.model_said = ""
         session = self.edge.engine_session
         if session is not None and pcm.size:
             session.push_audio(pcm)
@@ -248,8 +267,19 @@ class LiveConnection:
         await self.send(ev.event("session.input_audio.muted" if self.muted else "session.input_audio.unmuted",
                                  self._client_event_id))
 
+    async def _on_response(self, event: dict) -> None:
+        """response.item.create / response.create: for the session's Responses backend."""
+        if self.responder is None:
+            raise ClientError(f"{event['type']}: needs Responses delegation (session.delegation {{type: responses}} "
+                              "at start, on a server with --delegate-url); this session delegates to the client",
+                              "invalid_value", "type")
+        if event["type"] == "response.create":
+            self.responder.create()
+        else:
+            self.responder.item(event.get("item"))
+
     async def _on_close(self, event: dict) -> None:
-        """No delegation work runs on the server (client delegation): the session closes at once."""
+        """The session closes at once; a Responses run still in flight is cancelled (run's finally)."""
         await self.send(ev.session_closed(self.resource, "close_requested", self.seconds,
                                           self._client_event_id))
         await self.edge.close_socket(CLOSE_NORMAL, "session closed")
@@ -283,6 +313,10 @@ class LiveConnection:
         except OptionsError as exc:
             raise ClientError(f"the commentary was not placed: {exc}", "invalid_value", "content") from None
         await self.send(ev.appended("commentary", start, start + tokens * FRAME_MS, self._client_event_id))
+
+    async def _speak(self, text: str) -> int:
+        """The Responses backend's commentary (live_responses.py), forced as a client's is."""
+        return await self.manager.engine.force_text(self.edge.engine_session, text[:MAX_APPEND_CHARS])
 
     async def _on_context(self, event: dict) -> None:
         """Instructions and thinking join the persona (PersonaPlex), by a re-prefill."""
@@ -325,6 +359,8 @@ class LiveConnection:
         self.frames += 1
         if frame.text:
             await self.send(ev.transcript("output", frame.text, start, self.clock_ms))
+            if self.responder is not None:
+                self.model_said = (self.model_said + frame.text)[-MAX_APPEND_CHARS:]
         wire = base64.b64encode(self.encoder.encode(frame.pcm)).decode()
         # A client reading too slowly loses its oldest audio (counted); its text still goes out.
         if not self.edge.drop_if_lagging(frame.produced_at):

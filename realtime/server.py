@@ -51,7 +51,7 @@ from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_
 from .drain import DrainingServer
 from .images_api import ImageService
 from .limits import WS_MAX_SIZE, EdgeLimits
-from .live_policy import DelegationPolicy
+from .live_policy import DelegateBackend, DelegationPolicy
 from .load_progress import LoadProgress
 from .security import RedactKeys
 from .sessions import ServerDefaults
@@ -114,6 +114,7 @@ class ServeConfig:
     tts_voices: str | None = None  # voice set directory or HF repo id; None: kyutai/tts-voices
     tts_voice_map: str | None = None  # JSON {alias: voice name}, e.g. OpenAI's names
     live_delegation: DelegationPolicy = DelegationPolicy()  # GPT-Live: when sessions delegate (live_policy.py)
+    live_delegate: DelegateBackend | None = None  # GPT-Live: the Responses delegation backend (--delegate-url)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -251,7 +252,8 @@ def build_app(config: ServeConfig):
 def _server_defaults(config: ServeConfig, options: SessionOptions, model_name: str, prompts: bool) -> ServerDefaults:
     return ServerDefaults(options=options, model_name=model_name, api_key=config.api_key, prompts=prompts,
                           protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
-                          limits=config.limits, live_delegation=config.live_delegation)
+                          limits=config.limits, live_delegation=config.live_delegation,
+                          live_delegate=config.live_delegate)
 
 
 def _load_stt(config: ServeConfig, demo: str | None, device: torch.device, dtype: torch.dtype) -> SttCheckpoint | None:

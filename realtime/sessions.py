@@ -30,7 +30,7 @@ from parley.engine.config import TICK_SECONDS
 from .capacity import Admission, Reservation
 from .health import EdgeMetrics
 from .limits import EdgeLimits, LagMeter, RateLimiter
-from .live_policy import DelegationPolicy
+from .live_policy import DelegateBackend, DelegationPolicy
 from .opus import CodecRunner, CodecStream
 
 log = logging.getLogger("parley.sessions")
@@ -69,6 +69,7 @@ class ServerDefaults:
     # persona or voice is then refused, never dropped.
     prompts: bool = True
     live_delegation: DelegationPolicy = DelegationPolicy()  # GPT-Live: when a session delegates (live_policy.py)
+    live_delegate: DelegateBackend | None = None  # GPT-Live: the Responses delegation backend (--delegate-url)
 
     @property
     def api_keys(self) -> tuple[str, ...]:

@@ -120,8 +120,43 @@ def test_personaplex_takes_instructions_voice_and_prior_messages_into_its_person
     assert resource["audio"] == {"format": {"type": "audio/pcm", "rate": 16000}, "output": {"voice": {"id": "NATF0"}}}
 
 
-def test_update_takes_client_delegation_only():
-    assert check_update({"delegation": {"type": "client"}, "triggers": []}) == []
+def test_update_takes_the_delegation_the_session_started_with_only():
+    client_session, _ = parse_start({"model": "m"}, MOSHI)
+    assert check_update({"delegation": {"type": "client"}, "triggers": []}, client_session) == []
     assert [e.param for e in check_update({"delegation": {"type": "responses", "responses": {}},
-                                           "instructions": "x", "bogus": 1})] == \
+                                           "instructions": "x", "bogus": 1}, client_session)] == \
         ["session.delegation.type", "session.instructions", "session.bogus"]
+    responses = {"type": "responses", "responses": {"model": "qwen", "tools": [{"type": "function", "name": "f"}]}}
+    backed, _ = parse_start({"model": "m", "delegation": responses}, MOSHI, backend=True)
+    assert check_update({"delegation": responses}, backed, backend=True) == []
+    assert [e.param for e in check_update({"delegation": {"type": "client"}}, backed, backend=True)] == \
+        ["session.delegation"]
+    assert [e.param for e in check_update({"delegation": {**responses, "responses": {"model": "other"}}}, backed,
+                                          backend=True)] == ["session.delegation"]
+
+
+def test_responses_delegation_takes_function_tools_for_a_backend_and_refuses_the_rest_by_name():
+    responses = {"model": "qwen", "instructions": "Be brief.", "tool_choice": {"type": "function", "name": "f"},
+                 "tools": [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}}],
+                 "max_output_tokens": 64, "parallel_tool_calls": False}
+    config, errors = parse_start({"model": "m", "delegation": {"type": "responses", "responses": responses}},
+                                 MOSHI, backend=True)
+    assert errors == [] and config.resource()["delegation"] == {"type": "responses", "responses": responses}
+    body = config.responses.request([{"role": "user", "content": "hi"}])
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                               "parameters": {"type": "object"}}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}} and body["max_tokens"] == 64
+    assert body["parallel_tool_calls"] is False and body["stream"] is True and body["model"] == "qwen"
+
+    def refused(responses):
+        config, errors = parse_start({"model": "m", "delegation": {"type": "responses", "responses": responses}},
+                                     MOSHI, backend=True)
+        assert config is None
+        return [e.param for e in errors]
+
+    assert refused({"model": "q", "tools": [{"type": "web_search"}]}) == ["session.delegation.responses.tools[0].type"]
+    assert refused({"model": "q", "reasoning": {"effort": "low"}}) == ["session.delegation.responses.reasoning"]
+    assert refused({"model": "q", "tool_choice": {"type": "shell"}}) == ["session.delegation.responses.tool_choice"]
+    assert refused({"model": "q", "colour": 1}) == ["session.delegation.responses.colour"]
+    assert refused({"tools": []}) == ["session.delegation.responses.model"]
+    assert refused(None) == ["session.delegation.responses"]
