@@ -3,6 +3,7 @@
     python examples/duplex_client.py question.wav                       # /api/chat (Moshi protocol)
     python examples/duplex_client.py question.wav --persona "You are Ada." --voice NATF2.pt
     python examples/duplex_client.py question.wav --realtime            # /v1/realtime (OpenAI API)
+    python examples/duplex_client.py question.wav --live --commentary "Let me check."  # GPT-Live
 
 The input may be any rate and channel count (it is mixed to mono and resampled to 24 kHz).
 It is streamed paced in real time, followed by `--tail` seconds of silence so the agent can
@@ -13,6 +14,10 @@ answer; the agent's audio goes to `--out` (WAV, 24 kHz; default reply.wav) and i
 kept, including its silences, so the reply lines up in time with the input.
 /v1/realtime: base64 PCM16 events; only the audio inside responses is sent by the server,
 so the reply WAV holds the agent's speech back to back.
+/v1/live/sessions (GPT-Live): base64 PCM16 events both ways, every 80 ms frame kept (like
+/api/chat); the text is the model's output transcript. It delegates to this client (client
+delegation): with `--commentary TEXT` each session.delegation.created is answered with that
+text as commentary, which the model says from its next pause.
 """
 
 from __future__ import annotations
@@ -145,6 +150,52 @@ async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[
     return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
 
 
+async def live(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.ndarray, str]:
+    url = f"{args.url.rstrip('/')}/v1/live/sessions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    session: dict = {"model": args.model, "audio": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE}}}
+    if args.persona:
+        session["instructions"] = args.persona
+    if args.voice:
+        session["audio"]["output"] = {"voice": args.voice}
+    audio: list[np.ndarray] = []
+    text: list[str] = []
+    async with connect(url, additional_headers=headers, max_size=None, compression=None) as ws:
+        await ws.send(json.dumps({"type": "session.start", "session": session}))
+        while (started := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] != "session.started":
+            if started["type"] == "error":  # a refused setting: the error names it
+                raise SystemExit(f"session.start refused: {started['error']['message']}")
+
+        async def receive() -> None:
+            try:
+                async for raw in ws:
+                    event = json.loads(raw)
+                    kind = event.get("type", "")
+                    if kind == "session.output_audio.delta":
+                        pcm16 = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
+                        audio.append(pcm16.astype(np.float32) / 32768.0)
+                    elif kind == "session.output_transcript.delta":
+                        text.append(event["delta"])
+                        print(event["delta"], end="", flush=True)
+                    elif kind == "session.delegation.created" and args.commentary:
+                        await ws.send(json.dumps({"type": "session.commentary.append", "content": args.commentary,
+                                                  "delegation_id": event["delegation"]["id"]}))
+                    elif kind == "error":
+                        print(f"\nserver error: {event['error']}", file=sys.stderr)
+                    elif kind == "session.closed":
+                        return
+            except ConnectionClosed:
+                pass
+
+        receiver = asyncio.create_task(receive())
+        async for frame in paced(frames):
+            pcm16 = (np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()
+            await ws.send(json.dumps({"type": "session.input_audio.append", "audio": base64.b64encode(pcm16).decode()}))
+        await ws.send(json.dumps({"type": "session.close"}))
+        await asyncio.wait_for(receiver, 30)
+    return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("wav", help="input audio file (WAV/FLAC/OGG, any rate)")
@@ -157,18 +208,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail", type=float, default=3.0,
                    help="seconds of silence streamed after the input (default %(default)s)")
     p.add_argument("--realtime", action="store_true", help="use /v1/realtime (OpenAI Realtime API) instead")
-    p.add_argument("--model", default="parley", help="model name sent to /v1/realtime (default %(default)s)")
-    p.add_argument("--api-key", default=None, help="bearer key for /v1/realtime, if the server requires one")
+    p.add_argument("--live", action="store_true", help="use /v1/live/sessions (OpenAI GPT-Live) instead")
+    p.add_argument("--commentary", default=None,
+                   help="--live: answer each delegation with this text as commentary (the model says it)")
+    p.add_argument("--model", default="parley",
+                   help="model name sent to /v1/realtime or /v1/live/sessions (default %(default)s)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer key for /v1/realtime or /v1/live/sessions, if the server requires one")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.realtime and args.live:
+        parser.error("--realtime and --live are two protocols: give one")
+    if args.commentary and not args.live:
+        parser.error("--commentary answers GPT-Live delegations: it needs --live")
     # Browsers' http(s) addresses work too: the WebSocket scheme is the same address's ws(s).
     args.url = re.sub(r"^http(s?)://", r"ws\1://", args.url)
 
     frames = frames_of(load_wav(args.wav), args.tail)
-    audio, text = asyncio.run(realtime(args, frames) if args.realtime else chat(args, frames))
+    protocol = realtime if args.realtime else live if args.live else chat
+    audio, text = asyncio.run(protocol(args, frames))
     soundfile.write(args.out, np.clip(audio, -1, 1), SAMPLE_RATE, subtype="PCM_16")
     with open(args.text_out, "w", encoding="utf-8") as f:
         f.write(text)
