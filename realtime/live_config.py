@@ -251,21 +251,19 @@ def parse_start(raw: Any, caps: ModelCaps, backend: bool = False) -> tuple[LiveC
                       responses=values.get("delegation")), []
 
 
-def check_update(raw: Any, config: LiveConfig, backend: bool = False) -> list[ClientError]:
-    """session.update's `session`: only the delegation (as started: its mode and, on Parley, its
-    responses settings) and triggers may be sent; the rest is fixed at start. Returns one error per
-    refused field (none: updated)."""
+def check_update(raw: Any, config: LiveConfig, backend: bool = False) -> tuple[list[ClientError], LiveConfig]:
+    """session.update's `session`: only the delegation (in the mode the session started with) and
+    triggers may be sent; the rest is fixed at start. A Responses session's `responses` may be
+    sparse (pipecat and LiveKit send only the tools): it updates the settings field by field.
+    Returns (one error per refused field, the config as updated: unchanged if any was refused)."""
     if not isinstance(raw, dict):
-        return [ClientError("session.update needs 'session': an object", "missing_required_parameter", "session")]
-    errors = []
+        return [ClientError("session.update needs 'session': an object", "missing_required_parameter", "session")], config
+    errors, updated = [], config
     for key, value in raw.items():
         param = f"session.{key!s:.40}"
         try:
             if key == "delegation":
-                settings = delegation(param, value, backend)
-                if (settings and settings.sent) != (config.responses and config.responses.sent):
-                    raise _refuse(param, "the delegation is fixed at session.start on Parley (send the "
-                                         "one the session started with, or leave it out)")
+                updated = dataclasses.replace(config, responses=_delegation_update(param, value, config, backend))
             elif key == "triggers":
                 _triggers(param, value)
             elif key in _START:
@@ -274,4 +272,18 @@ def check_update(raw: Any, config: LiveConfig, backend: bool = False) -> list[Cl
                 raise ClientError(f"unknown field {param}", "unknown_parameter", param)
         except ClientError as exc:
             errors.append(exc)
-    return errors
+    return errors, config if errors else updated
+
+
+def _delegation_update(param: str, value: Any, config: LiveConfig, backend: bool) -> ResponsesSettings | None:
+    """The delegation after an update: the mode stays the one started with."""
+    started = "responses" if config.responses else "client"
+    if value is None or not isinstance(value, dict) or value.get("type") != started:
+        raise _refuse(f"{param}.type", f"the session started with {started} delegation, which an update "
+                                       f"keeps: send {{type: {started}, ...}}")
+    if config.responses is None:
+        return delegation(param, value, backend)
+    sparse = value.get("responses")
+    if sparse is not None and not isinstance(sparse, dict):
+        raise _wrong(f"{param}.responses", "an object", sparse)
+    return delegation(param, {**value, "responses": {**config.responses.sent, **(sparse or {})}}, backend)

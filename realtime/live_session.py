@@ -230,9 +230,11 @@ class LiveConnection:
         raise ClientError("the session has started; session.start comes once", "session_already_started", "type")
 
     async def _on_update(self, event: dict) -> None:
-        refused = check_update(event.get("session"), self.config, backend=self.backend is not None)
+        refused, self.config = check_update(event.get("session"), self.config, backend=self.backend is not None)
         for exc in refused:
             await self.error(exc)
+        if self.responder is not None:  # the next run takes the updated settings
+            self.responder.settings = self.config.responses
         if not refused:
             await self.send(ev.session_event("session.updated", self.resource, self._client_event_id))
 

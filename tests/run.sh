@@ -21,6 +21,9 @@ python -m pip install -q --no-deps "pipecat-ai==1.14.0" "loguru==0.7.3" "wait_fo
 # package imports NVIDIA's Riva client, which pins websockets<16 and would downgrade the server's
 # websockets 16, hence --no-deps (the Riva client's grpcio and protobuf come with livekit-agents).
 python -m pip install -q --no-deps "livekit-plugins-nvidia==1.8.9" "nvidia-riva-client==2.28.0"
+# LiveKit's GPT-Live plugin (tests/test_live_clients.py): a thin wrapper of livekit-agents' GPTLiveModel whose
+# dependencies (livekit-agents, openai, httpx2) are already in; --no-deps keeps pip from re-resolving them.
+python -m pip install -q --no-deps "livekit-plugins-openai==1.8.9"
 # HAProxy for the `parley launch` end-to-end tests (tests/test_launch.py): the distribution's package.
 if ! command -v haproxy >/dev/null; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -120,19 +120,26 @@ def test_personaplex_takes_instructions_voice_and_prior_messages_into_its_person
     assert resource["audio"] == {"format": {"type": "audio/pcm", "rate": 16000}, "output": {"voice": {"id": "NATF0"}}}
 
 
-def test_update_takes_the_delegation_the_session_started_with_only():
+def test_update_keeps_the_delegation_mode_and_takes_sparse_responses_settings():
     client_session, _ = parse_start({"model": "m"}, MOSHI)
-    assert check_update({"delegation": {"type": "client"}, "triggers": []}, client_session) == []
-    assert [e.param for e in check_update({"delegation": {"type": "responses", "responses": {}},
-                                           "instructions": "x", "bogus": 1}, client_session)] == \
-        ["session.delegation.type", "session.instructions", "session.bogus"]
+    assert check_update({"delegation": {"type": "client"}, "triggers": []}, client_session) == ([], client_session)
+    errors, config = check_update({"delegation": {"type": "responses", "responses": {}}, "instructions": "x",
+                                   "bogus": 1}, client_session)
+    assert [e.param for e in errors] == ["session.delegation.type", "session.instructions", "session.bogus"]
+    assert config is client_session
     responses = {"type": "responses", "responses": {"model": "qwen", "tools": [{"type": "function", "name": "f"}]}}
     backed, _ = parse_start({"model": "m", "delegation": responses}, MOSHI, backend=True)
-    assert check_update({"delegation": responses}, backed, backend=True) == []
-    assert [e.param for e in check_update({"delegation": {"type": "client"}}, backed, backend=True)] == \
-        ["session.delegation"]
-    assert [e.param for e in check_update({"delegation": {**responses, "responses": {"model": "other"}}}, backed,
-                                          backend=True)] == ["session.delegation"]
+    assert [e.param for e in check_update({"delegation": {"type": "client"}}, backed, backend=True)[0]] == \
+        ["session.delegation.type"]
+    # pipecat's and LiveKit's tools update: only the tools, the model kept
+    errors, updated = check_update({"delegation": {"type": "responses", "responses": {
+        "tools": [{"type": "function", "name": "g"}], "tool_choice": "required"}}}, backed, backend=True)
+    assert errors == [] and updated.responses.model == "qwen" and updated.responses.tool_choice == "required"
+    assert [t["function"]["name"] for t in updated.responses.tools] == ["g"]
+    assert updated.resource()["delegation"]["responses"]["tools"] == [{"type": "function", "name": "g"}]
+    errors, same = check_update({"delegation": {"type": "responses", "responses": {"tools": [{"type": "mcp"}]}}},
+                                backed, backend=True)
+    assert [e.param for e in errors] == ["session.delegation.responses.tools[0].type"] and same is backed
 
 
 def test_responses_delegation_takes_function_tools_for_a_backend_and_refuses_the_rest_by_name():
