@@ -67,7 +67,7 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
@@ -98,6 +98,10 @@ DEFAULT_AGE_LIMIT_S = 10.0
 # neither settles it. The measurement runs as the first item of an idle tick (no session live:
 # engine.py lets that slack run a period past the boundary, about twice an empty tick's slack).
 PROBE_FACTOR = 2.0
+# Sizes refused from measured costs (_refuse_size), kept most recent last: sizes are the client's to
+# choose, so the table is bounded. A size forgotten is refused again at its first offer (its cost
+# stays in the runner's cost model), failing one more request.
+MAX_REFUSED_SIZES = 256
 STALLED = "no slack for"  # how a stalled request's reason begins (the edge answers it 503)
 MAX_PARTIAL_IMAGES = 3
 
@@ -223,7 +227,7 @@ class ImageQueue(SlackSource):
         self._live: set[ImageRequest] = set()  # admitted and not ended: close() ends them
         self._closed: str | None = None
         self._outstanding = 0  # images admitted and not yet ended
-        self._refused_sizes: dict[tuple[int, int], str] = {}
+        self._refused_sizes: OrderedDict[tuple[int, int], str] = OrderedDict()  # at most MAX_REFUSED_SIZES
         self._jobs: list[_Job] = []  # engine thread only, oldest first
         self._tick_fresh = False  # engine thread: no item of ours has run in this tick's slack yet
         self._warm: dict[Hashable, float] = {}  # warm-up costs, recorded into the runner's model once
@@ -697,6 +701,9 @@ class ImageQueue(SlackSource):
         log.warning("refusing images of %dx%d from now on: %s", width, height, reason)
         with self._lock:
             self._refused_sizes[(width, height)] = reason
+            self._refused_sizes.move_to_end((width, height))
+            while len(self._refused_sizes) > MAX_REFUSED_SIZES:
+                self._refused_sizes.popitem(last=False)
         for request in {j.request for j in self._jobs if (j.request.spec.width, j.request.spec.height) == (width, height)}:
             request.events.finish(Terminal(Status.FAILED, reason))
             self._end(request, "images_failed")

@@ -756,6 +756,32 @@ def test_a_size_whose_one_measurement_is_over_the_slack_is_refused_from_then_on(
     assert cold.queue.outstanding == 0
 
 
+def test_the_sizes_refused_from_measured_costs_are_bounded_most_recent_kept(sd, monkeypatch):
+    """Sizes are the client's to choose: ten distinct sizes, each predicted at 160 ms or more and
+    refused at its first offer, leave at most MAX_REFUSED_SIZES (4 here) in the refusal table, the
+    most recent ones; a forgotten size is admitted again and refused at its first offer again."""
+    from parley.engine import image_queue
+
+    monkeypatch.setattr(image_queue, "MAX_REFUSED_SIZES", 4)
+    sizes = [(64 + 2 * i, 64) for i in range(10)]
+
+    async def main():
+        cold = ColdSize(sd, exponent=1.0)
+        requests = [cold.queue.submit(ImageSpec("x", w, h, steps=2, guidance=5.0)) for w, h in sizes]
+        cold.ticks(2, LIGHT)
+        refused = [cold.queue.refusal(w, h) is not None for w, h in sizes]
+        again = cold.queue.submit(ImageSpec("x", *sizes[0], steps=2, guidance=5.0))  # forgotten: admitted
+        cold.ticks(2, LIGHT)
+        return [events_of(r)[-1] for r in requests], refused, events_of(again)[-1], cold.queue
+
+    ends, refused, again, queue = asyncio.run(main())
+    assert all(end.status is Status.FAILED and "too large" in end.reason for end in ends)
+    assert len(queue._refused_sizes) == 4
+    assert refused == [False] * 6 + [True] * 4  # the last four refused are the ones remembered
+    assert again.status is Status.FAILED and f"size {sizes[0][0]}x64 is too large" in again.reason
+    assert queue.refusal(*sizes[0]) is not None and queue.refusal(*sizes[6]) is None  # sizes[6] went for it
+
+
 def test_an_idle_ticks_longer_slack_never_makes_a_served_size_look_too_large(sd):
     """Steps of 40 ms + 15 ms a job: batches of 1 to 3 fit an empty tick's 77 ms, a batch of 4
     (85 ms) never does. In idle ticks (a period past the boundary: 157 ms) four jobs step in
