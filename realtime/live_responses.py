@@ -13,7 +13,9 @@ is the client's, answered with `response.item.create` (function_call_output) and
 `response.create`.
 
 Each backend call runs as a task off the event path, bounded by RUN_TIMEOUT_S; one run at a
-time per session. A failed or unreachable backend gets the session a short spoken fallback
+time per session, in order. The chat API needs every function call answered before the
+conversation goes on, so a user turn delegated while a call awaits its output (and a message item
+sent then) joins the run the client's `response.create` starts. A failed or unreachable backend gets the session a short spoken fallback
 (FALLBACK) and an `error` event; the voice session goes on.
 """
 
@@ -152,11 +154,12 @@ class ResponsesDelegate:
         self.client = AsyncOpenAI(base_url=backend.url, api_key=backend.api_key or "none", max_retries=0,
                                   timeout=RUN_TIMEOUT_S)
         self._send, self._speak = send, speak
-        self.messages: list[dict] = []
+        self.messages: list[dict] = []  # the conversation the backend has seen, in order
+        self.pending: list[dict] = []  # turns and message items that join the next run
         self.open_calls: dict[str, dict] = {}  # call_id -> its function call item, until answered
-        self.answered: set[str] = set()
         self.delegation_id: str | None = None  # the delegation the latest run belongs to
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # the latest run (each waits for the one before)
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def running(self) -> bool:
@@ -170,8 +173,8 @@ class ResponsesDelegate:
         """A delegation moment: what the model said and the user's turn join the conversation, and a
         run starts (after the one in flight, if any)."""
         if said.strip():
-            self._keep({"role": "assistant", "content": said.strip()})
-        self._keep({"role": "user", "content": heard or "(the user spoke; no transcript)"})
+            self.pending.append({"role": "assistant", "content": said.strip()})
+        self.pending.append({"role": "user", "content": heard or "(the user spoke; no transcript)"})
         self._start(delegation_id, response_id)
 
     def item(self, item: Any) -> None:
@@ -191,7 +194,7 @@ class ResponsesDelegate:
             self._keep({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "message" and item.get("role") in ("user", "assistant", "developer", "system"):
             role = "system" if item["role"] == "developer" else item["role"]
-            self._keep({"role": role, "content": _text_of(item, "item")})
+            self.pending.append({"role": role, "content": _text_of(item, "item")})
         else:
             raise ClientError(f"item.type {kind!r:.40}: Parley's backend takes function_call_output and message "
                               "items", "unsupported_parameter", "item.type")
@@ -207,12 +210,14 @@ class ResponsesDelegate:
         self._start(self.delegation_id, new_id("resp"))
 
     def close(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
 
     def _start(self, delegation_id: str | None, response_id: str) -> None:
         previous = self.task
         self.task = asyncio.create_task(self._run(previous, delegation_id, response_id))
+        self._tasks.add(self.task)
+        self.task.add_done_callback(self._tasks.discard)
 
     # ---- one run ----
 
@@ -228,6 +233,11 @@ class ResponsesDelegate:
     async def _run(self, previous: asyncio.Task | None, delegation_id: str | None, response_id: str) -> None:
         if previous is not None and not previous.done():
             await asyncio.wait([previous])
+        if self.open_calls:  # the pending turns wait for the calls' outputs; response.create runs them
+            return
+        for message in self.pending:
+            self._keep(message)
+        self.pending.clear()
         self.delegation_id = delegation_id
         await self._event(delegation_id, {"type": "response.created",
                                           "response": self._response(response_id, "in_progress")})
@@ -262,7 +272,7 @@ class ResponsesDelegate:
         messages = ([{"role": "system", "content": self.settings.instructions}] if self.settings.instructions
                     else []) + self.messages
         stream = await self.client.chat.completions.create(**self.settings.request(messages))
-        text, pending, calls = "", "", {}
+        text, unsaid, calls = "", "", {}
         message_id = new_id("msg")
         async for chunk in stream:
             if not chunk.choices:
@@ -270,10 +280,10 @@ class ResponsesDelegate:
             delta = chunk.choices[0].delta
             if delta.content:
                 text += delta.content
-                pending += delta.content
+                unsaid += delta.content
                 await self._event(delegation_id, {"type": "response.output_text.delta", "item_id": message_id,
                                                   "output_index": 0, "content_index": 0, "delta": delta.content})
-                *sentences, pending = SENTENCE_END.split(pending)
+                *sentences, unsaid = SENTENCE_END.split(unsaid)
                 for sentence in sentences:
                     await self._say(sentence)
             for call in delta.tool_calls or ():
@@ -284,7 +294,7 @@ class ResponsesDelegate:
                 if call.function is not None:
                     slot["name"] += call.function.name or ""
                     slot["arguments"] += call.function.arguments or ""
-        await self._say(pending)
+        await self._say(unsaid)
         if text:
             await self._event(delegation_id, {"type": "response.output_item.done", "output_index": 0, "item": {
                 "type": "message", "id": message_id, "role": "assistant", "status": "completed",

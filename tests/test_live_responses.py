@@ -189,3 +189,44 @@ def test_delegate_flags():
                           (["--delegate-api-key-file", "k"], "give both")):
         with pytest.raises(ValueError, match=needle):
             settings(*flags)
+
+
+def test_a_turn_delegated_while_a_call_is_open_joins_the_run_after_its_output():
+    """The chat API needs a call's output right after the call: a user turn (or message item) that
+    comes while the call is open waits for response.create, and goes to the backend after the output."""
+    from parley.realtime.live_responses import ResponsesDelegate, parse_settings
+
+    requests: list[dict] = []
+
+    async def scenario(url):
+        events, spoken = [], []
+
+        async def send(event):
+            events.append(event)
+
+        async def say(text):
+            spoken.append(text)
+
+        delegate = ResponsesDelegate(parse_settings("responses", {"model": "qwen", "tools": TOOLS}),
+                                     DelegateBackend(url), send, say)
+        delegate.delegate("dlg_1", "resp_1", "what is the weather", "")
+        await delegate.task
+        assert list(delegate.open_calls) == ["call_1"]
+        delegate.delegate("dlg_2", "resp_2", "and tomorrow", "hm")
+        delegate.item({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "typed"}]})
+        await delegate.task
+        assert len(requests) == 1  # nothing ran while the call was open
+        with pytest.raises(Exception, match="answer the open function calls first"):
+            delegate.create()
+        delegate.item({"type": "function_call_output", "call_id": "call_1", "output": "sunny"})
+        delegate.create()
+        await delegate.task
+        return events, spoken
+
+    with serve(backend_app(requests)) as backend:
+        events, spoken = run(scenario(f"http://{backend}/v1"))
+    assert [(m["role"], m.get("content")) for m in requests[1]["messages"]] == [
+        ("user", "what is the weather"), ("assistant", None), ("tool", "sunny"), ("assistant", "hm"),
+        ("user", "and tomorrow"), ("user", "typed")]
+    assert spoken == ["It is sunny in Paris.", "Enjoy"]
+    assert [e["event"]["type"] for e in events if e["type"] == "response.event"].count("response.completed") == 2
