@@ -209,9 +209,11 @@ class ResponsesDelegate:
                               "response.item.create", "function_call_outputs_required", "type")
         self._start(self.delegation_id, new_id("resp"))
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """The session ended: its runs are cancelled, the backend's connections closed."""
         for task in list(self._tasks):
             task.cancel()
+        await self.client.close()
 
     def _start(self, delegation_id: str | None, response_id: str) -> None:
         previous = self.task

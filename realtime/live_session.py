@@ -125,7 +125,7 @@ class LiveConnection:
         finally:
             transcript.cancel()
             if self.responder is not None:
-                self.responder.close()
+                await self.responder.aclose()
 
     async def _start(self) -> bool:
         """Read events until a session.start is accepted and its engine session is open (True), or

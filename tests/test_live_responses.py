@@ -230,3 +230,38 @@ def test_a_turn_delegated_while_a_call_is_open_joins_the_run_after_its_output():
         ("user", "and tomorrow"), ("user", "typed")]
     assert spoken == ["It is sunny in Paris.", "Enjoy"]
     assert [e["event"]["type"] for e in events if e["type"] == "response.event"].count("response.completed") == 2
+
+
+def test_a_backend_that_never_answers_is_bounded_by_the_run_timeout(monkeypatch):
+    """The run is bounded (RUN_TIMEOUT_S, shortened here): a backend that accepts and never answers
+    gets the session response.failed, a delegation_failed error and the spoken fallback."""
+    from parley.realtime import live_responses
+
+    monkeypatch.setattr(live_responses, "RUN_TIMEOUT_S", 0.5)
+
+    async def hang(request):  # until the client gives up
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    async def scenario(url):
+        events, spoken = [], []
+
+        async def send(event):
+            events.append(event)
+
+        async def say(text):
+            spoken.append(text)
+
+        delegate = live_responses.ResponsesDelegate(live_responses.parse_settings("responses", {"model": "q"}),
+                                                    DelegateBackend(url), send, say)
+        delegate.delegate("dlg_1", "resp_1", "hello", "")
+        await asyncio.wait_for(delegate.task, 30)  # a failure here: the run was not bounded
+        await delegate.aclose()
+        return events, spoken
+
+    with serve(Starlette(routes=[Route("/v1/chat/completions", hang, methods=["POST"])])) as backend:
+        events, spoken = run(scenario(f"http://{backend}/v1"))
+    assert [e["event"]["type"] for e in events if e["type"] == "response.event"] == ["response.created",
+                                                                                     "response.failed"]
+    assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["delegation_failed"]
+    assert spoken == [FALLBACK]
