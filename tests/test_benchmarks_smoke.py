@@ -101,6 +101,17 @@ CPU_CASES = {
         "soak.py", ["--spawn", "tiny", "--sessions", "2", "--minutes", "0.1", "--procs", "1"],
         [r"sessions 2 \(0 refused, 1 client processes\)", r"frames lost per session: mean \d+\.\d",
          r"late ticks \d+, skipped \d+", r"RSS: "]),
+    "mixed_soak": (  # ~20 s of every kind at once on the demo server (the server's start takes longer)
+        "mixed_soak.py", ["--minutes", "0.3", "--sample", "5", "--chat-sessions", "1",
+                          "--periods", "chat=5,image=4,realtime=6,live=6"],
+        [r"^\| minute \| RSS MB \| chat ok/err \| speech ok/err \| transcription ok/err \| image ok/err \| "
+         r"realtime ok/err \| live ok/err \|$", r"^\| 0\.\d\d \| \d+\.\d \|( \d+/\d+ \|){6}$",
+         r"^requests chat \d+ \(\d+ errors\), speech \d+ \(\d+ errors\), .* live \d+ \(\d+ errors\)$",
+         r"^RSS: \d+\.\d -> \d+\.\d MB .*fitted slope [+-]\d+\.\d\d MB/min"]),
+    "mixed_soak_trace": (  # --trace: in process, tracemalloc snapshots around 1 + 1 requests of two kinds
+        "mixed_soak.py", ["--trace", "1", "--kinds", "transcription,realtime", "--top", "3"],
+        [r"^transcription: 1 requests [+-]\d+\.\d KiB, 1 more [+-]\d+\.\d KiB \(traced, after gc\); \d+ of 3",
+         r"^realtime: 1 requests [+-]\d+\.\d KiB"]),
     "cli_startup": (
         "cli_startup.py", ["--runs", "1"],
         [r"^\| command \| median \(s\) \| slowest \(s\) \| heavy imports \|$",
@@ -108,11 +119,13 @@ CPU_CASES = {
          r"^\| parley --version \| \d+\.\d\d \| \d+\.\d\d \| none \|$"]),
 }
 
+CPU_TIMEOUTS = {"mixed_soak": 240, "mixed_soak_trace": 240}  # s; the others: 120 (the demo server's start and a drain on a loaded box)
+
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_benchmark_runs_on_cpu(case: str) -> None:
     script, args, patterns = CPU_CASES[case]
-    output = run_benchmark(script, *args)
+    output = run_benchmark(script, *args, timeout=CPU_TIMEOUTS.get(case, 120))
     for pattern in patterns:
         assert re.search(pattern, output, re.MULTILINE), f"{script}: no /{pattern}/ in:\n{output[-4000:]}"
 
