@@ -49,12 +49,13 @@ def serve_main(port: int, sessions: int, codec_workers: int) -> None:
     from parley.engine import Engine
     from parley.engine.testing import DelayBackend
     from parley.realtime.app import ServerInfo, create_app
+    from parley.realtime.services import Services
     from parley.realtime.server import uvicorn_config
 
     _name_os_threads()
     backend = DelayBackend(sessions)
-    app = create_app(Engine(backend), info=ServerInfo(model="delay"),
-                     codec_workers=codec_workers, web_dir=None)
+    app = create_app(Services(Engine(backend), info=ServerInfo(model="delay"),
+                     codec_workers=codec_workers, web_dir=None))
     uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning")).run()
 
 

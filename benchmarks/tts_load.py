@@ -92,6 +92,7 @@ from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa:
 from parley.models.tts import TtsConfig, TtsLM  # noqa: E402
 from parley.models.tts_checkpoint import VoiceStore, write_voice  # noqa: E402
 from parley.realtime.app import ServerInfo, create_app  # noqa: E402
+from parley.realtime.services import Services  # noqa: E402
 from parley.realtime.server import uvicorn_config  # noqa: E402
 from parley.realtime.speech_api import SpeechService, build_request, parse_request  # noqa: E402
 
@@ -255,7 +256,7 @@ async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams:
     service = SpeechService(pool=pool, voices=store, tokenizer=tokenizer, codebooks=cfg.lm.n_q)
     pool.warm_up(service.conditions)  # as `parley serve` does: warm admissions carry the requests' conditions
     engine.add_slack_source(pool)
-    app = create_app(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service)
+    app = create_app(Services(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service))
     server, thread, url = start_server(app)
     try:
         return await unless_engine_fails(engine, measure(args, engine, timed, pool, service, url, streams, sessions))

@@ -147,8 +147,15 @@ class VoiceStore:
     def __contains__(self, name: str) -> bool:
         return name in self.aliases or name in self._names
 
+    def read_all(self) -> None:
+        """Read every voice file now (a server does, at start): `load` then touches no file.
+        CheckpointError names the first broken file."""
+        for name in self._names:
+            self.load(name)
+
     def load(self, name: str) -> torch.Tensor:
-        """[1, dim, frames] fp32 (cached). KeyError for an unknown name, CheckpointError for a bad file."""
+        """[1, dim, frames] fp32 (cached; after `read_all`, no file is read). KeyError for an unknown
+        name, CheckpointError for a bad file."""
         name = self.aliases.get(name, name)
         if name not in self._names:
             raise KeyError(name)

@@ -6,9 +6,10 @@ ENDPOINTS below: the Moshi protocol (moshi_protocol.py), the OpenAI Realtime API
 transcription (transcriptions.py), images (images_api.py), the probes and /load (capacity.py), /metrics (health.py), /admin/drain
 (drain.py), and the page (web/). What no door serves is answered by not_found.py.
 
-The app does not build the engine (server.py does, from a checkpoint; tests hand in one
-over a fabricated backend); it starts it on startup if needed and shuts it down, bounded,
-on shutdown after closing every connection.
+The app builds nothing: `create_app(services)` maps routes and middleware from what
+services.build_services built (tests hand in Services around a fabricated backend). It starts
+the engine on startup if needed and shuts it down, bounded, on shutdown after closing every
+connection.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -31,22 +31,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from parley.engine import Engine
-from parley.engine.stt_pool import SttPool
-
 from . import capacity, doors, health
 from .demo_model import STT_NOTICE
 from .capacity import Admission
 from .drain import Drainer, drain_endpoint
 from .not_found import UnknownWebSocket, http_error
-from .images_api import ImageService, images_generations
+from .images_api import images_generations
 from .moshi_protocol import chat_endpoint
 from .live_session import live_endpoint
 from .realtime_endpoint import realtime_endpoint
 from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
-from .sessions import ServerDefaults, SessionManager
-from .speech_api import SpeechService, speech_endpoint, voices_endpoint
+from .models_api import model_endpoint, models_endpoint
+from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
+from .sessions import SessionManager
+from .speech_api import speech_endpoint, voices_endpoint
 from .speech_formats import warm_up_encoders
 from .transcriptions import transcriptions_endpoint
 
@@ -68,12 +67,9 @@ ENDPOINTS = {
     "/load": capacity.load,
     "/metrics": health.metrics,
     "/admin/drain": drain_endpoint,
+    "/v1/models": models_endpoint,
+    "/v1/models/{model:path}": model_endpoint,
 }
-
-WEB_DIR = Path(__file__).resolve().parents[1] / "web"
-DEMO_NOTICE = ("This server runs Parley's tiny demo model: it babbles (random weights). "
-               "Start `parley serve --model <checkpoint dir or Hugging Face repo id>` to talk for real.")
-
 
 async def load_lazy_modules() -> None:
     """Import now what the first requests would import on the server's thread while the engine
@@ -89,96 +85,87 @@ async def load_lazy_modules() -> None:
     warm_up_encoders()
 
 
-@dataclass(frozen=True)
-class ServerInfo:
-    """What the page and /api/info show about the loaded model."""
-
-    model: str = "parley"
-    demo: bool = False
-    voices: tuple[str, ...] = ()
-    default_voice: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def create_app(engine: Engine, defaults: ServerDefaults = ServerDefaults(), info: ServerInfo = ServerInfo(),
-               *, codec_workers: int | None = None, start_engine: bool = True,
-               web_dir: Path | None = WEB_DIR, stt_pool: SttPool | None = None, ready_min_free: int = 1,
-               drain_timeout: float = 30.0, images: ImageService | None = None,
-               speech: SpeechService | None = None) -> Starlette:
-    """Build the app around an engine. With `start_engine`, the lifespan starts the engine
-    (if it is not running) and always shuts it down at exit. `stt_pool` (standalone
-    transcription rows) becomes the engine's transcription slack source, warmed up here.
-    `ready_min_free`: free slots below which /readyz says 503; `drain_timeout`: seconds a
-    drain lets live sessions run."""
-    if stt_pool is not None:
-        stt_pool.warm_up(engine.slack_costs)
-        engine.add_slack_source(stt_pool)
+def create_app(services: Services) -> Starlette:
+    """Map routes and middleware from `services` (services.py: built, warmed and registered on
+    the engine). With `services.start_engine`, the lifespan starts the engine (if it is not
+    running); it always shuts it down at exit."""
+    engine = services.engine
     metrics: health.EdgeMetrics | None = None
 
     def count_restart() -> None:
         if metrics is not None:
             metrics.codec_restarts.inc()
 
-    codec = make_codec_runner(codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
+    codec = make_codec_runner(services.codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
     metrics = health.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                  if isinstance(codec, CodecProcessPool) else None)
-    if images is not None:
-        metrics.registry.register(images)  # parley_images_* (images_api.ImageService.collect)
-    manager = SessionManager(engine, defaults, codec, metrics,
-                             Admission(engine, metrics.registry, ready_min_free=ready_min_free,
+    if services.images is not None:
+        metrics.registry.register(services.images)  # parley_images_* (images_api.ImageService.collect)
+    manager = SessionManager(engine, services.defaults, codec, metrics,
+                             Admission(engine, metrics.registry, ready_min_free=services.ready_min_free,
                                        refusals=metrics.refusals))
-    drainer = Drainer(manager, drain_timeout)
+    has_page = services.web_dir is not None and (services.web_dir / "index.html").is_file()  # public: security.py
+    served = doors.mounted({"page": has_page, "tts": services.speech is not None,
+                            "stt": services.stt_pool is not None, "images": services.images is not None})
+    endpoints = {**ENDPOINTS, "/api/voices": _voices, "/api/info": _api_info}
+    access = Middleware(AccessMiddleware, keys=services.defaults.api_keys,
+                        protect_metrics=services.defaults.protect_metrics,
+                        allowed_origins=services.defaults.allowed_origins,
+                        static_paths=static_paths(services.web_dir) if has_page else (), refusals=metrics.refusals)
+    unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
+    app = Starlette(routes=[_route(door, endpoints, services.web_dir) for door in served],
+                    lifespan=_lifespan(services, manager, codec), middleware=[access, unknown_ws],
+                    exception_handlers={HTTPException: http_error})
+    app.state.doors = served
+    app.state.sessions = manager
+    app.state.drainer = Drainer(manager, services.drain_timeout)
+    app.state.codec = codec
+    app.state.info = services.info
+    app.state.stt_pool = services.stt_pool
+    app.state.images = services.images
+    app.state.speech = services.speech
+    app.state.models = services.served_models()  # what `model` may name on each door (served_models.py)
+    app.state.refusals = metrics.refusals  # for the HTTP doors' own refusals (a full pool or queue)
+    return app
 
+
+def _lifespan(services: Services, manager: SessionManager, codec):
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await codec.start()  # worker processes start on the server's loop, before any session
         await load_lazy_modules()
-        if start_engine:
-            engine.start()
+        if services.start_engine:
+            services.engine.start()
         try:
             yield
         finally:
             await manager.shutdown()
-            await asyncio.to_thread(engine.shutdown)
-            if images is not None:
-                images.close()  # the engine thread is gone: end what it will never finish
+            await asyncio.to_thread(services.engine.shutdown)
+            if services.images is not None:
+                services.images.close()  # the engine thread is gone: end what it will never finish
             await codec.aclose()
 
-    async def voices(request: Request) -> Response:
-        return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
+    return lifespan
 
-    async def api_info(request: Request) -> Response:
-        body = {"model": info.model, "demo": info.demo, "max_sessions": engine.max_sessions,
-                "prompts": defaults.prompts}  # whether a persona / voice prompt can be given
-        if info.demo:
-            body["notice"] = DEMO_NOTICE
-        body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
-        body["session_transcript"] = engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
-        if info.demo and stt_pool is not None:
-            body["transcription_notice"] = STT_NOTICE
-        return JSONResponse(body)
 
-    has_page = web_dir is not None and (web_dir / "index.html").is_file()  # public: see security.py
-    served = doors.mounted({"page": has_page, "tts": speech is not None, "stt": stt_pool is not None,
-                            "images": images is not None})
-    endpoints = {**ENDPOINTS, "/api/voices": voices, "/api/info": api_info}
-    routes = [_route(door, endpoints, web_dir) for door in served]
-    access = Middleware(AccessMiddleware, keys=defaults.api_keys, protect_metrics=defaults.protect_metrics,
-                        allowed_origins=defaults.allowed_origins,
-                        static_paths=static_paths(web_dir) if has_page else (), refusals=metrics.refusals)
-    unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[access, unknown_ws],
-                    exception_handlers={HTTPException: http_error})
-    app.state.doors = served
-    app.state.sessions = manager
-    app.state.drainer = drainer
-    app.state.codec = codec
-    app.state.info = info
-    app.state.stt_pool = stt_pool
-    app.state.images = images
-    app.state.speech = speech
-    app.state.refusals = metrics.refusals  # for the HTTP doors' own refusals (a full pool or queue)
-    return app
+async def _voices(request: Request) -> Response:
+    info: ServerInfo = request.app.state.info
+    return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
+
+
+async def _api_info(request: Request) -> Response:
+    info: ServerInfo = request.app.state.info
+    manager: SessionManager = request.app.state.sessions
+    stt_pool = request.app.state.stt_pool
+    body = {"model": info.model, "demo": info.demo, "max_sessions": manager.engine.max_sessions,
+            "prompts": manager.defaults.prompts}  # whether a persona / voice prompt can be given
+    if info.demo:
+        body["notice"] = DEMO_NOTICE
+    body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
+    body["session_transcript"] = manager.engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
+    if info.demo and stt_pool is not None:
+        body["transcription_notice"] = STT_NOTICE
+    return JSONResponse(body)
 
 
 def _route(door: doors.Door, endpoints: dict, web_dir: Path | None) -> BaseRoute:

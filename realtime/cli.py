@@ -29,6 +29,7 @@ from .limits import WS_MAX_SIZE, EdgeLimits
 from .live_policy import DelegateBackend, parse_policy
 from .log_format import LOG_FORMATS, configure_logging
 from .offline_cli import add_offline
+from .served_models import parse_served_names
 from .server_sockets import bind
 from .transcribe_cli import add_transcribe
 from .tts_cli import add_tts
@@ -104,6 +105,14 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="log lines (Parley's and uvicorn's alike): text with timestamps, or json (one object a "
                         "line, for log collectors)")
+    add_service_flags(p)
+    add_reliability_flags(p)
+    p.set_defaults(handler=run_serve)
+
+
+# ---- the models served beside (or without) the duplex one, and their names ----
+
+def add_service_flags(p: argparse.ArgumentParser) -> None:
     # -- speech-to-text (transcription) --
     p.add_argument("--stt-model", default=None,
                    help="Kyutai STT checkpoint directory or Hugging Face repo id (e.g. kyutai/stt-1b-en_fr) "
@@ -124,7 +133,6 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="an image request that has had no work run for this long (the voice load leaves no "
                         "slack for its size, or it is queued behind others) fails with a message saying so; "
                         "a client not reading its stream does not count")
-    add_reliability_flags(p)
     # ---- TTS: POST /v1/audio/speech (realtime/speech_api.py) ----
     p.add_argument("--tts-model", default=None,
                    help="DSM TTS checkpoint directory or Hugging Face repo id (e.g. kyutai/tts-1.6b-en_fr), "
@@ -135,7 +143,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="voice set for --tts-model: a directory or Hugging Face repo id (default kyutai/tts-voices)")
     p.add_argument("--tts-voice-map", default=None,
                    help="JSON file mapping voice aliases (e.g. OpenAI's alloy, ash, ...) to voice names")
-    p.set_defaults(handler=run_serve)
+    p.add_argument("--served-model-name", action="append", default=None, metavar="MODALITY=NAME[,NAME...]",
+                   help="names a modality's model answers to beside its checkpoint's name, e.g. tts=tts-1,kyutai-tts "
+                        "(modalities: duplex, tts, stt, image; repeatable). A request naming another model gets "
+                        "404 model_not_found; GET /v1/models lists them")
 
 
 # ---- security and per-connection limits (docs/reliability.md) ----
@@ -205,6 +216,12 @@ def reliability_settings(args: argparse.Namespace) -> dict:
             "ssl_keyfile": args.ssl_keyfile, "limits": limits}
 
 
+def served_names(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
+    """--served-model-name's aliases; the environment or --config give one string, not a list."""
+    values = args.served_model_name
+    return parse_served_names([values] if isinstance(values, str) else values or [])
+
+
 def run_serve(args: argparse.Namespace) -> int:
     given = {"text_temperature": args.text_temperature, "text_top_k": args.text_topk,
              "audio_temperature": args.audio_temperature, "audio_top_k": args.audio_topk}
@@ -240,7 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
               f"(got {args.image_stall_timeout:g})", file=sys.stderr)
         return 2
     try:
-        reliability = reliability_settings(args)
+        reliability = {**reliability_settings(args), "served_model_names": served_names(args)}
     except (ValueError, OSError) as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,8 @@ DOORS = (
     Door("/v1/audio/voices", "GET", "the text-to-speech voices", "tts"),
     Door("/v1/audio/transcriptions", "POST", "OpenAI transcription", "stt"),
     Door("/v1/images/generations", "POST", "OpenAI images", "images"),
+    Door("/v1/models", "GET", "OpenAI models: every served model name, with its modality"),
+    Door("/v1/models/{model:path}", "GET", "one served model, or 404 model_not_found"),
     Door("/api/voices", "GET", "the model's voice prompts, for the page"),
     Door("/api/info", "GET", "the model, and what this server serves, for the page"),
     Door("/livez", "GET", "liveness probe (alias /health)"),

@@ -39,6 +39,8 @@ from parley.engine import Engine, Status, Terminal
 from parley.engine.image_queue import (MAX_PARTIAL_IMAGES, STALLED, ImagePartial, ImageQueue, ImageQueueFull,
                                        ImageRefused, ImageRequest, ImageResult, ImageSpec)
 
+from .served_models import ModelNotFound
+
 log = logging.getLogger("parley.images")
 
 QUALITY_STEPS = {"low": 8, "medium": 20, "high": 40, "auto": 20, "standard": 20, "hd": 40}
@@ -137,9 +139,8 @@ def parse_request(body: object, service: ImageService) -> Parsed:
     if len(prompt) > MAX_PROMPT_CHARS:
         raise _invalid("prompt", f"prompt is longer than {MAX_PROMPT_CHARS} characters.")
     model = body.get("model")
-    if model is not None and model != service.model:
-        raise ApiError(400, f"this server serves the image model {service.model!r}, not {model!r}; "
-                            "leave model out or use that name.", "model", "model_not_found")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise _invalid("model", "model must be a model name (GET /v1/models lists them), or left out.")
     n = _int(body, "n", 1, 1, min(MAX_N, service.queue.capacity))
     width, height, size = _size(body.get("size"), stepper.latent_stride, stepper.default_size)
     quality = _choice(body, "quality", "auto", list(QUALITY_STEPS))
@@ -255,6 +256,7 @@ async def images_generations(http: Request) -> Response:
         return ApiError(400, "the request body is not valid JSON.").response()
     try:
         parsed = parse_request(body, service)
+        http.app.state.models.resolve("image", body.get("model"))
         if not service.engine.healthy:
             raise ApiError(503, "the engine is not serving (see the server log).", kind="server_error")
         request = service.queue.submit(parsed.spec)
@@ -266,6 +268,8 @@ async def images_generations(http: Request) -> Response:
         return _invalid("size", str(exc), "size_too_large").response()
     except ApiError as exc:
         return exc.response()
+    except ModelNotFound as exc:
+        return ApiError(404, str(exc), "model", "model_not_found").response()
     log.info("image request %s: %dx%d, n=%d, %d steps, stream=%s", request.request_id, parsed.spec.width,
              parsed.spec.height, parsed.spec.n, parsed.spec.steps, parsed.stream)
     if parsed.stream:

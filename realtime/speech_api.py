@@ -3,7 +3,8 @@
     POST /v1/audio/speech   {model, input, voice, instructions?, response_format?, speed?, stream_format?}
     GET  /v1/audio/voices   {"object": "list", "data": [{"id": name, "object": "voice", "name": name}, ...]}
 
-- `model`: any string; it names the one loaded TTS model.
+- `model`: one of the TTS model's served names (served_models.py: its checkpoint's name and
+  `--served-model-name tts=...`); another is 404 `model_not_found`; left out, the served one.
 - `input`: 1 to 4096 characters. `<break time="1.5s"/>` inserts a pause (up to 10 s).
 - `voice`: a name from the voice set (`--tts-voices`), an alias from `--tts-voice-map` (OpenAI's
   alloy, ash, ... map to voices there; the demo maps all 13), or `{"id": name}`.
@@ -42,6 +43,7 @@ from parley.models.tokenizer import TextTokenizer
 from parley.models.tts import FRAME_RATE
 from parley.models.tts_checkpoint import VoiceStore
 
+from .served_models import ModelNotFound
 from .speech_formats import CONTENT_TYPES, FORMATS, make_encoder
 from .speech_options import SPEED_MAX, SPEED_MIN
 
@@ -67,6 +69,7 @@ class SpeechService:
     speaker_token: int | None = 1  # multi-speaker models prefix the first word with the main speaker
     # TtsRequest sampling fields; the published TTSModel's defaults (temp 0.6, top-k 25 / 250).
     sampling: dict = field(default_factory=dict)
+    model: str = "tts"  # the checkpoint's name (served_models.py adds the operator's aliases)
 
 
 class SpeechError(Exception):
@@ -102,8 +105,8 @@ def parse_request(body: object, voices: VoiceStore) -> SpeechParams:
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise SpeechError(400, f"unsupported parameter(s): {', '.join(unknown)}", unknown[0], "unknown_parameter")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise SpeechError(400, "model is required (any name: it maps to the loaded TTS model)", "model")
+    if "model" in body and (not isinstance(body["model"], str) or not body["model"]):
+        raise SpeechError(400, "model must be a model name (GET /v1/models lists them), or left out", "model")
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise SpeechError(400, "input is required and must be non-empty text", "input")
@@ -157,6 +160,7 @@ async def speech_endpoint(request: Request) -> Response:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise SpeechError(400, "the request body is not valid JSON") from None
         params = parse_request(body, service.voices)
+        request.app.state.models.resolve("tts", body.get("model"))
         tts_request, input_tokens = build_request(service, params)
         try:
             job = service.pool.submit(tts_request, asyncio.get_running_loop())
@@ -166,8 +170,13 @@ async def speech_endpoint(request: Request) -> Response:
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except SpeechError as err:
         return err.response()
-    except ValueError as err:  # a script too long for a row, a bad voice file
+    except ModelNotFound as err:
+        return SpeechError(404, str(err), "model", "model_not_found").response()
+    except ValueError as err:  # a script too long for a row
         return SpeechError(400, str(err), "input").response()
+    except Exception as err:  # a fault of ours, answered in the shape the client reads (not a bare 500)
+        log.exception("speech request failed before synthesis")
+        return SpeechError(500, f"the speech request failed: {type(err).__name__}", code="server_error").response()
     first = await _first_audio(job, request)
     if first is None:  # the client went away before any audio
         return Response(status_code=499)

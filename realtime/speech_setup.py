@@ -38,6 +38,7 @@ def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | 
         raise CheckpointError(f"TTS checkpoint {source} has no speaker cross-attention (a voice-prefix model "
                               "such as kyutai/tts-0.75b-en-public); Parley serves the cross-attention layout")
     store = VoiceStore.open(voices or DEFAULT_VOICES, cfg.voice_suffix, speaker.dim, voice_map)
+    store.read_all()  # every voice, now: no request reads a file, and a broken one stops the start
     frames = store.load(store.names()[0]).shape[-1]
     pool = TtsPool(checkpoint.lm, checkpoint.mimi, slots, voice_frames=frames)
     log.info("TTS %s: %d slots, %d voices from %s", checkpoint.path.name, slots, len(store.names()),
@@ -50,4 +51,4 @@ def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | 
         conditions["cfg"] = DEFAULT_CFG if DEFAULT_CFG in cfg.lut_values("cfg") else None
     pool.warm_up(conditions)
     return SpeechService(pool=pool, voices=store, tokenizer=checkpoint.tokenizer, codebooks=cfg.lm.n_q,
-                         conditions=conditions)
+                         conditions=conditions, model=checkpoint.path.name)

@@ -2,7 +2,8 @@
 
 Form fields (multipart, as the openai SDK sends them):
 - `file` (required): WAV / FLAC / OGG bytes, any rate and channel count (mixed to 24 kHz mono).
-- `model` (required): any name; the loaded STT model answers.
+- `model`: one of the STT model's served names (served_models.py: its checkpoint's name and
+  `--served-model-name stt=...`); another is 404 `model_not_found`; left out, the served one.
 - `language`: "en" or "fr" (the Kyutai STT languages) are accepted as a statement about the audio;
   the model detects language itself, so any other value is refused (400, param `language`).
 - `response_format`: `json` (default) `{"text"}`, `text`, or `verbose_json` with `words`
@@ -29,6 +30,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from parley.engine.stream import Status, Terminal
 from parley.engine.stt_pool import SttBusy, SttFailed, SttInputError, SttPartial, SttPool, collect_transcript
 from parley.models.audio_io import AudioFileError, read_audio_bytes
+
+from .served_models import ModelNotFound
 
 log = logging.getLogger("parley.transcriptions")
 
@@ -85,8 +88,7 @@ async def transcriptions_endpoint(request: Request) -> Response:
         upload = (fields.get("file") or [None])[0]
         if not isinstance(upload, UploadFile):
             raise RequestError("file is required (the audio to transcribe).", "file")
-        if _one(fields, "model") is None:
-            raise RequestError("model is required.", "model")
+        request.app.state.models.resolve("stt", _one(fields, "model") or None)
         language = _one(fields, "language")
         if language not in (None, "", *LANGUAGES):
             raise RequestError(f"language {language!r} is not supported by this model (Kyutai STT: "
@@ -128,6 +130,8 @@ async def transcriptions_endpoint(request: Request) -> Response:
         job.end_input()
     except RequestError as exc:
         return error_response(str(exc), exc.param, exc.status, exc.code)
+    except ModelNotFound as exc:
+        return error_response(str(exc), "model", 404, "model_not_found")
     except SttBusy as exc:
         request.app.state.refusals.record(request.scope, "full", str(exc))
         return error_response(str(exc), None, 503, "server_busy")

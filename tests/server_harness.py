@@ -23,6 +23,7 @@ import uvicorn
 from parley.engine import Engine
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.services import Services
 from parley.realtime.server import uvicorn_config
 from parley.realtime.sessions import ServerDefaults
 
@@ -61,7 +62,7 @@ def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefault
     backend = DelayBackend(max_sessions, **backend_kwargs)
     engine = Engine(backend)
     # codec_workers=2: two codec worker processes, so the protocol tests run the production path
-    return create_app(engine, defaults, ServerInfo(model="delay"), codec_workers=2), backend
+    return create_app(Services(engine, defaults, ServerInfo(model="delay"), codec_workers=2)), backend
 
 
 def tone(freq: float, seconds: float, amp: float = 0.3, sr: int = SR) -> np.ndarray:

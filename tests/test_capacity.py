@@ -22,6 +22,7 @@ from parley.engine import Engine, EngineConfig, EngineFull
 from parley.engine.slack import Priority, SlackSource
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import create_app
+from parley.realtime.services import Services
 from parley.realtime.drain import DrainingServer
 from parley.realtime.server import uvicorn_config
 from parley.realtime.sessions import ServerDefaults
@@ -142,7 +143,7 @@ def test_livez_is_200_while_the_engine_warms_up_and_readyz_waits():
     warm_up = _HeldWarmUp()
     engine.add_slack_source(warm_up)
     assert not engine.running
-    with serve(create_app(engine, web_dir=None)) as base:  # started: the lifespan started the engine thread
+    with serve(create_app(Services(engine, web_dir=None))) as base:  # started: the lifespan started the engine thread
         livez, readyz = get_json(base, "/livez"), get_json(base, "/readyz")
         warm_up.go.set()
         run(wait_for(lambda: get_json(base, "/readyz")[0] == 200, 10))
@@ -154,7 +155,7 @@ def test_livez_is_200_while_the_engine_warms_up_and_readyz_waits():
 
 def test_livez_is_503_while_the_engine_thread_is_not_running():
     engine = Engine(DelayBackend(1), EngineConfig())
-    with serve(create_app(engine, web_dir=None, start_engine=False)) as base:
+    with serve(create_app(Services(engine, web_dir=None, start_engine=False))) as base:
         never_started = get_json(base, "/livez")[0]
         engine.start()
         run(wait_for(lambda: get_json(base, "/readyz")[0] == 200, 10))
@@ -166,7 +167,7 @@ def test_livez_is_503_while_the_engine_thread_is_not_running():
 
 
 def test_ready_min_free_is_honoured():
-    app = create_app(Engine(DelayBackend(3), EngineConfig()), ready_min_free=3, web_dir=None)
+    app = create_app(Services(Engine(DelayBackend(3), EngineConfig()), ready_min_free=3, web_dir=None))
     with serve(app) as base:
         run(wait_for(lambda: get_json(base, "/load")[1]["tick_ms_p50"] is not None, 10))
         assert get_json(base, "/readyz")[0] == 200

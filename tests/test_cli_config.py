@@ -186,11 +186,12 @@ def test_the_server_answers_on_the_sockets_bound_before_loading():
     from parley.engine import Engine
     from parley.engine.testing import DelayBackend
     from parley.realtime.app import create_app
+    from parley.realtime.services import Services
     from parley.realtime.server import run_app, uvicorn_config
     from parley.realtime.server_sockets import bind
     from server_harness import free_port
 
-    app = create_app(Engine(DelayBackend(1)), web_dir=None)
+    app = create_app(Services(Engine(DelayBackend(1)), web_dir=None))
     [sock] = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     result: list[int] = []

@@ -121,16 +121,16 @@ def test_no_request_imports_a_module(demo_server):
             assert response.status_code == 200, (name, response.text[:300])
             imported[name] = imported_since()
 
-        for path in ("/", "/readyz", "/api/info", "/metrics", "/v1/audio/voices"):
+        for path in ("/", "/readyz", "/api/info", "/metrics", "/v1/audio/voices", "/v1/models"):
             check(f"GET {path}", c.get(path))
         speech = {"model": "tts-1", "input": "Hello there.", "voice": "alloy"}
         for fmt in ("pcm", "wav", "mp3", "opus", "flac", "aac"):
             check(f"speech {fmt}", c.post("/v1/audio/speech", json={**speech, "response_format": fmt}))
         check("speech sse", c.post("/v1/audio/speech", json={**speech, "stream_format": "sse"}))
         upload = {"file": ("a.wav", wav_bytes(tone(440, 1.0)), "audio/wav")}
-        check("transcription", c.post("/v1/audio/transcriptions", files=upload, data={"model": "x"}))
+        check("transcription", c.post("/v1/audio/transcriptions", files=upload, data={"model": "whisper-1"}))
         check("transcription stream", c.post("/v1/audio/transcriptions", files=upload,
-                                             data={"model": "x", "stream": "true"}))
+                                             data={"model": "whisper-1", "stream": "true"}))
         image = {"prompt": "a cat", "size": "16x16", "num_inference_steps": 1}
         for fmt in ("png", "jpeg", "webp"):
             check(f"image {fmt}", c.post("/v1/images/generations", json={**image, "output_format": fmt}))

@@ -17,6 +17,7 @@ import pytest
 from parley.engine import Engine
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.services import Services
 from parley.realtime.limits import EdgeLimits
 from parley.realtime.moshi_protocol import MAX_MESSAGE_BYTES
 from parley.realtime.refusals import REASONS
@@ -29,8 +30,8 @@ KEY = "sk-SECRET-123"
 
 
 def make_app(max_sessions: int = 1, **defaults):
-    return create_app(Engine(DelayBackend(max_sessions)), ServerDefaults(**defaults), ServerInfo(model="delay"),
-                      codec_workers=0, web_dir=None)
+    return create_app(Services(Engine(DelayBackend(max_sessions)), ServerDefaults(**defaults), ServerInfo(model="delay"),
+                      codec_workers=0, web_dir=None))
 
 
 def refusals_total(base: str, door: str, reason: str) -> float:
@@ -201,8 +202,8 @@ def test_a_request_refused_by_a_full_tts_pool(caplog, tiny_tts_dir):
                                   device="cpu", dtype=torch.float32)
     engine = Engine(DelayBackend(1), EngineConfig(tick_seconds=0.5))
     engine.add_slack_source(service.pool)
-    app = create_app(engine, info=ServerInfo(model="delay"), codec_workers=0, web_dir=None, speech=service)
-    body = {"model": "tts", "input": " ".join(["hello there my friend"] * 30), "voice": service.voices.names()[0],
+    app = create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0, web_dir=None, speech=service))
+    body = {"input": " ".join(["hello there my friend"] * 30), "voice": service.voices.names()[0],
             "response_format": "pcm"}
     with serve(app) as base, httpx.Client(timeout=60) as c:
         url = f"http://{base}/v1/audio/speech"

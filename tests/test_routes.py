@@ -21,6 +21,7 @@ from parley.engine import Engine
 from parley.engine.testing import DelayBackend
 from parley.realtime import doors, server
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.services import Services
 from parley.realtime.cli import main as cli_main
 from parley.realtime.sessions import ServerDefaults
 from parley.realtime.server import ServeConfig
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def delay_app(**kwargs):
-    return create_app(Engine(DelayBackend(1)), info=ServerInfo(model="delay"), codec_workers=0, **kwargs)
+    return create_app(Services(Engine(DelayBackend(1)), info=ServerInfo(model="delay"), codec_workers=0, **kwargs))
 
 
 def client(base: str) -> openai.OpenAI:
@@ -105,8 +106,8 @@ def test_unknown_v1_paths_are_openai_shaped_404s():
     with serve(delay_app()) as base:
         c = client(base)
         with pytest.raises(openai.NotFoundError) as err:
-            c.models.list()  # GET /v1/models (a later version serves it)
-        assert err.value.body["message"].startswith("Invalid URL (GET /v1/models)")
+            c.files.list()  # GET /v1/files
+        assert err.value.body["message"].startswith("Invalid URL (GET /v1/files)")
         assert err.value.body["type"] == "invalid_request_error" and err.value.body["code"] == "unknown_url"
         with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(POST /v1/completions\)"):
             c.completions.create(model="x", prompt="hello")
@@ -137,12 +138,12 @@ def test_speech_takes_every_key_the_middleware_takes(tiny_tts_dir):
                                   device="cpu", dtype=torch.float32)
     engine = Engine(DelayBackend(1), EngineConfig(tick_seconds=0.5))
     engine.add_slack_source(service.pool)
-    app = create_app(engine, ServerDefaults(api_key=("sk-one", "sk-two")), ServerInfo(model="delay"),
-                     codec_workers=0, speech=service)
+    app = create_app(Services(engine, ServerDefaults(api_key=("sk-one", "sk-two")), ServerInfo(model="delay"),
+                     codec_workers=0, speech=service))
     voice = service.voices.names()[0]
     with serve(app) as base:
         url = f"http://{base}/v1/audio/speech"
-        body = {"model": "tts", "input": "Hi.", "voice": voice, "response_format": "pcm"}
+        body = {"input": "Hi.", "voice": voice, "response_format": "pcm"}  # model left out: the served one
         assert httpx.post(url, json=body, timeout=60).status_code == 401
         for headers, query in (({"Authorization": "Bearer sk-two"}, ""), ({}, "?api_key=sk-one")):
             response = httpx.post(url + query, json=body, headers=headers, timeout=60)

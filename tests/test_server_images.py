@@ -19,10 +19,12 @@ from parley.engine import Engine, EngineConfig
 from parley.engine.image_queue import ImageQueue
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.services import Services
 from parley.realtime.cli import main
 from parley.realtime.demo_model import DEMO_IMAGE_MODEL, demo_image_stepper
 from parley.realtime.images_api import ImageService
-from parley.realtime.server import ServeConfig, ServeError, build_images
+from parley.realtime.server import ServeConfig, ServeError
+from parley.realtime.services import build_images
 
 from server_harness import serve
 
@@ -42,8 +44,8 @@ def server():
     queue = ImageQueue(stepper, max_slack_s=TICK - engine.config.slack_guard_s, capacity=CAPACITY)
     queue.warm_up()
     engine.add_slack_source(queue)
-    app = create_app(engine, info=ServerInfo(model="delay"), codec_workers=0,
-                     images=ImageService(queue, engine, stepper.name))
+    app = create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0,
+                     images=ImageService(queue, engine, stepper.name)))
     with serve(app) as base:
         yield base, queue, stepper
 
@@ -123,7 +125,7 @@ def test_async_client_streaming_and_not(server):
     ({"response_format": "url"}, "response_format", "not supported"),
     ({"size": "17x16"}, "size", "multiples of 2"),
     ({"size": "huge"}, "size", "WIDTHxHEIGHT"),
-    ({"model": "dall-e-3"}, "model", "parley-demo-image"),
+    ({"model": 3}, "model", "a model name"),  # a wrong name is 404 (tests/test_served_models.py)
     ({"n": 3}, "n", "from 1 to 2"),  # at most the queue's capacity (2 here; 10 at most)
     ({"background": "transparent"}, "background", "opaque"),
     ({"quality": "ultra"}, "quality", "low, medium, high"),
@@ -171,7 +173,7 @@ def test_a_full_queue_answers_429_and_a_disconnect_cancels_the_job(server):
 
 def test_a_server_without_an_image_model_says_so():
     engine = Engine(DelayBackend(1))
-    with serve(create_app(engine, info=ServerInfo(model="delay"), codec_workers=0)) as base:
+    with serve(create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0))) as base:
         with pytest.raises(openai.NotFoundError, match="--image-model"):
             client(base).images.generate(prompt="x")
 

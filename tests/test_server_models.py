@@ -102,7 +102,7 @@ def test_parley_serve_demo_model_then_sigterm(tmp_path):
             wav = io.BytesIO()
             soundfile.write(wav, tone(300, 0.5), 24_000, format="WAV")
             stt = openai.OpenAI(api_key="x", base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=60)
-            assert isinstance(stt.audio.transcriptions.create(model="demo", file=("a.wav", wav.getvalue())).text, str)
+            assert isinstance(stt.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav.getvalue())).text, str)
             proc.send_signal(signal.SIGTERM)
             # uvicorn drains, runs the lifespan exit, then re-raises the signal (exit -15)
             assert proc.wait(20) in (0, -signal.SIGTERM)

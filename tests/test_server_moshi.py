@@ -19,6 +19,7 @@ import pytest
 from parley.engine import Engine
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.services import Services
 from server_harness import FRAME, SR, best_lag_correlation, chat_session, delay_app, serve, tone, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -305,7 +306,7 @@ def test_codec_worker_crash_fails_only_its_sessions_and_is_restarted():
 
 def test_codec_workers_zero_runs_in_process_threads():
     backend = DelayBackend(1)
-    app = create_app(Engine(backend), info=ServerInfo(model="delay"), codec_workers=0)
+    app = create_app(Services(Engine(backend), info=ServerInfo(model="delay"), codec_workers=0))
     assert app.state.codec.worker_pids() == []
     sent = tone(440, 1.2)
     with serve(app) as base:

@@ -199,10 +199,11 @@ class SilentTextBackend(DelayBackend):
 def test_responses_follow_the_models_activity():
     from parley.engine import Engine
     from parley.realtime.app import ServerInfo, create_app
+    from parley.realtime.services import Services
     from parley.realtime.sessions import ServerDefaults
 
     engine = Engine(SilentTextBackend(1))
-    app = create_app(engine, ServerDefaults(), ServerInfo(), codec_workers=1)
+    app = create_app(Services(engine, ServerDefaults(), ServerInfo(), codec_workers=1))
 
     async def scenario(base):
         async with client(base).realtime.connect(model="gpt-realtime") as conn:

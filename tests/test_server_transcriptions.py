@@ -21,6 +21,8 @@ from parley.engine.testing import DelayBackend
 from parley.models.checkpoint import load_stt_checkpoint
 from parley.models.synthetic import write_tiny_stt_checkpoint
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.served_models import ServedModels
+from parley.realtime.services import Services, register_stt_pool
 from parley.realtime.cli import main as cli_main
 from parley.realtime.server import ServeConfig, build_app
 
@@ -47,7 +49,12 @@ def wav_bytes(pcm: np.ndarray) -> bytes:
 
 def app_with(pool: SttPool | None):
     engine = Engine(DelayBackend(2), EngineConfig())
-    return create_app(engine, info=ServerInfo(model="delay"), codec_workers=0, stt_pool=pool)
+    if pool is not None:
+        register_stt_pool(engine, pool)
+    # served as --served-model-name stt=stt,kyutai/stt-1b-en_fr would: the names the tests send
+    models = ServedModels.build({"duplex": "delay", "stt": pool and pool.name},
+                                {"stt": ("stt", "kyutai/stt-1b-en_fr")} if pool else {})
+    return create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0, stt_pool=pool, models=models))
 
 
 def client(url: str) -> openai.OpenAI:

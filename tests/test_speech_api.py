@@ -27,6 +27,8 @@ from parley.engine.testing import DelayBackend
 from parley.engine.tts_offline import synthesize
 from parley.models.synthetic import TINY_TTS_VOICES
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.served_models import ServedModels
+from parley.realtime.services import Services
 from parley.realtime.demo_model import OPENAI_VOICE_NAMES
 from parley.realtime.speech_api import SpeechParams, build_request
 from parley.realtime.speech_formats import to_int16
@@ -64,7 +66,10 @@ def server(tts_dir):
     # Long ticks: a tiny TTS step on a shared CPU can take most of an 80 ms tick.
     engine = Engine(DelayBackend(2), EngineConfig(tick_seconds=0.5))
     engine.add_slack_source(service.pool)
-    app = create_app(engine, info=ServerInfo(model="delay"), codec_workers=0, speech=service)
+    # served as an operator's --served-model-name tts=tts-1,gpt-4o-mini-tts would: the SDK's usual names
+    models = ServedModels.build({"duplex": "delay", "tts": service.model}, {"tts": ("tts-1", "gpt-4o-mini-tts")})
+    app = create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0, speech=service,
+                              models=models))
     with serve(app) as url:
         yield f"http://{url}", oracle, service
 
@@ -230,7 +235,7 @@ def test_full_pool_is_429_and_a_disconnect_frees_the_row(server):
     long_text = " ".join(["hello there my friend"] * 30)
     with httpx.Client(timeout=60) as c1, httpx.Client(timeout=60) as c2:
         streams = [c.stream("POST", f"{url}/v1/audio/speech",
-                            json={"model": "m", "input": long_text, "voice": "ash", "response_format": "pcm"})
+                            json={"model": "tts-1", "input": long_text, "voice": "ash", "response_format": "pcm"})
                    for c in (c1, c2)]
         responses = [s.__enter__() for s in streams]
         readers = [r.iter_bytes() for r in responses]  # kept: a dropped reader closes its response

@@ -66,7 +66,7 @@ def test_tts_only_server_refuses_duplex_sessions_with_a_reason(tiny_tts_dir):
                                 codec_workers=0, torch_threads=1, tts_slots=1))
     with serve(app) as url:
         r = httpx.post(f"http://{url}/v1/audio/speech", timeout=120,
-                       json={"model": "x", "input": "Hi.", "voice": "tiny/bravo", "response_format": "wav"})
+                       json={"input": "Hi.", "voice": "tiny/bravo", "response_format": "wav"})
         assert r.status_code == 200 and r.content[:4] == b"RIFF"
         with ws_client.connect(f"ws://{url}/api/chat") as ws:
             try:

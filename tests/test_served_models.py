@@ -1,0 +1,128 @@
+"""One rule for `model` (served_models.py): each modality answers to its checkpoint's name and
+the operator's aliases (--served-model-name), another name is OpenAI's 404 model_not_found,
+and leaving it out picks the served one; GET /v1/models lists them. Before, speech took any
+string, transcription any non-empty one, images answered 400, and /v1/models was a 404."""
+
+from __future__ import annotations
+
+import httpx2 as httpx  # what the pinned openai SDK ships on
+import openai
+import pytest
+import torch
+
+from parley.engine import Engine, EngineConfig
+from parley.engine.stt_pool import SttPool
+from parley.engine.testing import DelayBackend
+from parley.models.checkpoint import load_stt_checkpoint
+from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_stt_checkpoint
+from parley.realtime.app import create_app
+from parley.realtime.cli import main as cli_main
+from parley.realtime.served_models import ModelNotFound, ServedModels, parse_served_names
+from parley.realtime.server import ServeConfig, ServeError
+from parley.realtime.services import ServerInfo, Services, build_images, build_services, register_stt_pool
+from parley.realtime.speech_setup import load_speech_service
+
+from server_harness import serve
+from test_server_transcriptions import wav_bytes
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_the_flag_parses_and_refuses_what_it_cannot_serve():
+    assert parse_served_names(["tts=tts-1, kyutai-tts", "stt=whisper-1", "tts=gpt-4o-mini-tts"]) == {
+        "tts": ("tts-1", "kyutai-tts", "gpt-4o-mini-tts"), "stt": ("whisper-1",)}
+    for bad in ("tts", "voice=x", "tts=", "tts=a,,b"):
+        with pytest.raises(ValueError, match="--served-model-name"):
+            parse_served_names([bad])
+    with pytest.raises(ValueError, match="serves no image model"):
+        ServedModels.build({"duplex": "m", "image": None}, {"image": ("dall-e-3",)})
+    with pytest.raises(ValueError, match="'x' is served for both"):
+        ServedModels.build({"duplex": "m", "tts": "t"}, {"duplex": ("x",), "tts": ("x",)})
+    models = ServedModels.build({"duplex": "m", "tts": "t"}, {"tts": ("tts-1",)})
+    assert models.resolve("tts", None) == "t" and models.resolve("tts", "tts-1") == "tts-1"
+    with pytest.raises(ModelNotFound, match="served as 't', 'tts-1'"):
+        models.resolve("tts", "m")  # the duplex model's name is not the TTS's
+
+
+def test_the_cli_refuses_a_bad_flag_before_binding(capsys):
+    assert cli_main(["serve", "--port", "0", "--served-model-name", "speech=tts-1"]) == 2
+    assert "MODALITY=NAME" in capsys.readouterr().err
+
+
+def test_aliases_of_a_modality_the_server_lacks_stop_the_start(tiny_tts_dir):
+    config = ServeConfig(model=None, tts_model=str(tiny_tts_dir), tts_voices=str(tiny_tts_dir / "voices"),
+                         codec_workers=0, tts_slots=1, served_model_names={"image": ("dall-e-3",)})
+    with pytest.raises(ServeError, match="serves no image model"):
+        build_services(config)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tts_dir, tmp_path_factory):
+    """Speech, transcription and images around a fabricated duplex backend, with aliases."""
+    speech = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,
+                                 device="cpu", dtype=torch.float32)
+    stt = load_stt_checkpoint(write_tiny_stt_checkpoint(tmp_path_factory.mktemp("stt") / "kyutai-stt"),
+                              dtype=torch.float32)
+    engine = Engine(DelayBackend(1), EngineConfig(tick_seconds=0.5))
+    engine.add_slack_source(speech.pool)
+    images = build_images(ServeConfig(model=None, image_queue=2), engine, torch.device("cpu"), torch.float32,
+                          demo=True)
+    pool = register_stt_pool(engine, SttPool(stt, 1))
+    models = ServedModels.build({"duplex": "delay", "tts": speech.model, "stt": pool.name, "image": images.model},
+                                parse_served_names(["tts=tts-1,gpt-4o-mini-tts", "stt=whisper-1"]), created=1234)
+    app = create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0, speech=speech,
+                              stt_pool=pool, images=images, models=models))
+    with serve(app) as url:
+        yield f"http://{url}", speech
+
+
+def sdk(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def test_models_list_and_retrieve(server, tiny_tts_dir):
+    url, _ = server
+    listed = sdk(url).models.list().data
+    assert [(m.id, m.modality) for m in listed] == [
+        ("delay", "duplex"), (tiny_tts_dir.name, "tts"), ("tts-1", "tts"), ("gpt-4o-mini-tts", "tts"),
+        ("kyutai-stt", "stt"), ("whisper-1", "stt"), ("parley-demo-image", "image")]
+    assert all(m.object == "model" and m.owned_by == "parley" and m.created == 1234 for m in listed)
+    one = sdk(url).models.retrieve("whisper-1")
+    assert (one.id, one.modality, one.object) == ("whisper-1", "stt", "model")
+    with pytest.raises(openai.NotFoundError) as err:
+        sdk(url).models.retrieve("gpt-5")
+    assert err.value.code == "model_not_found"
+
+
+def test_a_wrong_model_is_404_model_not_found_on_every_http_door(server):
+    url, _ = server
+    c = sdk(url)
+    wav = wav_bytes(torch.zeros(24_000).numpy())
+    calls = {
+        "speech": lambda: c.audio.speech.create(model="whisper-1", input="Hi.", voice=TINY_TTS_VOICES[0]),
+        "transcription": lambda: c.audio.transcriptions.create(model="tts-1", file=("a.wav", wav)),
+        "images": lambda: c.images.generate(model="dall-e-3", prompt="a cat", size="auto"),
+    }
+    for door, call in calls.items():
+        with pytest.raises(openai.NotFoundError) as err:
+            call()
+        assert err.value.code == "model_not_found" and err.value.param == "model", door
+        assert "GET /v1/models" in err.value.body["message"], door
+
+
+def test_an_alias_or_no_model_is_served(server):
+    url, _ = server
+    c = sdk(url)
+    wav = wav_bytes(torch.zeros(24_000).numpy())
+    assert c.audio.speech.create(model="gpt-4o-mini-tts", input="Hi.", voice=TINY_TTS_VOICES[0],
+                                 response_format="pcm").content
+    assert c.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav)).text is not None
+    assert c.images.generate(model="parley-demo-image", prompt="a cat", size="auto",
+                             extra_body={"num_inference_steps": 1}).data[0].b64_json
+    # model left out (the SDK requires it on speech and transcription; plain HTTP does not)
+    r = httpx.post(f"{url}/v1/audio/speech", json={"input": "Hi.", "voice": TINY_TTS_VOICES[0],
+                                                   "response_format": "pcm"}, timeout=120)
+    assert r.status_code == 200 and r.content
+    r = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("a.wav", wav)}, timeout=120)
+    assert r.status_code == 200 and "text" in r.json()
+    assert c.images.generate(prompt="a cat", size="auto", extra_body={"num_inference_steps": 1}).data[0].b64_json
