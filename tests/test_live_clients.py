@@ -3,7 +3,8 @@ models) with Responses delegation to an in-process OpenAI-compatible backend
 (test_live_responses.backend_app): LiveKit Agents' GPTLiveModel (livekit-plugins-openai 1.8.9,
 driven without a room, as tests/test_demo_model.py drives the PersonaPlex plugin) and pipecat's
 OpenAILiveLLMService. Each connects by base URL, sends audio and gets audio back, gets the
-transcripts, and answers the backend's function call through its own tool machinery."""
+transcripts, and answers the backend's function call through its own tool machinery; LiveKit
+also answers a client delegation with commentary."""
 
 from __future__ import annotations
 
@@ -164,3 +165,45 @@ def test_pipecat_openai_live_service_unmodified_with_responses_delegation_and_a_
     assert SPOKEN in "".join(sink.said)
     audio = np.concatenate(sink.audio) if sink.audio else np.zeros(0, np.int16)
     assert audio.size >= 4 * SR
+
+
+def test_livekit_gpt_live_model_answers_a_client_delegation_with_commentary(checkpoints):
+    """LiveKit's client delegation: its delegation_created event, answered with append_commentary,
+    which the model says into its text stream."""
+    pytest.importorskip("livekit.plugins.openai", reason="tests/run.sh installs livekit-plugins-openai")
+    import aiohttp
+    from livekit import rtc
+    from livekit.plugins.openai.realtime.gpt_live_model import GPTLiveModel
+
+    async def scenario(base):
+        errors, said, delegations = [], [], []
+        async with aiohttp.ClientSession() as http:
+            session = GPTLiveModel(api_key="sk-test", base_url=f"http://{base}/v1", http_session=http,
+                                   delegation="client").session()
+            session.on("error", errors.append)
+            session.on("transcript_delta", lambda ev: said.append(ev.text))
+
+            def answer(delegation) -> None:
+                delegations.append(delegation.id)
+                session.append_commentary("hello world", delegation_id=delegation.id)
+            session.on("delegation_created", answer)
+            await session._update_session(tools=[])
+
+            async def push(pcm: np.ndarray) -> None:
+                pcm16 = (np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+                for start in range(0, pcm16.size, 480):
+                    session.push_audio(rtc.AudioFrame(pcm16[start:start + 480].tobytes(), SR, 1, 480))
+                    await asyncio.sleep(0.02)
+
+            await push(speech_then_quiet(1.2, 4.8))
+            for _ in range(20):
+                if "hello world" in "".join(said):
+                    break
+                await push(np.zeros(SR // 2, np.float32))
+            await session.aclose()
+        return errors, "".join(said), delegations
+
+    with serve(live_app(checkpoints)) as base:
+        errors, said, delegations = asyncio.run(scenario(base))
+    assert not errors, [str(e.error) for e in errors]
+    assert delegations and "hello world" in said
