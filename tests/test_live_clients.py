@@ -3,8 +3,8 @@ models) with Responses delegation to an in-process OpenAI-compatible backend
 (test_live_responses.backend_app): LiveKit Agents' GPTLiveModel (livekit-plugins-openai 1.8.9,
 driven without a room, as tests/test_demo_model.py drives the PersonaPlex plugin) and pipecat's
 OpenAILiveLLMService. Each connects by base URL, sends audio and gets audio back, gets the
-transcripts, and answers the backend's function call through its own tool machinery; LiveKit
-also answers a client delegation with commentary."""
+transcripts, and answers the backend's function call through its own tool machinery; each also
+answers a client delegation with commentary (pipecat from its BackendLLMWorker)."""
 
 from __future__ import annotations
 
@@ -207,3 +207,60 @@ def test_livekit_gpt_live_model_answers_a_client_delegation_with_commentary(chec
         errors, said, delegations = asyncio.run(scenario(base))
     assert not errors, [str(e.error) for e in errors]
     assert delegations and "hello world" in said
+
+
+def test_pipecat_openai_live_service_answers_a_client_delegation_from_its_backend_worker(checkpoints):
+    """pipecat's client delegation: its BackendLLMWorker (an OpenAILLMService on the in-process
+    chat backend) gets the delegated request and its marked reply goes back as commentary, which
+    the model says into its text stream."""
+    pytest.importorskip("pipecat.services.openai.live.llm", reason="tests/run.sh installs pipecat-ai --no-deps")
+    from pipecat.frames.frames import EndFrame, InputAudioRawFrame, LLMContextFrame, TTSTextFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineWorker
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.openai.live.llm import OpenAILiveLLMService
+    from pipecat.services.openai.llm import OpenAILLMService
+    from pipecat.workers.llm.backend_llm_worker import BackendLLMWorker
+    from pipecat.workers.runner import WorkerRunner
+
+    said: list[str] = []
+
+    class Sink(FrameProcessor):
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            if isinstance(frame, TTSTextFrame):
+                said.append(frame.text)
+            await self.push_frame(frame, direction)
+
+    requests: list[dict] = []
+
+    async def scenario(base, backend):
+        worker = BackendLLMWorker(llm=OpenAILLMService(api_key="sk-backend", base_url=f"http://{backend}/v1",
+                                                       settings=OpenAILLMService.Settings(model="qwen")))
+        service = OpenAILiveLLMService(api_key="sk-test", base_url=f"ws://{base}/v1/live/sessions",
+                                       delegation=OpenAILiveLLMService.ClientDelegation(backend=worker))
+        task = PipelineWorker(Pipeline([service, Sink()]), enable_rtvi=False)
+        await task.queue_frame(LLMContextFrame(LLMContext(messages=[])))
+
+        async def feed() -> None:
+            pcm = np.concatenate([speech_then_quiet(1.2, 4.8), np.zeros(10 * SR, np.float32)])
+            pcm16 = (np.clip(pcm, -1, 1) * 32767).astype(np.int16)
+            for start in range(0, pcm16.size, 480):
+                await task.queue_frame(InputAudioRawFrame(pcm16[start:start + 480].tobytes(), SR, 1))
+                await asyncio.sleep(0.02)
+                if "hello world" in "".join(said):
+                    break
+            await task.queue_frame(EndFrame())
+
+        feeder = asyncio.create_task(feed())
+        runner = WorkerRunner(handle_sigint=False)
+        await runner.add_workers(task)
+        await runner.run()
+        await feeder
+
+    with serve(backend_app(requests, words=">> hello world.")) as backend:
+        with serve(live_app(checkpoints)) as base:
+            asyncio.run(scenario(base, backend))
+    assert requests and requests[0]["model"] == "qwen"  # the delegated request reached its backend
+    assert "hello world" in "".join(said)

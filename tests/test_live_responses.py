@@ -35,13 +35,16 @@ def chunk(delta: dict, finish: str | None = None) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def backend_app(requests: list[dict]) -> Starlette:
-    """A chat-completions server: the first call asks for get_weather, the next ones answer in words."""
+def backend_app(requests: list[dict], words: str | None = None) -> Starlette:
+    """A chat-completions server: the first call asks for get_weather, the next ones answer in words
+    (with `words`: every call answers with them)."""
 
     async def completions(request):
         body = await request.json()
         requests.append(body)
-        if len(requests) == 1:
+        if words is not None:
+            parts = [chunk({"role": "assistant", "content": words}), chunk({}, "stop")]
+        elif len(requests) == 1:
             parts = [chunk({"role": "assistant", "tool_calls": [{"index": 0, "id": "call_1", "type": "function",
                                                                   "function": {"name": "get_weather", "arguments": ""}}]}),
                      chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
