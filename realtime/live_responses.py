@@ -168,6 +168,8 @@ class ResponsesDelegate:
     def _keep(self, message: dict) -> None:
         self.messages.append(message)
         del self.messages[:-MAX_MESSAGES]
+        while self.messages and self.messages[0]["role"] == "tool":  # an output whose call was dropped
+            del self.messages[0]
 
     def delegate(self, delegation_id: str, response_id: str, heard: str, said: str) -> None:
         """A delegation moment: what the model said and the user's turn join the conversation, and a

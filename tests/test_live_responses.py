@@ -268,3 +268,24 @@ def test_a_backend_that_never_answers_is_bounded_by_the_run_timeout(monkeypatch)
                                                                                      "response.failed"]
     assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["delegation_failed"]
     assert spoken == [FALLBACK]
+
+
+def test_the_conversation_kept_drops_its_oldest_messages_never_leaving_an_output_without_its_call(monkeypatch):
+    from parley.realtime import live_responses
+
+    monkeypatch.setattr(live_responses, "MAX_MESSAGES", 3)
+
+    async def nothing(_):
+        return None
+
+    async def scenario():
+        delegate = live_responses.ResponsesDelegate(live_responses.parse_settings("responses", {"model": "q"}),
+                                                    DelegateBackend("http://127.0.0.1:9/v1"), nothing, nothing)
+        for message in ({"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": []},
+                        {"role": "tool", "tool_call_id": "c1", "content": "x"},
+                        {"role": "tool", "tool_call_id": "c2", "content": "y"}, {"role": "user", "content": "b"}):
+            delegate._keep(message)
+        await delegate.aclose()
+        return delegate.messages
+
+    assert run(scenario()) == [{"role": "user", "content": "b"}]
