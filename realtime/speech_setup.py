@@ -26,9 +26,11 @@ log = logging.getLogger("parley.speech")
 
 def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | None,
                         voice_map: str | Path | None, device: str, dtype: torch.dtype,
-                        share_mimi: Mimi | None = None, mimi_dtype: torch.dtype = torch.float32) -> SpeechService:
+                        share_mimi: Mimi | None = None, mimi_dtype: torch.dtype = torch.float32,
+                        read_voices: bool = True) -> SpeechService:
     """`share_mimi`: a loaded codec (the duplex model's); the TTS Mimi's weights equal to it are
-    shared, not held twice (Kyutai's TTS ships the duplex model's Mimi file)."""
+    shared, not held twice (Kyutai's TTS ships the duplex model's Mimi file). `read_voices`: read
+    every voice now (a server: no request then reads a file); `parley tts` reads the one it uses."""
     checkpoint = load_tts_checkpoint(source, device, dtype, mimi_dtype)
     if share_mimi is not None and (shared := share_equal_tensors(checkpoint.mimi, share_mimi)):
         log.info("the TTS model's Mimi shares %.0f MB of weights with the duplex model's", shared / 1e6)
@@ -38,7 +40,8 @@ def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | 
         raise CheckpointError(f"TTS checkpoint {source} has no speaker cross-attention (a voice-prefix model "
                               "such as kyutai/tts-0.75b-en-public); Parley serves the cross-attention layout")
     store = VoiceStore.open(voices or DEFAULT_VOICES, cfg.voice_suffix, speaker.dim, voice_map)
-    store.read_all()  # every voice, now: no request reads a file, and a broken one stops the start
+    if read_voices:
+        store.read_all()  # every voice, now: no request reads a file, and a broken one stops the start
     frames = store.load(store.names()[0]).shape[-1]
     pool = TtsPool(checkpoint.lm, checkpoint.mimi, slots, voice_frames=frames)
     log.info("TTS %s: %d slots, %d voices from %s", checkpoint.path.name, slots, len(store.names()),

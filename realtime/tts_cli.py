@@ -52,7 +52,8 @@ def run_tts_command(args: argparse.Namespace) -> int:
     try:
         started = time.perf_counter()
         service = load_speech_service(args.model, slots=1, voices=args.voices, voice_map=args.voice_map,
-                                      device=args.device, dtype=resolve_dtype(args.dtype, args.device))
+                                      device=args.device, dtype=resolve_dtype(args.dtype, args.device),
+                                      read_voices=False)  # one voice is used: not the whole set
         log.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
         if args.voice not in service.voices:
             raise SpeechError(400, f"unknown voice {args.voice!r} (known: {', '.join(service.voices.names()[:20])})")

@@ -44,9 +44,12 @@ def test_the_flag_parses_and_refuses_what_it_cannot_serve():
         models.resolve("tts", "m")  # the duplex model's name is not the TTS's
 
 
-def test_the_cli_refuses_a_bad_flag_before_binding(capsys):
+def test_the_cli_refuses_a_bad_flag_before_binding(capsys, monkeypatch):
     assert cli_main(["serve", "--port", "0", "--served-model-name", "speech=tts-1"]) == 2
     assert "MODALITY=NAME" in capsys.readouterr().err
+    monkeypatch.setenv("PARLEY_SERVED_MODEL_NAME", "tts")  # the environment gives one string, parsed alike
+    assert cli_main(["serve", "--port", "0"]) == 2
+    assert "--served-model-name 'tts'" in capsys.readouterr().err
 
 
 def test_aliases_of_a_modality_the_server_lacks_stop_the_start(tiny_tts_dir):
