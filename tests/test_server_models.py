@@ -4,6 +4,7 @@ and the `parley serve` command itself (a subprocess, stopped with SIGTERM)."""
 from __future__ import annotations
 
 import asyncio
+import difflib
 import importlib.metadata
 import io
 import json
@@ -217,6 +218,15 @@ def _text_match(received: list[str], pieces: list[str]) -> tuple[float, int]:
     return best
 
 
+def _text_match_with_underruns(received: list[str], pieces: list[str]) -> float:
+    """Share of the echo's pieces (frames 1..) found in the received text in order, allowing
+    underrun frames anywhere: many sessions on a loaded box get late input mid-stream too, and
+    each late frame shifts the rest of the stream by one (a single leading shift is `_text_match`)."""
+    expected = pieces[1:]
+    matcher = difflib.SequenceMatcher(None, received, expected, autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks()) / len(expected)
+
+
 def _expected_pieces(ckpt, user: torch.Tensor) -> list[str]:
     tokens = echo_text_token(user[:, 0], echo_words(ckpt.tokenizer)).tolist()
     return [ckpt.tokenizer.piece(t) for t in tokens]
@@ -270,8 +280,8 @@ def test_eight_concurrent_echo_sessions_each_hear_their_own_codes(echo_dir):
     for i, res in enumerate(results):
         # about 30 audio messages when no tick is skipped; a loaded 2-core CI box skips some
         assert res.handshake_at is not None and res.audio_messages >= 10, (i, res.audio_messages)
-        own, _ = _text_match(res.text, expected[i])
-        others = max(_text_match(res.text, expected[j])[0] for j in range(8) if j != i)
+        own = _text_match_with_underruns(res.text, expected[i])
+        others = max(_text_match_with_underruns(res.text, expected[j]) for j in range(8) if j != i)
         shares.append((round(own, 3), round(others, 3)))
         assert own >= 0.9 and others < own - 0.3, (i, own, others)
     print("8 echo sessions: (own, best other) text match:", shares)
