@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.websockets import WebSocket
 
+from .capacity import deny_upgrade
 from .not_found import openai_error
 from .served_models import ModelNotFound, ServedModels
 
@@ -33,3 +35,19 @@ async def model_endpoint(request: Request) -> Response:
         return openai_error(404, f"The model {name!r:.100} does not exist on this server (GET /v1/models lists "
                                  "every model).", param="model", code="model_not_found")
     return JSONResponse(card)
+
+
+async def deny_unserved_model(websocket: WebSocket, modality: str) -> bool:
+    """`?model=` in a WebSocket door's URL: a name `modality` is not served as gets the 404
+    model_not_found before the upgrade (True: denied). Not given, or a modality this server
+    lacks (its door then refuses the session itself, saying why): nothing to check."""
+    models: ServedModels = websocket.app.state.models
+    asked = websocket.query_params.get("model")
+    if asked is None or modality not in models.names:
+        return False
+    try:
+        models.resolve(modality, asked)
+    except ModelNotFound as exc:
+        await deny_upgrade(websocket, model_not_found(exc), "model not found")
+        return True
+    return False

@@ -41,6 +41,7 @@ from parley.engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal,
 )
 
+from .models_api import deny_unserved_model
 from .opus import CodecUnavailable, OpusError
 from .security import choose_subprotocol
 from .sessions import (
@@ -124,6 +125,8 @@ def _number(param: str, raw: str, parse: type) -> float | int:
 async def chat_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = websocket.app.state.sessions
+    if await deny_unserved_model(websocket, "duplex"):  # ?model=, if given: served_models.py
+        return
     reservation = await manager.admission.reserve_or_deny(websocket)
     if reservation is None:
         return

@@ -26,7 +26,7 @@ import soundfile as sf
 from PIL import Image
 
 from parley.engine import Engine, EngineConfig
-from parley.realtime import server
+from parley.realtime import services
 from parley.realtime.server import ServeConfig, build_app
 from server_harness import serve
 
@@ -71,7 +71,7 @@ def test_openai_node_sdk_over_tls(tmp_path, monkeypatch):
     cert, key = self_signed_certificate(tmp_path)
     monkeypatch.setenv("PARLEY_CACHE", str(tmp_path / "cache"))  # the demo checkpoints
     pinned = json.loads((NODE_DIR / "package.json").read_text())["dependencies"]["openai"]
-    monkeypatch.setattr(server, "Engine", lambda backend: Engine(backend, EngineConfig(tick_seconds=TICK)))
+    monkeypatch.setattr(services, "Engine", lambda backend: Engine(backend, EngineConfig(tick_seconds=TICK)))
     app = build_app(ServeConfig(model=None, codec_workers=0, torch_threads=1, tts_slots=1, stt_slots=1))
     with serve(app, ssl_certfile=str(cert), ssl_keyfile=str(key)) as base:
         port = base.rsplit(":", 1)[1]
@@ -84,7 +84,7 @@ def test_openai_node_sdk_over_tls(tmp_path, monkeypatch):
         with httpx.Client(base_url=f"https://localhost:{port}/v1", verify=ssl.create_default_context(cafile=cert),
                           timeout=60) as c:
             wav = (tmp_path / "speech.wav").read_bytes()
-            text = c.post("/audio/transcriptions", data={"model": "parley"},
+            text = c.post("/audio/transcriptions", data={"model": "whisper-1"},
                           files={"file": ("speech.wav", wav, "audio/wav")}).json()["text"]
             image = c.post("/images/generations", json={"prompt": "a lighthouse", "size": "auto", "quality": "low",
                                                         "seed": 1234}).json()["data"][0]["b64_json"]

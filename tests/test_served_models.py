@@ -129,3 +129,23 @@ def test_an_alias_or_no_model_is_served(server):
     r = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("a.wav", wav)}, timeout=120)
     assert r.status_code == 200 and "text" in r.json()
     assert c.images.generate(prompt="a cat", size="auto", extra_body={"num_inference_steps": 1}).data[0].b64_json
+
+
+def test_api_chat_with_a_wrong_model_in_its_url_is_404_before_the_upgrade(server):
+    """/api/chat ignored a `model` query parameter it does not serve (any name was a session)."""
+    import asyncio
+    import json
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    async def upgrade(query: str) -> tuple[int, bytes]:
+        try:
+            async with connect(f"{server[0].replace('http', 'ws')}/api/chat{query}", open_timeout=10):
+                return 101, b""
+        except InvalidStatus as exc:
+            return exc.response.status_code, exc.response.body
+
+    status, body = asyncio.run(upgrade("?model=gpt-5"))
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    assert asyncio.run(upgrade("?model=delay"))[0] == 101  # the served name (left out: every other chat test)

@@ -79,7 +79,7 @@ async function speech() {
 }
 
 async function transcription(wav) {
-  const result = await client.audio.transcriptions.create({ model: 'parley', file: await toFile(wav, 'speech.wav') });
+  const result = await client.audio.transcriptions.create({ model: 'whisper-1', file: await toFile(wav, 'speech.wav') });
   return result.text;
 }
 
