@@ -18,7 +18,7 @@ from parley.realtime.cli import build_parser, reliability_settings
 from parley.realtime.live_policy import DelegateBackend
 from parley.realtime.live_responses import FALLBACK
 from server_harness import free_port, serve
-from test_live_server import (SR, checkpoints, live_app, output_deltas, pcm_frames, speak,  # noqa: F401 (fixture)
+from test_live_server import (SR, checkpoints, close_live, live_app, output_deltas, pcm_frames, speak,  # noqa: F401 (fixture)
                               speech_then_quiet, start, validate)
 from test_server_realtime import Recorder, client, run
 
@@ -98,9 +98,7 @@ def test_sdk_responses_delegation_forwards_a_function_call_and_speaks_the_backen
             await rec.wait(lambda e: len(inner(rec.events, "response.completed")) == 2, timeout=20)
             await speaker
             await until_spoken(conn, rec, SPOKEN)
-            await conn.session.close()
-            await rec.wait_type("session.closed", timeout=10)
-            await rec.task
+            await close_live(conn, rec)
             return rec.events, started, created
 
     with serve(backend_app(requests)) as backend:
@@ -150,9 +148,7 @@ def test_a_backend_that_is_down_gets_a_spoken_fallback_and_an_error_and_the_sess
             audio_before = len(rec.of("session.output_audio.delta"))
             await speak(conn, pcm_frames(np.zeros(SR, np.float32)))
             await rec.wait(lambda e: len(rec.of("session.output_audio.delta")) > audio_before + 5, timeout=10)
-            await conn.session.close()
-            await rec.wait_type("session.closed", timeout=10)
-            await rec.task
+            await close_live(conn, rec)
             return rec.events, error, refused
 
     down = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there

@@ -90,6 +90,13 @@ def output_deltas(events: list[dict]) -> list[dict]:
     return [e for e in events if e["type"] == "session.output_transcript.delta"]
 
 
+async def close_live(conn, rec) -> None:
+    """session.close, then wait for session.closed and the recorder's end of stream."""
+    await conn.session.close()
+    await rec.wait_type("session.closed", timeout=10)
+    await rec.task
+
+
 def test_sdk_conversation_with_transcripts_a_delegation_and_spoken_commentary(checkpoints):
     commentary = "hello world"
 
@@ -214,9 +221,7 @@ def test_wire_formats_come_back_in_kind_frame_by_frame(kind, rate):
             assert started["session"]["audio"]["format"] == {"type": kind, "rate": rate}
             await speak(conn, chunks)
             await asyncio.sleep(0.5)
-            await conn.session.close()
-            await rec.wait_type("session.closed")
-            await rec.task
+            await close_live(conn, rec)
             return rec.events
 
     with serve(app) as base:
@@ -286,9 +291,7 @@ def test_personaplex_keeps_instructions_prior_messages_and_appends_in_its_person
                 await speak(conn, pcm_frames(np.zeros(SR, np.float32)))
                 if "hello world" in "".join(d["delta"] for d in output_deltas(rec.events)):
                     break
-            await conn.session.close()
-            await rec.wait_type("session.closed")
-            await rec.task
+            await close_live(conn, rec)
             return rec.events
 
     with serve(app) as base:
@@ -316,9 +319,7 @@ def test_the_delegation_policy_is_the_servers(checkpoints):
                 rec = Recorder(conn)
                 await start(conn, rec, {"model": "gpt-live-1"})
                 await speak(conn, pcm_frames(speech_then_quiet(0.8, 0.8)))
-                await conn.session.close()
-                await rec.wait_type("session.closed")
-                await rec.task
+                await close_live(conn, rec)
                 return rec.events
 
         with serve(app) as base:
