@@ -237,6 +237,7 @@ class Tally:
     def __init__(self, kinds: list[str]) -> None:
         self.done = dict.fromkeys(kinds, 0)
         self.errors = dict.fromkeys(kinds, 0)
+        self.cut = dict.fromkeys(kinds, 0)  # still running at the deadline, stopped there: not errors
         self.last_error: dict[str, str] = {}
 
 
@@ -248,8 +249,11 @@ async def kind_loop(kind: str, base: str, period: float, end: float, tally: Tall
             await asyncio.wait_for(request(base, i), min(TIMEOUT_S + period, max(end - start, 1.0) + 10))
             tally.done[kind] += 1
         except Exception as exc:  # counted and shown; the soak goes on
-            tally.errors[kind] += 1
-            tally.last_error[kind] = f"{type(exc).__name__}: {exc}"[:200]
+            if isinstance(exc, asyncio.TimeoutError) and time.monotonic() >= end:
+                tally.cut[kind] += 1  # stopped at the deadline, not failed
+            else:
+                tally.errors[kind] += 1
+                tally.last_error[kind] = f"{type(exc).__name__}: {exc}"[:200]
         i += 1000 if kind == "chat" else 1
         await asyncio.sleep(max(0.0, min(start + period, end) - time.monotonic()))
 
@@ -265,6 +269,7 @@ async def mixed(base: str, pid: int, minutes: float, sample_s: float, periods: d
         loops += [kind_loop("chat", base, 0.0, end, tally, request_for("chat", periods), offset=n)
                   for n in range(chat_sessions)]
     tasks = [asyncio.create_task(loop) for loop in loops]
+    first = tracemalloc.take_snapshot() if traced else None
     samples: list[dict] = []
     print("| minute | RSS MB |" + (" traced MB |" if traced else "") + "".join(f" {k} ok/err |" for k in kinds))
     print("|---|---|" + ("---|" if traced else "") + "---|" * len(kinds))
@@ -280,10 +285,25 @@ async def mixed(base: str, pid: int, minutes: float, sample_s: float, periods: d
     await asyncio.wait(tasks, timeout=TIMEOUT_S + max(periods.values()) + 30)
     for task in tasks:
         task.cancel()
-    print("requests " + ", ".join(f"{k} {tally.done[k]} ({tally.errors[k]} errors)" for k in kinds))
+    print("requests " + ", ".join(f"{k} {tally.done[k]} ({tally.errors[k]} errors, {tally.cut[k]} cut at the end)"
+                                  for k in kinds))
     for kind, message in tally.last_error.items():
         print(f"last {kind} error: {message}")
+    if first is not None:
+        await asyncio.sleep(2.0)  # the server ends what the last requests left
+        traced_growth(first, top=12)
     return samples
+
+
+def traced_growth(first: tracemalloc.Snapshot, top: int) -> None:
+    """The source lines whose live allocations grew most since `first` (after a gc)."""
+    gc.collect()
+    last = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+    print(f"traced growth since the first sample, top {top} lines:")
+    for stat in last.compare_to(first, "lineno")[:top]:
+        frame = stat.traceback[0]
+        print(f"    {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d} blocks  "
+              f"{frame.filename.replace(str(ROOT) + '/', '')}:{frame.lineno}")
 
 
 def slope(samples: list[dict], key: str) -> str:

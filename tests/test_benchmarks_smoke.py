@@ -106,8 +106,15 @@ CPU_CASES = {
                           "--periods", "chat=5,image=4,realtime=6,live=6"],
         [r"^\| minute \| RSS MB \| chat ok/err \| speech ok/err \| transcription ok/err \| image ok/err \| "
          r"realtime ok/err \| live ok/err \|$", r"^\| 0\.\d\d \| \d+\.\d \|( \d+/\d+ \|){6}$",
-         r"^requests chat \d+ \(\d+ errors\), speech \d+ \(\d+ errors\), .* live \d+ \(\d+ errors\)$",
+         r"^requests chat \d+ \(\d+ errors, \d+ cut at the end\), speech \d+ \(\d+ errors, .* live \d+ \(\d+ errors, "
+         r"\d+ cut at the end\)$",
          r"^RSS: \d+\.\d -> \d+\.\d MB .*fitted slope [+-]\d+\.\d\d MB/min"]),
+    "mixed_soak_in_process": (  # the server on a thread: tracemalloc's total sampled, its growth by line
+        "mixed_soak.py", ["--in-process", "--minutes", "0.2", "--sample", "4", "--kinds", "transcription,realtime",
+                          "--periods", "realtime=4"],
+        [r"^\| minute \| RSS MB \| traced MB \| transcription ok/err \| realtime ok/err \|$",
+         r"^traced growth since the first sample, top 12 lines:$", r"^\s+[+-]\d+\.\d KiB\s+[+-]\d+ blocks  \S+:\d+$",
+         r"^traced: \d+\.\d -> \d+\.\d MB"]),
     "mixed_soak_trace": (  # --trace: in process, tracemalloc snapshots around 1 + 1 requests of two kinds
         "mixed_soak.py", ["--trace", "1", "--kinds", "transcription,realtime", "--top", "3"],
         [r"^transcription: 1 requests [+-]\d+\.\d KiB, 1 more [+-]\d+\.\d KiB \(traced, after gc\); \d+ of 3",
@@ -119,7 +126,8 @@ CPU_CASES = {
          r"^\| parley --version \| \d+\.\d\d \| \d+\.\d\d \| none \|$"]),
 }
 
-CPU_TIMEOUTS = {"mixed_soak": 240, "mixed_soak_trace": 240}  # s; the others: 120 (the demo server's start and a drain on a loaded box)
+# s (the others: 120): the demo server's start, then a drain, on a loaded box
+CPU_TIMEOUTS = {"mixed_soak": 240, "mixed_soak_in_process": 240, "mixed_soak_trace": 240}
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
