@@ -1,7 +1,13 @@
-"""Load test: N concurrent /api/chat clients over real sockets, paced in real time.
+"""Load test: N concurrent /api/chat (or GPT-Live) clients over real sockets, paced in real time.
 
     python benchmarks/load.py --spawn tiny --clients 4 --duration 20      # starts `parley serve` itself
     python benchmarks/load.py --url ws://127.0.0.1:8998 --clients 16      # against a running server
+    python benchmarks/load.py --spawn tiny --doors chat,live              # both doors, one after the other
+
+`--doors`: `chat` is /api/chat (Ogg-Opus frames); `live` is /v1/live/sessions (GPT-Live: base64
+PCM16 at 24 kHz in `session.input_audio.append`, `session.output_audio.delta` back). With
+several, each door's run uses the same server, one after the other, and the figures are
+printed side by side.
 
 Every client streams Ogg-Opus (a tone of its own frequency) on an 80 ms grid and decodes
 what comes back. Printed, over all clients:
@@ -37,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
+import json
 import re
 import signal
 import socket
@@ -54,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import sphn
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 SR = 24_000
 FRAME = 1920
@@ -101,15 +109,36 @@ def probe_frame(index: int, i: int) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * (200 + 37 * index) * t) * tone_on).astype(np.float32)
 
 
+async def open_socket(url: str, stats: ClientStats):
+    """The WebSocket, or None with `stats` saying why (a 503 before the upgrade is a refusal)."""
+    try:
+        return await connect(url, max_size=None, compression=None, open_timeout=30)
+    except TimeoutError:
+        stats.timed_out = True
+    except InvalidStatus as exc:
+        stats.refused, stats.close_code = True, exc.response.status_code
+        stats.close_reason = exc.response.body.decode(errors="replace")[:200] if exc.response.body else ""
+    return None
+
+
+async def stream_frames(ws, stats: ClientStats, index: int, n: int, start_gate: asyncio.Event, encode) -> None:
+    """Send n frames of client `index`'s probe signal on the 80 ms grid from the gate on."""
+    await start_gate.wait()
+    t0 = time.monotonic()
+    for i in range(n):
+        delay = t0 + i * FRAME_S - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        stats.sent_at.append(time.monotonic())
+        await ws.send(encode(probe_frame(index, i)))
+
+
 async def client(url: str, index: int, duration: float, start_gate: asyncio.Event, query: str = "") -> ClientStats:
     stats = ClientStats()
     n = int(duration / FRAME_S)
     writer, reader = sphn.OpusStreamWriter(SR), sphn.OpusStreamReader(SR)
     opened = time.monotonic()
-    try:
-        ws = await connect(f"{url}/api/chat{query}", max_size=None, compression=None, open_timeout=30)
-    except TimeoutError:
-        stats.timed_out = True
+    if (ws := await open_socket(f"{url}/api/chat{query}", stats)) is None:
         return stats
     async with ws:
         try:
@@ -137,19 +166,71 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
         # Receive from the handshake on: the server talks every tick whether or not input has
         # arrived, so frames must not queue up in the socket while this client waits at the gate.
         receiver = asyncio.create_task(receive())
-        await start_gate.wait()
-        t0 = time.monotonic()
-        for i in range(n):
-            delay = t0 + i * FRAME_S - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            stats.sent_at.append(time.monotonic())
-            await ws.send(b"\x01" + bytes(writer.append_pcm(probe_frame(index, i))))
+        await stream_frames(ws, stats, index, n, start_gate, lambda pcm: b"\x01" + bytes(writer.append_pcm(pcm)))
         await asyncio.sleep(0.6)
         await ws.close()
         await receiver
         stats.close_code = ws.close_code
     return stats
+
+
+def pcm16_event(pcm: np.ndarray) -> str:
+    audio = base64.b64encode((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+    return json.dumps({"type": "session.input_audio.append", "audio": audio})
+
+
+async def live_client(url: str, index: int, duration: float, start_gate: asyncio.Event, query: str = "") -> ClientStats:
+    """The same probe through /v1/live/sessions: session.start (PCM16 at 24 kHz; `query` is
+    the served duplex model's name), then one `session.input_audio.append` a frame; each output
+    frame's arrival is the time its `session.output_audio.delta` came (a delta holds whole frames)."""
+    stats = ClientStats()
+    n = int(duration / FRAME_S)
+    opened = time.monotonic()
+    if (ws := await open_socket(f"{url}/v1/live/sessions", stats)) is None:
+        return stats
+    async with ws:
+        session = {"model": query, "audio": {"format": {"type": "audio/pcm", "rate": SR}}}
+        start = {"type": "session.start", "session": session}
+        await ws.send(json.dumps(start))
+        try:
+            while (event := json.loads(await asyncio.wait_for(ws.recv(), 60)))["type"] != "session.started":
+                if event["type"] == "error":
+                    stats.refused, stats.close_reason = True, event["error"].get("message", "")
+                    return stats
+        except ConnectionClosed:
+            stats.refused, stats.close_code, stats.close_reason = True, ws.close_code, ws.close_reason
+            return stats
+        except TimeoutError:
+            stats.timed_out = True
+            return stats
+        stats.ready_s = time.monotonic() - opened
+
+        async def receive() -> None:
+            try:
+                async for raw in ws:
+                    event = json.loads(raw)
+                    if event["type"] == "session.output_audio.delta":
+                        now = time.monotonic()
+                        frames = len(base64.b64decode(event["delta"])) // (2 * FRAME)
+                        stats.arrivals.extend([now] * frames)
+                    elif event["type"] == "session.output_transcript.delta":
+                        stats.texts.append((time.monotonic(), event["delta"]))
+                    elif event["type"] == "session.closed":
+                        return
+            except ConnectionClosed:
+                pass
+
+        receiver = asyncio.create_task(receive())
+        await stream_frames(ws, stats, index, n, start_gate, pcm16_event)
+        await asyncio.sleep(0.6)
+        await ws.send(json.dumps({"type": "session.close"}))
+        await asyncio.wait_for(receiver, 30)
+        await ws.close()
+        stats.close_code = ws.close_code
+    return stats
+
+
+DOORS = {"chat": client, "live": live_client}
 
 
 def scrape(http: str) -> dict[str, float]:
@@ -162,6 +243,11 @@ def scrape(http: str) -> dict[str, float]:
         m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else float("nan")
     return out
+
+
+def duplex_model(http: str) -> str:
+    listing = json.loads(urllib.request.urlopen(f"{http}/v1/models", timeout=10).read())
+    return next(m["id"] for m in listing["data"] if m.get("modality") == "duplex")
 
 
 def free_port() -> int:
@@ -217,13 +303,13 @@ def pct(values, q) -> float:
 
 
 def _client_group(url: str, indices: list[int], duration: float, start_at: float,
-                  query: str = "") -> list[ClientStats]:
+                  query: str = "", door: str = "chat") -> list[ClientStats]:
     """Run some of the clients in this process; all groups start streaming at `start_at`
     (time.monotonic() is one clock for every process on the host)."""
 
     async def main() -> list[ClientStats]:
         gate = asyncio.Event()
-        tasks = [asyncio.create_task(client(url, i, duration, gate, query)) for i in indices]
+        tasks = [asyncio.create_task(DOORS[door](url, i, duration, gate, query)) for i in indices]
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         gate.set()
         return list(await asyncio.gather(*tasks))
@@ -232,15 +318,18 @@ def _client_group(url: str, indices: list[int], duration: float, start_at: float
 
 
 async def run_load(url: str, clients: int, duration: float, echo: bool = False, procs: int = 1,
-                   query: str = "") -> dict:
-    """`query`: the /api/chat query string (e.g. "?text_prompt=...&voice_prompt=..."), or ""."""
+                   query: str = "", door: str = "chat") -> dict:
+    """`query`: the /api/chat query string (e.g. "?text_prompt=...&voice_prompt=..."), or "".
+    `door`: "chat" (/api/chat) or "live" (/v1/live/sessions)."""
     http = url.replace("ws://", "http://").replace("wss://", "https://")
+    if door == "live":  # GPT-Live's session.model is required: the server's duplex model
+        query = duplex_model(http)
     # Handshakes first, then everyone streams from one instant; spread over `procs` processes
     # because each client's Opus work holds its process's GIL (one process tops out near 64).
     start_at = time.monotonic() + 1.0 + 0.02 * clients
     groups = [list(range(clients))[p::procs] for p in range(procs)]
     with concurrent.futures.ProcessPoolExecutor(procs) as pool:
-        futures = [asyncio.wrap_future(pool.submit(_client_group, url, g, duration, start_at, query)) for g in groups]
+        futures = [asyncio.wrap_future(pool.submit(_client_group, url, g, duration, start_at, query, door)) for g in groups]
         await asyncio.sleep(max(0.0, start_at - 0.05 - time.monotonic()))
         before, t_before = await asyncio.to_thread(scrape, http), time.monotonic()
         results = [stats for group in await asyncio.gather(*futures) for stats in group]
@@ -259,7 +348,7 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
     ready = [r.ready_s for r in served if r.ready_s is not None]
     d = {k: after[k] - before[k] for k in after}
     cpu = d["process_cpu_seconds_total"] / (t_after - t_before)
-    return {"clients": clients, "served": len(served), "refused": sum(r.refused for r in results),
+    return {"door": door, "clients": clients, "served": len(served), "refused": sum(r.refused for r in results),
             "timed_out": sum(r.timed_out for r in results), "refusals": "; ".join(reasons) or "-",
             "frames_sent": sent, "ready_p50_ms": pct(ready, 50), "ready_max_ms": pct(ready, 100), "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
             "e2e_p50_ms": pct(delay, 50), "e2e_p99_ms": pct(delay, 99), "e2e_probes": len(delay),
@@ -290,21 +379,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-log", type=Path, help="with --spawn: write the server's log here (kept after the run)")
     p.add_argument("--echo", action="store_true",
                    help="the server at --url runs the echo checkpoint: measure end-to-end delay by content")
+    p.add_argument("--doors", default="chat",
+                   help="comma-separated doors to load one after the other: chat (/api/chat), live (/v1/live/sessions)")
     args = p.parse_args(argv)
     if not args.spawn and (args.serve_log or args.serve_arg):
         p.error("--serve-log and --serve-arg apply to a server this script starts (--spawn), not to --url")
+    doors = args.doors.split(",")
+    if unknown := [d for d in doors if d not in DOORS]:
+        p.error(f"--doors: unknown door {', '.join(unknown)} (choose from {', '.join(DOORS)})")
     params = {k: v for k, v in (("text_prompt", args.text_prompt), ("voice_prompt", args.voice_prompt)) if v}
+    if params and "live" in doors:
+        p.error("--text-prompt / --voice-prompt are /api/chat parameters: the live door does not send them")
     query = "?" + urllib.parse.urlencode(params) if params else ""
-    if args.spawn:
-        with spawned_server(args.spawn, args.clients, args.device, args.serve_arg, args.serve_log) as url:
-            report = asyncio.run(run_load(url, args.clients, args.duration, echo=args.spawn == "echo" or args.echo,
-                                          procs=args.procs, query=query))
-    else:
-        report = asyncio.run(run_load(args.url.rstrip("/"), args.clients, args.duration, echo=args.echo,
-                                      procs=args.procs, query=query))
-    width = max(map(len, report))
-    for key, value in report.items():
-        print(f"{key:<{width}}  {value:.2f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    echo = args.spawn == "echo" or args.echo
+    with (spawned_server(args.spawn, args.clients, args.device, args.serve_arg, args.serve_log) if args.spawn
+          else contextlib.nullcontext(args.url.rstrip("/"))) as url:
+        reports = [asyncio.run(run_load(url, args.clients, args.duration, echo=echo, procs=args.procs,
+                                        query=query, door=door)) for door in doors]
+    width = max(map(len, reports[0]))
+    for key in reports[0]:
+        cells = [f"{r[key]:.2f}" if isinstance(r[key], float) else str(r[key]) for r in reports]
+        print(f"{key:<{width}}  " + "  ".join(f"{c:>12}" for c in cells))
     return 0
 
 

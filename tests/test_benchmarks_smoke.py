@@ -90,9 +90,10 @@ CPU_CASES = {
         "image_queue_replay.py", ["--loads", "1,2", "--ticks", "40"],
         [r"\| K \| steps/s \(% of standalone\) \| images/min", r"\| 1 \| \d+\.\d \(\d+ % of \d+\)",
          r"\| 2 \| \d+\.\d \(\d+ % of \d+\)"]),
-    "load": (
-        "load.py", ["--spawn", "tiny", "--clients", "2", "--duration", "2"],
-        [r"^clients\s+2$", r"^served\s+2$", r"^jitter_p99_ms\s+\d+\.\d\d$", r"^late_ticks\s+\d"]),
+    "load": (  # both doors on one server, side by side: /api/chat, then GPT-Live
+        "load.py", ["--spawn", "tiny", "--clients", "2", "--duration", "2", "--doors", "chat,live"],
+        [r"^door\s+chat\s+live$", r"^clients\s+2\s+2$", r"^served\s+2\s+2$",
+         r"^jitter_p99_ms\s+\d+\.\d\d\s+\d+\.\d\d$", r"^frames_lost\s+\d+\s+\d+$", r"^late_ticks\s+\d"]),
     "transcript_delay": (
         "transcript_delay.py", ["--spawn", "tiny", "--paired", "1", "--standalone", "1", "--duration", "2"],
         [r"path\s+deltas\s+mean ms\s+p50 ms", r"^paired\s+\d+", r"^standalone\s+\d+",
