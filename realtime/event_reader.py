@@ -1,5 +1,5 @@
-"""The receive side of the JSON-event WebSocket doors (`/v1/realtime`, GPT-Live's
-`/v1/live/sessions`): one message at a time, counted against the connection's rate limits, then
+"""The receive side of the JSON-event doors (`/v1/realtime`, GPT-Live's `/v1/live/sessions`, over
+a WebSocket or a WebRTC call's `oai-events` data channel): one message at a time, counted against the connection's rate limits, then
 parsed within the size and depth limits into an event with a `type`. Bad input is a ClientError
 for that message only; the connection goes on.
 """
@@ -19,11 +19,9 @@ Event = dict[str, Any]
 async def next_message(edge: EdgeSession) -> str | bytes | None:
     """The connection's next message (bytes for a binary one). None: the client left, or went over
     the rate limits (then the socket is closed, 1008)."""
-    message = await edge.websocket.receive()
-    if message["type"] == "websocket.disconnect":
+    data = await edge.transport.receive()
+    if data is None:
         return None
-    text = message.get("text")
-    data = text if text is not None else (message.get("bytes") or b"")
     if not await edge.admit_message(len(data)):
         return None
     return data

@@ -1,9 +1,9 @@
 """The session manager: admission through the engine's slots, and per-connection state.
 
-One `EdgeSession` per WebSocket connection, whatever the protocol. It owns the engine
-session, the connection's Opus codec (for `/api/chat`), the connection's counters, and the
-single-writer rule for the socket (`send_*` take one lock, so the frame sender and the
-receive loop's replies never interleave bytes of two messages).
+One `EdgeSession` per connection, whatever the protocol and transport (a WebSocket, or a WebRTC
+call: transport.py). It owns the engine session, the connection's Opus codec (for `/api/chat`),
+the connection's counters, and the single-writer rule for the transport (`send_*` take one lock,
+so the frame sender and the receive loop's replies never interleave bytes of two messages).
 
 Cleanup within one tick: `EdgeSession.close()` is idempotent and is called from the
 `finally` of every handler, so a disconnect (clean or not) closes the engine session
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine
 
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import (
     Engine, EngineClosed, EngineFull, FrameOut, OptionsError, Session, SessionOptions, SessionRejected, Status,
@@ -32,6 +32,7 @@ from .health import EdgeMetrics
 from .limits import EdgeLimits, LagMeter, RateLimiter
 from .live_policy import DelegateBackend, DelegationPolicy
 from .opus import CodecRunner, CodecStream
+from .transport import SEND_BACKLOG_EXTENSION, Transport, WebSocketTransport  # noqa: F401 (re-export)
 
 log = logging.getLogger("parley.sessions")
 
@@ -45,8 +46,6 @@ CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
 MAX_CLOSE_REASON_BYTES = 123  # a close frame's reason is at most 123 bytes of UTF-8
-# ASGI scope extension set by ws_protocol.py: a callable giving the bytes queued for the peer.
-SEND_BACKLOG_EXTENSION = "parley.send_backlog"
 
 
 def close_reason(text: str) -> str:
@@ -106,10 +105,12 @@ class SessionManager:
     def live_count(self) -> int:
         return len(self._live)
 
-    def attach(self, websocket: WebSocket, protocol: str, reservation: Reservation | None = None) -> "EdgeSession":
-        """Per-connection state for a WebSocket (no engine session yet), holding the slot
-        `reservation` made before the upgrade was accepted."""
-        edge = EdgeSession(self, websocket, protocol, next(self._ids), reservation)
+    def attach(self, connection: WebSocket | Transport, protocol: str,
+               reservation: Reservation | None = None) -> "EdgeSession":
+        """Per-connection state for a WebSocket or another transport (no engine session yet),
+        holding the slot `reservation` made before the upgrade was accepted (or the call answered)."""
+        transport = WebSocketTransport(connection) if isinstance(connection, WebSocket) else connection
+        edge = EdgeSession(self, transport, protocol, next(self._ids), reservation)
         self._live.add(edge)
         self.metrics.connections.labels(protocol).inc()
         self.metrics.live_sessions.labels(protocol).inc()
@@ -132,10 +133,10 @@ class SessionManager:
 class EdgeSession:
     """One connection: its engine session (replaceable, for re-prefill), codec and counters."""
 
-    def __init__(self, manager: SessionManager, websocket: WebSocket, protocol: str, number: int,
+    def __init__(self, manager: SessionManager, transport: Transport, protocol: str, number: int,
                  reservation: Reservation | None = None) -> None:
         self.manager = manager
-        self.websocket = websocket
+        self.transport = transport
         self.protocol = protocol
         self.number = number  # for logs only; never a metrics label
         self.engine_session: Session | None = None
@@ -148,8 +149,13 @@ class EdgeSession:
         self._closed = False
         limits = manager.defaults.limits
         self._rate = RateLimiter(limits)
-        backlog = websocket.scope.get("extensions", {}).get(SEND_BACKLOG_EXTENSION)
-        self.lag = LagMeter(limits.max_lag_s, TICK_SECONDS, backlog)
+        self.lag = LagMeter(limits.max_lag_s, TICK_SECONDS, lambda: transport.backlog() or 0)
+
+    @property
+    def websocket(self) -> WebSocket:
+        """The connection's WebSocket (`/api/chat` reads its query and binary messages itself)."""
+        assert isinstance(self.transport, WebSocketTransport), "not a WebSocket connection"
+        return self.transport.websocket
 
     # ---- admission ----
 
@@ -249,12 +255,12 @@ class EdgeSession:
 
     async def send_bytes(self, data: bytes) -> None:
         async with self._send_lock:
-            await self.websocket.send_bytes(data)
+            await self.transport.send_bytes(data)
         self.manager.metrics.bytes_out.labels(self.protocol).inc(len(data))
 
     async def send_text(self, data: str) -> None:
         async with self._send_lock:
-            await self.websocket.send_text(data)
+            await self.transport.send_text(data)
         self.manager.metrics.bytes_out.labels(self.protocol).inc(len(data))
 
     def count_in(self, n: int) -> None:
@@ -282,6 +288,13 @@ class EdgeSession:
         self.manager.metrics.lag_dropped.labels(self.protocol).inc()
         return True
 
+    def play(self, pcm) -> None:
+        """A WebRTC call's output audio: onto its track, whose queue is bounded by the lag limit
+        (the oldest audio dropped past it, counted as a slow WebSocket client's frames are)."""
+        dropped = self.transport.media.play(pcm)
+        if dropped:
+            self.manager.metrics.lag_dropped.labels(self.protocol).inc(dropped)
+
     def observe_frame_delay(self, seconds: float) -> None:
         self.manager.metrics.frame_send_delay.observe(seconds)
 
@@ -299,22 +312,19 @@ class EdgeSession:
     async def refuse(self, code: int, reason: str, message: str) -> None:
         """Close this connection for a refusal: logged and counted once (refusals.py), then
         `code` with `message` as the close reason. `reason`: a refusals.REASONS code."""
-        self.manager.metrics.refusals.record(self.websocket.scope, reason, message)
+        self.manager.metrics.refusals.record(self.transport.scope, reason, message)
         await self.close_socket(code, message)
 
     async def close_socket(self, code: int, reason: str = "") -> None:
-        """Send a close frame if the socket is still open (never raises)."""
-        if self.websocket.application_state != WebSocketState.CONNECTED:
+        """Close the transport if it is still open: a close frame, or a WebRTC hang-up (never raises)."""
+        if not self.transport.open:
             return
-        try:
-            async with self._send_lock:
-                await self.websocket.close(code, close_reason(reason))
-        except Exception:  # already gone: nothing to tell it
-            pass
+        async with self._send_lock:
+            await self.transport.close(code, close_reason(reason))
 
     async def going_away(self, reason: str) -> None:
         """The protocol's notice (if it has one and the socket is open), then close 1001."""
-        if self.notice is not None and self.websocket.application_state == WebSocketState.CONNECTED:
+        if self.notice is not None and self.transport.open:
             try:
                 await self.notice(reason)
             except Exception:  # the client left meanwhile: the close below is all that is left
