@@ -49,13 +49,15 @@ class PrefillSource(SlackSource):
 
     def __init__(self, backend: FrameBackend, scheduler: Scheduler, metrics: EngineMetrics,
                  ready: Callable[[Session], None], failed: Callable[[Session, Exception], None],
-                 now: Callable[[], float] = time.perf_counter) -> None:
+                 now: Callable[[], float] = time.perf_counter,
+                 started: Callable[[Session, int], None] | None = None) -> None:
         self._backend = backend
         self._now = now  # the engine clock's (the chunk costs it seeds are compared with its deadlines)
         self._scheduler = scheduler
         self._metrics = metrics
         self._ready = ready  # the session's prompt is done: it goes live at the next tick
         self._failed = failed  # the session's options or prompt failed: end it alone
+        self._started = started  # (session, prompt frames): its row starts, before the prompt is written
         self._current: _Prefilling | None = None
 
     @property
@@ -129,6 +131,8 @@ class PrefillSource(SlackSource):
             if session.options.sampling is not None:  # else reset left the model's defaults
                 self._backend.set_sampling(session.row, session.options.sampling)
             job = self._backend.start_prefill(session.row, session.options)
+            if self._started is not None:
+                self._started(session, job.frames_left)
         except Exception as exc:  # this session's options or prompt: its failure alone
             self._fail(session, exc)
             return None

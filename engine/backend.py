@@ -45,6 +45,7 @@ from parley.models.voices import (PersonaError, VoicePrompt, list_voices, load_v
 from .config import SamplingOptions, SessionOptions
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import sync_device
+from .kv_blocks import KvChanges, KvLayout
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
 
 log = logging.getLogger("parley.engine.backend")
@@ -65,6 +66,20 @@ class SessionRejected(ValueError):
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """Weights in bfloat16 on CUDA, float32 on CPU (where bf16 matmuls are slow and inexact)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames: int,
+              paged: bool) -> KvLayout:
+    """The temporal LM's KV ring in blocks of `block_frames`: what one block of every layer's
+    keys and values (and fp8 scales) takes in bytes."""
+    tr = checkpoint.lm.transformer
+    dtype = kv_dtype or next(checkpoint.lm.parameters()).dtype
+    head_dim = tr.d_model // tr.num_heads
+    per_slot = 2 * tr.num_heads * head_dim * dtype.itemsize  # a key and a value of every head
+    if dtype == torch.float8_e4m3fn:
+        per_slot += 2 * tr.num_heads * 4  # their fp32 scales
+    return KvLayout(window_frames=tr.capacity, block_frames=block_frames,
+                    block_bytes=per_slot * len(tr.layers) * block_frames, paged=paged)
 
 
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
@@ -154,6 +169,10 @@ class FrameBackend(Protocol):
     def text_piece(self, token: int) -> str:
         """The text a token adds to the transcript ("" for padding)."""
 
+    # Optional, paged KV states only (engine/kv_blocks.py): the engine's block pool's changes.
+    # def map_kv_blocks(self, changes: KvChanges) -> None: releases, forgotten blocks, then assigned
+    #     blocks, into the state's block table; engine thread, between ticks.
+
     # Optional: forced text (spoken commentary). A backend without these two refuses it (Engine.force_text).
     # def text_tokens(self, text: str) -> list[int]: the ids that say `text` in the text stream (any thread).
     # def force_text(self, row: int, ids: list[int]) -> bool: queue them on the row from its next
@@ -177,13 +196,16 @@ class ModelBackend:
     def __init__(self, checkpoint: Checkpoint, max_sessions: int, *, cuda_graphs: bool = True,
                  seed: int | None = None, kv_dtype: torch.dtype | None = None,
                  encode_codebooks: int | None = None, row_buckets: bool | None = None,
-                 side_work: FrameSideWork | None = None) -> None:
+                 side_work: FrameSideWork | None = None, kv_blocks: int | None = None,
+                 kv_block_frames: int | None = None) -> None:
         # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
         # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
         # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
         # row_buckets: run each tick on the lowest rows that hold every live row (default: on CUDA;
         # off on CPU, where every tick runs all rows, bit for bit as before).
         # side_work: run beside each frame's LM (FrameSideWork), its output in BackendOutput.side.
+        # kv_blocks: page the temporal KV ring: a pool of this many blocks of `kv_block_frames` frames
+        # (plus the null block) that the engine's KvBlockPool hands out (`map_kv_blocks`); None: dense.
         self.max_sessions = max_sessions
         self._side_work = side_work
         levels = checkpoint.mimi.quantizer.levels
@@ -201,7 +223,11 @@ class ModelBackend:
             torch.manual_seed(seed)
         self._gen = LMGen(checkpoint.lm, text_temp=sampling.text_temperature, text_topk=sampling.text_top_k,
                           audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
-        self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
+        if kv_blocks is None:
+            self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
+        else:  # + 1: the pool's block 0 is the null block, which no row holds
+            self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype, kv_blocks=kv_blocks + 1,
+                                                  block_size=kv_block_frames)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         # Voices by file name, all read at start (_load_voices), and those that could not be read.
         self._voices: dict[str, VoicePrompt] = {}
@@ -436,6 +462,25 @@ class ModelBackend:
         # An end-of-padding token first: in the model's text stream it says a word follows.
         ids = self._tokenizer.encode(text)
         return [self.cfg.existing_text_end_padding_id, *ids] if ids else []
+
+    def map_kv_blocks(self, changes: KvChanges) -> None:
+        """The KV block pool's changes into the paged state's block table, in their order (engine
+        thread, between ticks): released rows start over with no block; a forgotten block's slots
+        are emptied (never attended) and its entry goes back to the null block; then the new blocks."""
+        state = self._lm_state.transformer
+        for row in changes.released:
+            state.release_row(row)
+        bs = state.block_size
+        for row, logical in changes.forgotten:
+            state.block_table[row, logical] = 0
+            state.slot_pos[row, logical * bs:(logical + 1) * bs] = -1
+        by_row: dict[int, tuple[list[int], list[int]]] = {}
+        for row, logical, physical in changes.assigned:
+            pair = by_row.setdefault(row, ([], []))
+            pair[0].append(logical)
+            pair[1].append(physical)
+        for row, (logical, physical) in by_row.items():
+            state.assign_blocks(row, logical, physical)
 
     def force_text(self, row: int, ids: list[int]) -> bool:
         return self._lm_state.forced.push(row, ids)

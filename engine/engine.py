@@ -14,6 +14,10 @@ live or starting, no frame is due at that boundary: the slack may then run one p
 does not fit), and stops early when a session opens; the next tick starts when it ends, on
 the grid again, not counted late.
 
+KV memory (engine/kv_blocks.py, optional): a session is admitted only when the KV block pool can
+hold it to the end of its window (else KvFull, an EngineFull); before each step the pool maps the
+blocks live rows need, and an ended row's blocks go back at the next tick.
+
 Failure containment: an error in one request's work (its options, its prompt, its slack
 item) fails that request only; an error in the shared frame step is fatal: every stream
 fails, the engine turns unhealthy and `fatal_error` says why (the server then exits
@@ -41,6 +45,7 @@ from .backend import FrameBackend, HostOutput, RowFailure, SessionRejected, rows
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
 from .input_buffer import InputBuffer
+from .kv_blocks import KvBlockPool, KvChanges, KvFull
 from .metrics import EngineMetrics
 from .output import OutputProcessor
 from .scheduler import Scheduler, TickPlan
@@ -60,7 +65,7 @@ class EngineClosed(RuntimeError):
 
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
-                 clock: TickClock | None = None) -> None:
+                 clock: TickClock | None = None, kv: KvBlockPool | None = None) -> None:
         rows = backend.max_sessions
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
@@ -85,9 +90,16 @@ class Engine:
         # non-zero so a supervisor restarts the process instead of it staying up and dead.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
+        # The KV block pool (engine/kv_blocks.py): admission by memory, and which KV blocks each row
+        # holds. A paged backend takes the pool's changes before each step (`map_kv_blocks`); with a
+        # dense one the pool only counts. None: no memory bound beyond the slots.
+        self.kv = kv
+        self._map_kv: Callable[[KvChanges], None] | None = None
+        if kv is not None and kv.layout.paged:
+            self._map_kv = backend.map_kv_blocks  # type: ignore[attr-defined]  # paged backends have it
         self._prefill = PrefillSource(backend, self._scheduler, self.metrics,
                                       ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed,
-                                      now=self._clock.now)
+                                      now=self._clock.now, started=self._kv_start if kv is not None else None)
         self._slack.add_source(self._prefill)
         self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
@@ -121,7 +133,8 @@ class Engine:
                 "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
                 "slack_stale_drops": stats.stale_drops, "slack_stale_trials": stats.stale_trials,
                 **self._slack.source_counters(),
-                **(self._paired.counters() if self._paired is not None else {})}
+                **(self._paired.counters() if self._paired is not None else {}),
+                **(self.kv.snapshot() if self.kv is not None else {})}
 
     def add_slack_source(self, source: SlackSource) -> None:
         """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
@@ -225,6 +238,12 @@ class Engine:
             if self._closed or not self._healthy:
                 raise EngineClosed("the engine is not serving (shut down or failed).")
             row = self._slots.acquire(request_id)  # raises EngineFull at once
+            if self.kv is not None:
+                try:
+                    self.kv.admit(row, request_id)  # KvFull (an EngineFull): memory cannot hold it
+                except KvFull:
+                    self._slots.release(row, request_id)
+                    raise
             session = Session(self, request_id, row, options,
                               OutputStream(request_id, loop, self.config.output_events),
                               InputBuffer(self.config.input_frames), loop.create_future())
@@ -253,6 +272,8 @@ class Engine:
         if self._paired is not None:  # queued before the slot can be reused
             self._paired.disable(session.row, session.request_id)
         self._scheduler.submit_close(session)  # the engine thread drops the row at its next plan
+        if self.kv is not None:  # before the slot: the row's next session is admitted afresh
+            self.kv.end(session.row, session.request_id)
         self._slots.release(session.row, session.request_id)
         _settle(session.ready, error=ready_error)
 
@@ -305,6 +326,8 @@ class Engine:
             self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
         if self._forcing is not None:  # after the reset: a released row's queue is gone, a live one's text joins it
             self._forcing.apply(plan)
+        if self.kv is not None:  # ended rows' blocks back, live rows' next blocks in (kv_blocks.py rule 1)
+            self._apply_kv(self.kv.step(plan.request_ids))
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
@@ -346,6 +369,14 @@ class Engine:
                 if not plan.any_live:
                     return None
         raise RuntimeError("backend kept refusing rows")
+
+    def _kv_start(self, session: Session, prompt_frames: int) -> None:
+        """A row starts its prompt: the blocks the prompt fills, before it is written."""
+        self._apply_kv(self.kv.start(session.row, session.request_id, prompt_frames))
+
+    def _apply_kv(self, changes: KvChanges) -> None:
+        if changes and self._map_kv is not None:
+            self._map_kv(changes)
 
     def _prefill_failed(self, session: Session, exc: Exception) -> None:
         """One session's options or prompt failed: that session ends, nothing else does."""

@@ -49,6 +49,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .config import OptionsError
+from .slots import EngineFull
 
 log = logging.getLogger("parley.engine.kv")
 
@@ -57,8 +58,9 @@ SHRINK_EXPECTED = 0.5  # shrink: the window share a session is promised (2 min o
 SHRINK_FLOOR = 0.25  # shrink: no session's window shrinks below this share (60 s of Moshi's 240 s)
 
 
-class KvFull(Exception):
-    """The KV memory cannot hold one more session to the end of its window; refuse it now."""
+class KvFull(EngineFull):
+    """The KV memory cannot hold one more session to the end of its window; refuse it now (a
+    full engine, as far as callers go: no waiting list)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,11 @@ class KvSettings:
                                               or not isinstance(self.block_frames, int) or self.block_frames < 1):
             raise OptionsError(f"kv_block_frames must be a whole number of at least 1, got {self.block_frames!r}.")
 
+    @property
+    def paged(self) -> bool:
+        """Whether these settings ask for a paged KV state: a budget, or the shrink policy."""
+        return self.blocks is not None or self.memory_gib is not None or self.policy == "shrink"
+
     def budget(self, layout: KvLayout, rows: int) -> int:
         """The pool's blocks: the budget asked for, capped at `rows` full windows (no row holds
         more, so memory past that would never be used); OptionsError if it holds no session."""
@@ -122,6 +129,12 @@ class KvSettings:
         if asked > full:
             log.info("KV pool: %d blocks asked, %d used (--max-sessions %d full windows)", asked, full, rows)
         return min(asked, full)
+
+
+def default_block_frames(window_frames: int) -> int:
+    """The largest divisor of the window up to 64 frames (Moshi's 3000 -> 60): a block tiles the
+    ring exactly, and is small enough that a row holds little it has not filled."""
+    return next(d for d in range(min(window_frames, 64), 0, -1) if window_frames % d == 0)
 
 
 def _share(blocks: int, fraction: float) -> int:
@@ -232,6 +245,14 @@ class KvBlockPool:
             if holder is not None and holder.request_id == request_id:
                 self._rows[row] = None
                 self._ending.append(holder)
+
+    def snapshot(self) -> dict:
+        """The counters as `Engine.counters()` keys (kv_*), for /load and /metrics."""
+        c = self.counters()
+        return {"kv_blocks_total": c.total, "kv_blocks_used": c.used, "kv_blocks_free": c.free,
+                "kv_blocks_high_water": c.high_water, "kv_blocks_promised": c.promised,
+                "kv_block_frames": c.block_frames, "kv_sessions_admittable": c.sessions_admittable,
+                "kv_shrinks": c.shrinks, "kv_shortfalls": c.shortfalls}
 
     def counters(self) -> KvCounters:
         with self._lock:

@@ -5,14 +5,19 @@
                  long as it ticks (a tick within LIVEZ_STALL_S); never load-dependent, so a liveness
                  probe never restarts a full worker. /health is an alias.
     GET /readyz  200 only when warmed up (the engine has ticked), healthy, not draining, and at
-                 least `ready_min_free` slots free; else 503. /ready is an alias.
-    GET /load    slots_total, live, prefill, free, draining, tick_ms_p50, tick_ms_p99.
+                 least `ready_min_free` sessions admittable (`free`); else 503. /ready is an alias.
+    GET /load    slots_total, live, prefill, free, draining, tick_ms_p50, tick_ms_p99, and the KV
+                 block pool's kv_blocks_total, kv_blocks_used, kv_blocks_free (null without a pool).
     Prometheus   parley_slots_total, parley_sessions_active, parley_slots_free, parley_draining,
-                 parley_admission_rejected_total{reason}.
+                 parley_admission_rejected_total{reason}; the pool's parley_engine_kv_* (health.py).
 
-Admission: `Admission.reserve_or_deny` runs before `accept()`. With no free slot, or while
-draining, it answers the upgrade itself with HTTP 503 and `Retry-After`, so a proxy can retry
-the session on another worker. Otherwise it reserves a slot. The check and the reservation run
+`free` is the sessions that can be admitted now: the free slots, and no more than the KV memory
+holds to the end of their windows (engine/kv_blocks.py, rule 2), less the reservations made.
+
+Admission: `Admission.reserve_or_deny` runs before `accept()`. With no free slot ("full"), no KV
+memory for one more session ("memory"), or while draining, it answers the upgrade itself with
+HTTP 503 and `Retry-After`, so a proxy can retry the session on another worker. Otherwise it
+reserves a slot. The check and the reservation run
 on the event loop with no await in between, and engine slots are only taken on that loop, so N
 simultaneous upgrades against k free slots admit exactly k. A reservation becomes an engine slot
 when the session opens (`opening`) and is dropped once its prefill is done or it fails (`release`).
@@ -39,7 +44,7 @@ log = logging.getLogger("parley.capacity")
 
 RETRY_AFTER_S = 1  # a refused client (or proxy) may try again this soon
 LIVEZ_STALL_S = 10.0  # no tick for this long: the tick loop is stuck (a tick is due every 80 ms)
-REFUSAL_REASONS = ("full", "draining", "unhealthy")
+REFUSAL_REASONS = ("full", "memory", "draining", "unhealthy")
 CLOSE_TRY_AGAIN_LATER = 1013  # the fallback when the server cannot send a denial response
 CLOSE_POLICY = 1008  # the same, for a refusal that is not about load
 
@@ -51,7 +56,7 @@ class Load:
     slots_total: int
     live: int  # sessions in conversation
     prefill: int  # admitted, prompt not yet prefilled (reserved before accept included)
-    free: int
+    free: int  # sessions admittable now: free slots, bounded by the KV memory
     draining: bool
     tick_ms_p50: float | None
     tick_ms_p99: float | None
@@ -59,6 +64,10 @@ class Load:
     warmed: bool
     seconds_since_tick: float | None
     running: bool  # the engine thread is alive
+    slots_free: int  # free slots less reservations, whatever the memory
+    kv_blocks_total: int | None = None  # the KV block pool (None: the engine has none)
+    kv_blocks_used: int | None = None
+    kv_blocks_free: int | None = None
 
 
 class _DenialLogFilter(logging.Filter):
@@ -131,12 +140,17 @@ class Admission:
     def load(self) -> Load:
         c = self.engine.counters()
         total = self.engine.max_sessions
-        free = max(0, int(c["free_slots"]) - self._pending)
+        slots_free = max(0, int(c["free_slots"]) - self._pending)
+        free = slots_free
+        if "kv_sessions_admittable" in c:  # memory for the reserved sessions is not promised yet
+            free = min(free, max(0, int(c["kv_sessions_admittable"]) - self._pending))
         return Load(slots_total=total, live=max(0, int(c["live_slots"]) - self._prefilling),
                     prefill=self._pending + self._prefilling, free=free, draining=self.draining,
                     tick_ms_p50=c.get("tick_ms_p50"), tick_ms_p99=c.get("tick_ms_p99"),
                     healthy=bool(c["healthy"]), warmed=int(c["ticks"]) > 0,
-                    seconds_since_tick=c.get("seconds_since_tick"), running=self.engine.running)
+                    seconds_since_tick=c.get("seconds_since_tick"), running=self.engine.running,
+                    slots_free=slots_free, kv_blocks_total=c.get("kv_blocks_total"),
+                    kv_blocks_used=c.get("kv_blocks_used"), kv_blocks_free=c.get("kv_blocks_free"))
 
     def alive(self, load: Load) -> bool:
         """The engine thread runs, healthy, and ticks (before its first tick it warms up)."""
@@ -152,8 +166,10 @@ class Admission:
             return "draining"
         if not load.healthy:
             return "unhealthy"
-        if needs_slot and load.free <= 0:
+        if needs_slot and load.slots_free <= 0:
             return "full"
+        if needs_slot and load.free <= 0:
+            return "memory"
         return None
 
     async def reserve_or_deny(self, websocket: WebSocket, needs_slot: bool = True) -> Reservation | None:
@@ -166,6 +182,8 @@ class Admission:
             return Reservation(self, holds_slot=needs_slot)  # no await since load(): atomic on the event loop
         self.rejected.labels(reason).inc()
         message = {"full": f"all {load.slots_total} session slots are in use; try again later",
+                   "memory": f"the KV cache cannot hold another session to the end of its window "
+                             f"({load.kv_blocks_free} of {load.kv_blocks_total} blocks free); try again later",
                    "draining": "this server is draining (shutting down); connect again to reach another one",
                    "unhealthy": "the engine is not serving"}[reason]
         self.refusals.record(websocket.scope, reason, message)
@@ -230,4 +248,5 @@ async def readyz(request: Request) -> Response:
 async def load(request: Request) -> Response:
     snapshot = asdict(_admission(request).load())
     return JSONResponse({key: snapshot[key] for key in ("slots_total", "live", "prefill", "free", "draining",
-                                                        "tick_ms_p50", "tick_ms_p99")})
+                                                        "tick_ms_p50", "tick_ms_p99", "kv_blocks_total",
+                                                        "kv_blocks_used", "kv_blocks_free")})

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 # Each handler imports what its command needs when it runs.
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
 from parley.engine.config import DEFAULT_STALL_TIMEOUT_S
+from parley.engine.kv_blocks import POLICIES as KV_POLICIES, KvSettings
 
 from . import cli_sources, doors
 from .help_format import HelpFormatter
@@ -67,6 +68,22 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="store the temporal KV cache in float8 (e4m3, per-vector scales): half the memory, "
                         "so about twice the sessions per GPU; small drift in the logits (docs/benchmarks.md). "
                         "Default: the weight dtype")
+    p.add_argument("--kv-policy", choices=KV_POLICIES, default="reserve",
+                   help="admission by KV memory (docs/architecture.md): reserve admits a session only while the "
+                        "KV pool can hold every admitted session's full window (never overcommits; beyond it HTTP "
+                        "503 before the upgrade); shrink promises each session half a window and, when the pool "
+                        "runs out, shortens the longest sessions' windows a block at a time (never below a "
+                        "quarter; needs a paged KV state)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="the KV pool's size in blocks (of --kv-block-frames frames of every layer's keys and "
+                        "values); with --kv-memory, one of the two. Default: --max-sessions full windows. "
+                        "Giving either pages the KV cache (each session holds only the blocks it filled), "
+                        "where the model can; --max-sessions is then a cap on rows")
+    p.add_argument("--kv-memory", type=float, default=None,
+                   help="the KV pool's size in GiB (turned into blocks; see --kv-blocks)")
+    p.add_argument("--kv-block-frames", type=int, default=None,
+                   help="frames (80 ms each) per KV block; must divide the model's window (Moshi: 3000). "
+                        "Default: the largest divisor of the window up to 64 (Moshi: 60)")
     p.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the audio codec (Mimi) of every model served: float32, the reference's; "
                         "bfloat16 makes the codec about a third faster at 64 sessions and more on an H200 "
@@ -258,6 +275,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         reliability = {**reliability_settings(args), "served_model_names": served_names(args)}
+        kv = KvSettings(policy=args.kv_policy, blocks=args.kv_blocks, memory_gib=args.kv_memory,
+                        block_frames=args.kv_block_frames)
     except (ValueError, OSError) as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
         return 2
@@ -270,8 +289,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServeConfig(model=args.model, demo=args.demo, host=args.host, port=args.port,
                          max_sessions=args.max_sessions,
-                         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, mimi_dtype=args.mimi_dtype,
-                         defaults=defaults,
+                         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, kv=kv,
+                         mimi_dtype=args.mimi_dtype, defaults=defaults,
                          sampling={k: v for k, v in given.items() if v is not None},
                          log_level=args.log_level, codec_workers=args.codec_workers,
                          torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,

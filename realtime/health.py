@@ -45,11 +45,18 @@ ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overrun
                    "stt_requests", "stt_steps", "stt_audio_seconds", "stt_completed", "stt_cancelled",
                    "stt_failed", "stt_starved",
                    # paired transcription (engine/stt_paired.py)
-                   "stt_paired_steps", "stt_paired_rows_stepped", "stt_paired_dropped")
+                   "stt_paired_steps", "stt_paired_rows_stepped", "stt_paired_dropped",
+                   # the KV block pool (engine/kv_blocks.py): blocks the shrink policy took from a
+                   # row, and rows that found the pool empty under reserve (never, unless a bug)
+                   "kv_shrinks", "kv_shortfalls")
 ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots", "stt_live", "stt_slots",
                  "stt_queued", "stt_paired_live", "stt_paired_slots",
                  # the STT models' own text delay (frames / frame rate): transcript delay comes on top
-                 "stt_model_delay_seconds", "stt_paired_model_delay_seconds")
+                 "stt_model_delay_seconds", "stt_paired_model_delay_seconds",
+                 # the KV block pool: blocks in the pool, held by rows, free, the most ever held, promised
+                 # to admitted sessions, and how many more sessions memory admits now
+                 "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_high_water",
+                 "kv_blocks_promised", "kv_sessions_admittable")
 ENGINE_HISTOGRAMS = ("tick_seconds", "prefill_seconds")
 
 

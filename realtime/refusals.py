@@ -22,6 +22,7 @@ log = logging.getLogger("parley.refusals")
 
 REASONS = {
     "full": "every session slot, transcription row, TTS row or image queue place is taken",
+    "memory": "the KV cache cannot hold another session to the end of its window (engine/kv_blocks.py)",
     "draining": "the server is draining",
     "unhealthy": "the engine is not serving",
     "origin": "a browser Origin that is not allowed",

@@ -35,6 +35,7 @@ import uvicorn
 from parley.engine import SessionOptions
 from parley.engine.gc_pauses import freeze_loaded_objects
 from parley.engine.image_queue import DEFAULT_STALL_TIMEOUT_S
+from parley.engine.kv_blocks import KvSettings
 from parley.models.checkpoint import CheckpointError
 
 from .app import create_app, served_paths
@@ -61,6 +62,7 @@ class ServeConfig:
     device: str = "auto"  # auto: CUDA when present, else CPU
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     kv_dtype: str | None = None  # temporal KV cache: None = the weights' dtype, "fp8" = float8 e4m3
+    kv: KvSettings = KvSettings()  # the KV block pool: admission by memory, paging (engine/kv_blocks.py)
     mimi_dtype: str = "float32"  # every Mimi's (duplex, STT, TTS): float32 (the reference's) or bfloat16
     defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
     sampling: dict = dataclasses.field(default_factory=dict)  # SamplingOptions fields set by flags

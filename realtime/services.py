@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from parley.engine import Engine, SamplingOptions
-from parley.engine.backend import ModelBackend, default_dtype
+from parley.engine.backend import ModelBackend, default_dtype, kv_layout
+from parley.engine.config import OptionsError
+from parley.engine.kv_blocks import KvBlockPool, default_block_frames
 from parley.engine.image_queue import ImageQueue
 from parley.engine.no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
 from parley.engine.stt_paired import PairedTranscription
@@ -231,15 +233,39 @@ def _build_engine(loaded: _Loaded) -> Engine:
     # Paired transcription (engine/stt_paired.py): after the frame (PAIRED_IN_FRAME False) or in it.
     transcription = PairedTranscription(stt, config.max_sessions, in_frame=PAIRED_IN_FRAME) if paired else None
     in_frame = transcription is not None and PAIRED_IN_FRAME
-    backend = ModelBackend(checkpoint, config.max_sessions,
-                           kv_dtype=torch.float8_e4m3fn if config.kv_dtype == "fp8" else None,
+    kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
+    kv = _kv_pool(config, checkpoint, kv_dtype)
+    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
+                           kv_blocks=kv.total if kv.layout.paged else None, kv_block_frames=kv.layout.block_frames,
                            encode_codebooks=stt.lm_config.n_q if paired and not in_frame else None,
                            side_work=transcription.frame_work if in_frame else None)
     loaded.voices = backend.voice_names()
-    engine = Engine(backend)
+    engine = Engine(backend, kv=kv)
     if transcription is not None:
         engine.set_paired_transcription(transcription)
     return engine
+
+
+# Whether ModelBackend can page the temporal KV ring (LMGen.init_state(kv_blocks=)): until it can,
+# a budget (--kv-blocks / --kv-memory) bounds admission over dense rows and shrink is refused.
+PAGED_KV = False
+
+
+def _kv_pool(config: "ServeConfig", checkpoint: Checkpoint, kv_dtype: torch.dtype | None) -> KvBlockPool:
+    """The engine's KV block pool (engine/kv_blocks.py) from the --kv-* flags: paged when they give a
+    budget or the shrink policy, else dense (every row a full window, as before; the pool counts)."""
+    settings = config.kv
+    window = checkpoint.lm.transformer.capacity
+    try:
+        layout = kv_layout(checkpoint, kv_dtype, settings.block_frames or default_block_frames(window),
+                           paged=settings.paged and PAGED_KV)
+        pool = KvBlockPool(layout, config.max_sessions, settings.budget(layout, config.max_sessions), settings.policy)
+    except OptionsError as exc:
+        raise ServeError(f"parley serve --kv-*: {exc}") from exc
+    log.info("KV %s: %d blocks of %d frames (%.2f GiB), %s policy, %d sessions at full windows",
+             "paged" if layout.paged else "dense", pool.total, layout.block_frames,
+             pool.total * layout.block_bytes / 2**30, pool.policy, pool.total // layout.window_blocks)
+    return pool
 
 
 def _info_and_defaults(loaded: _Loaded) -> tuple[ServerInfo, ServerDefaults]:

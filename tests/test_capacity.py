@@ -93,7 +93,9 @@ def test_probes_load_and_gauges_follow_the_slot_table():
         assert get_json(base, "/ready") == get_json(base, "/readyz")
         status, load = get_json(base, "/load")
         assert status == 200 and set(load) == {"slots_total", "live", "prefill", "free", "draining",
-                                               "tick_ms_p50", "tick_ms_p99"}
+                                               "tick_ms_p50", "tick_ms_p99", "kv_blocks_total",
+                                               "kv_blocks_used", "kv_blocks_free"}
+        assert load["kv_blocks_total"] is None  # an engine without a KV block pool (kv_blocks.py)
         assert (load["slots_total"], load["live"], load["prefill"], load["free"], load["draining"]) == (2, 0, 0, 2, False)
         assert 0 <= load["tick_ms_p50"] <= load["tick_ms_p99"]
 
