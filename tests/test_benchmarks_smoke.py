@@ -94,6 +94,11 @@ CPU_CASES = {
         "load.py", ["--spawn", "tiny", "--clients", "2", "--duration", "2", "--doors", "chat,live"],
         [r"^door\s+chat\s+live$", r"^clients\s+2\s+2$", r"^served\s+2\s+2$",
          r"^jitter_p99_ms\s+\d+\.\d\d\s+\d+\.\d\d$", r"^frames_lost\s+\d+\s+\d+$", r"^late_ticks\s+\d"]),
+    "capacity": (  # 2 minutes of traffic at time scale 0.02: ~2.4 s of arrivals, periods of 1.2 s
+        "capacity.py", ["--spawn", "tiny", "--target", "2", "--minutes", "2", "--time-scale", "0.02"],
+        [r"sigma 0\.541 \(10 % past 240 s, mean 139 s\)", r"^\| minute \(traffic time\) \| arrived \| refused \|",
+         r"^\| 0 \| \d+ \| \d+ \| \d+ \| \d+\.\d \| \d+\.\d\d \| \d+ \| \d+ \| \d+ \| (yes|no) \|$",
+         r"^most concurrent sessions held \(frame p99 <= 60 ms, 0 late ticks, 0 frames lost\): \d+$"]),
     "transcript_delay": (
         "transcript_delay.py", ["--spawn", "tiny", "--paired", "1", "--standalone", "1", "--duration", "2"],
         [r"path\s+deltas\s+mean ms\s+p50 ms", r"^paired\s+\d+", r"^standalone\s+\d+",

@@ -1,0 +1,262 @@
+"""Capacity under traffic shaped like real calls: sessions arrive over time and last for lengths
+drawn from a stated distribution, over real sockets (/api/chat, Ogg-Opus both ways, paced on
+the 80 ms grid), against a `parley serve` this script starts or one already running.
+
+    # the H200 run (issue 32): Moshi-7B shapes, random weights, fp8 KV, 10+ minutes
+    python benchmarks/load_7b.py --dir /tmp/moshi7b --batches 1 --frames 1     # writes the checkpoint once
+    python benchmarks/capacity.py --spawn /tmp/moshi7b --device cuda --target 256 --minutes 12 \\
+        --max-sessions 320 --procs 8 --serve-arg=--kv-dtype=fp8 --serve-arg=--kv-memory=100
+    # in seconds on a CPU with the tiny model (the smoke test): every length and the clock x 0.02
+    python benchmarks/capacity.py --spawn tiny --target 3 --minutes 0.3 --time-scale 0.02
+
+Traffic. Session lengths are log-normal with median 120 s and sigma 0.541 = ln(240 / 120) / 1.2816
+(z at 0.90), so 10 % of sessions last past 4 min (the window) and the mean is 139 s. Arrivals are
+Poisson at rate target / mean length (Little's law: `--target` sessions live on average once
+the first lengths have run out). `--time-scale` multiplies every length, the arrival gaps and the
+report period (a minute), nothing else: frames stay 80 ms. A refused session (HTTP 503 before the
+upgrade, or a close before the handshake) is counted and not retried.
+
+Printed per period (a minute, scaled): sessions arrived, refused, the most live at once (the
+server's /load, sampled every second, scaled), the engine's frame time p99 (the most /load's
+tick_ms_p99 read in the period) and the share of frames over 60 ms (its tick histogram, exact at
+that bound), late ticks, frames lost (sessions that ended in the period: input frames sent minus
+output frames received, plus frames the engine dropped), and KV blocks used (the most read).
+At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
+of its frames over 60 ms), 0 late ticks and 0 frames lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import math
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import FRAME_S, ClientStats, client, spawned_server  # noqa: E402
+
+MEDIAN_S = 120.0  # median session length
+PAST_WINDOW = 0.10  # the share of sessions longer than WINDOW_S
+WINDOW_S = 240.0  # Moshi's KV window (3000 frames)
+SIGMA = math.log(WINDOW_S / MEDIAN_S) / 1.2815515655446004  # 0.541: P(length > 240 s) = 10 %
+MEAN_S = MEDIAN_S * math.exp(SIGMA ** 2 / 2)  # 139 s
+PERIOD_S = 60.0  # one report line per minute (scaled)
+FRAME_P99_S = 0.060  # the frame-time bound a held period must keep
+TAIL_S = 0.6  # load.client reads this long after its last frame
+
+
+@dataclass
+class Arrival:
+    index: int
+    at: float  # seconds after the start (scaled)
+    length: float  # seconds of audio it streams (scaled)
+
+
+def schedule(target: float, minutes: float, time_scale: float, seed: int) -> list[Arrival]:
+    """Poisson arrivals over the run, each with a log-normal length."""
+    rng = np.random.default_rng(seed)
+    rate = target / (MEAN_S * time_scale)  # sessions per (scaled) second
+    arrivals, t = [], rng.exponential(1 / rate)
+    while t < minutes * 60 * time_scale:
+        length = float(rng.lognormal(math.log(MEDIAN_S), SIGMA)) * time_scale
+        arrivals.append(Arrival(len(arrivals), t, max(length, 3 * FRAME_S)))
+        t += rng.exponential(1 / rate)
+    return arrivals
+
+
+@dataclass
+class Ended:
+    """What the main process keeps of one session."""
+
+    arrived: float  # seconds after the start
+    ended: float
+    refused: bool
+    lost: int  # input frames sent minus output frames received since the first send
+
+
+def _arrival_group(url: str, arrivals: list[Arrival], start_at: float) -> list[tuple[Arrival, ClientStats]]:
+    """One client process: each session opens at its arrival time (monotonic clock, shared by
+    every process on the host) and streams its length."""
+
+    async def one(a: Arrival) -> tuple[Arrival, ClientStats]:
+        await asyncio.sleep(max(0.0, start_at + a.at - time.monotonic()))
+        gate = asyncio.Event()
+        gate.set()
+        return a, await client(url, a.index, a.length, gate)
+
+    async def main() -> list[tuple[Arrival, ClientStats]]:
+        return list(await asyncio.gather(*(one(a) for a in arrivals)))
+
+    return asyncio.run(main())
+
+
+def _ended(a: Arrival, stats: ClientStats, start_at: float) -> Ended:
+    if stats.refused or stats.timed_out or not stats.sent_at:
+        return Ended(a.at, a.at, True, 0)
+    received = [t for t in stats.arrivals if t >= stats.sent_at[0]]
+    end = max(stats.sent_at[-1], *(received or [0.0])) - start_at
+    return Ended(a.at, end, False, max(0, len(stats.sent_at) - len(received)))
+
+
+@dataclass
+class Sample:
+    t: float
+    live: int
+    tick_p99_ms: float | None
+    kv_used: int | None
+    late: float
+    dropped: float
+    ticks: float
+    ticks_over: float  # ticks longer than FRAME_P99_S (the tick histogram's cumulative count)
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else float("nan")
+
+
+def sample(http: str, start_at: float) -> Sample:
+    load = json.loads(urllib.request.urlopen(f"{http}/load", timeout=10).read())
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    count = _metric(text, "parley_engine_tick_seconds_count")
+    within = _metric(text, f'parley_engine_tick_seconds_bucket{{le="{FRAME_P99_S}"}}')
+    return Sample(time.monotonic() - start_at, int(load["live"]) + int(load["prefill"]), load["tick_ms_p99"],
+                  load.get("kv_blocks_used"), _metric(text, "parley_engine_late_ticks_total"),
+                  _metric(text, "parley_engine_dropped_events_total"), count, count - within)
+
+
+@dataclass
+class Period:
+    index: int
+    arrived: int = 0
+    refused: int = 0
+    live_max: int = 0
+    tick_p99_ms: float = 0.0
+    over_share: float = 0.0
+    late: float = 0.0
+    lost: float = 0.0
+    kv_used: int | None = None
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def held(self) -> bool:
+        return self.over_share <= 0.01 and self.late == 0 and self.lost == 0
+
+    def row(self) -> str:
+        kv = "-" if self.kv_used is None else str(self.kv_used)
+        return (f"| {self.index} | {self.arrived} | {self.refused} | {self.live_max} | "
+                f"{self.tick_p99_ms:.1f} | {100 * self.over_share:.2f} | {self.late:.0f} | {self.lost:.0f} | {kv} | "
+                f"{'yes' if self.held else 'no'} |")
+
+
+def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration: float) -> list[Period]:
+    out = [Period(i) for i in range(max(1, math.ceil(duration / period_s)))]
+
+    def at(t: float) -> Period:
+        return out[min(len(out) - 1, max(0, int(t // period_s)))]
+
+    for e in ended:
+        at(e.arrived).arrived += 1
+        at(e.arrived).refused += e.refused
+        at(e.ended).lost += e.lost
+    for s in samples:
+        at(s.t).samples.append(s)
+    previous = samples[0] if samples else None
+    for p in out:
+        if not p.samples:
+            continue
+        p.live_max = max(s.live for s in p.samples)
+        p.tick_p99_ms = max((s.tick_p99_ms or 0.0) for s in p.samples)
+        used = [s.kv_used for s in p.samples if s.kv_used is not None]
+        p.kv_used = max(used) if used else None
+        last = p.samples[-1]
+        ticks = last.ticks - previous.ticks
+        p.over_share = (last.ticks_over - previous.ticks_over) / ticks if ticks > 0 else 0.0
+        p.late = last.late - previous.late
+        p.lost += last.dropped - previous.dropped
+        previous = last
+    return out
+
+
+async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
+                       seed: int) -> list[Period]:
+    http = url.replace("ws://", "http://").replace("wss://", "https://")
+    arrivals = schedule(target, minutes, time_scale, seed)
+    duration = minutes * 60 * time_scale
+    start_at = time.monotonic() + 1.0
+    groups = [arrivals[p::procs] for p in range(procs)]
+    samples: list[Sample] = []
+    with concurrent.futures.ProcessPoolExecutor(procs) as pool:
+        futures = [asyncio.wrap_future(pool.submit(_arrival_group, url, g, start_at)) for g in groups]
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        samples.append(await asyncio.to_thread(sample, http, start_at))
+        every = max(0.2, time_scale)  # a sample a second, scaled (not below 0.2 s: each costs a scrape)
+        while not all(f.done() for f in futures):
+            await asyncio.sleep(every)
+            samples.append(await asyncio.to_thread(sample, http, start_at))
+        results = [pair for f in futures for pair in await f]
+    ended = [_ended(a, stats, start_at) for a, stats in results]
+    return periods(samples, ended, PERIOD_S * time_scale, max(duration, max((e.ended for e in ended), default=0)))
+
+
+def report(found: list[Period], time_scale: float, target: float) -> None:
+    print(f"sessions: log-normal lengths, median {MEDIAN_S:.0f} s, sigma {SIGMA:.3f} ({100 * PAST_WINDOW:.0f} % past "
+          f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average; "
+          f"time scale {time_scale:g}")
+    print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
+          "| KV blocks used | held |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for p in found:
+        print(p.row())
+    held = [p.live_max for p in found if p.held and p.samples]
+    print(f"most concurrent sessions held (frame p99 <= {1000 * FRAME_P99_S:.0f} ms, 0 late ticks, 0 frames lost): "
+          f"{max(held) if held else 0}")
+    print(f"totals: arrived {sum(p.arrived for p in found)}, refused {sum(p.refused for p in found)}, late ticks "
+          f"{sum(p.late for p in found):.0f}, frames lost {sum(p.lost for p in found):.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server, e.g. ws://127.0.0.1:8998")
+    where.add_argument("--spawn", help="start `parley serve` on: tiny, echo, or a checkpoint dir / HF repo id")
+    p.add_argument("--target", type=float, default=8, help="sessions live on average (sets the arrival rate)")
+    p.add_argument("--minutes", type=float, default=10, help="minutes of arrivals (before --time-scale)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply session lengths, arrival gaps and the report period (0.02: a CPU smoke run)")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="with --spawn: the server's --max-sessions (default: 1.5 x --target)")
+    p.add_argument("--device", default="cpu", help="with --spawn: the server's device")
+    p.add_argument("--procs", type=int, default=1, help="client processes (one tops out near 48 live clients)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="with --spawn: an extra `parley serve` argument (repeat), e.g. --serve-arg=--kv-memory=100")
+    p.add_argument("--serve-log", type=Path, help="with --spawn: write the server's log here (kept after the run)")
+    p.add_argument("--seed", type=int, default=0, help="the arrival schedule's seed")
+    args = p.parse_args(argv)
+    if not args.spawn and (args.serve_log or args.serve_arg or args.max_sessions):
+        p.error("--serve-log, --serve-arg and --max-sessions apply to a server this script starts (--spawn)")
+    if args.time_scale <= 0 or args.target <= 0 or args.minutes <= 0:
+        p.error("--time-scale, --target and --minutes must be more than 0")
+    run = lambda url: asyncio.run(run_capacity(url, args.target, args.minutes, args.time_scale,  # noqa: E731
+                                               args.procs, args.seed))
+    if args.spawn:
+        rows = args.max_sessions or math.ceil(1.5 * args.target)
+        with spawned_server(args.spawn, rows, args.device, args.serve_arg, args.serve_log) as url:
+            found = run(url)
+    else:
+        found = run(args.url.rstrip("/"))
+    report(found, args.time_scale, args.target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
