@@ -30,6 +30,7 @@ import sys
 import re
 import time
 import urllib.parse
+import urllib.request
 
 import numpy as np
 import soundfile
@@ -105,7 +106,8 @@ async def chat(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.n
 
 
 async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.ndarray, str]:
-    url = f"{args.url.rstrip('/')}/v1/realtime?{urllib.parse.urlencode({'model': args.model})}"
+    query = f"?{urllib.parse.urlencode({'model': args.model})}" if args.model else ""  # none: the served one
+    url = f"{args.url.rstrip('/')}/v1/realtime{query}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     audio: list[np.ndarray] = []
     text: list[str] = []
@@ -150,10 +152,22 @@ async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[
     return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
 
 
+def served_duplex_model(args: argparse.Namespace) -> str:
+    """The server's speech-to-speech model name, from GET /v1/models (another name is refused)."""
+    base = re.sub(r"^ws", "http", args.url.rstrip("/"))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/v1/models", headers=headers), timeout=30) as r:
+        names = [m["id"] for m in json.load(r)["data"] if m.get("modality") == "duplex"]
+    if not names:
+        raise SystemExit("the server serves no speech-to-speech model (GET /v1/models)")
+    return names[0]
+
+
 async def live(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.ndarray, str]:
     url = f"{args.url.rstrip('/')}/v1/live/sessions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    session: dict = {"model": args.model, "audio": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE}}}
+    model = args.model or served_duplex_model(args)  # session.start needs one
+    session: dict = {"model": model, "audio": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE}}}
     if args.persona:
         session["instructions"] = args.persona
     if args.voice:
@@ -211,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--live", action="store_true", help="use /v1/live/sessions (OpenAI GPT-Live) instead")
     p.add_argument("--commentary", default=None,
                    help="--live: answer each delegation with this text as commentary (the model says it)")
-    p.add_argument("--model", default="parley",
-                   help="model name sent to /v1/realtime or /v1/live/sessions (default %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="model name sent to /v1/realtime or /v1/live/sessions: one the server serves "
+                        "(default: its speech-to-speech model, from GET /v1/models)")
     p.add_argument("--api-key", default=None,
                    help="bearer key for /v1/realtime or /v1/live/sessions, if the server requires one")
     return p

@@ -19,7 +19,7 @@ from parley.models.config import SAMPLE_RATE
 from .audio_formats import G711_RATE, AudioFormat
 from .live_responses import ResponsesSettings, parse_settings
 from .openai_events import new_id
-from .realtime_session import ClientError, ModelCaps
+from .realtime_session import ClientError, ModelCaps, served_model
 
 Event = dict[str, Any]
 
@@ -81,12 +81,6 @@ def _fields(param: str, value: Any, known: tuple[str, ...]) -> dict:
     for key in value:
         if key not in known:
             raise ClientError(f"unknown field {param}.{key!s:.40}", "unknown_parameter", f"{param}.{key!s:.40}")
-    return value
-
-
-def _model(param: str, value: Any, caps: ModelCaps) -> str:
-    if not isinstance(value, str) or not value:
-        raise _wrong(param, "a model name", value)
     return value
 
 
@@ -216,7 +210,7 @@ def _client(param: str, value: Any, caps: ModelCaps) -> None:
 
 
 _START: dict[str, Callable[[str, Any, ModelCaps], Any]] = {
-    "model": _model, "instructions": _instructions, "audio": _audio, "input": _input, "store": _store,
+    "model": served_model, "instructions": _instructions, "audio": _audio, "input": _input, "store": _store,
     "safety_identifier": _safety_identifier, "triggers": _triggers, "client": _client,
 }
 

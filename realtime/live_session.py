@@ -4,6 +4,8 @@
   live_events.py, delegation turns watched in live_delegation.py (policy: live_policy.py);
 - admission, auth, Origin, limits, metrics and drain are the other doors' (capacity.py,
   security.py, sessions.py), and so is the receive side (event_reader.py);
+- `session.start`'s `model` must be one of the duplex model's served names (served_models.py;
+  another is an `error` with code `model_not_found`, and the session does not start);
 - the first event must be `session.start`; the engine session opens on it (the persona and voice
   prompt are prefilled), then `session.started`. Until then the slot reserved before the upgrade
   is held, for at most START_TIMEOUT_S;
@@ -42,6 +44,7 @@ from .event_reader import client_event_id, event_type, next_message, parse_clien
 from .live_config import LiveConfig, check_update, parse_start
 from .live_delegation import Delegations, TurnWatcher
 from .live_responses import ResponsesDelegate
+from .models_api import deny_unserved_model
 from .openai_events import new_id
 from .realtime_session import ClientError, ModelCaps
 from .realtime_turns import FRAME_MS
@@ -69,11 +72,13 @@ class SessionLost(Exception):
 class LiveConnection:
     """One `/v1/live/sessions` connection: reads events, dispatches them, writes what comes back."""
 
-    def __init__(self, edge: EdgeSession) -> None:
+    def __init__(self, edge: EdgeSession, served: tuple[str, ...]) -> None:
+        # served: the names session.start's model may take (the duplex model's, served_models.py)
         self.edge = edge
         self.manager = edge.manager
         defaults = self.manager.defaults
-        self.caps = ModelCaps(prompts=defaults.prompts, transcribe=self.manager.engine.can_transcribe)
+        self.caps = ModelCaps(prompts=defaults.prompts, transcribe=self.manager.engine.can_transcribe,
+                              models=served)
         self.policy = defaults.live_delegation
         self.backend = defaults.live_delegate  # None: Responses delegation is refused at start
         self.responder: ResponsesDelegate | None = None  # the session's, with Responses delegation
@@ -110,8 +115,13 @@ class LiveConnection:
 
     # ---- lifecycle ----
 
-    async def run(self) -> None:
-        if not await self._start():
+    async def run(self, start: LiveConfig | None = None) -> None:
+        """`start`: the settings of a session its HTTP request started (a WebRTC call, judged by
+        the door); None: they come in the first `session.start` event."""
+        if start is None and not await self._start():
+            return
+        if start is not None and not await self._open(start):
+            await self.edge.close_socket(CLOSE_POLICY, "the session could not start")
             return
         config = self.config
         fmt = self.resource["audio"]["format"]
@@ -120,10 +130,14 @@ class LiveConnection:
                  f", safety_identifier {config.safety_identifier}" if config.safety_identifier else "")
         await self.send(ev.session_event("session.started", self.resource, self._client_event_id))
         transcript = asyncio.create_task(self.edge.follow_transcript(self._heard, self._transcript_failed))
+        media = None if self.edge.transport.media is None else asyncio.create_task(
+            self._media_loop(), name=f"live-media-{self.edge.number}")
         try:
             await self.edge.run_duplex(self._send_loop(), self._receive_loop())
         finally:
             transcript.cancel()
+            if media is not None:
+                media.cancel()
             if self.responder is not None:
                 await self.responder.aclose()
 
@@ -249,6 +263,16 @@ class LiveConnection:
             raise ClientError("audio is not valid base64", "invalid_value", "audio") from None
         except FormatError as exc:
             raise ClientError(str(exc), "invalid_value", "audio") from None
+        await self._hear(pcm)
+
+    async def _media_loop(self) -> None:
+        """A WebRTC call's microphone track, heard as `session.input_audio.append`'s audio is."""
+        media = self.edge.transport.media
+        while (pcm := await media.read()) is not None:
+            await self._hear(pcm)
+
+    async def _hear(self, pcm: np.ndarray) -> None:
+        """The peer's audio at 24 kHz: to the turn watcher (delegations) and the model."""
         if self.muted:  # the model hears silence while the input is muted
             pcm = np.zeros_like(pcm)
         for heard in self.watcher.audio(pcm):
@@ -363,14 +387,21 @@ class LiveConnection:
             await self.send(ev.transcript("output", frame.text, start, self.clock_ms))
             if self.responder is not None:
                 self.model_said = (self.model_said + frame.text)[-MAX_APPEND_CHARS:]
+        if self.edge.transport.media is not None:  # a WebRTC call: on its track (bounded there)
+            self.edge.play(frame.pcm)
+            self.manager.metrics.frames_out.labels(PROTOCOL).inc()
+        else:
+            await self._send_audio(frame)
+        if self.frames % USAGE_EVERY_FRAMES == 0:
+            await self.send(ev.usage_updated(self.seconds))
+
+    async def _send_audio(self, frame: FrameOut) -> None:
         wire = base64.b64encode(self.encoder.encode(frame.pcm)).decode()
         # A client reading too slowly loses its oldest audio (counted); its text still goes out.
         if not self.edge.drop_if_lagging(frame.produced_at):
             self.edge.lag.sent(await self.send(ev.output_audio(wire)))
             self.manager.metrics.frames_out.labels(PROTOCOL).inc()
             self.edge.observe_frame_sent(frame.produced_at)
-        if self.frames % USAGE_EVERY_FRAMES == 0:
-            await self.send(ev.usage_updated(self.seconds))
 
     async def _heard(self, partial) -> bool:
         """One paired-STT step (engine SttPartial): the turn watcher's, and the client's if it has words."""
@@ -388,13 +419,15 @@ async def live_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware); a full or
     draining server answers the upgrade with 503 (capacity.py)."""
     manager = websocket.app.state.sessions
+    if await deny_unserved_model(websocket, "duplex"):  # a `?model=` in the URL: as on every door
+        return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=True)
     if reservation is None:
         return
     edge = manager.attach(websocket, PROTOCOL, reservation)
     try:
         await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
-        connection = LiveConnection(edge)
+        connection = LiveConnection(edge, served=websocket.app.state.models.of("duplex"))
         edge.notice = lambda reason: connection.send(ev.error(reason, "server_shutting_down", kind="server_error"))
         await connection.run()
     except (WebSocketDisconnect, OSError):

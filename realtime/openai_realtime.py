@@ -68,15 +68,16 @@ class SessionLost(Exception):
 class RealtimeConnection:
     """One `/v1/realtime` connection: reads events, dispatches them, writes what comes back."""
 
-    def __init__(self, edge: EdgeSession, dialect: Dialect, model: str, *, transcription_sessions: bool = False,
-                 opening_error: ClientError | None = None) -> None:
+    def __init__(self, edge: EdgeSession, dialect: Dialect, model: str, *, served: tuple[str, ...],
+                 transcription_sessions: bool = False, opening_error: ClientError | None = None) -> None:
+        # model: the session's label, a served name; served: the names session.model may take.
         # transcription_sessions: the server has standalone STT rows (?intent=transcription works).
         # opening_error: told to the client right after session.created (a refused URL setting).
         self.edge = edge
         self.manager = edge.manager
         self.events = Events(dialect)
         self.caps = ModelCaps(prompts=self.manager.defaults.prompts, transcribe=self.manager.engine.can_transcribe,
-                              transcribe_sessions=transcription_sessions)
+                              transcribe_sessions=transcription_sessions, models=served)
         self._opening_error = opening_error
         defaults = self.manager.defaults.options
         config = SessionConfig(id=new_id("sess"), model=model, instructions=defaults.persona, voice=defaults.voice,
@@ -126,14 +127,34 @@ class RealtimeConnection:
             await edge.refuse(CLOSE_INTERNAL, "unavailable" if isinstance(exc, EngineClosed) else "options", str(exc))
             return
         await self.send(self.events.session_created(self.config))
+        if self.config.needs_stt:  # configured before the session opened (a WebRTC call's settings)
+            self._transcript = asyncio.create_task(self._transcript_loop())
         if self._opening_error is not None:
             await self.error(self._opening_error)
         feeder = asyncio.create_task(self._feed_loop(), name=f"openai-feed-{edge.number}")
+        media = None if edge.transport.media is None else asyncio.create_task(
+            self._media_loop(), name=f"openai-media-{edge.number}")
         try:
             await edge.run_duplex(self._send_loop(), self._receive_loop())
         finally:
             feeder.cancel()
+            if media is not None:
+                media.cancel()
             self._stop_transcript()
+
+    def configure(self, session: Event) -> list[ClientError]:
+        """Settings a WebRTC call brought with its offer, judged as a `session.update`'s are but
+        before the session opens (so they are prefilled, never re-prefilled); one error per
+        refused field (the door answers 400 with them, and no session starts)."""
+        config, refused = apply_session_update(session, self.config, self.caps)
+        try:
+            self.options = self.manager.defaults.client_options(SessionOptions(
+                persona=config.instructions, voice=None if config.voice in OPENAI_VOICES else config.voice,
+                sampling=self._sampling(config.temperature)))
+        except OptionsError as exc:
+            refused.append(ClientError(str(exc), "invalid_value", "session"))
+        self.turns.set_config(config)
+        return refused
 
     async def send(self, event: Event) -> int:
         """Send one event; returns its size (0 if the client has left)."""
@@ -259,6 +280,17 @@ class RealtimeConnection:
         await self.send_all(events)
         self._hear(pcm)
 
+    async def _media_loop(self) -> None:
+        """A WebRTC call's microphone track, heard as `input_audio_buffer.append`'s audio is."""
+        media = self.edge.transport.media
+        while (pcm := await media.read()) is not None:
+            pcm, events = self.turns.heard(pcm)
+            await self.send_all(events)
+            try:
+                self._hear(pcm)
+            except ClientError as exc:
+                await self.error(exc)
+
     def _hear(self, pcm: np.ndarray) -> None:
         """Live audio goes straight to the model, unless item audio is still being fed: then behind it."""
         if not pcm.size:
@@ -363,14 +395,18 @@ class RealtimeConnection:
     async def _on_frame(self, frame: FrameOut) -> None:
         events = self.turns.output_frame(frame.pcm, frame.text)
         audio = any(self.events.is_audio_delta(e) for e in events)
+        # A WebRTC call plays the audio on its track (bounded there) and sends the other events.
+        media = self.edge.transport.media
         # A client that reads too slowly loses its oldest audio (counted), never falls behind by more
         # than the lag limit; its text still goes out.
-        dropped = audio and self.edge.drop_if_lagging(frame.produced_at)
+        dropped = audio and media is None and self.edge.drop_if_lagging(frame.produced_at)
         for event in events:
             if not self.events.is_audio_delta(event):
                 await self.send(event)
-            elif not dropped:
+            elif media is None and not dropped:
                 self.edge.lag.sent(await self.send(event))
+        if audio and media is not None:
+            self.edge.play(frame.pcm)
         if audio and not dropped:
             self.manager.metrics.frames_out.labels(PROTOCOL).inc()
             self.edge.observe_frame_sent(frame.produced_at)

@@ -2,6 +2,9 @@
 
 - A realtime conversation (the default): `RealtimeConnection` (openai_realtime.py), holding a
   duplex slot.
+- `?model=`, if given, must be one of the session's modality's served names (served_models.py:
+  the duplex model's, or the STT's for a transcription session): another is OpenAI's 404
+  `model_not_found` before the upgrade. Left out, the session's label is the served name.
 - A transcription session, asked for as OpenAI clients do, with `?intent=transcription` in the URL:
   `TranscriptionConnection` (realtime_transcription.py) on a standalone STT row. It needs no duplex
   slot, so it is admitted while the duplex slots are full (not while draining or unhealthy).
@@ -15,6 +18,7 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from .models_api import deny_unserved_model
 from .openai_events import Dialect
 from .openai_realtime import BETA_SUBPROTOCOL, PROTOCOL, REALTIME_SUBPROTOCOL, RealtimeConnection
 from .realtime_session import NO_STT, ClientError
@@ -38,6 +42,9 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     pool = websocket.app.state.stt_pool
     intent = websocket.query_params.get("intent")
     transcription = intent == "transcription" and pool is not None
+    modality = "stt" if transcription else "duplex"  # what `?model=` must name (served_models.py)
+    if await deny_unserved_model(websocket, modality):
+        return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=not transcription)
     if reservation is None:
         return
@@ -56,6 +63,7 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
                 refused = ClientError(f"intent={intent!r:.40}: {why}; this is a realtime conversation",
                                       "unsupported_parameter", "intent")
             connection = RealtimeConnection(edge, dialect, model or manager.defaults.model_name,
+                                            served=websocket.app.state.models.of("duplex"),
                                             transcription_sessions=pool is not None, opening_error=refused)
         edge.notice = lambda reason: connection.send(connection.events.error(
             reason, "server_shutting_down", kind="server_error"))

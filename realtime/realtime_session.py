@@ -25,6 +25,7 @@ import numpy as np
 
 from .audio_formats import AudioFormat, FormatError, decode_audio
 from .openai_events import SessionConfig, TurnDetection, new_id
+from .served_models import ModelNotFound
 
 Event = dict[str, Any]
 
@@ -57,6 +58,9 @@ class ModelCaps:
     prompts: bool  # takes a persona (instructions) and voice prompt: PersonaPlex yes, Moshi no
     transcribe: bool = False  # a paired STT row: input transcription and semantic_vad
     transcribe_sessions: bool = False  # standalone STT rows: transcription-only sessions
+    # The names `session.model` may take: the duplex model's served names (served_models.py).
+    # Another is refused as model_not_found; none given: every name is.
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -307,9 +311,13 @@ def _transcription_modalities(param: str, value: Any) -> None:
         raise _unsupported(param, "a transcription session's output is text; include 'text'")
 
 
-def _model(param: str, value: Any) -> str:
+def served_model(param: str, value: Any, caps: ModelCaps) -> str:
+    """`model` in a session's settings: one of the duplex model's served names (served_models.py),
+    else OpenAI's model_not_found naming `param`."""
     if not isinstance(value, str) or not value:
         raise _type_error(param, "a model name", value)
+    if value not in caps.models:
+        raise ClientError(str(ModelNotFound("duplex", value, caps.models)), "model_not_found", param)
     return value
 
 
@@ -339,7 +347,7 @@ _NO_NOISE_REDUCTION = "no noise reduction is applied to input audio"
 
 SESSION_FIELDS: dict[str, Callable[[str], _Setter]] = {
     "type": _with_caps_check(_session_type),
-    "model": _set("model", _model),
+    "model": _with_caps("model", served_model),
     "instructions": _with_caps("instructions", _instructions),
     "voice": _with_caps("voice", _voice),  # beta
     "modalities": _set("output_modalities", _modalities),  # beta

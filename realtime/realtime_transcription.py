@@ -41,7 +41,7 @@ NO_RESPONSES = "a transcription session has no responses or conversation items: 
 
 class TranscriptionConnection(RealtimeConnection):
     def __init__(self, edge: EdgeSession, dialect: Dialect, model: str, pool: SttPool) -> None:
-        super().__init__(edge, dialect, model, transcription_sessions=True)
+        super().__init__(edge, dialect, model, served=(), transcription_sessions=True)  # no session.model
         self.pool = pool
         self.caps = ModelCaps(prompts=False, transcribe=True, transcribe_sessions=True)
         # Transcription off until an update turns it on (OpenAI's default); no responses to create

@@ -75,6 +75,10 @@ class ServedModels:
                                      "give them distinct names (--served-model-name)")
         return cls(names, created)
 
+    def of(self, modality: str) -> tuple[str, ...]:
+        """`modality`'s served names; () where it is not served."""
+        return self.names.get(modality, ())
+
     def resolve(self, modality: str, asked: str | None) -> str:
         """The served name a request gets: `asked` when it is one of the modality's, its first when
         None; ModelNotFound otherwise."""

@@ -23,12 +23,19 @@ import uvicorn
 from parley.engine import Engine
 from parley.engine.testing import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
+from parley.realtime.served_models import ServedModels
 from parley.realtime.services import Services
 from parley.realtime.server import uvicorn_config
 from parley.realtime.sessions import ServerDefaults
 
 FRAME = 1920
 SR = 24000
+# The duplex names OpenAI's clients send (the SDK examples; openai-agents' default, in its
+# session.update; pipecat's and LiveKit's GPT-Live default): the test servers serve them as
+# aliases, as `--served-model-name duplex=...` does for an operator. Any other name is
+# model_not_found (tests/test_served_models.py).
+OPENAI_DUPLEX_NAMES = ("gpt-realtime", "gpt-4o-realtime-preview", "gpt-realtime-2.1", "gpt-live-1")
+OPENAI_ALIASES = {"duplex": OPENAI_DUPLEX_NAMES}  # ServeConfig.served_model_names
 
 
 def free_port() -> int:
@@ -62,7 +69,8 @@ def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefault
     backend = DelayBackend(max_sessions, **backend_kwargs)
     engine = Engine(backend)
     # codec_workers=2: two codec worker processes, so the protocol tests run the production path
-    return create_app(Services(engine, defaults, ServerInfo(model="delay"), codec_workers=2)), backend
+    models = ServedModels.build({"duplex": "delay"}, OPENAI_ALIASES)
+    return create_app(Services(engine, defaults, ServerInfo(model="delay"), codec_workers=2, models=models)), backend
 
 
 def tone(freq: float, seconds: float, amp: float = 0.3, sr: int = SR) -> np.ndarray:

@@ -27,8 +27,9 @@ def test_help_names_every_default():
     # each flag's help runs from its option string to the next flag's
     helps = dict(re.findall(r"(--[\w-]+)(.*?)(?= --[\w-]+ |$)", options))
     for flag, default in (("--url", "ws://127.0.0.1:8998"), ("--out", "reply.wav"), ("--text-out", "reply.txt"),
-                          ("--tail", "3.0"), ("--model", "parley")):
+                          ("--tail", "3.0")):
         assert f"default {default}" in helps[flag], (flag, helps[flag])
+    assert "default: its speech-to-speech model" in helps["--model"], helps["--model"]
     # and any default added later: every flag whose default is worth printing shows it
     for action in load_example().build_parser()._actions:
         if action.option_strings and action.default not in (None, "", False, argparse.SUPPRESS):

@@ -57,7 +57,8 @@ class Launch:
                "--port", str(self.port), "--base-port", str(self.base), "--check-interval-ms", "300",
                "--run-dir", str(tmp / "run"), "--",
                "--model", str(model), "--max-sessions", str(SLOTS), "--ready-min-free", "0",
-               "--drain-timeout", "8", "--log-level", "warning"]
+               "--drain-timeout", "8", "--log-level", "warning",
+               "--served-model-name", "duplex=gpt-realtime"]  # the name the SDK session below sends
         self.out = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.out, stderr=subprocess.STDOUT)
 

@@ -13,7 +13,7 @@ from parley.realtime.live_policy import DelegationPolicy, PolicyError, parse_pol
 from parley.realtime.realtime_session import ClientError, ModelCaps
 
 SR = 24_000
-MOSHI, PERSONAPLEX = ModelCaps(prompts=False), ModelCaps(prompts=True)
+MOSHI, PERSONAPLEX = ModelCaps(prompts=False, models=("m",)), ModelCaps(prompts=True, models=("m",))
 
 
 def test_policies_parse_and_bad_ones_name_the_flag():
@@ -97,6 +97,8 @@ def test_start_refuses_each_field_the_model_cannot_honour_by_name():
             "session.triggers", "session.audio.format.rate", "session.client", "session.colour"])
     assert refused_params({"model": "m", "audio": {"output": {"voice": "NATF0"}}}) == ["session.audio.output.voice"]
     assert refused_params({"instructions": ""}) == ["session.model"]
+    _, [unserved] = parse_start({"model": "gpt-live-1"}, MOSHI)  # any name was a label
+    assert (unserved.code, unserved.param) == ("model_not_found", "session.model") and "served as 'm'" in str(unserved)
     assert refused_params({"model": "m", "delegation": {"type": "decisions", "decisions": {}}}) == \
         ["session.delegation.type"]
     assert refused_params({"model": "m", "delegation": {"type": "client", "acknowledgement_delay_ms": 400}}) == \

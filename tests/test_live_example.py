@@ -21,8 +21,8 @@ def test_example_live_streams_a_file_and_answers_a_delegation_with_commentary(ch
     tail = 4.0  # after the turn's end: time for the model to pause and say the commentary
     with serve(live_app(checkpoints)) as base:
         assert load_example().main([str(wav), "--live", "--url", f"http://{base}", "--out", str(out),
-                                    "--text-out", str(text_out), "--tail", str(tail), "--model", "gpt-live-1",
-                                    "--commentary", "hello world"]) == 0
+                                    "--text-out", str(text_out), "--tail", str(tail),
+                                    "--commentary", "hello world"]) == 0  # no --model: the served one
     reply, rate = soundfile.read(out)
     sent_s = 6.0 + tail
     assert rate == SR and 0.7 * sent_s <= reply.size / SR <= sent_s + 1.0  # every frame kept, as sent

@@ -23,7 +23,7 @@ from parley.realtime.server import ServeConfig, ServeError, build_app
 from parley.realtime.sessions import ServerDefaults
 
 from live_checkpoints import write_pausing_checkpoint
-from server_harness import best_lag_correlation, delay_app, serve, tone
+from server_harness import OPENAI_ALIASES, best_lag_correlation, delay_app, serve, tone
 from test_server_realtime import Recorder, client, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,6 +44,7 @@ def checkpoints(tmp_path_factory):
 
 def live_app(checkpoints, **config):
     model, stt = checkpoints
+    config.setdefault("served_model_names", OPENAI_ALIASES)  # the clients' gpt-live-1
     return build_app(ServeConfig(model=str(model), stt_model=str(stt), max_sessions=1, stt_slots=1, **config))
 
 
@@ -263,7 +264,8 @@ def test_a_full_server_refuses_the_upgrade_with_503_and_counts_live_sessions():
 
 def test_personaplex_keeps_instructions_prior_messages_and_appends_in_its_persona(tmp_path):
     model = write_pausing_checkpoint(tmp_path / "personaplex", kind="personaplex", context=400, gain=8.0)
-    app = build_app(ServeConfig(model=str(model), max_sessions=1))  # no STT: turns end after 500 ms of quiet
+    # no STT: turns end after 500 ms of quiet
+    app = build_app(ServeConfig(model=str(model), max_sessions=1, served_model_names=OPENAI_ALIASES))
     personas = []
 
     async def scenario(base):
@@ -373,9 +375,10 @@ def test_a_refused_voice_names_it_and_the_session_may_start_again_and_silence_ti
     async def scenario(base):
         async with client(base).live.connect() as conn:
             rec = Recorder(conn)
-            await conn.session.start(session={"model": "m", "audio": {"output": {"voice": "unknown"}}}, event_id="v")
+            await conn.session.start(session={"model": "delay", "audio": {"output": {"voice": "unknown"}}},
+                                     event_id="v")
             refused = await rec.wait(lambda e: e.get("client_event_id") == "v")
-            started = await start(conn, rec, {"model": "m", "audio": {"output": {"voice": "marin"}}})
+            started = await start(conn, rec, {"model": "delay", "audio": {"output": {"voice": "marin"}}})
             await conn.session.close()
             await rec.task
         async with connect(f"ws://{base}/v1/live/sessions") as ws:  # says nothing
@@ -408,7 +411,7 @@ def test_the_key_the_origin_and_the_event_size_are_checked_as_on_the_other_doors
             statuses.append(refused.value.response.status_code)
         async with client(base).live.connect() as conn:  # the SDK sends the key as a Bearer token
             rec = Recorder(conn)
-            assert (await start(conn, rec, {"model": "m"}))["type"] == "session.started"
+            assert (await start(conn, rec, {"model": "delay"}))["type"] == "session.started"
             await conn.send_raw('{"type": "session.update", "event_id": "big", "pad": "' + "x" * 5000 + '"}')
             await conn.session.input_audio.mute(event_id="after")
             await rec.wait_type("session.input_audio.muted")

@@ -14,8 +14,9 @@ from parley.realtime.realtime_session import (
     ClientError, ModelCaps, apply_session_update, parse_item, parse_response_options, parse_turn_detection,
 )
 
-PERSONAPLEX, MOSHI = ModelCaps(prompts=True), ModelCaps(prompts=False)
-WITH_STT = ModelCaps(prompts=True, transcribe=True)
+SERVED = ("m", "gpt-realtime")  # the duplex model's served names: its checkpoint's, an operator's alias
+PERSONAPLEX, MOSHI = ModelCaps(prompts=True, models=SERVED), ModelCaps(prompts=False, models=SERVED)
+WITH_STT = ModelCaps(prompts=True, transcribe=True, models=SERVED)
 
 
 def config() -> SessionConfig:
@@ -101,6 +102,16 @@ def test_refused_fields_name_their_param_and_change_nothing(session, param):
     after, errors = update(session, base=before)
     assert [e.param for e in errors] == [param], [str(e) for e in errors]
     assert after.to_dict(Dialect.GA) == before.to_dict(Dialect.GA)
+
+
+def test_a_model_not_served_is_model_not_found_and_the_other_fields_apply():
+    """session.model was taken as a label whatever it named."""
+    cfg, errors = update({"model": "gpt-4o-realtime-preview", "instructions": "Be Ada."})
+    assert [(e.code, e.param) for e in errors] == [("model_not_found", "session.model")]
+    assert "served as 'm', 'gpt-realtime'" in str(errors[0]) and "GET /v1/models" in str(errors[0])
+    assert cfg.model == "m" and cfg.instructions == "Be Ada."
+    assert [e.code for e in update({"model": 7})[1]] == ["invalid_type"]
+    assert update({"model": "gpt-realtime"})[0].model == "gpt-realtime"  # an alias is honoured as the label
 
 
 def test_honoured_fields_show_in_the_effective_config():

@@ -5,8 +5,13 @@ string, transcription any non-empty one, images answered 400, and /v1/models was
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+
 import httpx2 as httpx  # what the pinned openai SDK ships on
 import openai
+import pydantic
 import pytest
 import torch
 
@@ -131,21 +136,102 @@ def test_an_alias_or_no_model_is_served(server):
     assert c.images.generate(prompt="a cat", size="auto", extra_body={"num_inference_steps": 1}).data[0].b64_json
 
 
-def test_api_chat_with_a_wrong_model_in_its_url_is_404_before_the_upgrade(server):
-    """/api/chat ignored a `model` query parameter it does not serve (any name was a session)."""
-    import asyncio
-    import json
-
+def upgrade(url: str, path: str) -> tuple[int, bytes]:
+    """The status a WebSocket upgrade gets (101: accepted, then closed) and the refusal's body."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
 
-    async def upgrade(query: str) -> tuple[int, bytes]:
+    async def attempt() -> tuple[int, bytes]:
         try:
-            async with connect(f"{server[0].replace('http', 'ws')}/api/chat{query}", open_timeout=10):
+            async with connect(f"{url.replace('http', 'ws')}{path}", open_timeout=10):
                 return 101, b""
         except InvalidStatus as exc:
             return exc.response.status_code, exc.response.body
 
-    status, body = asyncio.run(upgrade("?model=gpt-5"))
+    return asyncio.run(attempt())
+
+
+def test_api_chat_with_a_wrong_model_in_its_url_is_404_before_the_upgrade(server):
+    """/api/chat ignored a `model` query parameter it does not serve (any name was a session)."""
+    status, body = upgrade(server[0], "/api/chat?model=gpt-5")
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
-    assert asyncio.run(upgrade("?model=delay"))[0] == 101  # the served name (left out: every other chat test)
+    assert upgrade(server[0], "/api/chat?model=delay")[0] == 101  # the served name (left out: every other chat test)
+
+
+def test_realtime_and_live_with_a_wrong_model_in_the_url_are_404_before_the_upgrade(server):
+    """/v1/realtime took any `?model=` as the session's label. A transcription session
+    (?intent=transcription) is the STT's: its names, not the duplex model's."""
+    url, _ = server
+    for path in ("/v1/realtime?model=gpt-realtime", "/v1/realtime?model=whisper-1",
+                 "/v1/realtime?intent=transcription&model=delay", "/v1/live/sessions?model=gpt-live-1"):
+        status, body = upgrade(url, path)
+        error = json.loads(body)["error"]
+        assert (status, error["code"], error["param"]) == (404, "model_not_found", "model"), path
+        assert "GET /v1/models" in error["message"], path
+    for path in ("/v1/realtime?model=delay", "/v1/realtime", "/v1/realtime?intent=transcription&model=whisper-1",
+                 "/v1/realtime?intent=transcription&model=kyutai-stt"):
+        assert accepted(url, path), path
+
+
+def accepted(url: str, path: str, wait_s: float = 10.0) -> bool:
+    """The upgrade is accepted, once the one slot the previous session held is free again (503 until then)."""
+    deadline = time.monotonic() + wait_s
+    while (status := upgrade(url, path)[0]) == 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return status == 101
+
+
+def test_realtime_session_update_with_a_wrong_model_is_an_error_and_the_session_goes_on(server):
+    """session.model was taken as the session's label, whatever it named."""
+    from openai.types.realtime import RealtimeServerEvent
+
+    from test_server_realtime import Recorder, client
+
+    events = pydantic.TypeAdapter(RealtimeServerEvent)
+
+    async def scenario(base):
+        async with client(base).realtime.connect(model="delay") as conn:
+            rec = Recorder(conn)
+            assert (await rec.wait_type("session.created", timeout=20))["session"]["model"] == "delay"
+            await conn.session.update(session={"type": "realtime", "model": "gpt-realtime",
+                                               "instructions": "Be brief."}, event_id="evt_model")
+            error = await rec.wait_type("error")
+            updated = await rec.wait_type("session.updated")
+            await conn.close()
+            await rec.task
+            return error, updated
+
+    error, updated = asyncio.run(scenario(server[0].removeprefix("http://")))
+    events.validate_python(error)
+    assert (error["error"]["code"], error["error"]["param"], error["error"]["event_id"]) == (
+        "model_not_found", "session.model", "evt_model")
+    assert "served as 'delay'" in error["error"]["message"]
+    assert updated["session"]["model"] == "delay" and updated["session"]["instructions"] == "Be brief."
+
+
+def test_live_session_start_with_a_wrong_model_is_an_error_and_a_served_one_starts(server):
+    """GPT-Live's session.start took any `session.model` as the session's label."""
+    from openai.types.live import ServerEvent
+
+    from test_server_realtime import Recorder, client
+
+    events = pydantic.TypeAdapter(ServerEvent)
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            await conn.session.start(session={"model": "gpt-live-1"}, event_id="wrong")
+            error = await rec.wait(lambda e: e.get("client_event_id") == "wrong", timeout=20)
+            await conn.session.start(session={"model": "delay"}, event_id="served")
+            started = await rec.wait(lambda e: e.get("client_event_id") == "served", timeout=20)
+            await conn.session.close()
+            await rec.wait_type("session.closed", timeout=10)
+            await rec.task
+            return error, started
+
+    error, started = asyncio.run(scenario(server[0].removeprefix("http://")))
+    events.validate_python(error)
+    events.validate_python(started)
+    assert (error["type"], error["error"]["code"], error["error"]["param"]) == (
+        "error", "model_not_found", "session.model")
+    assert started["type"] == "session.started" and started["session"]["model"] == "delay"

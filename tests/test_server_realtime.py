@@ -15,7 +15,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from parley.engine.testing import DelayBackend
-from server_harness import FRAME, SR, delay_app, serve, tone
+from server_harness import FRAME, OPENAI_ALIASES, SR, delay_app, serve, tone
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -202,8 +202,11 @@ def test_responses_follow_the_models_activity():
     from parley.realtime.services import Services
     from parley.realtime.sessions import ServerDefaults
 
+    from parley.realtime.served_models import ServedModels
+
     engine = Engine(SilentTextBackend(1))
-    app = create_app(Services(engine, ServerDefaults(), ServerInfo(), codec_workers=1))
+    app = create_app(Services(engine, ServerDefaults(), ServerInfo(), codec_workers=1,
+                              models=ServedModels.build({"duplex": "parley"}, OPENAI_ALIASES)))
 
     async def scenario(base):
         async with client(base).realtime.connect(model="gpt-realtime") as conn:
@@ -319,10 +322,10 @@ def test_full_server_refuses_the_upgrade_with_503():
     app, _ = delay_app(1)
 
     async def scenario(base):
-        async with connect(f"ws://{base}/v1/realtime?model=x") as first:
+        async with connect(f"ws://{base}/v1/realtime?model=delay") as first:
             assert json.loads(await first.recv())["type"] == "session.created"
             with pytest.raises(InvalidStatus) as refused:
-                await connect(f"ws://{base}/v1/realtime?model=x")
+                await connect(f"ws://{base}/v1/realtime?model=delay")
             return refused.value.response
 
     with serve(app) as base:

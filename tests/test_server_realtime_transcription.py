@@ -9,7 +9,7 @@ import pytest
 
 from parley.models.synthetic import write_tiny_stt_checkpoint
 from parley.realtime.server import ServeConfig, build_app
-from server_harness import assert_transcript_delays, delay_app, serve, tone
+from server_harness import OPENAI_ALIASES, assert_transcript_delays, delay_app, serve, tone
 from test_server_realtime import Recorder, beta_validators, check_all, client, ga_validators, run, stream
 
 
@@ -20,7 +20,7 @@ def stt_app_factory(tmp_path_factory):
         if not stt_dir.exists():
             write_tiny_stt_checkpoint(stt_dir, mimi_from=tiny_moshi_dir)
         return build_app(ServeConfig(model=str(tiny_moshi_dir), stt_model=str(stt_dir), max_sessions=1,
-                                     stt_slots=1))
+                                     stt_slots=1, served_model_names={**OPENAI_ALIASES, "stt": ("gpt-4o-transcribe",)}))
     return make
 
 
@@ -172,7 +172,8 @@ def test_beta_transcription_session_with_semantic_vad(tiny_moshi_dir, stt_app_fa
     from openai.types.beta.realtime.transcription_session import TranscriptionSession
 
     async def scenario(base):
-        async with client(base).beta.realtime.connect(model="gpt-4o-realtime-preview",
+        # the beta SDK needs a model: a transcription session's is one of the STT's names
+        async with client(base).beta.realtime.connect(model="gpt-4o-transcribe",
                                                       extra_query={"intent": "transcription"}) as conn:
             rec = Recorder(conn)
             created = await rec.wait_type("transcription_session.created")
