@@ -122,17 +122,26 @@ if _HAVE_TRITON:
         return tl.sum(kn * q, axis=0) * qk_scale, vn
 
     @triton.jit
+    def _page(TABLE, b, stb, n, mask, BS: tl.constexpr):
+        """Paged rings: the pool block (int64: pools pass 2^31 elements) and the slot within it of
+        ring slots n of row b. Masked lanes read the null block 0."""
+        blk = tl.load(TABLE + b * stb + n // BS, mask=mask, other=0).to(tl.int64)
+        return blk, n % BS
+
+    @triton.jit
     def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
                            H, S, context, qk_scale,
                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
-                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ssp_b, so_b, so_h,
+                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ssp_b, so_b, so_h, TABLE, stb,
                            D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                            NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
                            IEEE: tl.constexpr, STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
-                           WRITE: tl.constexpr = False, HAS_EXEC: tl.constexpr = False):
+                           WRITE: tl.constexpr = False, HAS_EXEC: tl.constexpr = False,
+                           PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
         # bf16 / fp32 caches. The one query row is repeated over M = 16 rows so that both
         # products run as tensor-core dots (whose operand loads Triton pipelines); only row 0 is
-        # stored. (fp8 caches: _attn_fp8_kernel.)
+        # stored. (fp8 caches: _attn_fp8_kernel.) PAGED: K, V are pools [blocks, H, BS, D] and
+        # slot n of row b is at block TABLE[b, n // BS], slot n % BS (sk_b, sv_b: block strides).
         M: tl.constexpr = 16
         bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
         d = tl.arange(0, D)
@@ -150,8 +159,15 @@ if _HAVE_TRITON:
         for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
             n = n0 + offs_n
             inb = n < end
-            k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
-            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
+            if PAGED:
+                blk, off = _page(TABLE, b, stb, n, inb, BS)
+                k = tl.load(K + (blk * sk_b + h * sk_h + off * sk_s)[:, None] + d[None, :], mask=inb[:, None],
+                            other=0.0)
+                v = tl.load(V + (blk * sv_b + h * sv_h + off * sv_s)[:, None] + d[None, :], mask=inb[:, None],
+                            other=0.0)
+            else:
+                k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+                v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
             if HAS_CONTEXT:
@@ -188,8 +204,16 @@ if _HAVE_TRITON:
                 w = d >= 0
                 if HAS_EXEC:  # (the flag compared as a [D] tensor: the interpreter takes no scalar in a mask)
                     w = w & (tl.load(EXEC + b) + 0 * d != 0)
-                tl.store(K + b * sk_b + h * sk_h + cur * sk_s + d, tl.load(KN + b * skn_b + h * skn_h + d), mask=w)
-                tl.store(V + b * sv_b + h * sv_h + cur * sv_s + d, tl.load(VN + b * svn_b + h * svn_h + d), mask=w)
+                if PAGED:  # (never into the null block)
+                    blk, off = _page(TABLE, b, stb, cur + 0 * d, w, BS)
+                    w = w & (blk != 0)
+                    k_at = K + blk * sk_b + h * sk_h + off * sk_s + d
+                    v_at = V + blk * sv_b + h * sv_h + off * sv_s + d
+                else:
+                    k_at = K + b * sk_b + h * sk_h + cur * sk_s + d
+                    v_at = V + b * sv_b + h * sv_h + cur * sv_s + d
+                tl.store(k_at, tl.load(KN + b * skn_b + h * skn_h + d), mask=w)
+                tl.store(v_at, tl.load(VN + b * svn_b + h * svn_h + d), mask=w)
         else:
             # Splits past the filled window store nothing: the reduce reads only filled splits.
             idx = bh * NUM_SPLITS + split
@@ -202,17 +226,19 @@ if _HAVE_TRITON:
     def _attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
                          H, S, context, qk_scale,
                          sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
-                         sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h,
+                         sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h, TABLE, stb,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                         STAGES: tl.constexpr, HAS_ORDER: tl.constexpr):
+                         STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
+                         PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
         # fp8 caches on CUDA cores: with one query row, tensor-core dots need the row repeated 16
         # times and a converted 128 x 128 tile in registers (195+ registers, 2 programs an SM,
         # issue-bound at ~2.9 TB/s on the H200); elementwise fp32 products over small blocks keep
         # ~128 registers and read ~4 TB/s (benchmarks/fp8_attention_variants.py, cc_lazy).
         # Each slot lane of the block keeps its own value sum and denominator (summed once at the
         # end), and the running max moves only when a block's max exceeds it by more than 2^8, so
-        # most blocks skip the rescale (p stays <= 256: no fp32 overflow).
+        # most blocks skip the rescale (p stays <= 256: no fp32 overflow). PAGED: as in
+        # _attn_split_kernel, the scales pools [blocks, H, BS] too (sks_b: their block stride).
         bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
         d = tl.arange(0, D)
         q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
@@ -231,12 +257,21 @@ if _HAVE_TRITON:
             n = n0 + offs_n
             inb = n < end
             sp = tl.load(sp_base + n, mask=inb, other=-1)
-            k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
-            v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
+            if PAGED:
+                blk, off = _page(TABLE, b, stb, n, inb, BS)
+                k_sc = tl.load(KS + blk * sks_b + h * sks_h + off, mask=inb, other=0.0)
+                v_sc = tl.load(VS + blk * sks_b + h * sks_h + off, mask=inb, other=0.0)
+            else:
+                k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
+                v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
             if HAS_CONTEXT:
                 valid = valid & (qpos - sp < context)
-            k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            if PAGED:
+                k = tl.load(K + (blk * sk_b + h * sk_h + off * sk_s)[:, None] + d[None, :], mask=inb[:, None],
+                            other=0.0)
+            else:
+                k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * (k_sc * qk_scale)
             s = tl.where(valid, s, float("-inf"))
             m_blk = tl.max(s, axis=0)
@@ -246,7 +281,11 @@ if _HAVE_TRITON:
                 l_i = l_i * alpha
                 m_i = m_blk
             p = tl.exp2(s - m_i)
-            v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
+            if PAGED:
+                v = tl.load(V + (blk * sv_b + h * sv_h + off * sv_s)[:, None] + d[None, :], mask=inb[:, None],
+                            other=0.0)
+            else:
+                v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             acc += (p * v_sc)[:, None] * v.to(tl.float32)
             l_i += p
         acc_d = tl.sum(acc, axis=0)
@@ -292,10 +331,11 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
-                           H, S, T, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h,
+                           H, S, T, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, TABLE, stb,
                            D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr,
-                           KV_FP8: tl.constexpr):
+                           KV_FP8: tl.constexpr, PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
         # One program per (row step bt = b * T + t, head): step t of row b is at position POS[b] + t.
+        # PAGED: the slot is written through the block table (never into the null block 0).
         bh = tl.program_id(0)
         bt = bh // H
         h = bh % H
@@ -328,10 +368,18 @@ if _HAVE_TRITON:
         tl.store(QO + o + 2 * i + 1, qi)
         tl.store(KO + o + 2 * i, kr)
         tl.store(KO + o + 2 * i + 1, ki)
-        kc = K + b * sk_b + h * sk_h + slot * sk_s
+        if PAGED:
+            blk, off = _page(TABLE, b, stb, slot + 0 * i, write, BS)
+            write = write & (blk != 0)
+            kc = K + blk * sk_b + h * sk_h + off * sk_s
+            vc = V + blk * sv_b + h * sv_h + off * sv_s
+            so = blk * sks_b + h * sks_h + off
+        else:
+            kc = K + b * sk_b + h * sk_h + slot * sk_s
+            vc = V + b * sv_b + h * sv_h + slot * sv_s
+            so = b * sks_b + h * sks_h + slot
         vr = tl.load(base + 2 * HD + 2 * i)
         vi = tl.load(base + 2 * HD + 2 * i + 1)
-        vc = V + b * sv_b + h * sv_h + slot * sv_s
         if KV_FP8:
             # Per (row, head, slot) scale: the vector's max |x| maps to e4m3's largest value 448.
             cache_ty = K.dtype.element_ty
@@ -343,7 +391,6 @@ if _HAVE_TRITON:
             tl.store(kc + 2 * i + 1, tl.clamp(ki.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
             tl.store(vc + 2 * i, tl.clamp(vr.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
             tl.store(vc + 2 * i + 1, tl.clamp(vi.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            so = b * sks_b + h * sks_h + slot
             row0 = i == 0
             tl.store(KS + so + 0 * i, k_sc + 0.0 * i, mask=write & row0)
             tl.store(VS + so + 0 * i, v_sc + 0.0 * i, mask=write & row0)
@@ -462,16 +509,21 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      context: int | None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None,
                      launch: AttentionLaunch | None = None, write: bool = False,
-                     exec_mask: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
+                     exec_mask: torch.Tensor | None = None, order: torch.Tensor | None = None,
+                     block_table: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 caches (`k_scale` / `v_scale` [B, H, S] fp32 given): slot n holds cache[n] * scale[n].
     `launch`: block shape and grid (default `attention_launch`; benchmarks sweep others).
     `order` [B] (`row_order`): the order in which a launch of one program a (row, head) takes the
     rows; split launches need none and refuse one. The outputs do not depend on it.
     `write` (bf16 / fp32 caches): also store k_new, v_new at slot pos % S of the rows where
     `exec_mask` is True (all rows without one), as `rope_write` would without RoPE: inside the
-    attention kernel when one program covers a row's ring (the depformer's), else after it."""
+    attention kernel when one program covers a row's ring (the depformer's), else after it.
+    `block_table` [B, S // bs] int32 (paged rings, models/paged_kv.py): the caches (and scales) are
+    pools [blocks, H, bs(, D)] and slot n of row b lives in pool block block_table[b, n // bs];
+    the results are the dense ring's."""
     B, H, D = q.shape
-    S = cache_k.shape[2]
+    S = slot_pos.shape[1]
+    paged = _paging(block_table, cache_k, B, S)
     assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
     assert D == _pow2(D), f"head dim {D} must be a power of two"
@@ -497,18 +549,20 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         acc_tmp = torch.empty(B * H * num_splits * D, dtype=torch.float32, device=q.device)
     strides = (cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
                cache_v.stride(0), cache_v.stride(1), cache_v.stride(2))
+    table = (block_table, block_table.stride(0)) if paged else (pos, 0)
     shape = dict(D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None,
-                 FINAL=final, STAGES=stages, HAS_ORDER=order is not None, num_warps=warps)
+                 FINAL=final, STAGES=stages, HAS_ORDER=order is not None, num_warps=warps,
+                 PAGED=paged, BS=cache_k.shape[2] if paged else 1)
     if fp8:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
         _attn_fp8_kernel[(B * H, num_splits)](
             q, k_new, v_new, cache_k, cache_v, k_scale, v_scale, slot_pos, pos, rows, out, m_tmp, l_tmp, acc_tmp,
             H, S, ctx, qk_scale, *common, *strides, k_scale.stride(0), k_scale.stride(1), slot_pos.stride(0),
-            out.stride(0), out.stride(1), **shape)
+            out.stride(0), out.stride(1), *table, **shape)
     else:
         _attn_split_kernel[(B * H, num_splits)](
             q, k_new, v_new, cache_k, cache_v, slot_pos, pos, ex, rows, out, m_tmp, l_tmp, acc_tmp,
-            H, S, ctx, qk_scale, *common, *strides, slot_pos.stride(0), out.stride(0), out.stride(1),
+            H, S, ctx, qk_scale, *common, *strides, slot_pos.stride(0), out.stride(0), out.stride(1), *table,
             IEEE=ieee, WRITE=write and final, HAS_EXEC=exec_mask is not None, **shape)
     if final:
         return out
@@ -516,15 +570,36 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
         D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
     if write:  # after every split has read the ring
-        _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v)
+        _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v, block_table)
     return out
 
 
+def _paging(block_table: torch.Tensor | None, cache_k: torch.Tensor, B: int, S: int) -> bool:
+    """Whether the caches are paged pools (checked against the table), else dense [B, H, S, D] rings."""
+    if block_table is None:
+        assert cache_k.shape[2] == S, "a dense ring is [B, H, S, D]"
+        return False
+    bs = cache_k.shape[2]
+    assert S % bs == 0 and block_table.shape == (B, S // bs), f"a block table [{B}, {S} // {bs}] for this ring"
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    return True
+
+
 def _write_kv(k_new: torch.Tensor, v_new: torch.Tensor, pos: torch.Tensor, exec_mask: torch.Tensor | None,
-              cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
-    """cache[b, :, pos[b] % S] = new[b] for executing rows (rope_write's store without RoPE)."""
+              cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+    """cache[b, :, pos[b] % S] = new[b] for executing rows (rope_write's store without RoPE); paged
+    caches through the block table, never into the null block 0."""
     B, H, D = k_new.shape
-    keep = exec_mask[:, None, None] if exec_mask is not None else torch.ones_like(pos, dtype=torch.bool)[:, None, None]
+    keep = exec_mask if exec_mask is not None else torch.ones_like(pos, dtype=torch.bool)
+    if block_table is not None:
+        bs = cache_k.shape[2]
+        slot = pos % (block_table.shape[1] * bs)
+        blk = block_table.long().gather(1, torch.div(slot, bs, rounding_mode="floor")[:, None])[:, 0]
+        keep = (keep & (blk != 0))[:, None, None]
+        for cache, new in ((cache_k, k_new), (cache_v, v_new)):
+            cache[blk, :, slot % bs] = torch.where(keep, new, cache[blk, :, slot % bs])
+        return
+    keep = keep[:, None, None]
     index = (pos % cache_k.shape[2])[:, None, None, None].expand(B, H, 1, D)
     for cache, new in ((cache_k, k_new), (cache_v, v_new)):
         cache.scatter_(2, index, torch.where(keep, new, cache.gather(2, index)[:, :, 0])[:, :, None])
@@ -533,16 +608,20 @@ def _write_kv(k_new: torch.Tensor, v_new: torch.Tensor, pos: torch.Tensor, exec_
 def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
                pos: torch.Tensor, exec_mask: torch.Tensor | None, cache_k: torch.Tensor,
                cache_v: torch.Tensor, k_scale: torch.Tensor | None = None,
-               v_scale: torch.Tensor | None = None, steps: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               v_scale: torch.Tensor | None = None, steps: int = 1,
+               block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [B, 3*H*D] -> q, k (rotated, [B, H, D]), v (a view); k, v written to slot pos % S of
     executing rows' caches (fp8 caches: quantized with a per-(row, head, slot) scale, written to
     `k_scale` / `v_scale` [B, H, S]; see `quantize_kv`).
 
     `steps` T > 1: qkv [R * T, 3*H*D] holds T consecutive steps of each of R rows (row-major), step
     t of row r at position pos[r] + t (written to slot (pos[r] + t) % S), with cos_sin per step
-    ([R * T, D / 2]); exec_mask and pos stay per row [R]; q and k come back [R * T, H, D]."""
+    ([R * T, D / 2]); exec_mask and pos stay per row [R]; q and k come back [R * T, H, D].
+
+    `block_table` [R, S // bs] int32: paged caches (see `decode_attention`), S = its columns * bs."""
     B = qkv.shape[0]
-    S = cache_k.shape[2]
+    S = cache_k.shape[2] if block_table is None else block_table.shape[1] * cache_k.shape[2]
+    paged = _paging(block_table, cache_k, pos.shape[0], S)
     assert B % steps == 0 and pos.shape[0] * steps == B, "qkv must hold `steps` steps of every row"
     assert qkv.stride(1) == 1 and cache_k.stride(3) == 1 and cache_v.stride(3) == 1
     q_out = torch.empty(B, H, D, dtype=qkv.dtype, device=qkv.device)
@@ -558,7 +637,9 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
-        D=D, HAS_ROPE=cos_sin is not None, HAS_EXEC=exec_mask is not None, KV_FP8=fp8, num_warps=1)
+        *((block_table, block_table.stride(0)) if paged else (pos, 0)),
+        D=D, HAS_ROPE=cos_sin is not None, HAS_EXEC=exec_mask is not None, KV_FP8=fp8, num_warps=1,
+        PAGED=paged, BS=cache_k.shape[2] if paged else 1)
     v = qkv[:, 2 * H * D:].view(B, H, D)
     return q_out, k_out, v
 

@@ -113,8 +113,12 @@ class LMGen:
     # -- state ----------------------------------------------------------------------------------
 
     def init_state(self, batch_size: int, device: torch.device | None = None,
-                   dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> LMGenState:
-        """`kv_dtype` (e.g. torch.float8_e4m3fn) sets the temporal KV ring's dtype; default `dtype`."""
+                   dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None,
+                   kv_blocks: int | None = None, block_size: int | None = None) -> LMGenState:
+        """`kv_dtype` (e.g. torch.float8_e4m3fn) sets the temporal KV ring's dtype; default `dtype`.
+        `kv_blocks` (default None: dense rings): the temporal ring is paged, a pool of `kv_blocks`
+        blocks of `block_size` slots (models/paged_kv.py) whose blocks the caller assigns to rows
+        (`state.transformer.assign_blocks`) before they are written. The depformer stays dense."""
         param = next(self.model.parameters())
         device = param.device if device is None else device
         dtype = param.dtype if dtype is None else dtype
@@ -124,7 +128,7 @@ class LMGen:
             return torch.full((batch_size,), value, dtype=kind, device=device)
 
         return LMGenState(
-            transformer=self.model.transformer.init_state(batch_size, device, dtype, kv_dtype),
+            transformer=self.model.transformer.init_state(batch_size, device, dtype, kv_dtype, kv_blocks, block_size),
             depformer=self.model.depformer.init_state(batch_size, device, dtype),
             ring=torch.full((batch_size, self.cfg.num_codebooks, self.ring_size), UNGENERATED_TOKEN,
                             dtype=torch.long, device=device),

@@ -15,6 +15,8 @@ API
     state.reset(mask[B])       # masked rows back to position 0 with an empty KV ring
     state.clear()              # every row (the depformer clears once per frame)
     state.row(i)               # a B=1 view of row i: stepping it updates row i in place
+    state = tr.init_state(B, kv_blocks=N, block_size=None)  # paged: per-layer pools of N blocks + a block table
+    state.assign_blocks(row, logical, physical);  state.forget_blocks(row, logical);  state.release_row(row)
 
 Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
 - Each row has an absolute position `pos[b]`; step t of a call sits at `pos[b] + t` (RoPE and mask).
@@ -28,6 +30,8 @@ Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
 - `weights_per_step` (the depformer): `step` (a Python int, static under CUDA graphs) picks the
   step's slice of the stacked `in_proj_weight` / `out_proj.weight` and its `gating[step]` FFN.
 - Nothing in `forward` reads a device value back to the host: it can be captured in a CUDA graph.
+- Paged states (models/paged_kv.py) keep these semantics exactly; only where a slot is stored
+  changes. The caller (the engine) assigns a row's blocks before the step that writes them.
 
 Parameter names are the published checkpoint keys: `layers.{i}.self_attn.in_proj_weight`
 (fused QKV, per-step weights stacked on dim 0), `layers.{i}.self_attn.out_proj.weight`,
@@ -41,12 +45,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, paged_kv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,65 +167,174 @@ def ring_slot_positions(pos: torch.Tensor, capacity: int) -> torch.Tensor:
     return torch.where(latest >= 0, latest, torch.full_like(latest, -1))
 
 
+class LayerKV(NamedTuple):
+    """One layer's ring (`TransformerState.kv`): dense [B, H, capacity, D] or paged pools
+    [num_blocks, H, block_size, D] with the state's block table (models/paged_kv.py)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None = None  # fp8 only: [B, H, capacity] (paged: [num_blocks, H, block_size])
+    value_scales: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None  # paged only: [B, capacity // block_size] int32
+
+
 @dataclass
 class TransformerState:
-    """Per-row streaming state of one StreamingTransformer (all tensors on the model's device)."""
+    """Per-row streaming state of one StreamingTransformer (all tensors on the model's device).
+
+    Dense (the default): each row owns its whole ring. Paged (`init_state(kv_blocks=)`, the
+    temporal LM of duplex rows): `keys[l]` / `values[l]` are pools of blocks shared by all rows and
+    `block_table` maps each row's ring blocks to pool blocks (models/paged_kv.py); the engine
+    assigns blocks (`assign_blocks`, `release_row`), the model only reads and writes through them.
+    """
 
     pos: torch.Tensor  # [B] long: absolute position of the next step of each row
     slot_pos: torch.Tensor  # [B, capacity] long: position held by each ring slot, -1 when empty
-    keys: list[torch.Tensor]  # per layer [B, H, capacity, head_dim]
-    values: list[torch.Tensor]  # per layer [B, H, capacity, head_dim]
-    # fp8 caches only (`kv_dtype=torch.float8_e4m3fn`): per layer [B, H, capacity] fp32 scales;
-    # slot n of a head holds keys[..., n, :] * key_scales[..., n] (see `quantize_kv`).
+    keys: list[torch.Tensor]  # per layer [B, H, capacity, head_dim] (paged: [num_blocks, H, block_size, head_dim])
+    values: list[torch.Tensor]  # per layer, as keys
+    # fp8 caches only (`kv_dtype=torch.float8_e4m3fn`): per layer [B, H, capacity] fp32 scales
+    # (paged: [num_blocks, H, block_size]); slot n of a head holds keys[..., n, :] * key_scales[..., n].
     key_scales: list[torch.Tensor] | None = None
     value_scales: list[torch.Tensor] | None = None
+    # Paged only: [B, capacity // block_size] int32, logical ring block -> pool block (0: the null
+    # block). A CUDA-graph input: updated in place, never replaced.
+    block_table: torch.Tensor | None = None
 
-    def kv(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """(keys, values) of a layer, plus (key_scales, value_scales) for fp8 caches."""
-        if self.key_scales is None:
-            return self.keys[layer], self.values[layer]
-        return self.keys[layer], self.values[layer], self.key_scales[layer], self.value_scales[layer]
+    def kv(self, layer: int) -> LayerKV:
+        """A layer's keys and values, with the fp8 scales and the block table where the state has them."""
+        scales = (None, None) if self.key_scales is None else (self.key_scales[layer], self.value_scales[layer])
+        return LayerKV(self.keys[layer], self.values[layer], *scales, self.block_table)
 
     @property
     def batch_size(self) -> int:
         return self.pos.shape[0]
 
+    @property
+    def capacity(self) -> int:
+        return self.slot_pos.shape[1]
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def block_size(self) -> int:
+        """Ring slots per block (paged states)."""
+        return self.keys[0].shape[2]
+
+    @property
+    def num_blocks(self) -> int:
+        """Pool blocks per layer, the null block 0 included (paged states)."""
+        return self.keys[0].shape[0]
+
     def reset(self, mask: torch.Tensor) -> None:
-        """Masked rows start over (empty ring, position 0); other rows are untouched."""
+        """Masked rows start over (empty ring, position 0); other rows are untouched. A paged
+        row keeps its blocks (the engine frees them with `release_row`)."""
         self.pos.masked_fill_(mask, 0)
         self.slot_pos.masked_fill_(mask[:, None], -1)
 
     def clear(self) -> None:
-        """Every row starts over."""
+        """Every row starts over (paged rows keep their blocks)."""
         self.pos.zero_()
         self.slot_pos.fill_(-1)
 
+    def assign_blocks(self, row: int, logical, physical) -> None:
+        """Paged states: the row's logical ring blocks `logical` (block j holds slots j * block_size
+        .. (j + 1) * block_size - 1) now live in pool blocks `physical` (host ints, 1 .. num_blocks
+        - 1). The engine's allocator calls it between steps, before the step that first writes a
+        block (the step at position p writes logical block (p % capacity) // block_size). In place:
+        captured graphs read the table."""
+        table = self._table()
+        logical = self._logical(logical)
+        physical = torch.as_tensor(physical, dtype=torch.int32, device="cpu").flatten()
+        if logical.shape != physical.shape:
+            raise ValueError(f"{logical.numel()} logical blocks for {physical.numel()} physical ones")
+        if physical.numel() and not (1 <= int(physical.min()) and int(physical.max()) < self.num_blocks):
+            raise ValueError(f"physical blocks {physical.tolist()} outside the pool's 1 .. {self.num_blocks - 1}"
+                             " (block 0 is the null block)")
+        table[row].index_copy_(0, logical.to(table.device), physical.to(table.device))
+
+    def forget_blocks(self, row: int, logical) -> None:
+        """Paged states: the row gives back logical blocks `logical` (host ints) and carries on
+        without them: their slots are emptied (never attended again) and their entries go back
+        to the null block. Between steps, in place."""
+        table = self._table()
+        logical = self._logical(logical)
+        slots = (logical[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+        table[row].index_fill_(0, logical.to(table.device), paged_kv.NULL_BLOCK)
+        self.slot_pos[row].index_fill_(0, slots.to(table.device), -1)
+
+    def _logical(self, logical) -> torch.Tensor:
+        """Logical block indices as a host long tensor, checked against the ring."""
+        logical = torch.as_tensor(logical, dtype=torch.long, device="cpu").flatten()
+        blocks = self.capacity // self.block_size
+        if logical.numel() and not (0 <= int(logical.min()) and int(logical.max()) < blocks):
+            raise ValueError(f"logical blocks {logical.tolist()} outside the ring's 0 .. {blocks - 1}")
+        return logical
+
+    def release_row(self, row: int) -> None:
+        """Paged states: the row gives its blocks back (every entry -> the null block) and, having no
+        memory left, starts over (empty ring, position 0). Between steps, in place."""
+        self._table()[row].zero_()
+        self.pos[row:row + 1].zero_()
+        self.slot_pos[row].fill_(-1)
+
+    def _table(self) -> torch.Tensor:
+        if self.block_table is None:
+            raise ValueError("a dense KV state has no block table (init_state(kv_blocks=) makes a paged one)")
+        return self.block_table
+
     def adopt_prefix(self, row: int, source: "TransformerState", frames: int) -> None:
-        """Row `row` takes positions 0 .. frames - 1 from row 0 of `source`, a state with the same
-        layers and ring whose row 0 ran a prompt from position 0 (so slot == position): those slots' keys
-        and values (and fp8 scales), then positions `frames` on are empty, as if the row itself
-        had run the prompt. What `source` holds past `frames` (padding) is not taken."""
-        capacity = self.slot_pos.shape[1]
+        """Row `row` takes positions 0 .. frames - 1 from row 0 of `source`, a dense state with the
+        same layers and ring whose row 0 ran a prompt from position 0 (so slot == position): those slots'
+        keys and values (and fp8 scales), then positions `frames` on are empty, as if the row itself
+        had run the prompt. What `source` holds past `frames` (padding) is not taken. A paged row
+        must hold blocks covering `frames` slots already (else ValueError)."""
+        capacity = self.capacity
         if not 0 < frames <= capacity:
             raise ValueError(f"a prefix of {frames} frames does not fit a ring of {capacity} slots")
+        if source.paged:
+            raise ValueError("a prefix is adopted from a dense state (LMGen.prompt_state)")
         mine, theirs = self.keys + self.values, source.keys + source.values
         if self.key_scales is not None:
             mine = mine + self.key_scales + self.value_scales
             theirs = theirs + source.key_scales + source.value_scales
-        for dst, src in zip(mine, theirs):
-            dst[row, :, :frames].copy_(src[0, :, :frames])
+        if self.paged:
+            self._check_blocks(row, frames)
+            for dst, src in zip(mine, theirs):
+                paged_kv.write_prefix(dst, self.block_table[row], src[0, :, :frames])
+        else:
+            for dst, src in zip(mine, theirs):
+                dst[row, :, :frames].copy_(src[0, :, :frames])
         slots = torch.arange(capacity, device=self.slot_pos.device)
         self.slot_pos[row] = torch.where(slots < frames, slots, -1)
         self.pos[row] = frames
 
+    def _check_blocks(self, row: int, frames: int) -> None:
+        """Raise unless the row's blocks cover slots 0 .. frames - 1 (one read of the table row)."""
+        needed = -(-frames // self.block_size)
+        held = self.block_table[row, :needed].tolist()
+        if paged_kv.NULL_BLOCK in held:
+            missing = [j for j, b in enumerate(held) if b == paged_kv.NULL_BLOCK]
+            raise ValueError(f"row {row} holds no block for logical blocks {missing}: assign blocks covering "
+                             f"its {frames} prefix frames ({needed} blocks of {self.block_size}) first")
+
     def row(self, index: int) -> "TransformerState":
         """A batch-of-one view of row `index`; in-place updates through it land in this state."""
-        sl = slice(index, index + 1)
-        scales = {}
-        if self.key_scales is not None:
-            scales = dict(key_scales=[s[sl] for s in self.key_scales], value_scales=[s[sl] for s in self.value_scales])
-        return TransformerState(self.pos[sl], self.slot_pos[sl],
-                                [k[sl] for k in self.keys], [v[sl] for v in self.values], **scales)
+        return self._rows(slice(index, index + 1))
+
+    def leading_rows(self, n: int) -> "TransformerState":
+        """Rows [0, n) as views (models/row_views.py)."""
+        return self._rows(slice(0, n))
+
+    def _rows(self, sl: slice) -> "TransformerState":
+        """Views of some rows. A paged state's pools belong to every row: they stay whole."""
+        def cut(tensors):
+            return tensors if tensors is None or self.paged else [t[sl] for t in tensors]
+
+        table = None if self.block_table is None else self.block_table[sl]
+        return TransformerState(self.pos[sl], self.slot_pos[sl], cut(self.keys), cut(self.values),
+                                cut(self.key_scales), cut(self.value_scales), table)
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -265,7 +379,7 @@ class StreamingAttention(nn.Module):
                 self.out_proj.weight[weight_index * dim:(weight_index + 1) * dim])
 
     def forward(self, x: torch.Tensor, weight_index: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor | None, attn_mask: torch.Tensor,
+                kv: LayerKV | None, slots: torch.Tensor | None, attn_mask: torch.Tensor,
                 exec_mask: torch.Tensor | None, pos: torch.Tensor | None = None,
                 fused_write: bool = False) -> torch.Tensor:
         """`rope`: `rope_cos_sin` of the steps' positions, or None without RoPE. `fused_write` (CUDA,
@@ -278,7 +392,7 @@ class StreamingAttention(nn.Module):
         if fused_write:
             # Rows that do not execute keep their ring as it was (nothing to restore); their
             # outputs, which nobody reads, attend over the old slot contents.
-            cache_k, cache_v = kv
+            cache_k, cache_v = kv.keys, kv.values
             cos_sin = None if rope is None else tuple(c.reshape(B * T, -1) for c in rope)
             q, _, _ = kernels.rope_write(qkv.view(B * T, 3 * self.dim), H, D, cos_sin, pos, exec_mask,
                                          cache_k, cache_v, steps=T)
@@ -290,28 +404,50 @@ class StreamingAttention(nn.Module):
 
         if kv is None:  # stateless: attend over this call's keys only
             out = F.scaled_dot_product_attention(q, k, v, attn_mask)
-        elif len(kv) == 4:  # fp8 ring: attend over a dequantized copy, then commit the quantized keys
-            out = self._attend_fp8(q, k, v, kv, slots, attn_mask, exec_mask)
+        elif kv.block_table is not None:
+            out = self._attend_paged(q, k, v, kv, slots, attn_mask, exec_mask)
         else:
-            cache_k, cache_v = kv
-            index = slots[:, None, :, None].expand(B, H, T, D)
-            if exec_mask is not None:
-                old_k, old_v = cache_k.gather(2, index), cache_v.gather(2, index)
-            cache_k.scatter_(2, index, k)
-            cache_v.scatter_(2, index, v)
-            out = _attention(q, cache_k, cache_v, attn_mask)
-            if exec_mask is not None:
-                # Rows that do not execute get their overwritten slots back: their state is untouched,
-                # yet they attended over a valid (written) key, so their outputs stay finite.
-                keep = exec_mask[:, None, None, None]
-                cache_k.scatter_(2, index, torch.where(keep, k, old_k))
-                cache_v.scatter_(2, index, torch.where(keep, v, old_v))
+            out = self._attend(q, k, v, kv, slots, attn_mask, exec_mask)
         out = out.transpose(1, 2).reshape(B, T, self.dim)
         return F.linear(out, w_out)
 
     @staticmethod
-    def _attend_fp8(q, k, v, kv, slots, attn_mask, exec_mask) -> torch.Tensor:
-        cache_k, cache_v, k_scale, v_scale = kv
+    def _attend(q, k, v, kv: LayerKV, slots, attn_mask, exec_mask) -> torch.Tensor:
+        """Write the call's keys into a dense ring (kept for executing rows only) and attend over it."""
+        if kv.key_scales is not None:  # fp8 ring: attend over a dequantized copy, then commit the quantized keys
+            return StreamingAttention._attend_fp8(q, k, v, kv, slots, attn_mask, exec_mask)
+        cache_k, cache_v = kv.keys, kv.values
+        B, H, T, D = k.shape
+        index = slots[:, None, :, None].expand(B, H, T, D)
+        if exec_mask is not None:
+            old_k, old_v = cache_k.gather(2, index), cache_v.gather(2, index)
+        cache_k.scatter_(2, index, k)
+        cache_v.scatter_(2, index, v)
+        out = _attention(q, cache_k, cache_v, attn_mask)
+        if exec_mask is not None:
+            # Rows that do not execute get their overwritten slots back: their state is untouched,
+            # yet they attended over a valid (written) key, so their outputs stay finite.
+            keep = exec_mask[:, None, None, None]
+            cache_k.scatter_(2, index, torch.where(keep, k, old_k))
+            cache_v.scatter_(2, index, torch.where(keep, v, old_v))
+        return out
+
+    @staticmethod
+    def _attend_paged(q, k, v, kv: LayerKV, slots, attn_mask, exec_mask) -> torch.Tensor:
+        """A paged ring: each row's ring gathered through the block table into a dense copy, the
+        dense math on it (so the result is the dense path's, bit for bit), then the slots this call
+        wrote go back to the pool (executing rows only, never the null block)."""
+        table = kv.block_table
+        pools = [t for t in kv[:4] if t is not None]
+        views = [paged_kv.gather_ring(pool, table) for pool in pools]
+        out = StreamingAttention._attend(q, k, v, LayerKV(*views), slots, attn_mask, exec_mask)
+        for pool, view in zip(pools, views):
+            paged_kv.scatter_slots(pool, table, view, slots, exec_mask)
+        return out
+
+    @staticmethod
+    def _attend_fp8(q, k, v, kv: LayerKV, slots, attn_mask, exec_mask) -> torch.Tensor:
+        cache_k, cache_v, k_scale, v_scale = kv[:4]
         B, H, T, D = k.shape
         index = slots[:, None, :, None].expand(B, H, T, D)
         full_k = dequantize_kv(cache_k, k_scale, q.dtype).scatter_(2, index, k)
@@ -460,15 +596,30 @@ class StreamingTransformer(nn.Module):
         ])
 
     def init_state(self, batch_size: int, device: torch.device | str | None = None,
-                   dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> TransformerState:
+                   dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None,
+                   kv_blocks: int | None = None, block_size: int | None = None) -> TransformerState:
         """`dtype`: the activations' dtype (default: the weights'). `kv_dtype`: the KV ring's, default
-        `dtype`; `torch.float8_e4m3fn` stores keys and values in fp8 with per-(row, head, slot) scales."""
+        `dtype`; `torch.float8_e4m3fn` stores keys and values in fp8 with per-(row, head, slot) scales.
+        `kv_blocks`: a paged state, each layer's ring a pool of `kv_blocks` blocks of `block_size`
+        slots (default `paged_kv.block_size_for`; block 0 is the null block, so kv_blocks - 1 are
+        usable) and a block table with every entry on the null block (models/paged_kv.py)."""
         if self.capacity is None:
             raise ValueError("a streaming state needs a context or capacity")
         param = self.layers[0].self_attn.in_proj_weight
         device = param.device if device is None else device
         dtype = param.dtype if dtype is None else dtype
-        shape = (batch_size, self.num_heads, self.capacity, self.d_model // self.num_heads)
+        head_dim = self.d_model // self.num_heads
+        table = None
+        if kv_blocks is None:
+            if block_size is not None:
+                raise ValueError("block_size is for paged states: give kv_blocks too")
+            shape = (batch_size, self.num_heads, self.capacity, head_dim)
+        else:
+            block_size = paged_kv.block_size_for(self.capacity, block_size)
+            if kv_blocks < 2:
+                raise ValueError(f"kv_blocks {kv_blocks}: a pool needs the null block and at least one more")
+            shape = (kv_blocks, self.num_heads, block_size, head_dim)
+            table = torch.zeros(batch_size, self.capacity // block_size, device=device, dtype=torch.int32)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         scales = {}
         if kv_dtype == torch.float8_e4m3fn:
@@ -481,7 +632,7 @@ class StreamingTransformer(nn.Module):
         return TransformerState(
             pos=torch.zeros(batch_size, device=device, dtype=torch.long),
             slot_pos=torch.full((batch_size, self.capacity), -1, device=device, dtype=torch.long),
-            keys=keys, values=values, **scales,
+            keys=keys, values=values, **scales, block_table=table,
         )
 
     def _weight_index(self, step: int | None) -> int:
@@ -535,7 +686,8 @@ class StreamingTransformer(nn.Module):
         mask = self._mask(new_slot_pos, positions)
         rope = self._rope(positions)
         # A few steps (Mimi's 2 a frame) on CUDA: RoPE + ring write fused, as in the one-step path.
-        fused_write = T <= FEW_STEPS and state.key_scales is None and self._can_fuse(x)
+        # (Paged rings take the general path: it gathers each row's ring through the table.)
+        fused_write = T <= FEW_STEPS and state.key_scales is None and not state.paged and self._can_fuse(x)
         for i, (layer, cross) in enumerate(zip(self.layers, crosses)):
             x = layer(x, weight_index, cross, rope=rope, kv=state.kv(i), slots=slots, attn_mask=mask,
                       exec_mask=exec_mask, pos=state.pos, fused_write=fused_write)
@@ -575,6 +727,7 @@ class StreamingTransformer(nn.Module):
         H = self.num_heads
         D = dim // H
         pos = state.pos
+        table = state.block_table  # paged rings: every kernel addresses slots through it
         cos_sin = None
         if self.rope_max_period is not None:
             cos_sin = rope_cos_sin(pos, D, self.rope_max_period)
@@ -598,12 +751,12 @@ class StreamingTransformer(nn.Module):
                 # itself writes k and v to the ring (one kernel a layer instead of two).
                 q, k, v = qkv.view(B, 3, H, D).unbind(1)
                 out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                               self.context, write=True, exec_mask=exec_mask)
+                                               self.context, write=True, exec_mask=exec_mask, block_table=table)
             else:
                 q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
-                                             *scales)
+                                             *scales, block_table=table)
                 out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                               self.context, *scales, order=order)
+                                               self.context, *scales, order=order, block_table=table)
             update = F.linear(out.view(B, dim), w_out)
             if layer.cross_attention is None:
                 res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)

@@ -204,6 +204,134 @@ def check_frame() -> None:
     print("ok frame")
 
 
+# ---------------------------------------------------------------------------------------------
+# Paged rings (models/paged_kv.py): the same kernels addressing slots through a block table
+
+
+def paged_layout(pos: torch.Tensor, S: int, bs: int) -> tuple[torch.Tensor, int]:
+    """A block table giving each row blocks for the slots it has filled and the one it writes
+    now (none at all for a row at position 0: it stays on the null block), drawn in a shuffled
+    order; and the pool size."""
+    B, nb = pos.shape[0], S // bs
+    table = torch.zeros(B, nb, dtype=torch.int32)
+    free = (torch.randperm(B * nb) + 1).tolist()
+    for b in range(B):
+        if int(pos[b]) > 0:
+            for j in range(min(nb, int(pos[b]) // bs + 1)):
+                table[b, j] = free.pop()
+    return table, B * nb + 1
+
+
+def paged_copy(ring: torch.Tensor, table: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A pool [blocks, H, bs(, D)] holding dense `ring` [B, H, S(, D)]'s assigned blocks."""
+    B, nb = table.shape
+    bs = ring.shape[2] // nb
+    raw = ring.view(torch.uint8) if ring.dtype == torch.float8_e4m3fn else ring
+    pool = torch.zeros(blocks, raw.shape[1], bs, *raw.shape[3:], dtype=raw.dtype)
+    for b, j in table.nonzero().tolist():
+        pool[table[b, j]] = raw[b, :, j * bs:(j + 1) * bs]
+    return pool.view(ring.dtype)
+
+
+def same_assigned(pool: torch.Tensor, ring: torch.Tensor, table: torch.Tensor) -> None:
+    """Every assigned block of the pool holds the dense ring's bytes; the null block stays zero."""
+    raw = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+    expected = paged_copy(ring, table, pool.shape[0])
+    assert torch.equal(raw(pool), raw(expected)), (raw(pool).float() - raw(expected).float()).abs().max()
+
+
+def check_paged_attention() -> None:
+    """decode_attention over pools through a block table against the dense ring: bf16 / fp32 and
+    fp8, rows empty / partly filled / full / wrapped, one split and split + reduce, a context,
+    row order, and write= with rows not executing (and a row on the null block)."""
+    from parley.models.transformer import quantize_kv
+    B, H, S, D, bs = 4, 2, 40, 16, 8
+    pos = torch.tensor([0, 5, 39, 97])
+    sp = ring_slot_positions(pos, S)
+    table, blocks = paged_layout(pos, S, bs)
+    launches = (None, kernels.AttentionLaunch(16, 1, 1, 4))
+    for dt in (torch.float32, torch.bfloat16):
+        ck, cv = torch.randn(B, H, S, D).to(dt), torch.randn(B, H, S, D).to(dt)
+        pk, pv = paged_copy(ck, table, blocks), paged_copy(cv, table, blocks)
+        q, kn, vn = (torch.randn(B, H, D).to(dt) for _ in range(3))
+        for context, launch in ((None, launches[0]), (30, launches[1]), (None, launches[1])):
+            dense = kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, context, launch=launch)
+            close(kernels.decode_attention(q, kn, vn, pk, pv, sp, pos, context, launch=launch, block_table=table), dense)
+        order = torch.argsort(pos.clamp(max=S), descending=True)
+        close(kernels.decode_attention(q, kn, vn, pk, pv, sp, pos, None, order=order, block_table=table),
+              kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, None, order=order))
+        live = torch.tensor([True, False, True, True])  # row 0 executes with no block: its write is dropped
+        for launch in launches:  # written in the kernel; after a split launch
+            k2, v2, pk2, pv2 = ck.clone(), cv.clone(), pk.clone(), pv.clone()
+            dense = kernels.decode_attention(q, kn, vn, k2, v2, sp, pos, None, launch=launch, write=True, exec_mask=live)
+            out = kernels.decode_attention(q, kn, vn, pk2, pv2, sp, pos, None, launch=launch, write=True,
+                                           exec_mask=live, block_table=table)
+            close(out, dense)
+            same_assigned(pk2, k2, table)
+            same_assigned(pv2, v2, table)
+    (k8, ks), (v8, vs) = quantize_kv(torch.randn(B, H, S, D)), quantize_kv(torch.randn(B, H, S, D) * 0.1)
+    paged = [paged_copy(t, table, blocks) for t in (k8, v8, ks, vs)]
+    q, kn, vn = (torch.randn(B, H, D) for _ in range(3))
+    for launch in (None, kernels.AttentionLaunch(16, 1, 4, 2)):
+        close(kernels.decode_attention(q, kn, vn, *paged[:2], sp, pos, 30, *paged[2:], launch=launch, block_table=table),
+              kernels.decode_attention(q, kn, vn, k8, v8, sp, pos, 30, ks, vs, launch=launch))
+    print("ok paged_attention")
+
+
+def check_paged_rope_write() -> None:
+    """rope_write through a block table: the same q, k and the same bytes stored (fp8: and scales)
+    as into the dense ring, for one step and two, rows not executing, a row on the null block."""
+    B, H, D, S, bs = 4, 2, 16, 10, 5
+    for steps, kv_fp8 in ((1, False), (2, False), (1, True)):
+        pos = torch.tensor([0, 4, 23, 9])
+        table, blocks = paged_layout(pos + steps - 1, S, bs)
+        table[0] = 0  # row 0 executes without blocks: nothing may land anywhere
+        live = torch.tensor([True, False, True, True])
+        qkv = torch.randn(B * steps, 3 * H * D)
+        cos_sin = tuple(c.reshape(B * steps, -1) for c in rope_cos_sin(pos[:, None] + torch.arange(steps), D, 1e4))
+        rings = [torch.randn(B, H, S, D), torch.randn(B, H, S, D)]
+        if kv_fp8:
+            from parley.models.transformer import quantize_kv
+            (k8, ks), (v8, vs) = quantize_kv(rings[0]), quantize_kv(rings[1])
+            rings = [k8, v8, ks, vs]
+        pools = [paged_copy(r, table, blocks) for r in rings]
+        q, k, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *rings, steps=steps)
+        qp, kp, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *pools, steps=steps, block_table=table)
+        close(qp, q)
+        close(kp, k)
+        for pool, ring in zip(pools, rings):
+            same_assigned(pool, ring, table)
+    print("ok paged_rope_write")
+
+
+def check_paged_transformer_decode() -> None:
+    """The fused one-step decode (RoPE, fp32 RMSNorm, gated FFN, as the temporal LM) on a paged
+    state against a dense one: rows at different positions, pausing, the window wrapping. fp32
+    against the plain path; fp8 KV against the fused dense path (the interpreter's fp8 casts are
+    off, the same in both). One small layer: the interpreter runs every program in numpy."""
+    from parley.models.transformer import StreamingTransformer
+    torch.manual_seed(0)
+    tr = StreamingTransformer(32, 2, 1, 64, context=16, norm="rms_norm_f32", gating="silu").eval()
+    B, bs = 3, 4
+    with torch.no_grad():
+        for kv_dtype in (None, torch.float8_e4m3fn):
+            dense = tr.init_state(B, kv_dtype=kv_dtype)
+            paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * tr.capacity // bs, block_size=bs)
+            free = list(range(1, paged.num_blocks))
+            for t in range(22):
+                live = torch.tensor([True, t % 3 != 1, t >= 5])
+                for row in live.nonzero().flatten().tolist():
+                    j = (int(paged.pos[row]) % tr.capacity) // bs
+                    if int(paged.block_table[row, j]) == 0:
+                        paged.assign_blocks(row, [j], [free.pop()])
+                x = torch.randn(B, 1, tr.d_model)
+                with kernels.enabled(kv_dtype is not None):
+                    expected = tr(x, dense, live)
+                close(tr(x, paged, live), expected)
+                assert torch.equal(paged.pos, dense.pos) and torch.equal(paged.slot_pos, dense.slot_pos)
+            assert (paged.block_table != 0).all()  # every row's ring filled
+    print("ok paged_transformer_decode")
+
 if __name__ == "__main__":
     check_decode_attention()
     check_rope_write()
@@ -212,3 +340,6 @@ if __name__ == "__main__":
     check_fp8()
     check_transformer_decode()
     check_frame()
+    check_paged_attention()
+    check_paged_rope_write()
+    check_paged_transformer_decode()

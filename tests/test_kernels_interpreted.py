@@ -1,6 +1,7 @@
 """The fused CUDA path on the CPU, in the Triton interpreter (tests/interpreted_kernels.py): the
 kernels, the transformer's one-step decode, whole LM frames
-and Mimi steps, float32 against the plain path.
+and Mimi steps, float32 against the plain path; then paged KV rings (block tables) against dense
+ones through the same kernels.
 
 CI has no GPU, so without this a change to the CUDA path is first run in a GPU session. The
 interpreter is picked when the kernels are defined: the checks run in a process of their own.
@@ -25,4 +26,5 @@ def test_fused_kernels_in_the_interpreter_match_pytorch():
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.split() == ["ok", "decode_attention", "ok", "rope_write", "ok", "norms", "ok", "sample",
-                                   "ok", "fp8", "ok", "transformer_decode", "ok", "frame"]
+                                   "ok", "fp8", "ok", "transformer_decode", "ok", "frame",
+                                   "ok", "paged_attention", "ok", "paged_rope_write", "ok", "paged_transformer_decode"]

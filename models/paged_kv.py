@@ -1,0 +1,81 @@
+"""Paged KV rings: per-layer pools of fixed-size blocks that every row draws from, and a block table.
+
+    bs = block_size_for(capacity, None)          # the default: largest divisor of capacity <= 64 (3000 -> 60)
+    view = gather_ring(pool, table)              # [B, H, capacity(, D)]: each row's ring as a dense copy
+    scatter_slots(pool, table, view, slots, keep)   # view[b, :, slots[b, t]] back to the pool, rows where keep[b]
+    write_prefix(pool, table_row, prefix)        # slots 0 .. F - 1 of one row = prefix [H, F(, D)]
+
+Layout: a pool is [num_blocks, H, block_size, D] (fp8 scales [num_blocks, H, block_size]); the
+table [B, capacity // block_size] int32 maps logical ring block j of row b to physical block
+table[b, j], so ring slot s of row b lives at pool[table[b, s // bs], :, s % bs]. The ring itself
+is unchanged (slot = position % capacity, TransformerState.slot_pos): only where a slot is stored.
+
+Physical block 0 is the null block: table entries no row owns point at it. It is never attended
+(its slots' slot_pos is -1) and every write to it is dropped, here and in the kernels
+(models/kernels.py), so it keeps its zeros whatever a row without blocks does: idle rows of a
+bucket step, or a row the engine forgot, can never write into another row's memory.
+
+Which blocks a row holds is the engine's business (its allocator), written through
+TransformerState.assign_blocks / release_row between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NULL_BLOCK = 0
+DEFAULT_MAX_BLOCK = 64  # a default block: 64 slots or fewer (60 for Moshi's 3000-frame ring)
+
+
+def block_size_for(capacity: int, block_size: int | None) -> int:
+    """`block_size` checked against the ring, or the default: the largest divisor of `capacity`
+    not above 64 (a block must tile the ring exactly, so a slot's block is slot // block_size)."""
+    if block_size is None:
+        return next(d for d in range(min(capacity, DEFAULT_MAX_BLOCK), 0, -1) if capacity % d == 0)
+    if block_size <= 0 or capacity % block_size:
+        raise ValueError(f"block_size {block_size} must divide the KV ring's capacity {capacity}")
+    return block_size
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as its bytes: index ops on the raw bytes (fp8 lacks some kernels)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def gather_ring(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Each row's ring in slot order, [B, H, capacity(, D)], dense (a copy: writes to it stay there)."""
+    B, nb = table.shape
+    blocks = _raw(pool)[table.long().flatten()]  # [B * nb, H, bs(, D)]
+    H, bs = blocks.shape[1], blocks.shape[2]
+    ring = blocks.view(B, nb, H, bs, *blocks.shape[3:]).transpose(1, 2)
+    return ring.reshape(B, H, nb * bs, *blocks.shape[3:]).view(pool.dtype)
+
+
+def _addresses(table: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(physical block, offset in it) of ring slots [B, T] of each row: long [B, T] each."""
+    return table.long().gather(1, torch.div(slots, block_size, rounding_mode="floor")), slots % block_size
+
+
+def scatter_slots(pool: torch.Tensor, table: torch.Tensor, view: torch.Tensor, slots: torch.Tensor,
+                  keep: torch.Tensor | None) -> None:
+    """pool <- view[b, :, slots[b, t]] for the rows where keep[b] (None: all), never into the null
+    block. Dropped writes store the slot's own old value (no host sync, fixed shapes: graphable)."""
+    B, T = slots.shape
+    phys, off = _addresses(table, slots, pool.shape[2])
+    rows = torch.arange(B, device=slots.device)[:, None]
+    raw, new = _raw(pool), _raw(view)[rows, :, slots]  # [B, T, H(, D)]
+    old = raw[phys, :, off]
+    write = phys != NULL_BLOCK
+    if keep is not None:
+        write = write & keep[:, None]
+    write = write.view(B, T, *[1] * (new.dim() - 2))
+    raw[phys, :, off] = torch.where(write, new, old)
+
+
+def write_prefix(pool: torch.Tensor, table_row: torch.Tensor, prefix: torch.Tensor) -> None:
+    """Slots 0 .. F - 1 of one row (its table row [nb]) take prefix [H, F(, D)]. The caller has
+    checked that those slots' blocks are assigned."""
+    frames = prefix.shape[1]
+    slots = torch.arange(frames, device=table_row.device)
+    phys, off = _addresses(table_row[None], slots[None], pool.shape[2])
+    _raw(pool)[phys[0], :, off[0]] = _raw(prefix).transpose(0, 1).to(pool.device)
