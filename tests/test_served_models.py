@@ -173,6 +173,14 @@ def test_realtime_and_live_with_a_wrong_model_in_the_url_are_404_before_the_upgr
         assert accepted(url, path), path
 
 
+def slot_free(url: str, wait_s: float = 10.0) -> None:
+    """Wait until the one duplex slot is free again (/readyz is 503 while the last session releases it)."""
+    deadline = time.monotonic() + wait_s
+    while httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the previous session kept its slot"
+        time.sleep(0.1)
+
+
 def accepted(url: str, path: str, wait_s: float = 10.0) -> bool:
     """The upgrade is accepted, once the one slot the previous session held is free again (503 until then)."""
     deadline = time.monotonic() + wait_s
@@ -201,6 +209,7 @@ def test_realtime_session_update_with_a_wrong_model_is_an_error_and_the_session_
             await rec.task
             return error, updated
 
+    slot_free(server[0])
     error, updated = asyncio.run(scenario(server[0].removeprefix("http://")))
     events.validate_python(error)
     assert (error["error"]["code"], error["error"]["param"], error["error"]["event_id"]) == (
@@ -229,6 +238,7 @@ def test_live_session_start_with_a_wrong_model_is_an_error_and_a_served_one_star
             await rec.task
             return error, started
 
+    slot_free(server[0])
     error, started = asyncio.run(scenario(server[0].removeprefix("http://")))
     events.validate_python(error)
     events.validate_python(started)
