@@ -2,7 +2,7 @@
 
 The routes are the doors of doors.py's table whose service is loaded, each served by
 ENDPOINTS below: the Moshi protocol (moshi_protocol.py), the OpenAI Realtime API
-(realtime_endpoint.py), OpenAI's GPT-Live (live_session.py), speech (speech_api.py),
+(realtime_endpoint.py), OpenAI's GPT-Live (live_session.py), both over WebRTC too (webrtc_doors.py), speech (speech_api.py),
 transcription (transcriptions.py), images (images_api.py), the probes and /load (capacity.py), /metrics (health.py), /admin/drain
 (drain.py), and the page (web/). What no door serves is answered by not_found.py.
 
@@ -48,14 +48,18 @@ from .sessions import SessionManager
 from .speech_api import speech_endpoint, voices_endpoint
 from .speech_formats import warm_up_encoders
 from .transcriptions import transcriptions_endpoint
+from .webrtc_doors import live_calls, realtime_calls
 
 log = logging.getLogger("parley.app")
+CALLS_CLOSE_TIMEOUT_S = 5.0  # at shutdown, WebRTC calls get this long to hang up
 
 # The doors' endpoints, by path (doors.py); /api/voices and /api/info, which read the app's info, come from create_app.
 ENDPOINTS = {
     "/api/chat": chat_endpoint,
     "/v1/realtime": realtime_endpoint,
     "/v1/live/sessions": live_endpoint,
+    "POST /v1/realtime/calls": realtime_calls,  # a path served by two doors is keyed with its method
+    "POST /v1/live/sessions": live_calls,
     "/v1/audio/speech": speech_endpoint,
     "/v1/audio/voices": voices_endpoint,
     "/v1/audio/transcriptions": transcriptions_endpoint,
@@ -111,13 +115,15 @@ def create_app(services: Services) -> Starlette:
     access = Middleware(AccessMiddleware, keys=services.defaults.api_keys,
                         protect_metrics=services.defaults.protect_metrics,
                         allowed_origins=services.defaults.allowed_origins,
-                        static_paths=static_paths(services.web_dir) if has_page else (), refusals=metrics.refusals)
+                        static_paths=static_paths(services.web_dir) if has_page else (),
+                        session_paths=doors.WEBRTC_PATHS, refusals=metrics.refusals)
     unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
     app = Starlette(routes=[_route(door, endpoints, services.web_dir) for door in served],
                     lifespan=_lifespan(services, manager, codec), middleware=[access, unknown_ws],
                     exception_handlers={HTTPException: http_error})
     app.state.doors = served
     app.state.sessions = manager
+    app.state.calls = set()  # the WebRTC calls' tasks (webrtc_doors.py), held until each ends
     app.state.drainer = Drainer(manager, services.drain_timeout)
     app.state.codec = codec
     app.state.info = services.info
@@ -140,6 +146,8 @@ def _lifespan(services: Services, manager: SessionManager, codec):
             yield
         finally:
             await manager.shutdown()
+            if app.state.calls:  # closed by the shutdown above; let them finish hanging up
+                await asyncio.wait(set(app.state.calls), timeout=CALLS_CLOSE_TIMEOUT_S)
             await asyncio.to_thread(services.engine.shutdown)
             if services.images is not None:
                 services.images.close()  # the engine thread is gone: end what it will never finish
@@ -163,6 +171,8 @@ async def _api_info(request: Request) -> Response:
         body["notice"] = DEMO_NOTICE
     body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
     body["session_transcript"] = manager.engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
+    body["webrtc"] = True  # POST /v1/realtime/calls and /v1/live/sessions (the page calls over WebRTC)
+    body["ice_servers"] = [server.for_browser() for server in manager.defaults.ice_servers]
     if info.demo and stt_pool is not None:
         body["transcription_notice"] = STT_NOTICE
     return JSONResponse(body)
@@ -171,11 +181,13 @@ async def _api_info(request: Request) -> Response:
 def _route(door: doors.Door, endpoints: dict, web_dir: Path | None) -> BaseRoute:
     if door.path == "/":  # the page: its files under every path no other door takes
         return Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web")
+    endpoint = endpoints.get(f"{door.method} {door.path}") or endpoints[door.path]
     if door.method == doors.WS:
-        return WebSocketRoute(door.path, endpoints[door.path])
-    return Route(door.path, endpoints[door.path], methods=[door.method])
+        return WebSocketRoute(door.path, endpoint)
+    return Route(door.path, endpoint, methods=[door.method])
 
 
 def served_paths(app: Starlette) -> list[str]:
     """The paths the app's router serves, in its order (the startup banner lists them)."""
-    return [route.path or "/" for route in app.routes]  # Mount("/") keeps its path as ""
+    paths = [route.path or "/" for route in app.routes]  # Mount("/") keeps its path as ""
+    return list(dict.fromkeys(paths))  # a path with a WebSocket and a POST door once

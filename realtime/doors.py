@@ -35,6 +35,8 @@ DOORS = (
     Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol"),
     Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, or ?intent=transcription)"),
     Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation"),
+    Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out"),
+    Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out"),
     Door("/v1/audio/speech", "POST", "OpenAI speech: text to speech", "tts"),
     Door("/v1/audio/voices", "GET", "the text-to-speech voices", "tts"),
     Door("/v1/audio/transcriptions", "POST", "OpenAI transcription", "stt"),
@@ -53,6 +55,7 @@ DOORS = (
     Door("/", "GET", "the browser voice-chat page and its files", "page"),  # last: it takes every other path
 )
 BY_PATH = {door.path: door for door in DOORS}
+WEBRTC_PATHS = frozenset({"/v1/realtime/calls", "/v1/live/sessions"})  # POST: a WebRTC call starts a session
 
 
 def mounted(available: dict[str, bool]) -> list[Door]:

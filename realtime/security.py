@@ -9,10 +9,13 @@
 - Origins (`--allowed-origins`): a browser request's Origin must be the server's own (default),
   one of the listed origins, or anything with `*`. Requests without an Origin (non-browser
   clients) are not origin-checked. This stops a page on another site from opening sessions
-  on a user's local server (cross-site WebSocket hijacking).
+  on a user's local server (cross-site WebSocket hijacking). The HTTP doors that start sessions
+  (WebRTC calls: `session_paths`) are origin-checked the same way: a cross-site form may POST
+  an SDP offer without any preflight.
 
-Refusals: 401 (key) or 403 (origin), as a plain HTTP response, also for a WebSocket upgrade;
-each is logged at INFO without the key and counted (refusals.py).
+Refusals: 401 (key) or 403 (origin), as a plain HTTP response (OpenAI-shaped JSON under /v1/,
+which the SDKs read), also for a WebSocket upgrade; each is logged at INFO without the key and
+counted (refusals.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Iterable
 from urllib.parse import parse_qsl
 
 from starlette.datastructures import Headers
-from starlette.responses import PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
@@ -114,8 +117,10 @@ class AccessMiddleware:
 
     def __init__(self, app: ASGIApp, *, keys: tuple[str, ...], protect_metrics: bool,
                  allowed_origins: tuple[str, ...] | None, static_paths: Iterable[str] = (),
-                 refusals: Refusals) -> None:
+                 session_paths: Iterable[str] = (), refusals: Refusals) -> None:
+        # session_paths: HTTP doors that start a session (WebRTC calls), origin-checked like WebSockets
         self.app = app
+        self.session_paths = frozenset(session_paths)
         self.keys = keys
         self.protect_metrics = protect_metrics
         self.allowed_origins = allowed_origins
@@ -132,7 +137,8 @@ class AccessMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        if scope["type"] == "websocket" and not origin_allowed(scope, self.allowed_origins):
+        starts_session = scope["type"] == "websocket" or path in self.session_paths
+        if starts_session and not origin_allowed(scope, self.allowed_origins):
             await self._refuse(scope, receive, send, 403, "origin", "this Origin is not allowed; see "
                                "parley serve --allowed-origins")
             return
@@ -148,6 +154,10 @@ class AccessMiddleware:
         self.refusals.record(scope, reason, "wrong or missing API key" if reason == "api_key"
                              else "Origin not allowed")  # never the key itself
         response = PlainTextResponse(text, status_code=status)
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1/"):
+            kind = "invalid_api_key" if reason == "api_key" else "origin_not_allowed"
+            response = JSONResponse({"error": {"message": text, "type": "invalid_request_error", "param": None,
+                                               "code": kind}}, status_code=status)
         if scope["type"] == "websocket":
             await deny_upgrade(WebSocket(scope, receive, send), response, f"refused: {reason}")
         else:

@@ -32,7 +32,7 @@ from .health import EdgeMetrics
 from .limits import EdgeLimits, LagMeter, RateLimiter
 from .live_policy import DelegateBackend, DelegationPolicy
 from .opus import CodecRunner, CodecStream
-from .transport import SEND_BACKLOG_EXTENSION, Transport, WebSocketTransport  # noqa: F401 (re-export)
+from .transport import SEND_BACKLOG_EXTENSION, IceServer, Transport, WebSocketTransport  # noqa: F401 (re-export)
 
 log = logging.getLogger("parley.sessions")
 
@@ -69,6 +69,7 @@ class ServerDefaults:
     prompts: bool = True
     live_delegation: DelegationPolicy = DelegationPolicy()  # GPT-Live: when a session delegates (live_policy.py)
     live_delegate: DelegateBackend | None = None  # GPT-Live: the Responses delegation backend (--delegate-url)
+    ice_servers: tuple[IceServer, ...] = ()  # WebRTC calls' STUN/TURN servers (--ice-servers); none: host candidates
 
     @property
     def api_keys(self) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ session implementation serves both transports:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 import numpy as np
@@ -21,6 +22,45 @@ from starlette.websockets import WebSocket, WebSocketState
 
 # ASGI scope extension set by ws_protocol.py: a callable giving the bytes queued for the peer.
 SEND_BACKLOG_EXTENSION = "parley.send_backlog"
+
+
+@dataclass(frozen=True)
+class IceServer:
+    """A STUN or TURN server for WebRTC calls' ICE (`parley serve --ice-servers`)."""
+
+    urls: str  # stun:host:port, turn:host:port?transport=udp, turns:host:port
+    username: str | None = None
+    credential: str | None = None
+
+    def for_browser(self) -> dict:
+        """The page's RTCPeerConnection takes the same servers (RTCIceServer's shape)."""
+        out: dict = {"urls": self.urls}
+        if self.username is not None:
+            out.update(username=self.username, credential=self.credential)
+        return out
+
+
+def parse_ice_servers(text: str | None, username: str | None = None,
+                      credential: str | None = None) -> tuple[IceServer, ...]:
+    """`--ice-servers`: comma-separated stun:/turn:/turns: URLs; the TURN ones take `username` and
+    `credential` (`--turn-username`, `--turn-credential-file`). ValueError names a bad one."""
+    servers = []
+    for url in (u.strip() for u in (text or "").split(",")):
+        if not url:
+            continue
+        scheme = url.split(":", 1)[0].lower()
+        if scheme not in ("stun", "turn", "turns") or ":" not in url or not url.split(":", 1)[1]:
+            raise ValueError(f"--ice-servers: {url!r:.80} is not a stun:, turn: or turns: URL (stun:host:3478)")
+        if scheme == "stun":
+            servers.append(IceServer(url))
+        elif username is None or credential is None:
+            raise ValueError(f"--ice-servers: {url!r:.80} is a TURN server: give --turn-username and "
+                             "--turn-credential-file")
+        else:
+            servers.append(IceServer(url, username, credential))
+    if (username is not None or credential is not None) and not any(s.username for s in servers):
+        raise ValueError("--turn-username and --turn-credential-file are for a turn: URL in --ice-servers")
+    return tuple(servers)
 
 
 class Media(Protocol):

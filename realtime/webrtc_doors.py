@@ -1,0 +1,265 @@
+"""OpenAI's WebRTC doors: `POST /v1/realtime/calls` (Realtime) and `POST /v1/live/sessions` (GPT-Live).
+
+Each call is the WebSocket door's session over another transport (webrtc_transport.py): the same
+connection class (RealtimeConnection, LiveConnection), events, admission, key, Origin, limits,
+metrics and drain. Only the start differs:
+
+1. The request is judged before any media: the key and the Origin (security.py, as for an
+   upgrade), the body (the SDP offer; the session settings, judged as `session.update` /
+   `session.start` would be), then admission (a full or draining server: 503 with Retry-After).
+   Each refusal is an OpenAI-shaped HTTP error, `{"error": {message, type, param, code}}`.
+2. The call is answered: Realtime `201 application/sdp` with `Location: /v1/realtime/calls/{id}`;
+   GPT-Live `200 {"session": {"id"}, "transport": {"type": "webrtc", "sdp"}}`.
+3. The session then runs on its own task, not the request's: once the peer's `oai-events` channel
+   opens (at most CONNECT_TIMEOUT_S), the engine session opens (the prefill) and the events flow
+   as on the WebSocket (`session.created` / `session.started` first). A peer that never connects
+   frees its reserved slot at the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from . import live_events as ev
+from .capacity import RETRY_AFTER_S, Reservation
+from .live_config import parse_start
+from .live_session import PROTOCOL as LIVE_PROTOCOL, LiveConnection
+from .not_found import openai_error
+from .openai_events import Dialect, new_id
+from .openai_realtime import PROTOCOL as REALTIME_PROTOCOL, RealtimeConnection
+from .realtime_session import ClientError
+from .sessions import EdgeSession, SessionManager
+from .webrtc_transport import CONNECT_TIMEOUT_S, OfferError, WebRTCCall
+
+log = logging.getLogger("parley.webrtc")
+
+MAX_BODY_BYTES = 256 * 1024  # an SDP offer is a few kB; the session settings a few more
+DENIALS = {  # admission's reasons (capacity.py) -> the error code a WebRTC client gets with its 503
+    "full": "session_limit_reached", "memory": "session_limit_reached", "draining": "server_shutting_down",
+    "unhealthy": "server_unavailable",
+}
+
+
+class Refused(Exception):
+    """A call refused before any media; `response` is its OpenAI-shaped HTTP error."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def bad_request(exc: ClientError | OfferError, param: str | None = None) -> Refused:
+    if isinstance(exc, OfferError):
+        return Refused(openai_error(400, str(exc), param=param, code="invalid_offer"))
+    return Refused(openai_error(400, str(exc), param=exc.param, code=exc.code))
+
+
+# ---- POST /v1/realtime/calls ----
+
+async def realtime_calls(request: Request) -> Response:
+    """The Realtime WebRTC door: the body is the SDP offer (`application/sdp`), or multipart with
+    `sdp` and an optional `session` (JSON, as the SDK's `client.realtime.calls.create` sends)."""
+    manager: SessionManager = request.app.state.sessions
+    try:
+        offer, session = await _realtime_body(request)
+        edge, call = _admit(request, REALTIME_PROTOCOL)
+        try:
+            connection = RealtimeConnection(edge, Dialect.GA, request.query_params.get("model")
+                                            or manager.defaults.model_name,
+                                            served=request.app.state.models.of("duplex"))
+            refused = connection.configure(session) if session is not None else []
+            if refused:
+                raise Refused(_joined(refused))
+            answer = await call.answer(offer)
+        except BaseException:
+            await _hang_up(edge, call)
+            raise
+    except Refused as exc:
+        return _refusal(manager, REALTIME_PROTOCOL, exc)
+    except OfferError as exc:
+        return _refusal(manager, REALTIME_PROTOCOL, bad_request(exc, "sdp"))
+    call_id = new_id("rtc")
+    edge.notice = lambda reason: connection.send(connection.events.error(reason, "server_shutting_down",
+                                                                         kind="server_error"))
+    _start(request, edge, call, connection.run, f"realtime call {call_id}")
+    return Response(answer, status_code=201, media_type="application/sdp",
+                    headers={"Location": f"/v1/realtime/calls/{call_id}"})
+
+
+async def _realtime_body(request: Request) -> tuple[str, Any]:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "multipart/form-data":
+        try:
+            form = await request.form(max_files=2, max_fields=8, max_part_size=MAX_BODY_BYTES)
+        except Exception as exc:  # starlette's parser: a malformed or oversized form
+            raise Refused(openai_error(400, f"the multipart body cannot be read: {exc}"[:200],
+                                       code="invalid_request")) from None
+        offer = await _text(form.get("sdp"))
+        if offer is None:
+            raise Refused(openai_error(400, "the multipart body needs an 'sdp' part: the SDP offer", param="sdp",
+                                       code="missing_required_parameter"))
+        raw = await _text(form.get("session"))
+        if raw is None:
+            return offer, None
+        try:
+            return offer, json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise Refused(openai_error(400, f"session is not JSON: {exc}", param="session",
+                                       code="invalid_json")) from None
+    if kind in ("application/sdp", "text/plain", ""):
+        return (await _body(request)).decode(errors="replace"), None
+    raise Refused(openai_error(415, f"send the SDP offer as application/sdp or multipart/form-data, not {kind:.60}",
+                               code="unsupported_media_type"))
+
+
+async def _text(part: Any) -> str | None:
+    if part is None:
+        return None
+    if isinstance(part, str):
+        return part
+    return (await part.read()).decode(errors="replace")  # an UploadFile: a part sent with a filename
+
+
+# ---- POST /v1/live/sessions ----
+
+async def live_calls(request: Request) -> Response:
+    """GPT-Live's WebRTC door: `{"session": {...}, "transport": {"type": "webrtc", "sdp"}}` (the SDK's
+    `client.live.create`); the request starts the session, no `session.start` follows."""
+    manager: SessionManager = request.app.state.sessions
+    defaults = manager.defaults
+    try:
+        body = await _json_body(request)
+        offer = _live_offer(body.get("transport"))
+        session = body.get("session")
+        if isinstance(session, dict) and isinstance(session.get("audio"), dict) and "format" in session["audio"]:
+            raise Refused(openai_error(400, "session.audio.format: a WebRTC call negotiates its audio format on the "
+                                       "media transport (Opus); leave it out", param="session.audio.format",
+                                       code="unsupported_parameter"))
+        edge, call = _admit(request, LIVE_PROTOCOL)
+        try:
+            connection = LiveConnection(edge, served=request.app.state.models.of("duplex"))
+            config, refused = parse_start(session, connection.caps, backend=defaults.live_delegate is not None)
+            if config is None:
+                raise Refused(_joined(refused))
+            answer = await call.answer(offer)
+        except BaseException:
+            await _hang_up(edge, call)
+            raise
+    except Refused as exc:
+        return _refusal(manager, LIVE_PROTOCOL, exc)
+    except OfferError as exc:
+        return _refusal(manager, LIVE_PROTOCOL, bad_request(exc, "transport.sdp"))
+    edge.notice = lambda reason: connection.send(ev.error(reason, "server_shutting_down", kind="server_error"))
+    _start(request, edge, call, lambda: connection.run(start=config), f"live session {config.id}")
+    return JSONResponse({"session": {"id": config.id}, "transport": {"type": "webrtc", "sdp": answer}})
+
+
+def _live_offer(transport: Any) -> str:
+    if not isinstance(transport, dict):
+        raise Refused(openai_error(400, "transport is required: {\"type\": \"webrtc\", \"sdp\": \"<offer>\"}",
+                                   param="transport", code="missing_required_parameter"))
+    if transport.get("type") != "webrtc":
+        raise Refused(openai_error(400, f"transport.type must be 'webrtc' here (got {transport.get('type')!r:.40}); "
+                                   "WebSocket clients connect to /v1/live/sessions with an upgrade",
+                                   param="transport.type", code="invalid_value"))
+    unknown = sorted(set(transport) - {"type", "sdp"})
+    if unknown:
+        raise Refused(openai_error(400, f"unknown field transport.{unknown[0]:.40}",
+                                   param=f"transport.{unknown[0]:.40}", code="unknown_parameter"))
+    sdp = transport.get("sdp")
+    if not isinstance(sdp, str):
+        raise Refused(openai_error(400, "transport.sdp is required: the SDP offer", param="transport.sdp",
+                                   code="missing_required_parameter"))
+    return sdp
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await _body(request))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise Refused(openai_error(400, f"the body is not JSON: {exc}", code="invalid_json")) from None
+    if not isinstance(body, dict):
+        raise Refused(openai_error(400, "the body must be a JSON object with session and transport",
+                                   code="invalid_json"))
+    return body
+
+
+# ---- shared: admission, the refusal, the call's task ----
+
+async def _body(request: Request) -> bytes:
+    data = b""
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            raise Refused(openai_error(413, f"the body is over {MAX_BODY_BYTES} bytes", code="request_too_large"))
+    return data
+
+
+def _admit(request: Request, protocol: str) -> tuple[EdgeSession, WebRTCCall]:
+    """Reserve a slot (no await since the check: as atomic as an upgrade's, capacity.py) and attach
+    a call to it; Refused with 503 + Retry-After when the server cannot take a session now."""
+    manager: SessionManager = request.app.state.sessions
+    admission = manager.admission
+    load = admission.load()
+    reason = admission.refusal(load)
+    if reason is not None:
+        admission.rejected.labels(reason).inc()
+        message = {"full": f"all {load.slots_total} session slots are in use; try again later",
+                   "draining": "this server is draining (shutting down); call again to reach another one",
+                   }.get(reason, f"this server cannot take a session now ({reason})")
+        admission.refusals.record(request.scope, reason, message)
+        raise Refused(openai_error(503, message, code=DENIALS.get(reason, reason),
+                                   headers={"Retry-After": str(RETRY_AFTER_S)}))
+    reservation = Reservation(admission)  # no await since load(): atomic on the event loop
+    call = WebRTCCall(request.scope, manager.defaults.ice_servers, manager.defaults.limits.max_lag_s)
+    return manager.attach(call, protocol, reservation), call
+
+
+def _joined(refused: list[ClientError]) -> Response:
+    """One 400 for the refused settings: the first names its param, the message lists them all."""
+    first = refused[0]
+    message = "; ".join(str(exc) for exc in refused)
+    return openai_error(400, message[:1000], param=first.param, code=first.code)
+
+
+def _refusal(manager: SessionManager, protocol: str, exc: Refused) -> Response:
+    if exc.response.status_code < 500:
+        manager.metrics.protocol_errors.labels(protocol).inc()
+    return exc.response
+
+
+async def _hang_up(edge: EdgeSession, call: WebRTCCall) -> None:
+    edge.close()
+    await call.close()
+
+
+def _start(request: Request, edge: EdgeSession, call: WebRTCCall, run: Callable[[], Awaitable[None]],
+           name: str) -> None:
+    """Run the call's session on a task of its own (held by the app until it ends)."""
+    calls: set[asyncio.Task] = request.app.state.calls
+    task = asyncio.get_running_loop().create_task(_run_call(edge, call, run, name), name=name)
+    calls.add(task)
+    task.add_done_callback(calls.discard)
+
+
+async def _run_call(edge: EdgeSession, call: WebRTCCall, run: Callable[[], Awaitable[None]], name: str) -> None:
+    try:
+        if not await call.wait_ready(CONNECT_TIMEOUT_S):
+            log.info("%s (%d): the peer did not connect", name, edge.number)
+            return
+        await run()
+        if call.overflowed:
+            edge.manager.metrics.rate_limited.labels(edge.protocol).inc()
+            edge.manager.metrics.refusals.record(call.scope, "rate_limit", "events arrived faster than the session "
+                                                 "reads them, or one was over the size limit")
+    except Exception:
+        log.exception("%s (%d) failed", name, edge.number)
+    finally:
+        log.info("%s (%d): ended", name, edge.number)
+        await _hang_up(edge, call)
