@@ -141,8 +141,9 @@ def delegation(param: str, value: Any, backend: bool = False) -> ResponsesSettin
     refused by name."""
     if value is None:
         return None
-    fields = _fields(param, value, ("type", "acknowledgement_delay_ms", "responses", "decisions"))
-    kind = fields.get("type")
+    if not isinstance(value, dict):
+        raise _wrong(param, "an object", value)
+    kind = value.get("type")  # judged first: an unserved kind is refused by its name, whatever it holds
     if kind == "decisions" or (kind == "responses" and not backend):
         why = ("this server has no delegation backend (parley serve --delegate-url)" if kind == "responses"
                else "Parley serves client and responses delegation")
@@ -150,6 +151,7 @@ def delegation(param: str, value: Any, backend: bool = False) -> ResponsesSettin
                                        "(or leave delegation out) and answer delegations with commentary")
     if kind not in ("client", "responses"):
         raise _wrong(f"{param}.type", "'client' or 'responses'", kind)
+    fields = _fields(param, value, ("type", "acknowledgement_delay_ms", "responses", "decisions"))
     if fields.get("acknowledgement_delay_ms") is not None:
         raise _refuse(f"{param}.acknowledgement_delay_ms", "Parley's models make no automatic spoken "
                       "acknowledgement of a delegation (they speak when they will; commentary is what they "

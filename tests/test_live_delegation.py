@@ -101,6 +101,9 @@ def test_start_refuses_each_field_the_model_cannot_honour_by_name():
     assert (unserved.code, unserved.param) == ("model_not_found", "session.model") and "served as 'm'" in str(unserved)
     assert refused_params({"model": "m", "delegation": {"type": "decisions", "decisions": {}}}) == \
         ["session.delegation.type"]
+    # an unknown kind is refused by its name too, not by the field that came with it
+    _, [unknown] = parse_start({"model": "m", "delegation": {"type": "planner", "planner": {"depth": 2}}}, MOSHI)
+    assert unknown.param == "session.delegation.type" and "'planner'" in str(unknown)
     assert refused_params({"model": "m", "delegation": {"type": "client", "acknowledgement_delay_ms": 400}}) == \
         ["session.delegation.acknowledgement_delay_ms"]
     assert refused_params({"model": "m", "audio": {"format": {"type": "audio/pcmu", "rate": 16000}}}) == \

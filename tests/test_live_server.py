@@ -237,6 +237,40 @@ def test_wire_formats_come_back_in_kind_frame_by_frame(kind, rate):
     assert corr > 0.9  # the echo came back through both resamplers and codecs
 
 
+def test_decisions_delegation_and_its_events_are_refused_by_name_and_a_client_delegation_starts():
+    """Decisions delegation, typed with the SDK's own params, is refused naming it; so is a kind
+    the SDK does not know (it was refused by its extra field's name); the client may start again."""
+    from openai.types.live import SessionConfigParam
+
+    decisions: SessionConfigParam = {"model": "gpt-live-1", "delegation": {"type": "decisions", "decisions": {
+        "model": "gpt-5-mini", "questions": [{"type": "predicate", "name": "weather",
+                                              "instructions": "Does the user ask about the weather?"}]}}}
+    app, _ = delay_app(1)
+
+    async def scenario(base):
+        async with client(base).live.connect() as conn:
+            rec = Recorder(conn)
+            await conn.session.start(session=decisions, event_id="decisions")
+            await conn.send({"type": "session.start", "event_id": "planner", "session": {
+                "model": "gpt-live-1", "delegation": {"type": "planner", "planner": {"depth": 2}}}})
+            started = await start(conn, rec, {"model": "gpt-live-1", "delegation": {"type": "client"}})
+            await conn.send({"type": "decision.create", "event_id": "decide"})
+            await rec.wait(lambda e: e.get("client_event_id") == "decide")
+            await close_live(conn, rec)
+            return started, rec.events
+
+    with serve(app) as base:
+        started, events = run(scenario(base))
+    validate(events)
+    errors = {e["client_event_id"]: e["error"] for e in errors_of(events)}
+    assert (errors["decisions"]["param"], errors["decisions"]["code"]) == ("session.delegation.type",
+                                                                          "unsupported_parameter")
+    assert "decisions delegation is not served" in errors["decisions"]["message"]
+    assert errors["planner"]["param"] == "session.delegation.type" and "'planner'" in errors["planner"]["message"]
+    assert "Decisions delegation is not served" in errors["decide"]["message"]
+    assert started["type"] == "session.started" and started["session"]["delegation"] == {"type": "client"}
+
+
 def test_a_full_server_refuses_the_upgrade_with_503_and_counts_live_sessions():
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
