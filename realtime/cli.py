@@ -205,11 +205,20 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
                         "without it, sessions asking for responses delegation are refused")
     p.add_argument("--delegate-api-key-file", metavar="PATH",
                    help="the key --delegate-url takes (the file's first key); none by default")
+    p.add_argument("--ice-servers", metavar="URLS",
+                   help="WebRTC calls (/v1/realtime/calls, POST /v1/live/sessions, the page): STUN/TURN servers, "
+                        "comma-separated (stun:stun.example.com:3478,turn:turn.example.com:3478?transport=udp); "
+                        "the server's ICE and the page's use them. Default: none, host candidates only (a peer "
+                        "that can reach this host directly: the same machine or network)")
+    p.add_argument("--turn-username", metavar="NAME", help="the TURN servers' username (with --turn-credential-file)")
+    p.add_argument("--turn-credential-file", metavar="PATH",
+                   help="the TURN servers' credential (the file's first non-comment line)")
 
 
 def reliability_settings(args: argparse.Namespace) -> dict:
     """ServeConfig fields from the flags above; raises ValueError with a sentence naming the flag."""
     from .security import parse_origins, read_key_file  # starlette: only once serving
+    from .transport import parse_ice_servers
 
     if args.api_key and args.api_key_file:
         raise ValueError("give --api-key or --api-key-file, not both")
@@ -227,7 +236,9 @@ def reliability_settings(args: argparse.Namespace) -> dict:
                                if args.delegate_api_key_file else None) if args.delegate_url else None
     if delegate is not None and not delegate.url.startswith(("http://", "https://")):
         raise ValueError(f"--delegate-url {delegate.url!r:.80} is not an http(s) URL")
-    return {"api_key": keys, "protect_metrics": args.protect_metrics,
+    credential = read_key_file(args.turn_credential_file)[0] if args.turn_credential_file else None
+    ice_servers = parse_ice_servers(args.ice_servers, args.turn_username, credential)
+    return {"api_key": keys, "protect_metrics": args.protect_metrics, "ice_servers": ice_servers,
             "live_delegation": parse_policy(args.live_delegation), "live_delegate": delegate,
             "allowed_origins": parse_origins(args.allowed_origins), "ssl_certfile": args.ssl_certfile,
             "ssl_keyfile": args.ssl_keyfile, "limits": limits}

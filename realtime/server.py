@@ -43,6 +43,7 @@ from .drain import DrainingServer
 from .limits import WS_MAX_SIZE, EdgeLimits
 from .live_policy import DelegateBackend, DelegationPolicy
 from .security import RedactKeys
+from .transport import IceServer
 # resolve_device / resolve_dtype / DTYPES: the offline CLIs import them from here
 from .services import DTYPES, ServeError, build_services, resolve_device, resolve_dtype  # noqa: F401
 from .ws_protocol import ParleyWebSocketProtocol
@@ -96,6 +97,7 @@ class ServeConfig:
     tts_voice_map: str | None = None  # JSON {alias: voice name}, e.g. OpenAI's names
     live_delegation: DelegationPolicy = DelegationPolicy()  # GPT-Live: when sessions delegate (live_policy.py)
     live_delegate: DelegateBackend | None = None  # GPT-Live: the Responses delegation backend (--delegate-url)
+    ice_servers: tuple[IceServer, ...] = ()  # WebRTC calls' STUN/TURN servers (--ice-servers)
     # --served-model-name: each modality's aliases beside its checkpoint's name (served_models.py)
     served_model_names: dict = dataclasses.field(default_factory=dict)
 

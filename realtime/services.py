@@ -282,7 +282,7 @@ def _info_and_defaults(loaded: _Loaded) -> tuple[ServerInfo, ServerDefaults]:
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts,
                               protect_metrics=config.protect_metrics, allowed_origins=config.allowed_origins,
                               limits=config.limits, live_delegation=config.live_delegation,
-                              live_delegate=config.live_delegate)
+                              live_delegate=config.live_delegate, ice_servers=config.ice_servers)
     return info, defaults
 
 

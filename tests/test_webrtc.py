@@ -256,15 +256,12 @@ def test_bad_calls_are_refused_before_media_and_only_that_call_ends(monkeypatch)
                 assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "invalid_offer"
                 not_sdp = await http.post(url, content="hello", headers=sdp)
                 assert not_sdp.status_code == 400 and not_sdp.json()["error"]["param"] == "sdp"
-                silent = Client(microphone=False)
-                silent.pc.getTransceivers()[0].stop()  # an offer with a data channel and no audio
-                no_audio = RTCPeerConnection()
+                no_audio = RTCPeerConnection()  # an offer with a data channel and no audio
                 no_audio.createDataChannel("oai-events")
                 await no_audio.setLocalDescription(await no_audio.createOffer())
                 refused = await http.post(url, content=no_audio.localDescription.sdp, headers=sdp)
                 assert refused.status_code == 400 and "no audio" in refused.json()["error"]["message"]
                 await no_audio.close()
-                await silent.close()
                 live = await http.post(f"http://{base}/v1/live/sessions", json={
                     "session": {"model": "gpt-live-1", "audio": {"format": {"type": "audio/pcm", "rate": 24000}}},
                     "transport": {"type": "webrtc", "sdp": "v=0"}})
@@ -328,3 +325,26 @@ async def wait_live(base: str, n: int, key: str | None = None) -> None:
                 return
             await asyncio.sleep(0.1)
     raise AssertionError(f"the server did not reach {n} sessions: {load}")
+
+
+def test_ice_servers_come_from_the_flags_and_reach_the_page():
+    from parley.realtime.cli import build_parser, reliability_settings
+    from parley.realtime.transport import IceServer, parse_ice_servers
+
+    assert parse_ice_servers(None) == ()
+    assert parse_ice_servers("stun:stun.example.com:3478, turn:t.example.com:3478?transport=udp", "u", "p") == (
+        IceServer("stun:stun.example.com:3478"), IceServer("turn:t.example.com:3478?transport=udp", "u", "p"))
+    for bad, words in (("http://x", "not a stun:"), ("turn:t.example.com", "--turn-username")):
+        with pytest.raises(ValueError, match=words):
+            parse_ice_servers(bad)
+    with pytest.raises(ValueError, match="are for a turn: URL"):
+        parse_ice_servers("stun:s.example.com", "u", "p")
+    args = build_parser().parse_args(["serve", "--ice-servers", "stun:stun.example.com:3478"])
+    assert reliability_settings(args)["ice_servers"] == (IceServer("stun:stun.example.com:3478"),)
+    from parley.realtime.sessions import ServerDefaults
+
+    app, _ = delay_app(1, defaults=ServerDefaults(ice_servers=(IceServer("turn:t.example.com:3478", "u", "p"),)))
+    with serve(app) as base:
+        info = httpx.get(f"http://{base}/api/info").json()
+    assert info["webrtc"] is True
+    assert info["ice_servers"] == [{"urls": "turn:t.example.com:3478", "username": "u", "credential": "p"}]
