@@ -40,7 +40,7 @@ async def one_request(client: httpx.AsyncClient, url: str, voice: str, text: str
     first = None
     size = 0
     async with client.stream("POST", f"{url}/v1/audio/speech",
-                             json={"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}) as r:
+                             json={"input": text, "voice": voice, "response_format": "pcm"}) as r:  # the served model
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
         async for chunk in r.aiter_bytes():

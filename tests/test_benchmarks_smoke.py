@@ -125,6 +125,12 @@ CPU_CASES = {
         "mixed_soak.py", ["--trace", "1", "--kinds", "transcription,realtime", "--top", "3"],
         [r"^transcription: 1 requests [+-]\d+\.\d KiB, 1 more [+-]\d+\.\d KiB \(traced, after gc\); \d+ of 3",
          r"^realtime: 1 requests [+-]\d+\.\d KiB"]),
+    "mixed_load": (  # each kind alone, then together, on the demo server (every modality, tiny)
+        "mixed_load.py", ["--duration", "3", "--duplex", "1", "--tts", "1", "--transcription", "1", "--images", "1"],
+        [r"^\| kind \| figure \| alone \| together \|$", r"^\| duplex \| frames lost \| \d+ \| \d+ \|$",
+         r"^\| tts \| first audio p50 ms \| ", r"^\| transcription \| delay p99 ms \| ",
+         r"^\| image \| images/min \| \d+\.\d \| \d+\.\d \|$",
+         r"^late ticks: duplex alone \d+, tts alone \d+, transcription alone \d+, image alone \d+, together \d+$"]),
     "cli_startup": (
         "cli_startup.py", ["--runs", "1"],
         [r"^\| command \| median \(s\) \| slowest \(s\) \| heavy imports \|$",
@@ -133,7 +139,7 @@ CPU_CASES = {
 }
 
 # s (the others: 120): the demo server's start, then a drain, on a loaded box
-CPU_TIMEOUTS = {"mixed_soak": 240, "mixed_soak_in_process": 240, "mixed_soak_trace": 240}
+CPU_TIMEOUTS = {"mixed_load": 240, "mixed_soak": 240, "mixed_soak_in_process": 240, "mixed_soak_trace": 240}
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))

@@ -1,0 +1,167 @@
+"""Every kind of work at once through one `parley serve`, each kind's figures beside its figures alone.
+
+    python benchmarks/mixed_load.py --duration 8                     # the demo server: every modality, tiny, CPU
+    python benchmarks/mixed_load.py --duplex 64 --tts 16 --transcription 64 --images 4 --duration 60 \\
+        --procs 4 --serve-arg=--model=/tmp/m7b --serve-arg=--tts-model=/tmp/tts --serve-arg=--device=cuda ...
+
+Phases, each `--duration` seconds on the same server: every kind alone (duplex, tts, transcription,
+image), then all of them at once. Real clients over real sockets:
+- duplex: `--duplex` /api/chat sessions (benchmarks/load.py's paced Ogg-Opus clients): delivery jitter
+  p99, frames lost;
+- tts: `--tts` streams, each POSTing /v1/audio/speech (streamed pcm) back to back: first audio p50 /
+  p99 (send -> first body byte) and requests done;
+- transcription: `--transcription` /v1/realtime?intent=transcription sessions streaming pcm16 on the
+  80 ms grid: the server's transcript delay p50 / p99 (`parley_transcript_delay_seconds`, as
+  benchmarks/transcript_delay.py reads it) and deltas;
+- image: `--images` concurrent loops of /v1/images/generations (K images in flight): images per
+  minute and errors.
+Every phase also reports the engine's late ticks (from /metrics). The design's promise is that the
+"together" column stays near the "alone" one: the duplex frame on time, the slack kinds slowed only
+by what the ticks leave them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx  # the HTTP client the pinned openai SDK ships on
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import pct, run_load, scrape  # noqa: E402
+from mixed_soak import child_server, image  # noqa: E402
+from transcript_delay import delta, quantile, standalone_client, transcript_metrics  # noqa: E402
+from tts_clients import one_request  # noqa: E402
+
+KINDS = ("duplex", "tts", "transcription", "image")
+TTS_TEXT = "The quick brown fox jumps over the lazy dog, and then it takes a long nap in the sun."
+REQUEST_TIMEOUT_S = 120.0
+
+
+async def duplex_load(ws: str, args) -> dict:
+    r = await run_load(ws, args.duplex, args.duration, procs=args.procs)
+    return {"sessions": r["served"], "refused": r["refused"], "jitter p99 ms": r["jitter_p99_ms"],
+            "frames lost": r["frames_lost"]}
+
+
+async def tts_load(http: str, args) -> dict:
+    """`--tts` streams of back-to-back requests until the phase ends; first-audio times of all."""
+    firsts: list[float] = []
+    errors = 0
+    end = time.monotonic() + args.duration
+
+    async def stream(i: int) -> None:
+        nonlocal errors
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+            while time.monotonic() < end:
+                try:
+                    first, _, _ = await one_request(client, http, args.tts_voice, TTS_TEXT)
+                    firsts.append(first)
+                except Exception as exc:  # counted; the stream goes on after a pause
+                    errors += 1
+                    if errors == 1:
+                        print(f"tts stream {i}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+                    await asyncio.sleep(1.0)
+
+    await asyncio.gather(*(stream(i) for i in range(args.tts)))
+    return {"requests": len(firsts), "errors": errors, "first audio p50 ms": pct(firsts, 50),
+            "first audio p99 ms": pct(firsts, 99)}
+
+
+async def transcription_load(ws: str, http: str, args) -> dict:
+    before = await asyncio.to_thread(transcript_metrics, http)
+    deltas = await asyncio.gather(*(standalone_client(ws, i, args.duration) for i in range(args.transcription)))
+    d = delta(before, await asyncio.to_thread(transcript_metrics, http))["standalone"]
+    return {"sessions": len(deltas), "deltas": int(d["count"]),
+            "delay p50 ms": 1000 * quantile(d["buckets"], 0.5), "delay p99 ms": 1000 * quantile(d["buckets"], 0.99)}
+
+
+async def image_load(base: str, args) -> dict:
+    """`--images` loops, each one request after another: K images in flight."""
+    done, errors, end = 0, 0, time.monotonic() + args.duration
+    started = time.monotonic()
+
+    async def loop(k: int) -> None:
+        nonlocal done, errors
+        i = k
+        while time.monotonic() < end:
+            try:
+                await image(base, i)
+                done += 1
+            except Exception as exc:  # counted; the loop goes on after a pause
+                errors += 1
+                if errors == 1:
+                    print(f"image loop {k}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
+                await asyncio.sleep(1.0)
+            i += args.images
+
+    await asyncio.gather(*(loop(k) for k in range(args.images)))
+    return {"images": done, "errors": errors, "images/min": 60 * done / (time.monotonic() - started)}
+
+
+async def phase(kinds: list[str], base: str, args) -> dict:
+    """The given kinds at once; {kind: figures} plus the engine's late ticks over the phase."""
+    http, ws = f"http://{base}", f"ws://{base}"
+    jobs = {"duplex": lambda: duplex_load(ws, args), "tts": lambda: tts_load(http, args),
+            "transcription": lambda: transcription_load(ws, http, args), "image": lambda: image_load(base, args)}
+    before = await asyncio.to_thread(scrape, http)
+    results = await asyncio.gather(*(jobs[k]() for k in kinds))
+    after = await asyncio.to_thread(scrape, http)
+    figures = dict(zip(kinds, results))
+    figures["engine"] = {"late ticks": after["parley_engine_late_ticks_total"] - before["parley_engine_late_ticks_total"]}
+    return figures
+
+
+def table(alone: dict, together: dict) -> list[str]:
+    lines = ["| kind | figure | alone | together |", "|---|---|---:|---:|"]
+    for kind, figures in together.items():
+        lines += [f"| {kind} | {name} | {fmt(alone[kind][name])} | {fmt(value)} |" for name, value in figures.items()]
+    return lines
+
+
+def fmt(value) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+async def run(base: str, args, kinds: list[str]) -> None:
+    alone: dict = {}
+    for kind in kinds:
+        alone[kind] = await phase([kind], base, args)
+        print(f"{kind} alone: {json.dumps(alone[kind])}", flush=True)
+    together = await phase(kinds, base, args)
+    print(f"together: {json.dumps(together)}", flush=True)
+    late = together.pop("engine")["late ticks"]
+    print("\n".join(table({k: alone[k][k] for k in kinds}, together)))
+    print("late ticks: " + ", ".join(f"{k} alone {alone[k]['engine']['late ticks']:.0f}" for k in kinds)
+          + f", together {late:.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duplex", type=int, default=2, help="/api/chat sessions (default %(default)s)")
+    p.add_argument("--tts", type=int, default=1, help="/v1/audio/speech streams (default %(default)s)")
+    p.add_argument("--transcription", type=int, default=2, help="transcription sessions (default %(default)s)")
+    p.add_argument("--images", type=int, default=1, help="images in flight, K (default %(default)s)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per phase (default %(default)s)")
+    p.add_argument("--procs", type=int, default=1, help="processes for the duplex clients (several beyond ~48)")
+    p.add_argument("--tts-voice", default="alloy", help="the voice every TTS request asks for (default %(default)s)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="an extra `parley serve` argument (repeat); none: the demo server (every modality, tiny)")
+    args = p.parse_args(argv)
+    kinds = [k for k in KINDS if getattr(args, "images" if k == "image" else k) > 0]
+    if not kinds:
+        p.error("nothing to run: every kind's count is 0")
+    extra = [*args.serve_arg]
+    if not any(a.startswith("--max-sessions") for a in extra):
+        extra.append(f"--max-sessions={args.duplex + args.transcription + 2}")
+    with child_server(extra) as (base, _pid):
+        asyncio.run(run(base, args, kinds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
