@@ -13,7 +13,13 @@ Each row also shows the memory-bandwidth floor of that frame (weights + the fill
 at the copy bandwidth, see frame_setup.py) and the fraction of it reached (floor / p50).
 `--json` writes every figure; `benchmarks/plot_frames.py` draws them.
 
+`--kv-blocks N|fit|full` pages the temporal KV ring (models/paged_kv.py): a pool of N blocks
+(`fit`: what the placed rows write over the run, `full`: a whole window per row) of
+`--kv-block-frames` frames, each row given the blocks of its window before timing. Compare with
+the same command without it (dense rings). `--no-reference` needs no `moshi` package.
+
     python benchmarks/frame_latency.py --batches 1,8,16,32,64,128 --frames 60 --json frames.json
+    python benchmarks/frame_latency.py --batches 64,128 --no-reference --kv-dtype fp8 --kv-blocks fit
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frame_setup import (H200_COPY_TBPS, WINDOWS, bench_checkpoint, floor_ms, kv_bytes, percentile,  # noqa: E402
-                         place_rows, time_frames, weight_bytes, window_positions)
+from frame_setup import (H200_COPY_TBPS, KV_POOLS, WINDOWS, bench_checkpoint, floor_ms, kv_bytes,  # noqa: E402
+                         kv_pool, percentile, place_rows, random_models, time_frames, weight_bytes,
+                         window_positions)
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
@@ -75,22 +82,27 @@ def bench_reference(ref_lm, ref_mimi, batch: int, frames: int, warmup: int) -> d
 
 @torch.no_grad()
 def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows,
-                 kv_dtype: torch.dtype | None = None, live_rows: int | None = None) -> dict:
-    """`live_rows`: only the lowest rows are live (the others are idle slots), default all."""
+                 kv_dtype: torch.dtype | None = None, live_rows: int | None = None,
+                 kv_blocks: str | None = None, block_frames: int | None = None) -> dict:
+    """`live_rows`: only the lowest rows are live (the others are idle slots), default all.
+    `kv_blocks` (a number, `fit` or `full`; see the module doc): paged KV rings, else dense."""
     ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg)
     torch.cuda.reset_peak_memory_stats()
-    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
+    pool = kv_pool(kv_blocks, batch, windows, lm_cfg, block_frames, frames + warmup)
+    paged = dict(kv_blocks=pool[0], kv_block_frames=pool[1]) if pool else {}
+    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype, **paged)
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
     live = torch.zeros(batch, dtype=torch.bool)
     live[:batch if live_rows is None else live_rows] = True
     results = {}
     for window in windows:
-        place_rows(backend._lm_state, window, lm_cfg.context)
+        place_rows(backend._lm_state, window, lm_cfg.context, ahead=frames + warmup)
         times = time_frames(lambda: backend.step(pcm, live).to_host(), frames, warmup)
         live_pos = window_positions(batch, window, lm_cfg.context, "cpu")[live]
         floor = floor_ms(weight_bytes(lm, mimi), kv_bytes(lm_cfg, live_pos, kv_dtype))
         results[window] = {"p50": percentile(times, 50), "p99": percentile(times, 99), "floor": floor}
     results["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    results["kv_blocks"] = paged.get("kv_blocks")
     backend.close()
     return results
 
@@ -107,6 +119,10 @@ def main() -> None:
                         "idle), default all B; with it the reference is not run")
     parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="Parley's LM KV cache dtype (fp8: float8_e4m3fn with per-vector scales)")
+    parser.add_argument("--kv-blocks", help="page Parley's temporal KV ring: a pool of N blocks, 'fit' (what the "
+                        "rows' windows write over the run) or 'full' (a whole window per row); default dense rings")
+    parser.add_argument("--kv-block-frames", type=int, help="frames per KV block (default: the largest divisor "
+                        "of the context <= 64, 60 for Moshi)")
     parser.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="Parley's Mimi (serve's --mimi-dtype); the reference's stays float32")
     args = parser.parse_args()
@@ -118,17 +134,25 @@ def main() -> None:
         sys.exit(f"--live {args.live}: must be between 1 and the smallest batch {min(batches)}")
     if args.live is not None:
         args.no_reference = True
-    ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
+    if args.kv_blocks is not None and args.kv_blocks not in KV_POOLS and not args.kv_blocks.isdigit():
+        sys.exit(f"--kv-blocks {args.kv_blocks}: a number of blocks, or one of {', '.join(KV_POOLS)}")  # before loading
+    if args.no_reference:  # no `moshi` needed: Parley's models with PyTorch's random init
+        lm, mimi, lm_cfg, mimi_cfg = random_models("moshi", "cuda", torch.bfloat16)
+        ref_lm = ref_mimi = None
+    else:
+        ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
     if args.mimi_dtype == "bfloat16":  # a copy: the reference keeps its fp32 Mimi
         mimi = copy.deepcopy(mimi).compute_in(torch.bfloat16)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16"
-          f"  Parley KV cache: {args.kv_dtype}  Parley Mimi: {args.mimi_dtype}")
+          f"  Parley KV cache: {args.kv_dtype}, {'paged ' + args.kv_blocks if args.kv_blocks else 'dense'}"
+          f"  Parley Mimi: {args.mimi_dtype}")
     rows = []
     for batch in batches:
         row = {"B": batch}
         try:
             row["parley"] = bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch, args.frames, args.warmup, windows,
-                                         torch.float8_e4m3fn if args.kv_dtype == "fp8" else None, args.live)
+                                         torch.float8_e4m3fn if args.kv_dtype == "fp8" else None, args.live,
+                                         args.kv_blocks, args.kv_block_frames)
         except torch.cuda.OutOfMemoryError:
             row["parley"] = "OOM"
         torch.cuda.empty_cache()
@@ -163,6 +187,7 @@ def main() -> None:
     print(f"\nLargest B with full windows and p99 < 80 ms: {max(realtime) if realtime else 'none'}")
     if args.json:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kv_dtype": args.kv_dtype,
+                "kv_blocks": args.kv_blocks, "kv_block_frames": args.kv_block_frames,
                 "mimi_dtype": args.mimi_dtype, "frames": args.frames, "live": args.live, "warmup": args.warmup, "bandwidth_tbps": H200_COPY_TBPS}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 

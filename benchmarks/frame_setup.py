@@ -21,6 +21,7 @@ from parley.models.config import LMConfig, MimiConfig, SamplingDefaults, tiny_lm
 from parley.models.lm import LMModel
 from parley.models.lm_gen import LMGenState
 from parley.models.mimi.codec import Mimi
+from parley.models.paged_kv import block_size_for
 from parley.models.tokenizer import TextTokenizer
 from parley.models.transformer import ring_slot_positions
 
@@ -97,10 +98,50 @@ def window_positions(batch: int, window: str, context: int, device) -> torch.Ten
     raise ValueError(f"window {window!r}: expected one of {', '.join(WINDOWS)}")
 
 
-def place_rows(state: LMGenState, window: str, context: int) -> None:
-    """Move every row of an LM state to its window position (KV contents stay: timing only)."""
+KV_POOLS = ("fit", "full")  # --kv-blocks besides a number: what the placed rows need, or a full window each
+
+
+def paged_blocks(positions: torch.Tensor, capacity: int, block_size: int, ahead: int) -> list[int]:
+    """Blocks each row at `positions` holds for its filled window and `ahead` more frames (a paged
+    row holds logical blocks 0 .. k - 1 until its ring wraps, then all of them)."""
+    blocks = capacity // block_size
+    return [min(blocks, -(-(p + ahead) // block_size)) for p in positions.tolist()]
+
+
+def kv_pool(choice: str | None, batch: int, windows, cfg: LMConfig, block_frames: int | None,
+            ahead: int) -> tuple[int, int] | None:
+    """(usable blocks, frames per block) for --kv-blocks `choice`: a number, `fit` (what the rows
+    of the most demanding window write over `ahead` frames) or `full` (a whole window for every
+    row); None (dense rings) without one. Block frames default as the model's (paged_kv)."""
+    if choice is None:
+        return None
+    block_frames = block_size_for(cfg.context, block_frames)
+    if choice == "full":
+        return batch * (cfg.context // block_frames), block_frames
+    if choice == "fit":
+        need = (sum(paged_blocks(window_positions(batch, w, cfg.context, "cpu"), cfg.context, block_frames, ahead))
+                for w in windows)
+        return max(need), block_frames
+    if not choice.isdigit():
+        raise ValueError(f"--kv-blocks {choice}: a number of blocks, or one of {', '.join(KV_POOLS)}")
+    return int(choice), block_frames
+
+
+def place_rows(state: LMGenState, window: str, context: int, ahead: int = 0) -> None:
+    """Move every row of an LM state to its window position (KV contents stay: timing only). A
+    paged state's rows also get the blocks that window and `ahead` more frames write."""
     tr = state.transformer
     pos = window_positions(tr.pos.shape[0], window, context, tr.pos.device)
+    if tr.paged:
+        need = paged_blocks(pos, tr.capacity, tr.block_size, ahead)
+        if sum(need) > tr.num_blocks - 1:
+            raise ValueError(f"B={len(need)} rows at window {window!r} need {sum(need)} KV blocks of "
+                             f"{tr.block_size} frames over the run; the pool holds {tr.num_blocks - 1}")
+        first = 1
+        for row, n in enumerate(need):
+            tr.release_row(row)
+            tr.assign_blocks(row, list(range(n)), list(range(first, first + n)))
+            first += n
     tr.pos.copy_(pos)
     tr.slot_pos.copy_(ring_slot_positions(pos, tr.slot_pos.shape[1]))
     state.offsets.copy_(pos)

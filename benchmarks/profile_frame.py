@@ -2,6 +2,7 @@
 
     python benchmarks/profile_frame.py --batch 1 --window empty
     python benchmarks/profile_frame.py --batch 64 --window full [--kv-dtype fp8] [--kind personaplex]
+    python benchmarks/profile_frame.py --batch 128 --window spread --kv-dtype fp8 --kv-blocks fit   # paged KV
 
 Moshi-7B (or PersonaPlex-7B) shapes with random bf16 weights. Two views:
 
@@ -30,8 +31,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from frame_setup import (H200_COPY_TBPS, WINDOWS, bench_checkpoint, floor_ms, graph_ms, kv_bytes, percentile,  # noqa: E402
-                         place_rows, random_models, time_frames, weight_bytes, window_positions)
+from frame_setup import (H200_COPY_TBPS, KV_POOLS, WINDOWS, bench_checkpoint, floor_ms, graph_ms,  # noqa: E402
+                         kv_bytes, kv_pool, percentile, place_rows, random_models, time_frames, weight_bytes,
+                         window_positions)
 
 from parley.engine.backend import BackendOutput, ModelBackend  # noqa: E402
 from parley.engine.cuda_graph import CUDAGraphRunner  # noqa: E402
@@ -81,8 +83,11 @@ def kernel_breakdown(runner: CUDAGraphRunner, inputs, replays: int) -> dict[str,
 
 @torch.no_grad()
 def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None, kind: str, frames: int,
-                  warmup: int) -> dict:
+                  warmup: int, kv_blocks: str | None = None) -> dict:
+    """`kv_blocks` (a number, `fit` or `full`, as frame_latency.py's): paged KV rings, else dense."""
     lm, mimi, lm_cfg, mimi_cfg = models
+    ahead = 3 * (frames + warmup) + 10  # every replay of the LM sections and the frame moves the rows on
+    pool = kv_pool(kv_blocks, batch, [window], lm_cfg, None, ahead)
     weights = weight_bytes(lm, mimi)
     lm_weights = weight_bytes(lm, torch.nn.Module())
     kv = kv_bytes(lm_cfg, window_positions(batch, window, lm_cfg.context, "cpu"), kv_dtype)
@@ -91,9 +96,10 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
 
     # 1. Sections as separate graphs, on states of their own (all rows live).
     gen = LMGen(lm)
-    lm_state = gen.init_state(batch, kv_dtype=kv_dtype)
+    paged = dict(kv_blocks=pool[0] + 1, block_size=pool[1]) if pool else {}  # + 1: the null block
+    lm_state = gen.init_state(batch, kv_dtype=kv_dtype, **paged)
     mimi_state = mimi.init_state(batch, "cuda")
-    place_rows(lm_state, window, lm_cfg.context)
+    place_rows(lm_state, window, lm_cfg.context, ahead)
     codes = torch.randint(0, lm_cfg.card, (batch, lm_cfg.n_user), device="cuda")
     agent = torch.randint(0, lm_cfg.card, (batch, lm_cfg.n_agent), device="cuda")
     hidden = torch.randn(batch, lm_cfg.dim, device="cuda", dtype=torch.bfloat16)
@@ -119,8 +125,9 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
 
     # 2. The whole frame as the engine runs it, and its host copy.
     ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg, model_type=kind)
-    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype)
-    place_rows(backend._lm_state, window, lm_cfg.context)
+    paged = dict(kv_blocks=pool[0], kv_block_frames=pool[1]) if pool else {}
+    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype, **paged)
+    place_rows(backend._lm_state, window, lm_cfg.context, ahead)
     host_pcm, host_live = pcm.cpu(), live.cpu()
     whole = time_frames(lambda: backend.step(host_pcm, host_live).to_host(), frames, warmup)
     out = backend.step(host_pcm, host_live)
@@ -131,6 +138,7 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
     floor = floor_ms(weights, kv)
     result = {
         "B": batch, "window": window, "kind": kind, "kv_dtype": "fp8" if kv_dtype is not None else "bf16",
+        "kv_blocks": pool[0] if pool else None,
         "frame_p50_ms": percentile(whole, 50), "frame_p99_ms": percentile(whole, 99),
         "floor_ms": floor, "weights_gb": weights / 1e9, "kv_gb": kv / 1e9, "bandwidth_tbps": H200_COPY_TBPS,
         "sections_ms": section_ms, "lm_step_kernels": breakdown,
@@ -140,7 +148,8 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
 
 
 def report(r: dict) -> None:
-    print(f"\nB={r['B']} window={r['window']} {r['kind']} KV {r['kv_dtype']}: frame p50 {r['frame_p50_ms']:.2f} ms "
+    paged = f" paged ({r['kv_blocks']} blocks)" if r.get("kv_blocks") else ""
+    print(f"\nB={r['B']} window={r['window']} {r['kind']} KV {r['kv_dtype']}{paged}: frame p50 {r['frame_p50_ms']:.2f} ms "
           f"(p99 {r['frame_p99_ms']:.2f}); floor {r['floor_ms']:.2f} ms (weights {r['weights_gb']:.2f} GB + KV "
           f"{r['kv_gb']:.2f} GB at {r['bandwidth_tbps']} TB/s) -> {r['floor_ms'] / r['frame_p50_ms']:.0%} of the floor")
     print("\n| section (own CUDA graph) | ms |\n|---|---:|")
@@ -170,16 +179,21 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=30, help="timed replays per section")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--kv-blocks", help="page the temporal KV ring: a pool of N blocks, 'fit' or 'full' "
+                        "(see frame_latency.py); default dense rings")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_frame needs a CUDA GPU")
+    if args.kv_blocks is not None and args.kv_blocks not in KV_POOLS and not args.kv_blocks.isdigit():
+        sys.exit(f"--kv-blocks {args.kv_blocks}: a number of blocks, or one of {', '.join(KV_POOLS)}")
     kv_dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     models = random_models(args.kind)
     results = []
     for batch in args.batch or [1]:
         for window in args.window or ["empty"]:
-            results.append(profile_frame(models, batch, window, kv_dtype, args.kind, args.frames, args.warmup))
+            results.append(profile_frame(models, batch, window, kv_dtype, args.kind, args.frames, args.warmup,
+                                         args.kv_blocks))
             report(results[-1])
             torch.cuda.empty_cache()
     if args.json:

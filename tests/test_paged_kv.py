@@ -9,11 +9,15 @@ GPU (tests/test_paged_kv_cuda.py).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from parley.engine.backend import ModelBackend
 from parley.models import paged_kv
-from parley.models.config import tiny_lm_config
+from parley.models.config import FRAME_SAMPLES, tiny_lm_config
 from parley.models.lm import LMModel
 from parley.models.lm_gen import LMGen
 from parley.models.transformer import TransformerState
@@ -197,3 +201,28 @@ def test_block_size_default_and_checks():
         tr.init_state(1, block_size=8)
     with pytest.raises(ValueError, match="null block"):
         tr.init_state(1, kv_blocks=1)
+
+
+def test_frame_benchmarks_paged_setup_runs_on_cpu():
+    """The paged path of the CUDA-only frame benchmarks (frame_latency.py, profile_frame.py
+    --kv-blocks) at tiny shapes: pool sizes, each row given its window's blocks, frames stepping."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import frame_setup
+    lm, mimi, lm_cfg, mimi_cfg = frame_setup.random_models("tiny", "cpu", torch.float32)
+    assert frame_setup.kv_pool(None, 3, ["spread"], lm_cfg, 8, 5) is None
+    assert frame_setup.kv_pool("full", 3, ["spread"], lm_cfg, 8, 5) == (15, 8)
+    assert frame_setup.kv_pool("7", 3, ["spread"], lm_cfg, None, 5) == (7, 40)
+    blocks, frames = frame_setup.kv_pool("fit", 3, ["empty", "spread"], lm_cfg, 8, 5)
+    assert (blocks, frames) == (1 + 4 + 5, 8)  # rows at 0, 20, 40 (wrapped: a whole window) + 5 frames
+    backend = ModelBackend(frame_setup.bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg), 3, cuda_graphs=False, seed=0,
+                           kv_blocks=blocks, kv_block_frames=frames)
+    state = backend._lm_state.transformer
+    with pytest.raises(ValueError, match="need 15 KV blocks"):
+        frame_setup.place_rows(backend._lm_state, "full", lm_cfg.context, ahead=5)
+    frame_setup.place_rows(backend._lm_state, "spread", lm_cfg.context, ahead=5)
+    assert [int((row != 0).sum()) for row in state.block_table] == [1, 4, 5]
+    live = torch.ones(3, dtype=torch.bool)
+    for _ in range(5):
+        out = backend.step(torch.randn(3, FRAME_SAMPLES) * 0.1, live).to_host()
+    assert state.pos.tolist() == [5, 25, 45] and out.valid.all()
+    backend.close()
