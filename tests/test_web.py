@@ -289,7 +289,7 @@ def run_page_scenario(base_url: str, tmp_path: Path, *, expect_voices: list[str]
             page.on("console", lambda m: console.append(f"A {m.type}: {m.text}"))
             page.on("pageerror", lambda e: console.append(f"A pageerror: {e}"))
             page.goto(base_url)
-            page.get_by_text("Wear headphones").wait_for()
+            page.locator("#headphones").wait_for()
             if expect_voices:
                 page.wait_for_function("n => window.parleyStats.voices.length >= n", arg=len(expect_voices), timeout=5000)
                 assert _stats(page)["voices"] == expect_voices
@@ -435,7 +435,7 @@ def test_page_with_parley_serve_echo(tmp_path):
     ckpt = write_echo_checkpoint(tmp_path / "echo_ckpt")
     with parley_serve(tmp_path, ckpt, max_sessions=1) as url:
         # The echo speaks a word per frame, derived from the microphone's codes.
-        res = run_page_scenario(url, tmp_path, expect_voices=None, screenshot="parley_web")
+        res = run_page_scenario(url + "?transport=websocket", tmp_path, expect_voices=None, screenshot="parley_web")
     _check_live_stats(res["a"], max_buffer_ms=200)
     # The real server refuses the upgrade with HTTP 503, which a browser reports as 1006; the page
     # then read /readyz (no free slot) to show "Server full".
@@ -456,7 +456,7 @@ def test_page_behind_an_api_key_passes_it_on(tmp_path):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(url + "api/info", timeout=5)
         assert refused.value.code == 401
-        res = run_page_scenario(url + "?api_key=sesame", tmp_path, expect_voices=None, screenshot=None,
+        res = run_page_scenario(url + "?api_key=sesame&transport=websocket", tmp_path, expect_voices=None, screenshot=None,
                                 check_full=False)
     _check_live_stats(res["a"], max_buffer_ms=200)
 
@@ -469,7 +469,8 @@ def test_page_with_parley_serve_demo(tmp_path):
     _need_server()
     voices = sorted(f"{v}.pt" for v in PERSONAPLEX_VOICES)
     with parley_serve(tmp_path, None, max_sessions=1) as url:
-        res = run_page_scenario(url, tmp_path, expect_voices=voices, screenshot="parley_web_demo", check_full=False)
+        res = run_page_scenario(url + "?transport=websocket", tmp_path, expect_voices=voices,
+                                screenshot="parley_web_demo", check_full=False)
     assert res["a"]["prompts"] is True  # the persona box was enabled and filled
     _check_live_stats(res["a"], max_buffer_ms=200)
     assert "babble" in res["notice"], res["notice"]
@@ -641,3 +642,60 @@ def test_page_recording_downloads_both_sides_as_heard(tmp_path):
     print("recording: %.2f s at %d Hz, echo lag %d ms, envelope correlation %.2f" % (
         audio.shape[0] / rate, rate, best * 10, corr[best]))
     assert corr[best] > 0.5, corr[best]
+
+
+def test_page_over_webrtc_with_parley_serve_echo(tmp_path):
+    """The page's default where the server offers WebRTC: GPT-Live's POST /v1/live/sessions with
+    the SDP offer, the fake microphone on an Opus track with getUserMedia's echo cancellation
+    applied, the echo of it back on the server's track (played by a media element, so the echo
+    canceller knows it), the model's text from the data channel; no console errors; a second page
+    meets "server full" (the call's 503) until the first hangs up."""
+    _need_browser()
+    _need_server()
+    from playwright.sync_api import sync_playwright
+    from parley.models.synthetic import write_echo_checkpoint
+
+    ckpt = write_echo_checkpoint(tmp_path / "echo_ckpt")
+    wav = tmp_path / "mic.wav"
+    write_speechlike_wav(wav)
+    with parley_serve(tmp_path, ckpt, max_sessions=1) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=CHROME_FLAGS + [f"--use-file-for-fake-audio-capture={wav}"])
+        try:
+            context = browser.new_context(viewport={"width": 900, "height": 1000})
+            context.grant_permissions(["microphone"], origin=url.rstrip("/"))
+            console: list[str] = []
+            page = context.new_page()
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(url)
+            page.wait_for_load_state("networkidle")
+            assert "cancels the agent's voice" in page.locator("#headphones").inner_text()
+            page.click("#connect")
+            _wait_state(page, "live", 30000)
+            try:
+                page.wait_for_function(
+                    """() => { const s = window.parleyStats;
+                               return s.rtcPacketsSent >= 50 && s.rtcPacketsReceived >= 50
+                                      && s.outputLevelMax > 0.005 && s.inputLevelMax > 0.005 && s.text.length > 0; }""",
+                    timeout=30000)
+            except Exception as e:
+                raise AssertionError(f"audio/text did not flow over WebRTC: {_stats(page)}\n" + "\n".join(console)) from e
+            stats = _stats(page)
+            assert stats["transport"] == "webrtc" and stats["echoCancellation"] is True, stats
+            page.screenshot(path=str(tmp_path / "webrtc.png"), full_page=True)
+            shutil.copy(tmp_path / "webrtc.png", "/tmp/parley_web_webrtc.png")
+            page_b = context.new_page()
+            page_b.on("console", lambda m: console.append(f"B {m.type}: {m.text}"))
+            page_b.goto(url)
+            page_b.wait_for_load_state("networkidle")
+            page_b.click("#connect")
+            _wait_state(page_b, "full", 15000)
+            page.bring_to_front()
+            page.keyboard.press("Escape")
+            _wait_state(page, "disconnected", 5000)
+            errors = [line for line in console if line.startswith(("error", "pageerror", "B error"))
+                      and "503" not in line]  # the refused call's fetch logs its 503
+            assert not errors, errors
+        finally:
+            browser.close()

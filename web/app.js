@@ -1,4 +1,10 @@
-// Parley web client: full-duplex voice chat over /api/chat (Moshi protocol).
+// Parley web client: full-duplex voice chat.
+//
+// Where the server offers it (/api/info `webrtc`), the page calls over WebRTC: GPT-Live's
+// POST /v1/live/sessions with the SDP offer; the microphone and the agent's voice travel on
+// Opus tracks, the events on the `oai-events` data channel (RtcSession below). The browser's
+// echo canceller cancels the agent's voice only when it arrives on a WebRTC track, so this path
+// works on speakers. `?transport=websocket` (or a server without WebRTC) uses /api/chat instead:
 //
 // Microphone -> AudioWorklet (20 ms blocks) -> WebCodecs AudioEncoder (Opus, 24 kHz mono)
 //   -> Ogg pages -> WebSocket messages tagged 0x01.
@@ -69,6 +75,10 @@ const stats = {
   voices: [],
   errors: [],
   recordedMs: 0, // the conversation recording's length (both sides, as heard)
+  transport: '', // 'webrtc' or 'websocket', per conversation
+  echoCancellation: null, // WebRTC: what getUserMedia applied to the microphone track
+  rtcPacketsSent: 0, // WebRTC: RTP packets of the microphone sent / of the agent's voice received
+  rtcPacketsReceived: 0,
   prompts: true, // the model takes a persona / voice prompt (from /api/info)
 };
 window.parleyStats = stats;
@@ -94,7 +104,10 @@ const ui = {
   glitches: $('glitches'),
   serverNotice: $('server-notice'),
   supportNotice: $('support-notice'),
+  headphones: $('headphones'),
 };
+const HEADPHONES_WEBRTC = 'Your browser cancels the agent\'s voice from your microphone on this connection (WebRTC). '
+  + 'If your speakers or browser have no echo cancellation, wear headphones: otherwise the model hears itself.';
 
 const STATE_TEXT = {
   idle: 'Not connected',
@@ -136,6 +149,11 @@ function setMuted(on) {
 }
 
 let transcribesUser = false; // /api/info: the server can transcribe the user's side
+let serverInfo = {}; // /api/info as loaded (webrtc, ice_servers, model)
+function usesWebRTC() {
+  return Boolean(serverInfo.webrtc) && typeof RTCPeerConnection !== 'undefined'
+    && pageParams.get('transport') !== 'websocket';
+}
 let lastSpeaker = 'agent';
 
 // Both sides as text: the agent's pieces as they are, the user's in their own labelled lines.
@@ -591,6 +609,189 @@ class Session {
   }
 }
 
+// One conversation over WebRTC (GPT-Live's WebRTC door): the browser does the codecs, echo
+// cancellation and jitter buffering; the page only signals, meters and shows the events.
+class RtcSession {
+  constructor({ persona, voice }) {
+    this.persona = persona;
+    this.voice = voice;
+    this.closed = false;
+    this.pc = null;
+    this.channel = null;
+    this.stream = null;
+    this.ctx = null;
+    this.timers = [];
+    this.audio = null;
+  }
+
+  async start() {
+    setState('connecting', 'Asking for the microphone…');
+    try {
+      this.stream = await navigator.mediaDevices.getUserMedia({
+        audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+      });
+    } catch (e) {
+      this.fail(e && e.name === 'NotAllowedError' ? 'Microphone permission was denied. Allow it in the address bar and try again.'
+        : `Could not open the microphone: ${e && e.message ? e.message : e}`);
+      return;
+    }
+    if (this.closed) return this.teardown();
+    const track = this.stream.getAudioTracks()[0];
+    stats.echoCancellation = track.getSettings().echoCancellation === true;
+    this.setupMeters();
+    const pc = new RTCPeerConnection({ iceServers: serverInfo.ice_servers || [] });
+    this.pc = pc;
+    pc.addTrack(track, this.stream);
+    this.channel = pc.createDataChannel('oai-events');
+    this.channel.onmessage = (e) => this.onEvent(e.data);
+    this.channel.onclose = () => { if (!this.closed) this.finish('disconnected', 'The server ended the conversation.'); };
+    pc.ontrack = (e) => this.onTrack(e);
+    pc.onconnectionstatechange = () => {
+      if (!this.closed && pc.connectionState === 'failed') this.fail('The connection to the server failed (WebRTC).');
+    };
+    await pc.setLocalDescription(await pc.createOffer());
+    await this.gathered();
+    if (this.closed) return this.teardown();
+    setState('connecting', 'Calling the server…');
+    const session = { model: serverInfo.model || 'parley' };
+    if (stats.prompts && this.persona) session.instructions = this.persona;
+    if (this.voice) session.audio = { output: { voice: this.voice } };
+    let reply;
+    try {
+      reply = await fetch(apiUrl('/v1/live/sessions'), {
+        method: 'POST',
+        headers: { 'Content-Type': 'application/json' },
+        body: JSON.stringify({ session, transport: { type: 'webrtc', sdp: pc.localDescription.sdp } }),
+      });
+    } catch (e) {
+      this.fail(`Could not reach the server: ${e && e.message ? e.message : e}`);
+      return;
+    }
+    const body = await reply.json().catch(() => ({}));
+    if (this.closed) return this.teardown();
+    if (reply.status === 503) {
+      this.finish('full', `Every conversation slot is busy (${(body.error && body.error.message) || 'HTTP 503'}). Try again in a moment.`);
+      return;
+    }
+    if (!reply.ok || !body.transport) {
+      this.fail(`The server refused the call: ${(body.error && body.error.message) || `HTTP ${reply.status}`}`);
+      return;
+    }
+    stats.closeCode = null;
+    await pc.setRemoteDescription({ type: 'answer', sdp: body.transport.sdp });
+    setState('waiting', 'The server is preparing the model with your persona and voice.');
+  }
+
+  // The server answers the whole offer at once (no trickle ICE): wait for the host candidates.
+  gathered() {
+    if (this.pc.iceGatheringState === 'complete') return Promise.resolve();
+    return new Promise((resolve) => {
+      const done = () => { if (this.pc && this.pc.iceGatheringState === 'complete') resolve(); };
+      this.pc.addEventListener('icegatheringstatechange', done);
+      setTimeout(resolve, 3000); // whatever was gathered by then
+    });
+  }
+
+  setupMeters() {
+    this.ctx = new AudioContext({ latencyHint: 'interactive' });
+    stats.sampleRate = this.ctx.sampleRate;
+    this.micAnalyser = this.ctx.createAnalyser();
+    this.ctx.createMediaStreamSource(this.stream).connect(this.micAnalyser);
+    this.buf = new Float32Array(1024);
+    this.timers.push(setInterval(() => this.tick(), 100));
+  }
+
+  onTrack(e) {
+    const stream = e.streams[0] || new MediaStream([e.track]);
+    // Played by a media element: the echo canceller knows what the speakers say.
+    this.audio = new Audio();
+    this.audio.autoplay = true;
+    this.audio.srcObject = stream;
+    this.audio.play().catch(() => { /* autoplay needs the click that started the call: it had one */ });
+    this.agentAnalyser = this.ctx.createAnalyser();
+    this.ctx.createMediaStreamSource(stream).connect(this.agentAnalyser);
+  }
+
+  onEvent(data) {
+    if (this.closed) return;
+    let event;
+    try { event = JSON.parse(data); } catch (_) { return; }
+    if (event.type === 'session.started') {
+      setState('live', 'Speak whenever you like; the agent listens while it talks.');
+    } else if (event.type === 'session.output_transcript.delta') {
+      appendText(event.delta || '');
+    } else if (event.type === 'session.input_transcript.delta') {
+      appendText(event.delta || '', 'user');
+    } else if (event.type === 'error') {
+      const msg = (event.error && event.error.message) || 'error';
+      stats.errors.push(msg);
+      ui.detail.textContent = `Server error: ${msg}`;
+    } else if (event.type === 'session.closed') {
+      this.finish('disconnected', 'The server ended the conversation.');
+    }
+  }
+
+  async tick() {
+    if (this.closed) return;
+    for (const [analyser, key, bar] of [[this.micAnalyser, 'input', ui.micBar], [this.agentAnalyser, 'output', ui.agentBar]]) {
+      if (!analyser) continue;
+      analyser.getFloatTimeDomainData(this.buf);
+      const { rms } = levels(this.buf);
+      stats[`${key}Level`] = rms;
+      if (rms > stats[`${key}LevelMax`]) stats[`${key}LevelMax`] = rms;
+      setMeter(bar, key === 'input' && muted ? 0 : meterValue(rms));
+    }
+    const track = this.stream && this.stream.getAudioTracks()[0];
+    if (track) track.enabled = !muted;
+    if (!this.pc || stats.state !== 'live') return;
+    const report = await this.pc.getStats();
+    report.forEach((r) => {
+      if (r.type === 'outbound-rtp' && r.kind === 'audio') stats.rtcPacketsSent = r.packetsSent || 0;
+      if (r.type === 'inbound-rtp' && r.kind === 'audio') {
+        stats.rtcPacketsReceived = r.packetsReceived || 0;
+        stats.latencyMs = (r.jitterBufferDelay && r.jitterBufferEmittedCount)
+          ? (r.jitterBufferDelay / r.jitterBufferEmittedCount) * 1000 : 0;
+      }
+    });
+    ui.latTotal.textContent = `≈ ${fmtMs(stats.latencyMs)}`;
+    ui.latBuffer.textContent = fmtMs(stats.latencyMs);
+    ui.latDevice.textContent = '–';
+    ui.frames.textContent = `${stats.rtcPacketsSent} / ${stats.rtcPacketsReceived}`;
+  }
+
+  stop() {
+    if (this.closed) return;
+    this.finish('disconnected', 'You ended the conversation.');
+  }
+
+  fail(message) {
+    if (this.closed) return;
+    this.finish('error', message);
+  }
+
+  finish(state, message) {
+    this.closed = true;
+    setState(state, message);
+    this.teardown();
+    if (session === this) session = null;
+  }
+
+  teardown() {
+    this.closed = true;
+    for (const t of this.timers) clearInterval(t);
+    this.timers = [];
+    if (this.channel && this.channel.readyState === 'open') {
+      try { this.channel.send(JSON.stringify({ type: 'session.close' })); } catch (_) { /* closing */ }
+    }
+    if (this.pc) this.pc.close();
+    if (this.audio) this.audio.srcObject = null;
+    if (this.stream) for (const t of this.stream.getTracks()) t.stop();
+    if (this.ctx && this.ctx.state !== 'closed') this.ctx.close();
+    setMeter(ui.micBar, 0);
+    setMeter(ui.agentBar, 0);
+  }
+}
+
 let session = null;
 let recording = null; // the last conversation's, downloadable after it ends too
 
@@ -612,7 +813,7 @@ function resetStats() {
     closeCode: null, closeReason: '', micFrames: 0, encodedFrames: 0, sentPages: 0, sendDropped: 0,
     receivedPages: 0, receivedPackets: 0, decodedFrames: 0, decodedMs: 0, playedFrames: 0, playedMs: 0,
     bufferedMs: 0, avgBufferedMs: 0, droppedMs: 0, underruns: 0, latencyMs: 0, rxRealtime: 0, inputLevelMax: 0,
-    outputLevelMax: 0, recordedMs: 0,
+    outputLevelMax: 0, recordedMs: 0, transport: '', echoCancellation: null, rtcPacketsSent: 0, rtcPacketsReceived: 0,
   });
   for (const el of [ui.latTotal, ui.latBuffer, ui.latDevice, ui.frames, ui.glitches]) el.textContent = '–';
 }
@@ -631,7 +832,8 @@ function connect() {
     localStorage.setItem('parley.voice', voice);
   } catch (_) { /* storage may be off */ }
   resetStats();
-  session = new Session({ persona, voice });
+  session = usesWebRTC() ? new RtcSession({ persona, voice }) : new Session({ persona, voice });
+  stats.transport = session instanceof RtcSession ? 'webrtc' : 'websocket';
   session.start().catch((e) => session && session.fail(String(e && e.message ? e.message : e)));
 }
 
@@ -697,6 +899,8 @@ async function loadInfo() {
       ui.voice.disabled = true;
     }
     transcribesUser = Boolean(info && info.session_transcript);
+    serverInfo = info || {};
+    if (usesWebRTC()) ui.headphones.textContent = HEADPHONES_WEBRTC;
     const notice = info && (info.notice || (info.demo ? 'This server runs the tiny demo model: it babbles. Start `parley serve --model ...` with real weights to talk for real.' : ''));
     if (notice) {
       ui.serverNotice.textContent = notice;
