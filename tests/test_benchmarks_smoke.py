@@ -42,6 +42,10 @@ def run_benchmark(script: str, *args: str, timeout: float = 120) -> str:
 
 # (script, arguments, patterns its output must hold): each a table header or a figure line.
 CPU_CASES = {
+    "webrtc_cpu": (  # the demo server, one GPT-Live session per transport for 2 s
+        "webrtc_cpu.py", ["--sessions", "1", "--seconds", "2"],
+        [r"^  websocket \d+\.\d{3} CPU s per session-second", r"^  webrtc +\d+\.\d{3} CPU s per session-second",
+         r"webrtc / websocket: \d+\.\d\dx"]),
     "tts_load": (  # --duplex tiny: the --duplex 7b path (Checkpoint, tokenizer, ModelBackend) at tiny shapes
         "tts_load.py", ["--shapes", "tiny", "--duplex", "tiny", "--streams", "1", "--sessions", "1",
                         "--device", "cpu", "--settle", "0.2", "--idle-seconds", "0.3", "--reference",

@@ -1,0 +1,141 @@
+"""CPU per WebRTC call against CPU per WebSocket session, on the same server.
+
+Starts `parley serve` (the tiny demo model by default, so it runs on a CPU box), then for each
+transport holds N GPT-Live sessions at once for --seconds, each sending a 440 Hz tone at real-time
+pace and reading what comes back, and reads the server process's CPU time (user + system, all its
+threads: the engine, the event loop, aiortc's codec threads) before and after. Prints the server's
+CPU seconds per session-second for each transport, and the ratio.
+
+- websocket: `/v1/live/sessions` over a WebSocket, base64 PCM16 at 24 kHz in JSON events.
+- webrtc: `POST /v1/live/sessions` with transport webrtc, aiortc as the client (Opus at 48 kHz,
+  SRTP, DTLS, SCTP for the events), as tests/test_webrtc.py drives it.
+
+The engine's own work (the model's frames) is in both figures; the difference is the transport's.
+The clients run in this process, on their own cores where there are any.
+
+    python benchmarks/webrtc_cpu.py --sessions 4 --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+ROOT = Path(__file__).resolve().parents[1]
+SR = 24000
+CHUNK = 480 * 4  # 80 ms at 24 kHz per append
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def model_name(base: str) -> str:
+    with urllib.request.urlopen(f"http://{base}/api/info", timeout=5) as r:
+        return json.load(r)["model"]
+
+
+async def websocket_session(base: str, model: str, seconds: float) -> None:
+    import websockets
+
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(CHUNK) / SR) * 32767).astype("<i2").tobytes()
+    async with websockets.connect(f"ws://{base}/v1/live/sessions", max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.start", "session": {"model": model}}))
+        while json.loads(await ws.recv())["type"] != "session.started":
+            pass
+
+        async def drain() -> None:
+            async for _ in ws:
+                pass
+
+        reader = asyncio.create_task(drain())
+        start = time.monotonic()
+        sent = 0
+        while time.monotonic() - start < seconds:
+            await ws.send(json.dumps({"type": "session.input_audio.append", "audio": base64.b64encode(tone).decode()}))
+            sent += 1
+            await asyncio.sleep(max(0.0, start + sent * CHUNK / SR - time.monotonic()))
+        reader.cancel()
+
+
+async def webrtc_session(base: str, model: str, seconds: float) -> None:
+    import httpx2
+    from test_webrtc import Client  # the tests' aiortc client: a tone microphone, the oai-events channel
+
+    client = Client()
+    async with httpx2.AsyncClient() as http:
+        reply = await http.post(f"http://{base}/v1/live/sessions", timeout=30, json={
+            "session": {"model": model}, "transport": {"type": "webrtc", "sdp": await client.offer()}})
+        reply.raise_for_status()
+    await client.answer(reply.json()["transport"]["sdp"])
+    await client.wait(lambda: "session.started" in client.types(), "session.started")
+    await asyncio.sleep(seconds)
+    await client.close()
+
+
+async def measure(base: str, pid: int, kind: str, sessions: int, seconds: float) -> float:
+    model = model_name(base)
+    run = websocket_session if kind == "websocket" else webrtc_session
+    tasks = [asyncio.create_task(run(base, model, seconds + 2.0)) for _ in range(sessions)]
+    await asyncio.sleep(2.0)  # every session set up and streaming
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    await asyncio.sleep(seconds)
+    cpu1, t1 = cpu_seconds(pid), time.monotonic()
+    await asyncio.gather(*tasks)
+    return (cpu1 - cpu0) / ((t1 - t0) * sessions)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+    parser.add_argument("--serve-args", default="", help="more `parley serve` flags (default: the tiny demo)")
+    args = parser.parse_args()
+    if not args.port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "parley.realtime.cli", "serve", "--port", str(args.port), "--device", "cpu",
+           "--max-sessions", str(max(2, args.sessions)), *args.serve_args.split()]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"127.0.0.1:{args.port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://{base}/readyz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        idle = cpu_seconds(proc.pid)
+        time.sleep(2.0)
+        idle = (cpu_seconds(proc.pid) - idle) / 2.0
+        results = {kind: asyncio.run(measure(base, proc.pid, kind, args.sessions, args.seconds))
+                   for kind in ("websocket", "webrtc")}
+    finally:
+        proc.terminate()
+        proc.wait(15)
+    print(f"server idle: {idle:.3f} CPU s/s; {args.sessions} sessions for {args.seconds:g} s each:")
+    for kind, per in results.items():
+        print(f"  {kind:<9} {per:.3f} CPU s per session-second (engine included)")
+    print(f"  webrtc / websocket: {results['webrtc'] / max(results['websocket'], 1e-9):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
