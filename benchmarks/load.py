@@ -121,6 +121,18 @@ async def open_socket(url: str, stats: ClientStats):
     return None
 
 
+async def handshake(ws, stats: ClientStats, ready) -> bool:
+    """Await `ready()` (the door's handshake; False: refused) for 60 s at most; a close before it
+    is a refusal, no answer a time-out, both noted in `stats`."""
+    try:
+        return await asyncio.wait_for(ready(), 60)
+    except ConnectionClosed:
+        stats.refused, stats.close_code, stats.close_reason = True, ws.close_code, ws.close_reason
+    except TimeoutError:
+        stats.timed_out = True
+    return False
+
+
 async def stream_frames(ws, stats: ClientStats, index: int, n: int, start_gate: asyncio.Event, encode) -> None:
     """Send n frames of client `index`'s probe signal on the 80 ms grid from the gate on."""
     await start_gate.wait()
@@ -141,15 +153,13 @@ async def client(url: str, index: int, duration: float, start_gate: asyncio.Even
     if (ws := await open_socket(f"{url}/api/chat{query}", stats)) is None:
         return stats
     async with ws:
-        try:
-            first = await asyncio.wait_for(ws.recv(), 60)
-        except ConnectionClosed:
-            stats.refused, stats.close_code, stats.close_reason = True, ws.close_code, ws.close_reason
+        async def handshake_byte() -> bool:
+            first = await ws.recv()
+            assert first[:1] == b"\x00", first[:8]
+            return True
+
+        if not await handshake(ws, stats, handshake_byte):
             return stats
-        except TimeoutError:
-            stats.timed_out = True
-            return stats
-        assert first[:1] == b"\x00", first[:8]
         stats.ready_s = time.monotonic() - opened
 
         async def receive() -> None:
@@ -192,16 +202,15 @@ async def live_client(url: str, index: int, duration: float, start_gate: asyncio
         session = {"model": query, "audio": {"format": {"type": "audio/pcm", "rate": SR}}}
         start = {"type": "session.start", "session": session}
         await ws.send(json.dumps(start))
-        try:
-            while (event := json.loads(await asyncio.wait_for(ws.recv(), 60)))["type"] != "session.started":
+
+        async def started() -> bool:
+            while (event := json.loads(await ws.recv()))["type"] != "session.started":
                 if event["type"] == "error":
                     stats.refused, stats.close_reason = True, event["error"].get("message", "")
-                    return stats
-        except ConnectionClosed:
-            stats.refused, stats.close_code, stats.close_reason = True, ws.close_code, ws.close_reason
-            return stats
-        except TimeoutError:
-            stats.timed_out = True
+                    return False
+            return True
+
+        if not await handshake(ws, stats, started):
             return stats
         stats.ready_s = time.monotonic() - opened
 

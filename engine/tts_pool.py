@@ -47,12 +47,12 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from parley.models.dsm import WordEntry
+from parley.models.dsm import WordEntry, split_words
 from parley.models.mimi.codec import Mimi, MimiState
 from parley.models.tts import FRAME_RATE, TtsConfig, TtsGen, TtsLM, TtsSampling
 
@@ -172,6 +172,13 @@ class _Row:
         self.job.stream.push(TtsWord(text, max(start - FRAME_DROP, 0) / FRAME_RATE,
                                      max(stop_step - FRAME_DROP, 0) / FRAME_RATE))
         self.pending_word = None
+
+
+def text_entries(text: str, encode: Callable[[str], list[int]], speaker_token: int | None) -> tuple[WordEntry, ...]:
+    """A TtsRequest's `entries` for `text`: normalised, one entry per word (its tokens, from the
+    model's tokenizer's `encode`), a `<break time="1.5s"/>` a pad-only entry; `speaker_token`
+    (None: a single-speaker model) opens the first word."""
+    return tuple(split_words(text, encode, FRAME_RATE, padding_between=1, speaker_token=speaker_token))
 
 
 def step_budget(entries: Sequence[WordEntry], delay: int, max_padding: int = 8, initial_padding: int = 2) -> int:

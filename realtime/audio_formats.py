@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import soxr
 
-from parley.models.config import SAMPLE_RATE
+from parley.models import SAMPLE_RATE
 
 G711_RATE = 8000
 

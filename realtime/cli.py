@@ -19,9 +19,9 @@ from typing import Callable, Sequence
 
 # Only torch-free modules here: `parley --help` must not wait for torch (tests/test_lazy_imports.py).
 # Each handler imports what its command needs when it runs.
-from parley.engine import OptionsError, SamplingOptions, SessionOptions
-from parley.engine.config import DEFAULT_STALL_TIMEOUT_S
-from parley.engine.kv_blocks import POLICIES as KV_POLICIES, KvSettings
+from parley.engine import (
+    DEFAULT_STALL_TIMEOUT_S, KV_POLICIES, KvSettings, OptionsError, SamplingOptions, SessionOptions,
+)
 
 from . import cli_sources, doors
 from .help_format import HelpFormatter

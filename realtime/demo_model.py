@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from parley.models.image_pipeline import ImageStepper, stepper_for
-from parley.models.synthetic import (TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_stt_checkpoint,
-                                     write_tiny_tts_checkpoint)
-from parley.models.tiny_diffusion import tiny_pipeline
+from parley.models import (
+    TINY_TTS_VOICES, ImageStepper, stepper_for, tiny_pipeline, write_tiny_checkpoint, write_tiny_stt_checkpoint,
+    write_tiny_tts_checkpoint,
+)
 
 # OpenAI's speech voices: the demo TTS answers to all 13 (through its voice map).
 OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",

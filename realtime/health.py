@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from parley.engine.gc_pauses import FULL_COLLECTIONS
+from parley.engine import FULL_COLLECTIONS
 
 from .refusals import Refusals
 

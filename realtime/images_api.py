@@ -35,9 +35,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from parley.engine import Engine, Status, Terminal
-from parley.engine.image_queue import (MAX_PARTIAL_IMAGES, STALLED, ImagePartial, ImageQueue, ImageQueueFull,
-                                       ImageRefused, ImageRequest, ImageResult, ImageSpec)
+from parley.engine import (
+    IMAGE_STALLED, MAX_PARTIAL_IMAGES, Engine, ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageRequest,
+    ImageResult, ImageSpec, Status, Terminal,
+)
 
 from .served_models import ModelNotFound
 
@@ -243,7 +244,7 @@ def _terminal_error(terminal: Terminal) -> ApiError:
                         code="cancelled")
     if "too large" in terminal.reason:
         return _invalid("size", terminal.reason, "size_too_large")
-    if terminal.reason.startswith(STALLED):  # the load left it no slack: retryable, not a server fault
+    if terminal.reason.startswith(IMAGE_STALLED):  # the load left it no slack: retryable, not a server fault
         return ApiError(503, terminal.reason, kind="server_error", code="image_stalled")
     return ApiError(500, terminal.reason or "image generation failed", kind="server_error", code="server_error")
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from parley.models.config import SAMPLE_RATE
+from parley.models import SAMPLE_RATE
 
 from .audio_formats import G711_RATE, AudioFormat
 from .live_responses import ResponsesSettings, parse_settings

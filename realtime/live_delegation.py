@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from parley.models.config import FRAME_SAMPLES
+from parley.models import FRAME_SAMPLES
 
 from .live_policy import DelegationPolicy
 from .openai_events import TurnDetection, new_id

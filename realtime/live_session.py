@@ -36,7 +36,7 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import EngineClosed, EngineFull, FrameOut, OptionsError, SessionRejected, Status
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from . import live_events as ev
 from .audio_formats import FormatError, InputDecoder, OutputEncoder

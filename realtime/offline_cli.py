@@ -62,11 +62,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
 def run_offline_command(args: argparse.Namespace) -> int:
     import torch  # the model stack loads here, not for --help
 
-    from parley.engine import OptionsError, SamplingOptions, SessionOptions
-    from parley.engine.backend import ModelBackend, SessionRejected
-    from parley.engine.offline import run_offline
-    from parley.models.audio_io import AudioFileError, read_wav, write_wav
-    from parley.models.checkpoint import CheckpointError
+    from parley.engine import ModelBackend, OptionsError, SamplingOptions, SessionOptions, SessionRejected, run_offline
+    from parley.models import AudioFileError, CheckpointError, read_wav, write_wav
 
     from .server import resolve_dtype
 

@@ -39,7 +39,7 @@ from starlette.websockets import WebSocketDisconnect
 from parley.engine import (
     EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
 )
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from .audio_formats import FormatError
 from .openai_events import Dialect, Event, Events, SessionConfig, new_id

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import sphn
 
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 # sphn 0.2's writer takes 960- or 1920-sample frames; one model frame (80 ms) is one call.
 WRITER_FRAME_SAMPLES = FRAME_SAMPLES  # 1920

@@ -26,8 +26,7 @@ import logging
 
 import numpy as np
 
-from parley.engine import Status, Terminal
-from parley.engine.stt_pool import SttBusy, SttInputError, SttPool, SttRequest
+from parley.engine import Status, SttBusy, SttInputError, SttPool, SttRequest, Terminal
 
 from .openai_events import Dialect, Event, SessionConfig, TurnDetection, new_id
 from .openai_realtime import RealtimeConnection

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from .audio_formats import InputDecoder, OutputEncoder
 from .limits import ConversationBudget

@@ -32,11 +32,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from parley.engine import SessionOptions
-from parley.engine.gc_pauses import freeze_loaded_objects
-from parley.engine.image_queue import DEFAULT_STALL_TIMEOUT_S
-from parley.engine.kv_blocks import KvSettings
-from parley.models.checkpoint import CheckpointError
+from parley.engine import DEFAULT_STALL_TIMEOUT_S, KvSettings, SessionOptions, freeze_loaded_objects
+from parley.models import CheckpointError
 
 from .app import create_app, served_paths
 from .drain import DrainingServer

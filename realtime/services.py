@@ -22,18 +22,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from parley.engine import Engine, SamplingOptions
-from parley.engine.backend import ModelBackend, default_dtype, kv_layout
-from parley.engine.config import OptionsError
-from parley.engine.kv_blocks import KvBlockPool, default_block_frames
-from parley.engine.image_queue import ImageQueue
-from parley.engine.no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
-from parley.engine.stt_paired import PairedTranscription
-from parley.engine.stt_pool import SttPool
-from parley.models.checkpoint import Checkpoint, SttCheckpoint, load_checkpoint, load_stt_checkpoint
-from parley.models.image_pipeline import ImagePipelineError, load_image_pipeline
-from parley.models.mimi.codec import Mimi
-from parley.models.tensor_sharing import share_equal_tensors
+from parley.engine import (
+    NO_DUPLEX_REASON, Engine, ImageQueue, KvBlockPool, ModelBackend, NoDuplexBackend, OptionsError,
+    PairedTranscription, SamplingOptions, SttPool, default_block_frames, default_dtype, kv_layout,
+)
+from parley.models import (
+    Checkpoint, ImagePipelineError, Mimi, SttCheckpoint, load_checkpoint, load_image_pipeline, load_stt_checkpoint,
+    share_equal_tensors,
+)
 
 from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
                          ensure_demo_stt_checkpoint, ensure_demo_tts)

@@ -22,10 +22,9 @@ from typing import Any, Awaitable, Callable, Coroutine
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import (
-    Engine, EngineClosed, EngineFull, FrameOut, OptionsError, Session, SessionOptions, SessionRejected, Status,
-    Terminal,
+    TICK_SECONDS, Engine, EngineClosed, EngineFull, FrameOut, OptionsError, Session, SessionOptions,
+    SessionRejected, Status, Terminal,
 )
-from parley.engine.config import TICK_SECONDS
 
 from .capacity import Admission, Reservation
 from .health import EdgeMetrics

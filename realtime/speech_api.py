@@ -36,12 +36,8 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from parley.engine.stream import Status, Terminal
-from parley.engine.tts_pool import TtsAudio, TtsJob, TtsPool, TtsPoolFull, TtsRequest
-from parley.models.dsm import split_words
-from parley.models.tokenizer import TextTokenizer
-from parley.models.tts import FRAME_RATE
-from parley.models.tts_checkpoint import VoiceStore
+from parley.engine import Status, Terminal, TtsAudio, TtsJob, TtsPool, TtsPoolFull, TtsRequest, text_entries
+from parley.models import TextTokenizer, VoiceStore
 
 from .served_models import ModelNotFound
 from .speech_formats import CONTENT_TYPES, FORMATS, make_encoder
@@ -141,8 +137,7 @@ def parse_request(body: object, voices: VoiceStore) -> SpeechParams:
 
 def build_request(service: SpeechService, params: SpeechParams) -> tuple[TtsRequest, int]:
     """The engine request and its input token count (usage)."""
-    entries = tuple(split_words(params.text, service.tokenizer.encode, FRAME_RATE, padding_between=1,
-                                speaker_token=service.speaker_token))
+    entries = text_entries(params.text, service.tokenizer.encode, service.speaker_token)
     if not any(e.tokens for e in entries):
         raise SpeechError(400, "input holds no words to speak", "input")
     voice = service.voices.load(params.voice)

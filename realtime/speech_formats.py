@@ -21,7 +21,7 @@ import av  # at import, not on the first mp3 response (realtime/app.py: load_laz
 import numpy as np
 import sphn
 
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 CONTENT_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "opus": "audio/opus", "mp3": "audio/mpeg",
                  "flac": "audio/flac", "aac": "audio/aac"}

@@ -12,11 +12,8 @@ from pathlib import Path
 
 import torch
 
-from parley.engine.tts_pool import TtsPool
-from parley.models.checkpoint import CheckpointError
-from parley.models.mimi.codec import Mimi
-from parley.models.tensor_sharing import share_equal_tensors
-from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
+from parley.engine import TtsPool
+from parley.models import CheckpointError, Mimi, VoiceStore, load_tts_checkpoint, share_equal_tensors
 
 from .speech_api import DEFAULT_CFG, SpeechService
 from .speech_options import DEFAULT_VOICES

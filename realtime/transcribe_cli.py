@@ -30,9 +30,8 @@ def add_transcribe(subparsers: argparse._SubParsersAction) -> None:
 def run_transcribe(args: argparse.Namespace) -> int:
     import torch  # the model stack loads here, not for --help
 
-    from parley.engine.stt_pool import SttFailed, SttPool, collect_transcript
-    from parley.models.audio_io import AudioFileError, read_wav
-    from parley.models.checkpoint import CheckpointError, load_stt_checkpoint
+    from parley.engine import SttFailed, SttPool, collect_transcript
+    from parley.models import AudioFileError, CheckpointError, load_stt_checkpoint, read_wav
 
     from .server import resolve_dtype
 

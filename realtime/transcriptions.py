@@ -27,9 +27,8 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from parley.engine.stream import Status, Terminal
-from parley.engine.stt_pool import SttBusy, SttFailed, SttInputError, SttPartial, SttPool, collect_transcript
-from parley.models.audio_io import AudioFileError, read_audio_bytes
+from parley.engine import Status, SttBusy, SttFailed, SttInputError, SttPartial, SttPool, Terminal, collect_transcript
+from parley.models import AudioFileError, read_audio_bytes
 
 from .served_models import ModelNotFound
 

@@ -39,9 +39,8 @@ def add_tts(subparsers: argparse._SubParsersAction) -> None:
 def run_tts_command(args: argparse.Namespace) -> int:
     import torch  # the model stack loads here, not for --help
 
-    from parley.engine.tts_offline import synthesize
-    from parley.models.audio_io import write_wav
-    from parley.models.checkpoint import CheckpointError
+    from parley.engine import synthesize
+    from parley.models import CheckpointError, write_wav
 
     from .server import resolve_dtype
     from .speech_api import SpeechError, SpeechParams, build_request

@@ -39,7 +39,7 @@ from aiortc.mediastreams import MediaStreamError
 from aiortc.sdp import SessionDescription
 from av import AudioFrame
 
-from parley.models.config import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from .transport import IceServer
 
