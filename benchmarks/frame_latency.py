@@ -107,7 +107,7 @@ def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: in
     return results
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,16,32,64,128", help="comma-separated batch sizes")
     parser.add_argument("--frames", type=int, default=60, help="timed frames per case")
@@ -126,6 +126,26 @@ def main() -> None:
     parser.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="Parley's Mimi (serve's --mimi-dtype); the reference's stays float32")
     args = parser.parse_args()
+    if args.kv_blocks is not None and args.kv_blocks not in KV_POOLS and not args.kv_blocks.isdigit():
+        parser.error(f"--kv-blocks {args.kv_blocks}: a number of blocks, or one of {', '.join(KV_POOLS)}")
+    return args
+
+
+def load_models(args: argparse.Namespace):
+    """(reference LM, reference Mimi, LM, Mimi, LM config, Mimi config); without the reference
+    (None, None, ...) Parley's own with PyTorch's random init, so no `moshi` package is needed."""
+    if args.no_reference:
+        ref_lm = ref_mimi = None
+        lm, mimi, lm_cfg, mimi_cfg = random_models("moshi", "cuda", torch.bfloat16)
+    else:
+        ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
+    if args.mimi_dtype == "bfloat16":  # a copy: the reference keeps its fp32 Mimi
+        mimi = copy.deepcopy(mimi).compute_in(torch.bfloat16)
+    return ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("frame_latency needs a CUDA GPU")
     windows = [w for w in args.windows.split(",") if w]
@@ -134,15 +154,7 @@ def main() -> None:
         sys.exit(f"--live {args.live}: must be between 1 and the smallest batch {min(batches)}")
     if args.live is not None:
         args.no_reference = True
-    if args.kv_blocks is not None and args.kv_blocks not in KV_POOLS and not args.kv_blocks.isdigit():
-        sys.exit(f"--kv-blocks {args.kv_blocks}: a number of blocks, or one of {', '.join(KV_POOLS)}")  # before loading
-    if args.no_reference:  # no `moshi` needed: Parley's models with PyTorch's random init
-        lm, mimi, lm_cfg, mimi_cfg = random_models("moshi", "cuda", torch.bfloat16)
-        ref_lm = ref_mimi = None
-    else:
-        ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
-    if args.mimi_dtype == "bfloat16":  # a copy: the reference keeps its fp32 Mimi
-        mimi = copy.deepcopy(mimi).compute_in(torch.bfloat16)
+    ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = load_models(args)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16"
           f"  Parley KV cache: {args.kv_dtype}, {'paged ' + args.kv_blocks if args.kv_blocks else 'dense'}"
           f"  Parley Mimi: {args.mimi_dtype}")

@@ -84,20 +84,17 @@ def kernel_breakdown(runner: CUDAGraphRunner, inputs, replays: int) -> dict[str,
 @torch.no_grad()
 def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None, kind: str, frames: int,
                   warmup: int, kv_blocks: str | None = None) -> dict:
-    """`kv_blocks` (a number, `fit` or `full`, as frame_latency.py's): paged KV rings, else dense."""
     lm, mimi, lm_cfg, mimi_cfg = models
-    ahead = 3 * (frames + warmup) + 10  # every replay of the LM sections and the frame moves the rows on
-    pool = kv_pool(kv_blocks, batch, [window], lm_cfg, None, ahead)
-    weights = weight_bytes(lm, mimi)
-    lm_weights = weight_bytes(lm, torch.nn.Module())
+    ahead = 3 * (frames + warmup) + 10  # paged: blocks for every replay of the LM sections and the frame
+    pool = kv_pool(kv_blocks, batch, [window], lm_cfg, None, ahead) or (None, None)
+    weights, lm_weights = weight_bytes(lm, mimi), weight_bytes(lm, torch.nn.Module())
     kv = kv_bytes(lm_cfg, window_positions(batch, window, lm_cfg.context, "cpu"), kv_dtype)
     live = torch.ones(batch, dtype=torch.bool, device="cuda")
     pcm = torch.randn(batch, FRAME_SAMPLES, device="cuda") * 0.1
 
     # 1. Sections as separate graphs, on states of their own (all rows live).
     gen = LMGen(lm)
-    paged = dict(kv_blocks=pool[0] + 1, block_size=pool[1]) if pool else {}  # + 1: the null block
-    lm_state = gen.init_state(batch, kv_dtype=kv_dtype, **paged)
+    lm_state = gen.init_state(batch, kv_dtype=kv_dtype, kv_blocks=pool[0] and pool[0] + 1, block_size=pool[1])
     mimi_state = mimi.init_state(batch, "cuda")
     place_rows(lm_state, window, lm_cfg.context, ahead)
     codes = torch.randint(0, lm_cfg.card, (batch, lm_cfg.n_user), device="cuda")
@@ -125,8 +122,8 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
 
     # 2. The whole frame as the engine runs it, and its host copy.
     ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg, model_type=kind)
-    paged = dict(kv_blocks=pool[0], kv_block_frames=pool[1]) if pool else {}
-    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype, **paged)
+    backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype, kv_blocks=pool[0],
+                           kv_block_frames=pool[1])
     place_rows(backend._lm_state, window, lm_cfg.context, ahead)
     host_pcm, host_live = pcm.cpu(), live.cpu()
     whole = time_frames(lambda: backend.step(host_pcm, host_live).to_host(), frames, warmup)
@@ -138,7 +135,7 @@ def profile_frame(models, batch: int, window: str, kv_dtype: torch.dtype | None,
     floor = floor_ms(weights, kv)
     result = {
         "B": batch, "window": window, "kind": kind, "kv_dtype": "fp8" if kv_dtype is not None else "bf16",
-        "kv_blocks": pool[0] if pool else None,
+        "kv_blocks": pool[0],
         "frame_p50_ms": percentile(whole, 50), "frame_p99_ms": percentile(whole, 99),
         "floor_ms": floor, "weights_gb": weights / 1e9, "kv_gb": kv / 1e9, "bandwidth_tbps": H200_COPY_TBPS,
         "sections_ms": section_ms, "lm_step_kernels": breakdown,

@@ -25,6 +25,12 @@ rows that do not execute (their cache is left unwritten) get the same output as 
 bf16 / fp32 caches run tensor-core dots (the query row repeated 16 times); fp8 caches run fp32
 products on CUDA cores (a tensor-core fp8 loop needed ~250 registers and was issue-bound).
 
+Paged rings (models/paged_kv.py; `block_table=` [B, S // bs] int32 on decode_attention and
+rope_write): the caches and fp8 scales are pools [blocks, H, bs(, D)] shared by all rows, slot n
+of row b lives at pool block block_table[b, n // bs], slot n % bs, and writes to the null block 0
+are dropped. The results are the dense ring's; a constexpr PAGED picks the addressing, so the
+dense kernels compile as before.
+
 Only slots below min(pos[b], S) are visited: since a row's positions grow from 0 after a reset,
 slots at or above that bound have never been written. Splits of the window past it exit at once,
 so the cost follows each row's filled window (split-KV, "flash decoding"), not the capacity.
@@ -518,9 +524,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     `write` (bf16 / fp32 caches): also store k_new, v_new at slot pos % S of the rows where
     `exec_mask` is True (all rows without one), as `rope_write` would without RoPE: inside the
     attention kernel when one program covers a row's ring (the depformer's), else after it.
-    `block_table` [B, S // bs] int32 (paged rings, models/paged_kv.py): the caches (and scales) are
-    pools [blocks, H, bs(, D)] and slot n of row b lives in pool block block_table[b, n // bs];
-    the results are the dense ring's."""
+    `block_table`: paged caches (see the module doc)."""
     B, H, D = q.shape
     S = slot_pos.shape[1]
     paged = _paging(block_table, cache_k, B, S)
@@ -541,12 +545,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     final = num_splits == 1
     assert order is None or final, "order= takes launches of one split a ring"
     rows = order if order is not None else pos
-    if final:
-        m_tmp = l_tmp = acc_tmp = out
-    else:
-        m_tmp = torch.empty(B * H * num_splits, dtype=torch.float32, device=q.device)
-        l_tmp = torch.empty_like(m_tmp)
-        acc_tmp = torch.empty(B * H * num_splits * D, dtype=torch.float32, device=q.device)
+    m_tmp, l_tmp, acc_tmp = (out,) * 3 if final else _split_scratch(B * H * num_splits, D, q.device)
     strides = (cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
                cache_v.stride(0), cache_v.stride(1), cache_v.stride(2))
     table = (block_table, block_table.stride(0)) if paged else (pos, 0)
@@ -572,6 +571,12 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     if write:  # after every split has read the ring
         _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v, block_table)
     return out
+
+
+def _split_scratch(programs: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each split's running max, denominator and value sum, for the reduce pass."""
+    m_tmp = torch.empty(programs, dtype=torch.float32, device=device)
+    return m_tmp, torch.empty_like(m_tmp), torch.empty(programs * D, dtype=torch.float32, device=device)
 
 
 def _paging(block_table: torch.Tensor | None, cache_k: torch.Tensor, B: int, S: int) -> bool:
