@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from starlette.datastructures import UploadFile
@@ -80,6 +81,66 @@ def _bool(value: str | None, name: str) -> bool:
     raise RequestError(f"{name} must be true or false, got {value!r}.", name)
 
 
+@dataclass(frozen=True)
+class TranscriptionOptions:
+    """A request's options, checked (everything but the file and the model)."""
+
+    language: str | None
+    response_format: str
+    granularities: tuple[str, ...]  # word and/or segment; empty: both (verbose_json)
+    stream: bool
+    temperature: float
+
+
+def parse_options(fields: dict) -> TranscriptionOptions:
+    """The form's options, or a RequestError naming the first bad one."""
+    language = _one(fields, "language")
+    if language not in (None, "", *LANGUAGES):
+        raise RequestError(f"language {language!r} is not supported by this model (Kyutai STT: "
+                           f"{', '.join(LANGUAGES)}).", "language")
+    if _one(fields, "prompt"):
+        raise RequestError("prompt is not supported: Kyutai STT takes no text prompt.", "prompt")
+    fmt = _one(fields, "response_format", "json")
+    if fmt not in FORMATS:
+        raise RequestError(f"response_format {fmt!r} is not supported; use {', '.join(FORMATS)}.",
+                           "response_format")
+    granularities = [str(v) for v in fields.get("timestamp_granularities", [])]
+    if any(g not in ("word", "segment") for g in granularities):
+        raise RequestError(f"timestamp_granularities must be word and/or segment, got {granularities}.",
+                           "timestamp_granularities")
+    if granularities and fmt != "verbose_json":
+        raise RequestError("timestamp_granularities needs response_format verbose_json.",
+                           "timestamp_granularities")
+    stream = _bool(_one(fields, "stream"), "stream")
+    try:
+        temperature = float(_one(fields, "temperature", "0"))
+    except ValueError:
+        raise RequestError("temperature must be a number.", "temperature") from None
+    return TranscriptionOptions(language, fmt, tuple(granularities), stream, temperature)
+
+
+async def _submit(pool: SttPool, upload: UploadFile, temperature: float):
+    """The upload decoded and fed to a new job on the pool, its input ended: (job, pcm)."""
+    data = await upload.read(MAX_UPLOAD_BYTES + 1)
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise RequestError(f"file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB.", "file", 413)
+    try:
+        pcm = (await asyncio.to_thread(read_audio_bytes, data, upload.filename or "file")).numpy()
+    except AudioFileError as exc:
+        raise RequestError(str(exc), "file") from exc
+    try:
+        job = pool.submit(temperature=temperature)
+    except SttInputError as exc:
+        raise RequestError(str(exc), "temperature") from exc
+    try:
+        job.feed(pcm)
+    except SttInputError as exc:
+        job.cancel()
+        raise RequestError(str(exc), "file") from exc
+    job.end_input()
+    return job, pcm
+
+
 async def transcriptions_endpoint(request: Request) -> Response:
     pool: SttPool = request.app.state.stt_pool  # mounted only with an STT model (doors.py)
     try:
@@ -88,45 +149,8 @@ async def transcriptions_endpoint(request: Request) -> Response:
         if not isinstance(upload, UploadFile):
             raise RequestError("file is required (the audio to transcribe).", "file")
         request.app.state.models.resolve("stt", _one(fields, "model") or None)
-        language = _one(fields, "language")
-        if language not in (None, "", *LANGUAGES):
-            raise RequestError(f"language {language!r} is not supported by this model (Kyutai STT: "
-                               f"{', '.join(LANGUAGES)}).", "language")
-        if _one(fields, "prompt"):
-            raise RequestError("prompt is not supported: Kyutai STT takes no text prompt.", "prompt")
-        fmt = _one(fields, "response_format", "json")
-        if fmt not in FORMATS:
-            raise RequestError(f"response_format {fmt!r} is not supported; use {', '.join(FORMATS)}.",
-                               "response_format")
-        granularities = [str(v) for v in fields.get("timestamp_granularities", [])]
-        if any(g not in ("word", "segment") for g in granularities):
-            raise RequestError(f"timestamp_granularities must be word and/or segment, got {granularities}.",
-                               "timestamp_granularities")
-        if granularities and fmt != "verbose_json":
-            raise RequestError("timestamp_granularities needs response_format verbose_json.",
-                               "timestamp_granularities")
-        stream = _bool(_one(fields, "stream"), "stream")
-        try:
-            temperature = float(_one(fields, "temperature", "0"))
-        except ValueError:
-            raise RequestError("temperature must be a number.", "temperature") from None
-        data = await upload.read(MAX_UPLOAD_BYTES + 1)
-        if len(data) > MAX_UPLOAD_BYTES:
-            raise RequestError(f"file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB.", "file", 413)
-        try:
-            pcm = (await asyncio.to_thread(read_audio_bytes, data, upload.filename or "file")).numpy()
-        except AudioFileError as exc:
-            raise RequestError(str(exc), "file") from exc
-        try:
-            job = pool.submit(temperature=temperature)
-        except SttInputError as exc:
-            raise RequestError(str(exc), "temperature") from exc
-        try:
-            job.feed(pcm)
-        except SttInputError as exc:
-            job.cancel()
-            raise RequestError(str(exc), "file") from exc
-        job.end_input()
+        options = parse_options(fields)
+        job, pcm = await _submit(pool, upload, options.temperature)
     except RequestError as exc:
         return error_response(str(exc), exc.param, exc.status, exc.code)
     except ModelNotFound as exc:
@@ -135,25 +159,29 @@ async def transcriptions_endpoint(request: Request) -> Response:
         request.app.state.refusals.record(request.scope, "full", str(exc))
         return error_response(str(exc), None, 503, "server_busy")
 
-    duration = pcm.size / 24_000
-    if stream:
+    if options.stream:
         return StreamingResponse(_sse(job), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         text, words = await collect_transcript(job)
     except SttFailed as exc:
         return error_response(str(exc), None, 500)
-    if fmt == "text":
+    return _result(options, text, words, duration=pcm.size / 24_000)
+
+
+def _result(options: TranscriptionOptions, text: str, words, duration: float) -> Response:
+    """The transcript in the asked response_format."""
+    if options.response_format == "text":
         return PlainTextResponse(text + "\n")
-    if fmt == "json":
+    if options.response_format == "json":
         return JSONResponse({"text": text, "usage": {"type": "duration", "seconds": duration}})
-    body = {"task": "transcribe", "language": language or "en", "duration": duration, "text": text,
+    body = {"task": "transcribe", "language": options.language or "en", "duration": duration, "text": text,
             "usage": {"type": "duration", "seconds": duration}}
-    if not granularities or "word" in granularities:
+    if not options.granularities or "word" in options.granularities:
         body["words"] = [{"word": w.text, "start": w.start, "end": w.end} for w in words]
-    if not granularities or "segment" in granularities:
+    if not options.granularities or "segment" in options.granularities:
         body["segments"] = [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text, "tokens": [],
-                             "temperature": temperature, "avg_logprob": 0.0, "compression_ratio": 0.0,
+                             "temperature": options.temperature, "avg_logprob": 0.0, "compression_ratio": 0.0,
                              "no_speech_prob": 0.0}]
     return JSONResponse(body)
 
