@@ -88,6 +88,15 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="dtype of the audio codec (Mimi) of every model served: float32, the reference's; "
                         "bfloat16 makes the codec about a third faster at 64 sessions and more on an H200 "
                         "(decoded audio within ~50 dB SNR of float32, docs/benchmarks.md)")
+    add_session_default_flags(p)
+    add_process_flags(p)
+    add_service_flags(p)
+    add_reliability_flags(p)
+    p.set_defaults(handler=run_serve)
+
+
+def add_session_default_flags(p: argparse.ArgumentParser) -> None:
+    """What a session gets when its client does not choose: persona, voice and sampling."""
     p.add_argument("--persona", default="",
                    help="default persona / system prompt (PersonaPlex); clients override it with "
                         "text_prompt (/api/chat) or instructions (/v1/realtime)")
@@ -104,6 +113,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         f"else {DEFAULT_SAMPLING.audio_temperature})")
     p.add_argument("--audio-topk", type=int, default=None,
                    help=f"default audio top-k (default: the checkpoint's, else {DEFAULT_SAMPLING.audio_top_k})")
+
+
+def add_process_flags(p: argparse.ArgumentParser) -> None:
+    """The server process: codec workers, torch threads, readiness, drain and logs."""
     p.add_argument("--codec-workers", type=int, default=None,
                    help="Ogg-Opus codec worker processes (sessions pinned to one each, off the server's GIL); "
                         "0: a thread pool in the server process (fine for a few sessions). Default: 0 up to 8 "
@@ -122,9 +135,6 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="log lines (Parley's and uvicorn's alike): text with timestamps, or json (one object a "
                         "line, for log collectors)")
-    add_service_flags(p)
-    add_reliability_flags(p)
-    p.set_defaults(handler=run_serve)
 
 
 # ---- the models served beside (or without) the duplex one, and their names ----
