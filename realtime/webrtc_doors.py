@@ -30,10 +30,12 @@ from . import live_events as ev
 from .capacity import RETRY_AFTER_S, Reservation
 from .live_config import parse_start
 from .live_session import PROTOCOL as LIVE_PROTOCOL, LiveConnection
+from .models_api import model_not_found
 from .not_found import openai_error
 from .openai_events import Dialect, new_id
 from .openai_realtime import PROTOCOL as REALTIME_PROTOCOL, RealtimeConnection
 from .realtime_session import ClientError
+from .served_models import ModelNotFound
 from .sessions import EdgeSession, SessionManager
 from .webrtc_transport import CONNECT_TIMEOUT_S, OfferError, WebRTCCall
 
@@ -60,6 +62,17 @@ def bad_request(exc: ClientError | OfferError, param: str | None = None) -> Refu
     return Refused(openai_error(400, str(exc), param=exc.param, code=exc.code))
 
 
+def _check_model(request: Request) -> None:
+    """`?model=`, if given, must be a served duplex name (served_models.py): else 404 model_not_found."""
+    models = request.app.state.models
+    asked = request.query_params.get("model")
+    if asked is not None and "duplex" in models.names:
+        try:
+            models.resolve("duplex", asked)
+        except ModelNotFound as exc:
+            raise Refused(model_not_found(exc)) from None
+
+
 # ---- POST /v1/realtime/calls ----
 
 async def realtime_calls(request: Request) -> Response:
@@ -67,6 +80,7 @@ async def realtime_calls(request: Request) -> Response:
     `sdp` and an optional `session` (JSON, as the SDK's `client.realtime.calls.create` sends)."""
     manager: SessionManager = request.app.state.sessions
     try:
+        _check_model(request)
         offer, session = await _realtime_body(request)
         edge, call = _admit(request, REALTIME_PROTOCOL)
         try:

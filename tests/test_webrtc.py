@@ -148,7 +148,7 @@ def test_realtime_call_as_openais_guide_does_it_hears_the_echo_and_speaks_events
         async def scenario():
             client = Client()
             async with httpx.AsyncClient() as http:
-                reply = await http.post(f"http://{base}/v1/realtime/calls?model=parley", content=await client.offer(),
+                reply = await http.post(f"http://{base}/v1/realtime/calls?model=gpt-realtime", content=await client.offer(),
                                         headers={"Content-Type": "application/sdp", "Authorization": "Bearer x"})
             assert reply.status_code == 201, reply.text
             assert reply.headers["content-type"].startswith("application/sdp")
@@ -252,6 +252,8 @@ def test_bad_calls_are_refused_before_media_and_only_that_call_ends(monkeypatch)
             async with httpx.AsyncClient() as http:
                 url = f"http://{base}/v1/realtime/calls"
                 sdp = {"Content-Type": "application/sdp"}
+                unserved = await http.post(f"{url}?model=gpt-5", content="v=0", headers=sdp)
+                assert unserved.status_code == 404 and unserved.json()["error"]["code"] == "model_not_found"
                 garbage = await http.post(url, content="v=0\r\nthis is not sdp\r\n", headers=sdp)
                 assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "invalid_offer"
                 not_sdp = await http.post(url, content="hello", headers=sdp)
