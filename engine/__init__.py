@@ -26,7 +26,6 @@ _EXPORTS = {
     "FULL_COLLECTIONS": "gc_pauses", "freeze_loaded_objects": "gc_pauses",
     "InputError": "input_buffer",
     "KV_POLICIES": "kv_blocks:POLICIES", "KvBlockPool": "kv_blocks", "KvSettings": "kv_blocks",
-    "default_block_frames": "kv_blocks",
     "FrameOut": "session", "Session": "session",
     "EngineFull": "slots",
     "OutputStream": "stream", "Status": "stream", "Terminal": "stream",
@@ -60,7 +59,7 @@ if TYPE_CHECKING:
     from .image_queue import ImageRequest, ImageResult, ImageSpec
     from .input_buffer import InputError
     from .kv_blocks import POLICIES as KV_POLICIES
-    from .kv_blocks import KvBlockPool, KvSettings, default_block_frames
+    from .kv_blocks import KvBlockPool, KvSettings
     from .no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
     from .offline import run_offline
     from .session import FrameOut, Session

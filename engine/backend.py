@@ -38,11 +38,12 @@ from parley.models.config import UNGENERATED_TOKEN
 from parley.models.lm_gen import LMGen, LMGenState
 from parley.models.sampling import UNSEEDED
 from parley.models.mimi import MimiState
+from parley.models.paged_kv import block_size_for
 from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
 from parley.models.voices import (PersonaError, VoicePrompt, list_voices, load_voice, voice_candidates,
                                   voice_not_found)
 
-from .config import SamplingOptions, SessionOptions
+from .config import OptionsError, SamplingOptions, SessionOptions
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import sync_device
 from .kv_blocks import KvChanges, KvLayout
@@ -68,18 +69,23 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames: int,
-              paged: bool) -> KvLayout:
-    """The temporal LM's KV ring in blocks of `block_frames`: what one block of every layer's
-    keys and values (and fp8 scales) takes in bytes."""
+def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames: int | None = None) -> KvLayout:
+    """The temporal LM's paged KV ring in blocks of `block_frames` (None: the model's default,
+    `paged_kv.block_size_for`, which also checks a given size): what one block of every layer's
+    keys and values (and fp8 scales) takes in bytes. OptionsError for a block that does not tile
+    the ring."""
     tr = checkpoint.lm.transformer
+    try:
+        block_frames = block_size_for(tr.capacity, block_frames)
+    except ValueError as exc:
+        raise OptionsError(f"a KV block of {block_frames} frames must divide the {tr.capacity}-frame window.") from exc
     dtype = kv_dtype or next(checkpoint.lm.parameters()).dtype
     head_dim = tr.d_model // tr.num_heads
     per_slot = 2 * tr.num_heads * head_dim * dtype.itemsize  # a key and a value of every head
     if dtype == torch.float8_e4m3fn:
         per_slot += 2 * tr.num_heads * 4  # their fp32 scales
     return KvLayout(window_frames=tr.capacity, block_frames=block_frames,
-                    block_bytes=per_slot * len(tr.layers) * block_frames, paged=paged)
+                    block_bytes=per_slot * len(tr.layers) * block_frames)
 
 
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
@@ -207,6 +213,7 @@ class ModelBackend:
         # kv_blocks: page the temporal KV ring: a pool of this many blocks of `kv_block_frames` frames
         # (plus the null block) that the engine's KvBlockPool hands out (`map_kv_blocks`); None: dense.
         self.max_sessions = max_sessions
+        self.kv_paged = kv_blocks is not None  # the engine's KV block pool must then drive the block table
         self._side_work = side_work
         levels = checkpoint.mimi.quantizer.levels
         if encode_codebooks is not None and not checkpoint.lm_config.n_user <= encode_codebooks <= levels:
@@ -464,22 +471,25 @@ class ModelBackend:
         return [self.cfg.existing_text_end_padding_id, *ids] if ids else []
 
     def map_kv_blocks(self, changes: KvChanges) -> None:
-        """The KV block pool's changes into the paged state's block table, in their order (engine
-        thread, between ticks): released rows start over with no block; a forgotten block's slots
-        are emptied (never attended) and its entry goes back to the null block; then the new blocks."""
+        """The KV block pool's changes into the paged state, in their order (engine thread, between
+        ticks), through the state's own methods, each in place (the captured graphs read the block
+        table and slot positions where they are): released rows start over with no block; a
+        forgotten block's slots are emptied (never attended) and its entry goes back to the null
+        block; then the new blocks."""
         state = self._lm_state.transformer
         for row in changes.released:
             state.release_row(row)
-        bs = state.block_size
+        forgotten: dict[int, list[int]] = {}
         for row, logical in changes.forgotten:
-            state.block_table[row, logical] = 0
-            state.slot_pos[row, logical * bs:(logical + 1) * bs] = -1
-        by_row: dict[int, tuple[list[int], list[int]]] = {}
+            forgotten.setdefault(row, []).append(logical)
+        for row, logical in forgotten.items():
+            state.forget_blocks(row, logical)
+        assigned: dict[int, tuple[list[int], list[int]]] = {}
         for row, logical, physical in changes.assigned:
-            pair = by_row.setdefault(row, ([], []))
+            pair = assigned.setdefault(row, ([], []))
             pair[0].append(logical)
             pair[1].append(physical)
-        for row, (logical, physical) in by_row.items():
+        for row, (logical, physical) in assigned.items():
             state.assign_blocks(row, logical, physical)
 
     def force_text(self, row: int, ids: list[int]) -> bool:
@@ -504,3 +514,4 @@ class ModelBackend:
             if clear_workspaces is not None:  # cuBLAS keeps per-stream workspaces in the cache
                 clear_workspaces()
             torch.cuda.empty_cache()
+

@@ -14,9 +14,10 @@ live or starting, no frame is due at that boundary: the slack may then run one p
 does not fit), and stops early when a session opens; the next tick starts when it ends, on
 the grid again, not counted late.
 
-KV memory (engine/kv_blocks.py, optional): a session is admitted only when the KV block pool can
-hold it to the end of its window (else KvFull, an EngineFull); before each step the pool maps the
-blocks live rows need, and an ended row's blocks go back at the next tick.
+KV memory (engine/kv_blocks.py; `parley serve` always has one for a duplex model): a session is
+admitted only when the KV block pool can hold it to the end of its window (else KvFull, an
+EngineFull); the pool is the allocator of the backend's paged KV state: before each step it maps
+the blocks live rows need (`map_kv_blocks`), and an ended row's blocks go back at the next tick.
 
 Failure containment: an error in one request's work (its options, its prompt, its slack
 item) fails that request only; an error in the shared frame step is fatal: every stream
@@ -91,12 +92,16 @@ class Engine:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
         # The KV block pool (engine/kv_blocks.py): admission by memory, and which KV blocks each row
-        # holds. A paged backend takes the pool's changes before each step (`map_kv_blocks`); with a
-        # dense one the pool only counts. None: no memory bound beyond the slots.
+        # holds; the paged backend takes its changes before each step (`map_kv_blocks`). None: a
+        # backend with dense rows (each a whole window), no memory bound beyond the slots.
         self.kv = kv
-        self._map_kv: Callable[[KvChanges], None] | None = None
-        if kv is not None and kv.layout.paged:
-            self._map_kv = backend.map_kv_blocks  # type: ignore[attr-defined]  # paged backends have it
+        self._map_kv: Callable[[KvChanges], None] | None = getattr(backend, "map_kv_blocks", None)
+        paged = getattr(backend, "kv_paged", None)  # ModelBackend says; a fabricated backend may not
+        if kv is not None and (self._map_kv is None or paged is False):
+            raise OptionsError("a KV block pool needs a backend with a paged KV state (ModelBackend(kv_blocks=)).")
+        if kv is None and paged:
+            raise OptionsError("a backend with a paged KV state needs the engine's KV block pool (kv=), "
+                               "which gives its rows their blocks.")
         self._prefill = PrefillSource(backend, self._scheduler, self.metrics,
                                       ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed,
                                       now=self._clock.now, started=self._kv_start if kv is not None else None)
@@ -375,7 +380,7 @@ class Engine:
         self._apply_kv(self.kv.start(session.row, session.request_id, prompt_frames))
 
     def _apply_kv(self, changes: KvChanges) -> None:
-        if changes and self._map_kv is not None:
+        if changes:
             self._map_kv(changes)
 
     def _prefill_failed(self, session: Session, exc: Exception) -> None:

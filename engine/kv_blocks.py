@@ -37,8 +37,9 @@ Rules, each kept by one method:
    first among that call's changes, so a row the tick still runs never writes a reused block.
 
 Changes go to the model as `KvChanges`, applied in order: releases, forgotten blocks, assigned
-blocks. A dense KV state (every row owns a full window) takes none: the pool then only counts,
-and still bounds admission to its budget.
+blocks (`map_kv_blocks` of the backend, through the model state's own methods: models/paged_kv.py).
+The pool is the allocator of a paged state: an engine with a pool needs a backend that takes its
+changes, and the block size is the model's rule (`paged_kv.block_size_for`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ class KvLayout:
     window_frames: int  # ring slots per row (the model's capacity)
     block_frames: int  # slots per block; divides window_frames
     block_bytes: int  # bytes one block takes over every layer (keys, values, fp8 scales)
-    paged: bool  # the state is paged (takes KvChanges); False: dense, the pool only counts
 
     def __post_init__(self) -> None:
         if self.block_frames < 1 or self.window_frames % self.block_frames:
@@ -89,7 +89,7 @@ class KvSettings:
     policy: str = "reserve"
     blocks: int | None = None  # the pool's size in blocks
     memory_gib: float | None = None  # or in GiB of KV memory; neither: every row a full window
-    block_frames: int | None = None  # None: the model's default block
+    block_frames: int | None = None  # None: the model's default block (paged_kv.block_size_for)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -105,11 +105,6 @@ class KvSettings:
         if self.block_frames is not None and (isinstance(self.block_frames, bool)
                                               or not isinstance(self.block_frames, int) or self.block_frames < 1):
             raise OptionsError(f"kv_block_frames must be a whole number of at least 1, got {self.block_frames!r}.")
-
-    @property
-    def paged(self) -> bool:
-        """Whether these settings ask for a paged KV state: a budget, or the shrink policy."""
-        return self.blocks is not None or self.memory_gib is not None or self.policy == "shrink"
 
     def budget(self, layout: KvLayout, rows: int) -> int:
         """The pool's blocks: the budget asked for, capped at `rows` full windows (no row holds
@@ -129,12 +124,6 @@ class KvSettings:
         if asked > full:
             log.info("KV pool: %d blocks asked, %d used (--max-sessions %d full windows)", asked, full, rows)
         return min(asked, full)
-
-
-def default_block_frames(window_frames: int) -> int:
-    """The largest divisor of the window up to 64 frames (Moshi's 3000 -> 60): a block tiles the
-    ring exactly, and is small enough that a row holds little it has not filled."""
-    return next(d for d in range(min(window_frames, 64), 0, -1) if window_frames % d == 0)
 
 
 def _share(blocks: int, fraction: float) -> int:
@@ -187,9 +176,6 @@ class KvBlockPool:
     def __init__(self, layout: KvLayout, rows: int, total: int, policy: str = "reserve") -> None:
         if policy not in POLICIES:
             raise OptionsError(f"kv_policy must be one of {', '.join(POLICIES)}, got {policy!r}.")
-        if policy == "shrink" and not layout.paged:
-            raise OptionsError("the shrink policy needs a paged KV state (a dense row always holds its whole "
-                               "window); use --kv-policy reserve.")
         self.layout = layout
         self.policy = policy
         self.total = total

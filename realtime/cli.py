@@ -73,12 +73,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "KV pool can hold every admitted session's full window (never overcommits; beyond it HTTP "
                         "503 before the upgrade); shrink promises each session half a window and, when the pool "
                         "runs out, shortens the longest sessions' windows a block at a time (never below a "
-                        "quarter; needs a paged KV state)")
+                        "quarter)")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="the KV pool's size in blocks (of --kv-block-frames frames of every layer's keys and "
                         "values); with --kv-memory, one of the two. Default: --max-sessions full windows. "
-                        "Giving either pages the KV cache (each session holds only the blocks it filled), "
-                        "where the model can; --max-sessions is then a cap on rows")
+                        "The KV cache is paged (each session holds only the blocks it filled), so a budget "
+                        "below that admits sessions by memory; --max-sessions is then a cap on rows")
     p.add_argument("--kv-memory", type=float, default=None,
                    help="the KV pool's size in GiB (turned into blocks; see --kv-blocks)")
     p.add_argument("--kv-block-frames", type=int, default=None,

@@ -24,7 +24,7 @@ import torch
 
 from parley.engine import (
     NO_DUPLEX_REASON, Engine, ImageQueue, KvBlockPool, ModelBackend, NoDuplexBackend, OptionsError,
-    PairedTranscription, SamplingOptions, SttPool, default_block_frames, default_dtype, kv_layout,
+    PairedTranscription, SamplingOptions, SttPool, default_dtype, kv_layout,
 )
 from parley.models import (
     Checkpoint, ImagePipelineError, Mimi, SttCheckpoint, load_checkpoint, load_image_pipeline, load_stt_checkpoint,
@@ -232,7 +232,7 @@ def _build_engine(loaded: _Loaded) -> Engine:
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     kv = _kv_pool(config, checkpoint, kv_dtype)
     backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
-                           kv_blocks=kv.total if kv.layout.paged else None, kv_block_frames=kv.layout.block_frames,
+                           kv_blocks=kv.total, kv_block_frames=kv.layout.block_frames,
                            encode_codebooks=stt.lm_config.n_q if paired and not in_frame else None,
                            side_work=transcription.frame_work if in_frame else None)
     loaded.voices = backend.voice_names()
@@ -242,25 +242,19 @@ def _build_engine(loaded: _Loaded) -> Engine:
     return engine
 
 
-# Whether ModelBackend can page the temporal KV ring (LMGen.init_state(kv_blocks=)): until it can,
-# a budget (--kv-blocks / --kv-memory) bounds admission over dense rows and shrink is refused.
-PAGED_KV = False
-
-
 def _kv_pool(config: "ServeConfig", checkpoint: Checkpoint, kv_dtype: torch.dtype | None) -> KvBlockPool:
-    """The engine's KV block pool (engine/kv_blocks.py) from the --kv-* flags: paged when they give a
-    budget or the shrink policy, else dense (every row a full window, as before; the pool counts)."""
+    """The engine's KV block pool (engine/kv_blocks.py) from the --kv-* flags: the allocator of the
+    duplex model's paged KV ring, in the model's blocks (--kv-block-frames, or its default), sized
+    by --kv-blocks / --kv-memory (default: every row a full window)."""
     settings = config.kv
-    window = checkpoint.lm.transformer.capacity
     try:
-        layout = kv_layout(checkpoint, kv_dtype, settings.block_frames or default_block_frames(window),
-                           paged=settings.paged and PAGED_KV)
+        layout = kv_layout(checkpoint, kv_dtype, settings.block_frames)
         pool = KvBlockPool(layout, config.max_sessions, settings.budget(layout, config.max_sessions), settings.policy)
     except OptionsError as exc:
         raise ServeError(f"parley serve --kv-*: {exc}") from exc
-    log.info("KV %s: %d blocks of %d frames (%.2f GiB), %s policy, %d sessions at full windows",
-             "paged" if layout.paged else "dense", pool.total, layout.block_frames,
-             pool.total * layout.block_bytes / 2**30, pool.policy, pool.total // layout.window_blocks)
+    log.info("KV paged: %d blocks of %d frames (%.2f GiB), %s policy, %d sessions at full windows",
+             pool.total, layout.block_frames, pool.total * layout.block_bytes / 2**30, pool.policy,
+             pool.total // layout.window_blocks)
     return pool
 
 

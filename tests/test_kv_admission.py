@@ -24,7 +24,7 @@ from test_capacity import get_json, http, upgrade
 
 N = FRAME_SAMPLES
 # A 40-frame window in 4 blocks of 10; a budget of 8 blocks holds 2 sessions under reserve.
-LAYOUT = KvLayout(window_frames=40, block_frames=10, block_bytes=1024, paged=True)
+LAYOUT = KvLayout(window_frames=40, block_frames=10, block_bytes=1024)
 
 
 class PagedDelayBackend(DelayBackend):

@@ -8,7 +8,7 @@ from parley.engine.config import OptionsError
 from parley.engine.kv_blocks import KvBlockPool, KvFull, KvLayout, KvSettings
 
 # A 40-frame window in blocks of 10: 4 blocks a full window; each block 1 KiB.
-LAYOUT = KvLayout(window_frames=40, block_frames=10, block_bytes=1024, paged=True)
+LAYOUT = KvLayout(window_frames=40, block_frames=10, block_bytes=1024)
 
 
 def pool(total: int, rows: int = 4, policy: str = "reserve") -> KvBlockPool:
@@ -179,7 +179,5 @@ def test_settings_are_checked_and_size_the_pool():
     with pytest.raises(OptionsError, match="cannot hold one session"):
         KvSettings(blocks=3).budget(LAYOUT, rows=3)
     assert KvSettings(policy="shrink", blocks=1).budget(LAYOUT, rows=3) == 1
-    with pytest.raises(OptionsError, match="paged"):
-        KvBlockPool(KvLayout(40, 10, 1024, paged=False), 2, 8, "shrink")
     with pytest.raises(OptionsError, match="divide"):
-        KvLayout(40, 12, 1024, paged=True)
+        KvLayout(40, 12, 1024)
