@@ -52,8 +52,12 @@ WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 DEMO_NOTICE = ("This server runs Parley's tiny demo model: it babbles (random weights). "
                "Start `parley serve --model <checkpoint dir or Hugging Face repo id>` to talk for real.")
 DEMO_NAMES = {"duplex": "parley-demo", "tts": "parley-demo-tts"}
-# The demo also answers to the names the docs' examples use (docs/protocols.md).
-DEMO_ALIASES = {"duplex": ("parley",), "tts": ("tts-1",), "stt": ("whisper-1",)}
+# The demo also answers to the names the docs' examples use (docs/protocols.md) and to the ones
+# OpenAI's clients send by default (the SDK's examples, openai-agents, pipecat's and LiveKit's
+# GPT-Live services), so each of them talks to a fresh demo unchanged; a real checkpoint answers
+# to its own name and the operator's --served-model-name aliases only.
+DEMO_ALIASES = {"duplex": ("parley", "gpt-realtime", "gpt-4o-realtime-preview", "gpt-realtime-2.1", "gpt-live-1"),
+                "tts": ("tts-1",), "stt": ("whisper-1",)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -62,6 +63,24 @@ def test_the_demo_lists_the_18_published_voices_and_takes_personas(demo_url):
     info = _get(f"http://{demo_url}/api/info")
     assert info["demo"] is True and info["prompts"] is True  # the page enables its persona box
     assert sorted(_get(f"http://{demo_url}/api/voices")["voices"]) == PUBLISHED_VOICES
+
+
+def test_the_demo_answers_to_openai_clients_default_model_names(demo_url):
+    """A fresh demo takes the names OpenAI's clients send unchanged (as it takes tts-1 and
+    whisper-1); any other name is still model_not_found."""
+    from websockets.sync.client import connect
+
+    listed = {m["id"]: m["modality"] for m in _get(f"http://{demo_url}/v1/models")["data"]}
+    for name in ("gpt-realtime", "gpt-4o-realtime-preview", "gpt-realtime-2.1", "gpt-live-1"):
+        assert listed[name] == "duplex", name
+    with connect(f"ws://{demo_url}/v1/live/sessions") as ws:
+        ws.send(json.dumps({"type": "session.start", "session": {"model": "gpt-live-1"}}))
+        while (event := json.loads(ws.recv(timeout=60)))["type"] != "session.started":
+            assert event["type"] != "error", event
+        assert event["session"]["model"] == "gpt-live-1"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://{demo_url}/v1/models/gpt-5", timeout=10)
+    assert err.value.code == 404
 
 
 def test_the_demo_takes_a_60_word_persona(demo_url):
