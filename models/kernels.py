@@ -135,6 +135,22 @@ if _HAVE_TRITON:
         return blk, n % BS
 
     @triton.jit
+    def _page_bounds(start, end, BS: tl.constexpr, PP: tl.constexpr):
+        """Paged loops step over the ring's blocks each padded to PP slots (a whole number of
+        tiles), so that a tile never straddles two blocks: the padded range covering [start, end)."""
+        return (start // BS) * PP, ((end + BS - 1) // BS) * PP
+
+    @triton.jit
+    def _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS: tl.constexpr, PP: tl.constexpr):
+        """The tile at padded offset n0: its ring slots n, which to read (in the block, in
+        [start, end)), its pool block (one table read a tile; int64: pools pass 2^31 elements) and
+        the slots' place w in that block."""
+        j = n0 // PP
+        w = n0 % PP + offs_n
+        n = j * BS + w
+        return n, (w < BS) & (n >= start) & (n < end), tl.load(TABLE + b * stb + j).to(tl.int64), w
+
+    @triton.jit
     def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
                            H, S, context, qk_scale,
                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
@@ -147,8 +163,10 @@ if _HAVE_TRITON:
         # bf16 / fp32 caches. The one query row is repeated over M = 16 rows so that both
         # products run as tensor-core dots (whose operand loads Triton pipelines); only row 0 is
         # stored. (fp8 caches: _attn_fp8_kernel.) PAGED: K, V are pools [blocks, H, BS, D] and
-        # slot n of row b is at block TABLE[b, n // BS], slot n % BS (sk_b, sv_b: block strides).
+        # slot n of row b is at block TABLE[b, n // BS], slot n % BS (sk_b, sv_b: block strides);
+        # the loop walks block by block (_page_bounds), one table read a tile.
         M: tl.constexpr = 16
+        PP: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
         d = tl.arange(0, D)
         rows = tl.arange(0, M)
@@ -162,16 +180,18 @@ if _HAVE_TRITON:
         acc = tl.zeros([M, D], dtype=tl.float32)
         m_i = tl.full([M], -1.0e30, tl.float32)
         l_i = tl.zeros([M], tl.float32)
-        for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
-            n = n0 + offs_n
-            inb = n < end
+        if PAGED:
+            lo, hi = _page_bounds(start, end, BS, PP)
+        else:
+            lo, hi = start, end
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             if PAGED:
-                blk, off = _page(TABLE, b, stb, n, inb, BS)
-                k = tl.load(K + (blk * sk_b + h * sk_h + off * sk_s)[:, None] + d[None, :], mask=inb[:, None],
-                            other=0.0)
-                v = tl.load(V + (blk * sv_b + h * sv_h + off * sv_s)[:, None] + d[None, :], mask=inb[:, None],
-                            other=0.0)
+                n, inb, blk, w = _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS, PP)
+                k = tl.load(K + blk * sk_b + h * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+                v = tl.load(V + blk * sv_b + h * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             else:
+                n = n0 + offs_n
+                inb = n < end
                 k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
                 v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
@@ -245,6 +265,7 @@ if _HAVE_TRITON:
         # end), and the running max moves only when a block's max exceeds it by more than 2^8, so
         # most blocks skip the rescale (p stays <= 256: no fp32 overflow). PAGED: as in
         # _attn_split_kernel, the scales pools [blocks, H, BS] too (sks_b: their block stride).
+        PP: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
         d = tl.arange(0, D)
         q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
@@ -259,23 +280,27 @@ if _HAVE_TRITON:
         acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_N], tl.float32)
         m_i = tl.full([], -1.0e30, tl.float32)
-        for n0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
-            n = n0 + offs_n
-            inb = n < end
-            sp = tl.load(sp_base + n, mask=inb, other=-1)
+        if PAGED:
+            lo, hi = _page_bounds(start, end, BS, PP)
+        else:
+            lo, hi = start, end
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             if PAGED:
-                blk, off = _page(TABLE, b, stb, n, inb, BS)
-                k_sc = tl.load(KS + blk * sks_b + h * sks_h + off, mask=inb, other=0.0)
-                v_sc = tl.load(VS + blk * sks_b + h * sks_h + off, mask=inb, other=0.0)
+                n, inb, blk, w = _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS, PP)
+                sp = tl.load(sp_base + n, mask=inb, other=-1)
+                k_sc = tl.load(KS + blk * sks_b + h * sks_h + w, mask=inb, other=0.0)
+                v_sc = tl.load(VS + blk * sks_b + h * sks_h + w, mask=inb, other=0.0)
             else:
+                n = n0 + offs_n
+                inb = n < end
+                sp = tl.load(sp_base + n, mask=inb, other=-1)
                 k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
                 v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
             valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
             if HAS_CONTEXT:
                 valid = valid & (qpos - sp < context)
             if PAGED:
-                k = tl.load(K + (blk * sk_b + h * sk_h + off * sk_s)[:, None] + d[None, :], mask=inb[:, None],
-                            other=0.0)
+                k = tl.load(K + blk * sk_b + h * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
             else:
                 k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * (k_sc * qk_scale)
@@ -288,8 +313,7 @@ if _HAVE_TRITON:
                 m_i = m_blk
             p = tl.exp2(s - m_i)
             if PAGED:
-                v = tl.load(V + (blk * sv_b + h * sv_h + off * sv_s)[:, None] + d[None, :], mask=inb[:, None],
-                            other=0.0)
+                v = tl.load(V + blk * sv_b + h * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             else:
                 v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
             acc += (p * v_sc)[:, None] * v.to(tl.float32)
