@@ -179,3 +179,23 @@ def test_the_kv_layout_takes_the_models_block_rule(tiny_moshi_dir):
     assert kv_layout(checkpoint, None, BLOCK).block_frames == BLOCK
     with pytest.raises(OptionsError, match="divide"):
         kv_layout(checkpoint, None, 12)
+
+
+def test_parley_serve_pages_the_duplex_model_in_the_models_blocks(tiny_moshi_dir):
+    from parley.engine import KvSettings
+    from parley.realtime.server import ServeConfig, ServeError
+    from parley.realtime.services import build_services
+
+    def config(**kv) -> ServeConfig:
+        return ServeConfig(model=str(tiny_moshi_dir), codec_workers=0, torch_threads=1, max_sessions=2,
+                           kv=KvSettings(**kv))
+
+    for kv, block in (({}, 40), ({"block_frames": BLOCK}, BLOCK)):  # the model's default block: the 40-frame window
+        engine = build_services(config(**kv)).engine
+        try:
+            assert engine._backend.kv_paged and engine.kv.layout.block_frames == block
+            assert engine.kv.total == 2 * 40 // block  # --max-sessions full windows
+        finally:
+            engine.shutdown()
+    with pytest.raises(ServeError, match="--kv-.*divide"):
+        build_services(config(block_frames=12))
