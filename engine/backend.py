@@ -329,7 +329,7 @@ class ModelBackend:
 
     def warm_up_prefill(self, chunks: tuple[int, ...]) -> tuple[int, ...]:
         """Run one prompt chunk of each length and forget it (the engine times these to seed its
-        chunk costs, engine/admission.py). Moshi takes no prompt: nothing runs."""
+        chunk costs, engine/prefill_source.py). Moshi takes no prompt: nothing runs."""
         if self._prompts is None:
             return ()
         ran = self._prompts.warm_up(chunks)

@@ -7,7 +7,7 @@
     slack.run_until(next boundary)       # prefill, TTS, ... : work items that fit (slack.py)
 
 Everything besides the frame is slack work (engine/slack.py): new sessions' prompts
-(admission.py) and any source added with `add_slack_source`, run after the tick's outputs
+(prefill_source.py) and any source added with `add_slack_source`, run after the tick's outputs
 are out and only when their estimated cost ends before the next boundary. With no session
 live or starting, no frame is due at that boundary: the slack may then run one period past it
 (a TTS- or image-only server would otherwise lose the end of every tick that the next item
@@ -41,7 +41,7 @@ from typing import Callable
 
 from parley.models.config import FRAME_SAMPLES
 
-from .admission import PrefillSource
+from .prefill_source import PrefillSource
 from .backend import FrameBackend, HostOutput, RowFailure, SessionRejected, rows_mask
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions

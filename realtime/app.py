@@ -3,7 +3,7 @@
 The routes are the doors of doors.py's table whose service is loaded, each served by
 ENDPOINTS below: the Moshi protocol (moshi_protocol.py), the OpenAI Realtime API
 (realtime_endpoint.py), OpenAI's GPT-Live (live_session.py), both over WebRTC too (webrtc_doors.py), speech (speech_api.py),
-transcription (transcriptions.py), images (images_api.py), the probes and /load (capacity.py), /metrics (health.py), /admin/drain
+transcription (transcriptions.py), images (images_api.py), the probes and /load (capacity.py), /metrics (metrics_api.py), /admin/drain
 (drain.py), and the page (web/). What no door serves is answered by not_found.py.
 
 The app builds nothing: `create_app(services)` maps routes and middleware from what
@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from . import capacity, doors, health
+from . import capacity, doors, metrics_api
 from .demo_model import STT_NOTICE
 from .capacity import Admission
 from .drain import Drainer, drain_endpoint
@@ -44,7 +44,7 @@ from .opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .models_api import model_endpoint, models_endpoint
 from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
-from .sessions import SessionManager
+from .edge_sessions import SessionManager
 from .speech_api import speech_endpoint, voices_endpoint
 from .speech_formats import warm_up_encoders
 from .transcriptions import transcriptions_endpoint
@@ -69,7 +69,7 @@ ENDPOINTS = {
     "/health": capacity.livez,
     "/ready": capacity.readyz,
     "/load": capacity.load,
-    "/metrics": health.metrics,
+    "/metrics": metrics_api.metrics,
     "/admin/drain": drain_endpoint,
     "/v1/models": models_endpoint,
     "/v1/models/{model:path}": model_endpoint,
@@ -94,14 +94,14 @@ def create_app(services: Services) -> Starlette:
     the engine). With `services.start_engine`, the lifespan starts the engine (if it is not
     running); it always shuts it down at exit."""
     engine = services.engine
-    metrics: health.EdgeMetrics | None = None
+    metrics: metrics_api.EdgeMetrics | None = None
 
     def count_restart() -> None:
         if metrics is not None:
             metrics.codec_restarts.inc()
 
     codec = make_codec_runner(services.codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
-    metrics = health.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
+    metrics = metrics_api.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                  if isinstance(codec, CodecProcessPool) else None)
     if services.images is not None:
         metrics.registry.register(services.images)  # parley_images_* (images_api.ImageService.collect)

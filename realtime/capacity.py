@@ -9,7 +9,7 @@
     GET /load    slots_total, live, prefill, free, draining, tick_ms_p50, tick_ms_p99, and the KV
                  block pool's kv_blocks_total, kv_blocks_used, kv_blocks_free (null without a pool).
     Prometheus   parley_slots_total, parley_sessions_active, parley_slots_free, parley_draining,
-                 parley_admission_rejected_total{reason}; the pool's parley_engine_kv_* (health.py).
+                 parley_admission_rejected_total{reason}; the pool's parley_engine_kv_* (metrics_api.py).
 
 `free` is the sessions that can be admitted now: the free slots, and no more than the KV memory
 holds to the end of their windows (engine/kv_blocks.py, rule 2), less the reservations made.

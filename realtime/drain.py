@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .security import key_matches
-from .sessions import SessionManager
+from .edge_sessions import SessionManager
 
 log = logging.getLogger("parley.drain")
 

@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 from .limits import EdgeLimits, JSONLimitError, parse_json_event
-from .realtime_session import ClientError
-from .sessions import EdgeSession
+from .realtime_settings import ClientError
+from .edge_sessions import EdgeSession
 
 Event = dict[str, Any]
 

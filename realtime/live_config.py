@@ -19,7 +19,7 @@ from parley.models import SAMPLE_RATE
 from .audio_formats import G711_RATE, AudioFormat
 from .live_responses import ResponsesSettings, parse_settings
 from .openai_events import new_id
-from .realtime_session import ClientError, ModelCaps, served_model
+from .realtime_settings import ClientError, ModelCaps, served_model
 
 Event = dict[str, Any]
 

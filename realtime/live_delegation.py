@@ -23,7 +23,7 @@ from parley.models import FRAME_SAMPLES
 
 from .live_policy import DelegationPolicy
 from .openai_events import TurnDetection, new_id
-from .realtime_session import ClientError
+from .realtime_settings import ClientError
 from .realtime_turns import FRAME_MS, is_loud, turn_ended
 
 MAX_DELEGATIONS = 256  # ids remembered per session (the oldest are forgotten first)

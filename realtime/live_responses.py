@@ -31,7 +31,7 @@ from typing import Any, Awaitable, Callable
 from . import live_events as ev
 from .live_policy import DelegateBackend
 from .openai_events import new_id
-from .realtime_session import ClientError
+from .realtime_settings import ClientError
 
 log = logging.getLogger("parley.live")
 

@@ -3,7 +3,7 @@
 - settings are judged in live_config.py (every field honoured or refused by name), events built in
   live_events.py, delegation turns watched in live_delegation.py (policy: live_policy.py);
 - admission, auth, Origin, limits, metrics and drain are the other doors' (capacity.py,
-  security.py, sessions.py), and so is the receive side (event_reader.py);
+  security.py, edge_sessions.py), and so is the receive side (event_reader.py);
 - `session.start`'s `model` must be one of the duplex model's served names (served_models.py;
   another is an `error` with code `model_not_found`, and the session does not start);
 - the first event must be `session.start`; the engine session opens on it (the persona and voice
@@ -46,10 +46,10 @@ from .live_delegation import Delegations, TurnWatcher
 from .live_responses import ResponsesDelegate
 from .models_api import deny_unserved_model
 from .openai_events import new_id
-from .realtime_session import ClientError, ModelCaps
+from .realtime_settings import ClientError, ModelCaps
 from .realtime_turns import FRAME_MS
 from .security import choose_subprotocol
-from .sessions import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, EdgeSession
+from .edge_sessions import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, EdgeSession
 
 log = logging.getLogger("parley.live")
 

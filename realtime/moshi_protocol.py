@@ -44,7 +44,7 @@ from parley.engine import (
 from .models_api import deny_unserved_model
 from .opus import CodecUnavailable, OpusError
 from .security import choose_subprotocol
-from .sessions import (
+from .edge_sessions import (
     CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG,
     CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now,
 )

@@ -3,7 +3,7 @@
 This module is a conversation's connection: I/O and dispatch only (the route, admission and
 dialect are `realtime_endpoint.py`'s; transcription-only sessions are `realtime_transcription.py`):
 - client settings (`session.update`, `response.create`, items) are judged in
-  `realtime_session.py`: every field honoured or refused with an `error` naming it;
+  `realtime_settings.py`: every field honoured or refused with an `error` naming it;
 - responses and voice activity (how a full-duplex model's speech becomes turn-shaped
   responses, the energy detector, commits) are kept in `realtime_turns.py`: frames in,
   events out;
@@ -43,14 +43,14 @@ from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from .audio_formats import FormatError
 from .openai_events import Dialect, Event, Events, SessionConfig, new_id
-from .realtime_session import (
+from .realtime_settings import (
     NO_STT, OPENAI_VOICES, TRANSCRIPTION_INTENT, ClientError, ModelCaps, apply_session_update, parse_item,
     parse_response_options,
 )
 from .event_reader import client_event_id, event_type, next_message, parse_client_event
 from .limits import ConversationBudget
 from .realtime_turns import Turns
-from .sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession
+from .edge_sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession
 
 log = logging.getLogger("parley.realtime")
 

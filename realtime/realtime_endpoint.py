@@ -21,10 +21,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from .models_api import deny_unserved_model
 from .openai_events import Dialect
 from .openai_realtime import BETA_SUBPROTOCOL, PROTOCOL, REALTIME_SUBPROTOCOL, RealtimeConnection
-from .realtime_session import NO_STT, ClientError
+from .realtime_settings import NO_STT, ClientError
 from .realtime_transcription import TranscriptionConnection
 from .security import choose_subprotocol
-from .sessions import SessionManager
+from .edge_sessions import SessionManager
 
 log = logging.getLogger("parley.realtime")
 

@@ -30,8 +30,8 @@ from parley.engine import Status, SttBusy, SttInputError, SttPool, SttRequest, T
 
 from .openai_events import Dialect, Event, SessionConfig, TurnDetection, new_id
 from .openai_realtime import RealtimeConnection
-from .realtime_session import ClientError, ModelCaps, apply_session_update
-from .sessions import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN_LATER, EdgeSession
+from .realtime_settings import ClientError, ModelCaps, apply_session_update
+from .edge_sessions import CLOSE_GOING_AWAY, CLOSE_TRY_AGAIN_LATER, EdgeSession
 
 log = logging.getLogger("parley.realtime")
 

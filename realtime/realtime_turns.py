@@ -33,7 +33,7 @@ from .audio_formats import InputDecoder, OutputEncoder
 from .limits import ConversationBudget
 from .openai_events import (AssistantItem, Event, Events, ResponseState, SessionConfig, TurnDetection, UserItem,
                             new_id)
-from .realtime_session import EAGERNESS, ClientError, ResponseOptions
+from .realtime_settings import EAGERNESS, ClientError, ResponseOptions
 
 FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE  # 80
 ACTIVITY_RMS = 0.01  # ~ -40 dBFS: agent audio above this (or any transcript text) is speech

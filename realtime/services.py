@@ -36,7 +36,7 @@ from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_
 from .images_api import ImageService
 from .load_progress import LoadProgress
 from .served_models import ServedModels
-from .sessions import ServerDefaults
+from .edge_sessions import ServerDefaults
 from .speech_api import SpeechService
 from .speech_setup import load_speech_service
 

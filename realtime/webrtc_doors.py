@@ -34,9 +34,9 @@ from .models_api import model_not_found
 from .not_found import openai_error
 from .openai_events import Dialect, new_id
 from .openai_realtime import PROTOCOL as REALTIME_PROTOCOL, RealtimeConnection
-from .realtime_session import ClientError
+from .realtime_settings import ClientError
 from .served_models import ModelNotFound
-from .sessions import EdgeSession, SessionManager
+from .edge_sessions import EdgeSession, SessionManager
 from .webrtc_transport import CONNECT_TIMEOUT_S, OfferError, WebRTCCall
 
 log = logging.getLogger("parley.webrtc")

@@ -18,7 +18,7 @@ from websockets.exceptions import SecurityError
 from websockets.http11 import Request
 
 from .limits import send_backlog
-from .sessions import SEND_BACKLOG_EXTENSION
+from .edge_sessions import SEND_BACKLOG_EXTENSION
 
 log = logging.getLogger("parley.server")
 

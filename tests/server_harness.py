@@ -26,7 +26,7 @@ from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.served_models import ServedModels
 from parley.realtime.services import Services
 from parley.realtime.server import uvicorn_config
-from parley.realtime.sessions import ServerDefaults
+from parley.realtime.edge_sessions import ServerDefaults
 
 FRAME = 1920
 SR = 24000

@@ -25,7 +25,7 @@ from parley.realtime.app import create_app
 from parley.realtime.services import Services
 from parley.realtime.drain import DrainingServer
 from parley.realtime.server import uvicorn_config
-from parley.realtime.sessions import ServerDefaults
+from parley.realtime.edge_sessions import ServerDefaults
 from server_harness import chat_session, delay_app, free_port, serve, tone, wait_for
 
 

@@ -22,7 +22,7 @@ from parley.engine import (
     Engine, EngineClosed, EngineConfig, EngineFull, FrameOut, InputError, OptionsError,
     OutputStream, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal, TickClock,
 )
-from parley.engine.admission import PrefillSource, prefill_key
+from parley.engine.prefill_source import PrefillSource, prefill_key
 from parley.engine.input_buffer import InputBuffer
 from parley.engine.slack import CostModel
 from parley.engine.testing import DelayBackend, FakeTime

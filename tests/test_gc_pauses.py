@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from parley.engine.gc_pauses import FULL_COLLECTIONS, FullCollections, freeze_loaded_objects
-from parley.realtime.health import EdgeMetrics
+from parley.realtime.metrics_api import EdgeMetrics
 
 
 @pytest.fixture

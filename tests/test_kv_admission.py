@@ -18,7 +18,7 @@ from parley.engine.testing import DelayBackend
 from parley.models.config import FRAME_SAMPLES
 from parley.realtime.app import create_app
 from parley.realtime.services import ServerInfo, Services
-from parley.realtime.sessions import ServerDefaults
+from parley.realtime.edge_sessions import ServerDefaults
 from server_harness import serve, wait_for
 from test_capacity import get_json, http, upgrade
 

@@ -10,7 +10,7 @@ from parley.realtime.cli import build_parser, reliability_settings
 from parley.realtime.live_config import check_update, parse_start
 from parley.realtime.live_delegation import Delegations, TurnWatcher
 from parley.realtime.live_policy import DelegationPolicy, PolicyError, parse_policy
-from parley.realtime.realtime_session import ClientError, ModelCaps
+from parley.realtime.realtime_settings import ClientError, ModelCaps
 
 SR = 24_000
 MOSHI, PERSONAPLEX = ModelCaps(prompts=False, models=("m",)), ModelCaps(prompts=True, models=("m",))

@@ -20,7 +20,7 @@ from parley.models.synthetic import write_tiny_stt_checkpoint
 from parley.realtime.audio_formats import g711_decode, g711_encode
 from parley.realtime.live_policy import parse_policy
 from parley.realtime.server import ServeConfig, ServeError, build_app
-from parley.realtime.sessions import ServerDefaults
+from parley.realtime.edge_sessions import ServerDefaults
 
 from live_checkpoints import write_pausing_checkpoint
 from server_harness import OPENAI_ALIASES, best_lag_correlation, delay_app, serve, tone

@@ -9,7 +9,7 @@ import pytest
 
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
 from parley.realtime.moshi_protocol import options_from_query
-from parley.realtime.sessions import ServerDefaults
+from parley.realtime.edge_sessions import ServerDefaults
 from server_harness import delay_app, serve
 
 

@@ -173,7 +173,7 @@ def run(coro):
 
 
 def test_moshi_checkpoint_refuses_persona_and_voice_prompts_beta():
-    from parley.realtime.sessions import ServerDefaults
+    from parley.realtime.edge_sessions import ServerDefaults
     app, backend = delay_app(1, defaults=ServerDefaults(prompts=False))
 
     async def scenario(base):

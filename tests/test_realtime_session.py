@@ -10,7 +10,7 @@ import pytest
 
 from parley.realtime.audio_formats import AudioFormat
 from parley.realtime.openai_events import Dialect, SessionConfig
-from parley.realtime.realtime_session import (
+from parley.realtime.realtime_settings import (
     ClientError, ModelCaps, apply_session_update, parse_item, parse_response_options, parse_turn_detection,
 )
 

@@ -21,7 +21,7 @@ from parley.realtime.services import Services
 from parley.realtime.limits import EdgeLimits
 from parley.realtime.moshi_protocol import MAX_MESSAGE_BYTES
 from parley.realtime.refusals import REASONS
-from parley.realtime.sessions import ServerDefaults
+from parley.realtime.edge_sessions import ServerDefaults
 from server_harness import serve
 
 pytestmark = pytest.mark.timeout(60)

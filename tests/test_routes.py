@@ -23,7 +23,7 @@ from parley.realtime import doors, server
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.services import Services
 from parley.realtime.cli import main as cli_main
-from parley.realtime.sessions import ServerDefaults
+from parley.realtime.edge_sessions import ServerDefaults
 from parley.realtime.server import ServeConfig
 from server_harness import serve
 

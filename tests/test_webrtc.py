@@ -289,7 +289,7 @@ def test_bad_calls_are_refused_before_media_and_only_that_call_ends(monkeypatch)
 
 
 def test_a_full_server_refuses_a_call_with_503_and_the_key_and_origin_are_checked():
-    from parley.realtime.sessions import ServerDefaults
+    from parley.realtime.edge_sessions import ServerDefaults
 
     app, _ = delay_app(1, defaults=ServerDefaults(api_key="k"))
     with serve(app) as base:
@@ -343,7 +343,7 @@ def test_ice_servers_come_from_the_flags_and_reach_the_page():
         parse_ice_servers("stun:s.example.com", "u", "p")
     args = build_parser().parse_args(["serve", "--ice-servers", "stun:stun.example.com:3478"])
     assert reliability_settings(args)["ice_servers"] == (IceServer("stun:stun.example.com:3478"),)
-    from parley.realtime.sessions import ServerDefaults
+    from parley.realtime.edge_sessions import ServerDefaults
 
     app, _ = delay_app(1, defaults=ServerDefaults(ice_servers=(IceServer("turn:t.example.com:3478", "u", "p"),)))
     with serve(app) as base:

@@ -27,7 +27,7 @@ from parley.engine import (
 )
 
 from .capacity import Admission, Reservation
-from .health import EdgeMetrics
+from .metrics_api import EdgeMetrics
 from .limits import EdgeLimits, LagMeter, RateLimiter
 from .live_policy import DelegateBackend, DelegationPolicy
 from .opus import CodecRunner, CodecStream
