@@ -41,7 +41,7 @@ def server():
 def test_live_event_fuzz(server, raws):
     async def scenario():
         async with connect(f"ws://{server}/v1/live/sessions", open_timeout=10, max_size=None) as ws:
-            await ws.send(json.dumps({"type": "session.start", "session": {"model": "m"}}))
+            await ws.send(json.dumps({"type": "session.start", "session": {"model": "delay"}}))
             events = [json.loads(await asyncio.wait_for(ws.recv(), 10))]
             assert events[0]["type"] == "session.started"
             for raw in raws:
