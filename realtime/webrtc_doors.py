@@ -82,18 +82,17 @@ async def realtime_calls(request: Request) -> Response:
     try:
         _check_model(request)
         offer, session = await _realtime_body(request)
-        edge, call = _admit(request, REALTIME_PROTOCOL)
-        try:
+
+        def connect(edge: EdgeSession) -> RealtimeConnection:
             connection = RealtimeConnection(edge, Dialect.GA, request.query_params.get("model")
                                             or manager.defaults.model_name,
                                             served=request.app.state.models.of("duplex"))
             refused = connection.configure(session) if session is not None else []
             if refused:
                 raise Refused(_joined(refused))
-            answer = await call.answer(offer)
-        except BaseException:
-            await _hang_up(edge, call)
-            raise
+            return connection
+
+        edge, call, connection, answer = await _answer(request, REALTIME_PROTOCOL, offer, connect)
     except Refused as exc:
         return _refusal(manager, REALTIME_PROTOCOL, exc)
     except OfferError as exc:
@@ -155,16 +154,15 @@ async def live_calls(request: Request) -> Response:
             raise Refused(openai_error(400, "session.audio.format: a WebRTC call negotiates its audio format on the "
                                        "media transport (Opus); leave it out", param="session.audio.format",
                                        code="unsupported_parameter"))
-        edge, call = _admit(request, LIVE_PROTOCOL)
-        try:
+
+        def connect(edge: EdgeSession) -> tuple[LiveConnection, Any]:
             connection = LiveConnection(edge, served=request.app.state.models.of("duplex"))
             config, refused = parse_start(session, connection.caps, backend=defaults.live_delegate is not None)
             if config is None:
                 raise Refused(_joined(refused))
-            answer = await call.answer(offer)
-        except BaseException:
-            await _hang_up(edge, call)
-            raise
+            return connection, config
+
+        edge, call, (connection, config), answer = await _answer(request, LIVE_PROTOCOL, offer, connect)
     except Refused as exc:
         return _refusal(manager, LIVE_PROTOCOL, exc)
     except OfferError as exc:
@@ -233,6 +231,19 @@ def _admit(request: Request, protocol: str) -> tuple[EdgeSession, WebRTCCall]:
     reservation = Reservation(admission)  # no await since load(): atomic on the event loop
     call = WebRTCCall(request.scope, manager.defaults.ice_servers, manager.defaults.limits.max_lag_s)
     return manager.attach(call, protocol, reservation), call
+
+
+async def _answer(request: Request, protocol: str, offer: str, connect: Callable[[EdgeSession], Any]):
+    """Admit the call, open its connection (`connect(edge)`: the door's connection, its settings
+    judged; Refused to refuse them) and answer the offer; any failure hangs up what was reserved.
+    (edge, call, what connect returned, the SDP answer)."""
+    edge, call = _admit(request, protocol)
+    try:
+        connected = connect(edge)
+        return edge, call, connected, await call.answer(offer)
+    except BaseException:
+        await _hang_up(edge, call)
+        raise
 
 
 def _joined(refused: list[ClientError]) -> Response:
