@@ -424,12 +424,7 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
 
     config_path = directory / CONFIG_FILE
     raw = _read_json(config_path, "config.json") if config_path.is_file() else {}
-    if not isinstance(raw.get("lm_gen_config", {}), dict):
-        raise CheckpointError(f"config.json {config_path}: lm_gen_config must be an object")
-    try:
-        sampling = SamplingDefaults.from_lm_gen_config(raw.get("lm_gen_config", {}))
-    except ConfigError as err:
-        raise CheckpointError(f"config.json {config_path}: {err}") from err
+    sampling = _sampling_defaults(raw, config_path)
 
     lm_path = _file(directory, lm_file, raw.get("moshi_name", LM_FILE), "LM weights")
     mimi_path = _file(directory, mimi_file, raw.get("mimi_name", MIMI_FILE), "Mimi weights")
@@ -443,39 +438,13 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     lm_config = _lm_config(raw, config_path if raw else None,
                            has_voices or _is_personaplex_file(lm_st, n_agent_default))
     model_type: ModelType = "personaplex" if lm_config.teacher_forced_user else "moshi"
-
-    mimi_raw: dict[str, Any] = {}
-    mimi_where = f"Mimi config of {directory} (built-in defaults)"
-    if raw.get("mimi_config_name"):
-        mimi_config_path = _file(directory, None, raw["mimi_config_name"], "Mimi config")
-        mimi_raw = _read_json(mimi_config_path, "Mimi config")
-        mimi_where = f"Mimi config {mimi_config_path}"
-    try:
-        mimi_config = MimiConfig.from_dict(mimi_raw, num_codebooks=lm_config.n_agent)
-    except (ConfigError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{mimi_where}: {err}") from err
-
-    try:
-        tokenizer = TextTokenizer(tok_path)
-    except TokenizerError as err:
-        raise CheckpointError(str(err)) from err
-    if tokenizer.vocab_size > lm_config.text_card:
-        raise CheckpointError(f"tokenizer {tok_path} has {tokenizer.vocab_size} pieces, "
-                              f"more than the LM's text_card {lm_config.text_card}")
-
+    mimi_config, mimi_where = _mimi_config(directory, raw, lm_config)
+    tokenizer = _tokenizer(tok_path, lm_config)
     voices_dir = _voices_dir(directory) if model_type == "personaplex" else None
 
     # Build on meta (no memory), check every key and shape, then read tensor by tensor.
-    with torch.device("meta"):
-        try:
-            lm = LMModel(lm_config)
-        except (ConfigError, ValueError) as err:
-            raise CheckpointError(f"{'config.json ' + str(config_path) if raw else 'checkpoint'}: "
-                                  f"unsupported LM configuration: {err}") from err
-        try:
-            mimi = Mimi(mimi_config)
-        except (ConfigError, ValueError) as err:
-            raise CheckpointError(f"{mimi_where}: {err}") from err
+    lm, mimi = _build_on_meta(lm_config, mimi_config,
+                              f"{'config.json ' + str(config_path) if raw else 'checkpoint'}", mimi_where)
     fill = (lm_config.n_agent, lm_config.dep_q) if model_type == "personaplex" else None
     lm_plan = _plan(_meta_shapes(lm), lm_st, "LM weights", f"LM config ({_describe(lm_config)})", fill)
     mimi_plan = _plan(_meta_shapes(mimi), mimi_st, "Mimi weights", "Mimi config", legacy=_MIMI_LEGACY_NAMES)
@@ -488,6 +457,57 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
         voices_dir=voices_dir,
         sampling=sampling, model_type=model_type, path=directory,
     )
+
+
+def _sampling_defaults(raw: dict, config_path: Path) -> SamplingDefaults:
+    """config.json's lm_gen_config (absent: the defaults), checked."""
+    if not isinstance(raw.get("lm_gen_config", {}), dict):
+        raise CheckpointError(f"config.json {config_path}: lm_gen_config must be an object")
+    try:
+        return SamplingDefaults.from_lm_gen_config(raw.get("lm_gen_config", {}))
+    except ConfigError as err:
+        raise CheckpointError(f"config.json {config_path}: {err}") from err
+
+
+def _mimi_config(directory: Path, raw: dict, lm_config: LMConfig) -> tuple[MimiConfig, str]:
+    """The Mimi config config.json names (else the built-in defaults), and where it came from."""
+    mimi_raw: dict[str, Any] = {}
+    mimi_where = f"Mimi config of {directory} (built-in defaults)"
+    if raw.get("mimi_config_name"):
+        mimi_config_path = _file(directory, None, raw["mimi_config_name"], "Mimi config")
+        mimi_raw = _read_json(mimi_config_path, "Mimi config")
+        mimi_where = f"Mimi config {mimi_config_path}"
+    try:
+        return MimiConfig.from_dict(mimi_raw, num_codebooks=lm_config.n_agent), mimi_where
+    except (ConfigError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{mimi_where}: {err}") from err
+
+
+def _tokenizer(tok_path: Path, lm_config: LMConfig) -> TextTokenizer:
+    """The text tokenizer, refused when it has more pieces than the LM's text_card."""
+    try:
+        tokenizer = TextTokenizer(tok_path)
+    except TokenizerError as err:
+        raise CheckpointError(str(err)) from err
+    if tokenizer.vocab_size > lm_config.text_card:
+        raise CheckpointError(f"tokenizer {tok_path} has {tokenizer.vocab_size} pieces, "
+                              f"more than the LM's text_card {lm_config.text_card}")
+    return tokenizer
+
+
+def _build_on_meta(lm_config: LMConfig, mimi_config: MimiConfig, lm_where: str,
+                   mimi_where: str) -> tuple[LMModel, Mimi]:
+    """The LM and Mimi modules on the meta device (no memory yet)."""
+    with torch.device("meta"):
+        try:
+            lm = LMModel(lm_config)
+        except (ConfigError, ValueError) as err:
+            raise CheckpointError(f"{lm_where}: unsupported LM configuration: {err}") from err
+        try:
+            mimi = Mimi(mimi_config)
+        except (ConfigError, ValueError) as err:
+            raise CheckpointError(f"{mimi_where}: {err}") from err
+    return lm, mimi
 
 
 def _describe(cfg: LMConfig) -> str:

@@ -552,9 +552,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     B, H, D = q.shape
     S = slot_pos.shape[1]
     paged = _paging(block_table, cache_k, B, S)
-    assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
-    assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
-    assert D == _pow2(D), f"head dim {D} must be a power of two"
+    _check_attention_strides(q, k_new, v_new, cache_k, cache_v, slot_pos)
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     block_n, blocks, stages, warps = launch or attention_launch(B, H, S, k_scale is not None)
     split = block_n * blocks
@@ -595,6 +593,15 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     if write:  # after every split has read the ring
         _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v, block_table)
     return out
+
+
+def _check_attention_strides(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
+                             cache_v: torch.Tensor, slot_pos: torch.Tensor) -> None:
+    """`decode_attention`'s layout: unit stride along the head dim (and slots), a power-of-two head dim."""
+    D = q.shape[2]
+    assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
+    assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
+    assert D == _pow2(D), f"head dim {D} must be a power of two"
 
 
 def _split_scratch(programs: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

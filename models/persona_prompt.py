@@ -287,17 +287,7 @@ def build_prompt_frames(cfg: LMConfig, voice: VoicePrompt | None, persona: Seque
     persona token, `silence`, `sine`. `voice=None` (a Parley extension; PersonaPlex always has
     a voice) starts with the first silence block.
     """
-    n_agent, n_user = cfg.n_agent, cfg.n_user
-    if len(silence) != n_agent:
-        raise PersonaError(f"silence codes have {len(silence)} codebooks, the LM has {n_agent} agent codebooks")
-    if len(sine) != n_user:
-        raise PersonaError(f"sine codes have {len(sine)} codebooks, the LM has {n_user} user codebooks")
-    for tok in persona:
-        if not 0 <= int(tok) < cfg.text_card:
-            raise PersonaError(f"persona token {tok} is outside the text vocabulary [0, {cfg.text_card})")
-    if silence_frames < 0:
-        raise PersonaError(f"silence_frames must be >= 0, got {silence_frames}")
-
+    _check_prompt_args(cfg, persona, silence_frames, silence, sine)
     k_all = cfg.num_codebooks
     phases: list[PromptPhase] = []
     frame_blocks: list[torch.Tensor] = []
@@ -339,7 +329,22 @@ def build_prompt_frames(cfg: LMConfig, voice: VoicePrompt | None, persona: Seque
     if embeddings is not None and embeddings.shape[0] + columns.shape[0] != frames.shape[0]:
         raise AssertionError("prompt plan lost a column")  # internal invariant
     return PromptPlan(phases=tuple(phases), frames=frames, embeddings=embeddings, columns=columns,
-                      spill=spill, n_agent=n_agent, delays=tuple(cfg.delays))
+                      spill=spill, n_agent=cfg.n_agent, delays=tuple(cfg.delays))
+
+
+def _check_prompt_args(cfg: LMConfig, persona: Sequence[int], silence_frames: int,
+                       silence: Sequence[int], sine: Sequence[int]) -> None:
+    """`build_prompt_frames`'s arguments against the LM: codebook counts, token range, silence length."""
+    n_agent, n_user = cfg.n_agent, cfg.n_user
+    if len(silence) != n_agent:
+        raise PersonaError(f"silence codes have {len(silence)} codebooks, the LM has {n_agent} agent codebooks")
+    if len(sine) != n_user:
+        raise PersonaError(f"sine codes have {len(sine)} codebooks, the LM has {n_user} user codebooks")
+    for tok in persona:
+        if not 0 <= int(tok) < cfg.text_card:
+            raise PersonaError(f"persona token {tok} is outside the text vocabulary [0, {cfg.text_card})")
+    if silence_frames < 0:
+        raise PersonaError(f"silence_frames must be >= 0, got {silence_frames}")
 
 
 def _voice_pt_state(voice: VoicePrompt, cfg: LMConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -727,7 +727,6 @@ class StreamingTransformer(nn.Module):
         H = self.num_heads
         D = dim // H
         pos = state.pos
-        table = state.block_table  # paged rings: every kernel addresses slots through it
         cos_sin = None
         if self.rope_max_period is not None:
             cos_sin = rope_cos_sin(pos, D, self.rope_max_period)
@@ -742,22 +741,7 @@ class StreamingTransformer(nn.Module):
                 normed = _norm(res, layer.norm1)
             else:
                 res, normed = _add_norm(res, pending, prev.layer_scale_2, layer.norm1)
-            w_in, w_out = layer.self_attn.weights(weight_index)
-            qkv = F.linear(normed, w_in)
-            scales = ((state.key_scales[i], state.value_scales[i]) if state.key_scales is not None
-                      else (None, None))
-            if cos_sin is None and scales[0] is None:
-                # No RoPE (the depformer): q, k, v are views of qkv, and the attention kernel
-                # itself writes k and v to the ring (one kernel a layer instead of two).
-                q, k, v = qkv.view(B, 3, H, D).unbind(1)
-                out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                               self.context, write=True, exec_mask=exec_mask, block_table=table)
-            else:
-                q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
-                                             *scales, block_table=table)
-                out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                               self.context, *scales, order=order, block_table=table)
-            update = F.linear(out.view(B, dim), w_out)
+            update = self._decode_self_attention(layer, i, normed, state, exec_mask, weight_index, cos_sin, order)
             if layer.cross_attention is None:
                 res, normed = _add_norm(res, update, layer.layer_scale_1, layer.norm2)
             else:
@@ -768,7 +752,39 @@ class StreamingTransformer(nn.Module):
             prev = layer
         if pending is not None:
             res = res.to(pending) + prev.layer_scale_2(pending)
+        self._advance_decode(state, pos, exec_mask)
+        return res.view(B, 1, dim)
 
+    def _decode_self_attention(self, layer: StreamingTransformerLayer, i: int, normed: torch.Tensor,
+                               state: TransformerState, exec_mask: torch.Tensor | None, weight_index: int,
+                               cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+                               order: torch.Tensor | None) -> torch.Tensor:
+        """Layer `i`'s self-attention for one decode step (`_forward_decode`): QKV matmul, RoPE + KV
+        write, split-KV attention, output matmul -> the update to add to the residual [B, dim]."""
+        B, dim = normed.shape
+        H = self.num_heads
+        D = dim // H
+        pos = state.pos
+        table = state.block_table  # paged rings: every kernel addresses slots through it
+        w_in, w_out = layer.self_attn.weights(weight_index)
+        qkv = F.linear(normed, w_in)
+        scales = ((state.key_scales[i], state.value_scales[i]) if state.key_scales is not None
+                  else (None, None))
+        if cos_sin is None and scales[0] is None:
+            # No RoPE (the depformer): q, k, v are views of qkv, and the attention kernel
+            # itself writes k and v to the ring (one kernel a layer instead of two).
+            q, k, v = qkv.view(B, 3, H, D).unbind(1)
+            out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
+                                           self.context, write=True, exec_mask=exec_mask, block_table=table)
+        else:
+            q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
+                                         *scales, block_table=table)
+            out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
+                                           self.context, *scales, order=order, block_table=table)
+        return F.linear(out.view(B, dim), w_out)
+
+    def _advance_decode(self, state: TransformerState, pos: torch.Tensor, exec_mask: torch.Tensor | None) -> None:
+        """After a decode step: the executing rows' new slot holds their position, and they move on one."""
         slots = (pos % self.capacity)[:, None]
         if exec_mask is None:
             state.slot_pos.scatter_(1, slots, pos[:, None])
@@ -777,7 +793,6 @@ class StreamingTransformer(nn.Module):
             old = state.slot_pos.gather(1, slots)
             state.slot_pos.scatter_(1, slots, torch.where(exec_mask[:, None], pos[:, None], old))
             state.pos.add_(exec_mask.long())
-        return res.view(B, 1, dim)
 
 
 def _norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
