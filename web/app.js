@@ -190,13 +190,38 @@ function checkSupport() {
 
 function fmtMs(x) { return `${Math.round(x)} ms`; }
 
-// One conversation: microphone, audio graph, codecs and the WebSocket.
-class Session {
+// How a conversation ends, whatever carries it: the user's stop, a failure, or the server.
+class Call {
   constructor({ persona, voice }) {
     this.persona = persona;
     this.voice = voice;
     this.closed = false;
     this.userClosed = false;
+  }
+
+  stop() {
+    if (this.closed) return;
+    this.userClosed = true;
+    this.finish('disconnected', 'You ended the conversation.');
+  }
+
+  fail(message) {
+    if (this.closed) return;
+    this.finish('error', message);
+  }
+
+  finish(state, message) {
+    this.closed = true;
+    setState(state, message);
+    this.teardown();
+    if (session === this) session = null;
+  }
+}
+
+// One conversation: microphone, audio graph, codecs and the WebSocket.
+class Session extends Call {
+  constructor({ persona, voice }) {
+    super({ persona, voice });
     this.opened = false;
     this.ws = null;
     this.ctx = null;
@@ -560,24 +585,6 @@ class Session {
     }
   }
 
-  stop() {
-    if (this.closed) return;
-    this.userClosed = true;
-    this.finish('disconnected', 'You ended the conversation.');
-  }
-
-  fail(message) {
-    if (this.closed) return;
-    this.finish('error', message);
-  }
-
-  finish(state, message) {
-    this.closed = true;
-    setState(state, message);
-    this.teardown();
-    if (session === this) session = null;
-  }
-
   // The agent as played; recorded from the first live moment on, like the microphone.
   onPlayed(pcm, time) {
     if (this.closed || stats.state !== 'live') return;
@@ -611,11 +618,9 @@ class Session {
 
 // One conversation over WebRTC (GPT-Live's WebRTC door): the browser does the codecs, echo
 // cancellation and jitter buffering; the page only signals, meters and shows the events.
-class RtcSession {
+class RtcSession extends Call {
   constructor({ persona, voice }) {
-    this.persona = persona;
-    this.voice = voice;
-    this.closed = false;
+    super({ persona, voice });
     this.pc = null;
     this.channel = null;
     this.stream = null;
@@ -757,23 +762,6 @@ class RtcSession {
     ui.latBuffer.textContent = fmtMs(stats.latencyMs);
     ui.latDevice.textContent = '–';
     ui.frames.textContent = `${stats.rtcPacketsSent} / ${stats.rtcPacketsReceived}`;
-  }
-
-  stop() {
-    if (this.closed) return;
-    this.finish('disconnected', 'You ended the conversation.');
-  }
-
-  fail(message) {
-    if (this.closed) return;
-    this.finish('error', message);
-  }
-
-  finish(state, message) {
-    this.closed = true;
-    setState(state, message);
-    this.teardown();
-    if (session === this) session = null;
   }
 
   teardown() {
