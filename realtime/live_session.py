@@ -26,21 +26,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import dataclasses
-import json
 import logging
 from typing import Awaitable, Callable
 
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from parley.engine import EngineClosed, EngineFull, FrameOut, OptionsError, SessionRejected, Status
+from parley.engine import FrameOut, OptionsError, SessionRejected, Status
 from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from . import live_events as ev
-from .audio_formats import FormatError, InputDecoder, OutputEncoder
-from .event_reader import client_event_id, event_type, next_message, parse_client_event
+from .audio_formats import InputDecoder, OutputEncoder
+from .engine_slot import open_or_refuse, reopen_or_lose
+from .event_channel import EventChannel, SessionLost
+from .event_reader import next_message
+from .frame_output import FrameSender
+from .input_audio import appended_audio, hear_track
+from .input_pacing import InputPacer
 from .live_config import LiveConfig, check_update, parse_start
 from .live_delegation import Delegations, TurnWatcher
 from .live_responses import ResponsesDelegate
@@ -49,7 +52,8 @@ from .openai_events import new_id
 from .realtime_settings import ClientError, ModelCaps
 from .realtime_turns import FRAME_MS
 from .security import choose_subprotocol
-from .edge_sessions import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, EdgeSession
+from .transcript_follower import TranscriptFollower
+from .edge_sessions import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, EdgeSession
 
 log = logging.getLogger("parley.live")
 
@@ -65,10 +69,6 @@ REFUSED_EVENTS = {
 }
 
 
-class SessionLost(Exception):
-    """The engine session could not be re-established (or the client closed it): the receive side ends."""
-
-
 class LiveConnection:
     """One `/v1/live/sessions` connection: reads events, dispatches them, writes what comes back."""
 
@@ -77,6 +77,7 @@ class LiveConnection:
         self.edge = edge
         self.manager = edge.manager
         defaults = self.manager.defaults
+        self.channel = EventChannel(edge, PROTOCOL, ev.error)
         self.caps = ModelCaps(prompts=defaults.prompts, transcribe=self.manager.engine.can_transcribe,
                               models=served)
         self.policy = defaults.live_delegation
@@ -93,7 +94,8 @@ class LiveConnection:
         self.muted = False
         self.frames = 0  # output frames sent: the session's audio clock, 80 ms each
         self.heard_ms = 0  # the input transcript's clock (where its last delta ended)
-        self._client_event_id: str | None = None
+        self.pacer = InputPacer(edge)  # no items here: the audio goes straight to the model
+        self.output = FrameSender(edge, PROTOCOL, self.send)
         self._reprefill_lock = asyncio.Lock()
         self._handlers: dict[str, Callable[[dict], Awaitable[None]]] = {
             "session.start": self._on_start_again, "session.update": self._on_update,
@@ -113,6 +115,10 @@ class LiveConnection:
     def clock_ms(self) -> int:
         return self.frames * FRAME_MS
 
+    @property
+    def _client_event_id(self) -> str | None:
+        return self.channel.client_event_id
+
     # ---- lifecycle ----
 
     async def run(self, start: LiveConfig | None = None) -> None:
@@ -129,13 +135,14 @@ class LiveConnection:
                  self.edge.number, config.model, fmt["type"], fmt["rate"], self.policy,
                  f", safety_identifier {config.safety_identifier}" if config.safety_identifier else "")
         await self.send(ev.session_event("session.started", self.resource, self._client_event_id))
-        transcript = asyncio.create_task(self.edge.follow_transcript(self._heard, self._transcript_failed))
+        transcript = TranscriptFollower(self.edge, self._heard, self._transcript_failed)
+        transcript.start()
         media = None if self.edge.transport.media is None else asyncio.create_task(
-            self._media_loop(), name=f"live-media-{self.edge.number}")
+            hear_track(self.edge.transport.media, self._hear), name=f"live-media-{self.edge.number}")
         try:
             await self.edge.run_duplex(self._send_loop(), self._receive_loop())
         finally:
-            transcript.cancel()
+            transcript.stop()
             if media is not None:
                 media.cancel()
             if self.responder is not None:
@@ -156,7 +163,7 @@ class LiveConnection:
                 return False
             if data is None:
                 return False
-            event = await self._read(data)
+            event = await self.channel.read(data)
             if event is None:
                 continue
             if event["type"] != "session.start":
@@ -177,15 +184,8 @@ class LiveConnection:
         options = dataclasses.replace(defaults, persona=config.persona(defaults.persona),
                                       voice=config.voice_prompt or defaults.voice)
         try:
-            await self.edge.open_engine_session(options)
-        except EngineFull as exc:
-            await self.send(ev.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
-            await self.edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every session slot is taken")
-            return False
-        except EngineClosed as exc:
-            await self.send(ev.error(f"cannot start the session: {exc}", "session_failed", kind="server_error"))
-            await self.edge.refuse(CLOSE_INTERNAL, "unavailable", str(exc))
-            return False
+            if not await open_or_refuse(self.channel, options):
+                return False
         except (OptionsError, SessionRejected) as exc:  # the session may start again with other settings
             voice = config.voice_prompt is not None and "voice" in str(exc).lower()
             param = "session.audio.output.voice" if voice else "session.instructions"
@@ -199,46 +199,16 @@ class LiveConnection:
 
     async def send(self, event: dict) -> int:
         """Send one event; its size (0 if the client has left)."""
-        text = json.dumps(event, separators=(",", ":"))
-        try:
-            await self.edge.send_text(text)
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            return 0  # the receive side sees the disconnect and ends the session
-        return len(text)
+        return await self.channel.send(event)
 
     async def error(self, exc: ClientError) -> None:
-        self.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-        await self.send(ev.error(str(exc), exc.code, exc.param, self._client_event_id))
+        await self.channel.error(exc)
 
     # ---- client -> server ----
 
-    async def _read(self, data: str | bytes) -> dict | None:
-        """One message as an event with a type (None: it was bad, and the client was told)."""
-        self._client_event_id = None
-        try:
-            event = parse_client_event(data, self.manager.defaults.limits)
-            self._client_event_id = client_event_id(event)
-            event_type(event)
-            return event
-        except ClientError as exc:
-            await self.error(exc)
-            return None
-
     async def _receive_loop(self) -> None:
-        while (data := await next_message(self.edge)) is not None:
-            event = await self._read(data)
-            if event is None:
-                continue
-            try:
-                handler = self._handlers.get(event["type"])
-                if handler is None:
-                    why = REFUSED_EVENTS.get(event["type"], "not a GPT-Live client event")
-                    raise ClientError(f"{event['type']!s:.60}: {why}", "invalid_value", "type")
-                await handler(event)
-            except ClientError as exc:
-                await self.error(exc)
-            except SessionLost:
-                return
+        await self.channel.serve(self._handlers, lambda kind: ClientError(
+            f"{kind!s:.60}: {REFUSED_EVENTS.get(kind, 'not a GPT-Live client event')}", "invalid_value", "type"))
 
     async def _on_start_again(self, event: dict) -> None:
         raise ClientError("the session has started; session.start comes once", "session_already_started", "type")
@@ -253,26 +223,11 @@ class LiveConnection:
             await self.send(ev.session_event("session.updated", self.resource, self._client_event_id))
 
     async def _on_append(self, event: dict) -> None:
-        audio = event.get("audio")
-        if not isinstance(audio, str):
-            raise ClientError("session.input_audio.append needs 'audio': base64 audio in the session's format",
-                              "missing_required_parameter", "audio")
-        try:
-            pcm = self.decoder.decode(base64.b64decode(audio, validate=True))
-        except (binascii.Error, ValueError):
-            raise ClientError("audio is not valid base64", "invalid_value", "audio") from None
-        except FormatError as exc:
-            raise ClientError(str(exc), "invalid_value", "audio") from None
-        await self._hear(pcm)
-
-    async def _media_loop(self) -> None:
-        """A WebRTC call's microphone track, heard as `session.input_audio.append`'s audio is."""
-        media = self.edge.transport.media
-        while (pcm := await media.read()) is not None:
-            await self._hear(pcm)
+        await self._hear(appended_audio(event, self.decoder.decode, "format"))
 
     async def _hear(self, pcm: np.ndarray) -> None:
-        """The peer's audio at 24 kHz: to the turn watcher (delegations) and the model."""
+        """The peer's audio at 24 kHz (an append's, or a WebRTC call's track): to the turn watcher
+        (delegations) and the model."""
         if self.muted:  # the model hears silence while the input is muted
             pcm = np.zeros_like(pcm)
         for heard in self.watcher.audio(pcm):
@@ -284,9 +239,7 @@ class LiveConnection:
             await self.send(ev.delegation_created(delegation_id, self.clock_ms, response_id))
             self.responder.delegate(delegation_id, response_id, heard, self.model_said)
             self.model_said = ""
-        session = self.edge.engine_session
-        if session is not None and pcm.size:
-            session.push_audio(pcm)
+        self.pacer.hear(pcm)
 
     async def _on_mute(self, event: dict) -> None:
         self.muted = event["type"].endswith(".mute")
@@ -361,14 +314,9 @@ class LiveConnection:
         options = dataclasses.replace(self.options, persona=persona)
         async with self._reprefill_lock:
             try:
-                await self.edge.reopen(options)
+                await reopen_or_lose(self.channel, options)
             except SessionRejected as exc:  # the previous persona is back
                 raise ClientError(f"the model cannot take it: {exc}", "invalid_value", "content") from None
-            except (EngineFull, EngineClosed) as exc:
-                await self.send(ev.error(f"lost the session slot while re-prefilling: {exc}", "session_failed",
-                                         kind="server_error"))
-                await self.edge.close_socket(CLOSE_TRY_AGAIN_LATER, "session slot lost while re-prefilling")
-                raise SessionLost(str(exc)) from exc
         self.context, self.options = context, options
 
     # ---- engine -> client ----
@@ -376,7 +324,7 @@ class LiveConnection:
     async def _send_loop(self) -> None:
         terminal = await self.edge.follow_frames(self._on_frame)
         if terminal is not None and terminal.status is Status.FAILED:
-            await self.send(ev.error(f"the session failed: {terminal.reason}", "session_failed", kind="server_error"))
+            await self.channel.server_error(f"the session failed: {terminal.reason}", "session_failed")
             await self.send(ev.session_closed(self.resource, "connection_lost", self.seconds))
             await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
 
@@ -387,9 +335,9 @@ class LiveConnection:
             await self.send(ev.transcript("output", frame.text, start, self.clock_ms))
             if self.responder is not None:
                 self.model_said = (self.model_said + frame.text)[-MAX_APPEND_CHARS:]
-        if self.edge.transport.media is not None:  # a WebRTC call: on its track (bounded there)
-            self.edge.play(frame.pcm)
-            self.manager.metrics.frames_out.labels(PROTOCOL).inc()
+        if self.output.on_track:  # a WebRTC call: on its track (bounded there)
+            self.output.play(frame)
+            self.output.count(frame, delay=False)
         else:
             await self._send_audio(frame)
         if self.frames % USAGE_EVERY_FRAMES == 0:
@@ -398,10 +346,9 @@ class LiveConnection:
     async def _send_audio(self, frame: FrameOut) -> None:
         wire = base64.b64encode(self.encoder.encode(frame.pcm)).decode()
         # A client reading too slowly loses its oldest audio (counted); its text still goes out.
-        if not self.edge.drop_if_lagging(frame.produced_at):
-            self.edge.lag.sent(await self.send(ev.output_audio(wire)))
-            self.manager.metrics.frames_out.labels(PROTOCOL).inc()
-            self.edge.observe_frame_sent(frame.produced_at)
+        if not self.output.lagging(frame):
+            await self.output.send(ev.output_audio(wire))
+            self.output.count(frame)
 
     async def _heard(self, partial) -> bool:
         """One paired-STT step (engine SttPartial): the turn watcher's, and the client's if it has words."""

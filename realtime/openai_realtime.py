@@ -24,46 +24,37 @@ goes between upgrade and admission: an `error` (code `session_limit_reached`), t
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import collections
 import dataclasses
-import json
 import logging
-import time
 from typing import Awaitable, Callable
 
 import numpy as np
-from starlette.websockets import WebSocketDisconnect
 
 from parley.engine import (
-    EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
+    FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
 )
-from parley.models import FRAME_SAMPLES, SAMPLE_RATE
+from parley.models import SAMPLE_RATE
 
-from .audio_formats import FormatError
 from .openai_events import Dialect, Event, Events, SessionConfig, new_id
 from .realtime_settings import (
     NO_STT, OPENAI_VOICES, TRANSCRIPTION_INTENT, ClientError, ModelCaps, apply_session_update, parse_item,
     parse_response_options,
 )
-from .event_reader import client_event_id, event_type, next_message, parse_client_event
+from .engine_slot import open_or_refuse, reopen_or_lose
+from .event_channel import EventChannel
+from .frame_output import FrameSender
+from .input_audio import appended_audio, hear_track
+from .input_pacing import MAX_QUEUED_ITEM_SAMPLES, InputPacer
 from .limits import ConversationBudget
 from .realtime_turns import Turns
-from .edge_sessions import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER, EdgeSession
+from .transcript_follower import TranscriptFollower
+from .edge_sessions import CLOSE_INTERNAL, EdgeSession
 
 log = logging.getLogger("parley.realtime")
 
 PROTOCOL = "openai"
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 REALTIME_SUBPROTOCOL = "realtime"
-
-MAX_QUEUED_ITEM_SAMPLES = 120 * SAMPLE_RATE  # audio waiting to be heard behind items: at most 2 minutes
-
-
-class SessionLost(Exception):
-    """The engine session could not be re-established; the connection is closed."""
-
 
 class RealtimeConnection:
     """One `/v1/realtime` connection: reads events, dispatches them, writes what comes back."""
@@ -76,6 +67,7 @@ class RealtimeConnection:
         self.edge = edge
         self.manager = edge.manager
         self.events = Events(dialect)
+        self.channel = EventChannel(edge, PROTOCOL, self.events.error)
         self.caps = ModelCaps(prompts=self.manager.defaults.prompts, transcribe=self.manager.engine.can_transcribe,
                               transcribe_sessions=transcription_sessions, models=served)
         self._opening_error = opening_error
@@ -85,13 +77,12 @@ class RealtimeConnection:
         self.turns = Turns(self.events, config,
                            ConversationBudget(self.manager.defaults.limits.max_conversation_bytes))
         self.options = self.manager.defaults.client_options(defaults)
-        self._client_event_id: str | None = None
-        self._transcript: asyncio.Task | None = None  # reads the paired STT stream while a setting needs it
+        # reads the paired STT stream while a setting needs it
+        self.transcript = TranscriptFollower(edge, self._transcript_heard, self._transcript_failed)
         self._reprefill_lock = asyncio.Lock()
         # Audio items waiting to be heard, fed at real-time pace; live audio queues behind them.
-        self._feed: collections.deque[np.ndarray] = collections.deque()
-        self._feed_samples = 0
-        self._feed_wake = asyncio.Event()
+        self.pacer = InputPacer(edge)
+        self.output = FrameSender(edge, PROTOCOL, self.send)
         self._handlers: dict[str, Callable[[Event], Awaitable[None]]] = {
             "session.update": self._on_session_update,
             "input_audio_buffer.append": self._on_append,
@@ -116,22 +107,18 @@ class RealtimeConnection:
     async def run(self) -> None:
         edge = self.edge
         try:
-            await edge.open_engine_session(self.options)
-        except EngineFull as exc:
-            await self.send(self.events.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
-            await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every session slot is taken")
-            return
-        except (OptionsError, SessionRejected, EngineClosed) as exc:
-            await self.send(self.events.error(f"cannot start the session: {exc}", "session_failed",
-                                              kind="server_error"))
-            await edge.refuse(CLOSE_INTERNAL, "unavailable" if isinstance(exc, EngineClosed) else "options", str(exc))
+            if not await open_or_refuse(self.channel, self.options):
+                return
+        except (OptionsError, SessionRejected) as exc:
+            await self.channel.server_error(f"cannot start the session: {exc}", "session_failed")
+            await edge.refuse(CLOSE_INTERNAL, "options", str(exc))
             return
         await self.send(self.events.session_created(self.config))
         if self.config.needs_stt:  # configured before the session opened (a WebRTC call's settings)
-            self._transcript = asyncio.create_task(self._transcript_loop())
+            self.transcript.start()
         if self._opening_error is not None:
             await self.error(self._opening_error)
-        feeder = asyncio.create_task(self._feed_loop(), name=f"openai-feed-{edge.number}")
+        feeder = asyncio.create_task(self.pacer.run(), name=f"openai-feed-{edge.number}")
         media = None if edge.transport.media is None else asyncio.create_task(
             self._media_loop(), name=f"openai-media-{edge.number}")
         try:
@@ -140,7 +127,7 @@ class RealtimeConnection:
             feeder.cancel()
             if media is not None:
                 media.cancel()
-            self._stop_transcript()
+            self.transcript.stop()
 
     def configure(self, session: Event) -> list[ClientError]:
         """Settings a WebRTC call brought with its offer, judged as a `session.update`'s are but
@@ -148,9 +135,7 @@ class RealtimeConnection:
         refused field (the door answers 400 with them, and no session starts)."""
         config, refused = apply_session_update(session, self.config, self.caps)
         try:
-            self.options = self.manager.defaults.client_options(SessionOptions(
-                persona=config.instructions, voice=None if config.voice in OPENAI_VOICES else config.voice,
-                sampling=self._sampling(config.temperature)))
+            self.options = self._session_options(config)
         except OptionsError as exc:
             refused.append(ClientError(str(exc), "invalid_value", "session"))
         self.turns.set_config(config)
@@ -158,45 +143,20 @@ class RealtimeConnection:
 
     async def send(self, event: Event) -> int:
         """Send one event; returns its size (0 if the client has left)."""
-        text = json.dumps(event, separators=(",", ":"))
-        try:
-            await self.edge.send_text(text)
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            return 0  # the client left; the receive loop sees the disconnect and ends the session
-        return len(text)
+        return await self.channel.send(event)
 
     async def send_all(self, events: list[Event]) -> int:
         """Send events in order; returns the bytes sent (0: none, or the client has left)."""
-        sent = 0
-        for event in events:
-            sent += await self.send(event)
-        return sent
+        return await self.channel.send_all(events)
 
     async def error(self, exc: ClientError) -> None:
-        self.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-        await self.send(self.events.error(str(exc), exc.code, param=exc.param, client_event_id=self._client_event_id))
+        await self.channel.error(exc)
 
     # ---- client -> server ----
 
     async def _receive_loop(self) -> None:
-        while (data := await next_message(self.edge)) is not None:
-            try:
-                await self._handle_raw(data)
-            except SessionLost:
-                return
-
-    async def _handle_raw(self, raw: str | bytes) -> None:
-        self._client_event_id = None
-        try:
-            event = parse_client_event(raw, self.manager.defaults.limits)
-            self._client_event_id = client_event_id(event)
-            kind = event_type(event)
-            handler = self._handlers.get(kind)
-            if handler is None:
-                raise ClientError(f"unknown event type {kind!r:.60}", "invalid_value", "type")
-            await handler(event)
-        except ClientError as exc:
-            await self.error(exc)
+        await self.channel.serve(self._handlers, lambda kind: ClientError(
+            f"unknown event type {kind!r:.60}", "invalid_value", "type"))
 
     async def _on_session_update(self, event: Event) -> None:
         previous = self.config
@@ -204,9 +164,7 @@ class RealtimeConnection:
         for exc in refused:
             await self.error(exc)
         try:  # SamplingOptions range-checks what the parser let through
-            options = self.manager.defaults.client_options(SessionOptions(
-                persona=config.instructions, voice=None if config.voice in OPENAI_VOICES else config.voice,
-                sampling=self._sampling(config.temperature)))
+            options = self._session_options(config)
         except OptionsError as exc:
             raise ClientError(str(exc), "invalid_value", "session") from None
         if options != self.options:
@@ -219,29 +177,25 @@ class RealtimeConnection:
         if config.tracing != previous.tracing and config.tracing is not None:
             log.info("realtime session %s (%d): tracing %s", config.id, self.edge.number, config.tracing)
         self.turns.set_config(config)
-        if config.needs_stt and self._transcript is None:
-            self._transcript = asyncio.create_task(self._transcript_loop())
-        elif not config.needs_stt:
-            self._stop_transcript()
+        if config.needs_stt:
+            self.transcript.start()
+        else:
+            self.transcript.stop()
         await self.send(self.events.session_updated(config))
 
     # ---- input transcription (paired STT row) ----
 
-    async def _transcript_loop(self) -> None:
-        """Follow the session's transcript (and, after a re-prefill, the new session's)."""
+    async def _transcript_heard(self, event) -> bool:
+        return bool(await self.send_all(self.turns.transcript(event.text, event.end_of_turn)))
 
-        async def heard(event) -> bool:
-            return bool(await self.send_all(self.turns.transcript(event.text, event.end_of_turn)))
+    async def _transcript_failed(self, reason: str) -> None:
+        await self.send_all(self.turns.transcript_failed(reason))
 
-        async def failed(reason: str) -> None:
-            await self.send_all(self.turns.transcript_failed(reason))
-
-        await self.edge.follow_transcript(heard, failed)
-
-    def _stop_transcript(self) -> None:
-        if self._transcript is not None:
-            self._transcript.cancel()
-            self._transcript = None
+    def _session_options(self, config: SessionConfig) -> SessionOptions:
+        """The engine options `config` asks for (OptionsError: SamplingOptions refused a value)."""
+        return self.manager.defaults.client_options(SessionOptions(
+            persona=config.instructions, voice=None if config.voice in OPENAI_VOICES else config.voice,
+            sampling=self._sampling(config.temperature)))
 
     def _sampling(self, temperature: float) -> SamplingOptions | None:
         current = self.options.sampling
@@ -254,82 +208,32 @@ class RealtimeConnection:
             await self.send_all(self.turns.finish_response("cancelled", {"type": "cancelled",
                                                                          "reason": "client_cancelled"}))
             try:
-                await self.edge.reopen(options)
+                await reopen_or_lose(self.channel, options)
             except SessionRejected as exc:
                 param = "session.voice" if options.voice != self.options.voice else "session.instructions"
                 raise ClientError(f"the model cannot use these settings: {exc}", "invalid_value", param) from None
-            except (EngineFull, EngineClosed) as exc:
-                await self.send(self.events.error(f"lost the session slot while re-prefilling: {exc}",
-                                                  "session_failed", kind="server_error"))
-                await self.edge.close_socket(CLOSE_TRY_AGAIN_LATER, "session slot lost while re-prefilling")
-                raise SessionLost(str(exc)) from exc
             self.options = options
 
     async def _on_append(self, event: Event) -> None:
-        audio = event.get("audio")
-        if not isinstance(audio, str):
-            raise ClientError("input_audio_buffer.append needs 'audio': base64 audio in the session's input format",
-                              "missing_required_parameter", "audio")
-        try:
-            raw = base64.b64decode(audio, validate=True)
-            pcm, events = self.turns.input_audio(raw)
-        except (binascii.Error, ValueError):
-            raise ClientError("audio is not valid base64", "invalid_value", "audio") from None
-        except FormatError as exc:
-            raise ClientError(str(exc), "invalid_value", "audio") from None
+        pcm, events = appended_audio(event, self.turns.input_audio)
         await self.send_all(events)
         self._hear(pcm)
 
     async def _media_loop(self) -> None:
         """A WebRTC call's microphone track, heard as `input_audio_buffer.append`'s audio is."""
-        media = self.edge.transport.media
-        while (pcm := await media.read()) is not None:
-            pcm, events = self.turns.heard(pcm)
-            await self.send_all(events)
-            try:
-                self._hear(pcm)
-            except ClientError as exc:
-                await self.error(exc)
+        await hear_track(self.edge.transport.media, self._hear_track_audio)
+
+    async def _hear_track_audio(self, pcm: np.ndarray) -> None:
+        pcm, events = self.turns.heard(pcm)
+        await self.send_all(events)
+        try:
+            self._hear(pcm)
+        except ClientError as exc:
+            await self.error(exc)
 
     def _hear(self, pcm: np.ndarray) -> None:
         """Live audio goes straight to the model, unless item audio is still being fed: then behind it."""
-        if not pcm.size:
-            return
-        if self._feed:
-            if self._feed_samples + pcm.size > MAX_QUEUED_ITEM_SAMPLES:  # faster than real time, for minutes
-                raise ClientError("input audio is arriving faster than real time while an audio item is being "
-                                  "heard; this chunk was dropped", "invalid_value", "audio")
-            self._queue(pcm)
-            return
-        session = self.edge.engine_session
-        if session is not None:
-            session.push_audio(pcm)
-
-    def _queue(self, pcm: np.ndarray) -> None:
-        self._feed.append(pcm)
-        self._feed_samples += pcm.size
-        self._feed_wake.set()
-
-    async def _feed_loop(self) -> None:
-        """Queued audio reaches the input buffer one 80 ms frame per 80 ms (the buffer holds only 2 s)."""
-        step = FRAME_SAMPLES / SAMPLE_RATE
-        while True:
-            await self._feed_wake.wait()
-            self._feed_wake.clear()
-            due = time.monotonic()
-            while self._feed:
-                chunk = self._feed[0]
-                frame, rest = chunk[:FRAME_SAMPLES], chunk[FRAME_SAMPLES:]
-                if rest.size:
-                    self._feed[0] = rest
-                else:
-                    self._feed.popleft()
-                self._feed_samples -= frame.size
-                session = self.edge.engine_session
-                if session is not None:
-                    session.push_audio(frame)
-                due += step * frame.size / FRAME_SAMPLES
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
+        self.pacer.hear(pcm)
 
     async def _on_commit(self, event: Event) -> None:
         await self.send_all(self.turns.commit())
@@ -339,11 +243,11 @@ class RealtimeConnection:
 
     async def _on_item_create(self, event: Event) -> None:
         parsed = parse_item(event.get("item"), self.config.input_format)
-        if self._feed_samples + parsed.audio.size > MAX_QUEUED_ITEM_SAMPLES:
+        if self.pacer.queued_samples + parsed.audio.size > MAX_QUEUED_ITEM_SAMPLES:
             raise ClientError(f"more than {MAX_QUEUED_ITEM_SAMPLES // SAMPLE_RATE} s of item audio is waiting to "
                               "be heard; send the next item later", "invalid_value", "item.content")
         await self.send_all(self.turns.add_item(parsed.item, event.get("previous_item_id")))
-        self._queue(parsed.audio)
+        self.pacer.queue(parsed.audio)
 
     async def _on_item_retrieve(self, event: Event) -> None:
         await self.send(self.events.item_retrieved(self.turns.item(event.get("item_id"))))
@@ -388,25 +292,22 @@ class RealtimeConnection:
         failed = terminal is not None and terminal.status is Status.FAILED
         await self.send_all(self.turns.finish_response("failed" if failed else "incomplete", None))
         if failed:
-            await self.send(self.events.error(f"the session failed: {terminal.reason}", "session_failed",
-                                              kind="server_error"))
+            await self.channel.server_error(f"the session failed: {terminal.reason}", "session_failed")
             await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
 
     async def _on_frame(self, frame: FrameOut) -> None:
         events = self.turns.output_frame(frame.pcm, frame.text)
         audio = any(self.events.is_audio_delta(e) for e in events)
-        # A WebRTC call plays the audio on its track (bounded there) and sends the other events.
-        media = self.edge.transport.media
-        # A client that reads too slowly loses its oldest audio (counted), never falls behind by more
-        # than the lag limit; its text still goes out.
-        dropped = audio and media is None and self.edge.drop_if_lagging(frame.produced_at)
+        # A WebRTC call plays the audio on its track and sends the other events; over a socket
+        # a lagging client's audio is dropped (frame_output.py), its text still goes out.
+        output = self.output
+        dropped = audio and output.lagging(frame)
         for event in events:
             if not self.events.is_audio_delta(event):
                 await self.send(event)
-            elif media is None and not dropped:
-                self.edge.lag.sent(await self.send(event))
-        if audio and media is not None:
-            self.edge.play(frame.pcm)
+            elif not output.on_track and not dropped:
+                await output.send(event)
+        if audio and output.on_track:
+            output.play(frame)
         if audio and not dropped:
-            self.manager.metrics.frames_out.labels(PROTOCOL).inc()
-            self.edge.observe_frame_sent(frame.produced_at)
+            output.count(frame)
