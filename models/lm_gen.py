@@ -53,11 +53,32 @@ class LMStepOutput:
 
 
 @dataclass
-class LMGenState:
+class DelayedRows:
+    """The rows of a delayed-streams LM (the duplex model's, the STT's): the temporal KV state,
+    the ring of delayed tokens and each row's frame count."""
+
     transformer: TransformerState  # temporal KV ring and positions, per row
-    depformer: TransformerState  # scratch KV over the steps of one frame; cleared every frame
     ring: torch.Tensor  # [B, n_q + 1, max_delay + 2] long, -2 = not generated
     offsets: torch.Tensor  # [B] long: frames stepped by each row
+
+    @staticmethod
+    def empty_ring(batch_size: int, num_codebooks: int, ring_size: int, device) -> torch.Tensor:
+        return torch.full((batch_size, num_codebooks, ring_size), UNGENERATED_TOKEN, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.shape[0]
+
+    def reset(self, mask: torch.Tensor) -> None:
+        """Masked rows start over: empty KV ring and token ring, frame 0; other rows are untouched."""
+        self.transformer.reset(mask)
+        self.ring.masked_fill_(mask[:, None, None], UNGENERATED_TOKEN)
+        self.offsets.masked_fill_(mask, 0)
+
+
+@dataclass
+class LMGenState(DelayedRows):
+    depformer: TransformerState  # scratch KV over the steps of one frame; cleared every frame
     # Per-row sampling settings; tensors so that a captured graph reads the current values.
     text_temp: torch.Tensor  # [B] float, <= 0 is greedy
     text_topk: torch.Tensor  # [B] long, <= 0 is no top-k
@@ -70,15 +91,9 @@ class LMGenState:
     audio_seed: torch.Tensor  # [B] long
     forced: ForcedText  # per-row queues of text tokens to force from the row's next pause
 
-    @property
-    def batch_size(self) -> int:
-        return self.offsets.shape[0]
-
     def reset(self, mask: torch.Tensor) -> None:
         """Masked rows return to a fresh session (including the default sampling settings)."""
-        self.transformer.reset(mask)
-        self.ring.masked_fill_(mask[:, None, None], UNGENERATED_TOKEN)
-        self.offsets.masked_fill_(mask, 0)
+        super().reset(mask)
         self.set_sampling(mask, *self.defaults, text_seed=UNSEEDED, audio_seed=UNSEEDED)
         self.forced.reset(mask)
 
@@ -130,8 +145,7 @@ class LMGen:
         return LMGenState(
             transformer=self.model.transformer.init_state(batch_size, device, dtype, kv_dtype, kv_blocks, block_size),
             depformer=self.model.depformer.init_state(batch_size, device, dtype),
-            ring=torch.full((batch_size, self.cfg.num_codebooks, self.ring_size), UNGENERATED_TOKEN,
-                            dtype=torch.long, device=device),
+            ring=DelayedRows.empty_ring(batch_size, self.cfg.num_codebooks, self.ring_size, device),
             offsets=full(0, torch.long),
             text_temp=full(text_temp, torch.float32), text_topk=full(text_topk, torch.long),
             audio_temp=full(audio_temp, torch.float32), audio_topk=full(audio_topk, torch.long),

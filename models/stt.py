@@ -34,9 +34,8 @@ import torch
 
 from .config import FRAME_RATE, UNGENERATED_TOKEN, LMConfig
 from .lm import LMModel
-from .lm_gen import ring_write
+from .lm_gen import DelayedRows, ring_write
 from .sampling import sample_tokens
-from .transformer import TransformerState
 
 END_OF_TURN_HEAD = 2  # the extra head Kyutai's servers (moshi-server, unmute) read as "pause / end of turn"
 END_OF_TURN_INDEX = 0  # its entry that holds the end-of-turn probability
@@ -88,21 +87,9 @@ class SttStepOutput:
 
 
 @dataclass
-class SttState:
-    transformer: TransformerState
-    ring: torch.Tensor  # [B, n_q + 1, max_delay + 2] long, -2 = not generated
-    offsets: torch.Tensor  # [B] long: frames stepped by each row
+class SttState(DelayedRows):
     text_temp: torch.Tensor  # [B] float, <= 0 greedy
     text_topk: torch.Tensor  # [B] long
-
-    @property
-    def batch_size(self) -> int:
-        return self.offsets.shape[0]
-
-    def reset(self, mask: torch.Tensor) -> None:
-        self.transformer.reset(mask)
-        self.ring.masked_fill_(mask[:, None, None], UNGENERATED_TOKEN)
-        self.offsets.masked_fill_(mask, 0)
 
 
 class SttGen:
@@ -132,8 +119,7 @@ class SttGen:
         dtype = param.dtype if dtype is None else dtype
         return SttState(
             transformer=self.model.transformer.init_state(batch_size, device, dtype),
-            ring=torch.full((batch_size, self.cfg.num_codebooks, self.ring_size), UNGENERATED_TOKEN,
-                            dtype=torch.long, device=device),
+            ring=DelayedRows.empty_ring(batch_size, self.cfg.num_codebooks, self.ring_size, device),
             offsets=torch.zeros(batch_size, dtype=torch.long, device=device),
             text_temp=torch.full((batch_size,), self.text_temp, dtype=torch.float32, device=device),
             text_topk=torch.full((batch_size,), self.text_topk, dtype=torch.long, device=device),
