@@ -260,6 +260,27 @@ def served_names(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return parse_served_names([values] if isinstance(values, str) else values or [])
 
 
+def serve_flag_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with `parley serve`'s numeric and TTS flags (None: nothing), before anything loads."""
+    if args.codec_workers is not None and args.codec_workers < 0:
+        return "--codec-workers must be 0 (threads) or more (processes)"
+    if args.max_sessions < 1:
+        return "--max-sessions must be at least 1"
+    if args.tts_slots < 1:
+        return "--tts-slots must be at least 1"
+    if args.tts_model is None and (args.tts_voices or args.tts_voice_map):
+        return "--tts-voices and --tts-voice-map need --tts-model"
+    if args.stt_slots < 1:
+        return "--stt-slots must be at least 1"
+    if args.ready_min_free < 0 or args.drain_timeout < 0:
+        return "--ready-min-free and --drain-timeout must be 0 or more"
+    if args.image_queue < 1:
+        return "--image-queue must be at least 1"
+    if not 0 < args.image_stall_timeout < math.inf:
+        return f"--image-stall-timeout must be a number of seconds more than 0 (got {args.image_stall_timeout:g})"
+    return None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     given = {"text_temperature": args.text_temperature, "text_top_k": args.text_topk,
              "audio_temperature": args.audio_temperature, "audio_top_k": args.audio_topk}
@@ -269,30 +290,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except OptionsError as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
         return 2
-    if args.codec_workers is not None and args.codec_workers < 0:
-        print("parley serve: --codec-workers must be 0 (threads) or more (processes)", file=sys.stderr)
-        return 2
-    if args.max_sessions < 1:
-        print("parley serve: --max-sessions must be at least 1", file=sys.stderr)
-        return 2
-    if args.tts_slots < 1:
-        print("parley serve: --tts-slots must be at least 1", file=sys.stderr)
-        return 2
-    if args.tts_model is None and (args.tts_voices or args.tts_voice_map):
-        print("parley serve: --tts-voices and --tts-voice-map need --tts-model", file=sys.stderr)
-        return 2
-    if args.stt_slots < 1:
-        print("parley serve: --stt-slots must be at least 1", file=sys.stderr)
-        return 2
-    if args.ready_min_free < 0 or args.drain_timeout < 0:
-        print("parley serve: --ready-min-free and --drain-timeout must be 0 or more", file=sys.stderr)
-        return 2
-    if args.image_queue < 1:
-        print("parley serve: --image-queue must be at least 1", file=sys.stderr)
-        return 2
-    if not 0 < args.image_stall_timeout < math.inf:
-        print(f"parley serve: --image-stall-timeout must be a number of seconds more than 0 "
-              f"(got {args.image_stall_timeout:g})", file=sys.stderr)
+    if (wrong := serve_flag_error(args)) is not None:
+        print(f"parley serve: {wrong}", file=sys.stderr)
         return 2
     try:
         reliability = {**reliability_settings(args), "served_model_names": served_names(args)}
