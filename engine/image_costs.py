@@ -87,3 +87,29 @@ def predict(key: tuple, measured: Iterable[tuple[Hashable, float]], tile_pixels:
             curve = curves.setdefault(r, {})
             curve[p] = max(seconds, curve.get(p, 0.0))
     return min((along(curve, pixels) * max(1.0, rows / r) for r, curve in curves.items()), default=None)
+
+
+# ---- the keys (the module docstring's layout; the queue's items, warm-up and cost model use them) ----
+
+def denoise_key(width: int, height: int, cfg: bool, batch: int) -> tuple:
+    return ("image", DENOISE, width, height, cfg, batch)
+
+
+def decode_key(width: int, height: int) -> tuple:
+    return ("image", DECODE, width, height)
+
+
+def preview_key(width: int, height: int) -> tuple:
+    return ("image", PREVIEW, width, height)
+
+
+def tile_key(width: int, height: int) -> tuple:
+    return ("image", TILE, width, height)  # every tile of this size: the largest sets the estimate
+
+
+def blend_key(width: int, height: int) -> tuple:
+    return ("image", BLEND, width, height)
+
+
+def encode_key() -> tuple:
+    return ("image", ENCODE)

@@ -760,9 +760,9 @@ def test_the_sizes_refused_from_measured_costs_are_bounded_most_recent_kept(sd, 
     """Sizes are the client's to choose: ten distinct sizes, each predicted at 160 ms or more and
     refused at its first offer, leave at most MAX_REFUSED_SIZES (4 here) in the refusal table, the
     most recent ones; a forgotten size is admitted again and refused at its first offer again."""
-    from parley.engine import image_queue
+    from parley.engine import image_sizes
 
-    monkeypatch.setattr(image_queue, "MAX_REFUSED_SIZES", 4)
+    monkeypatch.setattr(image_sizes, "MAX_REFUSED_SIZES", 4)
     sizes = [(64 + 2 * i, 64) for i in range(10)]
 
     async def main():
@@ -776,7 +776,7 @@ def test_the_sizes_refused_from_measured_costs_are_bounded_most_recent_kept(sd, 
 
     ends, refused, again, queue = asyncio.run(main())
     assert all(end.status is Status.FAILED and "too large" in end.reason for end in ends)
-    assert len(queue._refused_sizes) == 4
+    assert len(queue._sizes.refused) == 4
     assert refused == [False] * 6 + [True] * 4  # the last four refused are the ones remembered
     assert again.status is Status.FAILED and f"size {sizes[0][0]}x64 is too large" in again.reason
     assert queue.refusal(*sizes[0]) is not None and queue.refusal(*sizes[6]) is None  # sizes[6] went for it

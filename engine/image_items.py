@@ -1,0 +1,64 @@
+"""What each image work item does, on the engine thread (engine/image_queue.py's item kinds).
+
+`encode` (the prompt, once per request; starts its jobs), `denoise` (one step of a batch of jobs
+sharing a bucket), `preview`, and the final image: `decode` whole, or `tile` by tile then
+`blend`. Each runs on the stepper (a captured graph where engine/image_graphs.py has one for its
+key), moves its jobs to their next phase, and hands images to the book, which pushes them into
+the requests' streams.
+"""
+
+from __future__ import annotations
+
+from parley.models.image_pipeline import ImageStepper
+
+from .image_book import ImageBook
+from .image_costs import DECODE, DENOISE, PREVIEW, decode_key, denoise_key, preview_key
+from .image_graphs import ImageGraphs
+from .image_request import Job, preview_steps
+
+
+class ImageItems:
+    """The item bodies: each moves its jobs one phase on."""
+
+    def __init__(self, stepper: ImageStepper, graphs: ImageGraphs, book: ImageBook) -> None:
+        self.stepper = stepper
+        self._graphs = graphs
+        self._book = book
+
+    def encode(self, job: Job) -> None:
+        request, spec, st = job.request, job.request.spec, self.stepper
+        if request.cond is None:
+            request.cond = st.encode(spec.prompt, spec.negative, st.cfg_for(spec.guidance), embed=self._graphs.embed())
+        for j in request.jobs:  # starting a job is cheap host work: latents and a scheduler copy
+            j.state = st.start(request.cond, spec.width, spec.height, spec.steps, spec.guidance, j.seed)
+            j.previews_at = preview_steps(spec.steps, spec.partial_images)
+            j.phase = DENOISE
+
+    def denoise(self, jobs: list[Job]) -> None:
+        states = [j.state for j in jobs]
+        self.stepper.denoise(states, predict=self._graphs.get(denoise_key(*jobs[0].bucket, len(jobs))))
+        self._book.count("images_denoise_steps", len(jobs))
+        for j in jobs:
+            if j.state.done:
+                j.phase = DECODE
+            elif j.state.step in j.previews_at:
+                j.phase = PREVIEW
+
+    def preview(self, job: Job) -> None:
+        spec = job.request.spec
+        preview = self._graphs.get(preview_key(spec.width, spec.height), self.stepper.preview)
+        self._book.partial(job, self.stepper.to_uint8(preview(job.state.latents))[0])
+        job.phase = DENOISE
+
+    def decode(self, job: Job) -> None:
+        spec = job.request.spec
+        decode = self._graphs.get(decode_key(spec.width, spec.height), self.stepper.decode)
+        self._book.complete(job, self.stepper.to_uint8(decode(job.state.latents))[0])
+
+    def tile(self, job: Job) -> None:
+        if job.tiles is None:
+            job.tiles = self.stepper.tiled_decode(job.state.latents)
+        job.tiles.step()
+
+    def blend(self, job: Job) -> None:
+        self._book.complete(job, self.stepper.to_uint8(job.tiles.image())[0])
