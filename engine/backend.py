@@ -34,20 +34,21 @@ import numpy as np
 import torch
 
 from parley.models.checkpoint import Checkpoint, load_checkpoint
-from parley.models.config import UNGENERATED_TOKEN
 from parley.models.lm_gen import LMGen, LMGenState
 from parley.models.sampling import UNSEEDED
 from parley.models.mimi import MimiState
 from parley.models.paged_kv import block_size_for
 from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
-from parley.models.voices import (PersonaError, VoicePrompt, list_voices, load_voice, voice_candidates,
-                                  voice_not_found)
+from parley.models.voices import PersonaError
 
 from .config import OptionsError, SamplingOptions, SessionOptions
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import sync_device
 from .kv_blocks import KvChanges, KvLayout
+from .kv_mapping import map_kv_changes
+from .prompt_handoff import PromptHandoff
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
+from .voice_library import VoiceLibrary
 
 log = logging.getLogger("parley.engine.backend")
 
@@ -236,21 +237,12 @@ class ModelBackend:
             self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype, kv_blocks=kv_blocks + 1,
                                                   block_size=kv_block_frames)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
-        # Voices by file name, all read at start (_load_voices), and those that could not be read.
-        self._voices: dict[str, VoicePrompt] = {}
-        self._voice_errors: dict[str, str] = {}
+        self._voices = VoiceLibrary(checkpoint.voices_dir, self._mimi, self.device)  # read at start (PersonaPlex)
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
         self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
-        # A prefilled row's last prompt frame (the "handoff") runs inside the next regular tick:
-        # its tokens are forced and its user codes replaced by the prompt's, so a prefill costs
-        # no extra step. -2 / False: nothing pending.
-        b = max_sessions
-        self._force_text = torch.full((b,), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
-        self._force_audio = torch.full((b, self.cfg.n_agent), UNGENERATED_TOKEN, dtype=torch.long, device=self.device)
-        self._prompt_user = torch.zeros(b, self.cfg.n_user, dtype=torch.long, device=self.device)
-        self._prompt_mask = torch.zeros(b, dtype=torch.bool, device=self.device)
-        self._handoff_rows: set[int] = set()  # rows whose handoff frame is still to run
+        # A prefilled row's last prompt frame runs inside its next regular tick (engine/prompt_handoff.py).
+        self._handoff = PromptHandoff(max_sessions, self.cfg, self.device, self._device_mask)
         self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
         self._frames = self._frame_steps(row_buckets, cuda_graphs)
         # PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
@@ -261,7 +253,7 @@ class ModelBackend:
             self._prompts = PromptRunner(self._gen, kv_dtype, graphs=cuda_graphs and self.device.type == "cuda")
             if self.device.type == "cuda":
                 self._prompts.warm_up(PREFILL_CHUNKS)
-            self._load_voices()
+            self._voices.load()
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -285,10 +277,7 @@ class ModelBackend:
     def _idle_frame_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
         """A bucket's capture inputs: silence, no row live (by the model contract no state changes)."""
         frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
-        return frames, torch.zeros(n, dtype=torch.bool, device=self.device), *self._handoff_inputs(n)
-
-    def _handoff_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
-        return self._force_text[:n], self._force_audio[:n], self._prompt_user[:n], self._prompt_mask[:n]
+        return frames, torch.zeros(n, dtype=torch.bool, device=self.device), *self._handoff.inputs(n)
 
     def _frame(self, lm_state: LMGenState, mimi_state: MimiState, frames: torch.Tensor, live: torch.Tensor,
                force_text: torch.Tensor, force_audio: torch.Tensor, prompt_user: torch.Tensor,
@@ -342,7 +331,7 @@ class ModelBackend:
 
     @torch.no_grad()
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
-        stepped = {row for row in self._handoff_rows if live_mask[row]}
+        stepped = {row for row in self._handoff.rows if live_mask[row]}
         n = self.bucket(live_mask)
         if self._pinned:  # staged through pinned memory so the upload is asynchronous
             self._frames_host[:n].copy_(frames[:n])
@@ -350,9 +339,9 @@ class ModelBackend:
             frames, live_mask = self._frames_host, self._mask_host
         frames = frames[:n].to(self.device, non_blocking=True)
         live_mask = live_mask[:n].to(self.device, non_blocking=True)
-        pcm, text, valid, agent, user, *side = self._frames(n, frames, live_mask, *self._handoff_inputs(n))
+        pcm, text, valid, agent, user, *side = self._frames(n, frames, live_mask, *self._handoff.inputs(n))
         if stepped:  # their handoff frame is done
-            self._clear_handoff(stepped)
+            self._handoff.clear(stepped)
         return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user,
                              side=side[0] if side else None, rows=self.max_sessions if n < self.max_sessions else None)
 
@@ -363,15 +352,7 @@ class ModelBackend:
         mask = mask.to(self.device)
         self._gen.reset(self._lm_state, mask)  # also restores the default sampling
         self._mimi_state.reset(mask)
-        self._clear_handoff(rows)
-
-    def _clear_handoff(self, rows: set[int]) -> None:
-        """Drop the pending handoff of `rows` (stepped, or closed before their tick)."""
-        self._handoff_rows -= rows
-        mask = self._device_mask(rows)
-        self._force_text.masked_fill_(mask, UNGENERATED_TOKEN)
-        self._force_audio.masked_fill_(mask[:, None], UNGENERATED_TOKEN)
-        self._prompt_mask.masked_fill_(mask, False)
+        self._handoff.clear(rows)
 
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
         self._lm_state.set_sampling(self._device_mask({row}), text_temp=sampling.text_temperature,
@@ -393,8 +374,10 @@ class ModelBackend:
             if options.voice or options.persona:
                 raise SessionRejected("this model is Moshi, which takes no voice or persona; leave them out.")
             return PromptPrefill(None, None, None)
+        if options.voice and self.checkpoint.voices_dir is None:
+            raise SessionRejected("this checkpoint ships no voices.")
         try:
-            voice = self._voice(options.voice) if options.voice else None
+            voice = self._voices.get(options.voice) if options.voice else None
             plan = build_prompt_frames(self.cfg, voice, persona_tokens(self._tokenizer, options.persona))
         except PersonaError as exc:  # told to the client: the server's directory stays out of it
             raise SessionRejected(str(exc).replace(str(self.checkpoint.voices_dir), "the voices folder")) from exc
@@ -411,53 +394,13 @@ class ModelBackend:
         """`job` ran the whole prompt: the row takes it, its ring the plan's last columns, and its
         handoff frame is armed for the row's next tick."""
         self._prompts.adopt(job, self._lm_state, row, frames, plan.ring_tokens)
-        self._arm_handoff(row, plan)
-
-    def _arm_handoff(self, row: int, plan: PromptPlan) -> None:
-        """The prompt's last frame runs in the row's first tick (see _frame); it outputs the
-        last silence frame, which PersonaPlex too sends first after the handshake."""
-        self._force_text[row] = plan.first_step_force_text
-        self._force_audio[row] = plan.first_step_force_audio.to(self.device)
-        self._prompt_user[row] = plan.first_step_user.to(self.device)
-        self._prompt_mask[row] = True
-        self._handoff_rows.add(row)
+        self._handoff.arm(row, plan)
 
     def voice_names(self) -> tuple[str, ...]:
         """File names of every voice `start_prefill` can load (`.pt` and audio), sorted: the
         voices folder as it was at start (a checkpoint with voices is a PersonaPlex one, whose
         backend reads them all when it is built)."""
-        return tuple(sorted([*self._voices, *self._voice_errors]))
-
-    def _load_voices(self) -> None:
-        """Read every voice the checkpoint ships now, not when its first session is admitted:
-        that runs on the engine thread between ticks, outside any slack budget, and an audio
-        voice is loudness-normalised and Mimi-encoded there (hundreds of ms for a long one). Voices
-        are small; one that cannot be read is logged here and refused to the sessions that ask."""
-        for name in list_voices(self.checkpoint.voices_dir):
-            try:
-                self._voices[name] = load_voice(self.checkpoint.voices_dir / name, mimi_encode=self._encode_voice)
-            except PersonaError as exc:
-                self._voice_errors[name] = str(exc)
-                log.warning("voice %s cannot be used: %s", name, exc)
-
-    def _voice(self, name: str) -> VoicePrompt:
-        """A voice read at start, by a client's name for it (NATF0 and NATF0.pt: one file). On the
-        engine thread, so it touches no file: a voice added to the folder later is refused
-        (restart to serve it), as is a name that matches nothing."""
-        if self.checkpoint.voices_dir is None:
-            raise SessionRejected("this checkpoint ships no voices.")
-        for candidate in voice_candidates(name):
-            if candidate in self._voices:
-                return self._voices[candidate]
-            if candidate in self._voice_errors:
-                raise PersonaError(self._voice_errors[candidate])
-        raise voice_not_found(name, list(self.voice_names()), " (the voices folder is read when the server starts)")
-
-    @torch.no_grad()
-    def _encode_voice(self, frames: torch.Tensor) -> torch.Tensor:
-        """[N, 1920] -> [N, n_agent] codes through a fresh streaming encoder (an audio voice file)."""
-        codes = self._mimi.encode(frames.reshape(1, -1).to(self.device))  # [1, K, N]
-        return codes[0].T.cpu()
+        return self._voices.names()
 
     def _device_mask(self, rows: set[int]) -> torch.Tensor:
         return rows_mask(self.max_sessions, rows).to(self.device)
@@ -472,25 +415,8 @@ class ModelBackend:
 
     def map_kv_blocks(self, changes: KvChanges) -> None:
         """The KV block pool's changes into the paged state, in their order (engine thread, between
-        ticks), through the state's own methods, each in place (the captured graphs read the block
-        table and slot positions where they are): released rows start over with no block; a
-        forgotten block's slots are emptied (never attended) and its entry goes back to the null
-        block; then the new blocks."""
-        state = self._lm_state.transformer
-        for row in changes.released:
-            state.release_row(row)
-        forgotten: dict[int, list[int]] = {}
-        for row, logical in changes.forgotten:
-            forgotten.setdefault(row, []).append(logical)
-        for row, logical in forgotten.items():
-            state.forget_blocks(row, logical)
-        assigned: dict[int, tuple[list[int], list[int]]] = {}
-        for row, logical, physical in changes.assigned:
-            pair = assigned.setdefault(row, ([], []))
-            pair[0].append(logical)
-            pair[1].append(physical)
-        for row, (logical, physical) in assigned.items():
-            state.assign_blocks(row, logical, physical)
+        ticks; engine/kv_mapping.py)."""
+        map_kv_changes(self._lm_state.transformer, changes)
 
     def force_text(self, row: int, ids: list[int]) -> bool:
         return self._lm_state.forced.push(row, ids)

@@ -42,14 +42,16 @@ from typing import Callable
 from parley.models.config import FRAME_SAMPLES
 
 from .prefill_source import PrefillSource
-from .backend import FrameBackend, HostOutput, RowFailure, SessionRejected, rows_mask
+from .backend import FrameBackend, SessionRejected, rows_mask
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
+from .frame_step import FrameStep
 from .input_buffer import InputBuffer
-from .kv_blocks import KvBlockPool, KvChanges, KvFull
+from .kv_binding import KvBinding
+from .kv_blocks import KvBlockPool, KvFull
 from .metrics import EngineMetrics
 from .output import OutputProcessor
-from .scheduler import Scheduler, TickPlan
+from .scheduler import Scheduler
 from .session import Session
 from .slack import SlackRunner, SlackSource
 from .slots import SlotTable
@@ -86,25 +88,19 @@ class Engine:
         self._healthy = True
         self._tick = 0
         self.fatal_error: str | None = None  # why the engine stopped serving, once it has
-        self._paired: PairedTranscription | None = None  # STT rows beside the duplex rows
+        # The tick's step, with paired transcription's STT rows beside the duplex rows (set_paired_transcription).
+        self._frame = FrameStep(backend, rows, self._find_session, self.fail_session)
         # Called once, on the engine thread, after a fatal error: `parley serve` uses it to exit
         # non-zero so a supervisor restarts the process instead of it staying up and dead.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
-        # The KV block pool (engine/kv_blocks.py): admission by memory, and which KV blocks each row
-        # holds; the paged backend takes its changes before each step (`map_kv_blocks`). None: a
-        # backend with dense rows (each a whole window), no memory bound beyond the slots.
+        # The KV block pool (engine/kv_blocks.py): admission by memory, the blocks each row holds, mapped into
+        # the paged backend before each step (kv_binding.py). None: dense rows, no bound beyond the slots.
         self.kv = kv
-        self._map_kv: Callable[[KvChanges], None] | None = getattr(backend, "map_kv_blocks", None)
-        paged = getattr(backend, "kv_paged", None)  # ModelBackend says; a fabricated backend may not
-        if kv is not None and (self._map_kv is None or paged is False):
-            raise OptionsError("a KV block pool needs a backend with a paged KV state (ModelBackend(kv_blocks=)).")
-        if kv is None and paged:
-            raise OptionsError("a backend with a paged KV state needs the engine's KV block pool (kv=), "
-                               "which gives its rows their blocks.")
+        self._kv = KvBinding(kv, backend)
         self._prefill = PrefillSource(backend, self._scheduler, self.metrics,
                                       ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed,
-                                      now=self._clock.now, started=self._kv_start if kv is not None else None)
+                                      now=self._clock.now, started=self._kv.start if kv is not None else None)
         self._slack.add_source(self._prefill)
         self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
@@ -132,14 +128,10 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def counters(self) -> dict:
-        stats = self._slack.stats
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
-                "slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
-                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
-                "slack_stale_drops": stats.stale_drops, "slack_stale_trials": stats.stale_trials,
-                **self._slack.source_counters(),
-                **(self._paired.counters() if self._paired is not None else {}),
-                **(self.kv.snapshot() if self.kv is not None else {})}
+                **self._slack.counters(),  # its totals, then its sources'
+                **(self._frame.paired.counters() if self._frame.paired is not None else {}),
+                **self._kv.snapshot()}
 
     def add_slack_source(self, source: SlackSource) -> None:
         """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
@@ -152,20 +144,20 @@ class Engine:
         """Transcribe sessions' audio in the frame (engine/stt_paired.py). Call before `start`."""
         if self._thread is not None:
             raise RuntimeError("set paired transcription before the engine starts.")
-        self._paired = paired
+        self._frame.paired = paired
 
     @property
     def can_transcribe(self) -> bool:
         """Whether sessions can be transcribed (a paired STT model is loaded)."""
-        return self._paired is not None
+        return self._frame.paired is not None
 
     def enable_transcription(self, session: Session) -> OutputStream:
         """Start transcribing what this session's user says: an OutputStream of SttPartial that
         ends when the session does. OptionsError when no STT model is loaded."""
-        if self._paired is None:
+        if self._frame.paired is None:
             raise OptionsError("no speech-to-text model is loaded (parley serve --stt-model), so the "
                                "user's audio cannot be transcribed.")
-        return self._paired.enable(session.row, session.request_id, asyncio.get_running_loop())
+        return self._frame.paired.enable(session.row, session.request_id, asyncio.get_running_loop())
 
     async def force_text(self, session: Session, text: str) -> int:
         """Have `session`'s model say `text`: its tokens replace the sampled text tokens from the
@@ -213,8 +205,8 @@ class Engine:
             log.error("engine thread did not stop within the shutdown timeout; backend not freed")
             return
         try:
-            if self._paired is not None:
-                self._paired.close()
+            if self._frame.paired is not None:
+                self._frame.paired.close()
             self._backend.close()
         except Exception:  # shutdown must finish; the error is still reported
             log.exception("backend close failed")
@@ -243,12 +235,11 @@ class Engine:
             if self._closed or not self._healthy:
                 raise EngineClosed("the engine is not serving (shut down or failed).")
             row = self._slots.acquire(request_id)  # raises EngineFull at once
-            if self.kv is not None:
-                try:
-                    self.kv.admit(row, request_id)  # KvFull (an EngineFull): memory cannot hold it
-                except KvFull:
-                    self._slots.release(row, request_id)
-                    raise
+            try:
+                self._kv.admit(row, request_id)  # KvFull (an EngineFull): memory cannot hold it
+            except KvFull:
+                self._slots.release(row, request_id)
+                raise
             session = Session(self, request_id, row, options,
                               OutputStream(request_id, loop, self.config.output_events),
                               InputBuffer(self.config.input_frames), loop.create_future())
@@ -274,17 +265,20 @@ class Engine:
         with self._lock:
             self._sessions.pop(session.request_id, None)
         self._output.unregister(session.request_id)
-        if self._paired is not None:  # queued before the slot can be reused
-            self._paired.disable(session.row, session.request_id)
+        if self._frame.paired is not None:  # queued before the slot can be reused
+            self._frame.paired.disable(session.row, session.request_id)
         self._scheduler.submit_close(session)  # the engine thread drops the row at its next plan
-        if self.kv is not None:  # before the slot: the row's next session is admitted afresh
-            self.kv.end(session.row, session.request_id)
+        self._kv.end(session.row, session.request_id)  # before the slot: its next session is admitted afresh
         self._slots.release(session.row, session.request_id)
         _settle(session.ready, error=ready_error)
 
     def _open_sessions(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())
+
+    def _find_session(self, request_id: str) -> Session | None:
+        with self._lock:
+            return self._sessions.get(request_id)
 
     # ---- the engine thread ----
 
@@ -331,12 +325,11 @@ class Engine:
             self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
         if self._forcing is not None:  # after the reset: a released row's queue is gone, a live one's text joins it
             self._forcing.apply(plan)
-        if self.kv is not None:  # ended rows' blocks back, live rows' next blocks in (kv_blocks.py rule 1)
-            self._apply_kv(self.kv.step(plan.request_ids))
+        self._kv.step(plan.request_ids)  # ended rows' blocks back, live rows' next blocks in (kv_blocks.py rule 1)
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
-            host = self._execute(plan)
+            host = self._frame.run(plan)  # engine/frame_step.py
             if host is not None:
                 self._output.route(plan, host)
         self.metrics.inc("ticks")
@@ -346,42 +339,6 @@ class Engine:
             self._slack.run_until(deadline + self._clock.period, interrupt=self._scheduler.has_inbox)
         else:
             self._slack.run_until(deadline)
-
-    def _execute(self, plan: TickPlan) -> HostOutput | None:
-        # A RowFailure means those rows were refused before any state changed: end those
-        # sessions only and rerun the step for the rest (bounded: each retry removes a row).
-        for _ in range(self.max_sessions + 1):
-            try:
-                if self._paired is not None:
-                    self._paired.prepare(plan)
-                out = self._backend.step(plan.frames, plan.live_mask)
-                if self._paired is not None:  # part of the frame: same codes, before the host copy
-                    self._paired.step(plan, out)
-                host = out.to_host()
-                if self._paired is not None:
-                    self._paired.publish()
-                return host
-            except RowFailure as failure:
-                for row, reason in failure.reasons.items():
-                    rid = plan.request_ids[row]
-                    with self._lock:
-                        session = self._sessions.get(rid) if rid is not None else None
-                    if session is None or not plan.live_mask[row]:
-                        raise RuntimeError(f"backend refused row {row}, which is not live") from failure
-                    self.fail_session(session, f"input rejected: {reason}")
-                    plan.live_mask[row] = False
-                    plan.request_ids[row] = None
-                if not plan.any_live:
-                    return None
-        raise RuntimeError("backend kept refusing rows")
-
-    def _kv_start(self, session: Session, prompt_frames: int) -> None:
-        """A row starts its prompt: the blocks the prompt fills, before it is written."""
-        self._apply_kv(self.kv.start(session.row, session.request_id, prompt_frames))
-
-    def _apply_kv(self, changes: KvChanges) -> None:
-        if changes:
-            self._map_kv(changes)
 
     def _prefill_failed(self, session: Session, exc: Exception) -> None:
         """One session's options or prompt failed: that session ends, nothing else does."""

@@ -259,6 +259,14 @@ class SlackRunner:
         for source in self._sources:
             source.slack_stop(terminal)
 
+    def counters(self) -> dict:
+        """The runner's totals, then every source's counters, for /metrics (Engine.counters)."""
+        stats = self.stats
+        return {"slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
+                "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
+                "slack_stale_drops": stats.stale_drops, "slack_stale_trials": stats.stale_trials,
+                **self.source_counters()}
+
     def source_counters(self) -> dict:
         """Every source's counters, for /metrics."""
         out: dict = {}

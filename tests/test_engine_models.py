@@ -375,7 +375,7 @@ def test_voices_are_read_at_start_not_when_a_session_is_admitted(tiny_personaple
     refused to the session that asks for it, naming the problem."""
     import soundfile
 
-    from parley.engine import backend as backend_module
+    from parley.engine import voice_library as backend_module  # the backend's voices (engine/voice_library.py)
 
     ckpt = copy_checkpoint(tiny_personaplex_dir)
     voices = ModelBackend.load(ckpt, 2).checkpoint.voices_dir  # (unpacks voices.tgz)
