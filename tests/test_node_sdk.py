@@ -71,7 +71,7 @@ def test_openai_node_sdk_over_tls(tmp_path, monkeypatch):
     cert, key = self_signed_certificate(tmp_path)
     monkeypatch.setenv("PARLEY_CACHE", str(tmp_path / "cache"))  # the demo checkpoints
     pinned = json.loads((NODE_DIR / "package.json").read_text())["dependencies"]["openai"]
-    monkeypatch.setattr(services, "Engine", lambda backend: Engine(backend, EngineConfig(tick_seconds=TICK)))
+    monkeypatch.setattr(services, "Engine", lambda backend, **kw: Engine(backend, EngineConfig(tick_seconds=TICK), **kw))
     app = build_app(ServeConfig(model=None, codec_workers=0, torch_threads=1, tts_slots=1, stt_slots=1))
     with serve(app, ssl_certfile=str(cert), ssl_keyfile=str(key)) as base:
         port = base.rsplit(":", 1)[1]
