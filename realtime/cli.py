@@ -305,21 +305,28 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"parley serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    from .server import ServeConfig, serve  # torch and the models: only once serving
+    from .server import serve  # torch and the models: only once serving
 
-    config = ServeConfig(model=args.model, demo=args.demo, host=args.host, port=args.port,
-                         max_sessions=args.max_sessions,
-                         device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, kv=kv,
-                         mimi_dtype=args.mimi_dtype, defaults=defaults,
-                         sampling={k: v for k, v in given.items() if v is not None},
-                         log_level=args.log_level, codec_workers=args.codec_workers,
-                         torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
-                         ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
-                         image_model=args.image_model, image_queue=args.image_queue,
-                         image_stall_timeout=args.image_stall_timeout, tts_model=args.tts_model,
-                         tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map,
-                         **reliability)
-    return serve(config, sockets)
+    return serve(_serve_config(args, defaults, {k: v for k, v in given.items() if v is not None}, kv, reliability),
+                 sockets)
+
+
+def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: dict, kv: KvSettings,
+                  reliability: dict):
+    """`parley serve`'s checked flags as the server's ServeConfig (imports the server: once serving)."""
+    from .server import ServeConfig
+
+    return ServeConfig(model=args.model, demo=args.demo, host=args.host, port=args.port,
+                       max_sessions=args.max_sessions,
+                       device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, kv=kv,
+                       mimi_dtype=args.mimi_dtype, defaults=defaults, sampling=sampling,
+                       log_level=args.log_level, codec_workers=args.codec_workers,
+                       torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
+                       ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
+                       image_model=args.image_model, image_queue=args.image_queue,
+                       image_stall_timeout=args.image_stall_timeout, tts_model=args.tts_model,
+                       tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map,
+                       **reliability)
 
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (add_serve, add_offline, add_transcribe,
