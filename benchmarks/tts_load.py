@@ -76,7 +76,7 @@ import uvicorn  # noqa: E402
 from stall_watch import StallWatch  # noqa: E402
 from tts_clients import ClientProcess, failure_summary, gather_requests, one_request  # noqa: E402
 
-from parley.engine import Engine  # noqa: E402
+from parley.engine import Engine, SpeechFrontEnd  # noqa: E402
 from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
 from parley.engine.gc_pauses import FULL_COLLECTIONS, freeze_loaded_objects  # noqa: E402
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
@@ -94,7 +94,7 @@ from parley.models.tts_checkpoint import VoiceStore, write_voice  # noqa: E402
 from parley.realtime.app import ServerInfo, create_app  # noqa: E402
 from parley.realtime.services import Services  # noqa: E402
 from parley.realtime.server import uvicorn_config  # noqa: E402
-from parley.realtime.speech_api import SpeechService, build_request, parse_request  # noqa: E402
+from parley.realtime.speech_api import SpeechService, parse_request  # noqa: E402
 
 TEXT = ("Good morning, and welcome to the show. Today we are going to talk about the weather, music, and "
         "books. It was a bright cold day in April, and the clocks were striking thirteen. Please wait "
@@ -230,8 +230,9 @@ async def one_direct_request(service: SpeechService, voice: str, text: str, dela
     no HTTP in between (--delivery direct: what the edge costs the duplex frame)."""
     await asyncio.sleep(delay_s)
     start = time.perf_counter()
-    params = parse_request({"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}, service.voices)
-    job = service.pool.submit(build_request(service, params)[0], asyncio.get_running_loop())
+    params = parse_request({"model": "tts", "input": text, "voice": voice, "response_format": "pcm"}, service.front_end)
+    request, _ = service.front_end.request(params.text, params.voice, params.speed)
+    job = service.pool.submit(request, asyncio.get_running_loop())
     first = None
     size = 0
     async for event in job.stream:
@@ -253,8 +254,8 @@ async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams:
     pool = TtsPool(lm, mimi, args.slots or max(streams, 1), voice_frames=args.voice_frames)
     store = VoiceStore.open(voices_dir, VOICE_SUFFIX, cfg.speaker.dim)
     tokenizer = TextTokenizer(voices_dir.parent / "tok.model")
-    service = SpeechService(pool=pool, voices=store, tokenizer=tokenizer, codebooks=cfg.lm.n_q)
-    pool.warm_up(service.conditions)  # as `parley serve` does: warm admissions carry the requests' conditions
+    service = SpeechService(pool=pool, front_end=SpeechFrontEnd(tokenizer.encode, store), codebooks=cfg.lm.n_q)
+    pool.warm_up(service.front_end.conditions)  # as `parley serve` does: warm admissions carry the requests' conditions
     engine.add_slack_source(pool)
     app = create_app(Services(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service))
     server, thread, url = start_server(app)

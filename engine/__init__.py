@@ -34,6 +34,7 @@ _EXPORTS = {
     "TtsAudio": "tts_pool", "TtsJob": "tts_pool", "TtsPool": "tts_pool", "TtsPoolFull": "tts_pool",
     "TtsRequest": "tts_pool", "TtsWord": "tts_pool", "text_entries": "tts_pool",
     "synthesize": "tts_offline",
+    "SpeechFrontEnd": "speech", "SpeechInputError": "speech", "UnknownVoice": "speech",
     # transcription: standalone rows (requests) and the duplex sessions' paired rows
     "SttBusy": "stt_pool", "SttFailed": "stt_pool", "SttInputError": "stt_pool", "SttPartial": "stt_pool",
     "SttPool": "stt_pool", "SttRequest": "stt_pool", "collect_transcript": "stt_pool",
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from .offline import run_offline
     from .session import FrameOut, Session
     from .slots import EngineFull
+    from .speech import SpeechFrontEnd, SpeechInputError, UnknownVoice
     from .stream import OutputStream, Status, Terminal
     from .stt_paired import PairedTranscription
     from .stt_pool import SttBusy, SttFailed, SttInputError, SttPartial, SttPool, SttRequest, collect_transcript

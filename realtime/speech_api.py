@@ -11,12 +11,15 @@
 - `instructions`: accepted and ignored (DSM TTS takes no style prompt).
 - `response_format`: mp3 (default) | opus | aac | flac | wav | pcm (24 kHz, 16-bit, mono).
 - `speed`: SPEED_MIN..SPEED_MAX (a narrower range than OpenAI's 0.25-4.0; outside it is a 400
-  naming `speed`), mapped to the model's padding bonus: bonus = -SPEED_GAIN * log2(speed),
-  so faster speech pads less between words.
+  naming `speed`), mapped to the model's padding bonus by the engine's speech front end
+  (engine/speech.py: bonus = -SPEED_GAIN * log2(speed)), so faster speech pads less between words.
 - `stream_format`: `audio` (default): the encoded audio, chunked, each 80 ms frame flushed as it
   is synthesised (flac: the whole file at the end, speech_formats.FlacEncoder); `sse`:
   `speech.audio.delta` events (base64 of the chosen format) and one `speech.audio.done` with
   integer usage (input tokens: text pieces; output: frames x codebooks).
+- The text front end (words and their tokens, break tags, the voice, conditions and sampling)
+  is the engine's `SpeechFrontEnd`; this door parses the body, asks it for the request, maps its
+  `SpeechInputError` to a 400 naming the field, and streams.
 - Errors are OpenAI-shaped JSON; a full pool is 429 with Retry-After. A client that disconnects
   cancels its row at the next tick.
 - Both doors are mounted only with a TTS model (doors.py; without one, a 404 names --tts-model)
@@ -30,14 +33,14 @@ import base64
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from parley.engine import Status, Terminal, TtsAudio, TtsJob, TtsPool, TtsPoolFull, TtsRequest, text_entries
-from parley.models import TextTokenizer, VoiceStore
+from parley.engine import (SpeechFrontEnd, SpeechInputError, Status, Terminal, TtsAudio, TtsJob, TtsPool, TtsPoolFull,
+                           UnknownVoice)
 
 from .served_models import ModelNotFound
 from .speech_formats import CONTENT_TYPES, FORMATS, make_encoder
@@ -46,8 +49,6 @@ from .speech_options import SPEED_MAX, SPEED_MIN
 log = logging.getLogger("parley.speech")
 
 MAX_INPUT_CHARS = 4096
-SPEED_GAIN = 2.0  # padding bonus per halving of speed
-DEFAULT_CFG = "2.0"  # the distilled CFG value Kyutai's servers use
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.05  # while waiting for the first audio
 FIELDS = {"model", "input", "voice", "instructions", "response_format", "speed", "stream_format"}
@@ -55,17 +56,18 @@ FIELDS = {"model", "input", "voice", "instructions", "response_format", "speed",
 
 @dataclass
 class SpeechService:
-    """What the endpoint needs: the pool, voices, tokenizer and model facts."""
+    """What the endpoint needs: the pool, the engine's text front end (voices, tokenizer,
+    conditions, sampling) and model facts."""
 
     pool: TtsPool
-    voices: VoiceStore
-    tokenizer: TextTokenizer
+    front_end: SpeechFrontEnd
     codebooks: int  # audio codebooks per frame (usage's output tokens)
-    conditions: dict = field(default_factory=lambda: {"control": "ok", "cfg": DEFAULT_CFG})  # LUT values
-    speaker_token: int | None = 1  # multi-speaker models prefix the first word with the main speaker
-    # TtsRequest sampling fields; the published TTSModel's defaults (temp 0.6, top-k 25 / 250).
-    sampling: dict = field(default_factory=dict)
     model: str = "tts"  # the checkpoint's name (served_models.py adds the operator's aliases)
+
+    @property
+    def voices(self):
+        """The voice store (GET /v1/audio/voices lists its names)."""
+        return self.front_end.voices
 
 
 class SpeechError(Exception):
@@ -82,8 +84,13 @@ class SpeechError(Exception):
                                        "code": self.code}}, status_code=self.status, headers=self.headers)
 
 
-def speed_bonus(speed: float) -> float:
-    return -SPEED_GAIN * math.log2(speed)
+def input_refusal(err: SpeechInputError) -> SpeechError:
+    """The 400 for input the front end cannot speak, in this door's words."""
+    if isinstance(err, UnknownVoice):
+        shown = ", ".join(err.known[:20])
+        return SpeechError(400, f"unknown voice {err.voice!r}; GET /v1/audio/voices lists them (e.g. {shown})",
+                           err.param, err.code)
+    return SpeechError(400, err.message, err.param, err.code)
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class SpeechParams:
     stream_format: str
 
 
-def parse_request(body: object, voices: VoiceStore) -> SpeechParams:
+def parse_request(body: object, front_end: SpeechFrontEnd) -> SpeechParams:
     if not isinstance(body, dict):
         raise SpeechError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS)
@@ -114,10 +121,10 @@ def parse_request(body: object, voices: VoiceStore) -> SpeechParams:
         voice = voice["id"]
     if not isinstance(voice, str) or not voice:
         raise SpeechError(400, "voice is required: a voice name or {\"id\": name}", "voice")
-    if voice not in voices:
-        shown = ", ".join(voices.names()[:20])
-        raise SpeechError(400, f"unknown voice {voice!r}; GET /v1/audio/voices lists them (e.g. {shown})",
-                          "voice", "invalid_voice")
+    try:
+        front_end.check_voice(voice)  # here, so a body's first wrong field is the one named
+    except SpeechInputError as err:
+        raise input_refusal(err) from None
     if "instructions" in body and not isinstance(body["instructions"], (str, type(None))):
         raise SpeechError(400, "instructions must be text", "instructions")
     fmt = body.get("response_format", "mp3")
@@ -135,17 +142,6 @@ def parse_request(body: object, voices: VoiceStore) -> SpeechParams:
     return SpeechParams(text, voice, fmt, float(speed), stream_format)
 
 
-def build_request(service: SpeechService, params: SpeechParams) -> tuple[TtsRequest, int]:
-    """The engine request and its input token count (usage)."""
-    entries = text_entries(params.text, service.tokenizer.encode, service.speaker_token)
-    if not any(e.tokens for e in entries):
-        raise SpeechError(400, "input holds no words to speak", "input")
-    voice = service.voices.load(params.voice)
-    request = TtsRequest(entries=entries, voices=(voice,), conditions=dict(service.conditions),
-                         padding_bonus=speed_bonus(params.speed), **service.sampling)
-    return request, sum(len(e.tokens) for e in entries)
-
-
 async def speech_endpoint(request: Request) -> Response:
     """POST /v1/audio/speech (mounted only with a TTS model: doors.py)."""
     service: SpeechService = request.app.state.speech
@@ -154,9 +150,9 @@ async def speech_endpoint(request: Request) -> Response:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise SpeechError(400, "the request body is not valid JSON") from None
-        params = parse_request(body, service.voices)
+        params = parse_request(body, service.front_end)
         request.app.state.models.resolve("tts", body.get("model"))
-        tts_request, input_tokens = build_request(service, params)
+        tts_request, input_tokens = service.front_end.request(params.text, params.voice, params.speed)
         try:
             job = service.pool.submit(tts_request, asyncio.get_running_loop())
         except TtsPoolFull as exc:
@@ -165,6 +161,8 @@ async def speech_endpoint(request: Request) -> Response:
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except SpeechError as err:
         return err.response()
+    except SpeechInputError as err:  # no words to speak
+        return input_refusal(err).response()
     except ModelNotFound as err:
         return SpeechError(404, str(err), "model", "model_not_found").response()
     except ValueError as err:  # a script too long for a row

@@ -1,4 +1,5 @@
-"""Load what `POST /v1/audio/speech` serves: the TTS checkpoint, its voice set and the pool.
+"""Load what `POST /v1/audio/speech` serves: the TTS checkpoint, its voice set, the engine's
+text front end over them (engine/speech.py) and the pool.
 
     service = load_speech_service(source, slots=4, voices="kyutai/tts-voices", voice_map=None,
                                   device="cuda", dtype=torch.bfloat16)
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from parley.engine import TtsPool
+from parley.engine import SpeechFrontEnd, TtsPool
 from parley.models import CheckpointError, Mimi, VoiceStore, load_tts_checkpoint, share_equal_tensors
 
-from .speech_api import DEFAULT_CFG, SpeechService
+from .speech_api import SpeechService
 from .speech_options import DEFAULT_VOICES
 
 log = logging.getLogger("parley.speech")
@@ -37,18 +38,11 @@ def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | 
         raise CheckpointError(f"TTS checkpoint {source} has no speaker cross-attention (a voice-prefix model "
                               "such as kyutai/tts-0.75b-en-public); Parley serves the cross-attention layout")
     store = VoiceStore.open(voices or DEFAULT_VOICES, cfg.voice_suffix, speaker.dim, voice_map)
-    if read_voices:
-        store.read_all()  # every voice, now: no request reads a file, and a broken one stops the start
+    # every voice read now (read_voices): no request reads a file, and a broken one stops the start
+    front_end = SpeechFrontEnd.for_checkpoint(checkpoint, store, read_voices=read_voices)
     frames = store.load(store.names()[0]).shape[-1]
     pool = TtsPool(checkpoint.lm, checkpoint.mimi, slots, voice_frames=frames)
     log.info("TTS %s: %d slots, %d voices from %s", checkpoint.path.name, slots, len(store.names()),
              store.directory)
-    conditions = {}
-    names = {c.name for c in cfg.conditioners}
-    if "control" in names:
-        conditions["control"] = "ok"
-    if "cfg" in names:  # the distilled CFG value; a model without it runs unconditioned on cfg
-        conditions["cfg"] = DEFAULT_CFG if DEFAULT_CFG in cfg.lut_values("cfg") else None
-    pool.warm_up(conditions)
-    return SpeechService(pool=pool, voices=store, tokenizer=checkpoint.tokenizer, codebooks=cfg.lm.n_q,
-                         conditions=conditions, model=checkpoint.path.name)
+    pool.warm_up(front_end.conditions)  # warm admissions carry the requests' conditions
+    return SpeechService(pool=pool, front_end=front_end, codebooks=cfg.lm.n_q, model=checkpoint.path.name)

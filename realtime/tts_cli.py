@@ -43,7 +43,6 @@ def run_tts_command(args: argparse.Namespace) -> int:
     from parley.models import CheckpointError, write_wav
 
     from .server import resolve_dtype
-    from .speech_api import SpeechError, SpeechParams, build_request
     from .speech_setup import load_speech_service
 
     if args.seed is not None:
@@ -54,18 +53,15 @@ def run_tts_command(args: argparse.Namespace) -> int:
                                       device=args.device, dtype=resolve_dtype(args.dtype, args.device),
                                       read_voices=False)  # one voice is used: not the whole set
         log.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
-        if args.voice not in service.voices:
-            raise SpeechError(400, f"unknown voice {args.voice!r} (known: {', '.join(service.voices.names()[:20])})")
+        service.front_end.check_voice(args.voice)  # UnknownVoice names the known ones
         if not SPEED_MIN <= args.speed <= SPEED_MAX:
-            raise SpeechError(400, f"--speed {args.speed} is outside {SPEED_MIN} to {SPEED_MAX}")
-        request, _ = build_request(service, SpeechParams(args.text, args.voice, "wav", args.speed, "audio"))
+            raise ValueError(f"--speed {args.speed} is outside {SPEED_MIN} to {SPEED_MAX}")
+        # the server's text front end: the same words, voice, conditions and speed mapping
+        request, _ = service.front_end.request(args.text, args.voice, args.speed)
         if args.greedy:
             request = dataclasses.replace(request, text_temperature=0.0, audio_temperature=0.0)
-    except (CheckpointError, ValueError) as exc:
+    except (CheckpointError, ValueError) as exc:  # ValueError: SpeechInputError among them
         print(f"parley tts: {exc}", file=sys.stderr)
-        return 2
-    except SpeechError as exc:
-        print(f"parley tts: {exc.message}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     result = synthesize(service.pool, request)

@@ -30,7 +30,6 @@ from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.served_models import ServedModels
 from parley.realtime.services import Services
 from parley.realtime.demo_model import OPENAI_VOICE_NAMES
-from parley.realtime.speech_api import SpeechParams, build_request
 from parley.realtime.speech_formats import to_int16
 from parley.realtime.speech_setup import load_speech_service
 from server_harness import serve
@@ -53,14 +52,14 @@ def make_service(tts_dir, slots):
     directory, voice_map = tts_dir
     service = load_speech_service(directory, slots=slots, voices=directory / "voices",
                                   voice_map=voice_map, device="cpu", dtype=torch.float32)
-    service.sampling = dict(GREEDY)
+    service.front_end.sampling = dict(GREEDY)
     return service
 
 
 @pytest.fixture(scope="module")
 def server(tts_dir):
     service = make_service(tts_dir, slots=2)
-    request, _ = build_request(service, SpeechParams(TEXT, "alloy", "pcm", 1.0, "audio"))
+    request, _ = service.front_end.request(TEXT, "alloy", 1.0)
     oracle = synthesize(service.pool, request)  # before the engine thread owns the pool
     assert oracle.terminal.status.value == "completed" and oracle.pcm.size > 0
     # Long ticks: a tiny TTS step on a shared CPU can take most of an 80 ms tick.
@@ -229,6 +228,18 @@ def test_bad_requests_get_openai_errors(server, body, param):
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
 
+def test_the_front_ends_refusals_keep_the_doors_words(server):
+    """The engine's SpeechFrontEnd raises them (engine/speech.py); the door words them."""
+    url, _, _ = server
+    error = post(url, voice="nobody").json()["error"]
+    assert error["message"].startswith("unknown voice 'nobody'; GET /v1/audio/voices lists them (e.g. alloy, ")
+    assert (error["param"], error["code"]) == ("voice", "invalid_voice")
+    r = post(url, input='<break time="1s"/>')
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "input holds no words to speak", "type": "invalid_request_error",
+                                 "param": "input", "code": None}
+
+
 def test_full_pool_is_429_and_a_disconnect_frees_the_row(server):
     url, _, service = server
     pool = service.pool
@@ -262,14 +273,13 @@ def test_speed_changes_the_speech_rate(tts_dir):
     service = make_service(tts_dir, slots=1)
     frames = {}
     for speed in (0.5, 1.0, 2.0):
-        params = SpeechParams(TEXT + " The quick brown fox.", "alloy", "pcm", speed, "audio")
-        request, _ = build_request(service, params)
+        request, _ = service.front_end.request(TEXT + " The quick brown fox.", "alloy", speed)
         frames[speed] = synthesize(service.pool, request).pcm.size // 1920
     assert frames[0.5] > frames[1.0] >= frames[2.0]
 
 
 def test_the_dataclass_request_is_greedy_here(tts_dir):
     service = make_service(tts_dir, slots=1)
-    request, tokens = build_request(service, SpeechParams(TEXT, "alloy", "pcm", 1.0, "audio"))
+    request, tokens = service.front_end.request(TEXT, "alloy", 1.0)
     assert dataclasses.asdict(request)["text_temperature"] == 0.0
     assert tokens == sum(len(e.tokens) for e in request.entries)

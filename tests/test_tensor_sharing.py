@@ -10,7 +10,6 @@ from parley.models.config import tiny_mimi_config
 from parley.models.mimi.codec import Mimi
 from parley.models.tensor_sharing import share_equal_tensors
 from parley.models.tts_checkpoint import load_tts_checkpoint
-from parley.realtime.speech_api import SpeechParams, build_request
 from parley.realtime.speech_setup import load_speech_service
 
 
@@ -64,7 +63,7 @@ def test_speech_service_shares_the_duplex_mimi_and_speaks_the_same(tiny_tts_dir)
     assert not any(t is theirs[n] for n, t in _tensors(plain.pool.mimi).items())
     outputs = []
     for service in (plain, shared):
-        service.sampling = {"text_temperature": 0.0, "audio_temperature": 0.0}
-        request, _ = build_request(service, SpeechParams("hello there", service.voices.names()[0], "pcm", 1.0, "audio"))
+        service.front_end.sampling = {"text_temperature": 0.0, "audio_temperature": 0.0}
+        request, _ = service.front_end.request("hello there", service.voices.names()[0])
         outputs.append(synthesize(service.pool, request).pcm)
     assert outputs[0].size > 0 and np.array_equal(outputs[0], outputs[1])
