@@ -38,6 +38,7 @@ from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
 from .bucketed_step import BucketedStep, bucket_sizes
+from .row_pool import PoolStopped, RowPool
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
 
@@ -123,6 +124,11 @@ class SttRequest:
     def cancel(self) -> None:
         """The client went away: the row is freed at the next item, the stream ends cancelled."""
         self.cancelled = True
+
+    @property
+    def stream(self) -> OutputStream:
+        """`events`, by the name row_pool.py's jobs share."""
+        return self.events
 
     def _frames_ready(self) -> tuple[int, bool]:
         """Engine thread: (whole frames buffered, input ended)."""
@@ -234,13 +240,11 @@ class SttPool(SlackSource):
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(slots, FRAME_SAMPLES, pin_memory=self._pinned)
         self._mask_host = torch.zeros(slots, dtype=torch.bool, pin_memory=self._pinned)
-        self._rows: list[_Row | None] = [None] * slots
-        self._queue: deque[SttRequest] = deque()
-        self._lock = threading.Lock()
+        # Rows and the waiting queue (row_pool.py): at most `max_queue` requests wait.
+        self._pool: RowPool[SttRequest, _Row] = RowPool(slots, self._busy, max_pending=max_queue)
         self._next_id = 0
         self.counters = {"stt_requests": 0, "stt_steps": 0, "stt_audio_seconds": 0.0, "stt_completed": 0,
                          "stt_cancelled": 0, "stt_failed": 0, "stt_starved": 0}
-        self._stopped = False  # slack_stop ran: the engine is gone, new requests are refused
         self._wanted: set[int] = set()  # rows that could step when this tick's slack began
         self._stepped: set[int] = set()  # ... and those that did
 
@@ -248,6 +252,10 @@ class SttPool(SlackSource):
     def name(self) -> str:
         """The STT model's name (its checkpoint folder), as clients are told it."""
         return self.checkpoint.path.name or "stt"
+
+    @property
+    def _rows(self) -> list[_Row | None]:
+        return self._pool.rows
 
     # ---- requests (event loop) ----
 
@@ -259,20 +267,24 @@ class SttPool(SlackSource):
         if not (isinstance(temperature, (int, float)) and 0 <= temperature <= 2):
             raise SttInputError(f"temperature must be between 0 and 2, got {temperature!r}.")
         loop = loop or asyncio.get_running_loop()
-        with self._lock:
-            if self._stopped:
-                raise SttBusy("the server is shutting down; transcription is not taking requests.")
-            if len(self._queue) >= self.max_queue:
-                raise SttBusy(f"all {self.slots} transcription rows are busy and {self.max_queue} "
-                              f"requests are waiting; try again later.")
-            if live and sum(row is None for row in self._rows) <= len(self._queue):
-                raise SttBusy(f"all {self.slots} transcription rows are busy; try again later.")
+
+        def make() -> SttRequest:  # (under the row pool's lock, once the request is accepted)
             self._next_id += 1
-            request = SttRequest(f"stt_{self._next_id}", OutputStream(f"stt_{self._next_id}", loop, OUTPUT_EVENTS),
-                                 self.max_input_s, temperature=float(temperature), live=live)
-            self._queue.append(request)
             self.counters["stt_requests"] += 1
-        return request
+            return SttRequest(f"stt_{self._next_id}", OutputStream(f"stt_{self._next_id}", loop, OUTPUT_EVENTS),
+                              self.max_input_s, temperature=float(temperature), live=live)
+
+        try:
+            return self._pool.enqueue(make, need_row=live)
+        except PoolStopped:
+            raise SttBusy("the server is shutting down; transcription is not taking requests.") from None
+
+    def _busy(self, why: str) -> SttBusy:
+        """The row pool's refusal: the queue is at its bound, or (a live request) no row is free."""
+        if why == "pending":
+            return SttBusy(f"all {self.slots} transcription rows are busy and {self.max_queue} "
+                           f"requests are waiting; try again later.")
+        return SttBusy(f"all {self.slots} transcription rows are busy; try again later.")
 
     # ---- slack source (engine thread) ----
 
@@ -317,18 +329,12 @@ class SttPool(SlackSource):
         return self._steps.bucket(rows)
 
     def _admit(self) -> None:
-        free = [i for i, row in enumerate(self._rows) if row is None or self._release_if_done(i, row)]
-        with self._lock:
-            while free and self._queue:
-                request = self._queue.popleft()
-                if request.cancelled:
-                    request.events.finish(Terminal(Status.CANCELLED, "the client went away"))
-                    self.counters["stt_cancelled"] += 1
-                    continue
-                i = free.pop(0)
-                self._start_row(i, request)
+        """Free the rows of cancelled and ended requests, then fill every free row from the queue."""
+        cancelled = Terminal(Status.CANCELLED, "the client went away")
+        self.counters["stt_cancelled"] += self._pool.release_ended(cancelled)
+        self.counters["stt_cancelled"] += self._pool.admit(self._start_row, cancelled)
 
-    def _start_row(self, i: int, request: SttRequest) -> None:
+    def _start_row(self, i: int, request: SttRequest) -> _Row:
         mask = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         mask[i] = True
         self._state.reset(mask)
@@ -336,16 +342,8 @@ class SttPool(SlackSource):
         self._mimi_state.reset(mask)
         settings = self.checkpoint.settings
         offset = settings.prefix_frames / FRAME_RATE
-        self._rows[i] = _Row(request, TranscriptDecoder(self.checkpoint.tokenizer, self.gen.text_delay, offset),
-                             prefix_left=settings.prefix_frames)
-
-    def _release_if_done(self, i: int, row: _Row) -> bool:
-        if row.request.cancelled and row.request.events.finish(Terminal(Status.CANCELLED, "the client went away")):
-            self.counters["stt_cancelled"] += 1
-        if row.request.events.finished:
-            self._rows[i] = None
-            return True
-        return False
+        return _Row(request, TranscriptDecoder(self.checkpoint.tokenizer, self.gen.text_delay, offset),
+                    prefix_left=settings.prefix_frames)
 
     def _runnable(self, row: _Row | None) -> bool:
         return row is not None and not row.request.events.finished and not row.request.cancelled \
@@ -423,27 +421,21 @@ class SttPool(SlackSource):
             row.request.events.push(SttPartial("", words, float("nan"), audio_s))
         self.counters["stt_audio_seconds"] += audio_s
         self.counters["stt_completed"] += 1
-        row.request.events.finish(Terminal(Status.COMPLETED))
-        self._rows[i] = None
+        self._pool.release(i, Terminal(Status.COMPLETED))
 
     def _fail_all(self, exc: Exception) -> None:
         """A step raised: the requests in it fail (the rows shared it); queued ones go on."""
-        for i, row in enumerate(self._rows):
-            if row is not None:
-                row.request.events.finish(Terminal(Status.FAILED, f"transcription failed: {type(exc).__name__}"))
-                self._rows[i] = None
-                self.counters["stt_failed"] += 1
+        failed = Terminal(Status.FAILED, f"transcription failed: {type(exc).__name__}")
+        self.counters["stt_failed"] += self._pool.end_rows(None, failed)
 
     # ---- engine hooks (slack.py) ----
 
     @property
     def live(self) -> int:
-        return sum(row is not None for row in self._rows)
+        return self._pool.live
 
     def slack_counters(self) -> dict:
-        with self._lock:
-            queued = len(self._queue)
-        return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": queued,
+        return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": self._pool.pending,
                 "stt_model_delay_seconds": self.gen.text_delay / FRAME_RATE}
 
     def slack_started(self, deadline: float | None) -> None:
@@ -460,17 +452,8 @@ class SttPool(SlackSource):
     def slack_stop(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown, drain, fatal error): every running and queued request
         ends with `terminal`, and later submits are refused."""
-        with self._lock:
-            self._stopped = True
-            queued, self._queue = list(self._queue), deque()
-        ended = "stt_cancelled" if terminal.status is Status.CANCELLED else "stt_failed"
-        for i, row in enumerate(self._rows):
-            if row is not None:
-                self.counters[ended] += row.request.events.finish(terminal)
-                self._rows[i] = None
-        for request in queued:
-            self.counters[ended] += 1
-            request.events.finish(terminal)
+        live, queued = self._pool.stop(terminal)
+        self.counters["stt_cancelled" if terminal.status is Status.CANCELLED else "stt_failed"] += live + queued
 
     # ---- start-up and manual use ----
 

@@ -44,7 +44,6 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -58,6 +57,7 @@ from parley.models.tts import FRAME_RATE, TtsConfig, TtsGen, TtsLM, TtsSampling
 
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import CUDAGraphRunner, sync_device
+from .row_pool import PoolStopped, RowPool
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
 
@@ -219,11 +219,9 @@ class TtsPool(SlackSource):
         self._mimi_state = mimi.init_state(slots, self.device)
         self._card = lm.cfg.lm.card
         self.delay = lm.cfg.audio_delay_frames
-        self._lock = threading.Lock()
-        self._pending: deque[TtsJob] = deque()
-        self._reserved = 0  # pending + live, so submit can refuse at once
-        self._stopped: Terminal | None = None  # set by slack_stop: the engine will never offer again
-        self._rows: list[_Row | None] = [None] * slots
+        # Rows and the queue (row_pool.py): pending + live at most `slots`, so submit refuses at once.
+        self._pool: RowPool[TtsJob, _Row] = RowPool(
+            slots, lambda why: TtsPoolFull(f"all {slots} TTS slots are busy"), reserve_rows=True)
         # Per row, the admission's host inputs (its mask and its index), made once: never written.
         self._row_select = [(torch.arange(slots) == b, torch.tensor([b], dtype=torch.long)) for b in range(slots)]
         row_buckets = self.device.type == "cuda" if row_buckets is None else row_buckets
@@ -247,16 +245,16 @@ class TtsPool(SlackSource):
     # ---- event loop side ----
 
     def submit(self, request: TtsRequest, loop: asyncio.AbstractEventLoop) -> TtsJob:
-        with self._lock:
-            job = TtsJob(request, OutputStream(uuid.uuid4().hex, loop, self.output_events))
-            if self._stopped is not None:  # nothing will run it: end it now rather than wait forever
-                job.stream.finish(self._stopped)
-                return job
-            if self._reserved >= self.slots:
-                raise TtsPoolFull(f"all {self.slots} TTS slots are busy")
-            self._reserved += 1
-            self._pending.append(job)
+        job = TtsJob(request, OutputStream(uuid.uuid4().hex, loop, self.output_events))
+        try:
+            self._pool.enqueue(lambda: job)
+        except PoolStopped as stopped:  # nothing will run it: end it now rather than wait forever
+            job.stream.finish(stopped.terminal)
         return job
+
+    @property
+    def _rows(self) -> list[_Row | None]:
+        return self._pool.rows
 
     @property
     def graphed(self) -> bool:
@@ -274,7 +272,7 @@ class TtsPool(SlackSource):
 
     @property
     def live(self) -> int:
-        return sum(row is not None for row in self._rows)
+        return self._pool.live
 
     def slack_counters(self) -> dict:
         return {"tts_live": self.live, "tts_slots": self.slots, "tts_steps_text": self.steps["text"],
@@ -334,8 +332,9 @@ class TtsPool(SlackSource):
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
         self._seed(costs)  # (an engine driven by hand never calls slack_prepare)
-        self._drop_cancelled()
-        job = self._next_admission()
+        self.cancelled += self._pool.release_ended(Terminal(Status.CANCELLED, "the client went away"))
+        job, cancelled = self._pool.front(Terminal(Status.CANCELLED, "cancelled before it started"))
+        self.cancelled += cancelled
         if job is not None:
             return WorkItem(key=ADMIT_KEY, run=lambda: self._admit(job), fail=lambda exc: self._fail_job(job, exc))
         eligible = self._eligible()
@@ -374,35 +373,12 @@ class TtsPool(SlackSource):
         return [b for b, row in enumerate(self._rows)
                 if row is not None and row.job.stream.buffered < self.lead_frames]
 
-    def _next_admission(self) -> TtsJob | None:
-        """The next pending job, left in the queue: the runner may decline the admission item
-        (its estimate does not fit the slack left), and a declined job must still be there at
-        the next offer. `_admit` takes it when the item runs."""
-        if None not in self._rows:
-            return None
-        with self._lock:
-            while self._pending:
-                job = self._pending[0]
-                if not job.cancelled:
-                    return job
-                self._pending.popleft()
-                self._reserved -= 1
-                job.stream.finish(Terminal(Status.CANCELLED, "cancelled before it started"))
-                self.cancelled += 1
-        return None
-
-    def _drop_cancelled(self) -> None:
-        for b, row in enumerate(self._rows):
-            if row is not None and row.job.cancelled:
-                self._free(b, Terminal(Status.CANCELLED, "the client went away"))
-                self.cancelled += 1
-
     def _admit(self, job: TtsJob) -> None:
-        with self._lock:
-            self._pending.remove(job)
-        row = self._rows.index(None)
+        """The pending job `offer` left at the front of the queue (a declined admission item
+        finds it there again) takes the lowest free row."""
+        row = self._pool.reserve(job)
         self._load_row(row, job.request)
-        self._rows[row] = _Row(job, budget=step_budget(job.request.entries, self.delay))
+        self._pool.place(row, _Row(job, budget=step_budget(job.request.entries, self.delay)))
 
     def _load_row(self, row: int, req: TtsRequest) -> None:
         """Reset `row` and load `req` into it: the checks and the voice on the host, then the
@@ -458,40 +434,18 @@ class TtsPool(SlackSource):
             end = row.advance(info[b], None if pcm_host is None else pcm_host[b], first)
             self.frames_out += row.job.frames - frames
             if end is not None:
-                self._free(b, end)
+                self._pool.release(b, end)
                 self.completed += end.status is Status.COMPLETED
                 self.failed += end.status is Status.FAILED
 
-    def _free(self, b: int, terminal: Terminal) -> None:
-        row = self._rows[b]
-        self._rows[b] = None
-        with self._lock:
-            self._reserved -= 1
-        row.job.stream.finish(terminal)
-
     def slack_stop(self, terminal: Terminal) -> None:
         """The engine stopped: every live and pending request ends with `terminal`."""
-        for b, row in enumerate(self._rows):
-            if row is not None:
-                self._free(b, terminal)
-        with self._lock:
-            self._stopped = terminal
-            pending, self._pending = list(self._pending), deque()
-            self._reserved -= len(pending)
-        for job in pending:
-            job.stream.finish(terminal)
+        self._pool.stop(terminal)
 
     def _fail_rows(self, rows: list[int], exc: Exception) -> None:
-        for b in rows:
-            if self._rows[b] is not None:
-                self._free(b, Terminal(Status.FAILED, f"synthesis failed: {type(exc).__name__}"))
-                self.failed += 1
+        self.failed += self._pool.end_rows(rows, Terminal(Status.FAILED, f"synthesis failed: {type(exc).__name__}"))
 
     def _fail_job(self, job: TtsJob, exc: Exception) -> None:
-        with self._lock:
-            self._reserved -= 1
-        for b, row in enumerate(self._rows):  # admission may have taken the row before raising
-            if row is not None and row.job is job:
-                self._rows[b] = None
-        job.stream.finish(Terminal(Status.FAILED, f"the request could not start: {exc}"))
+        # (admission may have taken the row before raising)
+        self._pool.fail_job(job, Terminal(Status.FAILED, f"the request could not start: {exc}"))
         self.failed += 1
