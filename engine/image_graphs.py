@@ -12,14 +12,16 @@ cache, images).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from parley.models.image_pipeline import ImageJob, ImageStepper
 
 from .cuda_graph import CUDAGraphRunner, GraphError
 from .image_costs import encode_key
+
+if TYPE_CHECKING:  # diffusers loads only with an image model (models/image_pipeline.py)
+    from parley.models.image_pipeline import ImageJob, ImageStepper
 
 log = logging.getLogger("parley.engine.images")
 

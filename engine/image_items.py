@@ -9,12 +9,15 @@ the requests' streams.
 
 from __future__ import annotations
 
-from parley.models.image_pipeline import ImageStepper
+from typing import TYPE_CHECKING
 
 from .image_book import ImageBook
 from .image_costs import DECODE, DENOISE, PREVIEW, decode_key, denoise_key, preview_key
 from .image_graphs import ImageGraphs
 from .image_request import Job, preview_steps
+
+if TYPE_CHECKING:  # diffusers loads only with an image model (models/image_pipeline.py)
+    from parley.models.image_pipeline import ImageStepper
 
 
 class ImageItems:

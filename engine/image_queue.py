@@ -69,9 +69,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
-
-from parley.models.image_pipeline import ImageStepper
+from typing import TYPE_CHECKING, Callable
 
 from . import image_costs
 from .config import DEFAULT_STALL_TIMEOUT_S
@@ -86,6 +84,9 @@ from .image_sizes import MAX_REFUSED_SIZES, PROBE_FACTOR, SizeLimits
 from .image_warm_up import ImageWarmUp
 from .slack import CostModel, Priority, SlackSource, WorkItem
 from .stream import Status, Terminal
+
+if TYPE_CHECKING:  # diffusers loads only with an image model (models/image_pipeline.py)
+    from parley.models.image_pipeline import ImageStepper
 
 __all__ = ["DEFAULT_AGE_LIMIT_S", "DEFAULT_CAPACITY", "DEFAULT_MAX_BATCH", "DEFAULT_STALL_TIMEOUT_S",
            "MAX_PARTIAL_IMAGES", "MAX_REFUSED_SIZES", "PROBE_FACTOR", "STALLED", "ImagePartial", "ImageQueue",

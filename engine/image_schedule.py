@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Callable
-
-from parley.models.image_pipeline import ImageStepper
+from typing import TYPE_CHECKING, Callable
 
 from .image_book import ImageBook
 from .image_costs import DECODE, DENOISE, ENCODE, PREVIEW, blend_key, decode_key, denoise_key, encode_key
@@ -24,6 +22,9 @@ from .image_items import ImageItems
 from .image_request import Job
 from .image_sizes import PROBE_FACTOR, SizeLimits
 from .slack import CostModel, WorkItem
+
+if TYPE_CHECKING:  # diffusers loads only with an image model (models/image_pipeline.py)
+    from parley.models.image_pipeline import ImageStepper
 
 log = logging.getLogger("parley.engine.images")
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Hashable
-
-from parley.models.image_pipeline import ImageStepper
+from typing import TYPE_CHECKING, Hashable
 
 from .image_costs import blend_key, decode_key, denoise_key, predict, tile_key
 from .slack import CostModel
+
+if TYPE_CHECKING:  # diffusers loads only with an image model (models/image_pipeline.py)
+    from parley.models.image_pipeline import ImageStepper
 
 log = logging.getLogger("parley.engine.images")
 

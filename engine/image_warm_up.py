@@ -12,15 +12,16 @@ workspaces) cost far more than later ones.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
-
-from parley.models.image_pipeline import ImageStepper
+from typing import TYPE_CHECKING, Callable, Hashable
 
 from .cuda_graph import sync_device
 from .image_costs import blend_key, decode_key, denoise_key, encode_key, preview_key, tile_key
 from .image_graphs import ImageGraphs
 from .image_sizes import SizeLimits
 from .slack import CostModel
+
+if TYPE_CHECKING:  # diffusers loads only with an image model (models/image_pipeline.py)
+    from parley.models.image_pipeline import ImageStepper
 
 
 class ImageWarmUp:

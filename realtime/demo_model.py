@@ -19,13 +19,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from parley.models import (
-    TINY_TTS_VOICES, ImageStepper, stepper_for, tiny_pipeline, write_tiny_checkpoint, write_tiny_stt_checkpoint,
-    write_tiny_tts_checkpoint,
-)
+from parley.models import TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_stt_checkpoint, write_tiny_tts_checkpoint
+
+if TYPE_CHECKING:
+    from parley.models import ImageStepper
 
 # OpenAI's speech voices: the demo TTS answers to all 13 (through its voice map).
 OPENAI_VOICE_NAMES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",
@@ -138,7 +139,10 @@ def _ensure(target: Path, write, message: str) -> Path:
 DEMO_IMAGE_MODEL = "parley-demo-image"
 
 
-def demo_image_stepper(device: str | torch.device = "cpu") -> ImageStepper:
+def demo_image_stepper(device: str | torch.device = "cpu") -> "ImageStepper":
     """The demo server's image model: the tiny random SD-1.5-shaped pipeline, built in memory
-    from configs (a fraction of a second, no files). Its images are noise."""
+    from configs (a fraction of a second, no files). Its images are noise. diffusers is imported
+    here, not with this module: a server without an image model never loads it."""
+    from parley.models import stepper_for, tiny_pipeline
+
     return stepper_for(tiny_pipeline("sd").to(device), DEMO_IMAGE_MODEL)

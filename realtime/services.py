@@ -27,8 +27,7 @@ from parley.engine import (
     PairedTranscription, SamplingOptions, SttPool, default_dtype, kv_layout,
 )
 from parley.models import (
-    Checkpoint, ImagePipelineError, Mimi, SttCheckpoint, load_checkpoint, load_image_pipeline, load_stt_checkpoint,
-    share_equal_tensors,
+    Checkpoint, Mimi, SttCheckpoint, load_checkpoint, load_stt_checkpoint, share_equal_tensors,
 )
 
 from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
@@ -345,6 +344,8 @@ def build_images(config: "ServeConfig", engine: Engine, device: torch.device, dt
     if config.image_model is None:
         stepper = demo_image_stepper(device)
     else:
+        from parley.models import ImagePipelineError, load_image_pipeline  # diffusers: only with an image model
+
         log.info("loading image model %s on %s", config.image_model, device)
         try:
             stepper = load_image_pipeline(config.image_model, device, dtype)

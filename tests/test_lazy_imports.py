@@ -46,6 +46,15 @@ def test_help_and_version_import_no_model_stack(argv):
     assert json.loads(done.stderr.splitlines()[-1]) == []
 
 
+def test_a_server_without_an_image_model_never_loads_diffusers():
+    """diffusers and transformers (seconds of start-up, hundreds of MB) load with an image model
+    only: importing the server module (what every `parley serve` does) leaves them out."""
+    code = ("import sys\nfrom parley.realtime import server\n"
+            "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
 def test_serve_help_shows_the_engines_defaults():
     """The defaults --help prints are the engine's own values (one definition, read torch-free)."""
     from parley.engine import SamplingOptions
