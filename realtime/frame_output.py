@@ -40,8 +40,7 @@ class FrameSender:
         """The frame onto the call's track."""
         self.edge.play(frame.pcm)
 
-    def count(self, frame: FrameOut, *, delay: bool = True) -> None:
-        """One frame out; `delay`: its end-to-end delay observed too."""
+    def count(self, frame: FrameOut) -> None:
+        """One frame out (sent, or queued on the track), and its delay since the tick produced it."""
         self.edge.manager.metrics.frames_out.labels(self.protocol).inc()
-        if delay:
-            self.edge.observe_frame_sent(frame.produced_at)
+        self.edge.observe_frame_sent(frame.produced_at)

@@ -337,7 +337,7 @@ class LiveConnection:
                 self.model_said = (self.model_said + frame.text)[-MAX_APPEND_CHARS:]
         if self.output.on_track:  # a WebRTC call: on its track (bounded there)
             self.output.play(frame)
-            self.output.count(frame, delay=False)
+            self.output.count(frame)
         else:
             await self._send_audio(frame)
         if self.frames % USAGE_EVERY_FRAMES == 0:

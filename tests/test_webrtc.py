@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import fractions
 import json
+import re
 
 import httpx2 as httpx  # what the pinned openai SDK ships on
 import numpy as np
@@ -230,6 +231,11 @@ def test_gpt_live_over_webrtc_with_the_sdks_live_create():
             await client.close()
             await sdk.close()
             await wait_live(base, 0)
+            # Each frame played on the track is counted with its delay, as on every other door.
+            metrics = httpx.get(f"http://{base}/metrics").text
+            sent = float(re.search(r'^parley_frames_out_total\{protocol="live"\} (\S+)$', metrics, re.M).group(1))
+            delays = float(re.search(r"^parley_frame_delay_seconds_count (\S+)$", metrics, re.M).group(1))
+            assert sent > 0 and delays == sent
 
         run(scenario())
 
