@@ -26,9 +26,11 @@ def appended_audio(event: Event, decode: Callable[[bytes], T], fmt: str = "input
         raise ClientError(f"{event['type']} needs 'audio': base64 audio in the session's {fmt}",
                           "missing_required_parameter", "audio")
     try:
-        return decode(base64.b64decode(audio, validate=True))
+        data = base64.b64decode(audio, validate=True)
     except (binascii.Error, ValueError):
         raise ClientError("audio is not valid base64", "invalid_value", "audio") from None
+    try:  # apart from the base64: FormatError is a ValueError, and its message says what is wrong
+        return decode(data)
     except FormatError as exc:
         raise ClientError(str(exc), "invalid_value", "audio") from None
 

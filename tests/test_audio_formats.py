@@ -59,3 +59,21 @@ def test_format_names():
     for bad in ("opus", {"type": "audio/pcm", "rate": 16000}, {"type": "audio/pcmu", "rate": 16000}, 3):
         with pytest.raises(FormatError):
             AudioFormat.parse(bad)
+
+
+def test_an_append_names_what_is_wrong_with_its_audio():
+    """Bad base64 and a payload the format cannot hold are two errors, each saying which (a
+    FormatError is a ValueError: it was reported as bad base64)."""
+    import base64
+
+    from parley.realtime.input_audio import appended_audio
+    from parley.realtime.realtime_settings import ClientError
+
+    decode = InputDecoder(AudioFormat("pcm16")).decode
+    event = {"type": "input_audio_buffer.append"}
+    with pytest.raises(ClientError, match="not valid base64"):
+        appended_audio({**event, "audio": "not base64!"}, decode)
+    with pytest.raises(ClientError, match="whole number of 2-byte samples"):
+        appended_audio({**event, "audio": base64.b64encode(b"abc").decode()}, decode)
+    pcm = appended_audio({**event, "audio": base64.b64encode(b"\x00\x40" * 4).decode()}, decode)
+    assert pcm.shape == (4,) and np.allclose(pcm, 0.5)
