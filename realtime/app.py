@@ -48,7 +48,7 @@ from .edge_sessions import SessionManager
 from .speech_api import speech_endpoint, voices_endpoint
 from .speech_formats import warm_up_encoders
 from .transcriptions import transcriptions_endpoint
-from .webrtc_doors import live_calls, realtime_calls
+from .webrtc_doors import call_action, live_calls, realtime_calls
 
 log = logging.getLogger("parley.app")
 CALLS_CLOSE_TIMEOUT_S = 5.0  # at shutdown, WebRTC calls get this long to hang up
@@ -60,6 +60,7 @@ ENDPOINTS = {
     "/v1/live/sessions": live_endpoint,
     "POST /v1/realtime/calls": realtime_calls,  # a path served by two doors is keyed with its method
     "POST /v1/live/sessions": live_calls,
+    "/v1/realtime/calls/{call_id}/{action}": call_action,
     "/v1/audio/speech": speech_endpoint,
     "/v1/audio/voices": voices_endpoint,
     "/v1/audio/transcriptions": transcriptions_endpoint,

@@ -37,6 +37,8 @@ DOORS = (
     Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation"),
     Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out"),
     Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out"),
+    Door("/v1/realtime/calls/{call_id}/{action}", "POST", "a Realtime WebRTC call's hangup (accept, reject, refer: "
+         "SIP only, refused)"),
     Door("/v1/audio/speech", "POST", "OpenAI speech: text to speech", "tts"),
     Door("/v1/audio/voices", "GET", "the text-to-speech voices", "tts"),
     Door("/v1/audio/transcriptions", "POST", "OpenAI transcription", "stt"),

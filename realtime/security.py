@@ -118,7 +118,8 @@ class AccessMiddleware:
     def __init__(self, app: ASGIApp, *, keys: tuple[str, ...], protect_metrics: bool,
                  allowed_origins: tuple[str, ...] | None, static_paths: Iterable[str] = (),
                  session_paths: Iterable[str] = (), refusals: Refusals) -> None:
-        # session_paths: HTTP doors that start a session (WebRTC calls), origin-checked like WebSockets
+        # session_paths: HTTP doors that start a session (WebRTC calls), origin-checked like WebSockets,
+        # and the calls' actions below them (PATH/{call_id}/hangup)
         self.app = app
         self.session_paths = frozenset(session_paths)
         self.keys = keys
@@ -137,8 +138,10 @@ class AccessMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        starts_session = scope["type"] == "websocket" or path in self.session_paths
-        if starts_session and not origin_allowed(scope, self.allowed_origins):
+        # A WebRTC door, or a call's action under it (hangup): each starts or ends a session.
+        on_session = (scope["type"] == "websocket" or path in self.session_paths
+                      or path.rsplit("/", 2)[0] in self.session_paths)
+        if on_session and not origin_allowed(scope, self.allowed_origins):
             await self._refuse(scope, receive, send, 403, "origin", "this Origin is not allowed; see "
                                "parley serve --allowed-origins")
             return

@@ -100,9 +100,33 @@ async def realtime_calls(request: Request) -> Response:
     call_id = new_id("rtc")
     edge.notice = lambda reason: connection.send(connection.events.error(reason, "server_shutting_down",
                                                                          kind="server_error"))
-    _start(request, edge, call, connection.run, f"realtime call {call_id}")
+    _start(request, edge, call, connection.run, call_task_name(call_id))
     return Response(answer, status_code=201, media_type="application/sdp",
                     headers={"Location": f"/v1/realtime/calls/{call_id}"})
+
+
+def call_task_name(call_id: str) -> str:
+    return f"realtime call {call_id}"
+
+
+async def call_action(request: Request) -> Response:
+    """`POST /v1/realtime/calls/{call_id}/hangup` ends that call: its session and peer connection
+    close as when the peer leaves. `accept`, `reject` and `refer` act on SIP calls, which this
+    server does not take: refused by name."""
+    call_id, action = request.path_params["call_id"], request.path_params["action"]
+    if action in ("accept", "reject", "refer"):
+        return openai_error(400, f"{action} acts on an incoming SIP call; this server takes WebRTC calls only "
+                                 "(POST /v1/realtime/calls)", code="unsupported_call_action")
+    if action != "hangup":
+        return openai_error(404, f"no call action {action!r:.40}: hangup is served", code="not_found")
+    name = call_task_name(call_id)
+    task = next((t for t in request.app.state.calls if t.get_name() == name), None)
+    if task is None:
+        return openai_error(404, f"no call {call_id!r:.60} is live on this server", param="call_id",
+                            code="call_not_found")
+    log.info("%s: hung up by the client", name)
+    task.cancel()  # _run_call's finally closes the session and the peer connection
+    return Response(status_code=200)
 
 
 async def _realtime_body(request: Request) -> tuple[str, Any]:

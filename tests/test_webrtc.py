@@ -204,6 +204,31 @@ def test_the_sdk_calls_create_sends_multipart_with_session_settings():
         run(scenario())
 
 
+def test_the_sdk_hangs_up_a_call_and_sip_actions_are_refused_by_name():
+    app, _ = delay_app(2)
+    with serve(app) as base:
+        async def scenario():
+            client = Client()
+            sdk = openai.AsyncOpenAI(api_key="x", base_url=f"http://{base}/v1")
+            answer = await sdk.realtime.calls.create(sdp=await client.offer())
+            call_id = answer.response.headers["location"].rsplit("/", 1)[1]
+            await client.answer(answer.text)
+            await client.wait(lambda: "session.created" in client.types(), "session.created")
+            await wait_live(base, 1)
+            with pytest.raises(openai.BadRequestError) as refused:  # accept/reject/refer: SIP calls only
+                await sdk.realtime.calls.reject(call_id)
+            assert refused.value.code == "unsupported_call_action"
+            await sdk.realtime.calls.hangup(call_id)
+            await wait_live(base, 0)  # the session ended, its slot is free
+            with pytest.raises(openai.NotFoundError) as gone:
+                await sdk.realtime.calls.hangup(call_id)
+            assert gone.value.code == "call_not_found"
+            await client.close()
+            await sdk.close()
+
+        run(scenario())
+
+
 def test_gpt_live_over_webrtc_with_the_sdks_live_create():
     app, _ = delay_app(2)
     with serve(app) as base:
@@ -308,6 +333,9 @@ def test_a_full_server_refuses_a_call_with_503_and_the_key_and_origin_are_checke
                 cross = await http.post(f"http://{base}/v1/live/sessions", headers={
                     "Authorization": "Bearer k", "Origin": "https://evil.example"}, json={})
                 assert cross.status_code == 403 and cross.json()["error"]["code"] == "origin_not_allowed"
+                hangup = await http.post(f"http://{base}/v1/realtime/calls/rtc_x/hangup", headers={
+                    "Authorization": "Bearer k", "Origin": "https://evil.example"})
+                assert hangup.status_code == 403  # a call's action is origin-checked as its door is
             first = Client()
             answer = await sdk.realtime.calls.create(sdp=await first.offer())
             await first.answer(answer.text)
