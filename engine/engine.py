@@ -199,6 +199,8 @@ class Engine:
             self._end_session(session, Terminal(Status.CANCELLED, "the engine is shutting down"),
                               EngineClosed("the engine is shutting down"))
         self._slack.stop_sources(Terminal(Status.CANCELLED, "the engine is shutting down"))
+        if self._frame.paired is not None:  # its streams end on the engine thread, which has stopped
+            self._frame.paired.stop(Terminal(Status.CANCELLED, "the engine is shutting down"))
         if not joined:
             # A step is stuck on the device; freeing its memory under it would be worse.
             self._healthy = False

@@ -148,6 +148,17 @@ class PairedTranscription:
     def close(self) -> None:
         self._steps.close()
 
+    def stop(self, terminal: Terminal) -> None:
+        """The engine has stopped (engine.shutdown): every transcript stream ends with `terminal`,
+        an enable not yet applied too; the disables its sessions queued would never be applied."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for _, new in pending:
+            if isinstance(new, _Row):
+                new.stream.finish(terminal)
+        for i in range(self.max_sessions):
+            self._end(i, terminal)
+
     def counters(self) -> dict:
         """For /metrics (engine.counters)."""
         return {"stt_paired_live": sum(row is not None for row in self._rows), "stt_paired_slots": self.max_sessions,

@@ -153,3 +153,30 @@ def test_paired_transcription_in_a_row_bucket(dirs):
         assert len(a) == len(b) == TICKS - 1
         assert all(np.array_equal(x.pcm, y.pcm) and x.text_token == y.text_token for x, y in zip(a, b))
     assert len(transcript4) > TICKS and list(map(repr, transcript4)) == list(map(repr, transcript2))  # NaN eot
+
+
+def test_a_shutdown_ends_the_transcript_streams(dirs):
+    """engine.shutdown ends each session; a transcript stream ended only at the engine thread's
+    next tick, which never came, so a client following it waited forever."""
+    duplex, stt_dir = dirs
+    transcription = PairedTranscription(load_stt_checkpoint(stt_dir, dtype=torch.float32), 2, in_frame=True)
+    backend = ModelBackend(load_checkpoint(duplex, dtype=torch.float32), 2, seed=7,
+                           side_work=transcription.frame_work)
+    engine = Engine(backend, EngineConfig())
+    engine.set_paired_transcription(transcription)
+
+    async def main():
+        live, late = engine.open_nowait(SessionOptions()), engine.open_nowait(SessionOptions())
+        engine.run_ticks(1)
+        await live.ready
+        await late.ready
+        stepped = engine.enable_transcription(live)
+        engine.run_ticks(2)
+        queued = engine.enable_transcription(late)  # not yet applied by a tick
+        engine.shutdown()
+        await asyncio.sleep(0)
+        for stream in (stepped, queued):
+            events = stream.drain()
+            assert isinstance(events[-1], Terminal) and events[-1].status is Status.CANCELLED, events[-3:]
+
+    asyncio.run(main())
