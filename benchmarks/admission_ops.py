@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from parley.engine.slack import CostModel
 from parley.engine.tts_pool import TtsPool, TtsRequest
 from parley.models.dsm import split_words
 from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_tts_checkpoint
@@ -45,7 +46,7 @@ def main() -> None:
     ck = load_tts_checkpoint(directory, dtype=torch.float32)
     store = VoiceStore.open(directory / "voices", ck.config.voice_suffix, 16)
     pool = TtsPool(ck.lm, ck.mimi, 8, voice_frames=10)
-    pool.warm_up()
+    pool.warm_up(CostModel())
     req = TtsRequest(tuple(split_words("How are you doing today?", ck.tokenizer.encode, 12.5)),
                      (store.load(TINY_TTS_VOICES[0]),), {"control": "ok", "cfg": "2.0"})
     pool._load_row(1, req)  # the same request once first: warm kernels and caches

@@ -42,6 +42,7 @@ from diffusers import DiffusionPipeline
 from parley.engine import Engine, EngineConfig, Terminal, TickClock
 from parley.engine.backend import ModelBackend
 from parley.engine.image_queue import ImagePartial, ImageQueue, ImageSpec
+from parley.engine.slack import CostModel
 from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.config import LMConfig, MimiConfig, SamplingDefaults
 from parley.models.image_pipeline import ImageStepper, default_speed_up, stepper_for
@@ -127,8 +128,8 @@ def image_stepper(smoke: bool, device: str) -> ImageStepper:
 
 def standalone_steps_per_s(stepper: ImageStepper, size: int, batch: int, steps: int, sync) -> float:
     """Denoise steps/s back to back, no voice, no clock: graphed as in the engine (on CUDA)."""
-    queue = ImageQueue(stepper, max_slack_s=1e9, max_batch=batch)
-    queue.warm_up(size, size)
+    queue = ImageQueue(stepper, max_slack_s=1e9, max_batch=batch, warm_sizes=[(size, size, True)])
+    queue.warm_up(CostModel())
     predict = queue.graphed_predict(size, size, True, batch)
     cond = stepper.encode("standalone", None, True)
     jobs = [stepper.start(cond, size, size, steps + 2, 7.5, i) for i in range(batch)]
@@ -150,8 +151,8 @@ async def scenario(checkpoint, stepper, args, batch: int, load: int, size: int, 
     backend = TimedBackend(ModelBackend(checkpoint, batch, cuda_graphs=args.device == "cuda", seed=0), clock)
     engine = Engine(backend, EngineConfig(tick_seconds=args.tick), clock=clock)
     queue = ImageQueue(stepper, max_slack_s=args.tick - engine.config.slack_guard_s, capacity=max(load, 1),
-                       max_batch=args.max_batch)
-    queue.warm_up(size, size)
+                       max_batch=args.max_batch, warm_sizes=[(size, size, True)])
+    queue.warm_up(engine.slack_costs)
     engine.add_slack_source(queue)
     engine.start()
     sessions = [await engine.open() for _ in range(batch if voice else 0)]

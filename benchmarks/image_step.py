@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from parley.engine.image_queue import ImageQueue
+from parley.engine.slack import CostModel
 from parley.models.image_pipeline import ImageStepper, speed_up, stepper_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,8 +63,8 @@ def weights_mib(stepper: ImageStepper) -> float:
 
 
 def measure(stepper: ImageStepper, size: int, batches: list[int], args, cuda: bool) -> dict[str, float]:
-    queue = ImageQueue(stepper, max_slack_s=1e9, max_batch=max(batches))
-    queue.warm_up(size, size)  # captures the graphs the engine would replay (eager on the CPU)
+    queue = ImageQueue(stepper, max_slack_s=1e9, max_batch=max(batches), warm_sizes=[(size, size, True)])
+    queue.warm_up(CostModel())  # captures the graphs the engine would replay (eager on the CPU)
     cond = stepper.encode("benchmark", None, True, embed=queue.graphed_embed())
     steps = args.warmup + args.replays + 1
     row = {}

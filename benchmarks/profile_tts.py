@@ -35,6 +35,7 @@ from profile_frame import graph_ms, kernel_breakdown  # noqa: E402
 from tts_load import TEXT, tts_config_dict  # noqa: E402
 
 from parley.engine.cuda_graph import CUDAGraphRunner  # noqa: E402
+from parley.engine.slack import CostModel  # noqa: E402
 from parley.engine.tts_pool import TtsPool, TtsRequest  # noqa: E402
 from parley.models.config import MimiConfig  # noqa: E402
 from parley.models.dsm import split_words  # noqa: E402
@@ -65,7 +66,7 @@ def fill_rows(pool: TtsPool, lm: TtsLM, rows: int) -> None:
 @torch.no_grad()
 def profile_rows(lm: TtsLM, mimi: Mimi, rows: int, slots: int, replays: int, warmup: int) -> dict:
     pool = TtsPool(lm, mimi, slots, voice_frames=VOICE_FRAMES)
-    pool.warm_up()
+    pool.warm_up(CostModel())
     fill_rows(pool, lm, rows)
 
     def active(n: int) -> torch.Tensor:  # a bucket of n rows, the live ones among them active

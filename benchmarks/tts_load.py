@@ -92,7 +92,7 @@ from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa:
 from parley.models.tts import TtsConfig, TtsLM  # noqa: E402
 from parley.models.tts_checkpoint import VoiceStore, write_voice  # noqa: E402
 from parley.realtime.app import ServerInfo, create_app  # noqa: E402
-from parley.realtime.services import Services  # noqa: E402
+from parley.realtime.services import Services, register_slack_source  # noqa: E402
 from parley.realtime.server import uvicorn_config  # noqa: E402
 from parley.realtime.speech_api import SpeechService, parse_request  # noqa: E402
 
@@ -255,8 +255,8 @@ async def run_case(args, models, voices_dir: Path, timed: TimedBackend, streams:
     store = VoiceStore.open(voices_dir, VOICE_SUFFIX, cfg.speaker.dim)
     tokenizer = TextTokenizer(voices_dir.parent / "tok.model")
     service = SpeechService(pool=pool, front_end=SpeechFrontEnd(tokenizer.encode, store), codebooks=cfg.lm.n_q)
-    pool.warm_up(service.front_end.conditions)  # as `parley serve` does: warm admissions carry the requests' conditions
-    engine.add_slack_source(pool)
+    pool.warm_conditions = service.front_end.conditions  # as `parley serve` does: warm admissions carry them
+    register_slack_source(engine, pool)  # warm-up, then add
     app = create_app(Services(engine, info=ServerInfo(model="bench"), codec_workers=0, speech=service))
     server, thread, url = start_server(app)
     try:

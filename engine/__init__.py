@@ -29,6 +29,7 @@ _EXPORTS = {
     "FrameOut": "session", "Session": "session",
     "EngineFull": "slots",
     "OutputStream": "stream", "Status": "stream", "Terminal": "stream",
+    "CostModel": "slack", "SlackSource": "slack",  # slack sources: warm_up(costs) seeds the cost model
     "run_offline": "offline",
     # speech: a request's words, options and voice in, audio frames and word times out
     "TtsAudio": "tts_pool", "TtsJob": "tts_pool", "TtsPool": "tts_pool", "TtsPoolFull": "tts_pool",
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from .no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
     from .offline import run_offline
     from .session import FrameOut, Session
+    from .slack import CostModel, SlackSource
     from .slots import EngineFull
     from .speech import SpeechFrontEnd, SpeechInputError, UnknownVoice
     from .stream import OutputStream, Status, Terminal

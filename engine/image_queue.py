@@ -10,7 +10,7 @@ only when its estimated cost fits before the next boundary:
              a `blend` item, so no item grows with the image)
 
 Cost keys are ("image", kind, width, height[, cfg, batch]). `warm_up` measures every key of
-a size before the engine starts (the model's default size unless told; and twice its side at
+each of `warm_sizes` before the engine starts (the model's default size unless set; and twice its side at
 batch 1, eagerly, so that other sizes are predicted from two: fixed + per-pixel; it also captures the
 denoise steps as CUDA graphs, one per batch size, each on its own capture stream, on CUDA;
 for a size decoded whole, also the tiles and blend of the smallest tiled size, so larger sizes
@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import image_costs
 from .config import DEFAULT_STALL_TIMEOUT_S
@@ -119,6 +119,7 @@ class ImageQueue(SlackSource):
                  max_batch: int = DEFAULT_MAX_BATCH, stream_events: int = 2, cuda_graphs: bool = True,
                  graph_factory: Callable[..., Callable] = CUDAGraphRunner,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, age_limit_s: float = DEFAULT_AGE_LIMIT_S,
+                 warm_sizes: Sequence[tuple[int | None, int | None, bool]] = ((None, None, True),),
                  now: Callable[[], float] = time.perf_counter) -> None:
         if capacity < 1 or max_batch < 1 or stream_events < 1:
             raise ValueError("capacity, max_batch and stream_events must be at least 1.")
@@ -127,6 +128,9 @@ class ImageQueue(SlackSource):
         if not 0 < age_limit_s < math.inf:
             raise ValueError(f"age_limit_s must be a number of seconds more than 0 (got {age_limit_s}).")
         self.stall_timeout_s = stall_timeout_s
+        # The sizes warm_up measures and captures, (width, height, cfg) each (None: the model's
+        # default size); one per size to serve. Set before warm_up.
+        self.warm_sizes: list[tuple[int | None, int | None, bool]] = list(warm_sizes)
         self._now = now  # the warm-up's timer and the stall clock (tests pass a fake one)
         # Denoise steps as CUDA graphs, one per (width, height, cfg, batch) captured at warm-up,
         # each on its own capture stream; other buckets (and the CPU) run eagerly.
@@ -181,13 +185,17 @@ class ImageQueue(SlackSource):
 
     # ---- start-up ----
 
-    def warm_up(self, width: int | None = None, height: int | None = None, cfg: bool = True) -> dict:
-        """Measure every item kind at one size (denoise at each batch size; the model's default
-        size unless told), capturing the denoise graphs, before the engine starts; call once per
-        size to serve. Also measures twice that side at batch 1, eagerly (no graphs kept for it),
-        so that other sizes are predicted from two sizes (engine/image_costs.py: fixed + per-pixel
-        cost). Returns the measured seconds per key."""
-        return self._warm_up.warm_up(width, height, cfg, self.max_batch)
+    def warm_up(self, costs: CostModel) -> dict:
+        """Measure every item kind at each of `warm_sizes` (denoise at each batch size), capturing
+        the denoise graphs, before the engine starts, and seed those costs in `costs`. Also measures
+        twice each size's side at batch 1, eagerly (no graphs kept for it), so that other sizes are
+        predicted from two sizes (engine/image_costs.py: fixed + per-pixel cost). Returns the
+        measured seconds per key."""
+        measured: dict = {}
+        for width, height, cfg in self.warm_sizes:
+            measured.update(self._warm_up.warm_up(width, height, cfg, self.max_batch))
+        self._warm_up.seed(costs)
+        return measured
 
     def slack_prepare(self, costs: CostModel) -> None:
         """On the engine thread, before its first tick: record the warm-up costs, then measure

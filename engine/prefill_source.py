@@ -65,6 +65,12 @@ class PrefillSource(SlackSource):
         """A prompt is being prefilled or waits for it: a session is about to go live."""
         return self._current is not None or self._scheduler.has_admissions()
 
+    def warm_up(self, costs: CostModel) -> dict:
+        """Nothing to warm before the engine starts: the backend captures its prefill graphs when
+        it loads (engine/prompt_prefill.py), and every chunk class is measured on the engine
+        thread, where it runs (`slack_prepare`)."""
+        return {}
+
     def slack_prepare(self, costs: CostModel) -> None:
         """Seed every chunk class's cost (run twice on the engine thread, the second kept); a
         backend without prompts runs none."""

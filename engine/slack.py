@@ -97,9 +97,25 @@ class WorkItem:
 
 class SlackSource:
     """What every slack source is: `priority` and `offer` are required; the hooks do nothing
-    unless a source overrides them."""
+    unless a source overrides them.
+
+    Warm-up, one protocol for every source: `warm_up(costs)`, called once before the engine
+    starts, captures the source's graphs (CUDA) and measures its keys, seeds them in `costs`
+    (the engine's cost model, `Engine.slack_costs`: `CostModel.seed`, rule 2) and returns what
+    it measured, {key: seconds}, for the start-up log. Anything source-specific a warm-up needs
+    (the TTS conditions its admissions carry, the image sizes to capture) is a constructor
+    argument or an attribute set before it, never a warm-up parameter. One owner calls it:
+    `realtime/services.py`'s `register_slack_source` warms a source and adds it to the engine,
+    for every source the server serves (tests and benchmarks driving a source alone call
+    `warm_up` themselves, with the cost model they use). `slack_prepare` then measures the keys
+    once more on the engine thread."""
 
     priority: Priority
+
+    def warm_up(self, costs: "CostModel") -> dict:
+        """Before the engine starts: capture this source's graphs, measure its keys, seed them in
+        `costs` and return {key: seconds} measured (nothing to warm: {})."""
+        return {}
 
     def offer(self, left_s: float | None, costs: "CostModel") -> WorkItem | None:
         """The next item this source wants to run, sized to `left_s` seconds where it can be

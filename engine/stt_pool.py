@@ -1,6 +1,7 @@
 """Standalone transcription as slack work: rows of a Kyutai STT model, several steps per tick.
 
     pool = SttPool(checkpoint, slots=N)          # models.checkpoint.SttCheckpoint
+    pool.warm_up(engine.slack_costs)             # graphs captured and costed before engine.start()
     engine.add_slack_source(pool)                # Priority.TRANSCRIPTION, after prefill and TTS
     request = pool.submit(loop)                  # SttBusy when the queue is full
     request.feed(pcm_24k_float32); request.end_input()
@@ -457,15 +458,18 @@ class SttPool(SlackSource):
 
     # ---- start-up and manual use ----
 
-    def warm_up(self, costs: CostModel) -> None:
+    def warm_up(self, costs: CostModel) -> dict:
         """Capture each bucket's graph (CUDA), then time one step per bucket with no row running
-        (by the model contract no state changes) and seed its cost estimate."""
+        (by the model contract no state changes) and seed its cost estimate; returns {key: seconds}."""
         if self._use_graphs:
             self._steps.capture(self._idle_inputs, generators=(self.gen.generator,))
+        measured = {}
         for n in reversed(self._steps.buckets):
             pcm, idle = self._idle_inputs(n)
             spent, _ = second_call_cost(lambda: self._steps(n, pcm, idle)[0].cpu())  # (the copy to the host syncs)
             costs.seed(step_key(n), spent)
+            measured[step_key(n)] = spent
+        return measured
 
     def _idle_inputs(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A step of bucket n with no row running: silence, an all-False mask."""

@@ -1,7 +1,7 @@
 """TTS requests as slack work: a fixed pool of rows over one DSM TTS model (models/tts.py).
 
     pool = TtsPool(lm, mimi, slots=16, voice_frames=125)   # its own rows, state, Mimi stream
-    pool.warm_up(); engine.add_slack_source(pool)    # graphs captured and costed before engine.start()
+    pool.warm_up(engine.slack_costs); engine.add_slack_source(pool)  # graphs captured and costed before start()
     job = pool.submit(TtsRequest(...), loop)         # event loop; TtsPoolFull when every slot is taken
     async for event in job.stream: ...               # TtsAudio / TtsWord partials, then one Terminal
     job.cancel()                                     # the row is freed at the next tick
@@ -202,7 +202,10 @@ class TtsPool(SlackSource):
     def __init__(self, lm: TtsLM, mimi: Mimi, slots: int, *, lead_frames: int = LEAD_FRAMES,
                  voice_frames: int | None = None, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS,
                  cuda_graphs: bool = True, output_events: int | None = None,
-                 force_after_ticks: int = FORCE_AFTER_TICKS, row_buckets: bool | None = None) -> None:
+                 force_after_ticks: int = FORCE_AFTER_TICKS, row_buckets: bool | None = None,
+                 warm_conditions: dict | None = None) -> None:
+        # warm_conditions: the conditions requests will carry (the service's), so the admissions
+        # warm_up measures are theirs, condition sum cached (default: each condition's first value).
         # row_buckets: step only the lowest rows holding the stepped ones (default: on CUDA; off on
         # CPU, where every step runs all rows bit for bit as before; see the module docstring).
         if slots < 1:
@@ -230,8 +233,7 @@ class TtsPool(SlackSource):
         self._steps = {kind: BucketedStep(partial(self._device_step, kind=kind), (self._gen, self._mimi_state),
                                           self.buckets) for kind in STEP_KINDS}
         self._admit_graph: CUDAGraphRunner | None = None
-        self._warm_costs: list[tuple[tuple, float]] = []  # measured by warm_up, seeded at the first offer
-        self._warm_conditions: dict | None = None  # what warm-up admissions carry (warm_up)
+        self.warm_conditions = warm_conditions  # what warm-up admissions carry (set before warm_up)
         self._use_graphs = cuda_graphs and self.device.type == "cuda"
         self._wanted: set[int] = set()  # rows eligible at this tick's first offer
         self._stepped: set[int] = set()
@@ -282,13 +284,12 @@ class TtsPool(SlackSource):
 
     # ---- engine thread ----
 
-    def warm_up(self, conditions: dict | None = None) -> None:
-        """Capture the graphs (CUDA) and measure each step kind and an admission; the first
-        `offer` (or `slack_prepare`) hands those costs to the runner's cost model, so the first
-        live item already has an estimate (slack.py rule 2). `conditions`: the ones requests will
-        carry (the service's), so the measured admissions are theirs, condition sum cached
-        (default: each condition's first value)."""
-        self._warm_conditions = conditions
+    def warm_up(self, costs: CostModel) -> dict:
+        """Capture the graphs (CUDA) and measure each step kind and an admission, seeding those
+        costs in `costs` (the runner's cost model), so the first live item already has an estimate
+        (slack.py rule 2); returns {key: seconds}. The measured admissions carry
+        `warm_conditions` (set it before)."""
+        conditions = self.warm_conditions
         idle = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
         if self._use_graphs:
             pool = None  # one step runs at a time: the step graphs of both kinds share memory
@@ -301,12 +302,14 @@ class TtsPool(SlackSource):
             voice = tuple(t.to(self.device) for t in self._gen.voice_inputs(warm.voices))
             index = torch.zeros(1, dtype=torch.long, device=self.device)
             self._admit_graph = CUDAGraphRunner(self._admit_device, (idle, index, *voice))
-        self._warm_costs.extend(self._measure())
+        measured = dict(self._measure())
+        for key, seconds in measured.items():
+            costs.seed(key, seconds)
+        return measured
 
     def slack_prepare(self, costs: CostModel) -> None:
-        """On the engine thread, before its first tick: record the warm-up costs, then run each
-        key twice here and record the second (this thread's first eager calls are cold)."""
-        self._seed(costs)
+        """On the engine thread, before its first tick: run each key twice here and seed the
+        second (this thread's first eager calls are cold)."""
         for key, seconds in self._measure():
             costs.seed(key, seconds)
 
@@ -322,16 +325,9 @@ class TtsPool(SlackSource):
         return [(key, second_call_cost(run, partial(sync_device, self.device))[0]) for key, run in work]
 
     def _warm_admit(self) -> None:
-        self._load_row(0, warm_request(self._gen.lm.cfg, self._voice_frames, self._warm_conditions))
-
-    def _seed(self, costs: CostModel) -> None:
-        """Hand the warm-up's costs to the runner's cost model (once)."""
-        for key, seconds in self._warm_costs:
-            costs.seed(key, seconds)
-        self._warm_costs.clear()
+        self._load_row(0, warm_request(self._gen.lm.cfg, self._voice_frames, self.warm_conditions))
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
-        self._seed(costs)  # (an engine driven by hand never calls slack_prepare)
         self.cancelled += self._pool.release_ended(Terminal(Status.CANCELLED, "the client went away"))
         job, cancelled = self._pool.front(Terminal(Status.CANCELLED, "cancelled before it started"))
         self.cancelled += cancelled

@@ -7,8 +7,10 @@ flag combinations it cannot serve (ServeError), and names each modality's served
 (served_models.py). `app.create_app(services)` then maps routes and middleware from the
 result and nothing else; server.py binds sockets and runs uvicorn.
 
-Tests build `Services` by hand around a fabricated engine; `register_stt_pool` warms and
-registers a standalone STT pool the way build_services does.
+Every slack source is warmed and registered in one place, `register_slack_source` (engine/slack.py's
+warm-up protocol: `source.warm_up(engine.slack_costs)`, then `engine.add_slack_source`). Tests build
+`Services` by hand around a fabricated engine; `register_stt_pool` warms and registers a standalone
+STT pool the way build_services does.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from parley.engine import (
     NO_DUPLEX_REASON, Engine, ImageQueue, KvBlockPool, ModelBackend, NoDuplexBackend, OptionsError,
-    PairedTranscription, SamplingOptions, SttPool, default_dtype, kv_layout,
+    PairedTranscription, SamplingOptions, SlackSource, SttPool, default_dtype, kv_layout,
 )
 from parley.models import (
     Checkpoint, Mimi, SttCheckpoint, load_checkpoint, load_stt_checkpoint, share_equal_tensors,
@@ -100,10 +102,18 @@ class Services:
                                    "image": self.images and self.images.model}, {})
 
 
+def register_slack_source(engine: Engine, source: SlackSource) -> dict:
+    """Warm `source` (capture its graphs, seed the engine's cost model with its measured costs:
+    engine/slack.py's warm-up protocol) and make it one of the engine's slack sources. Returns
+    what the warm-up measured, {key: seconds}. Every source a server serves goes through here."""
+    measured = source.warm_up(engine.slack_costs)
+    engine.add_slack_source(source)
+    return measured
+
+
 def register_stt_pool(engine: Engine, pool: SttPool) -> SttPool:
     """Warm the standalone STT pool (its step costs) and make it one of the engine's slack sources."""
-    pool.warm_up(engine.slack_costs)
-    engine.add_slack_source(pool)
+    register_slack_source(engine, pool)
     return pool
 
 
@@ -164,7 +174,7 @@ def build_services(config: "ServeConfig") -> Services:
     loaded.stt = _load_stt(config, demo, device, loaded.dtype)
     engine = _build_engine(loaded)
     if speech is not None:
-        engine.add_slack_source(speech.pool)
+        register_slack_source(engine, speech.pool)  # warm admissions carry the requests' conditions
     images = build_images(config, engine, device, loaded.dtype, demo is not None)
     stt_pool = register_stt_pool(engine, SttPool(loaded.stt, config.stt_slots)) if loaded.stt is not None else None
     info, defaults = _info_and_defaults(loaded)
@@ -354,10 +364,9 @@ def build_images(config: "ServeConfig", engine: Engine, device: torch.device, dt
     slack = engine.config.tick_seconds - engine.config.slack_guard_s
     queue = ImageQueue(stepper, max_slack_s=slack, capacity=config.image_queue,
                        stall_timeout_s=config.image_stall_timeout)
-    measured = queue.warm_up()
+    measured = register_slack_source(engine, queue)
     log.info("image model %s (%s): default %dpx, latent stride %d; speed-ups: %s; warm-up: %s", stepper.name,
              stepper.family, stepper.default_size, stepper.latent_stride, ", ".join(stepper.speedups) or "none",
              ", ".join(f"{k[1]}{'x' + str(k[-1]) if k[1] == 'denoise' else ''} {v * 1e3:.1f} ms"
                        for k, v in measured.items()))
-    engine.add_slack_source(queue)
     return ImageService(queue, engine, stepper.name)

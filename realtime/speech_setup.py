@@ -3,7 +3,7 @@ text front end over them (engine/speech.py) and the pool.
 
     service = load_speech_service(source, slots=4, voices="kyutai/tts-voices", voice_map=None,
                                   device="cuda", dtype=torch.bfloat16)
-    engine.add_slack_source(service.pool)   # before engine.start()
+    register_slack_source(engine, service.pool)   # realtime/services.py: warm-up, then add; before engine.start()
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | 
     # every voice read now (read_voices): no request reads a file, and a broken one stops the start
     front_end = SpeechFrontEnd.for_checkpoint(checkpoint, store, read_voices=read_voices)
     frames = store.load(store.names()[0]).shape[-1]
-    pool = TtsPool(checkpoint.lm, checkpoint.mimi, slots, voice_frames=frames)
+    # warm admissions carry the requests' conditions (warmed where the pool is registered)
+    pool = TtsPool(checkpoint.lm, checkpoint.mimi, slots, voice_frames=frames, warm_conditions=front_end.conditions)
     log.info("TTS %s: %d slots, %d voices from %s", checkpoint.path.name, slots, len(store.names()),
              store.directory)
-    pool.warm_up(front_end.conditions)  # warm admissions carry the requests' conditions
     return SpeechService(pool=pool, front_end=front_end, codebooks=cfg.lm.n_q, model=checkpoint.path.name)

@@ -39,7 +39,7 @@ def add_tts(subparsers: argparse._SubParsersAction) -> None:
 def run_tts_command(args: argparse.Namespace) -> int:
     import torch  # the model stack loads here, not for --help
 
-    from parley.engine import synthesize
+    from parley.engine import CostModel, synthesize
     from parley.models import CheckpointError, write_wav
 
     from .server import resolve_dtype
@@ -52,6 +52,7 @@ def run_tts_command(args: argparse.Namespace) -> int:
         service = load_speech_service(args.model, slots=1, voices=args.voices, voice_map=args.voice_map,
                                       device=args.device, dtype=resolve_dtype(args.dtype, args.device),
                                       read_voices=False)  # one voice is used: not the whole set
+        service.pool.warm_up(CostModel())  # graphs captured before the first step (no engine: its own costs)
         log.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
         service.front_end.check_voice(args.voice)  # UnknownVoice names the known ones
         if not SPEED_MIN <= args.speed <= SPEED_MAX:

@@ -19,7 +19,7 @@ from parley.engine.clocked_stepper import DEFAULT_COSTS, ClockedStepper
 from parley.engine.image_costs import predict
 from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageRequest, ImageResult,
                                        ImageSpec, preview_steps)
-from parley.engine.slack import SlackRunner
+from parley.engine.slack import CostModel, SlackRunner
 from parley.engine.stream import Status, Terminal
 from parley.models.image_pipeline import speed_up, stepper_for
 from parley.models.tiny_diffusion import tiny_pipeline
@@ -230,7 +230,8 @@ def test_warm_up_seeds_estimates_and_predicts_sizes_that_cannot_fit(sd):
     scripted, 10 ms a 16 px step, linear in pixels). A size whose step is predicted past twice an
     empty tick's slack is refused at admission, with the predicted cost."""
     _, queue = fake_clock_queue(sd, {"decode": 0.010}, max_slack_s=0.080, max_batch=2)
-    measured = queue.warm_up()
+    runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
+    measured = queue.warm_up(runner.costs)  # seeds the runner's cost model
     s, f = sd.default_size, 2 * sd.default_size
     p = 34  # the smallest tiled size (latents of 17 cells > the 16-cell tile): its tiles and blend
     assert set(measured) == {queue.encode_key(), queue.denoise_key(s, s, True, 1), queue.denoise_key(s, s, True, 2),
@@ -244,9 +245,6 @@ def test_warm_up_seeds_estimates_and_predicts_sizes_that_cannot_fit(sd):
     # 80 px, 25x the pixels of 16 px: the batch-2 step's 14 ms scaled by them (a row count measured
     # at one size) is 350 ms, less than the two-size line's 250 ms grown past 4x 32 px's pixels.
     assert "a denoise item would take about 350 ms" in queue.refusal(80, 80)
-    runner = SlackRunner(lambda: 0.0, lambda: None, 0.0)
-    runner.add_source(queue)
-    runner.run_until(1.0)  # the first offer records the warm-up into the runner's cost model
     assert runner.costs.estimate(queue.decode_key(s, s)) == pytest.approx(measured[queue.decode_key(s, s)])
 
 
@@ -258,7 +256,8 @@ def test_two_warmed_sizes_predict_fixed_plus_per_pixel_costs(sd):
     Past 4x the pixels of 32 px the line grows with the square of the pixels (attention)."""
     clock, queue = fake_clock_queue(sd, {"decode": 0.010}, exponent=0.5, max_slack_s=0.080 - GUARD,
                                     max_batch=1, stream_events=8)
-    measured = queue.warm_up()
+    costs = CostModel()
+    measured = queue.warm_up(costs)
     tile = (sd.vae_tile * sd.pipe.vae_scale_factor) ** 2
     step = predict(queue.denoise_key(64, 64, True, 1), measured.items(), tile)
     assert step == pytest.approx(0.010 - 256 * 0.010 / 768 + 4096 * 0.010 / 768)  # 60 ms
@@ -269,6 +268,7 @@ def test_two_warmed_sizes_predict_fixed_plus_per_pixel_costs(sd):
 
     async def main():
         runner = SlackRunner(clock.now, lambda: None, GUARD)
+        runner.costs = costs  # the warm-up's seeds
         runner.add_source(queue)
         request = queue.submit(ImageSpec("x", 64, 64, steps=3, guidance=5.0, seed=1))
         started = len(queue.stepper.log)
@@ -370,7 +370,7 @@ def test_warm_up_captures_one_graph_per_batch_bucket_and_steps_replay_them(famil
     # (a huge slack: warm-up timings on the shared CPU vary by 100x, and admission predicts from them)
     queue = ImageQueue(sd, max_slack_s=1e3, max_batch=2, stream_events=4, graph_factory=FakeGraph)
     queue.cuda_graphs = True  # (on a CPU stepper the queue turns graphs off by itself)
-    queue.warm_up()
+    queue.warm_up(CostModel())
     # the text encoder first (captured once, before the encodes it serves), the steps, then the VAE
     text, step1, step2, preview, decode = FakeGraph.made  # (the tiled probe's tiles stay eager)
     latent = tuple(sd.start(sd.encode("x", None, False), size, size, 2, 1.0, 0).latents.shape)
@@ -412,7 +412,7 @@ def test_cuda_graphed_steps_equal_eager_steps_on_the_gpu():
 
     async def main():
         queue, runner = manual_queue(gpu, stream_events=4)
-        queue.warm_up()
+        queue.warm_up(runner.costs)
         assert queue.cuda_graphs and queue._graphs
         request = queue.submit(ImageSpec("a cat", size, size, steps=4, guidance=5.0, seed=4))
         runner.run_until(None)
@@ -448,7 +448,7 @@ def test_graphed_steps_with_speed_up_equal_eager_plain_ones_in_bf16_on_the_gpu(f
     fast = stepper_for(fast_pipe)
     size = fast.default_size
     queue = ImageQueue(fast, max_slack_s=1.0, max_batch=2)
-    queue.warm_up()
+    queue.warm_up(CostModel())
     predict = queue.graphed_predict(size, size, True, 2)
     assert predict is not None
     jobs = {st: [st.start(st.encode(prompt, None, True), size, size, 4, 5.0, seed)
@@ -477,7 +477,7 @@ def test_graphed_steps_with_speed_up_equal_eager_plain_ones_in_bf16_on_the_gpu(f
 def test_cuda_graphed_prompt_encode_preview_and_decode_equal_eager_on_the_gpu(family):
     gpu = stepper_for(tiny_pipeline(family).to("cuda"))
     queue = ImageQueue(gpu, max_slack_s=1.0, max_batch=1)
-    queue.warm_up()
+    queue.warm_up(CostModel())
     embed = queue.graphed_embed()
     assert embed is not None
     for prompt, negative, cfg in (("a red cat", None, True), ("a dog", "blurry", True), ("a cat", None, False)):
@@ -559,8 +559,8 @@ def test_a_size_larger_than_one_vae_tile_decodes_tile_by_tile_within_the_slack(s
 
 
 def test_warm_up_at_a_tiled_size_measures_tiles_and_the_blend(sd):
-    queue = ImageQueue(sd, max_slack_s=1e3, max_batch=1)
-    measured = queue.warm_up(48, 48)
+    queue = ImageQueue(sd, max_slack_s=1e3, max_batch=1, warm_sizes=[(48, 48, True)])
+    measured = queue.warm_up(CostModel())
     assert set(measured) == {queue.encode_key(), queue.denoise_key(48, 48, True, 1), queue.preview_key(48, 48),
                              queue.tile_key(48, 48), queue.blend_key(48, 48), queue.denoise_key(96, 96, True, 1),
                              queue.preview_key(96, 96), queue.tile_key(96, 96), queue.blend_key(96, 96)}
@@ -590,7 +590,7 @@ def test_keys_are_measured_again_on_the_engine_thread_before_the_first_tick(sd):
 
     engine, _ = make_engine(2, tick_seconds=0.5)
     queue = ImageQueue(Recording(), max_slack_s=1e3, max_batch=2, now=timer.now)
-    measured = queue.warm_up()
+    measured = queue.warm_up(engine.slack_costs)
     warm_calls = len(threads)
     engine.add_slack_source(queue)
     engine.start()
@@ -811,8 +811,8 @@ def test_a_size_whose_predicted_step_never_fits_is_refused_at_admission(sd):
     async def main():
         clock = FakeClock()
         stepper = ClockedStepper(sd, clock, {"decode": 0.005, "preview": 0.003}, scale_from=sd.default_size)
-        queue = ImageQueue(stepper, max_slack_s=0.040, max_batch=1, now=clock.now)
-        queue.warm_up(cfg=False)
+        queue = ImageQueue(stepper, max_slack_s=0.040, max_batch=1, now=clock.now, warm_sizes=[(None, None, False)])
+        queue.warm_up(CostModel())
         with pytest.raises(ImageRefused, match=r"size 34x34 is too large .* denoise item would take about 90 ms"):
             queue.submit(ImageSpec("x", 34, 34, steps=2, guidance=5.0))
         served = queue.submit(ImageSpec("x", 34, 34, steps=2, guidance=1.0))

@@ -24,7 +24,7 @@ from parley.realtime.cli import main
 from parley.realtime.demo_model import DEMO_IMAGE_MODEL, demo_image_stepper
 from parley.realtime.images_api import ImageService
 from parley.realtime.server import ServeConfig, ServeError
-from parley.realtime.services import build_images
+from parley.realtime.services import build_images, register_slack_source
 
 from server_harness import serve
 
@@ -42,8 +42,7 @@ def server():
     engine = Engine(DelayBackend(2), EngineConfig(tick_seconds=TICK))
     stepper = demo_image_stepper()
     queue = ImageQueue(stepper, max_slack_s=TICK - engine.config.slack_guard_s, capacity=CAPACITY)
-    queue.warm_up()
-    engine.add_slack_source(queue)
+    register_slack_source(engine, queue)  # warm-up, then add: as build_images does
     app = create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0,
                      images=ImageService(queue, engine, stepper.name)))
     with serve(app) as base:

@@ -194,11 +194,11 @@ def test_every_bucket_key_is_measured_before_the_first_live_item(tts):
     """warm_up and slack_prepare seed each (kind, bucket) key, so every step item a live pool
     runs has an estimate; each item's cost is recorded under its own bucket's key."""
     ck, _ = tts
-    pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10, row_buckets=True)
+    pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10, row_buckets=True, warm_conditions=CONDITIONS)
     assert set(pool.step_keys) == {step_key(kind, n) for kind in ("text", "full") for n in (1, 2, 4)}
-    pool.warm_up(CONDITIONS)
     runner = SlackRunner(lambda: 0.0, lambda: None, guard_s=0.0)
     runner.costs = costs = RecordingCosts()
+    pool.warm_up(costs)
     runner.add_source(pool)
     pool.slack_prepare(costs)
     assert set(costs.seeded) >= set(pool.step_keys) and all(costs.estimate(k) > 0 for k in pool.step_keys)
@@ -241,9 +241,9 @@ def test_graphed_bucket_steps_equal_eager_ones(tiny_tts_dir):
     reqs = [request(tts, TEXTS[0]), request(tts, TEXTS[3], 1), request(tts, TEXTS[1], 2)]
     runs = []
     for graphs in (False, True):
-        pool = TtsPool(ck.lm, ck.mimi, 8, voice_frames=10, cuda_graphs=graphs)
+        pool = TtsPool(ck.lm, ck.mimi, 8, voice_frames=10, cuda_graphs=graphs, warm_conditions=CONDITIONS)
         assert pool.buckets == [1, 2, 4, 8]  # the CUDA default
-        pool.warm_up(CONDITIONS)
+        pool.warm_up(CostModel())
         assert pool.graphed == graphs
         keys = []
         runs.append((run_pool(pool, reqs, keys), keys))

@@ -11,7 +11,7 @@ import torch
 
 from parley.engine import Engine, EngineConfig
 from parley.engine.session import FrameOut
-from parley.engine.slack import SlackRunner
+from parley.engine.slack import CostModel, SlackRunner
 from parley.engine.stream import Status, Terminal
 from parley.engine.testing import DelayBackend
 from parley.engine.tts_pool import ADMIT_KEY, TtsAudio, TtsPool, TtsRequest, TtsWord, step_key
@@ -49,7 +49,7 @@ async def duplex_run(tts, with_tts: bool, ticks: int = 40):
     if with_tts:
         ck, _ = tts
         pool = TtsPool(ck.lm, ck.mimi, 8, voice_frames=10)
-        pool.warm_up()
+        pool.warm_up(engine.slack_costs)
         engine.add_slack_source(pool)
         jobs = [pool.submit(request(tts, text, i % 3), asyncio.get_running_loop()) for i, text in enumerate(TEXTS)]
     sessions = [engine.open_nowait() for _ in range(4)]
@@ -236,9 +236,9 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_tts_dir):
 
     async def run(graphs: bool) -> list[tuple[list[str], np.ndarray]]:
         pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10, cuda_graphs=graphs)
-        pool.warm_up()
-        assert pool.graphed == graphs
         runner = SlackRunner(lambda: 0.0, torch.cuda.synchronize, guard_s=0.0)
+        pool.warm_up(runner.costs)
+        assert pool.graphed == graphs
         runner.add_source(pool)
         jobs = [pool.submit(r, asyncio.get_running_loop()) for r in reqs]
         events = [[] for _ in jobs]
@@ -269,8 +269,8 @@ def test_admission_is_measured_before_the_first_request_and_leaves_no_trace(tts)
     req = request(tts, "Hello there, how are you?", text_temperature=0.0, audio_temperature=0.0)
     plain = synthesize(TtsPool(ck.lm, ck.mimi, 2, voice_frames=10), req)
     pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
-    pool.warm_up()
     costs = CostModel()
+    pool.warm_up(costs)
     pool.slack_prepare(costs)
     assert all(costs.estimate(key) > 0 for key in (ADMIT_KEY, *pool.step_keys))
     warmed = synthesize(pool, req)
@@ -378,20 +378,20 @@ def test_an_admission_that_does_not_fit_waits_for_the_next_tick(tts):
 
 
 def test_warm_up_admits_with_the_requests_conditions(tts, monkeypatch):
-    """warm_up(conditions) measures admissions that carry the service's conditions, so the first
+    """warm_up measures admissions that carry the service's conditions, so the first
     real request's admission is not the first to compute their sum (an unmeasured extra cost)."""
     ck, _ = tts
     computed = []
     real = ck.lm.condition_sum
     monkeypatch.setattr(ck.lm, "condition_sum", lambda values: computed.append(dict(values)) or real(values))
     service_conditions = {"control": "ok", "cfg": "2.0"}  # what `request` carries
-    pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
-    pool.warm_up(service_conditions)
+    pool = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10, warm_conditions=service_conditions)
+    pool.warm_up(CostModel())
     assert computed == [service_conditions]  # once, at warm-up
     pool._load_row(1, request(tts, "Hello there."))
     assert computed == [service_conditions]  # the request's admission found it cached
     plain = TtsPool(ck.lm, ck.mimi, 2, voice_frames=10)
-    plain.warm_up()  # each condition's first value: not what requests carry
+    plain.warm_up(CostModel())  # each condition's first value: not what requests carry
     computed.clear()
     plain._load_row(1, request(tts, "Hello there."))
     assert computed == [service_conditions]  # computed during the live admission
