@@ -44,3 +44,26 @@ class FrameSender:
         """One frame out (sent, or queued on the track), and its delay since the tick produced it."""
         self.edge.manager.metrics.frames_out.labels(self.protocol).inc()
         self.edge.observe_frame_sent(frame.produced_at)
+
+
+class PlayingResponse:
+    """On a WebRTC call, OpenAI's `output_audio_buffer.*` events (Realtime, WebRTC only): `started`
+    before a response's first audio goes onto the track, `stopped` after its `response.done`
+    (`cleared` when it was cancelled: an interruption or `output_audio_buffer.clear`). The track is
+    paced in real time with at most a frame or so queued, so `stopped` is when its audio has left."""
+
+    def __init__(self, make: Callable[[str, str], Event]) -> None:
+        self._make = make  # (started | stopped | cleared, response id) -> the event
+        self.response_id: str | None = None
+
+    def before_audio(self, delta: Event) -> list[Event]:
+        if delta["response_id"] == self.response_id:
+            return []
+        self.response_id = delta["response_id"]
+        return [self._make("started", self.response_id)]
+
+    def after(self, event: Event) -> list[Event]:
+        if event["type"] != "response.done" or event["response"]["id"] != self.response_id:
+            return []
+        done, self.response_id = self.response_id, None
+        return [self._make("cleared" if event["response"]["status"] == "cancelled" else "stopped", done)]

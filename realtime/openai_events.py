@@ -332,6 +332,10 @@ class Events:
     def content_part_done(self, response: ResponseState) -> Event:
         return self._event("response.content_part.done", **self._part_fields(response), part=response.item.part())
 
+    def output_audio_buffer(self, what: str, response_id: str) -> Event:
+        """WebRTC only: output_audio_buffer.started / .stopped / .cleared (frame_output.PlayingResponse)."""
+        return self._event(f"output_audio_buffer.{what}", response_id=response_id)
+
     def is_audio_delta(self, event: Event) -> bool:
         return event["type"] == self._audio_delta
 

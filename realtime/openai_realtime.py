@@ -42,7 +42,7 @@ from .realtime_settings import (
 )
 from .engine_slot import open_or_refuse, reopen_or_lose
 from .event_channel import EventChannel
-from .frame_output import FrameSender
+from .frame_output import FrameSender, PlayingResponse
 from .input_audio import appended_audio, hear_track
 from .input_pacing import MAX_QUEUED_ITEM_SAMPLES, InputPacer
 from .limits import ConversationBudget
@@ -83,6 +83,7 @@ class RealtimeConnection:
         # Audio items waiting to be heard, fed at real-time pace; live audio queues behind them.
         self.pacer = InputPacer(edge)
         self.output = FrameSender(edge, PROTOCOL, self.send)
+        self.playing = PlayingResponse(self.events.output_audio_buffer)  # WebRTC calls only
         self._handlers: dict[str, Callable[[Event], Awaitable[None]]] = {
             "session.update": self._on_session_update,
             "input_audio_buffer.append": self._on_append,
@@ -142,12 +143,16 @@ class RealtimeConnection:
         return refused
 
     async def send(self, event: Event) -> int:
-        """Send one event; returns its size (0 if the client has left)."""
-        return await self.channel.send(event)
+        """Send one event (on a WebRTC call, then the output_audio_buffer event it ends); returns
+        the bytes sent (0 if the client has left)."""
+        sent = await self.channel.send(event)
+        if self.output.on_track:
+            sent += await self.channel.send_all(self.playing.after(event))
+        return sent
 
     async def send_all(self, events: list[Event]) -> int:
         """Send events in order; returns the bytes sent (0: none, or the client has left)."""
-        return await self.channel.send_all(events)
+        return sum([await self.send(event) for event in events])
 
     async def error(self, exc: ClientError) -> None:
         await self.channel.error(exc)
@@ -305,7 +310,9 @@ class RealtimeConnection:
         for event in events:
             if not self.events.is_audio_delta(event):
                 await self.send(event)
-            elif not output.on_track and not dropped:
+            elif output.on_track:
+                await self.send_all(self.playing.before_audio(event))
+            elif not dropped:
                 await output.send(event)
         if audio and output.on_track:
             output.play(frame)

@@ -28,6 +28,7 @@ from aiortc import MediaStreamTrack, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 from av import AudioFrame
 from openai.types.live import ServerEvent
+from openai.types.realtime import RealtimeServerEvent
 from pydantic import TypeAdapter
 
 from server_harness import delay_app, serve
@@ -36,6 +37,7 @@ OPUS_RATE = 48000
 PACKET = 960  # 20 ms at 48 kHz
 TONE_HZ = 440.0
 LIVE_SERVER_EVENT = TypeAdapter(ServerEvent)
+REALTIME_SERVER_EVENT = TypeAdapter(RealtimeServerEvent)
 WAIT_S = 30.0
 # The echo backend "speaks" while the user does: keep the user's speech from cutting its responses off.
 ECHO_SETTINGS = {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad",
@@ -168,6 +170,17 @@ def test_realtime_call_as_openais_guide_does_it_hears_the_echo_and_speaks_events
             await client.wait(client.heard_tone, "the tone coming back on the server's track")
             assert "input_audio_buffer.speech_started" in client.types()  # the track's audio is heard as input
             assert not any(t.endswith("audio.delta") for t in client.types()), "audio goes on the track"
+            # OpenAI's WebRTC-only events: the response's audio started on the track; a clear cuts it.
+            await client.wait(lambda: "output_audio_buffer.started" in client.types(), "output_audio_buffer.started")
+            started = next(e for e in client.events if e["type"] == "output_audio_buffer.started")
+            created = next(e for e in client.events if e["type"] == "response.created")
+            assert started["response_id"] == created["response"]["id"]
+            client.send({"type": "output_audio_buffer.clear", "event_id": "c1"})
+            await client.wait(lambda: "output_audio_buffer.cleared" in client.types(), "output_audio_buffer.cleared")
+            cleared = next(e for e in client.events if e["type"] == "output_audio_buffer.cleared")
+            assert cleared["response_id"] == started["response_id"]
+            for event in client.events:  # every event parses with the SDK's own types
+                REALTIME_SERVER_EVENT.validate_python(event)
             client.send({"type": "no.such.event", "event_id": "bad1"})
             await client.wait(lambda: "error" in client.types(), "an error for a bad event")
             error = next(e for e in client.events if e["type"] == "error")["error"]
@@ -384,3 +397,21 @@ def test_ice_servers_come_from_the_flags_and_reach_the_page():
         info = httpx.get(f"http://{base}/api/info").json()
     assert info["webrtc"] is True
     assert info["ice_servers"] == [{"urls": "turn:t.example.com:3478", "username": "u", "credential": "p"}]
+
+
+def test_output_audio_buffer_events_follow_the_response_on_the_track():
+    """started before a response's first audio on the track, once; stopped after its response.done,
+    cleared when it was cancelled; another response's done changes nothing."""
+    from parley.realtime.frame_output import PlayingResponse
+
+    playing = PlayingResponse(lambda what, rid: (what, rid))
+    assert playing.before_audio({"response_id": "r1"}) == [("started", "r1")]
+    assert playing.before_audio({"response_id": "r1"}) == []
+    assert playing.after({"type": "response.done", "response": {"id": "r0", "status": "completed"}}) == []
+    assert playing.after({"type": "response.output_audio.done", "response_id": "r1"}) == []
+    assert playing.after({"type": "response.done", "response": {"id": "r1", "status": "completed"}}) == \
+        [("stopped", "r1")]
+    assert playing.before_audio({"response_id": "r2"}) == [("started", "r2")]
+    assert playing.after({"type": "response.done", "response": {"id": "r2", "status": "cancelled"}}) == \
+        [("cleared", "r2")]
+    assert playing.response_id is None
