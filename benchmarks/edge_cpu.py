@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))  # delay_backend: the fabricated model the tests use
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -47,7 +48,7 @@ def serve_main(port: int, sessions: int, codec_workers: int) -> None:
     import uvicorn
 
     from parley.engine import Engine
-    from parley.engine.testing import DelayBackend
+    from delay_backend import DelayBackend
     from parley.realtime.app import ServerInfo, create_app
     from parley.realtime.services import Services
     from parley.realtime.server import uvicorn_config

@@ -68,6 +68,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # delay_backend: the tests' fake model
 
 from frame_setup import bench_checkpoint, random_models  # noqa: E402
 
@@ -80,7 +81,7 @@ from parley.engine import Engine, SpeechFrontEnd  # noqa: E402
 from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
 from parley.engine.gc_pauses import FULL_COLLECTIONS, freeze_loaded_objects  # noqa: E402
 from parley.engine.no_duplex import NoDuplexBackend  # noqa: E402
-from parley.engine.testing import DelayBackend  # noqa: E402
+from delay_backend import DelayBackend  # noqa: E402
 from parley.engine.stream import Terminal  # noqa: E402
 from parley.engine.tts_pool import STEP_KINDS, TtsAudio, TtsPool, step_key  # noqa: E402
 from parley.models.checkpoint import mimi_config_dict  # noqa: E402

@@ -1,4 +1,6 @@
-"""Checkpoints Parley writes for its own tests, in the exact published layout.
+"""Checkpoints Parley writes, in the exact published layout: for its own tests, and for the
+built-in demo (`parley serve` with no --model serves them: realtime/demo_model.py), which is why
+this lives in the product package.
 
 `write_tiny_checkpoint(dir, kind)`: random weights for `tiny_lm_config()` / `tiny_mimi_config()`,
 a tiny SentencePiece tokenizer (vocab = text_card) and config.json; PersonaPlex also a voices.tgz

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 
 from parley.engine import Engine
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.served_models import ServedModels
 from parley.realtime.services import Services

@@ -20,7 +20,7 @@ import pytest
 
 from parley.engine import Engine, EngineConfig, EngineFull
 from parley.engine.slack import Priority, SlackSource
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.realtime.app import create_app
 from parley.realtime.services import Services
 from parley.realtime.drain import DrainingServer

@@ -184,7 +184,7 @@ def test_the_server_answers_on_the_sockets_bound_before_loading():
     import urllib.request
 
     from parley.engine import Engine
-    from parley.engine.testing import DelayBackend
+    from delay_backend import DelayBackend
     from parley.realtime.app import create_app
     from parley.realtime.services import Services
     from parley.realtime.server import run_app, uvicorn_config

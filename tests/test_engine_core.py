@@ -1,4 +1,4 @@
-"""Engine core behaviour with a fabricated backend (engine.testing.DelayBackend).
+"""Engine core behaviour with a fabricated backend (tests/delay_backend.py DelayBackend).
 
 DelayBackend returns each row's previous input frame and counts the frames a row has
 seen since its reset, so "my outputs are exactly my inputs one frame later, numbered
@@ -25,7 +25,7 @@ from parley.engine import (
 from parley.engine.prefill_source import PrefillSource, prefill_key
 from parley.engine.input_buffer import InputBuffer
 from parley.engine.slack import CostModel
-from parley.engine.testing import DelayBackend, FakeTime
+from delay_backend import DelayBackend, FakeTime
 from parley.models.config import FRAME_SAMPLES
 
 N = FRAME_SAMPLES

@@ -10,7 +10,7 @@ from typing import Callable
 from parley.engine import Engine, SessionOptions
 from parley.engine.clock import TickClock
 from parley.engine.slack import CostModel, Priority, SlackSource, WorkItem
-from parley.engine.testing import DelayBackend, FakeTime
+from delay_backend import DelayBackend, FakeTime
 
 ITEM_S = 0.030  # 30 ms items: two fit an idle tick's 77 ms, a third does not
 

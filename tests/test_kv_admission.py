@@ -14,7 +14,7 @@ import pytest
 
 from parley.engine import Engine, EngineConfig, EngineFull, SessionOptions
 from parley.engine.kv_blocks import KvBlockPool, KvChanges, KvFull, KvLayout
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.models.config import FRAME_SAMPLES
 from parley.realtime.app import create_app
 from parley.realtime.services import ServerInfo, Services

@@ -19,7 +19,7 @@ import torch
 from parley.engine import Engine, EngineConfig, FrameOut, OptionsError, SamplingOptions, SessionOptions
 from parley.engine.backend import ModelBackend, kv_layout
 from parley.engine.kv_blocks import KvBlockPool, KvChanges, KvLayout
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.models import paged_kv
 from parley.models.checkpoint import load_checkpoint
 from parley.models.config import FRAME_SAMPLES

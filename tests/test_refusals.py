@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from parley.engine import Engine
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.services import Services
 from parley.realtime.limits import EdgeLimits

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from parley.engine import Engine
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.realtime import doors, server
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.services import Services

@@ -17,7 +17,7 @@ import torch
 
 from parley.engine import Engine, EngineConfig
 from parley.engine.stt_pool import SttPool
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.models.checkpoint import load_stt_checkpoint
 from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_stt_checkpoint
 from parley.realtime.app import create_app

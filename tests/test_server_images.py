@@ -17,7 +17,7 @@ from PIL import Image
 
 from parley.engine import Engine, EngineConfig
 from parley.engine.image_queue import ImageQueue
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.services import Services
 from parley.realtime.cli import main

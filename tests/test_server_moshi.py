@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from parley.engine import Engine
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.services import Services
 from server_harness import FRAME, SR, best_lag_correlation, chat_session, delay_app, serve, tone, wait_for

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from pydantic import TypeAdapter
 
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from server_harness import FRAME, OPENAI_ALIASES, SR, delay_app, serve, tone
 
 pytestmark = pytest.mark.timeout(60)

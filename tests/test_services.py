@@ -12,7 +12,7 @@ import torch
 
 import parley.models.tts_checkpoint as tts_checkpoint
 from parley.engine import Engine, EngineConfig
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.models.checkpoint import CheckpointError
 from parley.models.synthetic import TINY_TTS_SUFFIX, TINY_TTS_VOICES, write_tiny_stt_checkpoint
 from parley.models.tiny_diffusion import write_tiny_pipeline

@@ -9,7 +9,7 @@ import pytest
 
 from parley.engine import Engine, EngineConfig, EngineClosed, SessionOptions, Status
 from parley.engine.slack import STALE_TICKS, CostModel, Priority, SlackRunner, SlackSource, WorkItem, second_call_cost
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 
 from test_engine_core import baseline_outputs, frames_of, make_engine, open_ready, signal
 

@@ -23,7 +23,7 @@ import sphn
 import torch
 
 from parley.engine import Engine, EngineConfig
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.engine.tts_offline import synthesize
 from parley.models.synthetic import TINY_TTS_VOICES
 from parley.realtime.app import ServerInfo, create_app

@@ -15,7 +15,7 @@ from parley.engine.slack import CostModel, SlackRunner
 from parley.engine.config import EngineConfig
 from parley.engine.stream import Status, Terminal
 from parley.engine.stt_pool import SttBusy, SttInputError, SttPartial, SttPool
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.models.checkpoint import load_stt_checkpoint
 from parley.models.config import FRAME_SAMPLES
 from parley.models.stt import SttGen

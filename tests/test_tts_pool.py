@@ -13,7 +13,7 @@ from parley.engine import Engine, EngineConfig
 from parley.engine.session import FrameOut
 from parley.engine.slack import CostModel, SlackRunner
 from parley.engine.stream import Status, Terminal
-from parley.engine.testing import DelayBackend
+from delay_backend import DelayBackend
 from parley.engine.tts_pool import ADMIT_KEY, TtsAudio, TtsPool, TtsRequest, TtsWord, step_key
 from parley.models.config import FRAME_SAMPLES
 from parley.models.dsm import split_words

@@ -17,7 +17,7 @@ import pytest
 from parley.engine import (
     Engine, EngineClosed, EngineConfig, FrameOut, OptionsError, SamplingOptions, SessionOptions, Status,
 )
-from parley.engine.testing import FAIL_PHASES, DelayBackend
+from delay_backend import FAIL_PHASES, DelayBackend
 from parley.models.config import FRAME_SAMPLES
 
 TICKS = 14

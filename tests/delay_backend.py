@@ -1,4 +1,5 @@
-"""A fabricated FrameBackend for tests of the engine and of the network edge.
+"""A fabricated FrameBackend for tests of the engine and of the network edge (and the benchmarks
+that time the edge without a model); a test double, so it lives with the tests, not in the product.
 
 `DelayBackend` behaves like the echo model without any model: each row returns the
 input frame it was given one step earlier (so outputs are a function of the row's own
@@ -26,8 +27,8 @@ import torch
 
 from parley.models.config import FRAME_SAMPLES
 
-from .backend import BackendOutput, RowFailure, SessionRejected
-from .config import MAX_TEMPERATURE, MAX_TOP_K, SamplingOptions, SessionOptions
+from parley.engine.backend import BackendOutput, RowFailure, SessionRejected
+from parley.engine.config import MAX_TEMPERATURE, MAX_TOP_K, SamplingOptions, SessionOptions
 
 FAIL_PHASES = ("sampling", "start", "chunk")
 
