@@ -9,8 +9,7 @@ result and nothing else; server.py binds sockets and runs uvicorn.
 
 Every slack source is warmed and registered in one place, `register_slack_source` (engine/slack.py's
 warm-up protocol: `source.warm_up(engine.slack_costs)`, then `engine.add_slack_source`). Tests build
-`Services` by hand around a fabricated engine; `register_stt_pool` warms and registers a standalone
-STT pool the way build_services does.
+`Services` by hand around a fabricated engine and register their sources the same way.
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ class Services:
     codec_workers: int | None = None
     start_engine: bool = True  # the app's lifespan starts the engine (if not running); it always stops it
     web_dir: Path | None = WEB_DIR
-    stt_pool: SttPool | None = None  # standalone transcription rows, already registered (register_stt_pool)
+    stt_pool: SttPool | None = None  # standalone transcription rows, already registered (register_slack_source)
     ready_min_free: int = 1  # /readyz is 503 below this many free slots
     drain_timeout: float = 30.0  # seconds a drain lets live sessions run
     images: ImageService | None = None
@@ -109,12 +108,6 @@ def register_slack_source(engine: Engine, source: SlackSource) -> dict:
     measured = source.warm_up(engine.slack_costs)
     engine.add_slack_source(source)
     return measured
-
-
-def register_stt_pool(engine: Engine, pool: SttPool) -> SttPool:
-    """Warm the standalone STT pool (its step costs) and make it one of the engine's slack sources."""
-    register_slack_source(engine, pool)
-    return pool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -176,7 +169,9 @@ def build_services(config: "ServeConfig") -> Services:
     if speech is not None:
         register_slack_source(engine, speech.pool)  # warm admissions carry the requests' conditions
     images = build_images(config, engine, device, loaded.dtype, demo is not None)
-    stt_pool = register_stt_pool(engine, SttPool(loaded.stt, config.stt_slots)) if loaded.stt is not None else None
+    stt_pool = SttPool(loaded.stt, config.stt_slots) if loaded.stt is not None else None
+    if stt_pool is not None:
+        register_slack_source(engine, stt_pool)
     info, defaults = _info_and_defaults(loaded)
     try:
         models = ServedModels.build(_checkpoint_names(loaded, info, speech, stt_pool, images),

@@ -24,7 +24,7 @@ from parley.realtime.app import create_app
 from parley.realtime.cli import main as cli_main
 from parley.realtime.served_models import ModelNotFound, ServedModels, parse_served_names
 from parley.realtime.server import ServeConfig, ServeError
-from parley.realtime.services import ServerInfo, Services, build_images, build_services, register_stt_pool
+from parley.realtime.services import ServerInfo, Services, build_images, build_services, register_slack_source
 from parley.realtime.speech_setup import load_speech_service
 
 from server_harness import serve
@@ -75,7 +75,8 @@ def server(tiny_tts_dir, tmp_path_factory):
     engine.add_slack_source(speech.pool)
     images = build_images(ServeConfig(model=None, image_queue=2), engine, torch.device("cpu"), torch.float32,
                           demo=True)
-    pool = register_stt_pool(engine, SttPool(stt, 1))
+    pool = SttPool(stt, 1)
+    register_slack_source(engine, pool)
     models = ServedModels.build({"duplex": "delay", "tts": speech.model, "stt": pool.name, "image": images.model},
                                 parse_served_names(["tts=tts-1,gpt-4o-mini-tts", "stt=whisper-1"]), created=1234)
     app = create_app(Services(engine, info=ServerInfo(model="delay"), codec_workers=0, speech=speech,

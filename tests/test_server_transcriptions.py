@@ -22,7 +22,7 @@ from parley.models.checkpoint import load_stt_checkpoint
 from parley.models.synthetic import write_tiny_stt_checkpoint
 from parley.realtime.app import ServerInfo, create_app
 from parley.realtime.served_models import ServedModels
-from parley.realtime.services import Services, register_stt_pool
+from parley.realtime.services import Services, register_slack_source
 from parley.realtime.cli import main as cli_main
 from parley.realtime.server import ServeConfig, build_app
 
@@ -50,7 +50,7 @@ def wav_bytes(pcm: np.ndarray) -> bytes:
 def app_with(pool: SttPool | None):
     engine = Engine(DelayBackend(2), EngineConfig())
     if pool is not None:
-        register_stt_pool(engine, pool)
+        register_slack_source(engine, pool)
     # served as --served-model-name stt=stt,kyutai/stt-1b-en_fr would: the names the tests send
     models = ServedModels.build({"duplex": "delay", "stt": pool and pool.name},
                                 {"stt": ("stt", "kyutai/stt-1b-en_fr")} if pool else {})
