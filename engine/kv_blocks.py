@@ -10,9 +10,9 @@ so a row at position p holds blocks_for(p) blocks, never more than a full window
 wraps it reuses its own blocks.
 
 Rules, each kept by one method:
-1. `ensure(row, p)` runs on the engine thread before the step that writes position p, and maps
-   that position's logical block if the row does not hold it yet. `step` does it for every live
-   row of a tick (a row needs a block once every `block` frames; the other calls return nothing).
+1. `step` runs on the engine thread before each tick's step and, for every live row, maps the
+   logical block of the position that step writes if the row does not hold it yet (a row needs a
+   block once every `block` frames; otherwise nothing changes).
 2. Admission (`admittable`, `admit`; any thread). A session is admitted only if the pool can hold
    it to the end of its window under the policy:
    - `reserve` (the default, never overcommits): every admitted session is promised a full
@@ -275,15 +275,6 @@ class KvBlockPool:
                 if holder is not None and holder.request_id == request_id:
                     self._ensure(holder, holder.next_pos, changes)
                     holder.next_pos += 1
-            return changes
-
-    def ensure(self, row: int, next_pos: int) -> KvChanges:
-        """The changes needed before the step that writes `next_pos` on `row` (rule 1)."""
-        with self._lock:
-            changes = self._collect()
-            holder = self._rows[row]
-            if holder is not None:
-                self._ensure(holder, next_pos, changes)
             return changes
 
     def held(self, row: int) -> dict[int, int]:
