@@ -92,10 +92,6 @@ class ModelAudioTrack(MediaStreamTrack):
         self.dropped_packets += dropped
         return -(-dropped // PACKETS_PER_FRAME)
 
-    @property
-    def queued_seconds(self) -> float:
-        return len(self._packets) * PACKET_SECONDS
-
     async def recv(self) -> AudioFrame:
         if self.readyState != "live":
             raise MediaStreamError
