@@ -144,7 +144,9 @@ def test_pipecat_openai_live_service_unmodified_with_responses_delegation_and_a_
             for start in range(0, pcm16.size, 480):  # 20 ms frames, paced in real time
                 await task.queue_frame(InputAudioRawFrame(pcm16[start:start + 480].tobytes(), SR, 1))
                 await asyncio.sleep(0.02)
-                if calls and SPOKEN in "".join(sink.said):
+                # Done once the tool ran and its answer was spoken, and not before the 6 s of speech
+                # and quiet went out: how soon the answer came must not decide how much audio returns.
+                if start >= 6 * SR and calls and SPOKEN in "".join(sink.said):
                     break
             await task.queue_frame(EndFrame())
 
