@@ -49,6 +49,7 @@ from .speech_api import speech_endpoint, voices_endpoint
 from .speech_formats import warm_up_encoders
 from .transcriptions import transcriptions_endpoint
 from .webrtc_doors import call_action, live_calls, realtime_calls
+from .webrtc_pool import WebRTCPool, default_workers
 
 log = logging.getLogger("parley.app")
 CALLS_CLOSE_TIMEOUT_S = 5.0  # at shutdown, WebRTC calls get this long to hang up
@@ -102,8 +103,10 @@ def create_app(services: Services) -> Starlette:
             metrics.codec_restarts.inc()
 
     codec = make_codec_runner(services.codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
+    webrtc = WebRTCPool(services.webrtc_workers or default_workers(engine.max_sessions),
+                        on_restart=lambda: metrics.webrtc_restarts.inc())  # started by the first call
     metrics = metrics_api.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
-                                 if isinstance(codec, CodecProcessPool) else None)
+                                      if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds)
     if services.images is not None:
         metrics.registry.register(services.images)  # parley_images_* (images_api.ImageService.collect)
     manager = SessionManager(engine, services.defaults, codec, metrics,
@@ -120,11 +123,12 @@ def create_app(services: Services) -> Starlette:
                         session_paths=doors.WEBRTC_PATHS, refusals=metrics.refusals)
     unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
     app = Starlette(routes=[_route(door, endpoints, services.web_dir) for door in served],
-                    lifespan=_lifespan(services, manager, codec), middleware=[access, unknown_ws],
+                    lifespan=_lifespan(services, manager, codec, webrtc), middleware=[access, unknown_ws],
                     exception_handlers={HTTPException: http_error})
     app.state.doors = served
     app.state.sessions = manager
     app.state.calls = set()  # the WebRTC calls' tasks (webrtc_doors.py), held until each ends
+    app.state.webrtc = webrtc  # the calls' worker processes (webrtc_pool.py)
     app.state.drainer = Drainer(manager, services.drain_timeout)
     app.state.codec = codec
     app.state.info = services.info
@@ -136,7 +140,7 @@ def create_app(services: Services) -> Starlette:
     return app
 
 
-def _lifespan(services: Services, manager: SessionManager, codec):
+def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTCPool):
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await codec.start()  # worker processes start on the server's loop, before any session
@@ -153,6 +157,7 @@ def _lifespan(services: Services, manager: SessionManager, codec):
             if services.images is not None:
                 services.images.close()  # the engine thread is gone: end what it will never finish
             await codec.aclose()
+            await webrtc.aclose()
 
     return lifespan
 

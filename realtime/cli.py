@@ -121,6 +121,10 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                    help="Ogg-Opus codec worker processes (sessions pinned to one each, off the server's GIL); "
                         "0: a thread pool in the server process (fine for a few sessions). Default: 0 up to 8 "
                         "sessions, else one process per 32 sessions (at most CPU cores - 1)")
+    p.add_argument("--webrtc-workers", type=int, default=None,
+                   help="worker processes for WebRTC calls (aiortc's Opus, SRTP, DTLS and SCTP, off the server's "
+                        "event loop and GIL; each call pinned to the least loaded; started by the first call). "
+                        "Default: one per 16 sessions (at most CPU cores - 1)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
@@ -264,6 +268,8 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
     """What is wrong with `parley serve`'s numeric and TTS flags (None: nothing), before anything loads."""
     if args.codec_workers is not None and args.codec_workers < 0:
         return "--codec-workers must be 0 (threads) or more (processes)"
+    if args.webrtc_workers is not None and args.webrtc_workers < 1:
+        return f"--webrtc-workers must be at least 1 (got {args.webrtc_workers}); WebRTC calls always run in workers"
     if args.max_sessions < 1:
         return "--max-sessions must be at least 1"
     if args.tts_slots < 1:
@@ -321,6 +327,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, kv=kv,
                        mimi_dtype=args.mimi_dtype, defaults=defaults, sampling=sampling,
                        log_level=args.log_level, codec_workers=args.codec_workers,
+                       webrtc_workers=args.webrtc_workers,
                        torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
                        image_model=args.image_model, image_queue=args.image_queue,

@@ -88,16 +88,17 @@ class EngineCollector:
             yield family
 
 
-class _CodecCPUCollector:
-    """CPU seconds of the codec worker processes (process_cpu_seconds_total covers only the server
-    process): read at scrape time. Live workers only, so it can step down after a restart."""
+class _WorkerCPUCollector:
+    """CPU seconds of worker processes (process_cpu_seconds_total covers only the server process):
+    read at scrape time. Live workers only, so it can step down after a restart."""
 
-    def __init__(self, seconds: Callable[[], float]) -> None:
+    def __init__(self, name: str, what: str, seconds: Callable[[], float]) -> None:
+        self._name = name
+        self._what = what
         self._seconds = seconds
 
     def collect(self) -> Iterable:
-        family = GaugeMetricFamily("parley_codec_worker_cpu_seconds", "CPU seconds used by the live codec "
-                                   "worker processes")
+        family = GaugeMetricFamily(self._name, f"CPU seconds used by the live {self._what} worker processes")
         family.add_metric([], float(self._seconds()))
         yield family
 
@@ -121,7 +122,8 @@ class EdgeMetrics:
     """The network edge's metrics, in a registry of its own (one per app)."""
 
     def __init__(self, engine_counters: Callable[[], dict] | None = None,
-                 codec_cpu_seconds: Callable[[], float] | None = None) -> None:
+                 codec_cpu_seconds: Callable[[], float] | None = None,
+                 webrtc_cpu_seconds: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
@@ -152,7 +154,11 @@ class EdgeMetrics:
         self.codec_failures = Counter("parley_codec_failures", "sessions closed because their codec worker "
                                       "was lost", ["protocol"], registry=r)
         if codec_cpu_seconds is not None:
-            r.register(_CodecCPUCollector(codec_cpu_seconds))
+            r.register(_WorkerCPUCollector("parley_codec_worker_cpu_seconds", "codec", codec_cpu_seconds))
+        self.webrtc_restarts = Counter("parley_webrtc_worker_restarts", "WebRTC worker processes restarted after "
+                                       "a crash or hang (each ended its own calls)", registry=r)
+        if webrtc_cpu_seconds is not None:
+            r.register(_WorkerCPUCollector("parley_webrtc_worker_cpu_seconds", "WebRTC", webrtc_cpu_seconds))
         self.protocol_errors = Counter("parley_protocol_errors", "bad client input answered with an error or close",
                                        ["protocol"], registry=r)
         self.rate_limited = Counter("parley_rate_limited", "connections closed for sending over the message or "

@@ -39,6 +39,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from . import codec_worker as wire
+from .process_cpu import cpu_seconds
 from .opus_codec import OpusCodec, OpusError, check_frame
 
 log = logging.getLogger("parley.codec")
@@ -219,16 +220,7 @@ class CodecProcessPool:
 
     def worker_cpu_seconds(self) -> float:
         """CPU time of the live workers (Linux /proc), for /metrics and benchmarks."""
-        total = 0.0
-        ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        for pid in self.worker_pids():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / ticks
-            except (OSError, IndexError, ValueError):
-                continue
-        return total
+        return cpu_seconds(self.worker_pids())
 
     # ---- sessions ----
 

@@ -84,6 +84,7 @@ class Services:
     defaults: ServerDefaults = ServerDefaults()
     info: ServerInfo = ServerInfo()
     codec_workers: int | None = None
+    webrtc_workers: int | None = None  # WebRTC worker processes (webrtc_pool.py); None: one per 16 sessions
     start_engine: bool = True  # the app's lifespan starts the engine (if not running); it always stops it
     web_dir: Path | None = WEB_DIR
     stt_pool: SttPool | None = None  # standalone transcription rows, already registered (register_slack_source)
@@ -178,7 +179,8 @@ def build_services(config: "ServeConfig") -> Services:
                                     _aliases(config, demo), created=int(time.time()))
     except ValueError as exc:
         raise ServeError(str(exc)) from None
-    return Services(engine, defaults, info, codec_workers=config.codec_workers, stt_pool=stt_pool,
+    return Services(engine, defaults, info, codec_workers=config.codec_workers,
+                    webrtc_workers=config.webrtc_workers, stt_pool=stt_pool,
                     ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, images=images,
                     speech=speech, models=models)
 

@@ -37,7 +37,7 @@ from .openai_realtime import PROTOCOL as REALTIME_PROTOCOL, RealtimeConnection
 from .realtime_settings import ClientError
 from .served_models import ModelNotFound
 from .edge_sessions import EdgeSession, SessionManager
-from .webrtc_transport import CONNECT_TIMEOUT_S, OfferError, WebRTCCall
+from .webrtc_transport import CONNECT_TIMEOUT_S, CallUnavailable, OfferError, WebRTCCall
 
 log = logging.getLogger("parley.webrtc")
 
@@ -253,18 +253,23 @@ def _admit(request: Request, protocol: str) -> tuple[EdgeSession, WebRTCCall]:
         raise Refused(openai_error(503, message, code=DENIALS.get(reason, reason),
                                    headers={"Retry-After": str(RETRY_AFTER_S)}))
     reservation = Reservation(admission)  # no await since load(): atomic on the event loop
-    call = WebRTCCall(request.scope, manager.defaults.ice_servers, manager.defaults.limits.max_lag_s)
+    call = WebRTCCall(request.scope, request.app.state.webrtc, manager.defaults.ice_servers,
+                      manager.defaults.limits.max_lag_s)  # its peer runs in a worker (webrtc_pool.py)
     return manager.attach(call, protocol, reservation), call
 
 
 async def _answer(request: Request, protocol: str, offer: str, connect: Callable[[EdgeSession], Any]):
     """Admit the call, open its connection (`connect(edge)`: the door's connection, its settings
     judged; Refused to refuse them) and answer the offer; any failure hangs up what was reserved.
-    (edge, call, what connect returned, the SDP answer)."""
+    (edge, call, what connect returned, the SDP answer). No worker for the call: 503."""
     edge, call = _admit(request, protocol)
     try:
         connected = connect(edge)
         return edge, call, connected, await call.answer(offer)
+    except CallUnavailable as exc:
+        await _hang_up(edge, call)
+        raise Refused(openai_error(503, f"this server cannot take a WebRTC call now: {exc}"[:300],
+                                   code="server_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})) from None
     except BaseException:
         await _hang_up(edge, call)
         raise

@@ -63,14 +63,17 @@ def serve(app, *, startup_timeout: float = 20.0, **config) -> Iterator[str]:
         thread.join(15)
 
 
-def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefaults(), **backend_kwargs):
+def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefaults(), webrtc_workers: int = 1,
+              **backend_kwargs):
     """An app over the fabricated echo backend: output frame t == input frame t - 1,
-    text piece '<n>' on every frame (n counts the row's frames since its reset)."""
+    text piece '<n>' on every frame (n counts the row's frames since its reset). WebRTC calls run
+    in `webrtc_workers` worker processes (started by the first call)."""
     backend = DelayBackend(max_sessions, **backend_kwargs)
     engine = Engine(backend)
     # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     models = ServedModels.build({"duplex": "delay"}, OPENAI_ALIASES)
-    return create_app(Services(engine, defaults, ServerInfo(model="delay"), codec_workers=2, models=models)), backend
+    return create_app(Services(engine, defaults, ServerInfo(model="delay"), codec_workers=2, models=models,
+                               webrtc_workers=webrtc_workers)), backend
 
 
 def tone(freq: float, seconds: float, amp: float = 0.3, sr: int = SR) -> np.ndarray:
