@@ -111,7 +111,7 @@ def create_app(services: Services) -> Starlette:
         metrics.registry.register(services.images)  # parley_images_* (images_api.ImageService.collect)
     manager = SessionManager(engine, services.defaults, codec, metrics,
                              Admission(engine, metrics.registry, ready_min_free=services.ready_min_free,
-                                       refusals=metrics.refusals))
+                                       refusals=metrics.refusals), models=services.served_models())
     has_page = services.web_dir is not None and (services.web_dir / "index.html").is_file()  # public: security.py
     served = doors.mounted({"page": has_page, "tts": services.speech is not None,
                             "stt": services.stt_pool is not None, "images": services.images is not None})
@@ -135,7 +135,7 @@ def create_app(services: Services) -> Starlette:
     app.state.stt_pool = services.stt_pool
     app.state.images = services.images
     app.state.speech = services.speech
-    app.state.models = services.served_models()  # what `model` may name on each door (served_models.py)
+    app.state.models = manager.models  # what `model` may name on each door (served_models.py)
     app.state.refusals = metrics.refusals  # for the HTTP doors' own refusals (a full pool or queue)
     return app
 

@@ -31,6 +31,7 @@ from .metrics_api import EdgeMetrics
 from .limits import EdgeLimits, LagMeter, RateLimiter
 from .live_policy import DelegateBackend, DelegationPolicy
 from .opus import CodecRunner, CodecStream
+from .served_models import ServedModels
 from .transport import SEND_BACKLOG_EXTENSION, IceServer, Transport, WebSocketTransport  # noqa: F401 (re-export)
 
 log = logging.getLogger("parley.sessions")
@@ -92,9 +93,13 @@ class SessionManager:
     """Admits connections through the engine and keeps the edge's books."""
 
     def __init__(self, engine: Engine, defaults: ServerDefaults, codec: CodecRunner,
-                 metrics: EdgeMetrics, admission: Admission | None = None) -> None:
+                 metrics: EdgeMetrics, admission: Admission | None = None,
+                 models: ServedModels | None = None) -> None:
         self.engine = engine
         self.defaults = defaults
+        # What `model` may name, each modality's served names (served_models.py): the sessions'
+        # settings read the STT model's (audio.input.transcription.model) from here, on every door.
+        self.models = models or ServedModels()
         self.codec = codec
         self.metrics = metrics
         self.admission = admission or Admission(engine, metrics.registry, refusals=metrics.refusals)

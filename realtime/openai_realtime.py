@@ -69,7 +69,8 @@ class RealtimeConnection:
         self.events = Events(dialect)
         self.channel = EventChannel(edge, PROTOCOL, self.events.error)
         self.caps = ModelCaps(prompts=self.manager.defaults.prompts, transcribe=self.manager.engine.can_transcribe,
-                              transcribe_sessions=transcription_sessions, models=served)
+                              transcribe_sessions=transcription_sessions, models=served,
+                              transcription_models=self.manager.models.of("stt"))
         self._opening_error = opening_error
         defaults = self.manager.defaults.options
         config = SessionConfig(id=new_id("sess"), model=model, instructions=defaults.persona, voice=defaults.voice,

@@ -61,6 +61,9 @@ class ModelCaps:
     # The names `session.model` may take: the duplex model's served names (served_models.py).
     # Another is refused as model_not_found; none given: every name is.
     models: tuple[str, ...] = ()
+    # The names `audio.input.transcription.model` may take: the STT model's served names (its rows
+    # transcribe: paired ones in a conversation, a standalone one in a transcription session).
+    transcription_models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -311,14 +314,18 @@ def _transcription_modalities(param: str, value: Any) -> None:
         raise _unsupported(param, "a transcription session's output is text; include 'text'")
 
 
-def served_model(param: str, value: Any, caps: ModelCaps) -> str:
-    """`model` in a session's settings: one of the duplex model's served names (served_models.py),
-    else OpenAI's model_not_found naming `param`."""
+def _served_name(param: str, value: Any, modality: str, names: tuple[str, ...]) -> str:
+    """One of `modality`'s served names (served_models.py), else OpenAI's model_not_found naming `param`."""
     if not isinstance(value, str) or not value:
         raise _type_error(param, "a model name", value)
-    if value not in caps.models:
-        raise ClientError(str(ModelNotFound("duplex", value, caps.models)), "model_not_found", param)
+    if value not in names:
+        raise ClientError(str(ModelNotFound(modality, value, names)), "model_not_found", param)
     return value
+
+
+def served_model(param: str, value: Any, caps: ModelCaps) -> str:
+    """`model` in a session's settings: one of the duplex model's served names."""
+    return _served_name(param, value, "duplex", caps.models)
 
 
 def _include(param: str, value: Any) -> None:
@@ -334,12 +341,16 @@ def _truncation(param: str, value: Any) -> None:
 
 
 def _transcription(param: str, value: Any, caps: ModelCaps) -> Any:
-    """On (an object) or off (null). Parley's paired STT is the model, whatever the object names."""
+    """On (an object) or off (null). The STT model transcribes, so `model` must be one of its
+    served names (as on every door); left out, it is filled in with the first, the one in effect."""
     if value is None:
         return None
     value = _dict(param, value)
     if not caps.transcribe:
         raise _unsupported(param, NO_STT)
+    if value.get("model") is None:
+        return {**value, "model": caps.transcription_models[0]} if caps.transcription_models else value
+    _served_name(f"{param}.model", value["model"], "stt", caps.transcription_models)
     return value
 
 

@@ -42,7 +42,8 @@ class TranscriptionConnection(RealtimeConnection):
     def __init__(self, edge: EdgeSession, dialect: Dialect, model: str, pool: SttPool) -> None:
         super().__init__(edge, dialect, model, served=(), transcription_sessions=True)  # no session.model
         self.pool = pool
-        self.caps = ModelCaps(prompts=False, transcribe=True, transcribe_sessions=True)
+        self.caps = ModelCaps(prompts=False, transcribe=True, transcribe_sessions=True,
+                              transcription_models=self.manager.models.of("stt"))
         # Transcription off until an update turns it on (OpenAI's default); no responses to create
         # or interrupt.
         self.turns.set_config(SessionConfig(id=new_id("sess"), model=model, type="transcription",

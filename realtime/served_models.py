@@ -16,7 +16,8 @@ from typing import Iterable
 MODALITIES = {
     "duplex": "speech-to-speech model (/api/chat, /v1/realtime, /v1/live/sessions)",
     "tts": "text-to-speech model (/v1/audio/speech)",
-    "stt": "speech-to-text model (/v1/audio/transcriptions, /v1/realtime?intent=transcription)",
+    "stt": "speech-to-text model (/v1/audio/transcriptions, /v1/realtime?intent=transcription, "
+           "/v1/realtime's audio.input.transcription)",
     "image": "image model (/v1/images/generations)",
 }
 OWNED_BY = "parley"

@@ -55,9 +55,15 @@ DEMO_NAMES = {"duplex": "parley-demo", "tts": "parley-demo-tts"}
 # The demo also answers to the names the docs' examples use (docs/protocols.md) and to the ones
 # OpenAI's clients send by default (the SDK's examples, openai-agents, pipecat's and LiveKit's
 # GPT-Live services), so each of them talks to a fresh demo unchanged; a real checkpoint answers
-# to its own name and the operator's --served-model-name aliases only.
+# to its own name and the operator's --served-model-name aliases only. Transcription (the HTTP
+# door and /v1/realtime's audio.input.transcription.model): openai-agents' and LiveKit's realtime
+# sessions send gpt-4o-mini-transcribe, pipecat's InputAudioTranscription() gpt-realtime-whisper,
+# pipecat's and openai-agents' STT services gpt-transcribe; whisper-1 and gpt-4o-transcribe are
+# the names of OpenAI's guides (the SDK sends none unless asked).
 DEMO_ALIASES = {"duplex": ("parley", "gpt-realtime", "gpt-4o-realtime-preview", "gpt-realtime-2.1", "gpt-live-1"),
-                "tts": ("tts-1",), "stt": ("whisper-1",)}
+                "tts": ("tts-1",),
+                "stt": ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "gpt-realtime-whisper",
+                        "gpt-transcribe")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -6,6 +6,7 @@ plugin, which always sends voice NATF2 and a persona) holds a session with audio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -81,6 +82,82 @@ def test_the_demo_answers_to_openai_clients_default_model_names(demo_url):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"http://{demo_url}/v1/models/gpt-5", timeout=10)
     assert err.value.code == 404
+
+
+def default_transcription_names() -> dict[str, str]:
+    """The input-transcription model each installed OpenAI client sends by default, read from the
+    client itself (so a changed default fails here, not in a user's first session)."""
+    names = {}
+    with contextlib.suppress(ImportError):
+        from agents.realtime.openai_realtime import DEFAULT_MODEL_SETTINGS
+        names["openai-agents"] = DEFAULT_MODEL_SETTINGS["input_audio_transcription"]["model"]
+    with contextlib.suppress(ImportError):
+        from livekit.plugins.openai.realtime.utils import DEFAULT_INPUT_AUDIO_TRANSCRIPTION
+        names["livekit-agents"] = DEFAULT_INPUT_AUDIO_TRANSCRIPTION.model
+    with contextlib.suppress(ImportError):
+        from pipecat.services.openai.realtime.events import InputAudioTranscription
+        names["pipecat"] = InputAudioTranscription().model
+    return names
+
+
+def test_the_demo_transcribes_under_openai_clients_default_transcription_names(demo_url):
+    """audio.input.transcription.model takes the STT model's served names, as `model` does on every
+    door; the demo's include what OpenAI's clients send by default. An unserved name gets an error
+    carrying the client's event id, and the session keeps its transcription setting."""
+    from websockets.sync.client import connect
+
+    defaults = default_transcription_names()
+    assert defaults, "no OpenAI client installed (tests/run.sh installs them)"
+    listed = {m["id"]: m["modality"] for m in _get(f"http://{demo_url}/v1/models")["data"]}
+    names = sorted({*defaults.values(), "whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"})
+    assert all(listed.get(name) == "stt" for name in names), (names, listed)
+
+    def update(ws, transcription, event_id):
+        ws.send(json.dumps({"type": "session.update", "event_id": event_id, "session": {
+            "type": "realtime", "audio": {"input": {"transcription": transcription}}}}))
+        errors = []
+        while (event := json.loads(ws.recv(timeout=60)))["type"] != "session.updated":
+            if event["type"] == "error":
+                errors.append(event)
+        return errors, event["session"]["audio"]["input"]["transcription"]
+
+    with connect(f"ws://{demo_url}/v1/realtime?model=gpt-realtime") as ws:
+        assert json.loads(ws.recv(timeout=60))["type"] == "session.created"
+        for name in names:
+            assert update(ws, {"model": name}, f"evt_{name}") == ([], {"model": name})
+        errors, kept = update(ws, {"model": "gpt-5-transcribe"}, "evt_unserved")
+        assert kept == {"model": names[-1]}  # unchanged
+        assert [(e["error"]["event_id"], e["error"]["code"], e["error"]["param"]) for e in errors] == [
+            ("evt_unserved", "model_not_found", "session.audio.input.transcription.model")]
+        assert "gpt-4o-mini-transcribe" in errors[0]["error"]["message"]  # it names what is served
+
+
+def test_openai_agents_realtime_defaults_run_unmodified_against_the_demo(demo_url):
+    """openai-agents' RealtimeRunner with its defaults (input transcription by gpt-4o-mini-transcribe,
+    semantic_vad): the demo's paired STT takes both, so the session gets no error."""
+    agents = pytest.importorskip("agents.realtime")
+    import time
+
+    async def scenario():
+        runner = agents.RealtimeRunner(agents.RealtimeAgent(name="assistant", instructions="You are a test agent."))
+        session = await runner.run(model_config={"url": f"ws://{demo_url}/v1/realtime?model=gpt-realtime-2.1",
+                                                 "api_key": "sk-test"})
+        seen, errors = [], []
+        async with session:
+            audio = tone(440, 1.2)
+            for i in range(0, audio.size - 1920 + 1, 1920):
+                await session.send_audio((audio[i:i + 1920] * 32767).astype("<i2").tobytes())
+            deadline = time.monotonic() + 30
+            async for event in session:
+                seen.append(event.type)
+                if event.type == "error":
+                    errors.append(event.error)
+                if seen.count("audio") >= 3 or time.monotonic() > deadline:
+                    break
+        return seen, errors
+
+    seen, errors = asyncio.run(scenario())
+    assert errors == [] and seen.count("audio") >= 3, (errors, seen)
 
 
 def test_the_demo_takes_a_60_word_persona(demo_url):

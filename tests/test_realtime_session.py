@@ -16,7 +16,8 @@ from parley.realtime.realtime_settings import (
 
 SERVED = ("m", "gpt-realtime")  # the duplex model's served names: its checkpoint's, an operator's alias
 PERSONAPLEX, MOSHI = ModelCaps(prompts=True, models=SERVED), ModelCaps(prompts=False, models=SERVED)
-WITH_STT = ModelCaps(prompts=True, transcribe=True, models=SERVED)
+STT_SERVED = ("stt-ckpt", "whisper-1")  # the STT model's served names: its checkpoint's, an alias
+WITH_STT = ModelCaps(prompts=True, transcribe=True, models=SERVED, transcription_models=STT_SERVED)
 
 
 def config() -> SessionConfig:
@@ -185,7 +186,7 @@ def test_items_only_user_audio_reaches_the_model():
         assert err.value.param == param, raw
 
 
-TRANSCRIBING = ModelCaps(prompts=False, transcribe=True, transcribe_sessions=True)
+TRANSCRIBING = ModelCaps(prompts=False, transcribe=True, transcribe_sessions=True, transcription_models=STT_SERVED)
 
 
 def transcription_config() -> SessionConfig:
@@ -226,3 +227,34 @@ def test_session_type_transcription_in_a_conversation_says_how():
     assert "intent=transcription" in str(errors[0])
     _, errors = update({"type": "transcription"})
     assert "--stt-model" in str(errors[0])
+
+
+@pytest.mark.parametrize("caps,base", [(WITH_STT, config), (TRANSCRIBING, transcription_config)],
+                         ids=["conversation", "transcription session"])
+def test_transcription_model_must_be_a_served_stt_name(caps, base):
+    """The STT model transcribes, so audio.input.transcription.model names one of its served names,
+    as `model` does on every door: another is model_not_found and changes nothing; left out, the
+    first is filled in (the one in effect)."""
+    kind = {"type": base().type}
+    for name in STT_SERVED:
+        cfg, errors = update({**kind, "audio": {"input": {"transcription": {"model": name, "language": "en"}}}},
+                             caps=caps, base=base())
+        assert not errors and cfg.transcription == {"model": name, "language": "en"}
+    cfg, errors = update({**kind, "audio": {"input": {"transcription": {}}}}, caps=caps, base=base())
+    assert not errors and cfg.transcription == {"model": "stt-ckpt"}
+    before = update({**kind, "audio": {"input": {"transcription": {"model": "whisper-1"}}}}, caps=caps,
+                    base=base())[0]
+    for bad, code in (("gpt-4o-transcribe", "model_not_found"), ("m", "model_not_found"), (7, "invalid_type")):
+        cfg, errors = update({**kind, "audio": {"input": {"transcription": {"model": bad}}}}, caps=caps, base=before)
+        assert [(e.param, e.code) for e in errors] == [("session.audio.input.transcription.model", code)]
+        assert cfg.transcription == {"model": "whisper-1"}  # unchanged
+    assert "'stt-ckpt', 'whisper-1'" in str(update({**kind, "audio": {"input": {"transcription": {
+        "model": "x"}}}}, caps=caps, base=base())[1][0])
+
+
+def test_beta_input_audio_transcription_model_must_be_a_served_stt_name():
+    _, errors = update({"input_audio_transcription": {"model": "gpt-4o-mini-transcribe"}}, caps=WITH_STT)
+    assert [(e.param, e.code) for e in errors] == [("session.input_audio_transcription.model", "model_not_found")]
+    cfg, errors = apply_session_update({"input_audio_transcription": {"model": "stt-ckpt"}}, transcription_config(),
+                                       TRANSCRIBING, beta_transcription=True)
+    assert not errors and cfg.transcription == {"model": "stt-ckpt"}

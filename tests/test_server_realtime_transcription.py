@@ -20,7 +20,7 @@ def stt_app_factory(tmp_path_factory):
         if not stt_dir.exists():
             write_tiny_stt_checkpoint(stt_dir, mimi_from=tiny_moshi_dir)
         return build_app(ServeConfig(model=str(tiny_moshi_dir), stt_model=str(stt_dir), max_sessions=1,
-                                     stt_slots=1, served_model_names={**OPENAI_ALIASES, "stt": ("gpt-4o-transcribe",)}))
+                                     stt_slots=1, served_model_names={**OPENAI_ALIASES, "stt": ("gpt-4o-transcribe", "whisper-1")}))
     return make
 
 
@@ -66,9 +66,18 @@ def test_ga_input_transcription_deltas_and_completed(tiny_moshi_dir, stt_app_fac
         async with client(base).realtime.connect(model="gpt-realtime") as conn:
             rec = Recorder(conn)
             await rec.wait_type("session.created")
+            # A name the STT model is not served as: model_not_found, with the event's id; nothing changes.
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {
+                "transcription": {"model": "gpt-4o-mini-transcribe"}}}}, event_id="evt_unserved")
+            refused = await rec.wait_type("error")
+            assert (refused["error"]["event_id"], refused["error"]["code"], refused["error"]["param"]) == (
+                "evt_unserved", "model_not_found", "session.audio.input.transcription.model")
+            assert "'gpt-4o-transcribe', 'whisper-1'" in refused["error"]["message"]
+            assert (await rec.wait_type("session.updated"))["session"]["audio"]["input"]["transcription"] is None
             await conn.session.update(session={"type": "realtime", "audio": {"input": {
                 "transcription": {"model": "gpt-4o-transcribe"}, "turn_detection": {"type": "server_vad"}}}})
-            updated = await rec.wait_type("session.updated")
+            updated = await rec.wait(lambda e: e["type"] == "session.updated"
+                                     and e["session"]["audio"]["input"]["transcription"] is not None)
             assert updated["session"]["audio"]["input"]["transcription"] == {"model": "gpt-4o-transcribe"}
             return await speak_until_transcribed(conn, rec)
 
