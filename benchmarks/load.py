@@ -5,9 +5,10 @@
     python benchmarks/load.py --spawn tiny --doors chat,live              # both doors, one after the other
 
 `--doors`: `chat` is /api/chat (Ogg-Opus frames); `live` is /v1/live/sessions (GPT-Live: base64
-PCM16 at 24 kHz in `session.input_audio.append`, `session.output_audio.delta` back). With
-several, each door's run uses the same server, one after the other, and the figures are
-printed side by side.
+PCM16 at 24 kHz in `session.input_audio.append`, `session.output_audio.delta` back); `webrtc` is
+GPT-Live over WebRTC (`POST /v1/live/sessions`, aiortc as the client: Opus tracks at 48 kHz, the
+events on the `oai-events` channel; benchmarks/webrtc_load.py). With several, each door's run
+uses the same server, one after the other, and the figures are printed side by side.
 
 Every client streams Ogg-Opus (a tone of its own frequency) on an 80 ms grid and decodes
 what comes back. Printed, over all clients:
@@ -26,7 +27,8 @@ what comes back. Printed, over all clients:
 - ready time: from opening the socket to the server's handshake byte (the session's prompt,
   if any, has been prefilled by then), p50 / max;
 - server CPU per session: the server process's CPU seconds (its /metrics
-  process_cpu_seconds_total) over the run, per session, as a share of one core;
+  process_cpu_seconds_total) over the run, per session, as a share of one core; and apart, its
+  WebRTC worker processes' (parley_webrtc_worker_cpu_seconds: the calls' aiortc stacks);
 - the server's full garbage collections during the run and the longest since it started (each
   one stalls the engine thread; `parley serve` freezes its loaded objects out of them).
 
@@ -239,7 +241,13 @@ async def live_client(url: str, index: int, duration: float, start_gate: asyncio
     return stats
 
 
-DOORS = {"chat": client, "live": live_client}
+def webrtc_client(url: str, index: int, duration: float, start_gate: asyncio.Event, query: str = ""):
+    from webrtc_load import webrtc_client as call  # aiortc: loaded only when the door is driven
+
+    return call(url, index, duration, start_gate, query)
+
+
+DOORS = {"chat": client, "live": live_client, "webrtc": webrtc_client}
 
 
 def scrape(http: str) -> dict[str, float]:
@@ -248,7 +256,8 @@ def scrape(http: str) -> dict[str, float]:
     for name in ("parley_frame_delay_seconds_sum", "parley_frame_delay_seconds_count",
                  "parley_engine_underruns_total", "parley_engine_dropped_events_total",
                  "parley_engine_late_ticks_total", "parley_engine_skipped_ticks_total", "process_cpu_seconds_total",
-                 "parley_gc_full_collections_total", "parley_gc_full_pause_max_seconds"):
+                 "parley_gc_full_collections_total", "parley_gc_full_pause_max_seconds",
+                 "parley_webrtc_worker_cpu_seconds"):
         m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else float("nan")
     return out
@@ -329,9 +338,9 @@ def _client_group(url: str, indices: list[int], duration: float, start_at: float
 async def run_load(url: str, clients: int, duration: float, echo: bool = False, procs: int = 1,
                    query: str = "", door: str = "chat") -> dict:
     """`query`: the /api/chat query string (e.g. "?text_prompt=...&voice_prompt=..."), or "".
-    `door`: "chat" (/api/chat) or "live" (/v1/live/sessions)."""
+    `door`: "chat" (/api/chat), "live" (/v1/live/sessions) or "webrtc" (GPT-Live over WebRTC)."""
     http = url.replace("ws://", "http://").replace("wss://", "https://")
-    if door == "live":  # GPT-Live's session.model is required: the server's duplex model
+    if door in ("live", "webrtc"):  # GPT-Live's session.model is required: the server's duplex model
         query = duplex_model(http)
     # Handshakes first, then everyone streams from one instant; spread over `procs` processes
     # because each client's Opus work holds its process's GIL (one process tops out near 64).
@@ -357,6 +366,9 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
     ready = [r.ready_s for r in served if r.ready_s is not None]
     d = {k: after[k] - before[k] for k in after}
     cpu = d["process_cpu_seconds_total"] / (t_after - t_before)
+    # the calls' worker processes (their gauge is 0 before the first call; a server without them: nan)
+    worker_cpu = (after["parley_webrtc_worker_cpu_seconds"] - np.nan_to_num(before["parley_webrtc_worker_cpu_seconds"])
+                  ) / (t_after - t_before)
     return {"door": door, "clients": clients, "served": len(served), "refused": sum(r.refused for r in results),
             "timed_out": sum(r.timed_out for r in results), "refusals": "; ".join(reasons) or "-",
             "frames_sent": sent, "ready_p50_ms": pct(ready, 50), "ready_max_ms": pct(ready, 100), "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
@@ -367,6 +379,8 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
             "engine_dropped": d["parley_engine_dropped_events_total"],
             "late_ticks": d["parley_engine_late_ticks_total"], "skipped_ticks": d["parley_engine_skipped_ticks_total"],
             "server_cpu_cores": cpu, "server_cpu_per_session_pct": 100 * cpu / max(1, len(served)),
+            "webrtc_workers_cpu_cores": worker_cpu,
+            "webrtc_workers_cpu_per_session_pct": 100 * worker_cpu / max(1, len(served)),
             # Python's full GC passes in the server (each stalls the engine thread; engine/gc_pauses.py)
             "server_full_gcs": d["parley_gc_full_collections_total"],
             "server_full_gc_max_ms": 1000 * after["parley_gc_full_pause_max_seconds"]}
@@ -389,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--echo", action="store_true",
                    help="the server at --url runs the echo checkpoint: measure end-to-end delay by content")
     p.add_argument("--doors", default="chat",
-                   help="comma-separated doors to load one after the other: chat (/api/chat), live (/v1/live/sessions)")
+                   help="comma-separated doors to load one after the other: chat (/api/chat), live "
+                        "(/v1/live/sessions), webrtc (GPT-Live over WebRTC)")
     args = p.parse_args(argv)
     if not args.spawn and (args.serve_log or args.serve_arg):
         p.error("--serve-log and --serve-arg apply to a server this script starts (--spawn), not to --url")
@@ -397,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [d for d in doors if d not in DOORS]:
         p.error(f"--doors: unknown door {', '.join(unknown)} (choose from {', '.join(DOORS)})")
     params = {k: v for k, v in (("text_prompt", args.text_prompt), ("voice_prompt", args.voice_prompt)) if v}
-    if params and "live" in doors:
-        p.error("--text-prompt / --voice-prompt are /api/chat parameters: the live door does not send them")
+    if params and ("live" in doors or "webrtc" in doors):
+        p.error("--text-prompt / --voice-prompt are /api/chat parameters: the live and webrtc doors do not send them")
     query = "?" + urllib.parse.urlencode(params) if params else ""
     echo = args.spawn == "echo" or args.echo
     with (spawned_server(args.spawn, args.clients, args.device, args.serve_arg, args.serve_log) if args.spawn

@@ -2,16 +2,18 @@
 
 Starts `parley serve` (the tiny demo model by default, so it runs on a CPU box), then for each
 transport holds N GPT-Live sessions at once for --seconds, each sending a 440 Hz tone at real-time
-pace and reading what comes back, and reads the server process's CPU time (user + system, all its
-threads: the engine, the event loop, aiortc's codec threads) before and after. Prints the server's
-CPU seconds per session-second for each transport, and the ratio.
+pace and reading what comes back, and reads the CPU time (user + system, all threads) before and
+after of the server process (the engine, the event loop) and, apart, of its WebRTC worker
+processes (`--webrtc-workers`: each call's aiortc peer: Opus, SRTP, DTLS, SCTP). Prints both per
+session-second for each transport, their total, and the ratios.
 
 - websocket: `/v1/live/sessions` over a WebSocket, base64 PCM16 at 24 kHz in JSON events.
 - webrtc: `POST /v1/live/sessions` with transport webrtc, aiortc as the client (Opus at 48 kHz,
   SRTP, DTLS, SCTP for the events), as tests/test_webrtc.py drives it.
 
-The engine's own work (the model's frames) is in both figures; the difference is the transport's.
-The clients run in this process, on their own cores where there are any.
+The engine's own work (the model's frames) is in both server figures; the difference is the
+transport's. The clients run in this process, on their own cores where there are any. For many
+sessions, with frames lost, late ticks and jitter, use `benchmarks/load.py --doors live,webrtc`.
 
     python benchmarks/webrtc_cpu.py --sessions 4 --seconds 10
 """
@@ -43,6 +45,32 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process, all its threads (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_pids(server: int) -> list[int]:
+    """The server's WebRTC worker processes (its children running parley.realtime.webrtc_worker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == server and b"webrtc_worker" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return pids
+
+
+def cpu_of(pid: int, workers: list[int]) -> tuple[float, float]:
+    """(the server's CPU seconds, its WebRTC workers')."""
+    total = 0.0
+    for worker in workers:
+        try:
+            total += cpu_seconds(worker)
+        except OSError:  # gone (a restart): its seconds are lost to the figure
+            continue
+    return cpu_seconds(pid), total
 
 
 def model_name(base: str) -> str:
@@ -88,16 +116,19 @@ async def webrtc_session(base: str, model: str, seconds: float) -> None:
     await client.close()
 
 
-async def measure(base: str, pid: int, kind: str, sessions: int, seconds: float) -> float:
+async def measure(base: str, pid: int, kind: str, sessions: int, seconds: float) -> tuple[float, float]:
+    """(server, WebRTC workers) CPU seconds per session-second."""
     model = model_name(base)
     run = websocket_session if kind == "websocket" else webrtc_session
     tasks = [asyncio.create_task(run(base, model, seconds + 2.0)) for _ in range(sessions)]
-    await asyncio.sleep(2.0)  # every session set up and streaming
-    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    await asyncio.sleep(2.0)  # every session set up and streaming (the workers started by the first call)
+    workers = worker_pids(pid)
+    (server0, workers0), t0 = cpu_of(pid, workers), time.monotonic()
     await asyncio.sleep(seconds)
-    cpu1, t1 = cpu_seconds(pid), time.monotonic()
+    (server1, workers1), t1 = cpu_of(pid, workers), time.monotonic()
     await asyncio.gather(*tasks)
-    return (cpu1 - cpu0) / ((t1 - t0) * sessions)
+    per = (t1 - t0) * sessions
+    return (server1 - server0) / per, (workers1 - workers0) / per
 
 
 def main() -> int:
@@ -130,10 +161,14 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(15)
-    print(f"server idle: {idle:.3f} CPU s/s; {args.sessions} sessions for {args.seconds:g} s each:")
-    for kind, per in results.items():
-        print(f"  {kind:<9} {per:.3f} CPU s per session-second (engine included)")
-    print(f"  webrtc / websocket: {results['webrtc'] / max(results['websocket'], 1e-9):.2f}x")
+    print(f"server idle: {idle:.3f} CPU s/s; {args.sessions} sessions for {args.seconds:g} s each; "
+          "CPU s per session-second:")
+    print(f"  {'':<9} {'server':>7} {'webrtc workers':>15} {'total':>7}   (the server's engine included)")
+    for kind, (server, workers) in results.items():
+        print(f"  {kind:<9} {server:>7.3f} {workers:>15.3f} {server + workers:>7.3f}")
+    (ws, _), (rtc_server, rtc_workers) = results["websocket"], results["webrtc"]
+    print(f"  webrtc / websocket: server {rtc_server / max(ws, 1e-9):.2f}x, "
+          f"total {(rtc_server + rtc_workers) / max(ws, 1e-9):.2f}x")
     return 0
 
 

@@ -44,8 +44,8 @@ def run_benchmark(script: str, *args: str, timeout: float = 120) -> str:
 CPU_CASES = {
     "webrtc_cpu": (  # the demo server, one GPT-Live session per transport for 2 s
         "webrtc_cpu.py", ["--sessions", "1", "--seconds", "2"],
-        [r"^  websocket \d+\.\d{3} CPU s per session-second", r"^  webrtc +\d+\.\d{3} CPU s per session-second",
-         r"webrtc / websocket: \d+\.\d\dx"]),
+        [r"^  websocket +\d+\.\d{3} +0\.000 +\d+\.\d{3}$", r"^  webrtc +\d+\.\d{3} +\d+\.\d{3} +\d+\.\d{3}$",
+         r"webrtc / websocket: server \d+\.\d\dx, total \d+\.\d\dx"]),
     "tts_load": (  # --duplex tiny: the --duplex 7b path (Checkpoint, tokenizer, ModelBackend) at tiny shapes
         "tts_load.py", ["--shapes", "tiny", "--duplex", "tiny", "--streams", "1", "--sessions", "1",
                         "--device", "cpu", "--settle", "0.2", "--idle-seconds", "0.3", "--reference",
@@ -98,6 +98,10 @@ CPU_CASES = {
         "load.py", ["--spawn", "tiny", "--clients", "2", "--duration", "2", "--doors", "chat,live"],
         [r"^door\s+chat\s+live$", r"^clients\s+2\s+2$", r"^served\s+2\s+2$",
          r"^jitter_p99_ms\s+\d+\.\d\d\s+\d+\.\d\d$", r"^frames_lost\s+\d+\s+\d+$", r"^late_ticks\s+\d"]),
+    "load_webrtc": (  # GPT-Live over WebRTC, the clients in 2 processes (the H200's 64-call run, small)
+        "load.py", ["--spawn", "tiny", "--clients", "2", "--procs", "2", "--duration", "2", "--doors", "webrtc"],
+        [r"^door\s+webrtc$", r"^served\s+2$", r"^frames_sent\s+[1-9]\d*$", r"^jitter_p99_ms\s+\d+\.\d\d$",
+         r"^frames_lost\s+\d+$", r"^late_ticks\s+\d", r"^webrtc_workers_cpu_cores\s+\d+\.\d\d$"]),
     "capacity": (  # 2 minutes of traffic at time scale 0.02: ~2.4 s of arrivals, periods of 1.2 s
         "capacity.py", ["--spawn", "tiny", "--target", "2", "--minutes", "2", "--time-scale", "0.02"],
         [r"sigma 0\.541 \(10 % past 240 s, mean 139 s\)", r"^\| minute \(traffic time\) \| arrived \| refused \|",
