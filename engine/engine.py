@@ -135,7 +135,8 @@ class Engine:
 
     def add_slack_source(self, source: SlackSource) -> None:
         """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
-        order after every tick. Call before `start`."""
+        order after every tick (realtime items first, then throughput shared fairly: slack.py
+        rule 1). Call before `start`."""
         if self._thread is not None:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)

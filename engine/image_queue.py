@@ -1,4 +1,4 @@
-"""Text-to-image requests as slack work: the lowest-priority source of engine/slack.py.
+"""Text-to-image requests as slack work: throughput work for engine/slack.py (rule 1).
 
 An image is a sequence of work items, each run on the engine thread in a tick's slack and
 only when its estimated cost fits before the next boundary:

@@ -11,7 +11,8 @@ class is costed on its own (one per-frame estimate, taken from small chunks, pla
 frames a tick and spread each prompt over ~20 ticks). A class never measured runs on a
 prediction scaled up linearly from a smaller measured class (an upper bound when cost grows
 at most linearly). When no class fits, `MIN_PREFILL_FRAMES` still run as the tick's first
-slack item (forced), so admissions always progress. A session whose options are refused,
+slack item (forced), so admissions always progress. Every chunk is realtime work (slack.py
+rule 1): a caller waits on the session going live. A session whose options are refused,
 or whose prompt raises, fails alone: the engine and every other session go on.
 """
 
@@ -90,7 +91,7 @@ class PrefillSource(SlackSource):
             frames, predicted = self._plan(frames_left, left_s, costs)
             if frames == 0:
                 frames, forced = min(MIN_PREFILL_FRAMES, frames_left), True
-        return WorkItem(key=prefill_key(frames), forced=forced, predicted_s=predicted,
+        return WorkItem(key=prefill_key(frames), forced=forced, predicted_s=predicted, realtime=True,
                         run=lambda: self._run_chunk(pending, frames),
                         fail=lambda exc: self._fail(pending.session, exc))
 

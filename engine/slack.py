@@ -5,9 +5,21 @@ transcription and diffusion steps are *work items* that run on the engine thread
 the tick's outputs are out, and only when their estimated cost ends before the next
 boundary (minus a guard). The rules, one per concern:
 
-1. Sources offer items in priority order (`Priority`): prefill, then TTS, then
-   standalone transcription, then images. The runner runs the first offered item that
-   fits in the time left, then asks again from the top, until nothing fits.
+1. Two classes of work, decided by the source for each item it offers (`WorkItem.realtime`),
+   applied here. Realtime work is what someone waits on now, bounded by what real time asks
+   of its source: admission progress (prefill), steps of live transcription sessions (the audio
+   that has arrived), TTS admissions and rows that have not yet reached their first audio or
+   a real-time lead over their listener (engine/tts_pool.py). Throughput work is the rest: TTS
+   generating ahead for a client that downloads faster than real time, file transcriptions,
+   image steps. Each pick asks every source once, in `Priority` order (prefill, standalone
+   transcription, TTS, images: a live session's realtime work is the audio that arrived, a TTS
+   row's includes a cushion), and the first realtime item that fits runs. When none does, the
+   throughput items offered are tried least served first (engine/slack_share.py: seconds of
+   throughput work each source has had, so no throughput source starves another and each
+   gets an equal share of the time realtime work leaves), and the first that fits runs. Then
+   the runner asks again, until nothing fits. (Strict priority alone let a TTS stream read as
+   fast as it came take every tick's slack: issue 32, live transcription deltas 200 -> 24
+   and images 101 -> 1 beside it on the CPU demo.)
 2. A cost estimate is the largest cost seen at least twice among the last `COST_WINDOW`
    observed costs for the item's key (the second largest; with one observation, that one),
    per unit of work (a prefill chunk's unit is one prompt frame, a graphed step's is the
@@ -31,8 +43,9 @@ boundary (minus a guard). The rules, one per concern:
    preview: 10.7 ms seeded, 5.4 ms live), and kept in the window they would set the
    estimate for the key's first 31 live items, each then needing more slack than it takes.
 3. A source may mark an item `forced`: it runs as the first item of a tick even when it
-   does not fit. Only admission progress uses this (a prompt must advance even when the
-   frame leaves no slack); everything else waits.
+   does not fit, whatever its class. Admission progress uses this (a prompt must advance even
+   when the frame leaves no slack), and the TTS pool's liveness step (a pool whose rows had
+   no step for `force_after_ticks` ticks); everything else waits.
 4. Every item is measured after a device synchronisation (its cost is real, not launch
    time). An item that took longer than its estimate is an overrun, and one that ended
    after the boundary is counted too (`/metrics`).
@@ -61,6 +74,7 @@ from typing import Callable, Hashable, TypeVar
 
 import torch
 
+from .slack_share import ThroughputShares
 from .stream import Terminal
 
 T = TypeVar("T")
@@ -75,11 +89,12 @@ MAX_KEYS = 4096
 
 
 class Priority(enum.IntEnum):
-    """The order sources are asked in (lower first)."""
+    """The order sources are asked in (lower first): the order realtime items run in, and
+    the tie-break between equally served throughput sources (rule 1)."""
 
     PREFILL = 0
-    TTS = 1
-    TRANSCRIPTION = 2
+    TRANSCRIPTION = 1  # a live session's realtime work is the audio that arrived: a step a tick
+    TTS = 2  # its realtime work includes a cushion over the listener (engine/tts_pool.py)
     IMAGES = 3
 
 
@@ -93,6 +108,7 @@ class WorkItem:
     units: int = 1  # units of work under `key` (prefill: prompt frames)
     forced: bool = False  # may run as a tick's first item even when it does not fit (rule 3)
     predicted_s: float | None = None  # the source's cost bound while `key` has no estimate (rule 2)
+    realtime: bool = False  # realtime work (goes first) or throughput work (shared fairly): rule 1
 
 
 class SlackSource:
@@ -268,6 +284,7 @@ class SlackRunner:
         self.stats = SlackStats()
         self._sources: list[SlackSource] = []
         self._declined: dict[Hashable, int] = {}  # key -> ticks in a row its items did not fit
+        self.shares = ThroughputShares()  # throughput seconds per source (its index in _sources): rule 1
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with
@@ -315,10 +332,13 @@ class SlackRunner:
         declined: set[Hashable] = set()  # keys offered this tick whose estimate did not fit
         ran: set[Hashable] = set()
         while interrupt is None or not interrupt():
-            item = self._next_fitting(deadline, first, declined)
-            if item is None:
+            picked = self._next_fitting(deadline, first, declined)
+            if picked is None:
                 break
-            self._run(item, deadline)
+            source, item = picked
+            spent = self._run(item, deadline)
+            if spent is not None and not item.realtime:
+                self.shares.charge(source, spent)
             ran.add(item.key)
             first = False
         self._age_declined(declined - ran)
@@ -332,33 +352,47 @@ class SlackRunner:
                 del self._declined[key]
                 self.costs.start_trial(key)
 
-    def _next_fitting(self, deadline: float | None, first: bool, declined: set[Hashable]) -> WorkItem | None:
+    def _next_fitting(self, deadline: float | None, first: bool,
+                      declined: set[Hashable]) -> tuple[int, WorkItem] | None:
+        """(source index, item) to run next: the first realtime (or forced first) item that fits,
+        else the least served source's throughput item that fits (rule 1); None if nothing fits."""
         left = None if deadline is None else deadline - self.guard_s - self._now()
-        for source in self._sources:
+        throughput: list[tuple[int, WorkItem]] = []
+        for index, source in enumerate(self._sources):
             item = source.offer(left, self.costs)
             if item is None:
                 continue
-            if left is None:
-                return item
-            estimate = self._estimate(item)
-            if estimate is None or item.forced:
-                if first:
-                    return item
-            elif self.costs.on_trial(item.key):
-                if first and estimate <= left:
-                    return item  # a trial runs only with the whole slack free (rule 5)
-            elif estimate <= left:
-                return item
+            if item.realtime or (item.forced and first):
+                if self._fits(item, left, first, declined):
+                    return index, item
             else:
-                declined.add(item.key)
-            # Offered but does not fit: lower-priority sources may still have something smaller.
+                throughput.append((index, item))
+        for index, item in self.shares.order(throughput):
+            if self._fits(item, left, first, declined):
+                return index, item
         return None
+
+    def _fits(self, item: WorkItem, left: float | None, first: bool, declined: set[Hashable]) -> bool:
+        """Whether `item` may start with `left` seconds to go (rules 2, 3 and 5); an item whose
+        estimate is over `left` is declined (its key's stale count, rule 5)."""
+        if left is None:
+            return True
+        estimate = self._estimate(item)
+        if estimate is None or item.forced:
+            return first
+        if self.costs.on_trial(item.key):
+            return first and estimate <= left  # a trial runs only with the whole slack free (rule 5)
+        if estimate <= left:
+            return True
+        declined.add(item.key)
+        return False
 
     def _estimate(self, item: WorkItem) -> float | None:
         estimate = self.costs.estimate(item.key, item.units)
         return item.predicted_s if estimate is None else estimate
 
-    def _run(self, item: WorkItem, deadline: float | None) -> None:
+    def _run(self, item: WorkItem, deadline: float | None) -> float | None:
+        """Run `item` and measure it; returns the seconds it took (None: it failed)."""
         estimate = self._estimate(item)
         trial = self.costs.on_trial(item.key)
         start = self._now()
@@ -371,7 +405,7 @@ class SlackRunner:
             self.stats.failed += 1
             log.warning("slack item %r failed; ending its request: %s: %s", item.key, type(exc).__name__, exc)
             item.fail(exc)
-            return
+            return None
         end = self._now()
         spent = end - start
         stats = self.stats
@@ -391,3 +425,4 @@ class SlackRunner:
             stats.overruns += 1
         if deadline is not None and end > deadline:
             stats.past_boundary += 1
+        return spent

@@ -2,14 +2,16 @@
 
     pool = SttPool(checkpoint, slots=N)          # models.checkpoint.SttCheckpoint
     pool.warm_up(engine.slack_costs)             # graphs captured and costed before engine.start()
-    engine.add_slack_source(pool)                # Priority.TRANSCRIPTION, after prefill and TTS
+    engine.add_slack_source(pool)                # Priority.TRANSCRIPTION (engine/slack.py rule 1)
     request = pool.submit(loop)                  # SttBusy when the queue is full
     request.feed(pcm_24k_float32); request.end_input()
     async for event in request.events: ...       # SttPartial ..., then one Terminal
 
-Each work item is `n` batched steps of every row that can advance (Mimi encode of one 80 ms frame
+Each work item is `n` batched steps of the rows that can advance (Mimi encode of one 80 ms frame
 -> SttGen.step -> one host copy), with `n` sized to the slack left from the per-step cost
-estimate (key `step_key(rows)`, seeded by `warm_up`). Like the duplex frame, a step runs only
+estimate (key `step_key(rows)`, seeded by `warm_up`). Live sessions' steps are realtime work,
+uploads' steps throughput work (engine/slack.py rule 1: the realtime ones go first, the rest share
+the slack left fairly with TTS and images; `offer`). Like the duplex frame, a step runs only
 the lowest rows that hold every running row (a bucket: 1, 2, 4, ..., slots; rows are taken
 lowest first), and on CUDA each bucket's step is one CUDA graph, captured by `warm_up`
 (before it, and on CPU, steps run eagerly with the same code). A row advances when it has a whole frame of input
@@ -290,40 +292,31 @@ class SttPool(SlackSource):
     # ---- slack source (engine thread) ----
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
+        """Live sessions first, as realtime work (slack.py rule 1): steps of the live rows, as many
+        as their audio holds, with the uploads in the live rows' bucket along (the bucket costs
+        the same with them). Otherwise the uploads' steps, as throughput work. Either is sized to
+        `left_s`."""
         self._admit()
         ready_by_row = [self._steps_ready(row) for row in self._rows]
-        ready = max(ready_by_row)
-        if not ready:
-            return None
         rows = [i for i, n in enumerate(ready_by_row) if n]
+        if not rows:
+            return None
+        live = [i for i in rows if self._rows[i].request.live]
+        if live:
+            rows = [i for i in rows if i < self.bucket(live)]
+        ready = max(ready_by_row[i] for i in (live or rows))
         key = step_key(self.bucket(rows))
         per_step = costs.estimate(key)
-        if left_s is not None and per_step is not None and per_step > left_s:
-            live = self._live_only(rows, left_s, costs)
-            if live is not None:
-                return live
         if left_s is None:
-            steps = min(MAX_STEPS_PER_ITEM, ready)
+            steps = MAX_STEPS_PER_ITEM
         elif per_step is None:
             steps = 1
         else:
             steps = max(1, min(MAX_STEPS_PER_ITEM, int(left_s / max(per_step, 1e-9))))
         steps = min(steps, ready)
-        return WorkItem(key=key, units=steps, run=lambda: self.run_steps(steps), fail=self._fail_all)
-
-    def _live_only(self, rows: list[int], left_s: float, costs: CostModel) -> WorkItem | None:
-        """When a step of every ready row does not fit the slack left: one step of the live rows
-        alone, if their smaller bucket fits (a live session's next delta cannot wait for the
-        slack to hold the uploads' rows too; uploads step when it does)."""
-        live = [i for i in rows if self._rows[i].request.live]
-        if not live or self.bucket(live) == self.bucket(rows):
-            return None
-        key = step_key(self.bucket(live))
-        per_step = costs.estimate(key)
-        if per_step is None or per_step > left_s:
-            return None
-        only = frozenset(live)
-        return WorkItem(key=key, units=1, run=lambda: self.run_steps(1, only), fail=self._fail_all)
+        only = frozenset(rows) if live else None
+        return WorkItem(key=key, units=steps, run=lambda: self.run_steps(steps, only), fail=self._fail_all,
+                        realtime=bool(live))
 
     def bucket(self, rows) -> int:
         """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""

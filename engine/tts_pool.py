@@ -6,9 +6,19 @@
     async for event in job.stream: ...               # TtsAudio / TtsWord partials, then one Terminal
     job.cancel()                                     # the row is freed at the next tick
 
-Scheduling (engine/slack.py asks this source after prefill, before transcription and images):
-- TTS is throughput work: after each duplex tick the pool runs as many batched steps as the
-  slack allows, each one work item whose measured cost fits before the next boundary.
+Scheduling (engine/slack.py asks this source after prefill and transcription, before images):
+- After each duplex tick the pool runs as many batched steps as the slack allows, each one work
+  item whose measured cost fits before the next boundary.
+- Realtime or throughput (slack.py rule 1), by what the rows it steps need: an admission, and a
+  step of any row that has not yet reached its first audio or that is less than
+  `realtime_lead_frames` (~1 s) of audio ahead of a listener who started playing at its first
+  audio (wall time since then, on the pool's clock), is realtime work: first audio is what a
+  user waits on, and a listener within a second of running dry is at risk from a run of short
+  slacks. Such a step takes only the rows of that row's bucket (the others in it come along:
+  same cost). A step of rows all further ahead is throughput work: a client downloading faster
+  than real time gets audio as fast as its fair share of the slack allows, and no faster
+  at the expense of live transcription or images. What a client has read is no measure: a
+  client reading as fast as audio comes has read it all, however far ahead of real time.
 - Two step kinds, one CUDA graph each per row bucket on CUDA (eager on CPU): `text` (backbone +
   text sampling + DSM state machine: rows still inside the 16-frame audio delay need nothing
   else) and `full` (plus depformer and Mimi decode). A full step runs every eligible row at once
@@ -43,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -65,6 +76,7 @@ log = logging.getLogger("parley.engine.tts")
 
 FORCE_AFTER_TICKS = 25  # 2 s without a step: force one (see the module docstring)
 LEAD_FRAMES = 38  # ~3 s of undelivered audio per row, at most
+REALTIME_LEAD_FRAMES = 13  # ~1 s ahead of a real-time listener: steps up to it are realtime work
 MAX_ENTRIES = 2400  # words and breaks per request (4096 characters make at most ~2050 words)
 MAX_TOKENS = 8300  # text tokens per request
 FRAME_DROP = 2  # the first two decoded frames click (the reference drops them too)
@@ -131,6 +143,7 @@ class _Row:
     words_seen: int = 0  # entries consumed so far
     pending_word: tuple[str, int] | None = None  # (text, step) of the last word, stop not yet known
     ended_at: int = -1  # the DSM end step, once known
+    first_audio_at: float | None = None  # the pool's clock when the row pushed its first audio frame
 
     def advance(self, info: list[int], pcm: np.ndarray | None, first: int) -> Terminal | None:
         """One step's results for this row: `info` (valid, frame index, entries consumed, DSM end
@@ -203,7 +216,8 @@ class TtsPool(SlackSource):
                  voice_frames: int | None = None, max_entries: int = MAX_ENTRIES, max_tokens: int = MAX_TOKENS,
                  cuda_graphs: bool = True, output_events: int | None = None,
                  force_after_ticks: int = FORCE_AFTER_TICKS, row_buckets: bool | None = None,
-                 warm_conditions: dict | None = None) -> None:
+                 warm_conditions: dict | None = None, realtime_lead_frames: int = REALTIME_LEAD_FRAMES,
+                 now: Callable[[], float] = time.monotonic) -> None:
         # warm_conditions: the conditions requests will carry (the service's), so the admissions
         # warm_up measures are theirs, condition sum cached (default: each condition's first value).
         # row_buckets: step only the lowest rows holding the stepped ones (default: on CUDA; off on
@@ -214,6 +228,8 @@ class TtsPool(SlackSource):
             raise ValueError("this TTS model attends to voices: give the pool voice_frames (frames per voice file)")
         self.slots = slots
         self.lead_frames = lead_frames
+        self.realtime_lead_frames = realtime_lead_frames  # a row's lead that ends its realtime steps
+        self._now = now  # wall time, for a row's lead over a real-time listener (tests pass a fake one)
         self.output_events = output_events or lead_frames + 8  # room for the words beside the frames
         self.device = lm.text_linear.weight.device
         self._gen = TtsGen(lm, slots, max_entries, max_tokens, voice_frames=voice_frames)
@@ -332,10 +348,14 @@ class TtsPool(SlackSource):
         job, cancelled = self._pool.front(Terminal(Status.CANCELLED, "cancelled before it started"))
         self.cancelled += cancelled
         if job is not None:
-            return WorkItem(key=ADMIT_KEY, run=lambda: self._admit(job), fail=lambda exc: self._fail_job(job, exc))
+            return WorkItem(key=ADMIT_KEY, run=lambda: self._admit(job), fail=lambda exc: self._fail_job(job, exc),
+                            realtime=True)
         eligible = self._eligible()
         if not eligible:
             return None
+        behind = [b for b in eligible if self._behind(self._rows[b])]
+        if behind:  # realtime: those rows' bucket (the rows above it wait for a throughput step)
+            eligible = [b for b in eligible if b < self.bucket(behind)]
         warm = [b for b in eligible if self._rows[b].steps < self.delay]
         kind, rows = ("text", warm) if len(warm) == len(eligible) else ("full", eligible)
         if kind == "full" and warm:
@@ -352,7 +372,16 @@ class TtsPool(SlackSource):
             self._idle_ticks = 0
             self.forced += 1
         return WorkItem(key=step_key(kind, self.bucket(rows)), run=lambda: self._step(rows, kind),
-                        fail=lambda exc: self._fail_rows(rows, exc), forced=forced)
+                        fail=lambda exc: self._fail_rows(rows, exc), forced=forced,
+                        realtime=any(self._behind(self._rows[b]) for b in rows))
+
+    def _behind(self, row: _Row) -> bool:
+        """Whether stepping `row` is realtime work: no audio yet, or less than `realtime_lead_frames`
+        ahead of a listener playing it in real time since its first frame came out."""
+        if row.first_audio_at is None:
+            return True
+        played = (self._now() - row.first_audio_at) * FRAME_RATE
+        return row.job.frames < played + self.realtime_lead_frames
 
     def slack_started(self, deadline: float | None) -> None:
         """A tick's slack begins (slack.py): count the rows the last tick could not step
@@ -429,6 +458,8 @@ class TtsPool(SlackSource):
             frames = row.job.frames
             end = row.advance(info[b], None if pcm_host is None else pcm_host[b], first)
             self.frames_out += row.job.frames - frames
+            if row.first_audio_at is None and row.job.frames:
+                row.first_audio_at = self._now()
             if end is not None:
                 self._pool.release(b, end)
                 self.completed += end.status is Status.COMPLETED

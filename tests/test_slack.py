@@ -27,10 +27,11 @@ class ScriptedSource(SlackSource):
 
     def __init__(self, clock: FakeClock, priority: Priority, costs: list[float], name: str,
                  ran: list[str], fail_at: int | None = None, error: Exception | None = None,
-                 predicted: float | None = None) -> None:
+                 predicted: float | None = None, realtime: bool = False, forced: bool = False) -> None:
         self.clock, self.priority, self.costs, self.name, self.ran = clock, priority, list(costs), name, ran
         self.fail_at, self.error, self.failures, self.offers = fail_at, error, [], 0
         self.predicted = predicted  # every item's WorkItem.predicted_s
+        self.realtime, self.forced = realtime, forced  # every item's class (rule 1) and WorkItem.forced
 
     def offer(self, left_s, costs: CostModel):
         self.offers += 1
@@ -45,7 +46,28 @@ class ScriptedSource(SlackSource):
             if self.fail_at is not None and len(self.ran) == self.fail_at:
                 raise self.error
 
-        return WorkItem(key=(self.name, cost), run=run, fail=self.failures.append, predicted_s=self.predicted)
+        return WorkItem(key=(self.name, cost), run=run, fail=self.failures.append, predicted_s=self.predicted,
+                        realtime=self.realtime, forced=self.forced)
+
+
+class EndlessSource(SlackSource):
+    """Always has an item of one cost (a TTS stream read as fast as it comes, an image queue that
+    never empties); counts the items and seconds it ran."""
+
+    def __init__(self, clock: FakeClock, priority: Priority, cost: float, name: str, ran: list[str],
+                 realtime: bool = False) -> None:
+        self.clock, self.priority, self.cost, self.name, self.ran = clock, priority, cost, name, ran
+        self.realtime, self.items, self.seconds, self.available = realtime, 0, 0.0, True
+
+    def offer(self, left_s, costs: CostModel):
+        return WorkItem(key=(self.name,), run=self._run, fail=lambda exc: None,
+                        realtime=self.realtime) if self.available else None
+
+    def _run(self) -> None:
+        self.clock.t += self.cost
+        self.items += 1
+        self.seconds += self.cost
+        self.ran.append(self.name)
 
 
 def runner(clock: FakeClock, guard: float = 0.003) -> SlackRunner:
@@ -82,20 +104,130 @@ def test_an_unseen_key_runs_on_its_sources_prediction_until_its_first_measuremen
     assert slack.stats.past_boundary == 0 and slack.stats.overruns == 0
 
 
-def test_sources_are_asked_in_priority_order_and_a_smaller_lower_item_fills_the_gap():
+def test_realtime_items_go_first_in_priority_order_and_a_smaller_lower_item_fills_the_gap():
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
     for key, cost in ((("images", 0.050), 0.050), (("prefill", 0.020), 0.020), (("tts", 0.010), 0.010)):
         slack.costs.record(key, cost)
     slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.050], "images", ran))
-    slack.add_source(ScriptedSource(clock, Priority.TTS, [0.010, 0.010], "tts", ran))
-    slack.add_source(ScriptedSource(clock, Priority.PREFILL, [0.020, 0.020], "prefill", ran))
+    slack.add_source(ScriptedSource(clock, Priority.TTS, [0.010, 0.010], "tts", ran, realtime=True))
+    slack.add_source(ScriptedSource(clock, Priority.PREFILL, [0.020, 0.020], "prefill", ran, realtime=True))
     slack.run_until(deadline=0.065)
     # prefill first (both), then TTS (both); the 50 ms image no longer fits in what is left.
     assert ran == ["prefill:0.02", "prefill:0.02", "tts:0.01", "tts:0.01"]
     clock.t = 0.080
     slack.run_until(deadline=0.160)  # next tick: the image fits now
     assert ran[-1] == "images:0.05"
+
+
+def test_a_realtime_item_goes_before_a_throughput_item_of_a_higher_priority_source():
+    """Rule 1: the class decides first, the priority only among realtime items (and ties)."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    for name in ("tts", "stt", "images"):
+        slack.costs.record((name, 0.010), 0.010)
+    slack.add_source(ScriptedSource(clock, Priority.TTS, [0.010] * 2, "tts", ran))
+    slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.010] * 2, "images", ran))
+    slack.add_source(ScriptedSource(clock, Priority.TRANSCRIPTION, [0.010] * 2, "stt", ran, realtime=True))
+    slack.run_until(deadline=0.0605)
+    assert ran[:2] == ["stt:0.01", "stt:0.01"]  # the live transcription's steps, then throughput
+    assert sorted(ran[2:]) == ["images:0.01", "images:0.01", "tts:0.01", "tts:0.01"]
+
+
+def test_a_tts_stream_ahead_of_real_time_no_longer_starves_live_transcription_or_images():
+    """Issue 32 item 4: a TTS source that always has work (a client downloading as fast as the
+    audio comes, far ahead of real time: throughput) beside a live transcription session (a
+    frame of audio every tick: realtime) and an image queue that never empties. Over 100 ticks of
+    60 ms slack the transcription steps every tick, and TTS and images share what is left in
+    equal time, each within one image item of half (strict priority gave TTS every tick)."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock)
+    tts = EndlessSource(clock, Priority.TTS, 0.004, "tts", ran)
+    stt = ScriptedSource(clock, Priority.TRANSCRIPTION, [], "stt", ran, realtime=True)
+    images = EndlessSource(clock, Priority.IMAGES, 0.015, "images", ran)
+    for source in (tts, stt, images):
+        slack.add_source(source)
+    for key, cost in ((("tts",), 0.004), (("stt", 0.006), 0.006), (("images",), 0.015)):
+        slack.costs.record(key, cost)
+    for tick in range(100):
+        clock.t = tick * 0.080 + 0.017  # the duplex frame took the tick's first 17 ms
+        stt.costs[:] = [0.006]  # the frame that arrived this tick
+        slack.run_until(deadline=tick * 0.080 + 0.080)
+        assert stt.costs == [] and clock.t <= tick * 0.080 + 0.077  # stepped; nothing past the guard
+    throughput = tts.seconds + images.seconds
+    assert throughput > 100 * 0.040
+    assert abs(tts.seconds - images.seconds) <= 0.015 + 1e-9
+    assert images.items >= 150 and slack.stats.past_boundary == 0
+
+
+def test_throughput_sources_share_the_slack_in_equal_time_not_equal_items():
+    """Least served first, by measured seconds: a source of 5 ms items and one of 20 ms items get
+    the same time (four small items to one large), whichever is asked first."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    small = EndlessSource(clock, Priority.TTS, 0.005, "small", ran)
+    large = EndlessSource(clock, Priority.IMAGES, 0.020, "large", ran)
+    slack.add_source(large)
+    slack.add_source(small)
+    slack.costs.record(("small",), 0.005)
+    slack.costs.record(("large",), 0.020)
+    for tick in range(50):
+        clock.t = tick * 0.080
+        slack.run_until(deadline=clock.t + 0.0605)
+    assert small.seconds + large.seconds == pytest.approx(50 * 0.060)
+    assert abs(small.seconds - large.seconds) <= 0.020 + 1e-9
+    assert small.items == pytest.approx(4 * large.items, abs=4)
+
+
+def test_a_throughput_source_back_from_idle_gets_its_share_not_the_time_it_missed():
+    """A source with nothing to offer is lifted to the least served of those with work: an image
+    queue that shared the slack, then sat idle for 40 ticks, takes half of each tick's slack once
+    busy again, not every tick until its count catches up with the TTS stream's 40 ticks."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    tts = EndlessSource(clock, Priority.TTS, 0.010, "tts", ran)
+    images = EndlessSource(clock, Priority.IMAGES, 0.010, "images", ran)
+    slack.add_source(tts)
+    slack.add_source(images)
+    slack.costs.record(("tts",), 0.010)
+    slack.costs.record(("images",), 0.010)
+
+    def tick(n: int) -> tuple[int, int]:
+        clock.t = n * 0.080
+        before = (tts.items, images.items)
+        slack.run_until(deadline=clock.t + 0.0605)
+        return tts.items - before[0], images.items - before[1]
+
+    assert [tick(n) for n in range(10)] == [(3, 3)] * 10
+    images.available = False
+    assert [tick(n) for n in range(10, 50)] == [(6, 0)] * 40
+    images.available = True
+    assert [tick(n) for n in range(50, 60)] == [(3, 3)] * 10
+
+
+def test_forced_items_still_run_first_whatever_their_class():
+    """Rule 3 is unchanged: a forced item runs as a tick's first item though it does not fit,
+    a realtime one (prefill's minimum chunk) and a throughput one (the TTS pool's liveness step)
+    alike; not first, a forced item waits for the next tick."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock)
+    prefill = ScriptedSource(clock, Priority.PREFILL, [0.030], "prefill", ran, realtime=True, forced=True)
+    tts = ScriptedSource(clock, Priority.TTS, [0.030], "tts", ran, forced=True)
+    images = EndlessSource(clock, Priority.IMAGES, 0.002, "images", ran)
+    for source in (prefill, tts, images):
+        slack.add_source(source)
+    for key in (("prefill", 0.030), ("tts", 0.030)):
+        slack.costs.record(key, 0.100)  # never fits a tick's slack
+    slack.costs.record(("images",), 0.002)
+    clock.t = 0.070
+    slack.run_until(deadline=0.080)  # 7 ms usable: the forced prefill item, and nothing after it
+    assert ran == ["prefill:0.03"]
+    clock.t = 0.150
+    slack.run_until(deadline=0.160)  # the forced TTS item goes first, ahead of the fitting images
+    assert ran == ["prefill:0.03", "tts:0.03"]
+    clock.t = 0.230
+    slack.run_until(deadline=0.240)  # nothing forced left: the images fill the slack
+    assert ran[2:] == ["images"] * 3
 
 
 def test_an_item_with_no_estimate_runs_only_as_the_first_of_a_tick():
@@ -270,10 +402,10 @@ def test_a_trial_runs_only_with_the_whole_slack_free_and_a_slow_trial_keeps_the_
     slack.costs.record(key, 0.005)
     slack.costs.record(key, 0.070)
     slack.costs.record(key, 0.070)  # seen twice, more than the 60 ms slack: declined every tick
-    tts = ScriptedSource(clock, Priority.TTS, [], "tts", ran)
+    tts = ScriptedSource(clock, Priority.TTS, [], "tts", ran, realtime=True)
     slack.add_source(tts)
     slack.add_source(ScriptedSource(clock, Priority.IMAGES, [0.040], "enc", ran))
-    for tick in range(STALE_TICKS + 3):  # TTS work every tick: the slack never starts free for enc
+    for tick in range(STALE_TICKS + 3):  # realtime work every tick: the slack never starts free for enc
         clock.t = tick * 0.080
         tts.costs[:] = [0.010]
         slack.run_until(deadline=clock.t + 0.060)

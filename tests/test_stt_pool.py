@@ -321,3 +321,34 @@ def test_live_rows_step_alone_when_the_uploads_bucket_does_not_fit(stt):
         text, _, terminal = collect(upload)
         assert terminal == Terminal(Status.COMPLETED) and text.strip() == expected_text(stt, clip)
     asyncio.run(main())
+
+
+def test_live_steps_are_realtime_and_carry_the_uploads_in_their_bucket_uploads_alone_are_throughput(stt):
+    """slack.py rule 1, decided here: an item stepping a live session's rows is realtime work, as
+    many steps as its audio holds, and an upload in the live rows' bucket steps with it (the
+    bucket costs the same); an upload outside that bucket, or with no live row ready, steps in
+    a throughput item of its own."""
+    async def main():
+        pool = SttPool(stt, slots=4)
+        costs = CostModel()
+        for n in pool._steps.buckets:
+            costs.record(stt_pool.step_key(n), 0.001)
+        inside = submitted(pool, audio(0.5, 1))  # row 0: in the live row's 2-row bucket
+        live = pool.submit(live=True)  # row 1
+        outside = submitted(pool, audio(0.5, 2))  # row 2: a 4-row bucket
+        live.feed(audio(0.16, 3))  # two frames
+        item = pool.offer(1.0, costs)
+        assert item.realtime and item.key == stt_pool.step_key(2)
+        assert item.units == stt.settings.prefix_frames + 2  # the live row's steps, no more
+        item.run()
+        assert pool._rows[0].step == pool._rows[1].step == item.units and pool._rows[2].step == 0
+        item = pool.offer(0.0035, costs)  # the live row has read all it was sent; 3 steps fit
+        assert not item.realtime and item.key == stt_pool.step_key(4) and item.units == 3
+        item.run()
+        assert [row.step for row in pool._rows[:3]] == [stt.settings.prefix_frames + 5,
+                                                        stt.settings.prefix_frames + 2, 3]
+        live.feed(audio(0.08, 4))  # the next frame arrives: realtime again
+        assert pool.offer(1.0, costs).realtime
+        for request in (live, inside, outside):
+            request.cancel()
+    asyncio.run(main())

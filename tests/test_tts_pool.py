@@ -395,3 +395,37 @@ def test_warm_up_admits_with_the_requests_conditions(tts, monkeypatch):
     computed.clear()
     plain._load_row(1, request(tts, "Hello there."))
     assert computed == [service_conditions]  # computed during the live admission
+
+
+def test_a_rows_steps_are_realtime_until_it_is_a_second_ahead_of_a_real_time_listener(tts):
+    """slack.py rule 1, decided here: an admission and every step before a row's first audio are
+    realtime work; after it, a step is realtime while the row is less than `realtime_lead_frames`
+    ahead of a listener playing it in real time since its first frame (wall time, the pool's
+    clock), and throughput work past that (a client reading as fast as audio comes has read it
+    all, and is still far ahead of real time)."""
+    async def main():
+        ck, _ = tts
+        now = [100.0]
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10, now=lambda: now[0])
+        costs = CostModel()
+        job = pool.submit(request(tts, " ".join(TEXTS)), asyncio.get_running_loop())
+
+        def step() -> bool:
+            item = pool.offer(None, costs)
+            item.run()
+            job.stream.drain()  # the client reads everything as it comes
+            return item.realtime
+
+        assert pool.offer(None, costs).key == ADMIT_KEY and step()  # the admission
+        while job.frames == 0:
+            assert step()  # the clock stands still: no audio yet
+        while job.frames < pool.realtime_lead_frames:
+            assert step()
+        assert not step() and not step()  # 13 frames ahead of a listener who has heard none
+        now[0] += 0.5  # a listener playing from the first frame has heard 6.25 frames
+        assert job.frames < 6.25 + pool.realtime_lead_frames
+        while job.frames < 6.25 + pool.realtime_lead_frames:
+            assert step()
+        assert not step()
+        job.cancel()
+    asyncio.run(main())

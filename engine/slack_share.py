@@ -1,0 +1,53 @@
+"""Fair shares of the slack for throughput work (engine/slack.py rule 1).
+
+Throughput items (a TTS stream generating ahead of its listener, file transcriptions, image
+steps) run after a tick's realtime work, and no throughput source may starve another: the runner
+offers what is left to them least served first, by the seconds their throughput items have
+taken. Seconds, not items: a source of 40 ms items beside one of 5 ms items gets the same time,
+not the same count. The least served source whose item fits runs; when its item does not fit
+what is left, a smaller one of another source may (the slack is not wasted), and the next tick
+starts with the least served again, so a large item gets the whole slack left after realtime
+work then.
+
+A source with no throughput item on offer is lifted to the least served of those that have one:
+time a source did not use is not owed to it (a source back from idle would otherwise take every
+tick until its count caught up with the others'). Shares are equal; ties go to the source asked
+first (slack.py's `Priority`).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+class ThroughputShares:
+    """Seconds of throughput work served per source (any hashable name for it)."""
+
+    def __init__(self) -> None:
+        self._served: dict[Hashable, float] = {}
+
+    def served(self, source: Hashable) -> float:
+        return self._served.get(source, 0.0)
+
+    def order(self, offers: Sequence[tuple[Hashable, T]]) -> list[tuple[Hashable, T]]:
+        """`offers` ((source, item), in the order asked), least served first. Sources not among
+        them are lifted to the least served of them; a source never seen starts there too."""
+        if not offers:
+            return []
+        served = self._served
+        known = [served[s] for s, _ in offers if s in served]
+        start = min(known) if known else min(served.values(), default=0.0)
+        for source, _ in offers:
+            served.setdefault(source, start)
+        floor = min(served[s] for s, _ in offers)
+        offering = {s for s, _ in offers}
+        for source in served:
+            if source not in offering and served[source] < floor:
+                served[source] = floor
+        return sorted(offers, key=lambda offer: served[offer[0]])  # stable: ties keep the order asked
+
+    def charge(self, source: Hashable, seconds: float) -> None:
+        """A throughput item of `source` ran for `seconds` (measured)."""
+        self._served[source] = self._served.get(source, 0.0) + seconds
