@@ -284,7 +284,7 @@ class SlackRunner:
         self.stats = SlackStats()
         self._sources: list[SlackSource] = []
         self._declined: dict[Hashable, int] = {}  # key -> ticks in a row its items did not fit
-        self.shares = ThroughputShares()  # throughput seconds per source (its index in _sources): rule 1
+        self.shares = ThroughputShares()  # throughput seconds per source: rule 1
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with
@@ -353,23 +353,23 @@ class SlackRunner:
                 self.costs.start_trial(key)
 
     def _next_fitting(self, deadline: float | None, first: bool,
-                      declined: set[Hashable]) -> tuple[int, WorkItem] | None:
-        """(source index, item) to run next: the first realtime (or forced first) item that fits,
-        else the least served source's throughput item that fits (rule 1); None if nothing fits."""
+                      declined: set[Hashable]) -> tuple[SlackSource, WorkItem] | None:
+        """(source, item) to run next: the first realtime (or forced first) item that fits, else
+        the least served source's throughput item that fits (rule 1); None if nothing fits."""
         left = None if deadline is None else deadline - self.guard_s - self._now()
-        throughput: list[tuple[int, WorkItem]] = []
-        for index, source in enumerate(self._sources):
+        throughput: list[tuple[SlackSource, WorkItem]] = []
+        for source in self._sources:
             item = source.offer(left, self.costs)
             if item is None:
                 continue
             if item.realtime or (item.forced and first):
                 if self._fits(item, left, first, declined):
-                    return index, item
+                    return source, item
             else:
-                throughput.append((index, item))
-        for index, item in self.shares.order(throughput):
+                throughput.append((source, item))
+        for source, item in self.shares.order(throughput):
             if self._fits(item, left, first, declined):
-                return index, item
+                return source, item
         return None
 
     def _fits(self, item: WorkItem, left: float | None, first: bool, declined: set[Hashable]) -> bool:

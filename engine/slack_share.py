@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 
 class ThroughputShares:
-    """Seconds of throughput work served per source (any hashable name for it)."""
+    """Seconds of throughput work served per source (the source object, or any other hashable)."""
 
     def __init__(self) -> None:
         self._served: dict[Hashable, float] = {}
