@@ -78,7 +78,21 @@ def model_name(base: str) -> str:
         return json.load(r)["model"]
 
 
-async def websocket_session(base: str, model: str, seconds: float) -> None:
+class Gate:
+    """Sessions report in once streaming; the measurement window opens when all have, and `stop` ends them."""
+
+    def __init__(self, sessions: int) -> None:
+        self.waiting = sessions
+        self.all_in = asyncio.Event()
+        self.stop = asyncio.Event()
+
+    def streaming(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.all_in.set()
+
+
+async def websocket_session(base: str, model: str, gate: Gate) -> None:
     import websockets
 
     tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(CHUNK) / SR) * 32767).astype("<i2").tobytes()
@@ -92,16 +106,17 @@ async def websocket_session(base: str, model: str, seconds: float) -> None:
                 pass
 
         reader = asyncio.create_task(drain())
+        gate.streaming()
         start = time.monotonic()
         sent = 0
-        while time.monotonic() - start < seconds:
+        while not gate.stop.is_set():
             await ws.send(json.dumps({"type": "session.input_audio.append", "audio": base64.b64encode(tone).decode()}))
             sent += 1
             await asyncio.sleep(max(0.0, start + sent * CHUNK / SR - time.monotonic()))
         reader.cancel()
 
 
-async def webrtc_session(base: str, model: str, seconds: float) -> None:
+async def webrtc_session(base: str, model: str, gate: Gate) -> None:
     import httpx2
     from test_webrtc import Client  # the tests' aiortc client: a tone microphone, the oai-events channel
 
@@ -112,20 +127,25 @@ async def webrtc_session(base: str, model: str, seconds: float) -> None:
         reply.raise_for_status()
     await client.answer(reply.json()["transport"]["sdp"])
     await client.wait(lambda: "session.started" in client.types(), "session.started")
-    await asyncio.sleep(seconds)
+    await client.wait(lambda: bool(client.audio), "the server's track")
+    gate.streaming()
+    await gate.stop.wait()
     await client.close()
 
 
 async def measure(base: str, pid: int, kind: str, sessions: int, seconds: float) -> tuple[float, float]:
-    """(server, WebRTC workers) CPU seconds per session-second."""
+    """(server, WebRTC workers) CPU seconds per session-second, once every session streams both ways."""
     model = model_name(base)
     run = websocket_session if kind == "websocket" else webrtc_session
-    tasks = [asyncio.create_task(run(base, model, seconds + 2.0)) for _ in range(sessions)]
-    await asyncio.sleep(2.0)  # every session set up and streaming (the workers started by the first call)
-    workers = worker_pids(pid)
+    gate = Gate(sessions)
+    tasks = [asyncio.create_task(run(base, model, gate)) for _ in range(sessions)]
+    await asyncio.wait_for(gate.all_in.wait(), 120)
+    await asyncio.sleep(0.5)  # past the sessions' setup
+    workers = worker_pids(pid)  # started by the first call
     (server0, workers0), t0 = cpu_of(pid, workers), time.monotonic()
     await asyncio.sleep(seconds)
     (server1, workers1), t1 = cpu_of(pid, workers), time.monotonic()
+    gate.stop.set()
     await asyncio.gather(*tasks)
     per = (t1 - t0) * sessions
     return (server1 - server0) / per, (workers1 - workers0) / per
