@@ -107,12 +107,13 @@ class WebRTCPool:
             spawned = await asyncio.gather(*(self._spawn(i) for i in range(self.workers)), return_exceptions=True)
             for index, worker in enumerate(spawned):
                 if isinstance(worker, BaseException):
-                    log.error("webrtc worker %d did not start: %s", index, worker)
+                    log.error("%s; retrying", worker)
                     self._respawn_later(index, 1.0)
                 else:
                     self._slots[index] = worker
             self._started = True
-            log.info("webrtc: %d worker processes (pids %s)", self.workers, self.worker_pids())
+            pids = self.worker_pids()
+            log.info("webrtc: %d of %d worker processes started (pids %s)", len(pids), self.workers, pids)
 
     async def _spawn(self, index: int) -> WorkerProcess:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -133,7 +134,10 @@ class WebRTCPool:
             await asyncio.wait_for(asyncio.shield(worker.hello), self.start_timeout)
         except BaseException as exc:
             worker.dead = "did not start"
-            parent_sock.close()
+            if worker.link.transport is not None:
+                worker.link.transport.abort()  # it owns the socket now
+            else:
+                parent_sock.close()
             proc.kill()
             await asyncio.to_thread(proc.wait)
             if isinstance(exc, (asyncio.TimeoutError, ConnectionError, asyncio.CancelledError)):
@@ -143,9 +147,10 @@ class WebRTCPool:
 
     def on_lost(self, worker: WorkerProcess, why: str) -> None:
         """The worker's socket closed: it exited, or the server closed it."""
-        if worker.dead is None and not worker.hello.done():
+        if not worker.hello.done():  # still starting: _spawn reports it
             worker.hello.set_exception(ConnectionError(why))
-            worker.hello.exception()  # read: _spawn reports it
+            worker.hello.exception()  # read here, so an unawaited one is not logged
+            return
         self.lose(worker, f"webrtc worker {worker.index} (pid {worker.pid}) exited ({why}); its calls ended")
 
     def lose(self, worker: WorkerProcess, reason: str) -> None:

@@ -2,6 +2,7 @@
 
 - a worker killed mid-call ends its own call only; a call on the other worker goes on hearing its
   echo, the pool replaces the dead worker, and a new call is served;
+- a call no worker can take (none could start) is a 503 before any media, its slot freed;
 - `--webrtc-workers`: honoured, its default, and bad values refused by name;
 - the queues are bounded at both ends: peer audio and events on the server's side (drop-oldest
   counted; a peer that outruns the event queue ends its call), the model's audio on the worker's
@@ -16,6 +17,7 @@ import asyncio
 import os
 import re
 import signal
+import sys
 
 import httpx2 as httpx
 import numpy as np
@@ -61,6 +63,24 @@ def test_a_killed_worker_ends_only_its_call_and_is_replaced():
             for client in (doomed, steady, late):
                 await client.close()
             await sdk.close()
+            await wait_live(base, 0)
+
+        run(scenario())
+
+
+def test_a_call_no_worker_can_take_is_refused_with_503_and_frees_its_slot():
+    app, _ = delay_app(2)
+    app.state.webrtc.argv = [sys.executable, "-c", "raise SystemExit(3)"]  # a worker that cannot start
+    with serve(app) as base:
+        async def scenario():
+            client = Client()
+            async with httpx.AsyncClient() as http:
+                reply = await http.post(f"http://{base}/v1/realtime/calls", content=await client.offer(),
+                                        headers={"Content-Type": "application/sdp"})
+                assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+                assert reply.json()["error"]["code"] == "server_unavailable"
+                assert "WebRTC" in reply.json()["error"]["message"]
+            await client.close()
             await wait_live(base, 0)
 
         run(scenario())
