@@ -2,7 +2,8 @@
 RoPE + ring write also serves calls of a few steps (Mimi's transformers, 2 steps a frame).
 
 A leaf module: it takes plain tensors and numbers, never model objects, and imports nothing
-from the rest of Parley.
+from the rest of Parley but its kernels (models/triton_kernels.py, imported with Triton at the
+first fused path taken: a CPU server never imports Triton).
 
     available(x) -> bool                      # CUDA tensor (or TRITON_INTERPRET=1), Triton importable, switched on
     set_enabled(flag) -> previous flag;  with enabled(flag): ...    # the one switch
@@ -45,19 +46,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from types import ModuleType
 from typing import Iterator, NamedTuple
 
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs run the plain PyTorch path.
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    _HAVE_TRITON = False
+# The kernels themselves are in models/triton_kernels.py, imported at the first fused path taken
+# (`triton_kernels()`): importing Triton costs ~0.1 s, and a CPU server never launches a kernel.
+_triton: dict[str, ModuleType | None] = {}
 
 
 def _env_switch() -> bool:
@@ -87,8 +83,22 @@ def enabled(flag: bool) -> Iterator[None]:
         set_enabled(previous)
 
 
+def triton_kernels() -> ModuleType | None:
+    """models/triton_kernels.py, imported on the first call; None where Triton cannot be imported
+    (it ships with CUDA builds of PyTorch; CPU-only installs run the plain PyTorch path)."""
+    if "module" not in _triton:
+        try:
+            import triton  # noqa: F401
+        except Exception:  # pragma: no cover - depends on the install
+            _triton["module"] = None
+        else:
+            from . import triton_kernels as module
+            _triton["module"] = module
+    return _triton["module"]
+
+
 def have_triton() -> bool:
-    return _HAVE_TRITON
+    return triton_kernels() is not None
 
 
 # TRITON_INTERPRET=1 (Triton's own switch): its interpreter runs the kernels on CPU tensors in
@@ -97,400 +107,17 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(x: torch.Tensor) -> bool:
-    return _switch["on"] and _HAVE_TRITON and (x.is_cuda or (INTERPRETED and x.device.type == "cpu"))
+    """Whether `x` takes the fused path: CUDA (or interpreted), switched on, Triton importable
+    (imported here, at the first such tensor: a CPU server never imports it)."""
+    return _switch["on"] and (x.is_cuda or (INTERPRETED and x.device.type == "cpu")) and have_triton()
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-if _HAVE_TRITON:
-
-    @triton.jit
-    def _attn_program(ORDER, POS, H, S, HAS_ORDER: tl.constexpr):
-        """This program's (row, head) pair bh and split, its row b and head h, the row's query
-        position, filled slots and current slot."""
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // H
-        if HAS_ORDER:  # (one split a ring) rows in the given order: the longest windows start first
-            b = tl.load(ORDER + b)
-        h = bh % H
-        qpos = tl.load(POS + b)
-        return bh, split, b, h, qpos, tl.minimum(qpos, S), qpos % S
-
-    @triton.jit
-    def _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale):
-        """The step's own key and value (never in the ring the loop reads): the key's score
-        against q (fp32 [D]) in log2 units, and the value in fp32."""
-        kn = tl.load(KN + b * skn_b + h * skn_h + d).to(tl.float32)
-        vn = tl.load(VN + b * svn_b + h * svn_h + d).to(tl.float32)
-        return tl.sum(kn * q, axis=0) * qk_scale, vn
-
-    @triton.jit
-    def _page(TABLE, b, stb, n, mask, BS: tl.constexpr):
-        """Paged rings: the pool block (int64: pools pass 2^31 elements) and the slot within it of
-        ring slots n of row b. Masked lanes read the null block 0."""
-        blk = tl.load(TABLE + b * stb + n // BS, mask=mask, other=0).to(tl.int64)
-        return blk, n % BS
-
-    @triton.jit
-    def _page_bounds(start, end, BS: tl.constexpr, PP: tl.constexpr):
-        """Paged loops step over the ring's blocks each padded to PP slots (a whole number of
-        tiles), so that a tile never straddles two blocks: the padded range covering [start, end)."""
-        return (start // BS) * PP, ((end + BS - 1) // BS) * PP
-
-    @triton.jit
-    def _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS: tl.constexpr, PP: tl.constexpr):
-        """The tile at padded offset n0: its ring slots n, which to read (in the block, in
-        [start, end)), its pool block (one table read a tile; int64: pools pass 2^31 elements) and
-        the slots' place w in that block."""
-        j = n0 // PP
-        w = n0 % PP + offs_n
-        n = j * BS + w
-        return n, (w < BS) & (n >= start) & (n < end), tl.load(TABLE + b * stb + j).to(tl.int64), w
-
-    @triton.jit
-    def _attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
-                           H, S, context, qk_scale,
-                           sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
-                           sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, ssp_b, so_b, so_h, TABLE, stb,
-                           D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                           IEEE: tl.constexpr, STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
-                           WRITE: tl.constexpr = False, HAS_EXEC: tl.constexpr = False,
-                           PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
-        # bf16 / fp32 caches. The one query row is repeated over M = 16 rows so that both
-        # products run as tensor-core dots (whose operand loads Triton pipelines); only row 0 is
-        # stored. (fp8 caches: _attn_fp8_kernel.) PAGED: K, V are pools [blocks, H, BS, D] and
-        # slot n of row b is at block TABLE[b, n // BS], slot n % BS (sk_b, sv_b: block strides);
-        # the loop walks block by block (_page_bounds), one table read a tile.
-        M: tl.constexpr = 16
-        PP: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
-        d = tl.arange(0, D)
-        rows = tl.arange(0, M)
-        q = tl.load(Q + b * sq_b + h * sq_h + d[None, :] + 0 * rows[:, None])  # [M, D]
-        offs_n = tl.arange(0, BLOCK_N)
-        k_base = K + b * sk_b + h * sk_h
-        v_base = V + b * sv_b + h * sv_h
-        sp_base = SP + b * ssp_b
-        start = split * SPLIT
-        end = tl.minimum(start + SPLIT, n_valid)
-        acc = tl.zeros([M, D], dtype=tl.float32)
-        m_i = tl.full([M], -1.0e30, tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        if PAGED:
-            lo, hi = _page_bounds(start, end, BS, PP)
-        else:
-            lo, hi = start, end
-        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            if PAGED:
-                n, inb, blk, w = _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS, PP)
-                k = tl.load(K + blk * sk_b + h * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
-                v = tl.load(V + blk * sv_b + h * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
-            else:
-                n = n0 + offs_n
-                inb = n < end
-                k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
-                v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
-            sp = tl.load(sp_base + n, mask=inb, other=-1)
-            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
-            if HAS_CONTEXT:
-                valid = valid & (qpos - sp < context)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        row0 = rows == 0
-        if FINAL:
-            qf = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
-            s_new, vn = _new_key(qf, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            acc = acc * alpha[:, None] + p_new[:, None] * vn[None, :]
-            l_i = l_i * alpha + p_new
-            out = acc / l_i[:, None]
-            tl.store(OUT + b * so_b + h * so_h + d[None, :] + 0 * rows[:, None], out.to(OUT.dtype.element_ty),
-                     mask=row0[:, None])
-            if WRITE:
-                # The new key and value go to slot `cur` (executing rows only) after the loop,
-                # which never used that slot: no other program touches this (row, head).
-                w = d >= 0
-                if HAS_EXEC:  # (the flag compared as a [D] tensor: the interpreter takes no scalar in a mask)
-                    w = w & (tl.load(EXEC + b) + 0 * d != 0)
-                if PAGED:  # (never into the null block)
-                    blk, off = _page(TABLE, b, stb, cur + 0 * d, w, BS)
-                    w = w & (blk != 0)
-                    k_at = K + blk * sk_b + h * sk_h + off * sk_s + d
-                    v_at = V + blk * sv_b + h * sv_h + off * sv_s + d
-                else:
-                    k_at = K + b * sk_b + h * sk_h + cur * sk_s + d
-                    v_at = V + b * sv_b + h * sv_h + cur * sv_s + d
-                tl.store(k_at, tl.load(KN + b * skn_b + h * skn_h + d), mask=w)
-                tl.store(v_at, tl.load(VN + b * svn_b + h * svn_h + d), mask=w)
-        else:
-            # Splits past the filled window store nothing: the reduce reads only filled splits.
-            idx = bh * NUM_SPLITS + split
-            st = row0 & (start + 0 * rows < n_valid)  # (a tensor: the interpreter takes no scalar in a mask)
-            tl.store(M_TMP + idx + 0 * rows, m_i, mask=st)
-            tl.store(L_TMP + idx + 0 * rows, l_i, mask=st)
-            tl.store(ACC_TMP + idx * D + d[None, :] + 0 * rows[:, None], acc, mask=st[:, None])
-
-    @triton.jit
-    def _attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, ACC_TMP,
-                         H, S, context, qk_scale,
-                         sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
-                         sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, ssp_b, so_b, so_h, TABLE, stb,
-                         D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
-                         STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
-                         PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
-        # fp8 caches on CUDA cores: with one query row, tensor-core dots need the row repeated 16
-        # times and a converted 128 x 128 tile in registers (195+ registers, 2 programs an SM,
-        # issue-bound at ~2.9 TB/s on the H200); elementwise fp32 products over small blocks keep
-        # ~128 registers and read ~4 TB/s (benchmarks/fp8_attention_variants.py, cc_lazy).
-        # Each slot lane of the block keeps its own value sum and denominator (summed once at the
-        # end), and the running max moves only when a block's max exceeds it by more than 2^8, so
-        # most blocks skip the rescale (p stays <= 256: no fp32 overflow). PAGED: as in
-        # _attn_split_kernel, the scales pools [blocks, H, BS] too (sks_b: their block stride).
-        PP: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
-        d = tl.arange(0, D)
-        q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        k_base = K + b * sk_b + h * sk_h
-        v_base = V + b * sv_b + h * sv_h
-        sp_base = SP + b * ssp_b
-        ks_base = KS + b * sks_b + h * sks_h
-        vs_base = VS + b * sks_b + h * sks_h
-        start = split * SPLIT
-        end = tl.minimum(start + SPLIT, n_valid)
-        acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_N], tl.float32)
-        m_i = tl.full([], -1.0e30, tl.float32)
-        if PAGED:
-            lo, hi = _page_bounds(start, end, BS, PP)
-        else:
-            lo, hi = start, end
-        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            if PAGED:
-                n, inb, blk, w = _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS, PP)
-                sp = tl.load(sp_base + n, mask=inb, other=-1)
-                k_sc = tl.load(KS + blk * sks_b + h * sks_h + w, mask=inb, other=0.0)
-                v_sc = tl.load(VS + blk * sks_b + h * sks_h + w, mask=inb, other=0.0)
-            else:
-                n = n0 + offs_n
-                inb = n < end
-                sp = tl.load(sp_base + n, mask=inb, other=-1)
-                k_sc = tl.load(ks_base + n, mask=inb, other=0.0)
-                v_sc = tl.load(vs_base + n, mask=inb, other=0.0)
-            valid = inb & (sp >= 0) & (sp <= qpos) & (n != cur)
-            if HAS_CONTEXT:
-                valid = valid & (qpos - sp < context)
-            if PAGED:
-                k = tl.load(K + blk * sk_b + h * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
-            else:
-                k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
-            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * (k_sc * qk_scale)
-            s = tl.where(valid, s, float("-inf"))
-            m_blk = tl.max(s, axis=0)
-            if m_blk > m_i + 8.0:
-                alpha = tl.exp2(m_i - m_blk)
-                acc = acc * alpha
-                l_i = l_i * alpha
-                m_i = m_blk
-            p = tl.exp2(s - m_i)
-            if PAGED:
-                v = tl.load(V + blk * sv_b + h * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
-            else:
-                v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
-            acc += (p * v_sc)[:, None] * v.to(tl.float32)
-            l_i += p
-        acc_d = tl.sum(acc, axis=0)
-        l_s = tl.sum(l_i, axis=0)
-        if FINAL:
-            s_new, vn = _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            out = (acc_d * alpha + p_new * vn) / (l_s * alpha + p_new)
-            tl.store(OUT + b * so_b + h * so_h + d, out.to(OUT.dtype.element_ty))
-        else:
-            # Splits past the filled window store nothing: the reduce reads only filled splits.
-            idx = bh * NUM_SPLITS + split
-            st = start < n_valid
-            tl.store(M_TMP + idx, m_i, mask=st)
-            tl.store(L_TMP + idx, l_s, mask=st)
-            tl.store(ACC_TMP + idx * D + d, acc_d, mask=(start + 0 * d) < n_valid)
-
-    @triton.jit
-    def _attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scale,
-                            sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, so_b, so_h,
-                            D: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                            NS_P2: tl.constexpr):
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        d = tl.arange(0, D)
-        sidx = tl.arange(0, NS_P2)
-        n_valid = tl.minimum(tl.load(POS + b), S)
-        smask = (sidx < NUM_SPLITS) & (sidx * SPLIT < n_valid)
-        m = tl.load(M_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=-1.0e30)
-        l = tl.load(L_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=0.0)
-        acc = tl.load(ACC_TMP + (bh * NUM_SPLITS + sidx)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-        q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
-        s_new, vn = _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
-        m_all = tl.maximum(tl.max(m, axis=0), s_new)
-        w = tl.exp2(m - m_all)
-        p_new = tl.exp2(s_new - m_all)
-        denom = tl.sum(l * w, axis=0) + p_new
-        num = tl.sum(acc * w[:, None], axis=0) + p_new * vn
-        tl.store(OUT + b * so_b + h * so_h + d, (num / denom).to(OUT.dtype.element_ty))
-
-    @triton.jit
-    def _rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
-                           H, S, T, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, TABLE, stb,
-                           D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr,
-                           KV_FP8: tl.constexpr, PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
-        # One program per (row step bt = b * T + t, head): step t of row b is at position POS[b] + t.
-        # PAGED: the slot is written through the block table (never into the null block 0).
-        bh = tl.program_id(0)
-        bt = bh // H
-        h = bh % H
-        b = bt // T
-        HALF: tl.constexpr = D // 2
-        HD = H * D
-        base = QKV + bt * s_qkv_b + h * D
-        i = tl.arange(0, HALF)
-        qpos = tl.load(POS + b) + bt % T
-        slot = qpos % S
-        write = i >= 0
-        if HAS_EXEC:  # (the flag compared as a tensor: the interpreter takes no scalar in a mask)
-            write = write & (tl.load(EXEC + b) + 0 * i != 0)
-        out_ty = QO.dtype.element_ty
-        qr = tl.load(base + 2 * i)
-        qi = tl.load(base + 2 * i + 1)
-        kr = tl.load(base + HD + 2 * i)
-        ki = tl.load(base + HD + 2 * i + 1)
-        if HAS_ROPE:
-            c = tl.load(COS + bt * HALF + i)
-            s = tl.load(SIN + bt * HALF + i)
-            qr32, qi32 = qr.to(tl.float32), qi.to(tl.float32)
-            kr32, ki32 = kr.to(tl.float32), ki.to(tl.float32)
-            qr = (qr32 * c - qi32 * s).to(out_ty)
-            qi = (qr32 * s + qi32 * c).to(out_ty)
-            kr = (kr32 * c - ki32 * s).to(out_ty)
-            ki = (kr32 * s + ki32 * c).to(out_ty)
-        o = (bt * H + h) * D
-        tl.store(QO + o + 2 * i, qr)
-        tl.store(QO + o + 2 * i + 1, qi)
-        tl.store(KO + o + 2 * i, kr)
-        tl.store(KO + o + 2 * i + 1, ki)
-        if PAGED:
-            blk, off = _page(TABLE, b, stb, slot + 0 * i, write, BS)
-            write = write & (blk != 0)
-            kc = K + blk * sk_b + h * sk_h + off * sk_s
-            vc = V + blk * sv_b + h * sv_h + off * sv_s
-            so = blk * sks_b + h * sks_h + off
-        else:
-            kc = K + b * sk_b + h * sk_h + slot * sk_s
-            vc = V + b * sv_b + h * sv_h + slot * sv_s
-            so = b * sks_b + h * sks_h + slot
-        vr = tl.load(base + 2 * HD + 2 * i)
-        vi = tl.load(base + 2 * HD + 2 * i + 1)
-        if KV_FP8:
-            # Per (row, head, slot) scale: the vector's max |x| maps to e4m3's largest value 448.
-            cache_ty = K.dtype.element_ty
-            k_sc = tl.maximum(tl.maximum(tl.max(tl.abs(kr.to(tl.float32)), axis=0),
-                                         tl.max(tl.abs(ki.to(tl.float32)), axis=0)) / 448.0, 1e-30)
-            v_sc = tl.maximum(tl.maximum(tl.max(tl.abs(vr.to(tl.float32)), axis=0),
-                                         tl.max(tl.abs(vi.to(tl.float32)), axis=0)) / 448.0, 1e-30)
-            tl.store(kc + 2 * i, tl.clamp(kr.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            tl.store(kc + 2 * i + 1, tl.clamp(ki.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            tl.store(vc + 2 * i, tl.clamp(vr.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            tl.store(vc + 2 * i + 1, tl.clamp(vi.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            row0 = i == 0
-            tl.store(KS + so + 0 * i, k_sc + 0.0 * i, mask=write & row0)
-            tl.store(VS + so + 0 * i, v_sc + 0.0 * i, mask=write & row0)
-        else:
-            tl.store(kc + 2 * i, kr, mask=write)
-            tl.store(kc + 2 * i + 1, ki, mask=write)
-            tl.store(vc + 2 * i, vr, mask=write)
-            tl.store(vc + 2 * i + 1, vi, mask=write)
-
-    @triton.jit
-    def _add_rms_norm_kernel(X, U, LS, ALPHA, RES, Y, N, eps, sx, su, sr, sy,
-                             BLOCK: tl.constexpr, HAS_U: tl.constexpr, HAS_LS: tl.constexpr):
-        b = tl.program_id(0)
-        o = tl.arange(0, BLOCK)
-        msk = o < N
-        x = tl.load(X + b * sx + o, mask=msk, other=0.0).to(tl.float32)
-        if HAS_U:
-            res_ty = RES.dtype.element_ty
-            u = tl.load(U + b * su + o, mask=msk, other=0.0).to(tl.float32)
-            if HAS_LS:
-                u = (tl.load(LS + o, mask=msk, other=0.0).to(tl.float32) * u).to(res_ty).to(tl.float32)
-            xr = (x + u).to(res_ty)
-            tl.store(RES + b * sr + o, xr, mask=msk)
-            x = xr.to(tl.float32)
-        var = eps + tl.sum(x * x, axis=0) / N
-        a = tl.load(ALPHA + o, mask=msk, other=0.0).to(tl.float32)
-        y = x * (a * (1.0 / tl.sqrt(var)))
-        tl.store(Y + b * sy + o, y.to(Y.dtype.element_ty), mask=msk)
-
-    @triton.jit
-    def _silu_mul_kernel(Hx, OUT, F, sh, so, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        msk = o < F
-        a = tl.load(Hx + b * sh + o, mask=msk, other=0.0).to(tl.float32)
-        g = tl.load(Hx + b * sh + F + o, mask=msk, other=0.0).to(tl.float32)
-        ty = OUT.dtype.element_ty
-        act = (a / (1.0 + tl.exp(-a))).to(ty).to(tl.float32)
-        tl.store(OUT + b * so + o, (act * g).to(ty), mask=msk)
-
-    @triton.jit
-    def _sample_kernel(LOGITS, NOISE, TEMP, TOPK, OUT, V, sl, sn, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        o = tl.arange(0, BLOCK)
-        msk = o < V
-        x = tl.load(LOGITS + b * sl + o, mask=msk, other=float("-inf")).to(tl.float32)
-        greedy = tl.argmax(x, axis=0)
-        temp = tl.load(TEMP + b).to(tl.float32)
-        k = tl.load(TOPK + b).to(tl.int64)
-        k = tl.where((k > 0) & (k < V), k, V)
-        # Order-preserving int32 keys of the fp32 logits; padding gets the smallest key.
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        key = tl.where(msk, key, -2147483648)
-        # Largest t with count(key >= t) >= k: the k-th largest key (bisection, 32 steps).
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483647, tl.int64)
-        for _ in range(32):
-            mid = lo + (hi - lo + 1) // 2
-            cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-            ok = cnt >= k
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        keep = msk & (key >= lo.to(tl.int32))
-        t = tl.where(temp > 0, temp, 1.0)
-        mx = tl.max(x, axis=0)
-        p = tl.where(keep, tl.exp((x - mx) / t), 0.0)
-        noise = tl.load(NOISE + b * sn + o, mask=msk, other=1.0)
-        sampled = tl.argmax(p / noise, axis=0)
-        tl.store(OUT + b, tl.where(temp > 0, sampled, greedy).to(tl.int64))
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,8 +141,8 @@ def attention_launch(B: int, H: int, S: int, fp8: bool) -> AttentionLaunch:
     (benchmarks/fp8_attention_variants.py: 4.0 TB/s at B = 128 full), with the same split lengths."""
     if B * H >= 2048 and S > 64:
         if fp8:
-            return AttentionLaunch(16, triton.cdiv(S, 16), 4, 2)
-        return AttentionLaunch(64, triton.cdiv(S, 64), 3, 4)
+            return AttentionLaunch(16, _cdiv(S, 16), 4, 2)
+        return AttentionLaunch(64, _cdiv(S, 64), 3, 4)
     block_n = max(16, min(64, _pow2(S)))
     blocks = 2 if B * H <= 64 else (4 if B * H <= 512 else 8)
     one_split = block_n * blocks >= S  # short rings (the depformer's, Mimi's): nothing to pipeline
@@ -549,6 +176,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     `exec_mask` is True (all rows without one), as `rope_write` would without RoPE: inside the
     attention kernel when one program covers a row's ring (the depformer's), else after it.
     `block_table`: paged caches (see the module doc)."""
+    jit = triton_kernels()
     B, H, D = q.shape
     S = slot_pos.shape[1]
     paged = _paging(block_table, cache_k, B, S)
@@ -556,7 +184,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     block_n, blocks, stages, warps = launch or attention_launch(B, H, S, k_scale is not None)
     split = block_n * blocks
-    num_splits = triton.cdiv(S, split)
+    num_splits = _cdiv(S, split)
     ieee = cache_k.dtype == torch.float32
     fp8 = k_scale is not None
     qk_scale = (D ** -0.5) * 1.4426950408889634
@@ -576,18 +204,18 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                  PAGED=paged, BS=cache_k.shape[2] if paged else 1)
     if fp8:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
-        _attn_fp8_kernel[(B * H, num_splits)](
+        jit.attn_fp8_kernel[(B * H, num_splits)](
             q, k_new, v_new, cache_k, cache_v, k_scale, v_scale, slot_pos, pos, rows, out, m_tmp, l_tmp, acc_tmp,
             H, S, ctx, qk_scale, *common, *strides, k_scale.stride(0), k_scale.stride(1), slot_pos.stride(0),
             out.stride(0), out.stride(1), *table, **shape)
     else:
-        _attn_split_kernel[(B * H, num_splits)](
+        jit.attn_split_kernel[(B * H, num_splits)](
             q, k_new, v_new, cache_k, cache_v, slot_pos, pos, ex, rows, out, m_tmp, l_tmp, acc_tmp,
             H, S, ctx, qk_scale, *common, *strides, slot_pos.stride(0), out.stride(0), out.stride(1), *table,
             IEEE=ieee, WRITE=write and final, HAS_EXEC=exec_mask is not None, **shape)
     if final:
         return out
-    _attn_reduce_kernel[(B * H,)](
+    jit.attn_reduce_kernel[(B * H,)](
         q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
         D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
     if write:  # after every split has read the ring
@@ -655,6 +283,7 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
     ([R * T, D / 2]); exec_mask and pos stay per row [R]; q and k come back [R * T, H, D].
 
     `block_table` [R, S // bs] int32: paged caches (see `decode_attention`), S = its columns * bs."""
+    jit = triton_kernels()
     B = qkv.shape[0]
     S = cache_k.shape[2] if block_table is None else block_table.shape[1] * cache_k.shape[2]
     paged = _paging(block_table, cache_k, pos.shape[0], S)
@@ -668,7 +297,7 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
     if fp8:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
     ks, vs = (k_scale, v_scale) if fp8 else (qkv, qkv)
-    _rope_write_kernel[(B * H,)](
+    jit.rope_write_kernel[(B * H,)](
         qkv, cos, sin, pos, ex, q_out, k_out, cache_k, cache_v, ks, vs, H, S, steps, qkv.stride(0),
         cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2),
@@ -682,10 +311,11 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
 
 def rms_norm(x: torch.Tensor, alpha: torch.Tensor, eps: float) -> torch.Tensor:
     """x [B, N] (last dim contiguous) -> x * alpha / sqrt(eps + mean(x^2)), in fp32, cast back."""
+    jit = triton_kernels()
     assert x.stride(-1) == 1
     B, N = x.shape
     y = torch.empty_like(x)
-    _add_rms_norm_kernel[(B,)](x, x, x, alpha, x, y, N, eps, x.stride(0), 0, 0, y.stride(0),
+    jit.add_rms_norm_kernel[(B,)](x, x, x, alpha, x, y, N, eps, x.stride(0), 0, 0, y.stride(0),
                                BLOCK=_pow2(N), HAS_U=False, HAS_LS=False, num_warps=8)
     return y
 
@@ -694,33 +324,36 @@ def add_rms_norm(res: torch.Tensor, upd: torch.Tensor, scale: torch.Tensor | Non
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """new = res + scale * upd (rounded to upd's dtype, as the layer does; no scale: + upd), and
     rms_norm(new, alpha, eps)."""
+    jit = triton_kernels()
     assert res.stride(-1) == 1 and upd.stride(-1) == 1
     B, N = upd.shape
     new = torch.empty_like(upd)
     y = torch.empty_like(upd)
-    _add_rms_norm_kernel[(B,)](res, upd, scale if scale is not None else upd, alpha, new, y, N, eps,
+    jit.add_rms_norm_kernel[(B,)](res, upd, scale if scale is not None else upd, alpha, new, y, N, eps,
                                res.stride(0), upd.stride(0), new.stride(0), y.stride(0),
                                BLOCK=_pow2(N), HAS_U=True, HAS_LS=scale is not None, num_warps=8)
     return new, y
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    jit = triton_kernels()
     B, F2 = h.shape
     F = F2 // 2
     out = torch.empty(B, F, dtype=h.dtype, device=h.device)
     block = 1024
-    _silu_mul_kernel[(B, triton.cdiv(F, block))](h, out, F, h.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    jit.silu_mul_kernel[(B, _cdiv(F, block))](h, out, F, h.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            noise: torch.Tensor) -> torch.Tensor:
+    jit = triton_kernels()
     B, V = logits.shape
     assert logits.stride(1) == 1 and noise.stride(1) == 1
     assert temperature.stride(0) == 1 and top_k.stride(0) == 1  # the kernel reads them as flat [B]
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     block = _pow2(V)
     num_warps = 32 if block >= 16384 else (16 if block >= 4096 else 8)
-    _sample_kernel[(B,)](logits, noise, temperature, top_k, out, V, logits.stride(0), noise.stride(0),
+    jit.sample_kernel[(B,)](logits, noise, temperature, top_k, out, V, logits.stride(0), noise.stride(0),
                          BLOCK=block, num_warps=num_warps)
     return out

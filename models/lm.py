@@ -45,7 +45,17 @@ def published_state(reference_state: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-class ZeroEmbedding(nn.Embedding):
+class Embedding(nn.Embedding):
+    """nn.Embedding that draws no weights on the meta device, where the checkpoint loaders build
+    (then load the weights): there is nothing to draw, and drawing there imports torch._dynamo and
+    with it Triton (~1.5 s at every start, on a CPU server too)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class ZeroEmbedding(Embedding):
     """An embedding where index -1 (ZERO_TOKEN) gives an exact zero vector.
 
     Other negative ids (-2, "not generated") are clamped to row 0, as in the reference.

@@ -25,13 +25,6 @@ import torch
 
 from . import kernels
 
-try:
-    import triton
-    import triton.language as tl
-    _HAVE_TRITON = True
-except ImportError:  # CPU-only installs: the torch version below
-    _HAVE_TRITON = False
-
 UNSEEDED = -1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: the splitmix64 increment
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser constants
@@ -66,33 +59,13 @@ def hashed_noise(seeds: torch.Tensor, counter: torch.Tensor, stream: int, vocab:
     return -torch.log(uniform)
 
 
-if _HAVE_TRITON:
-
-    @triton.jit
-    def _mix_tl(z):
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        return z ^ (z >> 31)
-
-    @triton.jit
-    def _seeded_noise_kernel(NOISE, SEEDS, COUNTER, V, sn, stream, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        seed = tl.load(SEEDS + b)
-        if seed >= 0:
-            counter = tl.load(COUNTER + b).to(tl.uint64)
-            key = _mix_tl(seed.to(tl.uint64) * 0x9E3779B97F4A7C15 + _mix_tl(counter * 131 + (stream + 1)))
-            for start in range(0, V, BLOCK):
-                o = start + tl.arange(0, BLOCK)
-                h = _mix_tl(key + (o + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
-                uniform = ((h >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-                tl.store(NOISE + b * sn + o, -tl.log(uniform), mask=o < V)
-
 
 def seed_noise_(noise: torch.Tensor, seeds: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
     """Overwrite the rows of `noise` [B, V] whose seed is >= 0 with their hashed noise (in place)."""
     B, V = noise.shape
-    if noise.is_cuda and _HAVE_TRITON:
-        _seeded_noise_kernel[(B,)](noise, seeds, counter, V, noise.stride(0), stream, BLOCK=2048, num_warps=4)
+    jit = kernels.triton_kernels() if noise.is_cuda else None  # Triton: imported at the first CUDA draw
+    if jit is not None:
+        jit.seeded_noise_kernel[(B,)](noise, seeds, counter, V, noise.stride(0), stream, BLOCK=2048, num_warps=4)
     elif noise.is_cuda:  # no Triton: every row, selected on the device (no host sync: graph-safe)
         seeded = (seeds >= 0)[:, None]
         noise.copy_(torch.where(seeded, hashed_noise(seeds.clamp(min=0), counter, stream, V), noise))

@@ -41,7 +41,7 @@ from torch import nn
 from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConfigError, LMConfig
 from .dsm import DsmRows, DsmTokens, WordEntry
 from .host_rows import copy_from_host
-from .lm import ZeroEmbedding
+from .lm import Embedding, ZeroEmbedding
 from .row_views import leading_rows
 from .sampling import sample_tokens
 from .transformer import StreamingTransformer, TransformerState, make_norm
@@ -203,7 +203,7 @@ class Conditioner(nn.Module):
         super().__init__()
         self.spec = spec
         if spec.kind == "lut":
-            self.embed = nn.Embedding(spec.n_bins + 1, spec.dim, device=device)
+            self.embed = Embedding(spec.n_bins + 1, spec.dim, device=device)
         self.output_proj = nn.Linear(spec.dim, out_dim, bias=False, device=device)
         self.learnt_padding = nn.Parameter(torch.zeros(1, 1, out_dim, device=device))
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyloudnorm  # at import: a lazy import on the engine thread at the first audio voice held the GIL
 import torch
 
 from .audio_io import read_wav
@@ -62,6 +61,10 @@ def integrated_loudness(pcm: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> fl
 
     Raises `ValueError` when the audio is shorter than one 400 ms gating block.
     """
+    # Imported here (~0.9 s, with scipy.signal): only an audio voice needs it. Voices are read when
+    # the backend is built (engine/voice_library.py), never on the engine thread while it ticks.
+    import pyloudnorm
+
     data = pcm.detach().to("cpu", torch.float64).reshape(-1).numpy()
     return float(pyloudnorm.Meter(sample_rate).integrated_loudness(data))
 

@@ -17,6 +17,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +27,9 @@ from pathlib import Path
 import httpx2 as httpx
 import numpy as np
 import pytest
+import soundfile as sf
 
+from parley.models.synthetic import write_tiny_stt_checkpoint
 from server_harness import chat_session, free_port, tone
 
 SERVER = Path(__file__).with_name("lazy_import_server.py")
@@ -53,6 +56,44 @@ def test_a_server_without_an_image_model_never_loads_diffusers():
             "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
+# Loaded only where used: Triton (and torch._dynamo, which imports it) by the fused CUDA path,
+# aiortc by the WebRTC worker processes, pyloudnorm (with scipy.signal) by an audio voice file.
+START_LAZY = ("triton", "torch._dynamo", "aiortc", "pyloudnorm", "scipy.signal")
+
+
+def imported_by(code: str, env: dict | None = None) -> list[str]:
+    """Which of START_LAZY a fresh interpreter has imported after running `code`."""
+    probe = f"import json, sys\n{code}\nprint(json.dumps(sorted(m for m in {START_LAZY!r} if m in sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_cpu_server_starts_without_triton_aiortc_or_pyloudnorm(tiny_personaplex_dir, tmp_path):
+    """Importing the server module and building a CPU server's app (duplex model, paired STT; no
+    image model, whose diffusers imports torch._dynamo itself) import none of them: ~0.1 s of
+    Triton, ~1.4 s more of torch._dynamo (drawn in by init on the meta device) and ~0.9 s of
+    pyloudnorm's scipy.signal (docs/benchmarks.md)."""
+    stt = tmp_path / "stt"
+    write_tiny_stt_checkpoint(stt, mimi_from=tiny_personaplex_dir)
+    assert imported_by("import parley.realtime.server") == []
+    config = f"ServeConfig(model={str(tiny_personaplex_dir)!r}, stt_model={str(stt)!r}, device='cpu', max_sessions=1)"
+    assert imported_by(f"from parley.realtime.server import ServeConfig, build_app\nbuild_app({config})") == []
+
+
+def test_each_is_imported_where_it_is_needed(tmp_path):
+    """The fused path imports Triton (a CUDA tensor, or a CPU one under Triton's interpreter), the
+    WebRTC worker aiortc, and reading an audio voice file pyloudnorm."""
+    fused = "import torch\nfrom parley.models import kernels\nassert kernels.available(torch.zeros(1))"
+    assert "triton" in imported_by(fused, {"TRITON_INTERPRET": "1"})
+    assert "triton" not in imported_by(fused.replace("assert ", "assert not "))  # no CUDA, no interpreter
+    assert "aiortc" in imported_by("import parley.realtime.webrtc_worker")
+    wav = tmp_path / "voice.wav"
+    sf.write(wav, 0.3 * np.sin(np.arange(24_000) * 0.05), 24_000)
+    assert "pyloudnorm" in imported_by(f"from parley.models.voices import voice_audio\nvoice_audio({str(wav)!r})")
 
 
 def test_serve_help_shows_the_engines_defaults():

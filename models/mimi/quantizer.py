@@ -42,7 +42,8 @@ class Codebook(nn.Module):
         # Centroids, derived from the two statistics above; refreshed on every load.
         self.register_buffer("_embedding", torch.zeros(bins, dim), persistent=False)
         self.register_buffer("_squared_norms", torch.zeros(bins), persistent=False)  # |c|^2
-        self.refresh_embedding()
+        if not self.cluster_usage.is_meta:  # on meta: nothing to compute (and clamp there imports torch._dynamo)
+            self.refresh_embedding()
 
     @torch.no_grad()
     def refresh_embedding(self) -> None:
