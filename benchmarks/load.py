@@ -264,8 +264,13 @@ def scrape(http: str) -> dict[str, float]:
 
 
 def duplex_model(http: str) -> str:
+    return served_model(http, "duplex")
+
+
+def served_model(http: str, modality: str) -> str:
+    """The first name the server serves `modality` as (GET /v1/models)."""
     listing = json.loads(urllib.request.urlopen(f"{http}/v1/models", timeout=10).read())
-    return next(m["id"] for m in listing["data"] if m.get("modality") == "duplex")
+    return next(m["id"] for m in listing["data"] if m.get("modality") == modality)
 
 
 def free_port() -> int:

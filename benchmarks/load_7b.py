@@ -45,10 +45,10 @@ PERSONA = ("You are a wise and friendly teacher. Answer questions or provide adv
 
 
 @torch.no_grad()
-def write_random_7b(directory: Path, kind: str, voice_frames: int) -> None:
+def write_random_7b(directory: Path, kind: str, voice_frames: int, device: str = "cuda") -> None:
+    """`device` meta: the layout with sparse zero weights (benchmarks/write_models.py's config check)."""
     cfg = LMConfig(dep_q=16 if kind == "personaplex" else 8)
-    lm = LMModel(cfg, device="cuda", dtype=torch.bfloat16)  # default init, on the GPU: seconds
-    device = next(lm.parameters()).device
+    lm = LMModel(cfg, device=device, dtype=torch.bfloat16)  # default init, on the GPU: seconds
     voices = {}
     if kind == "personaplex":
         codes = torch.randint(0, cfg.card, (voice_frames, cfg.n_agent))
@@ -56,11 +56,14 @@ def write_random_7b(directory: Path, kind: str, voice_frames: int) -> None:
         voice = voice_to_pt(VoicePrompt(source="VOICE0", codes=codes), lambda t: embed(t.to(device)).cpu(), cfg)
         save_voice_pt(directory / ".VOICE0.pt", voice)
         voices["VOICE0"] = directory / ".VOICE0.pt"
-    state = {k: v.cpu() for k, v in lm.state_dict().items()}
+    state = {k: v if v.is_meta else v.cpu() for k, v in lm.state_dict().items()}
     del lm
     tokenizer = train_tiny_tokenizer(directory / ".spm.model", 200)
     config = lm_config_dict(cfg) if kind == "personaplex" else None
-    write_checkpoint(directory, state, Mimi(MimiConfig()).state_dict(), tokenizer, config, voices)
+    with torch.device("meta" if device == "meta" else "cpu"):
+        mimi = Mimi(MimiConfig())
+    write_checkpoint(directory, state, mimi.state_dict(), tokenizer, config, voices)
+    tokenizer.unlink()  # scratch: copied into the layout's file
 
 
 @torch.no_grad()

@@ -1,8 +1,15 @@
 """Every kind of work at once through one `parley serve`, each kind's figures beside its figures alone.
 
     python benchmarks/mixed_load.py --duration 8                     # the demo server: every modality, tiny, CPU
-    python benchmarks/mixed_load.py --duplex 64 --tts 16 --transcription 64 --images 4 --duration 60 \\
-        --procs 4 --serve-arg=--model=/tmp/m7b --serve-arg=--tts-model=/tmp/tts --serve-arg=--device=cuda ...
+    # H200 (not yet run; 4-5 minutes estimated): Moshi-7B, TTS 1.6B, STT 1B and SD-1.5 shapes, random weights
+    python benchmarks/write_models.py --dir /tmp/models --device cuda && \\
+    python benchmarks/mixed_load.py --models /tmp/models --duplex 64 --tts 16 --transcription 64 --images 4 \\
+        --image-size 512x512 --image-steps 20 --duration 20 --procs 4 --serve-arg=--device=cuda
+
+`--models DIR` serves what benchmarks/write_models.py wrote there (`--model`, `--tts-model` with its
+voices and voice map, `--stt-model`, `--image-model`); `--serve-arg` adds or overrides flags. Unless
+given, the server gets `--max-sessions` duplex + 2 (transcription sessions hold no duplex row),
+`--tts-slots` = --tts and `--stt-slots` = --transcription, so no client of the load is refused.
 
 Phases, each `--duration` seconds on the same server: every kind alone (duplex, tts, transcription,
 image), then all of them at once. Real clients over real sockets:
@@ -13,8 +20,8 @@ image), then all of them at once. Real clients over real sockets:
 - transcription: `--transcription` /v1/realtime?intent=transcription sessions streaming pcm16 on the
   80 ms grid: the server's transcript delay p50 / p99 (`parley_transcript_delay_seconds`, as
   benchmarks/transcript_delay.py reads it) and deltas;
-- image: `--images` concurrent loops of /v1/images/generations (K images in flight): images per
-  minute and errors.
+- image: `--images` concurrent loops of /v1/images/generations (K images in flight, `--image-size`,
+  `--image-steps`): images per minute and errors.
 Every phase also reports the engine's late ticks (from /metrics). The design's promise is that the
 "together" column stays near the "alone" one: the duplex frame on time, the slack kinds slowed only
 by what the ticks leave them.
@@ -32,8 +39,8 @@ from pathlib import Path
 import httpx2 as httpx  # the HTTP client the pinned openai SDK ships on
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import pct, run_load, scrape  # noqa: E402
-from mixed_soak import child_server, image  # noqa: E402
+from load import pct, run_load, scrape, served_model  # noqa: E402
+from mixed_soak import child_server, post  # noqa: E402
 from transcript_delay import delta, quantile, standalone_client, transcript_metrics  # noqa: E402
 from tts_clients import one_request  # noqa: E402
 
@@ -44,8 +51,8 @@ REQUEST_TIMEOUT_S = 120.0
 
 async def duplex_load(ws: str, args) -> dict:
     r = await run_load(ws, args.duplex, args.duration, procs=args.procs)
-    return {"sessions": r["served"], "refused": r["refused"], "jitter p99 ms": r["jitter_p99_ms"],
-            "frames lost": r["frames_lost"]}
+    return {"sessions": r["served"], "refused": r["refused"], "frames back": r["frames_sent"] - r["frames_lost"],
+            "jitter p99 ms": r["jitter_p99_ms"], "frames lost": r["frames_lost"]}
 
 
 async def tts_load(http: str, args) -> dict:
@@ -74,10 +81,20 @@ async def tts_load(http: str, args) -> dict:
 
 async def transcription_load(ws: str, http: str, args) -> dict:
     before = await asyncio.to_thread(transcript_metrics, http)
-    deltas = await asyncio.gather(*(standalone_client(ws, i, args.duration) for i in range(args.transcription)))
+    model = await asyncio.to_thread(served_model, http, "stt")  # the demo's alias or the checkpoint's name
+    deltas = await asyncio.gather(*(standalone_client(ws, i, args.duration, model)
+                                    for i in range(args.transcription)))
     d = delta(before, await asyncio.to_thread(transcript_metrics, http))["standalone"]
     return {"sessions": len(deltas), "deltas": int(d["count"]),
             "delay p50 ms": 1000 * quantile(d["buckets"], 0.5), "delay p99 ms": 1000 * quantile(d["buckets"], 0.99)}
+
+
+async def image(base: str, i: int, args) -> None:
+    body = {"prompt": f"a mixed load image {i}", "size": args.image_size, "num_inference_steps": args.image_steps}
+    out = json.loads(await asyncio.to_thread(post, base, "/v1/images/generations", json.dumps(body).encode(),
+                                             "application/json"))
+    if not out.get("data"):
+        raise RuntimeError(f"no image: {out}")
 
 
 async def image_load(base: str, args) -> dict:
@@ -90,7 +107,7 @@ async def image_load(base: str, args) -> dict:
         i = k
         while time.monotonic() < end:
             try:
-                await image(base, i)
+                await image(base, i, args)
                 done += 1
             except Exception as exc:  # counted; the loop goes on after a pause
                 errors += 1
@@ -140,6 +157,23 @@ async def run(base: str, args, kinds: list[str]) -> None:
           + f", together {late:.0f}")
 
 
+def server_flags(args) -> list[str]:
+    """--models' flags, then --serve-arg's (the later wins), then the sizes the load needs where not given."""
+    flags = [*(model_flags(args.models) if args.models is not None else []), *args.serve_arg]
+    needs = {"--max-sessions": args.duplex + 2, "--tts-slots": max(args.tts, 1),
+             "--stt-slots": max(args.transcription, 1)}
+    return flags + [f"{flag}={n}" for flag, n in needs.items() if not any(a.startswith(flag) for a in flags)]
+
+
+def model_flags(directory: Path) -> list[str]:
+    from write_models import serve_args  # torch and the writers: only with --models, not in the clients
+
+    flags = serve_args(directory)
+    if not flags:
+        raise SystemExit(f"mixed_load.py: --models {directory}: no model written there (benchmarks/write_models.py)")
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duplex", type=int, default=2, help="/api/chat sessions (default %(default)s)")
@@ -149,16 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=10.0, help="seconds per phase (default %(default)s)")
     p.add_argument("--procs", type=int, default=1, help="processes for the duplex clients (several beyond ~48)")
     p.add_argument("--tts-voice", default="alloy", help="the voice every TTS request asks for (default %(default)s)")
+    p.add_argument("--image-size", default="auto", help="each image's size, WxH or auto (default %(default)s)")
+    p.add_argument("--image-steps", type=int, default=20, help="denoising steps per image (default %(default)s)")
+    p.add_argument("--models", type=Path, default=None,
+                   help="serve what benchmarks/write_models.py wrote in this directory")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="an extra `parley serve` argument (repeat); none: the demo server (every modality, tiny)")
     args = p.parse_args(argv)
     kinds = [k for k in KINDS if getattr(args, "images" if k == "image" else k) > 0]
     if not kinds:
         p.error("nothing to run: every kind's count is 0")
-    extra = [*args.serve_arg]
-    if not any(a.startswith("--max-sessions") for a in extra):
-        extra.append(f"--max-sessions={args.duplex + args.transcription + 2}")
-    with child_server(extra) as (base, _pid):
+    with child_server(server_flags(args)) as (base, _pid):
         asyncio.run(run(base, args, kinds))
     return 0
 

@@ -40,11 +40,8 @@ from parley.models.stt import SttSettings  # noqa: E402
 from parley.models.synthetic import tiny_stt_config  # noqa: E402
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa: E402
 from profile_frame import graph_ms, kernel_breakdown  # noqa: E402
+from write_models import STT_1B  # noqa: E402  (Kyutai stt-1b-en_fr's shapes)
 
-# Kyutai stt-1b-en_fr shapes as its config.json gives them (docs/transcription.md).
-STT_1B = LMConfig(dim=2048, text_card=8000, num_heads=16, num_layers=16, hidden_scale=4.125, context=375,
-                  max_period=100000.0, n_q=32, dep_q=0, delays=(6,) + (0,) * 32,
-                  extra_heads_num_heads=4, extra_heads_dim=6)
 
 
 def percentile(values: list[float], q: float) -> float:

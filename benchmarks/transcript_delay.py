@@ -92,16 +92,16 @@ def delta(before: dict, after: dict) -> dict:
     return out
 
 
-async def standalone_client(url: str, index: int, duration: float) -> int:
+async def standalone_client(url: str, index: int, duration: float, model: str = "gpt-4o-transcribe") -> int:
     """One transcription session: a tone at speech level in pcm16 appends, paced in real time.
-    Returns the deltas it received."""
+    `model`: the transcription model it names (one the server serves). Returns the deltas it received."""
     n = int(duration / FRAME_S)
     t = np.arange(n * FRAME) / SR
     pcm = (0.3 * np.sin(2 * np.pi * (180 + 41 * index) * t) * 32767).astype("<i2")
     deltas = 0
     async with connect(f"{url}/v1/realtime?intent=transcription", max_size=None, open_timeout=30) as ws:
         await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
-            "input": {"transcription": {"model": "gpt-4o-transcribe"}, "turn_detection": None}}}}))
+            "input": {"transcription": {"model": model}, "turn_detection": None}}}}))
 
         async def receive() -> None:
             nonlocal deltas

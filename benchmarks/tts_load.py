@@ -76,6 +76,7 @@ import httpx2 as httpx  # noqa: E402  (the HTTP client the pinned openai SDK shi
 import uvicorn  # noqa: E402
 from stall_watch import StallWatch  # noqa: E402
 from tts_clients import ClientProcess, failure_summary, gather_requests, one_request  # noqa: E402
+from write_models import tts_config_dict  # noqa: E402  (the published TTS shapes)
 
 from parley.engine import Engine, SpeechFrontEnd  # noqa: E402
 from parley.engine.backend import ModelBackend, default_dtype  # noqa: E402
@@ -88,7 +89,6 @@ from parley.models.checkpoint import mimi_config_dict  # noqa: E402
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config  # noqa: E402
 from parley.models.lm import published_state  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
-from parley.models.synthetic import tiny_tts_config  # noqa: E402
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa: E402
 from parley.models.tts import TtsConfig, TtsLM  # noqa: E402
 from parley.models.tts_checkpoint import VoiceStore, write_voice  # noqa: E402
@@ -107,19 +107,6 @@ VOICE_SUFFIX = ".bench@0.safetensors"
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))] if ordered else float("nan")
-
-
-def tts_config_dict(shapes: str) -> dict:
-    raw = tiny_tts_config(n_q=4 if shapes == "tiny" else 32)
-    if shapes == "1.6b":  # the published kyutai/tts-1.6b-en_fr shapes (docs: shared/reference/tts.md)
-        raw.update(dim=2048, text_card=8000, num_heads=16, num_layers=16, context=500, depformer_dim=1024,
-                   depformer_dim_feedforward=3072, depformer_num_heads=16, depformer_num_layers=4,
-                   depformer_context=32, depformer_low_rank_embeddings=128,
-                   depformer_weights_per_step_schedule=list(range(8)) + [8] * 8 + [9] * 8 + [10] * 8)
-        raw["conditioners"]["speaker_wavs"]["tensor"]["dim"] = 512
-        raw["conditioners"]["cfg"]["lut"]["dim"] = 16
-        raw["conditioners"]["control"]["lut"]["dim"] = 2048
-    return raw
 
 
 def build_models(shapes: str, device: str, dtype: torch.dtype):

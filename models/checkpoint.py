@@ -277,7 +277,9 @@ def _load_weights(model: nn.Module, st: _SafetensorsFile, plan: dict[str, _Sourc
         if progress is not None:
             progress(st.role, done, len(plan))
     model.load_state_dict(state, strict=True, assign=True)
-    leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    # device meta: the layout checked (config, files, keys, shapes), one tensor read at a time, none kept
+    leftover = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+                if t.is_meta and device.type != "meta"]
     if leftover:
         raise CheckpointError(f"{st.path}: model tensors left uninitialised after loading: {leftover[:10]}")
     model.requires_grad_(False)
@@ -533,11 +535,32 @@ def mimi_config_dict(cfg: MimiConfig) -> dict[str, Any]:
 def _save(path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
     out = {}
     for key, t in state.items():
-        t = t.detach().to("cpu")
+        t = t.detach() if t.is_meta else t.detach().to("cpu")
         if dtype is not None and t.dtype.is_floating_point:
             t = t.to(dtype)
         out[key] = t.contiguous().clone()  # no shared storage: safetensors refuses aliases
-    save_file(out, str(path))
+    save_tensors(path, out)
+
+
+_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+
+
+def save_tensors(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """A safetensors file of `state`. Meta tensors (a layout at real shapes, checked without
+    memory) are written as zeros never allocated: the header, then a sparse run of zero bytes."""
+    if not any(t.is_meta for t in state.values()):
+        save_file(state, str(path))
+        return
+    header, offset = {}, 0
+    for key, t in state.items():
+        size = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)) + blob)
+        fh.truncate(8 + len(blob) + offset)
 
 
 def write_checkpoint(directory: str | Path, lm_state: dict[str, torch.Tensor],

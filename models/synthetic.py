@@ -293,6 +293,24 @@ def tiny_tts_config(n_q: int = 4) -> dict:
 
 
 @torch.no_grad()
+def random_tts_lm(lm: TtsLM, generator: torch.Generator) -> TtsLM:
+    """`lm`'s weights drawn in place, on its device (`generator` there): N(0, 1 / fan_in) clipped at
+    3 sigma, norms as built, cross-attention norms the identity, and the NEW_WORD and PAD rows of
+    text_linear scaled so both get sampled (random text logits would rarely pick either)."""
+    for name, p in lm.named_parameters():
+        if name.endswith("alpha"):
+            continue
+        if name.endswith("norm_cross.weight"):
+            p.fill_(1.0)
+        elif name.endswith("norm_cross.bias"):
+            p.zero_()
+        elif not p.is_meta:  # meta: a layout at real shapes, nothing to draw
+            p.copy_(torch.randn(p.shape, generator=generator, device=p.device).clamp_(-3, 3) / math.sqrt(p.shape[-1]))
+    lm.text_linear.weight[[0, 3]] *= _WORD_LOGIT_GAIN
+    return lm
+
+
+@torch.no_grad()
 def write_tiny_tts_checkpoint(directory: str | Path, seed: int = 0, n_q: int = 4,
                               voices_dir: str | Path | None = None) -> Path:
     """A tiny random DSM TTS checkpoint (fp32) and its voices (default: `directory/voices`)."""
@@ -302,18 +320,7 @@ def write_tiny_tts_checkpoint(directory: str | Path, seed: int = 0, n_q: int = 4
     mimi_cfg = tiny_mimi_config(num_codebooks=n_q)
     raw["mimi_config_name"] = "mimi_config.json"
     (directory / "mimi_config.json").write_text(json.dumps(mimi_config_dict(mimi_cfg), indent=2))
-    generator = torch.Generator().manual_seed(seed)
-    lm = TtsLM(TtsConfig.from_dict(raw))
-    for name, p in lm.named_parameters():
-        if name.endswith("alpha"):
-            continue
-        if name.endswith("norm_cross.weight"):
-            p.fill_(1.0)
-        elif name.endswith("norm_cross.bias"):
-            p.zero_()
-        else:
-            p.copy_(torch.randn(p.shape, generator=generator).clamp_(-3, 3) / math.sqrt(p.shape[-1]))
-    lm.text_linear.weight[[0, 3]] *= _WORD_LOGIT_GAIN
+    lm = random_tts_lm(TtsLM(TtsConfig.from_dict(raw)), torch.Generator().manual_seed(seed))
     write_tts_lm(directory / raw["moshi_name"], lm, torch.float32)
     save_file({k: v.contiguous() for k, v in _tiny_mimi_state(mimi_cfg, seed).items()},
               str(directory / raw["mimi_name"]))
@@ -355,18 +362,35 @@ def write_tiny_stt_checkpoint(directory: str | Path, seed: int = 0, n_q: int = 8
     lm = _random_lm(cfg, seed)
     tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
     if mimi_from is not None:
-        mimi_dir = Path(mimi_from)
-        raw = json.loads((mimi_dir / "config.json").read_text())
-        mimi_raw = json.loads((mimi_dir / raw["mimi_config_name"]).read_text())
-        mimi_state = load_file(str(mimi_dir / raw.get("mimi_name", MIMI_FILE)))
+        mimi_raw, mimi_state = checkpoint_mimi(mimi_from)
     else:
         mimi_cfg = tiny_mimi_config(n_q)
         mimi_raw, mimi_state = mimi_config_dict(mimi_cfg), _tiny_mimi_state(mimi_cfg, seed)
-    config = {**lm_config_dict(cfg), "model_type": "stt", "stt_config": dict(TINY_STT_SETTINGS),
-              "moshi_name": STT_LM_FILE, "mimi_name": STT_MIMI_FILE, "tokenizer_name": STT_TOKENIZER_FILE}
-    write_checkpoint(directory, lm.state_dict(), mimi_state, tokenizer, config,
-                     lm_dtype=torch.float32, mimi_config=mimi_raw)
+    write_stt_checkpoint(directory, lm.state_dict(), cfg, tokenizer, mimi_raw, mimi_state, lm_dtype=torch.float32)
     tokenizer.unlink()
+    return directory
+
+
+def checkpoint_mimi(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A checkpoint's Mimi: its config in the reference layout ({} for the built-in defaults,
+    when config.json names none or there is no config.json) and its weights."""
+    directory = Path(directory)
+    raw = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
+    mimi_raw = json.loads((directory / raw["mimi_config_name"]).read_text()) if raw.get("mimi_config_name") else {}
+    return mimi_raw, load_file(str(directory / raw.get("mimi_name", MIMI_FILE)))
+
+
+def write_stt_checkpoint(directory: str | Path, lm_state: dict[str, torch.Tensor], cfg: LMConfig,
+                         tokenizer: Path, mimi_raw: dict, mimi_state: dict[str, torch.Tensor], *,
+                         settings: dict | None = None, lm_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """An STT checkpoint in the kyutai/stt layout (its file names, config.json with model_type
+    stt and `settings` as stt_config, default TINY_STT_SETTINGS); `mimi_raw` {}: no mimi config
+    file, the built-in Mimi, as the published STT repos ship it."""
+    directory = Path(directory)
+    config = {**lm_config_dict(cfg), "model_type": "stt", "stt_config": dict(settings or TINY_STT_SETTINGS),
+              "moshi_name": STT_LM_FILE, "mimi_name": STT_MIMI_FILE, "tokenizer_name": STT_TOKENIZER_FILE}
+    write_checkpoint(directory, lm_state, mimi_state, tokenizer, config, lm_dtype=lm_dtype,
+                     mimi_config=mimi_raw or None)
     (directory / MIMI_FILE).rename(directory / STT_MIMI_FILE)
     (directory / TOKENIZER_FILE).rename(directory / STT_TOKENIZER_FILE)
     return directory

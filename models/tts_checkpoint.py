@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import (
     MIMI_LEGACY_NAMES, CheckpointError, checkpoint_file, load_module_weights, read_config_json,
-    resolve_checkpoint_dir,
+    resolve_checkpoint_dir, save_tensors,
 )
 from .config import MIMI_FILE, ConfigError, MimiConfig
 from .mimi.codec import Mimi
@@ -212,8 +212,8 @@ def unpacked_state(lm: TtsLM) -> dict[str, torch.Tensor]:
 def write_tts_lm(path: Path, lm: TtsLM, dtype: torch.dtype) -> None:
     state = {}
     for key, t in unpacked_state(lm).items():
-        t = t.detach().cpu()
+        t = t.detach() if t.is_meta else t.detach().cpu()
         if t.dtype.is_floating_point:
             t = t.float() if key.startswith(FP32_PREFIXES) else t.to(dtype)
         state[key] = t.contiguous().clone()
-    save_file(state, str(path))
+    save_tensors(path, state)  # meta tensors: a sparse file of zeros (models/checkpoint.py)

@@ -11,6 +11,7 @@ Scripts whose every path needs CUDA are at least imported on CPU, and run small 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import re
@@ -134,7 +135,8 @@ CPU_CASES = {
         [r"^transcription: 1 requests [+-]\d+\.\d KiB, 1 more [+-]\d+\.\d KiB \(traced, after gc\); \d+ of 3",
          r"^realtime: 1 requests [+-]\d+\.\d KiB"]),
     "mixed_load": (  # each kind alone, then together, on the demo server (every modality, tiny)
-        "mixed_load.py", ["--duration", "3", "--duplex", "1", "--tts", "1", "--transcription", "1", "--images", "1"],
+        "mixed_load.py", ["--duration", "3", "--duplex", "1", "--tts", "1", "--transcription", "1", "--images", "1",
+                          "--image-steps", "2"],
         [r"^\| kind \| figure \| alone \| together \|$", r"^\| duplex \| frames lost \| \d+ \| \d+ \|$",
          r"^\| tts \| first audio p50 ms \| ", r"^\| transcription \| delay p99 ms \| ",
          r"^\| image \| images/min \| \d+\.\d \| \d+\.\d \|$",
@@ -170,6 +172,40 @@ def test_load_refuses_server_options_without_a_server_to_start() -> None:
         assert proc.returncode == 2 and "apply to a server this script starts" in proc.stderr, proc.stderr
 
 
+def test_write_models_tiny_served_by_mixed_load(tmp_path: Path) -> None:
+    """The H200 chain at tiny shapes on the CPU: write_models.py writes every kind in its layout,
+    mixed_load.py --models serves them all through one `parley serve`, and each kind alone gives
+    output (frames back, audio, transcript deltas, images), then all of them together."""
+    written = run_benchmark("write_models.py", "--dir", str(tmp_path), "--shapes", "tiny", "--device", "cpu")
+    for kind in ("duplex", "tts", "stt", "image"):
+        assert re.search(rf"^{kind}: {tmp_path / kind} \d+\.\d\d GB, written in", written, re.MULTILINE), written
+    output = run_benchmark("mixed_load.py", "--models", str(tmp_path), "--duration", "3", "--duplex", "1", "--tts", "1",
+                           "--transcription", "1", "--images", "1", "--image-steps", "2", "--serve-arg=--device=cpu",
+                           timeout=240)
+    alone = {m[1]: json.loads(m[2])[m[1]] for m in re.finditer(r"^(\w+) alone: (.*)$", output, re.MULTILINE)}
+    assert alone["duplex"]["sessions"] == 1 and alone["duplex"]["frames back"] > 0, output[-4000:]
+    assert alone["tts"]["requests"] > 0 and alone["tts"]["errors"] == 0, output[-4000:]
+    assert alone["transcription"]["deltas"] > 0, output[-4000:]
+    assert alone["image"]["images"] > 0 and alone["image"]["errors"] == 0, output[-4000:]
+    together = json.loads(re.search(r"^together: (.*)$", output, re.MULTILINE)[1])
+    assert together["duplex"]["frames back"] > 0 and set(together) >= set(alone), output[-4000:]
+
+
+def test_write_models_real_shapes_load_on_meta(tmp_path: Path) -> None:
+    """The real-shape TTS (1.6B) and STT (1B) layouts, weights as sparse zeros (no memory, no disk),
+    read back by the loaders `parley serve` uses, on the meta device: config.json, file names, every
+    key and shape, the tokenizer, the voices and the voice map (a tensor at a time, none kept)."""
+    output = run_benchmark("write_models.py", "--dir", str(tmp_path), "--device", "meta", "--kinds", "tts,stt",
+                           "--check")
+    assert re.search(r"^tts: loaded on meta: 1,8\d\d\.\d M LM parameters, n_q 32, 17 voice names", output,
+                     re.MULTILINE), output
+    assert re.search(r"^stt: loaded on meta: 9\d\d\.\d M LM parameters, n_q 32", output, re.MULTILINE), output
+    assert (tmp_path / "tts" / "dsm_tts_1e68beda@240.safetensors").stat().st_size > 3e9  # bf16 1.8 B, sparse
+
+
+# Scripts with a test of their own above (each writes in a directory of the test's).
+OWN_TESTS = ("write_models.py",)
+
 # Scripts only imported here: those whose every path needs CUDA (run small under `gpu` below),
 # and CPU ones too slow for this file (attacks.py, edge_cpu.py: a server per run and seconds per
 # attack or session; plot_frames.py draws a GPU run's JSON). Their module level (imports, shared
@@ -195,7 +231,7 @@ def test_other_benchmarks_import() -> None:
 
 def test_every_benchmark_is_covered() -> None:
     """A new benchmark script must be added here (run on CPU, or imported and run under `gpu`)."""
-    covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY)
+    covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY) | set(OWN_TESTS)
     # helper modules: frame_setup (shapes and checkpoints), tts_clients (tts_load's HTTP client process),
     # stall_watch (tts_load's --watch-stalls; tested below)
     scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py", "stall_watch.py"}
