@@ -45,7 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from parley.models.checkpoint import load_checkpoint, load_stt_checkpoint, save_tensors  # noqa: E402
+from parley.models.checkpoint import (MIMI_CONFIG_FILE, load_checkpoint, load_stt_checkpoint,  # noqa: E402
+                                     save_tensors)
 from parley.models.config import MIMI_FILE, LMConfig, MimiConfig  # noqa: E402
 from parley.models.lm import LMModel  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
@@ -135,7 +136,10 @@ def write_tts(out: Path, shapes: str, device: str, mimi_dir: Path | None) -> Non
     lm = random_tts_lm(TtsLM(cfg, device=device, dtype=torch.bfloat16), generator)
     write_tts_lm(out / raw["moshi_name"], lm, torch.bfloat16)
     del lm
-    _, mimi = duplex_mimi(mimi_dir, device)  # no mimi_config_name: the built-in Mimi, as published
+    mimi_raw, mimi = duplex_mimi(mimi_dir, device)
+    if mimi_raw:  # a Mimi of other shapes than the built-in one, which the published TTS names no config for
+        (out / MIMI_CONFIG_FILE).write_text(json.dumps(mimi_raw, indent=2))
+        raw["mimi_config_name"] = MIMI_CONFIG_FILE
     save_tensors(out / MIMI_FILE, {k: v.detach().to("meta" if v.is_meta else "cpu").float().contiguous().clone()
                                    for k, v in mimi.items()})
     train_tiny_tokenizer(out / TTS_TOKENIZER_FILE, TOKENIZER_PIECES)
