@@ -233,8 +233,10 @@ def test_every_benchmark_is_covered() -> None:
     """A new benchmark script must be added here (run on CPU, or imported and run under `gpu`)."""
     covered = {script for script, _, _ in CPU_CASES.values()} | set(IMPORT_ONLY) | set(OWN_TESTS)
     # helper modules: frame_setup (shapes and checkpoints), tts_clients (tts_load's HTTP client process),
-    # stall_watch (tts_load's --watch-stalls; tested below)
-    scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py", "stall_watch.py"}
+    # stall_watch (tts_load's --watch-stalls; tested below), webrtc_load (load.py's WebRTC clients; the
+    # load_webrtc case runs them)
+    scripts = {p.name for p in BENCH.glob("*.py")} - {"frame_setup.py", "tts_clients.py", "stall_watch.py",
+                                                      "webrtc_load.py"}
     assert scripts <= covered, f"benchmarks not smoke-tested: {sorted(scripts - covered)}"
 
 
