@@ -82,6 +82,10 @@ def test_a_cpu_server_starts_without_triton_aiortc_or_pyloudnorm(tiny_personaple
     assert imported_by("import parley.realtime.server") == []
     config = f"ServeConfig(model={str(tiny_personaplex_dir)!r}, stt_model={str(stt)!r}, device='cpu', max_sessions=1)"
     assert imported_by(f"from parley.realtime.server import ServeConfig, build_app\nbuild_app({config})") == []
+    # The demo (every modality; .pt voices, WebRTC in worker processes): its image model's diffusers
+    # imports torch._dynamo, and with it Triton, itself; the other two stay out.
+    demo = "from parley.realtime.server import ServeConfig, build_app\nbuild_app(ServeConfig(model=None, device='cpu'))"
+    assert set(imported_by(demo)) <= {"torch._dynamo", "triton"}
 
 
 def test_each_is_imported_where_it_is_needed(tmp_path):
