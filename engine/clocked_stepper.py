@@ -78,12 +78,12 @@ class ClockedStepper:
         return tiles
 
     def seed(self, costs_model, queue, width: int, height: int) -> None:
-        """Record every key of this size at its scripted cost (what a warm-up would measure: a
-        whole decode, or for a tiled size its tiles and blend)."""
-        costs_model.record(queue.encode_key(), self.costs["encode"])
+        """Seed every key of this size at its scripted cost, as a warm-up does (a whole decode, or
+        for a tiled size its tiles and blend)."""
+        costs_model.seed(queue.encode_key(), self.costs["encode"])
         for b in range(1, queue.max_batch + 1):
-            costs_model.record(queue.denoise_key(width, height, True, b), self.denoise_cost(b))
+            costs_model.seed(queue.denoise_key(width, height, True, b), self.denoise_cost(b))
         decode = ((queue.tile_key, "tile"), (queue.blend_key, "blend")) if self.inner.tiled(width, height) \
             else ((queue.decode_key, "decode"),)
         for key, kind in ((queue.preview_key, "preview"),) + decode:
-            costs_model.record(key(width, height), self.costs[kind])
+            costs_model.seed(key(width, height), self.costs[kind])

@@ -4,8 +4,11 @@
 (pending encodes; previews and final decodes whose stream has room; then one denoise batch per
 bucket, its places taken in `denoise_order`) and returns the first that fits the slack left, by its
 estimate or, for a key never measured, its prediction. An item over an empty tick's slack refuses
-its size (its requests fail; `SizeLimits.refuse`) unless it is only predicted so, by at most
-`PROBE_FACTOR`: then it waits for an idle tick and runs there first, to be measured. Every item is
+its size (its requests fail; `SizeLimits.refuse`) unless it is only predicted so, or measured so
+once, by at most `PROBE_FACTOR`: then it waits for an idle tick and runs there first, to be
+measured (again). One live measurement may be a contended call on a loaded machine, and a refusal
+is kept for every later request of that size, so it takes two costs over the slack (live, or the
+warm-up's; the estimate is then the second largest). Every item is
 wrapped so that running it restarts its requests' stall clocks and an exception fails them.
 """
 
@@ -63,10 +66,12 @@ class ImageSchedule:
                 estimate = item.predicted_s = self._sizes.predict(item.key, costs)
             if (left_s is not None and item.key[1] != ENCODE and estimate is not None
                     and estimate > max_slack_s):  # (manual mode, left_s None, runs anything)
-                if measured or estimate > PROBE_FACTOR * max_slack_s:
+                confirmed = measured and not costs.one_live_cost(item.key)
+                beyond_idle = probe_now and measured and estimate > left_s  # not even an idle tick fits it
+                if confirmed or beyond_idle or estimate > PROBE_FACTOR * max_slack_s:
                     self._refuse_size(item.key[2], item.key[3], item.key, estimate)
                     return LOOK_AGAIN  # that size's jobs are gone
-                if probe_now:  # measure it once: the runner runs an item with no estimate only first
+                if probe_now:  # measure it (again): the runner runs an item with no estimate only first
                     item.predicted_s = None
                     return item
                 continue  # wait for an idle tick
