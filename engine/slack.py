@@ -12,14 +12,16 @@ boundary (minus a guard). The rules, one per concern:
    a real-time lead over their listener (engine/tts_pool.py). Throughput work is the rest: TTS
    generating ahead for a client that downloads faster than real time, file transcriptions,
    image steps. Each pick asks every source once, in `Priority` order (prefill, standalone
-   transcription, TTS, images: a live session's realtime work is the audio that arrived, a TTS
-   row's includes a cushion), and the first realtime item that fits runs. When none does, the
-   throughput items offered are tried least served first (engine/slack_share.py: seconds of
-   throughput work each source has had, so no throughput source starves another and each
-   gets an equal share of the time realtime work leaves), and the first that fits runs. Then
-   the runner asks again, until nothing fits. (Strict priority alone let a TTS stream read as
-   fast as it came take every tick's slack: issue 32, live transcription deltas 200 -> 24
-   and images 101 -> 1 beside it on the CPU demo.)
+   transcription, TTS, images). The realtime items offered are tried first, then the
+   throughput items; within each class least served first (engine/slack_share.py: seconds of
+   that class's work each source has had, ties in `Priority` order), and the first that fits
+   runs. Then the runner asks again, until nothing fits. So no throughput source starves
+   another (each gets an equal share of the time realtime work leaves), and when the slack
+   cannot hold every realtime item (a loaded CPU: a TTS step and a live transcription step
+   that do not fit one tick together) realtime sources take turns instead of the first
+   starving the next. (Strict priority let a TTS stream read as fast as it came take every
+   tick's slack: issue 32, live transcription deltas 200 -> 24 and images 101 -> 1 beside it
+   on the CPU demo.)
 2. A cost estimate is the largest cost seen at least twice among the last `COST_WINDOW`
    observed costs for the item's key (the second largest; with one observation, that one),
    per unit of work (a prefill chunk's unit is one prompt frame, a graphed step's is the
@@ -43,9 +45,10 @@ boundary (minus a guard). The rules, one per concern:
    preview: 10.7 ms seeded, 5.4 ms live), and kept in the window they would set the
    estimate for the key's first 31 live items, each then needing more slack than it takes.
 3. A source may mark an item `forced`: it runs as the first item of a tick even when it
-   does not fit, whatever its class. Admission progress uses this (a prompt must advance even
-   when the frame leaves no slack), and the TTS pool's liveness step (a pool whose rows had
-   no step for `force_after_ticks` ticks); everything else waits.
+   does not fit, whatever its class (the first forced item offered, in `Priority` order).
+   Admission progress uses this (a prompt must advance even when the frame leaves no slack),
+   and the TTS pool's liveness step (a pool whose rows had no step for `force_after_ticks`
+   ticks); everything else waits.
 4. Every item is measured after a device synchronisation (its cost is real, not launch
    time). An item that took longer than its estimate is an overrun, and one that ended
    after the boundary is counted too (`/metrics`).
@@ -74,7 +77,7 @@ from typing import Callable, Hashable, TypeVar
 
 import torch
 
-from .slack_share import ThroughputShares
+from .slack_share import FairShares
 from .stream import Terminal
 
 T = TypeVar("T")
@@ -89,8 +92,8 @@ MAX_KEYS = 4096
 
 
 class Priority(enum.IntEnum):
-    """The order sources are asked in (lower first): the order realtime items run in, and
-    the tie-break between equally served throughput sources (rule 1)."""
+    """The order sources are asked in (lower first): the tie-break between equally served
+    sources of a class of work (rule 1), and between forced items (rule 3)."""
 
     PREFILL = 0
     TRANSCRIPTION = 1  # a live session's realtime work is the audio that arrived: a step a tick
@@ -108,7 +111,7 @@ class WorkItem:
     units: int = 1  # units of work under `key` (prefill: prompt frames)
     forced: bool = False  # may run as a tick's first item even when it does not fit (rule 3)
     predicted_s: float | None = None  # the source's cost bound while `key` has no estimate (rule 2)
-    realtime: bool = False  # realtime work (goes first) or throughput work (shared fairly): rule 1
+    realtime: bool = False  # realtime work (goes first) or throughput work (after it): rule 1
 
 
 class SlackSource:
@@ -289,7 +292,8 @@ class SlackRunner:
         self.stats = SlackStats()
         self._sources: list[SlackSource] = []
         self._declined: dict[Hashable, int] = {}  # key -> ticks in a row its items did not fit
-        self.shares = ThroughputShares()  # throughput seconds per source: rule 1
+        # Seconds of work per source, one ledger per class (True: realtime), for rule 1's order.
+        self.shares = {True: FairShares(), False: FairShares()}
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with
@@ -342,8 +346,8 @@ class SlackRunner:
                 break
             source, item = picked
             spent = self._run(item, deadline)
-            if spent is not None and not item.realtime:
-                self.shares.charge(source, spent)
+            if spent is not None:
+                self.shares[item.realtime].charge(source, spent)
             ran.add(item.key)
             first = False
         self._age_declined(declined - ran)
@@ -359,22 +363,22 @@ class SlackRunner:
 
     def _next_fitting(self, deadline: float | None, first: bool,
                       declined: set[Hashable]) -> tuple[SlackSource, WorkItem] | None:
-        """(source, item) to run next: the first realtime (or forced first) item that fits, else
-        the least served source's throughput item that fits (rule 1); None if nothing fits."""
+        """(source, item) to run next: a forced item first in a tick (rule 3), else the first that
+        fits of the realtime items, then of the throughput items, each class least served first
+        (rule 1); None if nothing fits."""
         left = None if deadline is None else deadline - self.guard_s - self._now()
-        throughput: list[tuple[SlackSource, WorkItem]] = []
+        offers: dict[bool, list[tuple[SlackSource, WorkItem]]] = {True: [], False: []}
         for source in self._sources:
             item = source.offer(left, self.costs)
             if item is None:
                 continue
-            if item.realtime or (item.forced and first):
+            if item.forced and first:
+                return source, item
+            offers[item.realtime].append((source, item))
+        for realtime in (True, False):
+            for source, item in self.shares[realtime].order(offers[realtime]):
                 if self._fits(item, left, first, declined):
                     return source, item
-            else:
-                throughput.append((source, item))
-        for source, item in self.shares.order(throughput):
-            if self._fits(item, left, first, declined):
-                return source, item
         return None
 
     def _fits(self, item: WorkItem, left: float | None, first: bool, declined: set[Hashable]) -> bool:

@@ -1,15 +1,16 @@
-"""Fair shares of the slack for throughput work (engine/slack.py rule 1).
+"""Fair shares of the slack among the sources of one class of work (engine/slack.py rule 1).
 
-Throughput items (a TTS stream generating ahead of its listener, file transcriptions, image
-steps) run after a tick's realtime work, and no throughput source may starve another: the runner
-offers what is left to them least served first, by the seconds their throughput items have
-taken. Seconds, not items: a source of 40 ms items beside one of 5 ms items gets the same time,
-not the same count. The least served source whose item fits runs; when its item does not fit
-what is left, a smaller one of another source may (the slack is not wasted), and the next tick
-starts with the least served again, so a large item gets the whole slack left after realtime
-work then.
+The runner keeps one ledger per class (realtime, throughput) and tries a class's items least
+served first, by the seconds that class's items of each source have taken. Seconds, not items:
+a source of 40 ms items beside one of 5 ms items gets the same time, not the same count. So no
+throughput source starves another (a TTS stream generating ahead of its listener, file
+transcriptions, image steps each get an equal share of what realtime work leaves), and realtime
+sources that do not all fit one tick's slack take turns. The least served source whose item fits
+runs; when its item does not fit what is left, another source's smaller one may (the slack is not
+wasted), and the next tick starts with the least served again, so a large item gets the whole
+slack left then.
 
-A source with no throughput item on offer is lifted to the least served of those that have one:
+A source with no item of the class on offer is lifted to the least served of those that have one:
 time a source did not use is not owed to it (a source back from idle would otherwise take every
 tick until its count caught up with the others'). Shares are equal; ties go to the source asked
 first (slack.py's `Priority`).
@@ -22,8 +23,8 @@ from typing import Hashable, Sequence, TypeVar
 T = TypeVar("T")
 
 
-class ThroughputShares:
-    """Seconds of throughput work served per source (the source object, or any other hashable)."""
+class FairShares:
+    """Seconds of one class of work served per source (the source object, or any other hashable)."""
 
     def __init__(self) -> None:
         self._served: dict[Hashable, float] = {}
@@ -49,5 +50,5 @@ class ThroughputShares:
         return sorted(offers, key=lambda offer: served[offer[0]])  # stable: ties keep the order asked
 
     def charge(self, source: Hashable, seconds: float) -> None:
-        """A throughput item of `source` ran for `seconds` (measured)."""
+        """An item of `source` in this class ran for `seconds` (measured)."""
         self._served[source] = self._served.get(source, 0.0) + seconds

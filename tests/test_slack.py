@@ -104,7 +104,7 @@ def test_an_unseen_key_runs_on_its_sources_prediction_until_its_first_measuremen
     assert slack.stats.past_boundary == 0 and slack.stats.overruns == 0
 
 
-def test_realtime_items_go_first_in_priority_order_and_a_smaller_lower_item_fills_the_gap():
+def test_realtime_items_go_first_least_served_first_and_a_throughput_item_waits_for_room():
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
     for key, cost in ((("images", 0.050), 0.050), (("prefill", 0.020), 0.020), (("tts", 0.010), 0.010)):
@@ -113,11 +113,35 @@ def test_realtime_items_go_first_in_priority_order_and_a_smaller_lower_item_fill
     slack.add_source(ScriptedSource(clock, Priority.TTS, [0.010, 0.010], "tts", ran, realtime=True))
     slack.add_source(ScriptedSource(clock, Priority.PREFILL, [0.020, 0.020], "prefill", ran, realtime=True))
     slack.run_until(deadline=0.065)
-    # prefill first (both), then TTS (both); the 50 ms image no longer fits in what is left.
-    assert ran == ["prefill:0.02", "prefill:0.02", "tts:0.01", "tts:0.01"]
+    # Realtime first: prefill (a tie at 0 s served: the first asked), then TTS until it has had
+    # as long (two 10 ms items), then prefill; the 50 ms image no longer fits in what is left.
+    assert ran == ["prefill:0.02", "tts:0.01", "tts:0.01", "prefill:0.02"]
     clock.t = 0.080
     slack.run_until(deadline=0.160)  # next tick: the image fits now
     assert ran[-1] == "images:0.05"
+
+
+def test_realtime_sources_that_do_not_fit_one_tick_together_take_turns():
+    """A loaded CPU: 25 ms of slack, a live transcription step of 10 ms every tick and TTS steps
+    of 20 ms before its first audio, both realtime. In strict order one of them would starve
+    the other; least served first, both progress: TTS runs about every other tick, and the
+    transcription steps in the others, its missed frames caught up in one item."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    stt = ScriptedSource(clock, Priority.TRANSCRIPTION, [], "stt", ran, realtime=True)
+    tts = EndlessSource(clock, Priority.TTS, 0.020, "tts", ran, realtime=True)
+    slack.add_source(stt)
+    slack.add_source(tts)
+    slack.costs.record(("tts",), 0.020)
+    for units in (1, 2, 3):
+        slack.costs.record(("stt", 0.010 * units), 0.010 * units)
+    for tick in range(40):
+        clock.t = tick * 0.080
+        backlog = round(100 * sum(stt.costs))  # frames not stepped yet
+        stt.costs[:] = [0.010 * (backlog + 1)]  # one item steps every frame that arrived
+        slack.run_until(deadline=clock.t + 0.025)
+    assert 15 <= tts.items <= 25
+    assert sum(1 for r in ran if r.startswith("stt")) >= 15 and all(cost <= 0.031 for cost in stt.costs)
 
 
 def test_a_realtime_item_goes_before_a_throughput_item_of_a_higher_priority_source():
