@@ -6,7 +6,7 @@
     async for event in job.stream: ...               # TtsAudio / TtsWord partials, then one Terminal
     job.cancel()                                     # the row is freed at the next tick
 
-Scheduling (engine/slack.py asks this source after prefill and transcription, before images):
+Scheduling (engine/slack.py rule 1: realtime items, then throughput items, each least served first):
 - After each duplex tick the pool runs as many batched steps as the slack allows, each one work
   item whose measured cost fits before the next boundary.
 - Realtime or throughput (slack.py rule 1), by what the rows it steps need: an admission, and a
