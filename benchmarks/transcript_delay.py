@@ -92,16 +92,17 @@ def delta(before: dict, after: dict) -> dict:
     return out
 
 
-async def standalone_client(url: str, index: int, duration: float, model: str = "gpt-4o-transcribe") -> int:
+async def standalone_client(url: str, index: int, duration: float, model: str | None = None) -> int:
     """One transcription session: a tone at speech level in pcm16 appends, paced in real time.
-    `model`: the transcription model it names (one the server serves). Returns the deltas it received."""
+    `model`: the transcription model it names (one the server serves); None names none, so the
+    server uses its own. Returns the deltas it received."""
     n = int(duration / FRAME_S)
     t = np.arange(n * FRAME) / SR
     pcm = (0.3 * np.sin(2 * np.pi * (180 + 41 * index) * t) * 32767).astype("<i2")
     deltas = 0
     async with connect(f"{url}/v1/realtime?intent=transcription", max_size=None, open_timeout=30) as ws:
         await ws.send(json.dumps({"type": "session.update", "session": {"type": "transcription", "audio": {
-            "input": {"transcription": {"model": model}, "turn_detection": None}}}}))
+            "input": {"transcription": {"model": model} if model else {}, "turn_detection": None}}}}))
 
         async def receive() -> None:
             nonlocal deltas
