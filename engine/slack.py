@@ -12,16 +12,19 @@ boundary (minus a guard). The rules, one per concern:
    a real-time lead over their listener (engine/tts_pool.py). Throughput work is the rest: TTS
    generating ahead for a client that downloads faster than real time, file transcriptions,
    image steps. Each pick asks every source once, in `Priority` order (prefill, standalone
-   transcription, TTS, images). The realtime items offered are tried first, then the
-   throughput items; within each class least served first (engine/slack_share.py: seconds of
-   that class's work each source has had, ties in `Priority` order), and the first that fits
-   runs. Then the runner asks again, until nothing fits. So no throughput source starves
-   another (each gets an equal share of the time realtime work leaves), and when the slack
-   cannot hold every realtime item (a loaded CPU: a TTS step and a live transcription step
-   that do not fit one tick together) realtime sources take turns instead of the first
-   starving the next. (Strict priority let a TTS stream read as fast as it came take every
-   tick's slack: issue 32, live transcription deltas 200 -> 24 and images 101 -> 1 beside it
-   on the CPU demo.)
+   transcription, TTS, images). The realtime items due now are tried first (`WorkItem.due_s`:
+   a live transcription's frame, a prompt, a TTS row's first audio or a row with no lead left
+   over its listener), then the realtime items due later, earliest first (a TTS step that only
+   adds to a row's lead is due when that lead would run out), then the throughput items. Items
+   due now, and throughput items, go least served first (engine/slack_share.py: seconds of that
+   class's work each source has had, ties in `Priority` order; a source offering only later
+   work counts as offering none). The first that fits runs. Then the runner asks again,
+   until nothing fits. So no throughput source starves another (each gets an equal share of the
+   time realtime work leaves), and when the slack cannot hold every realtime item due now (a
+   loaded CPU: a TTS step before first audio and a live transcription step that do not fit one
+   tick together) they take turns instead of the first starving the next. (Strict priority let
+   a TTS stream read as fast as it came take every tick's slack: issue 32, live transcription
+   deltas 200 -> 24 and images 101 -> 1 beside it on the CPU demo.)
 2. A cost estimate is the largest cost seen at least twice among the last `COST_WINDOW`
    observed costs for the item's key (the second largest; with one observation, that one),
    per unit of work (a prefill chunk's unit is one prompt frame, a graphed step's is the
@@ -112,6 +115,7 @@ class WorkItem:
     forced: bool = False  # may run as a tick's first item even when it does not fit (rule 3)
     predicted_s: float | None = None  # the source's cost bound while `key` has no estimate (rule 2)
     realtime: bool = False  # realtime work (goes first) or throughput work (after it): rule 1
+    due_s: float = 0.0  # a realtime item: seconds before anyone waits on it (0: now); earliest first (rule 1)
 
 
 class SlackSource:
@@ -375,10 +379,11 @@ class SlackRunner:
             if item.forced and first:
                 return source, item
             offers[item.realtime].append((source, item))
-        for realtime in (True, False):
-            for source, item in self.shares[realtime].order(offers[realtime]):
-                if self._fits(item, left, first, declined):
-                    return source, item
+        due_now = [offer for offer in offers[True] if offer[1].due_s <= 0]
+        due_later = sorted((offer for offer in offers[True] if offer[1].due_s > 0), key=lambda o: o[1].due_s)
+        for source, item in [*self.shares[True].order(due_now), *due_later, *self.shares[False].order(offers[False])]:
+            if self._fits(item, left, first, declined):
+                return source, item
         return None
 
     def _fits(self, item: WorkItem, left: float | None, first: bool, declined: set[Hashable]) -> bool:

@@ -15,9 +15,11 @@ Scheduling (engine/slack.py rule 1: realtime items, then throughput items, each 
   audio (wall time since then, on the pool's clock), is realtime work: first audio is what a
   user waits on, and a listener within a second of running dry is at risk from a run of short
   slacks. Such a step takes only the rows of that row's bucket (the others in it come along:
-  same cost). A step of rows all further ahead is throughput work: a client downloading faster
-  than real time gets audio as fast as its fair share of the slack allows, and no faster
-  at the expense of live transcription or images. What a client has read is no measure: a
+  same cost), and is due (`WorkItem.due_s`) when its least lead runs out: a live
+  transcription's frame, due now, goes first while the row still has a lead. A step of rows
+  all further ahead is throughput work: a client downloading faster than real time gets audio
+  as fast as its fair share of the slack allows, and no faster at the expense of live
+  transcription or images. What a client has read is no measure: a
   client reading as fast as audio comes has read it all, however far ahead of real time.
 - Two step kinds, one CUDA graph each per row bucket on CUDA (eager on CPU): `text` (backbone +
   text sampling + DSM state machine: rows still inside the 16-frame audio delay need nothing
@@ -353,7 +355,8 @@ class TtsPool(SlackSource):
         eligible = self._eligible()
         if not eligible:
             return None
-        behind = [b for b in eligible if self._behind(self._rows[b])]
+        leads = {b: self._lead_s(self._rows[b]) for b in eligible}
+        behind = [b for b in eligible if leads[b] < self.realtime_lead_frames / FRAME_RATE]
         if behind:  # realtime: those rows' bucket (the rows above it wait for a throughput step)
             eligible = [b for b in eligible if b < self.bucket(behind)]
         warm = [b for b in eligible if self._rows[b].steps < self.delay]
@@ -371,17 +374,18 @@ class TtsPool(SlackSource):
         if forced:
             self._idle_ticks = 0
             self.forced += 1
+        lead = min(leads[b] for b in rows)
         return WorkItem(key=step_key(kind, self.bucket(rows)), run=lambda: self._step(rows, kind),
                         fail=lambda exc: self._fail_rows(rows, exc), forced=forced,
-                        realtime=any(self._behind(self._rows[b]) for b in rows))
+                        realtime=lead < self.realtime_lead_frames / FRAME_RATE, due_s=max(lead, 0.0))
 
-    def _behind(self, row: _Row) -> bool:
-        """Whether stepping `row` is realtime work: no audio yet, or less than `realtime_lead_frames`
-        ahead of a listener playing it in real time since its first frame came out."""
+    def _lead_s(self, row: _Row) -> float:
+        """Seconds of audio `row` has ahead of a listener playing it in real time since its first
+        frame came out (0 before that: first audio is due now). Under `realtime_lead_frames` its
+        steps are realtime work, due when the lead would run out."""
         if row.first_audio_at is None:
-            return True
-        played = (self._now() - row.first_audio_at) * FRAME_RATE
-        return row.job.frames < played + self.realtime_lead_frames
+            return 0.0
+        return row.job.frames / FRAME_RATE - (self._now() - row.first_audio_at)
 
     def slack_started(self, deadline: float | None) -> None:
         """A tick's slack begins (slack.py): count the rows the last tick could not step

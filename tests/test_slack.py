@@ -58,10 +58,11 @@ class EndlessSource(SlackSource):
                  realtime: bool = False) -> None:
         self.clock, self.priority, self.cost, self.name, self.ran = clock, priority, cost, name, ran
         self.realtime, self.items, self.seconds, self.available = realtime, 0, 0.0, True
+        self.due_s = 0.0  # every item's WorkItem.due_s
 
     def offer(self, left_s, costs: CostModel):
-        return WorkItem(key=(self.name,), run=self._run, fail=lambda exc: None,
-                        realtime=self.realtime) if self.available else None
+        return WorkItem(key=(self.name,), run=self._run, fail=lambda exc: None, realtime=self.realtime,
+                        due_s=self.due_s) if self.available else None
 
     def _run(self) -> None:
         self.clock.t += self.cost
@@ -142,6 +143,36 @@ def test_realtime_sources_that_do_not_fit_one_tick_together_take_turns():
         slack.run_until(deadline=clock.t + 0.025)
     assert 15 <= tts.items <= 25
     assert sum(1 for r in ran if r.startswith("stt")) >= 15 and all(cost <= 0.031 for cost in stt.costs)
+
+
+def test_a_realtime_item_due_now_goes_before_one_due_later_however_much_each_was_served():
+    """Earliest due first among realtime items: a TTS row with half a second of lead over its
+    listener (its steps due in 0.5 s) leaves every tick's first place to the live transcription's
+    frame (due now); once the lead is gone, both are due now and take turns, least served first."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    stt = ScriptedSource(clock, Priority.TRANSCRIPTION, [], "stt", ran, realtime=True)
+    tts = EndlessSource(clock, Priority.TTS, 0.020, "tts", ran, realtime=True)
+    slack.add_source(stt)
+    slack.add_source(tts)
+    slack.costs.record(("tts",), 0.020)
+    slack.costs.record(("stt", 0.010), 0.010)
+
+    def tick(n: int) -> list[str]:
+        clock.t = n * 0.080
+        stt.costs[:] = [0.010]
+        before = len(ran)
+        slack.run_until(deadline=clock.t + 0.025)
+        return ran[before:]
+
+    tts.due_s = 0.5
+    assert [tick(n) for n in range(6)] == [["stt:0.01"]] * 6  # the 20 ms step never fits after it
+    tts.due_s = 0.0
+    # Its lead time not being owed to it, TTS starts level with the transcription; then they take
+    # turns in equal time: two 10 ms transcription items to one 20 ms TTS item.
+    turns = [tick(n) for n in range(6, 18)]
+    assert turns[:2] == [["stt:0.01"], ["tts"]] and all(len(t) == 1 for t in turns)
+    assert turns.count(["tts"]) == 4 and turns.count(["stt:0.01"]) == 8
 
 
 def test_a_realtime_item_goes_before_a_throughput_item_of_a_higher_priority_source():

@@ -418,7 +418,10 @@ def test_a_rows_steps_are_realtime_until_it_is_a_second_ahead_of_a_real_time_lis
 
         assert pool.offer(None, costs).key == ADMIT_KEY and step()  # the admission
         while job.frames == 0:
+            assert pool.offer(None, costs).due_s == 0  # first audio is due now
             assert step()  # the clock stands still: no audio yet
+        item = pool.offer(None, costs)  # due when its lead over the listener would run out
+        assert item.realtime and item.due_s == pytest.approx(job.frames / 12.5)
         while job.frames < pool.realtime_lead_frames:
             assert step()
         assert not step() and not step()  # 13 frames ahead of a listener who has heard none
