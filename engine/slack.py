@@ -368,8 +368,8 @@ class SlackRunner:
     def _next_fitting(self, deadline: float | None, first: bool,
                       declined: set[Hashable]) -> tuple[SlackSource, WorkItem] | None:
         """(source, item) to run next: a forced item first in a tick (rule 3), else the first that
-        fits of the realtime items, then of the throughput items, each class least served first
-        (rule 1); None if nothing fits."""
+        fits of the realtime items due now (least served first), of those due later (earliest
+        first), then of the throughput items (least served first): rule 1. None if nothing fits."""
         left = None if deadline is None else deadline - self.guard_s - self._now()
         offers: dict[bool, list[tuple[SlackSource, WorkItem]]] = {True: [], False: []}
         for source in self._sources:

@@ -29,9 +29,6 @@ class FairShares:
     def __init__(self) -> None:
         self._served: dict[Hashable, float] = {}
 
-    def served(self, source: Hashable) -> float:
-        return self._served.get(source, 0.0)
-
     def order(self, offers: Sequence[tuple[Hashable, T]]) -> list[tuple[Hashable, T]]:
         """`offers` ((source, item), in the order asked), least served first. Sources not among
         them are lifted to the least served of them; a source never seen starts there too."""
