@@ -124,7 +124,7 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--webrtc-workers", type=int, default=None,
                    help="worker processes for WebRTC calls (aiortc's Opus, SRTP, DTLS and SCTP, off the server's "
                         "event loop and GIL; each call pinned to the least loaded; started by the first call). "
-                        "Default: one per 16 sessions (at most CPU cores - 1)")
+                        "Default: one per 6 sessions (at most CPU cores - 1)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "

@@ -72,7 +72,7 @@ class ServeConfig:
     limits: EdgeLimits = EdgeLimits()
     log_level: str = "info"
     codec_workers: int | None = None
-    webrtc_workers: int | None = None  # WebRTC calls' worker processes; None: one per 16 sessions (webrtc_pool.py)
+    webrtc_workers: int | None = None  # WebRTC calls' worker processes; None: one per 6 sessions (webrtc_pool.py)
     # torch intra-op threads. 1 by default: OpenMP workers busy-wait between ops and starve the
     # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
     # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.

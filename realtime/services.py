@@ -90,7 +90,7 @@ class Services:
     defaults: ServerDefaults = ServerDefaults()
     info: ServerInfo = ServerInfo()
     codec_workers: int | None = None
-    webrtc_workers: int | None = None  # WebRTC worker processes (webrtc_pool.py); None: one per 16 sessions
+    webrtc_workers: int | None = None  # WebRTC worker processes (webrtc_pool.py); None: one per 6 sessions
     start_engine: bool = True  # the app's lifespan starts the engine (if not running); it always stops it
     web_dir: Path | None = WEB_DIR
     stt_pool: SttPool | None = None  # standalone transcription rows, already registered (register_slack_source)

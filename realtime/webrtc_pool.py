@@ -29,7 +29,10 @@ from .webrtc_transport import CallUnavailable, WebRTCCall
 
 log = logging.getLogger("parley.webrtc")
 
-CALLS_PER_WORKER = 16  # the automatic size: one worker per this many sessions
+# The automatic size: one worker per this many sessions. A call costs its worker ~0.12 cores (H200
+# host, 64 calls: 7.4 cores over 12 workers); at 16 a worker (4.5 cores over 4) saturated and
+# the calls lost half their frames (docs/benchmarks.md, "64 WebRTC calls on the H200 host").
+CALLS_PER_WORKER = 6
 
 
 def default_workers(max_sessions: int) -> int:

@@ -100,7 +100,7 @@ def test_the_webrtc_workers_flag_is_honoured_and_bad_values_are_refused(monkeypa
     with pytest.raises(ValueError, match="at least 1"):
         webrtc_pool.WebRTCPool(0)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert [webrtc_pool.default_workers(n) for n in (1, 16, 17, 64, 1000)] == [1, 1, 2, 4, 15]
+    assert [webrtc_pool.default_workers(n) for n in (1, 6, 7, 64, 1000)] == [1, 1, 2, 11, 15]
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert webrtc_pool.default_workers(64) == 1
     app, _ = delay_app(2, webrtc_workers=3)
