@@ -39,7 +39,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from . import codec_worker as wire
-from .process_cpu import cpu_seconds
+from .worker_processes import cpu_seconds, reap
 from .opus_codec import OpusCodec, OpusError, check_frame
 
 log = logging.getLogger("parley.codec")
@@ -206,12 +206,8 @@ class CodecProcessPool:
         for w in workers:
             w.fail("the server is shutting down")
             w.writer.close()
+        await reap(w.proc for w in workers)
         for w in workers:
-            try:
-                await asyncio.wait_for(asyncio.to_thread(w.proc.wait), 3.0)
-            except asyncio.TimeoutError:
-                w.proc.kill()
-                await asyncio.to_thread(w.proc.wait)
             if w.read_task is not None:
                 w.read_task.cancel()
 

@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from . import webrtc_wire as wire
-from .process_cpu import cpu_seconds
+from .worker_processes import cpu_seconds, reap
 from .webrtc_transport import CallUnavailable, WebRTCCall
 
 log = logging.getLogger("parley.webrtc")
@@ -216,12 +216,7 @@ class WebRTCPool:
             worker.dead = worker.dead or "the server is shutting down"
             if worker.link.transport is not None:
                 worker.link.transport.close()  # what is queued (the calls' CLOSE frames) goes first
-        for worker in workers:
-            try:
-                await asyncio.wait_for(asyncio.to_thread(worker.proc.wait), 3.0)
-            except asyncio.TimeoutError:
-                worker.proc.kill()
-                await asyncio.to_thread(worker.proc.wait)
+        await reap(w.proc for w in workers)
 
     # ---- figures ----
 

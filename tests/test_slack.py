@@ -75,6 +75,28 @@ def runner(clock: FakeClock, guard: float = 0.003) -> SlackRunner:
     return SlackRunner(clock.now, lambda: None, guard)
 
 
+def live_stt_and_tts_before_first_audio():
+    """A live transcription (realtime, its frames scripted per tick) and a TTS row of 20 ms steps
+    before its first audio (realtime, always ready), behind a runner with no guard."""
+    clock, ran = FakeClock(), []
+    slack = runner(clock, guard=0.0)
+    stt = ScriptedSource(clock, Priority.TRANSCRIPTION, [], "stt", ran, realtime=True)
+    tts = EndlessSource(clock, Priority.TTS, 0.020, "tts", ran, realtime=True)
+    slack.add_source(stt)
+    slack.add_source(tts)
+    slack.costs.record(("tts",), 0.020)
+    return clock, ran, slack, stt, tts
+
+
+def endless(slack: SlackRunner, clock: FakeClock, ran: list[str], priority: Priority, cost: float,
+            name: str) -> EndlessSource:
+    """A throughput EndlessSource added to `slack`, its cost already measured."""
+    source = EndlessSource(clock, priority, cost, name, ran)
+    slack.add_source(source)
+    slack.costs.record((name,), cost)
+    return source
+
+
 def test_an_item_whose_estimate_exceeds_the_slack_left_never_starts():
     clock, ran = FakeClock(), []
     slack = runner(clock)
@@ -127,13 +149,7 @@ def test_realtime_sources_that_do_not_fit_one_tick_together_take_turns():
     of 20 ms before its first audio, both realtime. In strict order one of them would starve
     the other; least served first, both progress: TTS runs about every other tick, and the
     transcription steps in the others, its missed frames caught up in one item."""
-    clock, ran = FakeClock(), []
-    slack = runner(clock, guard=0.0)
-    stt = ScriptedSource(clock, Priority.TRANSCRIPTION, [], "stt", ran, realtime=True)
-    tts = EndlessSource(clock, Priority.TTS, 0.020, "tts", ran, realtime=True)
-    slack.add_source(stt)
-    slack.add_source(tts)
-    slack.costs.record(("tts",), 0.020)
+    clock, ran, slack, stt, tts = live_stt_and_tts_before_first_audio()
     for units in (1, 2, 3):
         slack.costs.record(("stt", 0.010 * units), 0.010 * units)
     for tick in range(40):
@@ -149,13 +165,7 @@ def test_a_realtime_item_due_now_goes_before_one_due_later_however_much_each_was
     """Earliest due first among realtime items: a TTS row with half a second of lead over its
     listener (its steps due in 0.5 s) leaves every tick's first place to the live transcription's
     frame (due now); once the lead is gone, both are due now and take turns, least served first."""
-    clock, ran = FakeClock(), []
-    slack = runner(clock, guard=0.0)
-    stt = ScriptedSource(clock, Priority.TRANSCRIPTION, [], "stt", ran, realtime=True)
-    tts = EndlessSource(clock, Priority.TTS, 0.020, "tts", ran, realtime=True)
-    slack.add_source(stt)
-    slack.add_source(tts)
-    slack.costs.record(("tts",), 0.020)
+    clock, ran, slack, stt, tts = live_stt_and_tts_before_first_audio()
     slack.costs.record(("stt", 0.010), 0.010)
 
     def tick(n: int) -> list[str]:
@@ -220,12 +230,8 @@ def test_throughput_sources_share_the_slack_in_equal_time_not_equal_items():
     the same time (four small items to one large), whichever is asked first."""
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
-    small = EndlessSource(clock, Priority.TTS, 0.005, "small", ran)
-    large = EndlessSource(clock, Priority.IMAGES, 0.020, "large", ran)
-    slack.add_source(large)
-    slack.add_source(small)
-    slack.costs.record(("small",), 0.005)
-    slack.costs.record(("large",), 0.020)
+    large = endless(slack, clock, ran, Priority.IMAGES, 0.020, "large")
+    small = endless(slack, clock, ran, Priority.TTS, 0.005, "small")
     for tick in range(50):
         clock.t = tick * 0.080
         slack.run_until(deadline=clock.t + 0.0605)
@@ -240,12 +246,8 @@ def test_a_throughput_source_back_from_idle_gets_its_share_not_the_time_it_misse
     busy again, not every tick until its count catches up with the TTS stream's 40 ticks."""
     clock, ran = FakeClock(), []
     slack = runner(clock, guard=0.0)
-    tts = EndlessSource(clock, Priority.TTS, 0.010, "tts", ran)
-    images = EndlessSource(clock, Priority.IMAGES, 0.010, "images", ran)
-    slack.add_source(tts)
-    slack.add_source(images)
-    slack.costs.record(("tts",), 0.010)
-    slack.costs.record(("images",), 0.010)
+    tts = endless(slack, clock, ran, Priority.TTS, 0.010, "tts")
+    images = endless(slack, clock, ran, Priority.IMAGES, 0.010, "images")
 
     def tick(n: int) -> tuple[int, int]:
         clock.t = n * 0.080

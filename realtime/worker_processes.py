@@ -1,0 +1,36 @@
+"""What the server's worker process pools (the codec's, opus.py; WebRTC's, webrtc_pool.py) share:
+their CPU seconds, read from Linux /proc (what /metrics and the benchmarks report beside
+process_cpu_seconds_total, which covers the server process only), and their bounded exit."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from typing import Iterable
+
+EXIT_GRACE_S = 3.0  # a worker told to exit (EOF on its socket) that has not by then is killed
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU of the processes (all their threads); one that is gone counts 0."""
+    total = 0.0
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+async def reap(procs: Iterable[subprocess.Popen], grace_s: float = EXIT_GRACE_S) -> None:
+    """Wait for workers told to exit, at most `grace_s` each; kill the stragglers."""
+    for proc in procs:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(proc.wait), grace_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
