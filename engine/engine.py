@@ -134,9 +134,8 @@ class Engine:
                 **self._kv.snapshot()}
 
     def add_slack_source(self, source: SlackSource) -> None:
-        """Register slack work (a TTS pool, an image queue, ...), asked in `source.priority`
-        order after every tick (realtime items first, then throughput shared fairly: slack.py
-        rule 1). Call before `start`."""
+        """Register slack work (a TTS pool, an image queue, ...), asked after every tick in the
+        order of slack.py's rule 1. Call before `start`."""
         if self._thread is not None:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)
