@@ -134,8 +134,7 @@ class Engine:
                 **self._kv.snapshot()}
 
     def add_slack_source(self, source: SlackSource) -> None:
-        """Register slack work (a TTS pool, an image queue, ...), asked after every tick in the
-        order of slack.py's rule 1. Call before `start`."""
+        """Register slack work, asked after every tick (slack.py's rule 1). Call before `start`."""
         if self._thread is not None:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)
