@@ -29,6 +29,12 @@ def formatter(kind: str) -> logging.Formatter:
     return JsonFormatter() if kind == "json" else logging.Formatter(TEXT_FORMAT)
 
 
+def current_kind() -> str:
+    """The format the process logs in (`json` once configure_logging installed it), so worker
+    processes started later log in it too."""
+    return "json" if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers) else "text"
+
+
 def configure_logging(level: str = "info", kind: str = "text") -> None:
     """Install the single root handler (stderr) in format `kind`; uvicorn's loggers propagate to it."""
     handler = logging.StreamHandler(sys.stderr)

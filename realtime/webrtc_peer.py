@@ -42,7 +42,7 @@ from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from .webrtc_wire import CONNECT_TIMEOUT_S, EVENTS_LABEL, MAX_MESSAGE_BYTES, OfferError
 
-log = logging.getLogger("parley.webrtc")
+log = logging.getLogger("parley.webrtc.worker")  # (in a worker process)
 
 OPUS_RATE = 48000  # WebRTC's Opus clock rate
 PACKET_SAMPLES = OPUS_RATE * 20 // 1000  # 960: one 20 ms packet at 48 kHz

@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 from . import webrtc_wire as wire
+from .log_format import current_kind
 from .worker_processes import cpu_seconds, reap
 from .webrtc_transport import CallUnavailable, WebRTCCall
 
@@ -63,7 +64,7 @@ class WebRTCPool:
         if workers < 1:
             raise ValueError("--webrtc-workers must be at least 1")
         self.workers = workers
-        self.argv = [sys.executable, "-m", "parley.realtime.webrtc_worker"]  # + the socket's fd
+        self.argv = [sys.executable, "-m", "parley.realtime.webrtc_worker"]  # + the socket's fd, the log format
         self.start_timeout = start_timeout
         self.on_restart = on_restart
         self.restarts = 0
@@ -124,7 +125,7 @@ class WebRTCPool:
             # fork+exec off the loop (the server process can be large); close_fds keeps the
             # listening socket and the other workers' sockets out of the child.
             proc = await asyncio.to_thread(
-                subprocess.Popen, [*self.argv, str(child_sock.fileno())],
+                subprocess.Popen, [*self.argv, str(child_sock.fileno()), current_kind()],
                 pass_fds=(child_sock.fileno(),), close_fds=True, stdin=subprocess.DEVNULL)
         except BaseException:
             parent_sock.close()

@@ -24,9 +24,10 @@ import numpy as np
 
 from . import webrtc_wire as wire
 from .webrtc_peer import Peer
+from .log_format import configure_logging
 from .webrtc_wire import OfferError
 
-log = logging.getLogger("parley.webrtc")
+log = logging.getLogger("parley.webrtc.worker")  # (in a worker process)
 
 BACKLOG_REPORT_S = 0.04  # how often changed channel backlogs are reported (half a tick)
 
@@ -152,9 +153,10 @@ async def serve(fd: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """argv: the socket's fd, then the server's log format (`--log-format`; text if absent)."""
     # Ctrl-C reaches the whole process group: the server shuts its workers down itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s")
+    configure_logging("warning", argv[1] if len(argv) > 1 else "text")
     asyncio.run(serve(int(argv[0])))
     return 0
 

@@ -286,3 +286,45 @@ def test_the_workers_outbox_is_bounded():
         await call.peer.close()
 
     asyncio.run(scenario())
+
+
+def test_workers_log_in_the_servers_format(monkeypatch, capsys):
+    """`--log-format json` reaches the WebRTC workers: the pool passes the server's format on its
+    command line, and a worker started with `json` writes JSON lines (without it, text)."""
+    import json
+    import logging
+    import subprocess
+
+    from parley.realtime import log_format, webrtc_pool, webrtc_worker
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    spawned: list[list[str]] = []
+
+    def no_popen(argv, **kwargs):
+        spawned.append(argv)
+        raise OSError("not started in this test")
+
+    async def fake_serve(fd: int) -> None:
+        logging.getLogger("parley.webrtc.worker").warning("hello %d", fd)
+
+    monkeypatch.setattr(subprocess, "Popen", no_popen)
+    monkeypatch.setattr(webrtc_worker, "serve", fake_serve)
+    monkeypatch.setattr(webrtc_worker.signal, "signal", lambda *args: None)
+    try:
+        log_format.configure_logging("info", "json")
+        assert log_format.current_kind() == "json"
+        with pytest.raises(OSError):
+            asyncio.run(webrtc_pool.WebRTCPool(1)._spawn(0))
+        assert spawned[0][-1] == "json"
+        webrtc_worker.main(["7", "json"])
+        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert line["logger"] == "parley.webrtc.worker" and line["message"] == "hello 7"
+        webrtc_worker.main(["8"])
+        assert "WARNING parley.webrtc.worker: hello 8" in capsys.readouterr().err
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved[0]:
+            root.addHandler(handler)
+        root.setLevel(saved[1])
