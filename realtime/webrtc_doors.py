@@ -59,7 +59,12 @@ class Refused(Exception):
 def bad_request(exc: ClientError | OfferError, param: str | None = None) -> Refused:
     if isinstance(exc, OfferError):
         return Refused(openai_error(400, str(exc), param=param, code="invalid_offer"))
-    return Refused(openai_error(400, str(exc), param=exc.param, code=exc.code))
+    return Refused(openai_error(_status(exc), str(exc), param=exc.param, code=exc.code))
+
+
+def _status(exc: ClientError) -> int:
+    """A setting naming a model this server does not serve is OpenAI's 404, as on every HTTP door."""
+    return 404 if exc.code == "model_not_found" else 400
 
 
 def _check_model(request: Request) -> None:
@@ -276,10 +281,11 @@ async def _answer(request: Request, protocol: str, offer: str, connect: Callable
 
 
 def _joined(refused: list[ClientError]) -> Response:
-    """One 400 for the refused settings: the first names its param, the message lists them all."""
+    """One error for the refused settings: the first names its param and status (400, or 404 for
+    an unserved model), the message lists them all."""
     first = refused[0]
     message = "; ".join(str(exc) for exc in refused)
-    return openai_error(400, message[:1000], param=first.param, code=first.code)
+    return openai_error(_status(first), message[:1000], param=first.param, code=first.code)
 
 
 def _refusal(manager: SessionManager, protocol: str, exc: Refused) -> Response:

@@ -312,6 +312,12 @@ def test_bad_calls_are_refused_before_media_and_only_that_call_ends():
                     "session": {"model": "gpt-live-1", "audio": {"format": {"type": "audio/pcm", "rate": 24000}}},
                     "transport": {"type": "webrtc", "sdp": "v=0"}})
                 assert live.status_code == 400 and live.json()["error"]["param"] == "session.audio.format"
+                for door, body in ((url, {"files": {"sdp": (None, "v=0"), "session": (None, json.dumps(
+                        {"type": "realtime", "model": "gpt-5"}))}}),
+                                   (f"http://{base}/v1/live/sessions", {"json": {
+                                       "session": {"model": "gpt-5"}, "transport": {"type": "webrtc", "sdp": "v=0"}}})):
+                    unserved = await http.post(door, **body)  # an unserved model in the settings: 404, as ?model=
+                    assert unserved.status_code == 404 and unserved.json()["error"]["code"] == "model_not_found"
                 assert (await http.get(f"http://{base}/load")).json()["prefill"] == 0  # no slot kept by a refusal
             # The vanishing peer: its transports stop without a goodbye (no DTLS close, no SCTP abort).
             vanishing = Client()
