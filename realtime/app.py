@@ -103,8 +103,9 @@ def create_app(services: Services) -> Starlette:
             metrics.codec_restarts.inc()
 
     codec = make_codec_runner(services.codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
-    webrtc = WebRTCPool(services.webrtc_workers or default_workers(engine.max_sessions),
-                        on_restart=lambda: metrics.webrtc_restarts.inc())  # started by the first call
+    webrtc = WebRTCPool(services.webrtc_workers or default_workers(engine.max_sessions),  # started by the first call
+                        on_restart=lambda: metrics.webrtc_restarts.inc(),
+                        on_silent=lambda packets: metrics.webrtc_silent.inc(packets))
     metrics = metrics_api.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                       if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds)
     if services.images is not None:

@@ -157,6 +157,9 @@ class EdgeMetrics:
             r.register(_WorkerCPUCollector("parley_codec_worker_cpu_seconds", "codec", codec_cpu_seconds))
         self.webrtc_restarts = Counter("parley_webrtc_worker_restarts", "WebRTC worker processes restarted after "
                                        "a crash or hang (each ended its own calls)", registry=r)
+        self.webrtc_silent = Counter("parley_webrtc_silent_packets", "20 ms packets WebRTC calls' tracks sent as "
+                                     "silence because no model audio was ready (a call's start, or late audio)",
+                                     registry=r)
         if webrtc_cpu_seconds is not None:
             r.register(_WorkerCPUCollector("parley_webrtc_worker_cpu_seconds", "WebRTC", webrtc_cpu_seconds))
         self.protocol_errors = Counter("parley_protocol_errors", "bad client input answered with an error or close",

@@ -60,13 +60,15 @@ class WebRTCPool:
     """`--webrtc-workers N`: N WebRTC worker processes, calls pinned to one each."""
 
     def __init__(self, workers: int, *, start_timeout: float = 30.0,
-                 on_restart: Callable[[], None] | None = None) -> None:
+                 on_restart: Callable[[], None] | None = None,
+                 on_silent: Callable[[int], None] | None = None) -> None:
         if workers < 1:
             raise ValueError("--webrtc-workers must be at least 1")
         self.workers = workers
         self.argv = [sys.executable, "-m", "parley.realtime.webrtc_worker"]  # + the socket's fd, the log format
         self.start_timeout = start_timeout
         self.on_restart = on_restart
+        self.on_silent = on_silent  # (packets): the calls' tracks sent silence, no model audio ready
         self.restarts = 0
         self._slots: list[WorkerProcess | None] = [None] * workers
         self._ids = itertools.count(1)
@@ -220,6 +222,10 @@ class WebRTCPool:
         await reap(w.proc for w in workers)
 
     # ---- figures ----
+
+    def count_silent(self, packets: int) -> None:
+        if self.on_silent is not None:
+            self.on_silent(packets)
 
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._slots if w is not None and w.dead is None]

@@ -135,9 +135,11 @@ class WebRTCCall:
         elif op == wire.BACKLOG_OP:
             self._backlog = wire.BACKLOG.unpack(payload)[0]
         elif op == wire.DROPPED_OP:
-            chunks, frames = wire.DROPPED.unpack(payload)
+            chunks, frames, silent = wire.DROPPED.unpack(payload)
             self.media.dropped_chunks += chunks
             self._owed_drops += frames
+            if silent:
+                self._pool.count_silent(silent)
         elif op == wire.READY:
             self._ready.set()
         elif op == wire.ANSWER:

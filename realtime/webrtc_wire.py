@@ -11,7 +11,8 @@ worker -> server: HELLO (call 0: the worker is up), ANSWER (the SDP answer), REF
   cannot be answered: the text says why, the door's 400), READY (the events channel is open, or
   the call connected without one), AUDIO (24 kHz float32 peer audio, 20 ms a chunk), TEXT / BYTES
   (a data channel message), BACKLOG (u64: the channel's bufferedAmount, sent when it changes),
-  DROPPED (u32 input chunks, u32 output 80 ms frames: dropped in the worker since the last report),
+  DROPPED (u32 input chunks, u32 output 80 ms frames: dropped in the worker; u32 20 ms packets the
+  track sent as silence, no model audio being ready: each since the last report),
   ENDED (u8 overflowed: the call is over; its id is free).
 """
 
@@ -23,7 +24,7 @@ from typing import Callable
 
 HEADER = struct.Struct("<BII")
 BACKLOG = struct.Struct("<Q")
-DROPPED = struct.Struct("<II")
+DROPPED = struct.Struct("<III")
 
 # server -> worker
 OFFER, PLAY, SEND_TEXT, SEND_BYTES, CLOSE = 1, 2, 3, 4, 5

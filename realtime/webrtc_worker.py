@@ -41,6 +41,7 @@ class WorkerCall:
         self.peer = Peer(self, ice_servers, max_lag_s)
         self.reported_backlog = 0
         self.dropped_in = 0  # audio chunks dropped here since the last report
+        self.reported_silent = 0  # the track's silent packets already reported
         self.closing: asyncio.Task | None = None
 
     def ready(self) -> None:
@@ -66,17 +67,19 @@ class WorkerCall:
     def play(self, payload: bytes) -> None:
         dropped = self.peer.outgoing.play(np.frombuffer(payload, np.float32))
         if dropped:
-            self.worker.send(wire.DROPPED_OP, self.id, wire.DROPPED.pack(0, dropped))
+            self.worker.send(wire.DROPPED_OP, self.id, wire.DROPPED.pack(0, dropped, 0))
 
     def report(self) -> None:
-        """Changed backlog and dropped input, for the server's lag bound and counters."""
+        """Changed backlog, dropped input and silent packets, for the server's lag bound and counters."""
         backlog = self.peer.backlog()
         if backlog != self.reported_backlog:
             self.reported_backlog = backlog
             self.worker.send(wire.BACKLOG_OP, self.id, wire.BACKLOG.pack(backlog))
-        if self.dropped_in:
-            self.worker.send(wire.DROPPED_OP, self.id, wire.DROPPED.pack(self.dropped_in, 0))
+        silent = self.peer.outgoing.silent_packets - self.reported_silent
+        if self.dropped_in or silent:
+            self.worker.send(wire.DROPPED_OP, self.id, wire.DROPPED.pack(self.dropped_in, 0, silent))
             self.dropped_in = 0
+            self.reported_silent += silent
 
 
 class Worker:

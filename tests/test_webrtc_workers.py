@@ -60,6 +60,7 @@ def test_a_killed_worker_ends_only_its_call_and_is_replaced():
             metrics = httpx.get(f"http://{base}/metrics").text
             assert re.search(r"^parley_webrtc_worker_restarts_total 1\.0$", metrics, re.M)
             assert float(re.search(r"^parley_webrtc_worker_cpu_seconds (\S+)$", metrics, re.M).group(1)) > 0
+            assert re.search(r"^parley_webrtc_silent_packets_total \d+\.0$", metrics, re.M)  # (the calls' underruns)
             for client in (doomed, steady, late):
                 await client.close()
             await sdk.close()
@@ -133,6 +134,7 @@ class FakePool:
         self.worker = FakeWorker()
         self.unpinned: list[WebRTCCall] = []
         self.lost: list[str] = []
+        self.silent: list[int] = []
 
     async def pin(self, call: WebRTCCall) -> FakeWorker:
         call.id = 7
@@ -143,6 +145,9 @@ class FakePool:
 
     def lose(self, worker, reason: str) -> None:
         self.lost.append(reason)
+
+    def count_silent(self, packets: int) -> None:
+        self.silent.append(packets)
 
 
 async def _answered_call(pool: FakePool) -> WebRTCCall:
@@ -163,8 +168,8 @@ def test_the_servers_queues_are_bounded_and_an_outrunning_peer_ends_its_call():
         for _ in range(wire.MAX_INPUT_CHUNKS + 30):  # the connection reads none of it
             call.deliver(wire.AUDIO, chunk)
         assert call.media._chunks.qsize() == wire.MAX_INPUT_CHUNKS and call.media.dropped_chunks == 30
-        call.deliver(wire.DROPPED_OP, wire.DROPPED.pack(5, 2))  # the worker's own drops, reported
-        assert call.media.dropped_chunks == 35
+        call.deliver(wire.DROPPED_OP, wire.DROPPED.pack(5, 2, 4))  # the worker's own drops, reported
+        assert call.media.dropped_chunks == 35 and pool.silent == [4]  # silent packets: to the pool's counter
         assert call.play(np.zeros(1920, np.float32)) == 2  # its track's lag drops, told by the next play
         assert call.play(np.zeros(1920, np.float32)) == 0
         call.deliver(wire.BACKLOG_OP, wire.BACKLOG.pack(12345))
@@ -279,7 +284,12 @@ def test_the_workers_outbox_is_bounded():
         call.audio(np.zeros(480, np.float32))
         assert [op for op, _, _ in worker.link.sent] == [wire.AUDIO] and call.dropped_in == 1
         call.report()
-        assert worker.link.sent[-1] == (wire.DROPPED_OP, 9, wire.DROPPED.pack(1, 0)) and call.dropped_in == 0
+        assert worker.link.sent[-1] == (wire.DROPPED_OP, 9, wire.DROPPED.pack(1, 0, 0)) and call.dropped_in == 0
+        call.peer.outgoing.silent_packets += 3  # the track sent 3 packets of silence
+        call.report()
+        call.report()  # (nothing new: no frame)
+        assert worker.link.sent[-1] == (wire.DROPPED_OP, 9, wire.DROPPED.pack(0, 0, 3))
+        assert [op for op, _, _ in worker.link.sent].count(wire.DROPPED_OP) == 2
         worker.link.backlog = wire.HARD_OUTBOX_BYTES
         call.message('{"type": "x"}')  # an event would pass the hard bound: the call ends, overflowed
         assert worker.link.sent[-1] == (wire.ENDED, 9, b"\x01") and worker.forgotten == [call]
