@@ -30,7 +30,6 @@ import concurrent.futures
 import itertools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from . import codec_worker as wire
-from .worker_processes import cpu_seconds, reap
+from .worker_processes import backoff, cpu_seconds, reap, spawn
 from .opus_codec import OpusCodec, OpusError, check_frame
 
 log = logging.getLogger("parley.codec")
@@ -165,18 +164,7 @@ class CodecProcessPool:
         log.info("codec: %d worker processes (pids %s)", self.workers, self.worker_pids())
 
     async def _spawn(self, index: int) -> _Worker:
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # fork+exec off the loop (the server process can be large); close_fds keeps every
-            # other descriptor (listening socket, other workers' sockets) out of the child.
-            proc = await asyncio.to_thread(
-                subprocess.Popen, [sys.executable, "-m", "parley.realtime.codec_worker", str(child_sock.fileno())],
-                pass_fds=(child_sock.fileno(),), close_fds=True, stdin=subprocess.DEVNULL)
-        except BaseException:
-            parent_sock.close()
-            raise
-        finally:
-            child_sock.close()
+        proc, parent_sock = await spawn([sys.executable, "-m", "parley.realtime.codec_worker"])
         try:
             reader, writer = await asyncio.open_unix_connection(sock=parent_sock, limit=1 << 20)
             head = await asyncio.wait_for(reader.readexactly(wire.REPLY.size), self.start_timeout)
@@ -321,7 +309,7 @@ class CodecProcessPool:
                 worker = await self._spawn(old.index)
             except Exception as exc:  # noqa: BLE001 - keep trying, bounded by the backoff
                 attempt += 1
-                delay = min(30.0, 0.5 * 2 ** attempt)
+                delay = backoff(attempt)
                 log.error("codec worker %d restart failed (%s); retrying in %.1f s", old.index, exc, delay)
                 continue
             if self._closing:

@@ -17,7 +17,6 @@ import asyncio
 import itertools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Callable
 
 from . import webrtc_wire as wire
 from .log_format import current_kind
-from .worker_processes import cpu_seconds, reap
+from .worker_processes import backoff, cpu_seconds, reap, spawn
 from .webrtc_transport import CallUnavailable, WebRTCCall
 
 log = logging.getLogger("parley.webrtc")
@@ -122,18 +121,7 @@ class WebRTCPool:
             log.info("webrtc: %d of %d worker processes started (pids %s)", len(pids), self.workers, pids)
 
     async def _spawn(self, index: int) -> WorkerProcess:
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # fork+exec off the loop (the server process can be large); close_fds keeps the
-            # listening socket and the other workers' sockets out of the child.
-            proc = await asyncio.to_thread(
-                subprocess.Popen, [*self.argv, str(child_sock.fileno()), current_kind()],
-                pass_fds=(child_sock.fileno(),), close_fds=True, stdin=subprocess.DEVNULL)
-        except BaseException:
-            parent_sock.close()
-            raise
-        finally:
-            child_sock.close()
+        proc, parent_sock = await spawn(self.argv, current_kind())
         worker = WorkerProcess(index, proc, self)
         try:
             await asyncio.get_running_loop().create_connection(lambda: worker.link, sock=parent_sock)
@@ -192,7 +180,7 @@ class WebRTCPool:
                 worker = await self._spawn(index)
             except Exception as exc:  # noqa: BLE001 - keep trying, bounded by the backoff
                 attempt += 1
-                delay = min(30.0, 0.5 * 2 ** attempt)
+                delay = backoff(attempt)
                 log.error("webrtc worker %d restart failed (%s); retrying in %.1f s", index, exc, delay)
                 continue
             if self._closing:

@@ -1,15 +1,40 @@
 """What the server's worker process pools (the codec's, opus.py; WebRTC's, webrtc_pool.py) share:
-their CPU seconds, read from Linux /proc (what /metrics and the benchmarks report beside
-process_cpu_seconds_total, which covers the server process only), and their bounded exit."""
+their start (a process on one end of a Unix socketpair), their CPU seconds, read from Linux /proc
+(what /metrics and the benchmarks report beside process_cpu_seconds_total, which covers the server
+process only), their restart backoff and their bounded exit."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 from typing import Iterable
 
 EXIT_GRACE_S = 3.0  # a worker told to exit (EOF on its socket) that has not by then is killed
+
+
+async def spawn(argv: list[str], *args: str) -> tuple[subprocess.Popen, socket.socket]:
+    """`argv FD *args`, FD the child's end of a new socketpair; returns the process and the
+    server's end."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # fork+exec off the loop (the server process can be large); close_fds keeps every other
+        # descriptor (the listening socket, other workers' sockets) out of the child.
+        proc = await asyncio.to_thread(
+            subprocess.Popen, [*argv, str(child_sock.fileno()), *args],
+            pass_fds=(child_sock.fileno(),), close_fds=True, stdin=subprocess.DEVNULL)
+    except BaseException:
+        parent_sock.close()
+        raise
+    finally:
+        child_sock.close()
+    return proc, parent_sock
+
+
+def backoff(attempt: int) -> float:
+    """Seconds before restart attempt `attempt` (1, 2, ...) of a worker that would not start."""
+    return min(30.0, 0.5 * 2 ** attempt)
 
 
 def cpu_seconds(pids: Iterable[int]) -> float:
