@@ -4,15 +4,18 @@ the 80 ms grid), against a `parley serve` this script starts or one already runn
 
     # the H200 run (issue 32): Moshi-7B shapes, random weights, fp8 KV, 10+ minutes
     python benchmarks/load_7b.py --dir /tmp/moshi7b --batches 1 --frames 1     # writes the checkpoint once
-    python benchmarks/capacity.py --spawn /tmp/moshi7b --device cuda --target 256 --minutes 12 \\
-        --max-sessions 320 --procs 8 --serve-arg=--kv-dtype=fp8 --serve-arg=--kv-memory=100
+    python benchmarks/capacity.py --spawn /tmp/moshi7b --device cuda --target 256 --minutes 10 --steady \\
+        --max-sessions 288 --procs 8 --serve-arg=--kv-dtype=fp8 --serve-arg=--kv-memory=108 \\
+        --serve-arg=--kv-policy=shrink
     # in seconds on a CPU with the tiny model (the smoke test): every length and the clock x 0.02
     python benchmarks/capacity.py --spawn tiny --target 3 --minutes 0.3 --time-scale 0.02
 
 Traffic. Session lengths are log-normal with median 120 s and sigma 0.541 = ln(240 / 120) / 1.2816
 (z at 0.90), so 10 % of sessions last past 4 min (the window) and the mean is 139 s. Arrivals are
 Poisson at rate target / mean length (Little's law: `--target` sessions live on average once
-the first lengths have run out). `--time-scale` multiplies every length, the arrival gaps and the
+the first lengths have run out; with `--steady` the run starts there, `--target` sessions already
+under way with the residual lengths of the steady state). The run lasts `--minutes`: a session
+still live at the end is closed then, its length cut. `--time-scale` multiplies every length, the arrival gaps and the
 report period (a minute), nothing else: frames stay 80 ms. A refused session (HTTP 503 before the
 upgrade, or a close before the handshake) is counted and not retried.
 
@@ -52,6 +55,8 @@ MEAN_S = MEDIAN_S * math.exp(SIGMA ** 2 / 2)  # 139 s
 PERIOD_S = 60.0  # one report line per minute (scaled)
 FRAME_P99_S = 0.060  # the frame-time bound a held period must keep
 TAIL_S = 0.6  # load.client reads this long after its last frame
+RAMP_S = 30.0  # --steady: the sessions under way at the start open over this long
+PROGRESS_S = 10.0  # a progress line on stderr this often (scaled), for runs polled while they go
 
 
 @dataclass
@@ -61,16 +66,30 @@ class Arrival:
     length: float  # seconds of audio it streams (scaled)
 
 
-def schedule(target: float, minutes: float, time_scale: float, seed: int) -> list[Arrival]:
-    """Poisson arrivals over the run, each with a log-normal length."""
+def schedule(target: float, minutes: float, time_scale: float, seed: int, steady: bool = False) -> list[Arrival]:
+    """Poisson arrivals over the run, each with a log-normal length, cut at the run's end.
+
+    steady: the run starts in the steady state instead of empty. Besides the arrivals, Poisson(target)
+    sessions are already under way (Little's law); a session in progress has a length-biased length
+    (for a log-normal, log-normal again with mu + sigma^2) of which a uniform share is still to run.
+    They open over the first RAMP_S (scaled), so the server takes no burst of handshakes at once,
+    each ending when it would have in the steady state: from the ramp's end on, the load is full."""
     rng = np.random.default_rng(seed)
     rate = target / (MEAN_S * time_scale)  # sessions per (scaled) second
-    arrivals, t = [], rng.exponential(1 / rate)
-    while t < minutes * 60 * time_scale:
-        length = float(rng.lognormal(math.log(MEDIAN_S), SIGMA)) * time_scale
-        arrivals.append(Arrival(len(arrivals), t, max(length, 3 * FRAME_S)))
+    end = minutes * 60 * time_scale
+    drawn: list[tuple[float, float]] = []
+    if steady:
+        for _ in range(int(rng.poisson(target))):
+            whole = float(rng.lognormal(math.log(MEDIAN_S) + SIGMA ** 2, SIGMA)) * time_scale
+            left, opens = whole * float(rng.uniform()), float(rng.uniform(0, RAMP_S * time_scale))
+            if left > opens + 3 * FRAME_S:  # else it would have ended before it opened
+                drawn.append((opens, left - opens))
+    t = rng.exponential(1 / rate)
+    while t < end:
+        drawn.append((t, float(rng.lognormal(math.log(MEDIAN_S), SIGMA)) * time_scale))
         t += rng.exponential(1 / rate)
-    return arrivals
+    drawn.sort()
+    return [Arrival(i, at, max(min(length, end - at), 3 * FRAME_S)) for i, (at, length) in enumerate(drawn)]
 
 
 @dataclass
@@ -187,10 +206,16 @@ def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration
     return out
 
 
+def progress(s: Sample) -> None:
+    p99 = "-" if s.tick_p99_ms is None else f"{s.tick_p99_ms:.1f}"
+    print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
+          f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}", file=sys.stderr, flush=True)
+
+
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
-                       seed: int) -> list[Period]:
+                       seed: int, steady: bool = False) -> list[Period]:
     http = url.replace("ws://", "http://").replace("wss://", "https://")
-    arrivals = schedule(target, minutes, time_scale, seed)
+    arrivals = schedule(target, minutes, time_scale, seed, steady)
     duration = minutes * 60 * time_scale
     start_at = time.monotonic() + 1.0
     groups = [arrivals[p::procs] for p in range(procs)]
@@ -200,18 +225,22 @@ async def run_capacity(url: str, target: float, minutes: float, time_scale: floa
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         samples.append(await asyncio.to_thread(sample, http, start_at))
         every = max(0.2, time_scale)  # a sample a second, scaled (not below 0.2 s: each costs a scrape)
+        shown = 0.0
         while not all(f.done() for f in futures):
             await asyncio.sleep(every)
             samples.append(await asyncio.to_thread(sample, http, start_at))
+            if samples[-1].t >= shown + PROGRESS_S * time_scale:
+                shown = samples[-1].t
+                progress(samples[-1])
         results = [pair for f in futures for pair in await f]
     ended = [_ended(a, stats, start_at) for a, stats in results]
-    return periods(samples, ended, PERIOD_S * time_scale, max(duration, max((e.ended for e in ended), default=0)))
+    return periods(samples, ended, PERIOD_S * time_scale, duration)
 
 
-def report(found: list[Period], time_scale: float, target: float) -> None:
+def report(found: list[Period], time_scale: float, target: float, steady: bool = False) -> None:
     print(f"sessions: log-normal lengths, median {MEDIAN_S:.0f} s, sigma {SIGMA:.3f} ({100 * PAST_WINDOW:.0f} % past "
           f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average; "
-          f"time scale {time_scale:g}")
+          f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
     print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
           "| KV blocks used | held |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -241,20 +270,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --spawn: an extra `parley serve` argument (repeat), e.g. --serve-arg=--kv-memory=100")
     p.add_argument("--serve-log", type=Path, help="with --spawn: write the server's log here (kept after the run)")
     p.add_argument("--seed", type=int, default=0, help="the arrival schedule's seed")
+    p.add_argument("--steady", action="store_true",
+                   help="start in the steady state: about --target sessions already under way, opening over the "
+                        f"first {RAMP_S:.0f} s (scaled), so every minute measures the full load")
     args = p.parse_args(argv)
     if not args.spawn and (args.serve_log or args.serve_arg or args.max_sessions):
         p.error("--serve-log, --serve-arg and --max-sessions apply to a server this script starts (--spawn)")
     if args.time_scale <= 0 or args.target <= 0 or args.minutes <= 0:
         p.error("--time-scale, --target and --minutes must be more than 0")
     run = lambda url: asyncio.run(run_capacity(url, args.target, args.minutes, args.time_scale,  # noqa: E731
-                                               args.procs, args.seed))
+                                               args.procs, args.seed, args.steady))
     if args.spawn:
         rows = args.max_sessions or math.ceil(1.5 * args.target)
         with spawned_server(args.spawn, rows, args.device, args.serve_arg, args.serve_log) as url:
             found = run(url)
     else:
         found = run(args.url.rstrip("/"))
-    report(found, args.time_scale, args.target)
+    report(found, args.time_scale, args.target, args.steady)
     return 0
 
 

@@ -1,0 +1,45 @@
+"""benchmarks/capacity.py's traffic: the load it claims (Little's law) is the load it offers.
+
+The capacity figure is the most sessions held at once, so the schedule must put `--target`
+sessions live: from the start with --steady, after the first lengths have run out without it;
+and no session may outlast the run (the run's end closes it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+capacity = pytest.importorskip("capacity")
+
+
+def live_at(arrivals, t: float) -> int:
+    return sum(a.at <= t < a.at + a.length for a in arrivals)
+
+
+def mean_live(target: float, t: float, steady: bool, seeds: range) -> float:
+    return float(np.mean([live_at(capacity.schedule(target, 20, 1.0, s, steady), t) for s in seeds]))
+
+
+def test_steady_start_holds_the_target_from_the_ramp_on():
+    # 40 s: just past the ramp; 5 and 15 min: long after the first lengths ran out
+    for t in (40.0, 300.0, 900.0):
+        assert mean_live(200, t, True, range(12)) == pytest.approx(200, rel=0.06), t
+
+
+def test_empty_start_reaches_the_target_only_after_the_lengths_run_out():
+    assert mean_live(200, 40.0, False, range(12)) < 0.4 * 200
+    assert mean_live(200, 900.0, False, range(12)) == pytest.approx(200, rel=0.06)
+
+
+def test_sessions_are_ordered_and_end_with_the_run():
+    for steady in (False, True):
+        arrivals = capacity.schedule(64, 3, 1.0, 1, steady)
+        assert [a.index for a in arrivals] == list(range(len(arrivals)))
+        assert all(x.at <= y.at for x, y in zip(arrivals, arrivals[1:]))
+        assert all(0 <= a.at < 180 and a.at + a.length <= 180 + 3 * capacity.FRAME_S for a in arrivals)
+        assert sum(a.at + a.length >= 180 - 1e-6 for a in arrivals) > 10  # cut at the end, not dropped
