@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -60,6 +61,13 @@ from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
 
 log = logging.getLogger("parley.engine")
+
+# The engine thread shares the process's GIL with the event loop, and every torch call in a tick
+# gives it up and takes it back. While the loop runs Python without a pause (hundreds of sessions'
+# socket work), each take-back waits out Python's switch interval, 5 ms by default: a tick of a few
+# dozen torch calls then runs several times its frame (benchmarks/gil_tick.py). A short interval
+# bounds each wait, at a small cost in switches to the loop.
+GIL_SWITCH_S = 0.0005
 
 
 class EngineClosed(RuntimeError):
@@ -116,6 +124,7 @@ class Engine:
             if self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._serve, name="parley-engine", daemon=True)
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self._thread.start()
 
     @property

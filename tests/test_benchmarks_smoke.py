@@ -103,6 +103,10 @@ CPU_CASES = {
         "load.py", ["--spawn", "tiny", "--clients", "2", "--procs", "2", "--duration", "2", "--doors", "webrtc"],
         [r"^door\s+webrtc$", r"^served\s+2$", r"^frames_sent\s+[1-9]\d*$", r"^jitter_p99_ms\s+\d+\.\d\d$",
          r"^frames_lost\s+\d+$", r"^late_ticks\s+\d", r"^webrtc_workers_cpu_cores\s+\d+\.\d\d$"]),
+    "gil_tick": (  # the engine's tick beside a busy loop, at both switch intervals (1 s each)
+        "gil_tick.py", ["--sessions", "8", "--seconds", "1", "--frame-ms", "5"],
+        [r"^\| switch interval \| ticks \| tick p50 ms", r"^\| 5 ms \| \d+ \| \d+\.\d \| \d+\.\d \| \d+ \| ",
+         r"^\| 0\.5 ms \| \d+ \| \d+\.\d \| \d+\.\d \| \d+ \| "]),
     "capacity": (  # 2 minutes of traffic at time scale 0.02: ~2.4 s of arrivals, periods of 1.2 s
         "capacity.py", ["--spawn", "tiny", "--target", "2", "--minutes", "2", "--time-scale", "0.02"],
         [r"sigma 0\.541 \(10 % past 240 s, mean 139 s\)", r"^\| minute \(traffic time\) \| arrived \| refused \|",

@@ -649,3 +649,27 @@ def test_input_buffer_refuses_non_arrays_in_a_sentence():
     buf = InputBuffer(2)
     buf.push(torch.zeros(N))  # torch tensors are accepted
     assert len(buf) == 1
+
+
+def test_a_started_engine_bounds_the_gil_switch_interval():
+    """The engine thread takes the GIL back after each torch call; with the loop busy each take-back waits
+    up to the switch interval (engine.GIL_SWITCH_S says why), so start() lowers it and never raises it."""
+    import sys
+
+    from parley.engine.engine import GIL_SWITCH_S
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        engine = Engine(DelayBackend(1))
+        engine.start()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S, rel=0.02)
+        engine.shutdown()
+        sys.setswitchinterval(0.0001)
+        engine = Engine(DelayBackend(1))
+        engine.start()
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.02)  # kept in whole microseconds
+        engine.shutdown()
+    finally:
+        sys.setswitchinterval(before)
+
