@@ -23,7 +23,9 @@ Printed per period (a minute, scaled): sessions arrived, refused, the most live 
 server's /load, sampled every second, scaled), the engine's frame time p99 (the most /load's
 tick_ms_p99 read in the period) and the share of frames over 60 ms (its tick histogram, exact at
 that bound), late ticks, frames lost (sessions that ended in the period: input frames sent minus
-output frames received, plus frames the engine dropped), and KV blocks used (the most read).
+output frames received, plus frames the engine dropped), KV blocks used (the most read), and the
+CPU of the server's event loop and engine threads in cores (`parley_thread_cpu_seconds_total`):
+they share one GIL, so a sum near 1 means the ticks wait for the loop's Python.
 At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
 of its frames over 60 ms), 0 late ticks and 0 frames lost.
 """
@@ -136,6 +138,8 @@ class Sample:
     dropped: float
     ticks: float
     ticks_over: float  # ticks longer than FRAME_P99_S (the tick histogram's cumulative count)
+    loop_cpu: float  # CPU seconds of the server's event loop and engine threads so far (nan: not exported)
+    engine_cpu: float
 
 
 def _metric(text: str, name: str) -> float:
@@ -150,7 +154,9 @@ def sample(http: str, start_at: float) -> Sample:
     within = _metric(text, f'parley_engine_tick_seconds_bucket{{le="{FRAME_P99_S}"}}')
     return Sample(time.monotonic() - start_at, int(load["live"]) + int(load["prefill"]), load["tick_ms_p99"],
                   load.get("kv_blocks_used"), _metric(text, "parley_engine_late_ticks_total"),
-                  _metric(text, "parley_engine_dropped_events_total"), count, count - within)
+                  _metric(text, "parley_engine_dropped_events_total"), count, count - within,
+                  _metric(text, 'parley_thread_cpu_seconds_total{thread="loop"}'),
+                  _metric(text, 'parley_thread_cpu_seconds_total{thread="engine"}'))
 
 
 @dataclass
@@ -164,6 +170,8 @@ class Period:
     late: float = 0.0
     lost: float = 0.0
     kv_used: int | None = None
+    loop_cores: float = float("nan")  # the event loop's and the engine thread's CPU, in cores (one GIL: their
+    engine_cores: float = float("nan")  # sum near 1 means the engine waits for the loop's Python)
     samples: list[Sample] = field(default_factory=list)
 
     @property
@@ -174,7 +182,7 @@ class Period:
         kv = "-" if self.kv_used is None else str(self.kv_used)
         return (f"| {self.index} | {self.arrived} | {self.refused} | {self.live_max} | "
                 f"{self.tick_p99_ms:.1f} | {100 * self.over_share:.2f} | {self.late:.0f} | {self.lost:.0f} | {kv} | "
-                f"{'yes' if self.held else 'no'} |")
+                f"{self.loop_cores:.2f} | {self.engine_cores:.2f} | {'yes' if self.held else 'no'} |")
 
 
 def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration: float) -> list[Period]:
@@ -202,6 +210,9 @@ def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration
         p.over_share = (last.ticks_over - previous.ticks_over) / ticks if ticks > 0 else 0.0
         p.late = last.late - previous.late
         p.lost += last.dropped - previous.dropped
+        if last.t > previous.t:
+            p.loop_cores = (last.loop_cpu - previous.loop_cpu) / (last.t - previous.t)
+            p.engine_cores = (last.engine_cpu - previous.engine_cpu) / (last.t - previous.t)
         previous = last
     return out
 
@@ -242,8 +253,8 @@ def report(found: list[Period], time_scale: float, target: float, steady: bool =
           f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average; "
           f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
     print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
-          "| KV blocks used | held |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| KV blocks used | loop CPU, cores | engine CPU, cores | held |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p in found:
         print(p.row())
     held = [p.live_max for p in found if p.held and p.samples]

@@ -132,6 +132,11 @@ class Engine:
         return self._healthy
 
     @property
+    def thread_id(self) -> int | None:
+        """The engine thread's OS thread id once started (its CPU time: /proc/<id>/stat), else None."""
+        return self._thread.native_id if self._thread is not None else None
+
+    @property
     def running(self) -> bool:
         """The engine thread is alive: started and not stopped (it may still be warming up)."""
         return self._thread is not None and self._thread.is_alive()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -106,8 +107,10 @@ def create_app(services: Services) -> Starlette:
     webrtc = WebRTCPool(services.webrtc_workers or default_workers(engine.max_sessions),  # started by the first call
                         on_restart=lambda: metrics.webrtc_restarts.inc(),
                         on_silent=lambda packets: metrics.webrtc_silent.inc(packets))
+    loop_thread: dict[str, int] = {}  # the event loop's OS thread id, taken when the lifespan starts on it
     metrics = metrics_api.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
-                                      if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds)
+                                      if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds,
+                                      threads=lambda: {"loop": loop_thread.get("id"), "engine": engine.thread_id})
     if services.images is not None:
         metrics.registry.register(services.images)  # parley_images_* (images_api.ImageService.collect)
     manager = SessionManager(engine, services.defaults, codec, metrics,
@@ -124,7 +127,7 @@ def create_app(services: Services) -> Starlette:
                         session_paths=doors.WEBRTC_PATHS, refusals=metrics.refusals)
     unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
     app = Starlette(routes=[_route(door, endpoints, services.web_dir) for door in served],
-                    lifespan=_lifespan(services, manager, codec, webrtc), middleware=[access, unknown_ws],
+                    lifespan=_lifespan(services, manager, codec, webrtc, loop_thread), middleware=[access, unknown_ws],
                     exception_handlers={HTTPException: http_error})
     app.state.doors = served
     app.state.sessions = manager
@@ -141,9 +144,10 @@ def create_app(services: Services) -> Starlette:
     return app
 
 
-def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTCPool):
+def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTCPool, loop_thread: dict[str, int]):
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop_thread["id"] = threading.get_native_id()
         await codec.start()  # worker processes start on the server's loop, before any session
         await load_lazy_modules()
         if services.start_engine:

@@ -20,6 +20,7 @@ from starlette.responses import Response
 from parley.engine import FULL_COLLECTIONS
 
 from .refusals import Refusals
+from .worker_processes import cpu_seconds
 
 # Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
 # means a client hears a gap.
@@ -103,6 +104,22 @@ class _WorkerCPUCollector:
         yield family
 
 
+class _ThreadCPUCollector:
+    """CPU seconds of the server's event loop and engine threads, read at scrape time (Linux /proc).
+    They share one GIL, so their sum near one core means a tick waits for the loop's Python."""
+
+    def __init__(self, threads: Callable[[], dict[str, int | None]]) -> None:
+        self._threads = threads
+
+    def collect(self) -> Iterable:
+        family = CounterMetricFamily("parley_thread_cpu_seconds", "CPU seconds of the server process's event "
+                                     "loop and engine threads, which share one GIL", labels=["thread"])
+        for name, tid in self._threads().items():
+            if tid is not None:
+                family.add_metric([name], cpu_seconds([tid]))
+        yield family
+
+
 class _FullCollectionsCollector:
     """Python's full garbage collections since the server froze its loaded objects
     (engine/gc_pauses.py): each one stalls every thread, the engine's included."""
@@ -123,7 +140,8 @@ class EdgeMetrics:
 
     def __init__(self, engine_counters: Callable[[], dict] | None = None,
                  codec_cpu_seconds: Callable[[], float] | None = None,
-                 webrtc_cpu_seconds: Callable[[], float] | None = None) -> None:
+                 webrtc_cpu_seconds: Callable[[], float] | None = None,
+                 threads: Callable[[], dict[str, int | None]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
@@ -170,6 +188,8 @@ class EdgeMetrics:
                                    "more than the lag limit behind", ["protocol"], registry=r)
         self.refusals = Refusals(r)  # parley_refusals_total{door, reason}: every refusal (refusals.py)
         ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: benchmarks/load.py reads CPU here
+        if threads is not None:  # parley_thread_cpu_seconds_total{thread="loop"|"engine"}: benchmarks/capacity.py
+            r.register(_ThreadCPUCollector(threads))
         r.register(_FullCollectionsCollector())
         if engine_counters is not None:
             r.register(EngineCollector(engine_counters))

@@ -67,3 +67,39 @@ def test_a_process_that_froze_its_objects_exits_without_leak_reports():
               "freeze_loaded_objects()")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "leaked" not in done.stderr, done.stderr[-2000:]
+
+
+
+def test_thread_cpu_is_read_per_named_thread():
+    """parley_thread_cpu_seconds: each named thread's own CPU time, from its OS id (Linux /proc);
+    a thread not started yet (None) is left out."""
+    import threading
+    import time
+
+    ids: dict[str, int | None] = {"loop": threading.get_native_id(), "engine": None}
+    burned, release = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        ids["engine"] = threading.get_native_id()
+        start = time.thread_time()
+        while time.thread_time() - start < 0.3:  # CPU time, not wall: the box may be loaded
+            sum(range(100))
+        burned.set()
+        release.wait(30)
+
+    def read() -> dict[str, float]:
+        text = EdgeMetrics(threads=lambda: dict(ids)).render().decode()
+        return {x.split('"')[1]: float(x.split()[1]) for x in text.splitlines()
+                if x.startswith("parley_thread_cpu_seconds_total{")}
+
+    assert set(read()) == {"loop"}
+    worker = threading.Thread(target=burn)
+    worker.start()
+    try:
+        assert burned.wait(30)
+        seconds = read()
+    finally:
+        release.set()
+        worker.join()
+    assert set(seconds) == {"loop", "engine"}
+    assert 0.15 <= seconds["engine"] < 5  # its 0.3 s, as /proc counts it (10 ms ticks, sampled on some kernels)
