@@ -20,7 +20,7 @@ from starlette.responses import Response
 from parley.engine import FULL_COLLECTIONS
 
 from .refusals import Refusals
-from .worker_processes import cpu_seconds
+from .worker_processes import thread_cpu_seconds
 
 # Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
 # means a client hears a gap.
@@ -116,7 +116,7 @@ class _ThreadCPUCollector:
                                      "loop and engine threads, which share one GIL", labels=["thread"])
         for name, tid in self._threads().items():
             if tid is not None:
-                family.add_metric([name], cpu_seconds([tid]))
+                family.add_metric([name], thread_cpu_seconds(tid))
         yield family
 
 

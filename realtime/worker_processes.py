@@ -39,16 +39,22 @@ def backoff(attempt: int) -> float:
 
 def cpu_seconds(pids: Iterable[int]) -> float:
     """User + system CPU of the processes (all their threads); one that is gone counts 0."""
-    total = 0.0
+    return sum(_stat_cpu(f"/proc/{pid}/stat") for pid in pids)
+
+
+def thread_cpu_seconds(tid: int) -> float:
+    """User + system CPU of one thread of this process (/proc/<tid>/stat would be its whole process's)."""
+    return _stat_cpu(f"/proc/self/task/{tid}/stat")
+
+
+def _stat_cpu(path: str) -> float:
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 async def reap(procs: Iterable[subprocess.Popen], grace_s: float = EXIT_GRACE_S) -> None:

@@ -73,8 +73,11 @@ def test_a_process_that_froze_its_objects_exits_without_leak_reports():
 def test_thread_cpu_is_read_per_named_thread():
     """parley_thread_cpu_seconds: each named thread's own CPU time, from its OS id (Linux /proc);
     a thread not started yet (None) is left out."""
+    import os
     import threading
     import time
+
+    from parley.realtime.worker_processes import cpu_seconds
 
     ids: dict[str, int | None] = {"loop": threading.get_native_id(), "engine": None}
     burned, release = threading.Event(), threading.Event()
@@ -103,3 +106,5 @@ def test_thread_cpu_is_read_per_named_thread():
         worker.join()
     assert set(seconds) == {"loop", "engine"}
     assert 0.15 <= seconds["engine"] < 5  # its 0.3 s, as /proc counts it (10 ms ticks, sampled on some kernels)
+    # each thread's own CPU, not its process's: the burnt 0.3 s is not the loop's
+    assert seconds["loop"] <= cpu_seconds([os.getpid()]) - 0.15
