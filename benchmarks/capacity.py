@@ -250,7 +250,7 @@ async def run_capacity(url: str, target: float, minutes: float, time_scale: floa
 
 def report(found: list[Period], time_scale: float, target: float, steady: bool = False) -> None:
     print(f"sessions: log-normal lengths, median {MEDIAN_S:.0f} s, sigma {SIGMA:.3f} ({100 * PAST_WINDOW:.0f} % past "
-          f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average; "
+          f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average"
           f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
     print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
           "| KV blocks used | loop CPU, cores | engine CPU, cores | held |")
