@@ -64,9 +64,9 @@ log = logging.getLogger("parley.engine")
 
 # The engine thread shares the process's GIL with the event loop, and every torch call in a tick
 # gives it up and takes it back. While the loop runs Python without a pause (hundreds of sessions'
-# socket work), each take-back waits out Python's switch interval, 5 ms by default: a tick of a few
-# dozen torch calls then runs several times its frame (benchmarks/gil_tick.py). A short interval
-# bounds each wait, at a small cost in switches to the loop.
+# socket work), each take-back can wait out Python's switch interval, 5 ms by default, and a tick of
+# a few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
+# traffic"). A short interval bounds each wait, at a small cost in switches to the loop.
 GIL_SWITCH_S = 0.0005
 
 
