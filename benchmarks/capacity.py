@@ -25,7 +25,10 @@ tick_ms_p99 read in the period) and the share of frames over 60 ms (its tick his
 that bound), late ticks, frames lost (sessions that ended in the period: input frames sent minus
 output frames received, plus frames the engine dropped), KV blocks used (the most read), and the
 CPU of the server's event loop and engine threads in cores (`parley_thread_cpu_seconds_total`):
-they share one GIL, so a sum near 1 means the ticks wait for the loop's Python.
+they share one GIL, so a sum near 1 means the ticks wait for the loop's Python. Then where the
+ticks' time went, mean ms per tick (`parley_engine_tick_*_seconds_total`): the host's work before
+the step (plan, resets, KV blocks), launching it, waiting for the device (and the output copy),
+and routing the outputs to the sessions' streams.
 At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
 of its frames over 60 ms), 0 late ticks and 0 frames lost.
 """
@@ -140,6 +143,18 @@ class Sample:
     ticks_over: float  # ticks longer than FRAME_P99_S (the tick histogram's cumulative count)
     loop_cpu: float  # CPU seconds of the server's event loop and engine threads so far (nan: not exported)
     engine_cpu: float
+    phases: tuple[float, ...] = ()  # seconds the ticks spent in each of PHASES so far (nan: not exported)
+
+
+PHASES = ("plan", "launch", "device", "route")  # engine.py `_run_one_tick`: before, launch, wait, routing
+
+
+def phase_ms(later: Sample, earlier: Sample) -> str:
+    """Each phase's mean ms per tick between two samples, "plan/launch/device/route"."""
+    ticks = later.ticks - earlier.ticks
+    if ticks <= 0 or not later.phases or not earlier.phases:
+        return "-"
+    return "/".join(f"{1000 * (a - b) / ticks:.1f}" for a, b in zip(later.phases, earlier.phases))
 
 
 def _metric(text: str, name: str) -> float:
@@ -156,7 +171,8 @@ def sample(http: str, start_at: float) -> Sample:
                   load.get("kv_blocks_used"), _metric(text, "parley_engine_late_ticks_total"),
                   _metric(text, "parley_engine_dropped_events_total"), count, count - within,
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="loop"}'),
-                  _metric(text, 'parley_thread_cpu_seconds_total{thread="engine"}'))
+                  _metric(text, 'parley_thread_cpu_seconds_total{thread="engine"}'),
+                  tuple(_metric(text, f"parley_engine_tick_{phase}_seconds_total") for phase in PHASES))
 
 
 @dataclass
@@ -172,6 +188,7 @@ class Period:
     kv_used: int | None = None
     loop_cores: float = float("nan")  # the event loop's and the engine thread's CPU, in cores (one GIL: their
     engine_cores: float = float("nan")  # sum near 1 means the engine waits for the loop's Python)
+    phases: str = "-"  # mean ms per tick: plan/launch/device/route
     samples: list[Sample] = field(default_factory=list)
 
     @property
@@ -182,7 +199,7 @@ class Period:
         kv = "-" if self.kv_used is None else str(self.kv_used)
         return (f"| {self.index} | {self.arrived} | {self.refused} | {self.live_max} | "
                 f"{self.tick_p99_ms:.1f} | {100 * self.over_share:.2f} | {self.late:.0f} | {self.lost:.0f} | {kv} | "
-                f"{self.loop_cores:.2f} | {self.engine_cores:.2f} | {'yes' if self.held else 'no'} |")
+                f"{self.loop_cores:.2f} | {self.engine_cores:.2f} | {self.phases} | {'yes' if self.held else 'no'} |")
 
 
 def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration: float) -> list[Period]:
@@ -213,14 +230,16 @@ def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration
         if last.t > previous.t:
             p.loop_cores = (last.loop_cpu - previous.loop_cpu) / (last.t - previous.t)
             p.engine_cores = (last.engine_cpu - previous.engine_cpu) / (last.t - previous.t)
+        p.phases = phase_ms(last, previous)
         previous = last
     return out
 
 
-def progress(s: Sample) -> None:
+def progress(s: Sample, earlier: Sample) -> None:
     p99 = "-" if s.tick_p99_ms is None else f"{s.tick_p99_ms:.1f}"
     print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
-          f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}", file=sys.stderr, flush=True)
+          f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}, "
+          f"tick ms plan/launch/device/route {phase_ms(s, earlier)}", file=sys.stderr, flush=True)
 
 
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
@@ -236,13 +255,13 @@ async def run_capacity(url: str, target: float, minutes: float, time_scale: floa
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         samples.append(await asyncio.to_thread(sample, http, start_at))
         every = max(0.2, time_scale)  # a sample a second, scaled (not below 0.2 s: each costs a scrape)
-        shown = 0.0
+        shown = samples[0]
         while not all(f.done() for f in futures):
             await asyncio.sleep(every)
             samples.append(await asyncio.to_thread(sample, http, start_at))
-            if samples[-1].t >= shown + PROGRESS_S * time_scale:
-                shown = samples[-1].t
-                progress(samples[-1])
+            if samples[-1].t >= shown.t + PROGRESS_S * time_scale:
+                progress(samples[-1], shown)
+                shown = samples[-1]
         results = [pair for f in futures for pair in await f]
     ended = [_ended(a, stats, start_at) for a, stats in results]
     return periods(samples, ended, PERIOD_S * time_scale, duration)
@@ -253,8 +272,8 @@ def report(found: list[Period], time_scale: float, target: float, steady: bool =
           f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average"
           f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
     print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
-          "| KV blocks used | loop CPU, cores | engine CPU, cores | held |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| KV blocks used | loop CPU, cores | engine CPU, cores | tick ms: plan/launch/device/route | held |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p in found:
         print(p.row())
     held = [p.live_max for p in found if p.held and p.samples]

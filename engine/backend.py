@@ -45,8 +45,8 @@ from .config import OptionsError, SamplingOptions, SessionOptions
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import sync_device
 from .kv_blocks import KvChanges, KvLayout
-from .kv_mapping import map_kv_changes
 from .prompt_handoff import PromptHandoff
+from .row_reset import RowReset
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
 from .voice_library import VoiceLibrary
 
@@ -121,15 +121,22 @@ class BackendOutput:
     # to_host pads the rows above with silence, text 0, not valid. None: they hold every row.
     rows: int | None = None
 
+    # pcm, text and valid packed by `pack_host` already (the model backend does it inside its graph).
+    packed: torch.Tensor | None = None
+
     def to_host(self) -> HostOutput:
-        # Pack everything into one float32 tensor so the tick needs a single copy (and a
-        # single sync). Text ids (< 2**24) and 0/1 flags are exact in float32.
-        packed = torch.cat([self.pcm.float(), self.text_tokens.float()[:, None],
-                            self.valid.float()[:, None]], dim=1).cpu().numpy()
+        # One tensor, so the tick needs a single copy (and a single sync).
+        packed = (self.packed if self.packed is not None else pack_host(self.pcm, self.text_tokens, self.valid)).cpu().numpy()
         if self.rows is not None and self.rows > packed.shape[0]:
             packed = np.concatenate([packed, np.zeros((self.rows - packed.shape[0], packed.shape[1]), np.float32)])
         return HostOutput(pcm=packed[:, :-2], text_tokens=packed[:, -2].astype(np.int64),
                           valid=packed[:, -1] > 0.5)
+
+
+def pack_host(pcm: torch.Tensor, text_tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, FRAME_SAMPLES + 2] float32: each row's audio, text id and valid flag (ids < 2**24 and 0/1
+    flags are exact in float32), what `BackendOutput.to_host` copies."""
+    return torch.cat([pcm.float(), text_tokens.float()[:, None], valid.float()[:, None]], dim=1)
 
 
 class FrameSideWork(Protocol):
@@ -241,10 +248,12 @@ class ModelBackend:
         self._pinned = self.device.type == "cuda"
         self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
         self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
+        self._frames_np, self._mask_np = self._frames_host.numpy(), self._mask_host.numpy()  # the same memory
         # A prefilled row's last prompt frame runs inside its next regular tick (engine/prompt_handoff.py).
         self._handoff = PromptHandoff(max_sessions, self.cfg, self.device, self._device_mask)
         self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
         self._frames = self._frame_steps(row_buckets, cuda_graphs)
+        self._reset = RowReset(self._reset_program, max_sessions, self.device, cuda_graphs)
         # PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
         # graph per chunk class on CUDA; warmed up here so the first session's prompt does not
         # pay for loading kernels and picking matmul algorithms (0.15-1.2 s on an H200).
@@ -277,13 +286,15 @@ class ModelBackend:
     def _idle_frame_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
         """A bucket's capture inputs: silence, no row live (by the model contract no state changes)."""
         frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
-        return frames, torch.zeros(n, dtype=torch.bool, device=self.device), *self._handoff.inputs(n)
+        return frames, torch.zeros(n, dtype=torch.bool, device=self.device)
 
-    def _frame(self, lm_state: LMGenState, mimi_state: MimiState, frames: torch.Tensor, live: torch.Tensor,
-               force_text: torch.Tensor, force_audio: torch.Tensor, prompt_user: torch.Tensor,
-               prompt_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _frame(self, lm_state: LMGenState, mimi_state: MimiState, frames: torch.Tensor,
+               live: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Device-only work for one tick over the rows of `lm_state` / `mimi_state` (a bucket's
-        views of the lowest rows); captured as one graph per bucket on CUDA."""
+        views of the lowest rows); captured as one graph per bucket on CUDA. Returns the outputs
+        packed for the host (`pack_host`), then audio, text, valid flags, agent and user codes (and
+        the side work's output) apart. The handoff tensors are read in place, as the state is."""
+        force_text, force_audio, prompt_user, prompt_mask = self._handoff.inputs(frames.shape[0])
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
         # `encoding` and `latent` are read by the side work: they must stay referenced until the join
         # below, or the main stream could reuse their memory while the side stream still reads it
@@ -304,7 +315,8 @@ class ModelBackend:
         if self._side_stream is not None:  # join: the frame (and its graph) ends after the side work
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         del encoding, latent  # only now may their memory be reused (see above)
-        return (pcm, out.text, decode, agent, user_codes) + ((side,) if side is not None else ())
+        return (pack_host(pcm, out.text, decode), pcm, out.text, decode, agent, user_codes) + \
+            ((side,) if side is not None else ())
 
     def _fork_side_work(self, latent: torch.Tensor, live: torch.Tensor) -> torch.Tensor | None:
         """Start the side work on its own stream (CUDA; joined at the end of `_frame`), else inline."""
@@ -327,35 +339,43 @@ class ModelBackend:
 
     def bucket(self, live_mask: torch.Tensor) -> int:
         """The rows a tick with this host live mask runs: the smallest bucket holding every live row."""
-        return self._frames.bucket(live_mask.nonzero().flatten().tolist())
+        return self._frames.bucket(np.flatnonzero(live_mask.numpy()).tolist())
 
     @torch.no_grad()
     def step(self, frames: torch.Tensor, live_mask: torch.Tensor) -> BackendOutput:
-        stepped = {row for row in self._handoff.rows if live_mask[row]}
+        # Host work in numpy, a handful of torch calls: each gives the GIL up (engine/row_reset.py says why).
+        live = live_mask.numpy()
+        stepped = {row for row in self._handoff.rows if live[row]}
         n = self.bucket(live_mask)
         if self._pinned:  # staged through pinned memory so the upload is asynchronous
-            self._frames_host[:n].copy_(frames[:n])
-            self._mask_host[:n].copy_(live_mask[:n])
+            self._frames_np[:n] = frames.numpy()[:n]
+            self._mask_np[:n] = live[:n]
             frames, live_mask = self._frames_host, self._mask_host
-        frames = frames[:n].to(self.device, non_blocking=True)
-        live_mask = live_mask[:n].to(self.device, non_blocking=True)
-        pcm, text, valid, agent, user, *side = self._frames(n, frames, live_mask, *self._handoff.inputs(n))
+        frames, live_mask = frames[:n], live_mask[:n]
+        if not self._frames.graphed:  # a graph copies its inputs in itself
+            frames = frames.to(self.device, non_blocking=True)
+            live_mask = live_mask.to(self.device, non_blocking=True)
+        packed, pcm, text, valid, agent, user, *side = self._frames(n, frames, live_mask)
         if stepped:  # their handoff frame is done
             self._handoff.clear(stepped)
-        return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent, user_codes=user,
-                             side=side[0] if side else None, rows=self.max_sessions if n < self.max_sessions else None)
+        return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent,
+                             user_codes=user, side=side[0] if side else None, packed=packed,
+                             rows=self.max_sessions if n < self.max_sessions else None)
 
     # ---- per-row control (engine thread, between ticks) ----
 
     def reset_rows(self, mask: torch.Tensor) -> None:
-        rows = {int(r) for r in mask.nonzero().flatten()}  # `mask` is on the host (protocol)
-        mask = mask.to(self.device)
-        self._gen.reset(self._lm_state, mask)  # also restores the default sampling
+        self._reset(mask)  # `mask` is on the host (protocol); one graph replay on CUDA (row_reset.py)
+        self._handoff.forget(set(np.flatnonzero(mask.numpy()).tolist()))
+
+    def _reset_program(self, mask: torch.Tensor) -> None:
+        """Device work of a reset, `mask` on the device: also restores the default sampling."""
+        self._gen.reset(self._lm_state, mask)
         self._mimi_state.reset(mask)
-        self._handoff.clear(rows)
+        self._handoff.clear_device(mask)
 
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
-        self._lm_state.set_sampling(self._device_mask({row}), text_temp=sampling.text_temperature,
+        self._lm_state.set_sampling(row, text_temp=sampling.text_temperature,
                                     text_topk=sampling.text_top_k, audio_temp=sampling.audio_temperature,
                                     audio_topk=sampling.audio_top_k,
                                     text_seed=UNSEEDED if sampling.text_seed is None else sampling.text_seed,
@@ -415,8 +435,8 @@ class ModelBackend:
 
     def map_kv_blocks(self, changes: KvChanges) -> None:
         """The KV block pool's changes into the paged state, in their order (engine thread, between
-        ticks; engine/kv_mapping.py)."""
-        map_kv_changes(self._lm_state.transformer, changes)
+        ticks), batched (TransformerState.map_blocks)."""
+        self._lm_state.transformer.map_blocks(changes.released, changes.forgotten, changes.assigned)
 
     def force_text(self, row: int, ids: list[int]) -> bool:
         return self._lm_state.forced.push(row, ids)
@@ -426,6 +446,7 @@ class ModelBackend:
 
     def close(self) -> None:
         self._frames.close()
+        self._reset.close()
         if self._prompts is not None:
             self._prompts.close()
         self._frames = None  # type: ignore[assignment]  # (its steps hold views of the state)

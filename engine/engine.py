@@ -344,9 +344,15 @@ class Engine:
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
+            planned = time.perf_counter()
             host = self._frame.run(plan)  # engine/frame_step.py
+            routing = time.perf_counter()
             if host is not None:
                 self._output.route(plan, host)
+            self.metrics.inc("tick_plan_seconds", planned - start)
+            self.metrics.inc("tick_launch_seconds", self._frame.launch_s)
+            self.metrics.inc("tick_device_seconds", routing - planned - self._frame.launch_s)
+            self.metrics.inc("tick_route_seconds", time.perf_counter() - routing)
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)
         self._idle_slack = deadline is not None and not plan.any_live and not self._prefill.busy

@@ -3,6 +3,7 @@ and the one device->host copy; rows the backend refuses end alone and the step r
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from .backend import FrameBackend, HostOutput, RowFailure
@@ -24,6 +25,7 @@ class FrameStep:
         self._find_session = find_session  # an open session by request id (None: gone)
         self._fail_session = fail_session
         self.paired: PairedTranscription | None = None  # STT rows beside the duplex rows
+        self.launch_s = 0.0  # the last run's host time until its step was queued (the rest waited for the device)
 
     def run(self, plan: TickPlan) -> HostOutput | None:
         """The plan's live rows stepped; None when every live row was refused."""
@@ -31,9 +33,11 @@ class FrameStep:
             try:
                 if self.paired is not None:
                     self.paired.prepare(plan)
+                start = time.perf_counter()
                 out = self._backend.step(plan.frames, plan.live_mask)
                 if self.paired is not None:  # part of the frame: same codes, before the host copy
                     self.paired.step(plan, out)
+                self.launch_s = time.perf_counter() - start
                 host = out.to_host()
                 if self.paired is not None:
                     self.paired.publish()

@@ -50,6 +50,10 @@ COUNTERS = (
     "dropped_events",   # output events dropped because a consumer was too slow
     "sessions_opened",
     "sessions_failed",
+    # Seconds the ticks spent in each phase (engine.py `_run_one_tick`), summed: per tick, what the host
+    # did before the step (plan, resets, KV blocks), launching it, waiting for the device and copying the
+    # outputs back, and routing them to the sessions' streams.
+    *(f"tick_{phase}_seconds" for phase in ("plan", "launch", "device", "route")),
 )
 
 
@@ -62,7 +66,7 @@ class EngineMetrics:
         self._recent_ticks: deque[float] = deque(maxlen=RECENT_TICKS)
         self._last_tick_at: float | None = None  # time.monotonic() of the last tick's end
 
-    def inc(self, name: str, n: int = 1) -> None:
+    def inc(self, name: str, n: float = 1) -> None:
         with self._lock:
             self._counts[name] += n
 

@@ -36,8 +36,16 @@ class PromptHandoff:
 
     def clear(self, rows: set[int]) -> None:
         """Drop the pending handoff of `rows` (stepped, or closed before their tick)."""
+        self.forget(rows)
+        self.clear_device(self._device_mask(rows))
+
+    def forget(self, rows: set[int]) -> None:
+        """The host half of `clear`: `rows` have no handoff frame to run."""
         self.rows -= rows
-        mask = self._device_mask(rows)
+
+    def clear_device(self, mask: torch.Tensor) -> None:
+        """The device half of `clear` (`mask` [rows] bool on the device): no host sync, so a
+        reset's CUDA graph runs it (engine/row_reset.py)."""
         self.force_text.masked_fill_(mask, UNGENERATED_TOKEN)
         self.force_audio.masked_fill_(mask[:, None], UNGENERATED_TOKEN)
         self.prompt_mask.masked_fill_(mask, False)

@@ -5,7 +5,7 @@
     out = gen.step(state, user_codes[B, n_user], exec_mask[B], force_text=None, force_audio=None)
     out.text [B], out.audio [B, n_agent], out.valid [B]
     gen.reset(state, mask[B])
-    state.set_sampling(mask[B], text_temp=..., text_topk=..., audio_temp=..., audio_topk=...)
+    state.set_sampling(mask[B] or row, text_temp=..., text_topk=..., audio_temp=..., audio_topk=...)
     x = gen.embed_frames(tokens[T, n_q + 1]);  gen.prefill(state, row, x, ring_tokens)
     prompt = gen.prompt_state();  gen.model.transformer(x[None], prompt)   # or apart, then:
     gen.adopt_prompt(state, row, prompt, T, ring_tokens)
@@ -97,16 +97,21 @@ class LMGenState(DelayedRows):
         self.set_sampling(mask, *self.defaults, text_seed=UNSEEDED, audio_seed=UNSEEDED)
         self.forced.reset(mask)
 
-    def set_sampling(self, mask: torch.Tensor, text_temp: float | None = None, text_topk: int | None = None,
+    def set_sampling(self, rows: torch.Tensor | int, text_temp: float | None = None, text_topk: int | None = None,
                      audio_temp: float | None = None, audio_topk: int | None = None,
                      text_seed: int | None = None, audio_seed: int | None = None) -> None:
-        """Write sampling settings into the masked rows (None leaves a setting unchanged;
-        a seed of UNSEEDED returns the row to the shared generator)."""
+        """Write sampling settings into `rows`, a [B] bool mask on the device or one row's index
+        (None leaves a setting unchanged; a seed of UNSEEDED returns the row to the shared
+        generator). A mask syncs nothing (a reset's graph runs it); a row is one write a setting."""
         for tensor, value in ((self.text_temp, text_temp), (self.text_topk, text_topk),
                               (self.audio_temp, audio_temp), (self.audio_topk, audio_topk),
                               (self.text_seed, text_seed), (self.audio_seed, audio_seed)):
-            if value is not None:
-                tensor.masked_fill_(mask, value)
+            if value is None:
+                continue
+            if isinstance(rows, int):
+                tensor[rows] = value
+            else:
+                tensor.masked_fill_(rows, value)
 
 
 class LMGen:

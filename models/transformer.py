@@ -16,6 +16,7 @@ API
     state.clear()              # every row (the depformer clears once per frame)
     state.row(i)               # a B=1 view of row i: stepping it updates row i in place
     state = tr.init_state(B, kv_blocks=N, block_size=None)  # paged: per-layer pools of N blocks + a block table
+    state.map_blocks(released, forgotten, assigned)  # between steps: the engine's block changes, batched
     state.assign_blocks(row, logical, physical);  state.forget_blocks(row, logical);  state.release_row(row)
 
 Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
@@ -47,6 +48,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -238,46 +240,68 @@ class TransformerState:
         self.pos.zero_()
         self.slot_pos.fill_(-1)
 
-    def assign_blocks(self, row: int, logical, physical) -> None:
-        """Paged states: the row's logical ring blocks `logical` (block j holds slots j * block_size
-        .. (j + 1) * block_size - 1) now live in pool blocks `physical` (host ints, 1 .. num_blocks
-        - 1). The engine's allocator calls it between steps, before the step that first writes a
-        block (the step at position p writes logical block (p % capacity) // block_size). In place:
-        captured graphs read the table."""
+    def map_blocks(self, released=(), forgotten=(), assigned=()) -> None:
+        """Paged states, between steps, in place (captured graphs read the table and slot positions
+        where they are), in this order:
+        - `released` rows give every block back (entries -> the null block) and start over with no
+          memory (empty ring, position 0);
+        - `forgotten` (row, logical) blocks go back: their slots are emptied (never attended again)
+          and their entries -> the null block; the row carries on;
+        - `assigned` (row, logical, physical): the row's ring block `logical` (slots logical *
+          block_size .. + block_size - 1) now lives in pool block `physical` (1 .. num_blocks - 1),
+          before the step that first writes it (position p writes block (p % capacity) // block_size).
+        All host ints, checked here. The whole batch costs a handful of torch calls however many
+        changes it holds: each call gives the GIL up, and the engine's thread shares it with the
+        event loop."""
         table = self._table()
-        logical = self._logical(logical)
-        physical = torch.as_tensor(physical, dtype=torch.int32, device="cpu").flatten()
+        rows, blocks = table.shape
+        size, capacity = self.block_size, self.capacity
+        released = np.asarray(released, dtype=np.int64).reshape(-1)
+        forgotten = np.asarray(forgotten, dtype=np.int64).reshape(-1, 2)
+        assigned = np.asarray(assigned, dtype=np.int64).reshape(-1, 3)
+        every_row = np.concatenate([released, forgotten[:, 0], assigned[:, 0]])
+        if every_row.size and not (0 <= every_row.min() and every_row.max() < rows):
+            raise ValueError(f"rows {sorted(set(every_row.tolist()))} outside the state's 0 .. {rows - 1}")
+        logical = np.concatenate([forgotten[:, 1], assigned[:, 1]])
+        if logical.size and not (0 <= logical.min() and logical.max() < blocks):
+            raise ValueError(f"logical blocks {logical.tolist()} outside the ring's 0 .. {blocks - 1}")
+        if assigned.size and not (1 <= assigned[:, 2].min() and assigned[:, 2].max() < self.num_blocks):
+            raise ValueError(f"physical blocks {assigned[:, 2].tolist()} outside the pool's 1 .. "
+                             f"{self.num_blocks - 1} (block 0 is the null block)")
+        # Table entries in order, the last write of an entry winning: releases and forgets write the
+        # null block, assignments their block.
+        entries = np.concatenate([(released[:, None] * blocks + np.arange(blocks)).ravel(),
+                                  forgotten[:, 0] * blocks + forgotten[:, 1], assigned[:, 0] * blocks + assigned[:, 1]])
+        values = np.concatenate([np.full(entries.size - len(assigned), paged_kv.NULL_BLOCK), assigned[:, 2]])
+        if entries.size:
+            last = entries.size - 1 - np.unique(entries[::-1], return_index=True)[1]
+            table.view(-1)[self._upload(entries[last])] = self._upload(values[last].astype(np.int32))
+        emptied = np.concatenate([(released[:, None] * capacity + np.arange(capacity)).ravel(),
+                                  ((forgotten[:, 0] * capacity + forgotten[:, 1] * size)[:, None]
+                                   + np.arange(size)).ravel()])
+        if emptied.size:
+            self.slot_pos.view(-1).index_fill_(0, self._upload(emptied), -1)
+        if released.size:
+            self.pos.index_fill_(0, self._upload(released), 0)
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        # From pageable memory, a non-blocking copy is staged before it returns: `array` may go.
+        return torch.from_numpy(array).to(self.pos.device, non_blocking=True)
+
+    def assign_blocks(self, row: int, logical, physical) -> None:
+        """`map_blocks(assigned=...)` for one row: logical blocks `logical` live in `physical`."""
+        logical, physical = np.asarray(logical).reshape(-1), np.asarray(physical).reshape(-1)
         if logical.shape != physical.shape:
-            raise ValueError(f"{logical.numel()} logical blocks for {physical.numel()} physical ones")
-        if physical.numel() and not (1 <= int(physical.min()) and int(physical.max()) < self.num_blocks):
-            raise ValueError(f"physical blocks {physical.tolist()} outside the pool's 1 .. {self.num_blocks - 1}"
-                             " (block 0 is the null block)")
-        table[row].index_copy_(0, logical.to(table.device), physical.to(table.device))
+            raise ValueError(f"{logical.size} logical blocks for {physical.size} physical ones")
+        self.map_blocks(assigned=[(row, int(j), int(b)) for j, b in zip(logical, physical)])
 
     def forget_blocks(self, row: int, logical) -> None:
-        """Paged states: the row gives back logical blocks `logical` (host ints) and carries on
-        without them: their slots are emptied (never attended again) and their entries go back
-        to the null block. Between steps, in place."""
-        table = self._table()
-        logical = self._logical(logical)
-        slots = (logical[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
-        table[row].index_fill_(0, logical.to(table.device), paged_kv.NULL_BLOCK)
-        self.slot_pos[row].index_fill_(0, slots.to(table.device), -1)
-
-    def _logical(self, logical) -> torch.Tensor:
-        """Logical block indices as a host long tensor, checked against the ring."""
-        logical = torch.as_tensor(logical, dtype=torch.long, device="cpu").flatten()
-        blocks = self.capacity // self.block_size
-        if logical.numel() and not (0 <= int(logical.min()) and int(logical.max()) < blocks):
-            raise ValueError(f"logical blocks {logical.tolist()} outside the ring's 0 .. {blocks - 1}")
-        return logical
+        """`map_blocks(forgotten=...)` for one row."""
+        self.map_blocks(forgotten=[(row, int(j)) for j in np.asarray(logical).reshape(-1)])
 
     def release_row(self, row: int) -> None:
-        """Paged states: the row gives its blocks back (every entry -> the null block) and, having no
-        memory left, starts over (empty ring, position 0). Between steps, in place."""
-        self._table()[row].zero_()
-        self.pos[row:row + 1].zero_()
-        self.slot_pos[row].fill_(-1)
+        """`map_blocks(released=...)` for one row."""
+        self.map_blocks(released=[row])
 
     def _table(self) -> torch.Tensor:
         if self.block_table is None:

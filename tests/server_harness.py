@@ -162,9 +162,11 @@ class ChatResult:
 
 async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", frame_samples: int = FRAME,
                        prebuffer_frames: int = 3, tail_seconds: float = 0.6, on_open=None,
-                       hold_seconds: float = 0.0) -> ChatResult:
+                       hold_seconds: float = 0.0, until_text: int | None = None) -> ChatResult:
     """Connect to /api/chat, wait for the handshake, stream `pcm` as Ogg-Opus paced in real
-    time (after `prebuffer_frames` sent at once), keep reading `tail_seconds` more, close."""
+    time (after `prebuffer_frames` sent at once), keep reading `tail_seconds` more, close.
+    `until_text`: first read until that many text pieces came (at most 30 s): a server on a loaded
+    box runs behind the wall clock, and a fixed tail would cut its last frames off."""
     import sphn
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
@@ -224,6 +226,10 @@ async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", fr
                 delay = due - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
+        deadline = time.monotonic() + 30
+        while until_text is not None and len(result.text) < until_text and time.monotonic() < deadline \
+                and not receiver.done():
+            await asyncio.sleep(0.02)
         await asyncio.sleep(tail_seconds + hold_seconds)
         await ws.close()
         await asyncio.wait_for(receiver, 5)

@@ -271,7 +271,9 @@ def test_eight_concurrent_echo_sessions_each_hear_their_own_codes(echo_dir):
     sents = [_signal(i, 2.0) for i in range(8)]
     with serve(app) as base:
         async def all_sessions():
-            return await asyncio.gather(*(chat_session(base, s, query=GREEDY, tail_seconds=0.6) for s in sents))
+            # each session reads until the echo of every frame it sent came back (+ the tail)
+            return await asyncio.gather(*(chat_session(base, s, query=GREEDY, tail_seconds=0.6,
+                                                       until_text=s.size // FRAME + 1) for s in sents))
         results = asyncio.run(all_sessions())
     ckpt = load_checkpoint(echo_dir, dtype=torch.float32)
     expected = [_expected_pieces(ckpt, _user_codes(ckpt.mimi, _model_input(_server_input(r.sent_ogg), 0)))
