@@ -91,9 +91,9 @@ def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames
 
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
     """[size] bool host mask with `rows` set: how the engine names rows to the backend."""
-    mask = torch.zeros(size, dtype=torch.bool)
+    mask = np.zeros(size, dtype=bool)
     mask[list(rows)] = True
-    return mask
+    return torch.from_numpy(mask)  # built in numpy: no torch call (each gives the GIL up)
 
 
 @dataclass
@@ -246,9 +246,9 @@ class ModelBackend:
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         self._voices = VoiceLibrary(checkpoint.voices_dir, self._mimi, self.device)  # read at start (PersonaPlex)
         self._pinned = self.device.type == "cuda"
-        self._frames_host = torch.zeros(max_sessions, self._mimi.frame_size, pin_memory=self._pinned)
-        self._mask_host = torch.zeros(max_sessions, dtype=torch.bool, pin_memory=self._pinned)
-        self._frames_np, self._mask_np = self._frames_host.numpy(), self._mask_host.numpy()  # the same memory
+        # A tick's input rows, [audio frame | live flag] (FRAME_SAMPLES + 1 float32): one upload a tick.
+        self._inputs_host = torch.zeros(max_sessions, self._mimi.frame_size + 1, pin_memory=self._pinned)
+        self._inputs_np = self._inputs_host.numpy()  # the same memory
         # A prefilled row's last prompt frame runs inside its next regular tick (engine/prompt_handoff.py).
         self._handoff = PromptHandoff(max_sessions, self.cfg, self.device, self._device_mask)
         self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
@@ -285,16 +285,16 @@ class ModelBackend:
 
     def _idle_frame_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
         """A bucket's capture inputs: silence, no row live (by the model contract no state changes)."""
-        frames = torch.zeros(n, self._mimi.frame_size, device=self.device)
-        return frames, torch.zeros(n, dtype=torch.bool, device=self.device)
+        return (torch.zeros(n, self._mimi.frame_size + 1, device=self.device),)
 
-    def _frame(self, lm_state: LMGenState, mimi_state: MimiState, frames: torch.Tensor,
-               live: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _frame(self, lm_state: LMGenState, mimi_state: MimiState, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Device-only work for one tick over the rows of `lm_state` / `mimi_state` (a bucket's
-        views of the lowest rows); captured as one graph per bucket on CUDA. Returns the outputs
+        views of the lowest rows); captured as one graph per bucket on CUDA. `inputs` [n, FRAME_SAMPLES
+        + 1]: each row's audio frame and its live flag (1.0: live), one upload. Returns the outputs
         packed for the host (`pack_host`), then audio, text, valid flags, agent and user codes (and
         the side work's output) apart. The handoff tensors are read in place, as the state is."""
-        force_text, force_audio, prompt_user, prompt_mask = self._handoff.inputs(frames.shape[0])
+        frames, live = inputs[:, :-1].contiguous(), inputs[:, -1] > 0.5
+        force_text, force_audio, prompt_user, prompt_mask = self._handoff.inputs(inputs.shape[0])
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
         # `encoding` and `latent` are read by the side work: they must stay referenced until the join
         # below, or the main stream could reuse their memory while the side stream still reads it
@@ -347,15 +347,12 @@ class ModelBackend:
         live = live_mask.numpy()
         stepped = {row for row in self._handoff.rows if live[row]}
         n = self.bucket(live_mask)
-        if self._pinned:  # staged through pinned memory so the upload is asynchronous
-            self._frames_np[:n] = frames.numpy()[:n]
-            self._mask_np[:n] = live[:n]
-            frames, live_mask = self._frames_host, self._mask_host
-        frames, live_mask = frames[:n], live_mask[:n]
+        self._inputs_np[:n, :-1] = frames.numpy()[:n]  # pinned on CUDA: the upload is asynchronous
+        self._inputs_np[:n, -1] = live[:n]
+        inputs = self._inputs_host[:n]
         if not self._frames.graphed:  # a graph copies its inputs in itself
-            frames = frames.to(self.device, non_blocking=True)
-            live_mask = live_mask.to(self.device, non_blocking=True)
-        packed, pcm, text, valid, agent, user, *side = self._frames(n, frames, live_mask)
+            inputs = inputs.to(self.device, non_blocking=True)
+        packed, pcm, text, valid, agent, user, *side = self._frames(n, inputs)
         if stepped:  # their handoff frame is done
             self._handoff.clear(stepped)
         return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent,

@@ -12,7 +12,7 @@ from .backend import HostOutput
 from .metrics import EngineMetrics
 from .scheduler import TickPlan
 from .session import FrameOut
-from .stream import OutputStream
+from .stream import OutputStream, schedule_wakes
 
 
 class OutputProcessor:
@@ -35,13 +35,16 @@ class OutputProcessor:
             streams = [self._streams.get(rid) if rid is not None else None for rid in plan.request_ids]
         dropped = 0
         produced_at = time.monotonic()  # the tick's outputs are on the host: its end, for the edge
+        wakes: list[OutputStream] = []
+        valid, tokens = out.valid.tolist(), out.text_tokens.tolist()
         for row, stream in enumerate(streams):
-            if stream is None or not out.valid[row]:
+            if stream is None or not valid[row]:
                 continue  # idle row, a request that ended this tick, or still inside the delay
-            token = int(out.text_tokens[row])
+            token = tokens[row]
             frame = FrameOut(pcm=out.pcm[row].copy(), text=self._text_piece(token),
                              text_token=token, tick=plan.tick, produced_at=produced_at)
-            if not stream.push(frame):
+            if not stream.push(frame, wakes):
                 dropped += 1
+        schedule_wakes(wakes)  # one wake-up of the loop for the whole tick
         if dropped:
             self._metrics.inc("dropped_events", dropped)

@@ -73,7 +73,7 @@ class Scheduler:
             if arrivals[row] is None:
                 underruns += 1
                 arrivals[row] = time.monotonic()
-        live = torch.tensor([rid is not None for rid in request_ids], dtype=torch.bool)
+        live = torch.from_numpy(np.array([rid is not None for rid in request_ids], dtype=bool))  # no torch call
         released, self._released = self._released, []
         return TickPlan(tick, request_ids, live, torch.from_numpy(frames), underruns, released, arrivals)
 

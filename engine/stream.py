@@ -55,8 +55,11 @@ class OutputStream(Generic[T]):
 
     # ---- producer side (any thread, never blocks) ----
 
-    def push(self, item: T) -> bool:
-        """Add a partial event. Returns False when an older one was dropped to make room."""
+    def push(self, item: T, wakes: "list[OutputStream] | None" = None) -> bool:
+        """Add a partial event. Returns False when an older one was dropped to make room.
+        `wakes`: the consumer's wake-up is appended there for the caller to schedule with others
+        (`schedule_wakes`), instead of one by one: each scheduling writes to the loop's wake-up
+        socket, and a thread's write gives the GIL up."""
         kept_all = True
         with self._lock:
             if self._terminal is not None:
@@ -67,7 +70,9 @@ class OutputStream(Generic[T]):
                 kept_all = False
             self._items.append(item)
             wake = self._claim_wake()
-        if wake:
+        if wake and wakes is not None:
+            wakes.append(self)
+        elif wake:
             self._schedule_wake()
         return kept_all
 
@@ -155,3 +160,20 @@ class OutputStream(Generic[T]):
                 await self._waiter
             finally:
                 self._waiter = None
+
+
+def schedule_wakes(streams: "list[OutputStream]") -> None:
+    """Wake the consumers of `streams` (claimed by `push(..., wakes=)`): one callback per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[OutputStream]] = {}
+    for stream in streams:
+        by_loop.setdefault(stream._loop, []).append(stream)
+    for loop, group in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_wake_all, group)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+def _wake_all(streams: "list[OutputStream]") -> None:
+    for stream in streams:
+        stream._wake()

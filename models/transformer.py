@@ -45,7 +45,7 @@ or `layers.{i}.linear{1,2}.weight`, `layers.{i}.layer_scale_{1,2}.scale`; with c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -201,6 +201,8 @@ class TransformerState:
     # Paged only: [B, capacity // block_size] int32, logical ring block -> pool block (0: the null
     # block). A CUDA-graph input: updated in place, never replaced.
     block_table: torch.Tensor | None = None
+    # Paged only: the table as `map_blocks` last wrote it, on the host (made from the device's on first use).
+    table_host: np.ndarray | None = field(default=None, repr=False)
 
     def kv(self, layer: int) -> LayerKV:
         """A layer's keys and values, with the fp8 scales and the block table where the state has them."""
@@ -268,14 +270,18 @@ class TransformerState:
         if assigned.size and not (1 <= assigned[:, 2].min() and assigned[:, 2].max() < self.num_blocks):
             raise ValueError(f"physical blocks {assigned[:, 2].tolist()} outside the pool's 1 .. "
                              f"{self.num_blocks - 1} (block 0 is the null block)")
-        # Table entries in order, the last write of an entry winning: releases and forgets write the
-        # null block, assignments their block.
-        entries = np.concatenate([(released[:, None] * blocks + np.arange(blocks)).ravel(),
-                                  forgotten[:, 0] * blocks + forgotten[:, 1], assigned[:, 0] * blocks + assigned[:, 1]])
-        values = np.concatenate([np.full(entries.size - len(assigned), paged_kv.NULL_BLOCK), assigned[:, 2]])
-        if entries.size:
-            last = entries.size - 1 - np.unique(entries[::-1], return_index=True)[1]
-            table.view(-1)[self._upload(entries[last])] = self._upload(values[last].astype(np.int32))
+        # The table on the host, in order (releases and forgets write the null block, assignments their
+        # block), then copied whole: one call (the table is small: rows x ring blocks int32).
+        if self.table_host is None:
+            self.table_host = table.cpu().numpy().copy()
+        host = self.table_host.reshape(-1)
+        host[(released[:, None] * blocks + np.arange(blocks)).ravel()] = paged_kv.NULL_BLOCK
+        host[forgotten[:, 0] * blocks + forgotten[:, 1]] = paged_kv.NULL_BLOCK
+        entries = assigned[:, 0] * blocks + assigned[:, 1]
+        last = entries.size - 1 - np.unique(entries[::-1], return_index=True)[1]  # a repeated entry: its last block
+        host[entries[last]] = assigned[last, 2]
+        if released.size or forgotten.size or assigned.size:
+            table.copy_(torch.from_numpy(self.table_host), non_blocking=True)  # pageable: staged before it returns
         emptied = np.concatenate([(released[:, None] * capacity + np.arange(capacity)).ravel(),
                                   ((forgotten[:, 0] * capacity + forgotten[:, 1] * size)[:, None]
                                    + np.arange(size)).ravel()])
