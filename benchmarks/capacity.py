@@ -28,7 +28,8 @@ CPU of the server's event loop and engine threads in cores (`parley_thread_cpu_s
 they share one GIL, so a sum near 1 means the ticks wait for the loop's Python. Then where the
 ticks' time went, mean ms per tick (`parley_engine_tick_*_seconds_total`): the host's work before
 the step (plan, resets, KV blocks), launching it, waiting for the device (and the output copy),
-and routing the outputs to the sessions' streams.
+and routing the outputs to the sessions' streams. The progress lines (every 10 s) add the full
+garbage collections in the server and their pauses (each stops every thread, the engine's too).
 At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
 of its frames over 60 ms), 0 late ticks and 0 frames lost.
 """
@@ -144,6 +145,7 @@ class Sample:
     loop_cpu: float  # CPU seconds of the server's event loop and engine threads so far (nan: not exported)
     engine_cpu: float
     phases: tuple[float, ...] = ()  # seconds the ticks spent in each of PHASES so far (nan: not exported)
+    gc_full: tuple[float, float] = (float("nan"), float("nan"))  # full collections so far, and their seconds
 
 
 PHASES = ("plan", "launch", "device", "route")  # engine.py `_run_one_tick`: before, launch, wait, routing
@@ -172,7 +174,8 @@ def sample(http: str, start_at: float) -> Sample:
                   _metric(text, "parley_engine_dropped_events_total"), count, count - within,
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="loop"}'),
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="engine"}'),
-                  tuple(_metric(text, f"parley_engine_tick_{phase}_seconds_total") for phase in PHASES))
+                  tuple(_metric(text, f"parley_engine_tick_{phase}_seconds_total") for phase in PHASES),
+                  (_metric(text, "parley_gc_full_collections_total"), _metric(text, "parley_gc_full_pause_seconds_total")))
 
 
 @dataclass
@@ -239,7 +242,8 @@ def progress(s: Sample, earlier: Sample) -> None:
     p99 = "-" if s.tick_p99_ms is None else f"{s.tick_p99_ms:.1f}"
     print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
           f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}, "
-          f"tick ms plan/launch/device/route {phase_ms(s, earlier)}", file=sys.stderr, flush=True)
+          f"tick ms plan/launch/device/route {phase_ms(s, earlier)}, full GCs {s.gc_full[0] - earlier.gc_full[0]:.0f} "
+          f"({1000 * (s.gc_full[1] - earlier.gc_full[1]):.0f} ms)", file=sys.stderr, flush=True)
 
 
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
