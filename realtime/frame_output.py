@@ -20,6 +20,7 @@ class FrameSender:
     def __init__(self, edge: EdgeSession, protocol: str, send: Callable[[Event], Awaitable[int]]) -> None:
         self.edge = edge
         self.protocol = protocol  # the metrics label
+        self._frames_out = edge.manager.metrics.frames_out.labels(protocol)  # looked up once, counted per frame
         self._send = send
 
     @property
@@ -42,7 +43,7 @@ class FrameSender:
 
     def count(self, frame: FrameOut) -> None:
         """One frame out (sent, or queued on the track), and its delay since the tick produced it."""
-        self.edge.manager.metrics.frames_out.labels(self.protocol).inc()
+        self._frames_out.inc()
         self.edge.observe_frame_sent(frame.produced_at)
 
 
