@@ -1,7 +1,7 @@
 """The image queue's scheduling replayed on a fake clock with measured item costs (CPU, seconds).
 
 The real ImageQueue and SlackRunner schedule a tiny real pipeline whose calls cost scripted
-time (engine/clocked_stepper.py): each 80 ms tick a voice frame of `--frame` ms, then the
+time (tests/clocked_stepper.py): each 80 ms tick a voice frame of `--frame` ms, then the
 slack until the boundary minus the guard. K requests stay outstanding (a finished one is
 replaced at the next tick, as in benchmarks/diffusion_interference.py). It shows what the
 queue's rules make of a GPU's item costs without the GPU: steps/s and its share of
@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 
-
-from parley.engine.clocked_stepper import ClockedStepper
-from parley.engine.image_queue import ImagePartial, ImageQueue, ImageRefused, ImageSpec
-from parley.engine.slack import SlackRunner
-from parley.engine.stream import Status, Terminal
-from parley.models.image_pipeline import stepper_for
-from parley.models.tiny_diffusion import tiny_pipeline
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # clocked_stepper: the tests' fake-clock stepper
+from clocked_stepper import ClockedStepper  # noqa: E402
+from parley.engine.image_queue import ImagePartial, ImageQueue, ImageRefused, ImageSpec  # noqa: E402
+from parley.engine.slack import SlackRunner  # noqa: E402
+from parley.engine.stream import Status, Terminal  # noqa: E402
+from parley.models.image_pipeline import stepper_for  # noqa: E402
+from parley.models.tiny_diffusion import tiny_pipeline  # noqa: E402
 
 
 class Clock:

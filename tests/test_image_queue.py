@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from parley.engine.clocked_stepper import DEFAULT_COSTS, ClockedStepper
+from clocked_stepper import DEFAULT_COSTS, ClockedStepper
 from parley.engine.image_costs import predict
 from parley.engine.image_queue import (ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageRequest, ImageResult,
                                        ImageSpec, preview_steps)
