@@ -32,8 +32,11 @@ class TextTokenizer:
             self._sp.Load(str(self.path))
         except (OSError, RuntimeError) as err:
             raise TokenizerError(f"tokenizer {self.path} could not be loaded: {err}") from err
-        # Pieces are immutable, so resolve them once: piece() is called per generated token.
-        self._pieces = [self._sp.IdToPiece(i).replace(SPACE_MARK, " ") for i in range(self.vocab_size)]
+        # Pieces are immutable, so resolve them once: piece() is called per generated token, each
+        # tick for every session. Padding, control and unknown ids stream as "".
+        sp = self._sp
+        self._pieces = ["" if i in DROPPED_TEXT_IDS or sp.IsControl(i) or sp.IsUnknown(i)
+                        else sp.IdToPiece(i).replace(SPACE_MARK, " ") for i in range(self.vocab_size)]
 
     @property
     def vocab_size(self) -> int:
@@ -50,11 +53,7 @@ class TextTokenizer:
 
     def piece(self, token_id: int) -> str:
         """The text of one streamed token, `▁` replaced by a space ('' for special ids)."""
-        if self.is_special(token_id) or not 0 <= token_id < len(self._pieces):
-            return ""
-        if self._sp.IsControl(token_id) or self._sp.IsUnknown(token_id):
-            return ""
-        return self._pieces[token_id]
+        return self._pieces[token_id] if 0 <= token_id < len(self._pieces) else ""
 
     def is_special(self, token_id: int) -> bool:
         """True for the padding ids (EPAD 0, PAD 3) that servers drop instead of sending."""
