@@ -673,3 +673,59 @@ def test_a_started_engine_bounds_the_gil_switch_interval():
     finally:
         sys.setswitchinterval(before)
 
+
+
+def test_a_ticks_outputs_wake_the_event_loop_once():
+    """Routing a tick's frames schedules one callback on the loop for every stream it fed (a thread's
+    call_soon_threadsafe writes to the loop's wake-up socket and gives the GIL up), and each consumer
+    still sees its own frame."""
+    async def main():
+        engine, _ = make_engine(6)
+        sessions = await open_ready(engine, 6)
+        for i, s in enumerate(sessions):
+            s.push_audio(signal(i, 3))
+        engine.run_ticks(1)  # the first frame of each session (the backend's one-frame delay)
+        for s in sessions:
+            s.events.drain()
+        loop = asyncio.get_running_loop()
+        scheduled = []
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            scheduled.append(callback)
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+        waiters = [asyncio.ensure_future(s.events.__anext__()) for s in sessions]
+        await asyncio.sleep(0)  # every consumer is waiting
+        engine.run_ticks(1)
+        got = await asyncio.wait_for(asyncio.gather(*waiters), 1)
+        del loop.call_soon_threadsafe
+        assert len(scheduled) == 1, scheduled
+        for i, frame in enumerate(got):  # one of its own input frames, no neighbour's
+            own = [k for k in range(3) if np.array_equal(frame.pcm, signal(i, 3)[k * N:(k + 1) * N])]
+            assert len(own) == 1, (i, own)
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_ticks_time_is_split_into_its_phases():
+    """`/metrics` splits the ticks' time: before the step, launching it, waiting for the device,
+    routing; on a step that sleeps (the device's time) the wait holds it, and the phases add up to
+    no more than the ticks' own time."""
+    async def main():
+        engine = Engine(DelayBackend(2, step_seconds=0.02), EngineConfig(input_frames=64, output_events=256))
+        sessions = await open_ready(engine, 2)
+        for i, s in enumerate(sessions):
+            s.push_audio(signal(i, 6))
+        before = engine.counters()
+        engine.run_ticks(5)
+        after = engine.counters()
+        phases = {p: after[f"tick_{p}_seconds"] - before[f"tick_{p}_seconds"] for p in ("plan", "launch", "device", "route")}
+        ticks = after["tick_seconds"]["sum"] - before["tick_seconds"]["sum"]
+        assert phases["launch"] >= 5 * 0.02  # DelayBackend sleeps in its step: the launch, not the device copy
+        assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= ticks + 1e-6
+        engine.shutdown()
+
+    asyncio.run(main())
