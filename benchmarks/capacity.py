@@ -26,9 +26,9 @@ that bound), late ticks, frames lost (sessions that ended in the period: input f
 output frames received, plus frames the engine dropped), KV blocks used (the most read), and the
 CPU of the server's event loop and engine threads in cores (`parley_thread_cpu_seconds_total`):
 they share one GIL, so a sum near 1 means the ticks wait for the loop's Python. Then where the
-ticks' time went, mean ms per tick (`parley_engine_tick_*_seconds_total`): the host's work before
-the step (plan, resets, KV blocks), launching it, waiting for the device (and the output copy),
-and routing the outputs to the sessions' streams. The progress lines (every 10 s) add the full
+ticks' time went, mean ms per tick (`parley_engine_tick_*_seconds_total`): the plan (rows and
+their input frames), the rows' changes before the step (resets, KV blocks), launching the step,
+waiting for the device (and the output copy), and routing the outputs to the sessions' streams. The progress lines (every 10 s) add the full
 garbage collections in the server and their pauses (each stops every thread, the engine's too).
 At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
 of its frames over 60 ms), 0 late ticks and 0 frames lost.
@@ -148,11 +148,11 @@ class Sample:
     gc_full: tuple[float, float] = (float("nan"), float("nan"))  # full collections so far, and their seconds
 
 
-PHASES = ("plan", "launch", "device", "route")  # engine.py `_run_one_tick`: before, launch, wait, routing
+PHASES = ("plan", "rows", "launch", "device", "route")  # engine.py `_run_one_tick`'s phases
 
 
 def phase_ms(later: Sample, earlier: Sample) -> str:
-    """Each phase's mean ms per tick between two samples, "plan/launch/device/route"."""
+    """Each phase's mean ms per tick between two samples, "plan/rows/launch/device/route"."""
     ticks = later.ticks - earlier.ticks
     if ticks <= 0 or not later.phases or not earlier.phases:
         return "-"
@@ -191,7 +191,7 @@ class Period:
     kv_used: int | None = None
     loop_cores: float = float("nan")  # the event loop's and the engine thread's CPU, in cores (one GIL: their
     engine_cores: float = float("nan")  # sum near 1 means the engine waits for the loop's Python)
-    phases: str = "-"  # mean ms per tick: plan/launch/device/route
+    phases: str = "-"  # mean ms per tick: plan/rows/launch/device/route
     samples: list[Sample] = field(default_factory=list)
 
     @property
@@ -242,7 +242,7 @@ def progress(s: Sample, earlier: Sample) -> None:
     p99 = "-" if s.tick_p99_ms is None else f"{s.tick_p99_ms:.1f}"
     print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
           f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}, "
-          f"tick ms plan/launch/device/route {phase_ms(s, earlier)}, full GCs {s.gc_full[0] - earlier.gc_full[0]:.0f} "
+          f"tick ms plan/rows/launch/device/route {phase_ms(s, earlier)}, full GCs {s.gc_full[0] - earlier.gc_full[0]:.0f} "
           f"({1000 * (s.gc_full[1] - earlier.gc_full[1]):.0f} ms)", file=sys.stderr, flush=True)
 
 
@@ -276,7 +276,7 @@ def report(found: list[Period], time_scale: float, target: float, steady: bool =
           f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average"
           f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
     print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
-          "| KV blocks used | loop CPU, cores | engine CPU, cores | tick ms: plan/launch/device/route | held |")
+          "| KV blocks used | loop CPU, cores | engine CPU, cores | tick ms: plan/rows/launch/device/route | held |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p in found:
         print(p.row())

@@ -335,6 +335,7 @@ class Engine:
     def _run_one_tick(self, deadline: float | None) -> None:
         start = time.perf_counter()
         plan = self._scheduler.plan(self._tick)
+        planned = time.perf_counter()
         self._tick += 1
         if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
             self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
@@ -344,14 +345,15 @@ class Engine:
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
-            planned = time.perf_counter()
+            stepping = time.perf_counter()
             host = self._frame.run(plan)  # engine/frame_step.py
             routing = time.perf_counter()
             if host is not None:
                 self._output.route(plan, host)
             self.metrics.inc("tick_plan_seconds", planned - start)
+            self.metrics.inc("tick_rows_seconds", stepping - planned)
             self.metrics.inc("tick_launch_seconds", self._frame.launch_s)
-            self.metrics.inc("tick_device_seconds", routing - planned - self._frame.launch_s)
+            self.metrics.inc("tick_device_seconds", routing - stepping - self._frame.launch_s)
             self.metrics.inc("tick_route_seconds", time.perf_counter() - routing)
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)

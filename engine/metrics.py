@@ -41,6 +41,8 @@ class Histogram:
                 "sum": self.total, "count": self.count}
 
 
+TICK_PHASES = ("plan", "rows", "launch", "device", "route")
+
 COUNTERS = (
     "ticks",            # ticks run
     "late_ticks",       # ticks that started past their boundary (the step before overran)
@@ -50,10 +52,10 @@ COUNTERS = (
     "dropped_events",   # output events dropped because a consumer was too slow
     "sessions_opened",
     "sessions_failed",
-    # Seconds the ticks spent in each phase (engine.py `_run_one_tick`), summed: per tick, what the host
-    # did before the step (plan, resets, KV blocks), launching it, waiting for the device and copying the
-    # outputs back, and routing them to the sessions' streams.
-    *(f"tick_{phase}_seconds" for phase in ("plan", "launch", "device", "route")),
+    # Seconds the ticks spent in each phase (engine.py `_run_one_tick`), summed: per tick, the plan (rows
+    # and their input frames), the rows' changes before the step (resets, forced text, KV blocks),
+    # launching it, waiting for the device and copying the outputs back, and routing them to the streams.
+    *(f"tick_{phase}_seconds" for phase in TICK_PHASES),
 )
 
 

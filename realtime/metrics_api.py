@@ -50,8 +50,10 @@ ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overrun
                    # the KV block pool (engine/kv_blocks.py): blocks the shrink policy took from a
                    # row, and rows that found the pool empty under reserve (never, unless a bug)
                    "kv_shrinks", "kv_shortfalls",
-                   # seconds the ticks spent before the step, launching it, waiting for the device, routing
-                   "tick_plan_seconds", "tick_launch_seconds", "tick_device_seconds", "tick_route_seconds")
+                   # seconds the ticks spent planning, changing rows, launching the step, waiting for the
+                   # device, routing (the engine's tick phases)
+                   "tick_plan_seconds", "tick_rows_seconds", "tick_launch_seconds", "tick_device_seconds",
+                   "tick_route_seconds")
 ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots", "stt_live", "stt_slots",
                  "stt_queued", "stt_paired_live", "stt_paired_slots",
                  # the STT models' own text delay (frames / frame rate): transcript delay comes on top

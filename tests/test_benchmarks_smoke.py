@@ -110,9 +110,9 @@ CPU_CASES = {
     "capacity": (  # 2 minutes of traffic at time scale 0.02: ~2.4 s of arrivals, periods of 1.2 s
         "capacity.py", ["--spawn", "tiny", "--target", "2", "--minutes", "2", "--time-scale", "0.02"],
         [r"sigma 0\.541 \(10 % past 240 s, mean 139 s\)",
-         r"^\| minute \(traffic time\) \| arrived \| refused \|.* \| loop CPU, cores \| engine CPU, cores \| tick ms: plan/launch/device/route \| held \|$",
+         r"^\| minute \(traffic time\) \| arrived \| refused \|.* \| loop CPU, cores \| engine CPU, cores \| tick ms: plan/rows/launch/device/route \| held \|$",
          r"^\| 0 \| \d+ \| \d+ \| \d+ \| \d+\.\d \| \d+\.\d\d \| \d+ \| \d+ \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| "
-         r"\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d \| (yes|no) \|$",
+         r"\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d \| (yes|no) \|$",
          r"^most concurrent sessions held \(frame p99 <= 60 ms, 0 late ticks, 0 frames lost\): \d+$"]),
     "transcript_delay": (
         "transcript_delay.py", ["--spawn", "tiny", "--paired", "1", "--standalone", "1", "--duration", "2"],

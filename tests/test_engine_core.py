@@ -722,7 +722,7 @@ def test_the_ticks_time_is_split_into_its_phases():
         before = engine.counters()
         engine.run_ticks(5)
         after = engine.counters()
-        phases = {p: after[f"tick_{p}_seconds"] - before[f"tick_{p}_seconds"] for p in ("plan", "launch", "device", "route")}
+        phases = {p: after[f"tick_{p}_seconds"] - before[f"tick_{p}_seconds"] for p in ("plan", "rows", "launch", "device", "route")}
         ticks = after["tick_seconds"]["sum"] - before["tick_seconds"]["sum"]
         assert phases["launch"] >= 5 * 0.02  # DelayBackend sleeps in its step: the launch, not the device copy
         assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= ticks + 1e-6
