@@ -117,10 +117,7 @@ class OutputStream(Generic[T]):
         return True
 
     def _schedule_wake(self) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is listening any more
+        schedule_wakes([self])
 
     def _wake(self) -> None:
         with self._lock:

@@ -158,6 +158,7 @@ class EdgeSession:
         # The per-message counters' children, looked up once (labels() costs ~10 us a call, per frame).
         self._bytes_in = manager.metrics.bytes_in.labels(protocol)
         self._bytes_out = manager.metrics.bytes_out.labels(protocol)
+        self._frames_out = manager.metrics.frames_out.labels(protocol)
 
     @property
     def websocket(self) -> WebSocket:
@@ -307,8 +308,9 @@ class EdgeSession:
         self.manager.metrics.frame_send_delay.observe(seconds)
 
     def observe_frame_sent(self, produced_at: float) -> None:
-        """End-to-end delay of one output frame: from the end of the engine tick that produced
-        it (FrameOut.produced_at, time.monotonic()) to its bytes having been written."""
+        """One output frame out (counted), and its end-to-end delay: from the end of the engine tick
+        that produced it (FrameOut.produced_at, time.monotonic()) to its bytes having been written."""
+        self._frames_out.inc()
         self.manager.metrics.frame_delay.observe(max(0.0, time.monotonic() - produced_at))
 
     def observe_transcript_sent(self, path: str, input_at: float | None) -> None:

@@ -17,10 +17,8 @@ from .event_reader import Event
 class FrameSender:
     """One connection's output audio: played, sent, or dropped, and counted."""
 
-    def __init__(self, edge: EdgeSession, protocol: str, send: Callable[[Event], Awaitable[int]]) -> None:
+    def __init__(self, edge: EdgeSession, send: Callable[[Event], Awaitable[int]]) -> None:
         self.edge = edge
-        self.protocol = protocol  # the metrics label
-        self._frames_out = edge.manager.metrics.frames_out.labels(protocol)  # looked up once, counted per frame
         self._send = send
 
     @property
@@ -43,7 +41,6 @@ class FrameSender:
 
     def count(self, frame: FrameOut) -> None:
         """One frame out (sent, or queued on the track), and its delay since the tick produced it."""
-        self._frames_out.inc()
         self.edge.observe_frame_sent(frame.produced_at)
 
 

@@ -95,7 +95,7 @@ class LiveConnection:
         self.frames = 0  # output frames sent: the session's audio clock, 80 ms each
         self.heard_ms = 0  # the input transcript's clock (where its last delta ended)
         self.pacer = InputPacer(edge)  # no items here: the audio goes straight to the model
-        self.output = FrameSender(edge, PROTOCOL, self.send)
+        self.output = FrameSender(edge, self.send)
         self._reprefill_lock = asyncio.Lock()
         self._handlers: dict[str, Callable[[dict], Awaitable[None]]] = {
             "session.start": self._on_start_again, "session.update": self._on_update,

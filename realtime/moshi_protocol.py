@@ -222,7 +222,6 @@ async def _receive(edge: EdgeSession) -> None:
 async def _send_frames(edge: EdgeSession) -> None:
     """Engine -> client: every frame leaves as soon as it is encoded (one message per page,
     no batching), text right after its frame's audio."""
-    frames_out = edge.manager.metrics.frames_out.labels(PROTOCOL)  # looked up once: counted per frame
     session = edge.engine_session
     assert session is not None and edge.codec is not None
     async for event in session.events:
@@ -250,7 +249,6 @@ async def _send_frames(edge: EdgeSession) -> None:
         if lagging:
             continue
         edge.lag.sent(len(page) + 1 if page else 0)  # a frame's audio may finish a page only later
-        frames_out.inc()
         edge.observe_frame_delay(now() - start)
         edge.observe_frame_sent(event.produced_at)
 

@@ -83,7 +83,7 @@ class RealtimeConnection:
         self._reprefill_lock = asyncio.Lock()
         # Audio items waiting to be heard, fed at real-time pace; live audio queues behind them.
         self.pacer = InputPacer(edge)
-        self.output = FrameSender(edge, PROTOCOL, self.send)
+        self.output = FrameSender(edge, self.send)
         self.playing = PlayingResponse(self.events.output_audio_buffer)  # WebRTC calls only
         self._handlers: dict[str, Callable[[Event], Awaitable[None]]] = {
             "session.update": self._on_session_update,
