@@ -6,7 +6,7 @@ Clients send audio in whatever chunk sizes their codec produces; the model wants
   cadence rather than stalling the whole batch);
 - more than `max_frames` queued -> the oldest frames are dropped, counted as overruns
   (latency must not grow during a call).
-`push` runs on the event loop and `pop` on the engine thread, hence the lock.
+`push` runs on the event loop (one thread) and `pop` on the engine thread, hence the lock.
 Each whole frame keeps the time its last samples arrived (`time.monotonic()`, or the edge's
 receive time): transcript delay is measured from it (docs/transcription.md).
 """
@@ -61,36 +61,38 @@ class InputBuffer:
         samples = validate_pcm(pcm)
         at = time.monotonic() if received_at is None else received_at
         n = self.frame_samples
+        done: list[tuple[np.ndarray, float]] = []
+        pos = 0
+        while pos < len(samples):  # the partial frame is push's alone: re-framed outside the lock
+            take = min(n - self._partial_len, len(samples) - pos)
+            self._partial[self._partial_len:self._partial_len + take] = samples[pos:pos + take]
+            self._partial_len += take
+            pos += take
+            if self._partial_len == n:
+                done.append((self._partial, at))
+                self._partial = np.zeros(n, dtype=np.float32)
+                self._partial_len = 0
+        if not done:
+            return 0
         dropped = 0
+        # Only the queue under the lock: numpy copies give the GIL up, and the engine thread's pop
+        # would wait out the switch interval behind a lock held across one.
         with self._lock:
-            pos = 0
-            while pos < len(samples):
-                take = min(n - self._partial_len, len(samples) - pos)
-                self._partial[self._partial_len:self._partial_len + take] = samples[pos:pos + take]
-                self._partial_len += take
-                pos += take
-                if self._partial_len == n:
-                    self._frames.append((self._partial, at))
-                    self._partial = np.zeros(n, dtype=np.float32)
-                    self._partial_len = 0
+            self._frames.extend(done)
             while len(self._frames) > self.max_frames:
                 self._frames.popleft()
                 dropped += 1
             self.overruns += dropped
         return dropped
 
-    def pop_into(self, out: np.ndarray) -> float | None:
-        """Write the next frame into `out` (silence if none). Returns when the frame arrived
-        (time.monotonic()), or None on an underrun."""
+    def pop(self) -> tuple[np.ndarray | None, float | None]:
+        """The next frame (the buffer's own array, handed over) and when it arrived
+        (time.monotonic()), or (None, None) on an underrun."""
         with self._lock:
-            frame, at = self._frames.popleft() if self._frames else (None, None)
-            if frame is None:
+            if not self._frames:
                 self.underruns += 1
-        if frame is None:
-            out[:] = 0.0
-            return None
-        out[:] = frame
-        return at
+                return None, None
+            return self._frames.popleft()
 
     def __len__(self) -> int:
         with self._lock:

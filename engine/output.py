@@ -8,11 +8,21 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from .backend import HostOutput
 from .metrics import EngineMetrics
 from .scheduler import TickPlan
 from .session import FrameOut
 from .stream import OutputStream, schedule_wakes
+
+
+def row_copy(row: np.ndarray) -> np.ndarray:
+    """A writable copy of one row, copied while holding the GIL. numpy gives the GIL up for any
+    copy of more than a few hundred elements, and a frame is 1920: a per-row `.copy()` on the engine
+    thread then waits for the GIL once per row beside a busy event loop (12 ms for 270 rows,
+    benchmarks/gil_tick.py). A bytearray copy is a plain memcpy that keeps it."""
+    return np.frombuffer(bytearray(row), dtype=row.dtype).reshape(row.shape)
 
 
 class OutputProcessor:
@@ -41,7 +51,7 @@ class OutputProcessor:
             if stream is None or not valid[row]:
                 continue  # idle row, a request that ended this tick, or still inside the delay
             token = tokens[row]
-            frame = FrameOut(pcm=out.pcm[row].copy(), text=self._text_piece(token),
+            frame = FrameOut(pcm=row_copy(out.pcm[row]), text=self._text_piece(token),
                              text_token=token, tick=plan.tick, produced_at=produced_at)
             if not stream.push(frame, wakes):
                 dropped += 1

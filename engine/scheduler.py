@@ -46,6 +46,7 @@ class Scheduler:
         self._inbox_lock = threading.Lock()
         self._admissions: deque[Session] = deque()  # waiting for prefill, engine thread only
         self._released: list[int] = []  # engine thread only
+        self._silence = bytes(4 * frame_samples)  # a float32 frame of zeros
 
     # ---- any thread ----
 
@@ -61,18 +62,23 @@ class Scheduler:
 
     def plan(self, tick: int) -> TickPlan:
         self._apply_inbox()
-        frames = np.zeros((self.max_sessions, self.frame_samples), dtype=np.float32)
+        # The rows' frames joined in one buffer, silence where none: a numpy copy per row would give
+        # the GIL up per row (engine/output.py's row_copy says why).
+        parts: list = []
         request_ids: list[str | None] = [None] * self.max_sessions
         arrivals: list[float | None] = [None] * self.max_sessions
         underruns = 0
         for row, session in enumerate(self._rows):
             if session is None:
+                parts.append(self._silence)
                 continue
             request_ids[row] = session.request_id
-            arrivals[row] = session.input.pop_into(frames[row])
-            if arrivals[row] is None:
+            frame, arrivals[row] = session.input.pop()
+            if frame is None:
                 underruns += 1
                 arrivals[row] = time.monotonic()
+            parts.append(self._silence if frame is None else frame)
+        frames = np.frombuffer(bytearray().join(parts), dtype=np.float32).reshape(self.max_sessions, -1)
         live = torch.from_numpy(np.array([rid is not None for rid in request_ids], dtype=bool))  # no torch call
         released, self._released = self._released, []
         return TickPlan(tick, request_ids, live, torch.from_numpy(frames), underruns, released, arrivals)

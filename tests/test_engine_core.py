@@ -243,10 +243,11 @@ def test_input_is_reframed_from_any_chunk_size():
     for chunk in np.split(pcm, [5, 1925, 1926, 4000]):
         buf.push(chunk)
     assert len(buf) == 3
-    out = np.empty(N, np.float32)
     for k in range(3):
-        assert buf.pop_into(out)
-        np.testing.assert_array_equal(out, pcm[k * N:(k + 1) * N])
+        frame, at = buf.pop()
+        assert at is not None
+        np.testing.assert_array_equal(frame, pcm[k * N:(k + 1) * N])
+    assert buf.pop() == (None, None) and buf.underruns == 1
 
 
 def test_each_frame_keeps_the_arrival_of_its_last_samples():
@@ -256,8 +257,7 @@ def test_each_frame_keeps_the_arrival_of_its_last_samples():
     buf.push(pcm[N - 10:N + 5], received_at=2.0)  # completes frame 0, starts frame 1
     buf.push(pcm[N + 5:], received_at=3.0)
     buf.push(pcm[:10])  # an unfinished frame, stamped now
-    out = np.empty(N, np.float32)
-    assert [buf.pop_into(out), buf.pop_into(out), buf.pop_into(out)] == [2.0, 3.0, None]  # then an underrun
+    assert [buf.pop()[1], buf.pop()[1], buf.pop()[1]] == [2.0, 3.0, None]  # then an underrun
 
 
 def test_underrun_feeds_silence_and_counts():
@@ -271,6 +271,29 @@ def test_underrun_feeds_silence_and_counts():
         assert all(not f.pcm.any() for f in frames[2:])  # silence after the input ran out
         assert s.input.underruns == 3
         assert engine.counters()["underruns"] == 3
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_each_session_gets_its_own_writable_frames():
+    """The tick's rows are joined and its outputs copied out without numpy copies (which give the GIL
+    up); a session's frame must still be its own: writable, sharing no memory with another's."""
+    async def main():
+        engine, _ = make_engine(3)
+        sessions = await open_ready(engine, 3)
+        for i, s in enumerate(sessions[:2]):  # the third has no input: silence
+            s.push_audio(signal(i, 2))
+        engine.run_ticks(2)
+        frames = [frames_of(s.events.drain()) for s in sessions]
+        for i in range(2):
+            assert_echo(frames[i], signal(i, 2))
+        assert all(not f.pcm.any() for f in frames[2])
+        flat = [f.pcm for fs in frames for f in fs]
+        assert all(p.flags.writeable and p.dtype == np.float32 and p.shape == (N,) for p in flat)
+        flat[0][:] = 7.0  # a consumer writing its frame touches nobody else's
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(flat) for b in flat[i + 1:])
+        assert_echo(frames[1], signal(1, 2))
         engine.shutdown()
 
     asyncio.run(main())
