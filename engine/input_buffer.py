@@ -57,7 +57,7 @@ class InputBuffer:
 
     def push(self, pcm: object, received_at: float | None = None) -> int:
         """Append audio (validated) that reached the server at `received_at` (time.monotonic();
-        default now). Returns how many frames were dropped to stay bounded."""
+        default now); one producer thread. Returns how many frames were dropped to stay bounded."""
         samples = validate_pcm(pcm)
         at = time.monotonic() if received_at is None else received_at
         n = self.frame_samples
