@@ -8,21 +8,12 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
-
 from .backend import HostOutput
+from .host_rows import row_copy
 from .metrics import EngineMetrics
 from .scheduler import TickPlan
 from .session import FrameOut
 from .stream import OutputStream, schedule_wakes
-
-
-def row_copy(row: np.ndarray) -> np.ndarray:
-    """A writable copy of one row, copied while holding the GIL. numpy gives the GIL up for any
-    copy of more than a few hundred elements, and a frame is 1920: a per-row `.copy()` on the engine
-    thread then waits for the GIL once per row beside a busy event loop (12 ms for 270 rows,
-    benchmarks/gil_tick.py). A bytearray copy is a plain memcpy that keeps it."""
-    return np.frombuffer(bytearray(row), dtype=row.dtype).reshape(row.shape)
 
 
 class OutputProcessor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .host_rows import join_rows
 from .session import Session
 
 
@@ -46,7 +47,6 @@ class Scheduler:
         self._inbox_lock = threading.Lock()
         self._admissions: deque[Session] = deque()  # waiting for prefill, engine thread only
         self._released: list[int] = []  # engine thread only
-        self._silence = bytes(4 * frame_samples)  # a float32 frame of zeros
 
     # ---- any thread ----
 
@@ -62,23 +62,20 @@ class Scheduler:
 
     def plan(self, tick: int) -> TickPlan:
         self._apply_inbox()
-        # The rows' frames joined in one buffer, silence where none: a numpy copy per row would give
-        # the GIL up per row (engine/output.py's row_copy says why).
-        parts: list = []
+        frames_in: list[np.ndarray | None] = []  # the rows' frames, None for silence (engine/host_rows.py)
         request_ids: list[str | None] = [None] * self.max_sessions
         arrivals: list[float | None] = [None] * self.max_sessions
         underruns = 0
         for row, session in enumerate(self._rows):
-            if session is None:
-                parts.append(self._silence)
-                continue
-            request_ids[row] = session.request_id
-            frame, arrivals[row] = session.input.pop()
-            if frame is None:
-                underruns += 1
-                arrivals[row] = time.monotonic()
-            parts.append(self._silence if frame is None else frame)
-        frames = np.frombuffer(bytearray().join(parts), dtype=np.float32).reshape(self.max_sessions, -1)
+            frame = None
+            if session is not None:
+                request_ids[row] = session.request_id
+                frame, arrivals[row] = session.input.pop()
+                if frame is None:
+                    underruns += 1
+                    arrivals[row] = time.monotonic()
+            frames_in.append(frame)
+        frames = join_rows(frames_in, self.frame_samples)
         live = torch.from_numpy(np.array([rid is not None for rid in request_ids], dtype=bool))  # no torch call
         released, self._released = self._released, []
         return TickPlan(tick, request_ids, live, torch.from_numpy(frames), underruns, released, arrivals)

@@ -41,6 +41,7 @@ from parley.models.stt import SttGen
 from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
 
 from .bucketed_step import BucketedStep, bucket_sizes
+from .host_rows import join_rows
 from .row_pool import PoolStopped, RowPool
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
@@ -85,10 +86,11 @@ class SttRequest:
     temperature: float = 0.0
     live: bool = False  # a live session: a partial every step (the end-of-turn probability is news)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _chunks: deque = field(default_factory=deque)  # float32 arrays, fed from the loop
+    _chunks: deque = field(default_factory=deque)  # float32 samples as bytes, fed from the loop
     _arrivals: deque = field(default_factory=deque)  # (queued samples at a chunk's end, its arrival time)
     _queued_samples: int = 0  # samples appended to _chunks, ever
-    _buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # engine thread only
+    # Engine thread only: float32 bytes, sliced without numpy copies (engine/host_rows.py says why).
+    _buffer: bytearray = field(default_factory=bytearray)
     _fed_samples: int = 0
     _taken_samples: int = 0  # fed samples the engine thread has stepped (a live request's backlog bound)
     _ended: bool = False
@@ -110,7 +112,7 @@ class SttRequest:
             self._fed_samples += pcm.size
             if self._fed_samples > self.max_input_s * 24_000:
                 raise SttInputError(f"audio is longer than the {self.max_input_s:.0f} s this server takes.")
-            self._chunks.append(pcm)
+            self._chunks.append(pcm.tobytes())
             self._queued_samples += pcm.size
             self._arrivals.append((self._queued_samples, at))
 
@@ -136,28 +138,28 @@ class SttRequest:
     def _frames_ready(self) -> tuple[int, bool]:
         """Engine thread: (whole frames buffered, input ended)."""
         with self._lock:
-            samples = self._buffer.size + sum(c.size for c in self._chunks)
+            samples = (len(self._buffer) + sum(len(c) for c in self._chunks)) // 4
             return -(-samples // FRAME_SAMPLES) if self._ended else samples // FRAME_SAMPLES, self._ended
 
-    def _take(self) -> tuple[np.ndarray | None, bool, float | None]:
-        """Engine thread: the next whole frame (None if not available yet), whether input ended,
-        and when the frame's last sample arrived."""
+    def _take(self) -> tuple[bytes | None, bool, float | None]:
+        """Engine thread: the next whole frame as float32 bytes, zero-padded at the input's end (None
+        if not available yet), whether input ended, and when the frame's last sample arrived."""
         with self._lock:
             while self._chunks:
-                self._buffer = np.concatenate([self._buffer, self._chunks.popleft()])
+                self._buffer += self._chunks.popleft()
             ended = self._ended
-            if not (self._buffer.size >= FRAME_SAMPLES or (ended and self._buffer.size)):
+            available = len(self._buffer) // 4
+            if not (available >= FRAME_SAMPLES or (ended and available)):
                 return None, ended, None
-            end = self._taken_samples + min(FRAME_SAMPLES, self._buffer.size)
+            n = min(FRAME_SAMPLES, available)
+            end = self._taken_samples + n
             while self._arrivals[0][0] < end:  # chunks wholly before the frame's last sample
                 self._arrivals.popleft()
             at = self._arrivals[0][1]  # the chunk holding that sample (kept: it may reach the next frame)
-        frame = np.zeros(FRAME_SAMPLES, np.float32)
-        n = min(FRAME_SAMPLES, self._buffer.size)
-        frame[:n] = self._buffer[:n]
-        self._buffer = self._buffer[n:]
+        frame = bytes(self._buffer[:4 * n]) + bytes(4 * (FRAME_SAMPLES - n))
+        del self._buffer[:4 * n]
         self._taken_samples += n
-        return frame, ended and not self._buffer.size, at
+        return frame, ended and not self._buffer, at
 
 
 class SttFailed(RuntimeError):
@@ -189,7 +191,7 @@ class _Row:
     suffix_left: int | None = None  # flush frames still to feed once the input ended
     audio_frames: int = 0  # frames of real audio read
 
-    def next_input(self, suffix_frames: int) -> tuple[bool, np.ndarray | None, float | None]:
+    def next_input(self, suffix_frames: int) -> tuple[bool, bytes | None, float | None]:
         """What this row feeds the next step: (it steps, its audio frame (None: silence, of the
         prefix or the flush), when that frame arrived). A row that does not step waits for input,
         or has flushed (`suffix_left` 0: its request completes)."""
@@ -362,7 +364,7 @@ class SttPool(SlackSource):
         return steps
 
     def _step_once(self, only: frozenset[int] | None = None) -> bool:
-        frames = np.zeros((self.slots, FRAME_SAMPLES), np.float32)
+        inputs: list[bytes | None] = [None] * self.slots  # silence where None
         made_at = time.monotonic()  # when this step's made-up frames (prefix, flush) were made
         arrivals = [made_at] * self.slots
         run = [False] * self.slots
@@ -372,14 +374,14 @@ class SttPool(SlackSource):
                 continue
             run[i], frame, at = row.next_input(self.checkpoint.settings.suffix_frames)
             if frame is not None:
-                frames[i], arrivals[i] = frame, at
+                inputs[i], arrivals[i] = frame, at
             elif not run[i] and row.suffix_left == 0:
                 finishing.add(i)
         for i in finishing:
             self._complete(i)
         if not any(run):
             return False
-        host = self.run_device(frames, run)
+        host = self.run_device(join_rows(inputs, FRAME_SAMPLES), run)
         self.counters["stt_steps"] += 1
         self._stepped.update(i for i, flag in enumerate(run) if flag)
         for i in np.flatnonzero(run):

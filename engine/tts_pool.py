@@ -70,6 +70,7 @@ from parley.models.tts import FRAME_RATE, TtsConfig, TtsGen, TtsLM, TtsSampling
 
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import CUDAGraphRunner, sync_device
+from .host_rows import row_copy
 from .row_pool import PoolStopped, RowPool
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
 from .stream import OutputStream, Status, Terminal
@@ -160,7 +161,7 @@ class _Row:
             self._flush_word(end_step)
         if pcm is not None and valid and frame_index >= first and (self.ended_at < 0
                                                                    or frame_index < first + self.ended_at):
-            self.job.stream.push(TtsAudio(pcm.copy()))
+            self.job.stream.push(TtsAudio(row_copy(pcm)))
             self.job.frames += 1
         if self.ended_at >= 0 and frame_index + 1 >= first + self.ended_at:
             return Terminal(Status.COMPLETED)

@@ -107,6 +107,10 @@ CPU_CASES = {
         "gil_tick.py", ["--sessions", "8", "--seconds", "1", "--frame-ms", "5"],
         [r"^\| switch interval \| ticks \| tick p50 ms", r"^\| 5 ms \| \d+ \| \d+\.\d \| \d+\.\d \| \d+ \| ",
          r"^\| 0\.5 ms \| \d+ \| \d+\.\d \| \d+\.\d \| \d+ \| "]),
+    "row_copies": (
+        "row_copies.py", ["--rows", "8", "--stt-rows", "4", "--repeats", "2"],
+        [r"^\| work \| alone ms \| beside a busy thread ms \|$", r"^\| plan, 8 rows \| \d+\.\d\d \| \d+\.\d\d \|$",
+         r"^\| route, 8 rows, a numpy copy per row \| ", r"^\| STT input, 4 rows, numpy copies per row \| "]),
     "capacity": (  # 2 minutes of traffic at time scale 0.02: ~2.4 s of arrivals, periods of 1.2 s
         "capacity.py", ["--spawn", "tiny", "--target", "2", "--minutes", "2", "--time-scale", "0.02"],
         [r"sigma 0\.541 \(10 % past 240 s, mean 139 s\)",
