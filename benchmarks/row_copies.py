@@ -3,13 +3,14 @@
     python benchmarks/row_copies.py --rows 270 --stt-rows 64
 
 numpy gives the GIL up for any copy of more than a few hundred elements, and an audio frame is 1920
-samples; beside a thread running Python (the event loop of hundreds of sockets), each give-up waits
-out the switch interval to take the GIL back. This times, on the real code paths, the three places
-where the engine thread handles audio row by row every tick: the scheduler's plan (each session's
-input frame into the tick's array), the output route (each row's output frame copied out to its
-session's stream) and the STT pool's step input (each transcription row's next frame), each beside
-the per-row numpy copy it replaced (`frames[row] = frame`, `pcm[row].copy()`), at the engine's
-switch interval (`engine.GIL_SWITCH_S`). Medians over `--repeats` runs.
+samples; beside a thread running Python (the event loop of hundreds of sockets), each give-up can
+wait out the switch interval to take the GIL back. This times, on the real code paths, the three
+places where the engine thread handles audio row by row every tick: the scheduler's plan (each
+session's input frame into the tick's array), the output route (each row's output frame copied out
+to its session's stream) and the STT pool's step input (each transcription row's next frame), each
+beside the per-row numpy copies it replaced (`frames[row] = frame`, `pcm[row].copy()`; the STT one
+approximated), at the engine's switch interval (`engine.GIL_SWITCH_S`). Medians over `--repeats`
+runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from parley.engine.backend import HostOutput
 from parley.engine.engine import GIL_SWITCH_S
+from parley.engine.host_rows import join_rows
 from parley.engine.input_buffer import InputBuffer
 from parley.engine.metrics import EngineMetrics
 from parley.engine.output import OutputProcessor
@@ -81,13 +83,14 @@ def cases(rows: int, stt_rows: int, loop: asyncio.AbstractEventLoop):
                 r.feed(chunk)
 
     def stt_input():
-        from parley.engine.host_rows import join_rows
         join_rows([r._take()[0] for r in requests], FRAME_SAMPLES)
 
-    def numpy_stt_input():  # the STT pool's input as it was: numpy concatenate, slice and row copies
+    # The STT pool's input as it was, approximately: today's bytes take, then the three numpy copies a
+    # row the old one made (concatenate, slice, row copy; the old one ran the first under the lock).
+    def numpy_stt_input():
         frames = np.zeros((stt_rows, FRAME_SAMPLES), np.float32)
         for i, r in enumerate(requests):
-            frame = np.frombuffer(r._take()[0], np.float32)  # its join, then the three numpy copies
+            frame = np.frombuffer(r._take()[0], np.float32)
             buffer = np.concatenate([np.zeros(0, np.float32), frame])
             one = np.zeros(FRAME_SAMPLES, np.float32)
             one[:] = buffer[:FRAME_SAMPLES]
