@@ -47,6 +47,7 @@ from .backend import FrameBackend, SessionRejected, rows_mask
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
 from .frame_step import FrameStep
+from .gc_pauses import SLACK_COLLECTIONS
 from .input_buffer import InputBuffer
 from .kv_binding import KvBinding
 from .kv_blocks import KvBlockPool, KvFull
@@ -111,6 +112,7 @@ class Engine:
                                       now=self._clock.now, started=self._kv.start if kv is not None else None)
         self._slack.add_source(self._prefill)
         self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
+        self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
 
@@ -125,6 +127,7 @@ class Engine:
                 return
             self._thread = threading.Thread(target=self._serve, name="parley-engine", daemon=True)
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        self.collections.take_over()  # full GC passes in the ticks' slack (engine/gc_pauses.py)
         self._thread.start()
 
     @property
@@ -204,6 +207,8 @@ class Engine:
                 return
             self._closed = True
         self._stop.set()
+        if self._thread is not None:
+            self.collections.give_back()
         joined = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.config.shutdown_timeout_s if timeout is None else timeout)
@@ -358,6 +363,8 @@ class Engine:
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)
         self._idle_slack = deadline is not None and not plan.any_live and not self._prefill.busy
+        if deadline is not None:  # a clocked tick: before the slack's own work, which fills what is left
+            self.collections.maybe_collect(None if self._idle_slack else deadline - self._clock.now())
         if self._idle_slack:  # no frame due at the boundary: up to one period past it (module docstring)
             self._slack.run_until(deadline + self._clock.period, interrupt=self._scheduler.has_inbox)
         else:

@@ -1,12 +1,17 @@
-"""Full garbage collections: frozen loaded objects leave them short, and they are counted."""
+"""Full garbage collections: frozen loaded objects leave them short, they are counted, and while an
+engine ticks they run in its slack."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
 
-from parley.engine.gc_pauses import FULL_COLLECTIONS, FullCollections, freeze_loaded_objects
+from delay_backend import DelayBackend, FakeTime
+from parley.engine import Engine, SessionOptions, TickClock
+
+from parley.engine.gc_pauses import FULL_COLLECTIONS, FullCollections, SlackCollections, freeze_loaded_objects
 from parley.realtime.metrics_api import EdgeMetrics
 
 
@@ -108,3 +113,74 @@ def test_thread_cpu_is_read_per_named_thread():
     assert 0.15 <= seconds["engine"] < 5  # its 0.3 s, as /proc counts it (10 ms ticks, sampled on some kernels)
     # each thread's own CPU, not its process's: the burnt 0.3 s is not the loop's
     assert seconds["loop"] <= cpu_seconds([os.getpid()]) - 0.15
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_slack_collections_run_between_ticks_and_give_the_thresholds_back():
+    clock = _Clock()
+    slack = SlackCollections(now=clock, min_interval_s=10.0, max_interval_s=60.0)
+    before = gc.get_threshold()
+    assert not slack.maybe_collect(None)  # not taken over: CPython's own passes
+    slack.take_over()
+    slack.take_over()  # a second engine in the process
+    try:
+        assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] > 10 ** 8
+        clock.t = 9.9
+        assert not slack.maybe_collect(None)  # too soon since the last
+        clock.t = 10.0
+        assert slack.maybe_collect(1.0) and slack.in_slack == 1 and slack.last_pause_s > 0
+        clock.t = 25.0
+        assert not slack.maybe_collect(0.0)  # due, but no slack can hold it
+        clock.t = 69.9
+        assert not slack.maybe_collect(0.0)
+        clock.t = 70.0
+        assert slack.maybe_collect(0.0) and slack.forced == 1  # bounded: forced after max_interval_s
+        slack.give_back()
+        assert gc.get_threshold()[2] > 10 ** 8  # the other engine still ticks
+    finally:
+        slack.give_back()
+    assert gc.get_threshold() == before
+
+
+def test_a_clocked_engine_runs_its_full_collections_where_the_slack_holds_them():
+    """Steps of 70 ms leave 10 ms before the next tick: a due pass waits (its first estimate is
+    50 ms) until a 10 ms step leaves room, and never runs inside a step."""
+    fake = FakeTime()
+    passes, steps = [], []
+
+    def on_step(i, frames, mask):
+        steps.append(fake.t)
+        fake.t += 0.07 if i < 8 else 0.01
+
+    def on_gc(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            passes.append(fake.t)
+
+    engine = Engine(DelayBackend(2, on_step=on_step), clock=TickClock(0.08, now=fake.now, sleep=fake.sleep))
+    engine.collections = slack = SlackCollections(now=fake.now, min_interval_s=0.3, max_interval_s=60.0)
+    slack.take_over()
+    gc.callbacks.append(on_gc)
+    try:
+        async def main():
+            s = engine.open_nowait(SessionOptions())
+            engine.serve_ticks(1)
+            await s.ready
+            engine.serve_ticks(12)
+
+        asyncio.run(main())
+    finally:
+        gc.callbacks.remove(on_gc)
+        slack.give_back()
+        engine.shutdown()
+    assert slack.forced == 0 and slack.in_slack >= 1
+    first = passes[0]
+    assert first > steps[8]  # the 70 ms steps' slack could not hold it
+    assert all(not (t <= first < t + 0.01) for t in steps)  # between ticks, not inside a step
+    assert engine.counters()["late_ticks"] == 0
