@@ -23,7 +23,7 @@ _EXPORTS = {
     "DEFAULT_STALL_TIMEOUT_S": "config", "EngineConfig": "config", "OptionsError": "config",
     "SamplingOptions": "config", "SessionOptions": "config", "TICK_SECONDS": "config",
     "Engine": "engine", "EngineClosed": "engine",
-    "FULL_COLLECTIONS": "gc_pauses", "freeze_loaded_objects": "gc_pauses",
+    "FULL_COLLECTIONS": "gc_pauses", "SLACK_COLLECTIONS": "gc_pauses", "freeze_loaded_objects": "gc_pauses",
     "InputError": "input_buffer",
     "KV_POLICIES": "kv_blocks:POLICIES", "KvBlockPool": "kv_blocks", "KvSettings": "kv_blocks",
     "FrameOut": "session", "Session": "session",
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from .config import (DEFAULT_STALL_TIMEOUT_S, TICK_SECONDS, EngineConfig, OptionsError, SamplingOptions,
                          SessionOptions)
     from .engine import Engine, EngineClosed
-    from .gc_pauses import FULL_COLLECTIONS, freeze_loaded_objects
+    from .gc_pauses import FULL_COLLECTIONS, SLACK_COLLECTIONS, freeze_loaded_objects
     from .image_queue import MAX_PARTIAL_IMAGES, ImagePartial, ImageQueue, ImageQueueFull, ImageRefused
     from .image_queue import STALLED as IMAGE_STALLED
     from .image_queue import ImageRequest, ImageResult, ImageSpec

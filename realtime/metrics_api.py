@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from parley.engine import FULL_COLLECTIONS
+from parley.engine import FULL_COLLECTIONS, SLACK_COLLECTIONS
 
 from .refusals import Refusals
 from .worker_processes import thread_cpu_seconds
@@ -136,7 +136,10 @@ class _FullCollectionsCollector:
         pause.add_metric([], snap["gc_full_seconds"])
         longest = GaugeMetricFamily("parley_gc_full_pause_max_seconds", "the longest full garbage collection")
         longest.add_metric([], snap["gc_full_max_seconds"])
-        yield from (count, pause, longest)
+        forced = CounterMetricFamily("parley_gc_full_forced", "full garbage collections the engine ran without "
+                                     "a slack that could hold them (a minute had none)")
+        forced.add_metric([], float(SLACK_COLLECTIONS.forced))
+        yield from (count, pause, longest, forced)
 
 
 class EdgeMetrics:

@@ -58,6 +58,7 @@ def test_metrics_expose_full_collections(unfrozen):
     line = next(x for x in text.splitlines() if x.startswith("parley_gc_full_collections_total "))
     assert float(line.split()[1]) >= 1
     assert "parley_gc_full_pause_max_seconds " in text
+    assert "parley_gc_full_forced_total " in text
 
 
 def test_a_process_that_froze_its_objects_exits_without_leak_reports():
