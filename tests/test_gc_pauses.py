@@ -116,17 +116,9 @@ def test_thread_cpu_is_read_per_named_thread():
     assert seconds["loop"] <= cpu_seconds([os.getpid()]) - 0.15
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_slack_collections_run_between_ticks_and_give_the_thresholds_back():
-    clock = _Clock()
-    slack = SlackCollections(now=clock, min_interval_s=10.0, max_interval_s=60.0)
+    clock = FakeTime()
+    slack = SlackCollections(now=clock.now, min_interval_s=10.0, max_interval_s=60.0)
     before = gc.get_threshold()
     assert not slack.maybe_collect(None)  # not taken over: CPython's own passes
     slack.take_over()
