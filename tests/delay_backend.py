@@ -20,6 +20,7 @@ float32 / int64 setting tensors, `set_sampling` refuses values those cannot hold
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable
 
@@ -31,6 +32,19 @@ from parley.engine.backend import BackendOutput, RowFailure, SessionRejected
 from parley.engine.config import MAX_TEMPERATURE, MAX_TOP_K, SamplingOptions, SessionOptions
 
 FAIL_PHASES = ("sampling", "start", "chunk")
+
+
+def serve_one_session(engine, ticks: int) -> None:
+    """Open one session on a clocked engine that was not start()ed, serve the tick that admits it,
+    then `ticks` more."""
+
+    async def main() -> None:
+        session = engine.open_nowait(SessionOptions())
+        engine.serve_ticks(1)
+        await session.ready
+        engine.serve_ticks(ticks)
+
+    asyncio.run(main())
 
 
 class FakeTime:

@@ -25,7 +25,7 @@ from parley.engine import (
 from parley.engine.prefill_source import PrefillSource, prefill_key
 from parley.engine.input_buffer import InputBuffer
 from parley.engine.slack import CostModel
-from delay_backend import DelayBackend, FakeTime
+from delay_backend import DelayBackend, FakeTime, serve_one_session
 from parley.models.config import FRAME_SAMPLES
 
 N = FRAME_SAMPLES
@@ -345,13 +345,7 @@ def test_engine_counts_late_and_skipped_ticks_on_its_clock():
     clock = TickClock(0.08, now=fake.now, sleep=fake.sleep)
     engine = Engine(backend, clock=clock)
 
-    async def main():
-        s = engine.open_nowait(SessionOptions())
-        engine.serve_ticks(1)
-        await s.ready
-        engine.serve_ticks(8)
-
-    asyncio.run(main())
+    serve_one_session(engine, 8)
     # step 2 (0.1 s) overruns 0.32: step 3 starts at once, late. Step 5 (0.25 s) misses
     # 0.56 and 0.64 (skipped); one late tick at 0.73, then the grid again at 0.80.
     assert starts == [0.08, 0.16, 0.24, 0.34, 0.4, 0.48, 0.73, 0.8]

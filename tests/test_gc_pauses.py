@@ -3,14 +3,12 @@ engine ticks they run in its slack."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 
 import pytest
 
-from delay_backend import DelayBackend, FakeTime
-from parley.engine import Engine, SessionOptions, TickClock
-
+from delay_backend import DelayBackend, FakeTime, serve_one_session
+from parley.engine import Engine, TickClock
 from parley.engine.gc_pauses import FULL_COLLECTIONS, FullCollections, SlackCollections, freeze_loaded_objects
 from parley.realtime.metrics_api import EdgeMetrics
 
@@ -161,13 +159,7 @@ def test_a_clocked_engine_runs_its_full_collections_where_the_slack_holds_them()
     slack.take_over()
     gc.callbacks.append(on_gc)
     try:
-        async def main():
-            s = engine.open_nowait(SessionOptions())
-            engine.serve_ticks(1)
-            await s.ready
-            engine.serve_ticks(12)
-
-        asyncio.run(main())
+        serve_one_session(engine, 12)
     finally:
         gc.callbacks.remove(on_gc)
         slack.give_back()
