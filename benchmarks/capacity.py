@@ -145,7 +145,8 @@ class Sample:
     loop_cpu: float  # CPU seconds of the server's event loop and engine threads so far (nan: not exported)
     engine_cpu: float
     phases: tuple[float, ...] = ()  # seconds the ticks spent in each of PHASES so far (nan: not exported)
-    gc_full: tuple[float, float] = (float("nan"), float("nan"))  # full collections so far, and their seconds
+    # full collections so far, their seconds, and those forced with no slack to hold them
+    gc_full: tuple[float, float, float] = (float("nan"),) * 3
 
 
 PHASES = ("plan", "rows", "launch", "device", "route")  # engine.py `_run_one_tick`'s phases
@@ -175,7 +176,7 @@ def sample(http: str, start_at: float) -> Sample:
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="loop"}'),
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="engine"}'),
                   tuple(_metric(text, f"parley_engine_tick_{phase}_seconds_total") for phase in PHASES),
-                  (_metric(text, "parley_gc_full_collections_total"), _metric(text, "parley_gc_full_pause_seconds_total")))
+                  tuple(_metric(text, f"parley_gc_full_{name}_total") for name in ("collections", "pause_seconds", "forced")))
 
 
 @dataclass
@@ -243,7 +244,7 @@ def progress(s: Sample, earlier: Sample) -> None:
     print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
           f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}, "
           f"tick ms plan/rows/launch/device/route {phase_ms(s, earlier)}, full GCs {s.gc_full[0] - earlier.gc_full[0]:.0f} "
-          f"({1000 * (s.gc_full[1] - earlier.gc_full[1]):.0f} ms)", file=sys.stderr, flush=True)
+          f"({1000 * (s.gc_full[1] - earlier.gc_full[1]):.0f} ms, {s.gc_full[2] - earlier.gc_full[2]:.0f} forced)", file=sys.stderr, flush=True)
 
 
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
