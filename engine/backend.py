@@ -123,6 +123,9 @@ class BackendOutput:
 
     # pcm, text and valid packed by `pack_host` already (the model backend does it inside its graph).
     packed: torch.Tensor | None = None
+    # True when the step is only queued on the device and `to_host` waits for it: the host is free
+    # until then (the engine runs a due full GC pass there, engine/gc_pauses.py).
+    queued: bool = False
 
     def to_host(self) -> HostOutput:
         # One tensor, so the tick needs a single copy (and a single sync).
@@ -357,7 +360,7 @@ class ModelBackend:
             self._handoff.clear(stepped)
         return BackendOutput(pcm=pcm, text_tokens=text, valid=valid, agent_codes=agent,
                              user_codes=user, side=side[0] if side else None, packed=packed,
-                             rows=self.max_sessions if n < self.max_sessions else None)
+                             rows=self.max_sessions if n < self.max_sessions else None, queued=pcm.is_cuda)
 
     # ---- per-row control (engine thread, between ticks) ----
 

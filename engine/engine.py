@@ -33,6 +33,7 @@ model work: `open` awaits a future the engine thread resolves.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import threading
@@ -112,6 +113,7 @@ class Engine:
                                       now=self._clock.now, started=self._kv.start if kv is not None else None)
         self._slack.add_source(self._prefill)
         self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
+        self._route_s = 0.0  # the last tick's routing: what a full GC pass beside the device leaves room for
         self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
@@ -351,15 +353,17 @@ class Engine:
             self.metrics.inc("underruns", plan.underruns)
         if plan.any_live:  # an idle engine runs no step at all
             stepping = time.perf_counter()
-            host = self._frame.run(plan)  # engine/frame_step.py
+            beside = None if deadline is None else functools.partial(self._collect_beside_device, deadline)
+            host = self._frame.run(plan, beside)  # engine/frame_step.py
             routing = time.perf_counter()
             if host is not None:
                 self._output.route(plan, host)
+            self._route_s = time.perf_counter() - routing
             self.metrics.inc("tick_plan_seconds", planned - start)
             self.metrics.inc("tick_rows_seconds", stepping - planned)
             self.metrics.inc("tick_launch_seconds", self._frame.launch_s)
             self.metrics.inc("tick_device_seconds", routing - stepping - self._frame.launch_s)
-            self.metrics.inc("tick_route_seconds", time.perf_counter() - routing)
+            self.metrics.inc("tick_route_seconds", self._route_s)
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)
         self._idle_slack = deadline is not None and not plan.any_live and not self._prefill.busy
@@ -369,6 +373,12 @@ class Engine:
             self._slack.run_until(deadline + self._clock.period, interrupt=self._scheduler.has_inbox)
         else:
             self._slack.run_until(deadline)
+
+    def _collect_beside_device(self, deadline: float) -> None:
+        """A due full GC pass while the device runs the queued step: it lengthens the tick only by
+        what it outlasts the device, where after the tick it would add its whole pause (at 256
+        live the tick's own slack never holds one). Room: up to the boundary, less the routing."""
+        self.collections.maybe_collect(deadline - self._clock.now() - self._route_s)
 
     def _prefill_failed(self, session: Session, exc: Exception) -> None:
         """One session's options or prompt failed: that session ends, nothing else does."""

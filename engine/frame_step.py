@@ -27,8 +27,9 @@ class FrameStep:
         self.paired: PairedTranscription | None = None  # STT rows beside the duplex rows
         self.launch_s = 0.0  # the last run's host time until its step was queued (the rest waited for the device)
 
-    def run(self, plan: TickPlan) -> HostOutput | None:
-        """The plan's live rows stepped; None when every live row was refused."""
+    def run(self, plan: TickPlan, while_queued: Callable[[], None] | None = None) -> HostOutput | None:
+        """The plan's live rows stepped; None when every live row was refused. `while_queued` runs
+        between queuing a step on the device and waiting for it, when the step was queued."""
         for _ in range(self._max_sessions + 1):
             try:
                 if self.paired is not None:
@@ -38,6 +39,8 @@ class FrameStep:
                 if self.paired is not None:  # part of the frame: same codes, before the host copy
                     self.paired.step(plan, out)
                 self.launch_s = time.perf_counter() - start
+                if while_queued is not None and out.queued:
+                    while_queued()
                 host = out.to_host()
                 if self.paired is not None:
                     self.paired.publish()

@@ -10,12 +10,14 @@ that still happen (benchmarks print them; /metrics exposes them). At exit they a
 the interpreter's last collection then frees them, and extensions that count their objects at
 teardown (Triton's nanobind module) have nothing left to report as leaked.
 
-What serving creates still takes a full pass every ~10 s at ~270 live sessions (23-44 ms on the
+What serving creates still takes a full pass every ~10 s at ~270 live sessions (23-49 ms on the
 H200's host), and one that lands inside a tick makes that frame late. So while an engine thread
-ticks, `SlackCollections` turns CPython's automatic full collections off and runs them itself in
-a tick's slack, when the time left before the next tick exceeds the last pause: at most one
-every `min_interval_s`, and at the latest after `max_interval_s` whatever the slack (memory stays
-bounded). Younger generations still collect automatically: their passes are short.
+ticks, `SlackCollections` turns CPython's automatic full collections off and runs them itself
+where the time left before the next tick holds the last pause: while the device computes a
+queued step (the pass then lengthens the tick only by what it outlasts the device), else after
+the tick. At most one every `min_interval_s`, and at the latest after `max_interval_s` whatever
+the room (memory stays bounded). Younger generations still collect automatically: their passes
+are short.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ voice "unknown" is rejected at prefill (SessionRejected), the voice "crash" make
 prompt's first chunk raise (a request-scoped failure), `fail_at_step` raises a fatal
 error, `step_seconds` / `prefill_seconds` sleep to simulate slow work (a prompt of
 `prompt_frames` frames, run in chunks like the real one), and `on_step` / `on_prefill` let a
-test observe each call (or advance a fake clock: `FakeTime`). `fail_rows` injects a one-shot error into one
+test observe each call (or advance a fake clock: `FakeTime`). `queue_wait` makes each step's
+output queued, like a CUDA step's, and runs when the engine waits for it (`to_host`). `fail_rows` injects a one-shot error into one
 request-scoped phase of a row ({row: "sampling" | "start" | "chunk"}); like the model's
 float32 / int64 setting tensors, `set_sampling` refuses values those cannot hold.
 """
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from parley.models.config import FRAME_SAMPLES
 
-from parley.engine.backend import BackendOutput, RowFailure, SessionRejected
+from parley.engine.backend import BackendOutput, HostOutput, RowFailure, SessionRejected
 from parley.engine.config import MAX_TEMPERATURE, MAX_TOP_K, SamplingOptions, SessionOptions
 
 FAIL_PHASES = ("sampling", "start", "chunk")
@@ -60,17 +62,28 @@ class FakeTime:
         self.t += dt
 
 
+@dataclass
+class _QueuedOutput(BackendOutput):
+    wait: Callable[[], None] = lambda: None  # the device's time for the queued step
+
+    def to_host(self) -> HostOutput:
+        self.wait()
+        return super().to_host()
+
+
 class DelayBackend:
     def __init__(self, max_sessions: int, *, step_seconds: float = 0.0, prefill_seconds: float = 0.0,
                  prompt_frames: int = 1, fail_at_step: int | None = None,
                  on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-                 on_prefill: Callable[[int, int], None] | None = None) -> None:
+                 on_prefill: Callable[[int, int], None] | None = None,
+                 queue_wait: Callable[[], None] | None = None) -> None:
         self.max_sessions = max_sessions
         self.step_seconds = step_seconds
         self.prefill_seconds = prefill_seconds
         self.fail_at_step = fail_at_step
         self.on_step = on_step
         self.on_prefill = on_prefill  # (row, frames) per prompt chunk
+        self.queue_wait = queue_wait
         self.prompt_frames = prompt_frames
         self.prev = torch.zeros(max_sessions, FRAME_SAMPLES)
         self.count = torch.zeros(max_sessions, dtype=torch.int64)
@@ -93,7 +106,9 @@ class DelayBackend:
         if self.step_seconds:
             time.sleep(self.step_seconds)
         self.steps += 1
-        out = BackendOutput(pcm=self.prev.clone(), text_tokens=self.count.clone(), valid=self.count >= 1)
+        outputs = dict(pcm=self.prev.clone(), text_tokens=self.count.clone(), valid=self.count >= 1)
+        out = (BackendOutput(**outputs) if self.queue_wait is None
+               else _QueuedOutput(**outputs, queued=True, wait=self.queue_wait))
         self.prev = torch.where(live_mask[:, None], frames, self.prev)
         self.count = torch.where(live_mask, self.count + 1, self.count)
         return out

@@ -169,3 +169,40 @@ def test_a_clocked_engine_runs_its_full_collections_where_the_slack_holds_them()
     assert first > steps[8]  # the 70 ms steps' slack could not hold it
     assert all(not (t <= first < t + 0.01) for t in steps)  # between ticks, not inside a step
     assert engine.counters()["late_ticks"] == 0
+
+
+def test_a_due_full_collection_runs_beside_the_queued_device_step():
+    """At 256 live a tick takes ~45 ms of its 80, and no slack after it holds a 35-50 ms pass (H200
+    run, docs/benchmarks.md). A step queued on the device (10 ms to launch, 60 ms to compute) leaves
+    the host free meanwhile: the due pass runs there, not forced later, and the tick stays on time."""
+    fake = FakeTime()
+    passes, waits = [], []
+    done = [0.0]
+
+    def on_step(i, frames, mask):
+        fake.t += 0.01  # launching
+        done[0] = fake.t + 0.06  # the device's share
+
+    def queue_wait():
+        waits.append((done[0] - 0.06, done[0]))
+        fake.t = max(fake.t, done[0])
+
+    def on_gc(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            passes.append(fake.t)
+
+    engine = Engine(DelayBackend(2, on_step=on_step, queue_wait=queue_wait),
+                    clock=TickClock(0.08, now=fake.now, sleep=fake.sleep))
+    engine.collections = slack = SlackCollections(now=fake.now, min_interval_s=0.3, max_interval_s=60.0)
+    slack.take_over()
+    gc.callbacks.append(on_gc)
+    try:
+        serve_one_session(engine, 12)
+    finally:
+        gc.callbacks.remove(on_gc)
+        slack.give_back()
+        engine.shutdown()
+    assert slack.forced == 0 and slack.in_slack >= 1 and passes
+    # each pass started while a queued step computed: after its launch, before the wait for it
+    assert all(any(launched <= t < ready for launched, ready in waits) for t in passes)
+    assert engine.counters()["late_ticks"] == 0
