@@ -94,6 +94,14 @@ def flashinfer_call(case: dict, fp8: bool):
     return lambda: wrapper.run(c["q"], (k_pool, v_pool), **scales)
 
 
+def flashinfer_error(case: dict, fn) -> float:
+    """FlashInfer's largest difference from torch's attention over the dense bf16 ring: the check
+    that it read the pools as laid out (every slot, no step key: its sums, not ours)."""
+    k, v = case["rings"][:2]
+    want = torch.nn.functional.scaled_dot_product_attention(case["q"][:, :, None], k, v)[:, :, 0]
+    return float((fn().float() - want.float()).abs().max())
+
+
 def median_ms(fn, iters: int, cuda: bool) -> float:
     fn()
     times = []
@@ -131,6 +139,8 @@ def main() -> None:
             paged = median_ms(ours(case, True), args.iters, cuda)
             fi = flashinfer_call(case, fp8) if cuda else None
             fi_ms = f"{median_ms(fi, args.iters, cuda):.3f}" if fi else "not installed"
+            if fi and not fp8:
+                fi_ms += f" (max diff {flashinfer_error(case, fi):.1e})"
             tbps = [case["kv_bytes"] / (ms * 1e-3) / 1e12 for ms in (dense, paged)]
             print(f"| {B} | {kv} | {dense:.3f} | {paged:.3f} | {paged / dense:.2f} | {fi_ms} | {tbps[0]:.2f} | "
                   f"{tbps[1]:.2f} |", flush=True)
