@@ -140,21 +140,16 @@ def test_slack_collections_run_between_ticks_and_give_the_thresholds_back():
     assert gc.get_threshold() == before
 
 
-def test_a_clocked_engine_runs_its_full_collections_where_the_slack_holds_them():
-    """Steps of 70 ms leave 10 ms before the next tick: a due pass waits (its first estimate is
-    50 ms) until a 10 ms step leaves room, and never runs inside a step."""
-    fake = FakeTime()
-    passes, steps = [], []
-
-    def on_step(i, frames, mask):
-        steps.append(fake.t)
-        fake.t += 0.07 if i < 8 else 0.01
+def _serve_twelve_ticks(fake: FakeTime, backend: DelayBackend):
+    """One session served 12 clocked ticks with full passes due every 0.3 s (fake time): the
+    engine, its collector, and the fake times at which full passes started."""
+    passes = []
 
     def on_gc(phase, info):
         if phase == "start" and info["generation"] == 2:
             passes.append(fake.t)
 
-    engine = Engine(DelayBackend(2, on_step=on_step), clock=TickClock(0.08, now=fake.now, sleep=fake.sleep))
+    engine = Engine(backend, clock=TickClock(0.08, now=fake.now, sleep=fake.sleep))
     engine.collections = slack = SlackCollections(now=fake.now, min_interval_s=0.3, max_interval_s=60.0)
     slack.take_over()
     gc.callbacks.append(on_gc)
@@ -164,6 +159,20 @@ def test_a_clocked_engine_runs_its_full_collections_where_the_slack_holds_them()
         gc.callbacks.remove(on_gc)
         slack.give_back()
         engine.shutdown()
+    return engine, slack, passes
+
+
+def test_a_clocked_engine_runs_its_full_collections_where_the_slack_holds_them():
+    """Steps of 70 ms leave 10 ms before the next tick: a due pass waits (its first estimate is
+    50 ms) until a 10 ms step leaves room, and never runs inside a step."""
+    fake = FakeTime()
+    steps = []
+
+    def on_step(i, frames, mask):
+        steps.append(fake.t)
+        fake.t += 0.07 if i < 8 else 0.01
+
+    engine, slack, passes = _serve_twelve_ticks(fake, DelayBackend(2, on_step=on_step))
     assert slack.forced == 0 and slack.in_slack >= 1
     first = passes[0]
     assert first > steps[8]  # the 70 ms steps' slack could not hold it
@@ -176,7 +185,7 @@ def test_a_due_full_collection_runs_beside_the_queued_device_step():
     run, docs/benchmarks.md). A step queued on the device (10 ms to launch, 60 ms to compute) leaves
     the host free meanwhile: the due pass runs there, not forced later, and the tick stays on time."""
     fake = FakeTime()
-    passes, waits = [], []
+    waits = []
     done = [0.0]
 
     def on_step(i, frames, mask):
@@ -187,21 +196,7 @@ def test_a_due_full_collection_runs_beside_the_queued_device_step():
         waits.append((done[0] - 0.06, done[0]))
         fake.t = max(fake.t, done[0])
 
-    def on_gc(phase, info):
-        if phase == "start" and info["generation"] == 2:
-            passes.append(fake.t)
-
-    engine = Engine(DelayBackend(2, on_step=on_step, queue_wait=queue_wait),
-                    clock=TickClock(0.08, now=fake.now, sleep=fake.sleep))
-    engine.collections = slack = SlackCollections(now=fake.now, min_interval_s=0.3, max_interval_s=60.0)
-    slack.take_over()
-    gc.callbacks.append(on_gc)
-    try:
-        serve_one_session(engine, 12)
-    finally:
-        gc.callbacks.remove(on_gc)
-        slack.give_back()
-        engine.shutdown()
+    engine, slack, passes = _serve_twelve_ticks(fake, DelayBackend(2, on_step=on_step, queue_wait=queue_wait))
     assert slack.forced == 0 and slack.in_slack >= 1 and passes
     # each pass started while a queued step computed: after its launch, before the wait for it
     assert all(any(launched <= t < ready for launched, ready in waits) for t in passes)
