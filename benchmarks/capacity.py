@@ -50,6 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
+from parley.engine import TICK_PHASES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import FRAME_S, ClientStats, client, spawned_server  # noqa: E402
 
@@ -144,12 +146,11 @@ class Sample:
     ticks_over: float  # ticks longer than FRAME_P99_S (the tick histogram's cumulative count)
     loop_cpu: float  # CPU seconds of the server's event loop and engine threads so far (nan: not exported)
     engine_cpu: float
-    phases: tuple[float, ...] = ()  # seconds the ticks spent in each of PHASES so far (nan: not exported)
+    phases: tuple[float, ...] = ()  # seconds the ticks spent in each of TICK_PHASES so far (nan: not exported)
     # full collections so far, their seconds, and those forced with no slack to hold them
     gc_full: tuple[float, float, float] = (float("nan"),) * 3
 
 
-PHASES = ("plan", "rows", "launch", "device", "route")  # engine.py `_run_one_tick`'s phases
 
 
 def phase_ms(later: Sample, earlier: Sample) -> str:
@@ -175,7 +176,7 @@ def sample(http: str, start_at: float) -> Sample:
                   _metric(text, "parley_engine_dropped_events_total"), count, count - within,
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="loop"}'),
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="engine"}'),
-                  tuple(_metric(text, f"parley_engine_tick_{phase}_seconds_total") for phase in PHASES),
+                  tuple(_metric(text, f"parley_engine_tick_{phase}_seconds_total") for phase in TICK_PHASES),
                   tuple(_metric(text, f"parley_gc_full_{name}_total") for name in ("collections", "pause_seconds", "forced")))
 
 
@@ -243,7 +244,7 @@ def progress(s: Sample, earlier: Sample) -> None:
     p99 = "-" if s.tick_p99_ms is None else f"{s.tick_p99_ms:.1f}"
     print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
           f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}, "
-          f"tick ms plan/rows/launch/device/route {phase_ms(s, earlier)}, full GCs {s.gc_full[0] - earlier.gc_full[0]:.0f} "
+          f"tick ms {'/'.join(TICK_PHASES)} {phase_ms(s, earlier)}, full GCs {s.gc_full[0] - earlier.gc_full[0]:.0f} "
           f"({1000 * (s.gc_full[1] - earlier.gc_full[1]):.0f} ms, {s.gc_full[2] - earlier.gc_full[2]:.0f} forced)", file=sys.stderr, flush=True)
 
 
@@ -277,7 +278,7 @@ def report(found: list[Period], time_scale: float, target: float, steady: bool =
           f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average"
           f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
     print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
-          "| KV blocks used | loop CPU, cores | engine CPU, cores | tick ms: plan/rows/launch/device/route | held |")
+          f"| KV blocks used | loop CPU, cores | engine CPU, cores | tick ms: {'/'.join(TICK_PHASES)} | held |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p in found:
         print(p.row())

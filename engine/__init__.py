@@ -26,6 +26,7 @@ _EXPORTS = {
     "FULL_COLLECTIONS": "gc_pauses", "SLACK_COLLECTIONS": "gc_pauses", "freeze_loaded_objects": "gc_pauses",
     "InputError": "input_buffer",
     "KV_POLICIES": "kv_blocks:POLICIES", "KvBlockPool": "kv_blocks", "KvSettings": "kv_blocks",
+    "TICK_PHASES": "metrics",  # the tick's phases, each timed: /metrics' parley_engine_tick_<phase>_seconds
     "FrameOut": "session", "Session": "session",
     "EngineFull": "slots",
     "OutputStream": "stream", "Status": "stream", "Terminal": "stream",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from .input_buffer import InputError
     from .kv_blocks import POLICIES as KV_POLICIES
     from .kv_blocks import KvBlockPool, KvSettings
+    from .metrics import TICK_PHASES
     from .no_duplex import NO_DUPLEX_REASON, NoDuplexBackend
     from .offline import run_offline
     from .session import FrameOut, Session

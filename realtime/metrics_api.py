@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from parley.engine import FULL_COLLECTIONS, SLACK_COLLECTIONS
+from parley.engine import FULL_COLLECTIONS, SLACK_COLLECTIONS, TICK_PHASES
 
 from .refusals import Refusals
 from .worker_processes import thread_cpu_seconds
@@ -52,8 +52,7 @@ ENGINE_COUNTERS = ("ticks", "late_ticks", "skipped_ticks", "underruns", "overrun
                    "kv_shrinks", "kv_shortfalls",
                    # seconds the ticks spent planning, changing rows, launching the step, waiting for the
                    # device, routing (the engine's tick phases)
-                   "tick_plan_seconds", "tick_rows_seconds", "tick_launch_seconds", "tick_device_seconds",
-                   "tick_route_seconds")
+                   *(f"tick_{phase}_seconds" for phase in TICK_PHASES))
 ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots", "stt_live", "stt_slots",
                  "stt_queued", "stt_paired_live", "stt_paired_slots",
                  # the STT models' own text delay (frames / frame rate): transcript delay comes on top
