@@ -96,6 +96,8 @@ class TimedBackend:
 
 
 class _Ready:
+    queued = False  # already waited for and copied (BackendOutput.queued)
+
     def __init__(self, host) -> None:
         self.host = host
 
