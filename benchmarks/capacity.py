@@ -151,8 +151,6 @@ class Sample:
     gc_full: tuple[float, float, float] = (float("nan"),) * 3
 
 
-
-
 def phase_ms(later: Sample, earlier: Sample) -> str:
     """Each phase's mean ms per tick between two samples, "plan/rows/launch/device/route"."""
     ticks = later.ticks - earlier.ticks
@@ -245,7 +243,8 @@ def progress(s: Sample, earlier: Sample) -> None:
     print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
           f"late {s.late:.0f}, dropped {s.dropped:.0f}, KV blocks used {s.kv_used}, "
           f"tick ms {'/'.join(TICK_PHASES)} {phase_ms(s, earlier)}, full GCs {s.gc_full[0] - earlier.gc_full[0]:.0f} "
-          f"({1000 * (s.gc_full[1] - earlier.gc_full[1]):.0f} ms, {s.gc_full[2] - earlier.gc_full[2]:.0f} forced)", file=sys.stderr, flush=True)
+          f"({1000 * (s.gc_full[1] - earlier.gc_full[1]):.0f} ms, {s.gc_full[2] - earlier.gc_full[2]:.0f} forced)",
+          file=sys.stderr, flush=True)
 
 
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,

@@ -14,8 +14,9 @@ prompt's first chunk raise (a request-scoped failure), `fail_at_step` raises a f
 error, `step_seconds` / `prefill_seconds` sleep to simulate slow work (a prompt of
 `prompt_frames` frames, run in chunks like the real one), and `on_step` / `on_prefill` let a
 test observe each call (or advance a fake clock: `FakeTime`). `queue_wait` makes each step's
-output queued, like a CUDA step's, and runs when the engine waits for it (`to_host`). `fail_rows` injects a one-shot error into one
-request-scoped phase of a row ({row: "sampling" | "start" | "chunk"}); like the model's
+output queued, like a CUDA step's, and runs when the engine waits for it (`to_host`).
+`fail_rows` injects a one-shot error into one request-scoped phase of a row
+({row: "sampling" | "start" | "chunk"}); like the model's
 float32 / int64 setting tensors, `set_sampling` refuses values those cannot hold.
 """
 
