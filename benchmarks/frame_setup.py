@@ -21,7 +21,7 @@ from parley.models.config import LMConfig, MimiConfig, SamplingDefaults, tiny_lm
 from parley.models.lm import LMModel
 from parley.models.lm_gen import LMGenState
 from parley.models.mimi.codec import Mimi
-from parley.models.paged_kv import block_size_for
+from parley.models.paged_kv import block_size_for, ring_blocks
 from parley.models.tokenizer import TextTokenizer
 from parley.models.transformer import ring_slot_positions
 
@@ -104,7 +104,7 @@ KV_POOLS = ("fit", "full")  # --kv-blocks besides a number: what the placed rows
 def paged_blocks(positions: torch.Tensor, capacity: int, block_size: int, ahead: int) -> list[int]:
     """Blocks each row at `positions` holds for its filled window and `ahead` more frames (a paged
     row holds logical blocks 0 .. k - 1 until its ring wraps, then all of them)."""
-    blocks = capacity // block_size
+    blocks = ring_blocks(capacity, block_size)
     return [min(blocks, -(-(p + ahead) // block_size)) for p in positions.tolist()]
 
 
@@ -117,7 +117,7 @@ def kv_pool(choice: str | None, batch: int, windows, cfg: LMConfig, block_frames
         return None
     block_frames = block_size_for(cfg.context, block_frames)
     if choice == "full":
-        return batch * (cfg.context // block_frames), block_frames
+        return batch * ring_blocks(cfg.context, block_frames), block_frames
     if choice == "fit":
         need = (sum(paged_blocks(window_positions(batch, w, cfg.context, "cpu"), cfg.context, block_frames, ahead))
                 for w in windows)

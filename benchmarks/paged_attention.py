@@ -1,11 +1,13 @@
 """Paged decode attention, one layer: our kernel through a block table against our dense ring, and
 FlashInfer's BatchDecodeWithPagedKVCacheWrapper over the very same pools when it is installed.
 
-    python benchmarks/paged_attention.py --batches 128,256 --kv bf16,fp8
+    python benchmarks/paged_attention.py --batches 128,256 --kv bf16,fp8 --blocks 60,64
     python benchmarks/paged_attention.py --device cpu     # tiny shapes, our kernels in Triton's interpreter
 
 Moshi 7B's temporal attention: H = 32 heads of D = 128, a `--window`-slot ring (3000) in blocks of
-`--block` slots (60), every row's window full and its blocks in a shuffled order. Each case prints
+each of `--blocks` slots (64, Parley's default: the last of a row's 47 blocks holds 56 slots; 60
+divides the ring but costs the kernels a padded tile a block), every row's window full and its
+blocks in a shuffled order. Each case prints
 the median time of one call (CUDA events over --iters calls) and the KV bytes it reads per second.
 FlashInfer is imported only here (it is no dependency of Parley); its fp8 KV takes one scale per
 tensor where ours keeps one per vector, so its fp8 figure is a speed reference, not the same sums.
@@ -30,20 +32,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--window", type=int, default=3000, help="ring slots, all filled")
-    parser.add_argument("--block", type=int, default=60, help="slots per block (divides --window)")
+    parser.add_argument("--blocks", default="64", help="comma-separated slots per block (1 .. --window)")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
     if args.device == "cpu":  # tiny: the interpreter runs every program in numpy
-        args.batches, args.heads, args.head_dim, args.window, args.block, args.iters = "2", 2, 16, 120, 20, 2
-    if args.window % args.block:
-        parser.error(f"--block {args.block} must divide --window {args.window}")
+        args.batches, args.heads, args.head_dim, args.window, args.blocks, args.iters = "2", 2, 16, 120, "20,32", 2
+    args.blocks = [int(b) for b in args.blocks.split(",")]
+    if not all(0 < b <= args.window for b in args.blocks):
+        parser.error(f"--blocks {args.blocks}: each must be 1 .. --window {args.window}")
     return args
 
 
 def make_case(B: int, H: int, D: int, S: int, bs: int, fp8: bool, device: str) -> dict:
     """A dense ring, the same contents in shuffled pool blocks, a query and the step's own key."""
     from parley.models.transformer import quantize_kv, ring_slot_positions
-    nb = S // bs
+    nb = -(-S // bs)  # the last block partly used unless bs divides S
     pos = torch.full((B,), 3 * S + 7, dtype=torch.long, device=device)  # wrapped: every slot in the window
     g = torch.Generator(device).manual_seed(0)
     rings = [torch.randn(B, H, S, D, device=device, generator=g, dtype=torch.bfloat16) for _ in range(2)]
@@ -55,7 +58,9 @@ def make_case(B: int, H: int, D: int, S: int, bs: int, fp8: bool, device: str) -
     for ring in rings:
         raw = ring.view(torch.uint8) if ring.dtype == torch.float8_e4m3fn else ring
         pool = torch.zeros(B * nb + 1, H, bs, *raw.shape[3:], dtype=raw.dtype, device=device)
-        pool[table.flatten().long()] = raw.view(B, H, nb, bs, *raw.shape[3:]).transpose(1, 2).reshape(
+        padded = torch.zeros(B, H, nb * bs, *raw.shape[3:], dtype=raw.dtype, device=device)
+        padded[:, :, :S] = raw
+        pool[table.flatten().long()] = padded.view(B, H, nb, bs, *raw.shape[3:]).transpose(1, 2).reshape(
             B * nb, H, bs, *raw.shape[3:])
         pools.append(pool.view(ring.dtype))
     q, kn, vn = (torch.randn(B, H, D, device=device, generator=g, dtype=torch.bfloat16) for _ in range(3))
@@ -87,7 +92,7 @@ def flashinfer_call(case: dict, fp8: bool):
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda"), "HND")
     indptr = torch.arange(0, (B + 1) * nb, nb, dtype=torch.int32, device="cuda")
-    last = torch.full((B,), bs, dtype=torch.int32, device="cuda")
+    last = torch.full((B,), c["sp"].shape[1] - (nb - 1) * bs, dtype=torch.int32, device="cuda")
     wrapper.plan(indptr, c["table"].flatten(), last, c["q"].shape[1], c["q"].shape[1], c["q"].shape[2], bs,
                  q_data_type=torch.bfloat16, kv_data_type=k_pool.dtype)
     scales = dict(k_scale=float(c["pools"][2].mean()), v_scale=float(c["pools"][3].mean())) if fp8 else {}
@@ -128,26 +133,27 @@ def main() -> None:
         sys.exit("paged_attention needs a CUDA GPU (or --device cpu for the interpreter at tiny shapes)")
     cuda = args.device == "cuda"
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}  H={args.heads} "
-          f"D={args.head_dim} window={args.window} block={args.block}")
-    print("\n| B | KV | ours dense ms | ours paged ms | paged / dense | FlashInfer ms | dense TB/s | paged TB/s |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+          f"D={args.head_dim} window={args.window}")
+    print("\n| B | KV | block | ours dense ms | ours paged ms | paged / dense | FlashInfer ms | dense TB/s | paged TB/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for B in (int(b) for b in args.batches.split(",")):
         for kv in args.kv.split(","):
             fp8 = kv == "fp8"
-            case = make_case(B, args.heads, args.head_dim, args.window, args.block, fp8, args.device)
-            dense = median_ms(ours(case, False), args.iters, cuda)
-            paged = median_ms(ours(case, True), args.iters, cuda)
-            fi = flashinfer_call(case, fp8) if cuda else None
-            fi_ms = f"{median_ms(fi, args.iters, cuda):.3f}" if fi else "not installed"
-            if fi and not fp8:
-                fi_ms += f" (max diff {flashinfer_error(case, fi):.1e})"
-            tbps = [case["kv_bytes"] / (ms * 1e-3) / 1e12 for ms in (dense, paged)]
-            print(f"| {B} | {kv} | {dense:.3f} | {paged:.3f} | {paged / dense:.2f} | {fi_ms} | {tbps[0]:.2f} | "
-                  f"{tbps[1]:.2f} |", flush=True)
-            del case
-            if cuda:
-                torch.cuda.empty_cache()
-
+            dense = None  # the same ring whatever the block: timed once
+            for bs in args.blocks:
+                case = make_case(B, args.heads, args.head_dim, args.window, bs, fp8, args.device)
+                dense = dense or median_ms(ours(case, False), args.iters, cuda)
+                paged = median_ms(ours(case, True), args.iters, cuda)
+                fi = flashinfer_call(case, fp8) if cuda else None
+                fi_ms = f"{median_ms(fi, args.iters, cuda):.3f}" if fi else "not installed"
+                if fi and not fp8:
+                    fi_ms += f" (max diff {flashinfer_error(case, fi):.1e})"
+                tbps = [case["kv_bytes"] / (ms * 1e-3) / 1e12 for ms in (dense, paged)]
+                print(f"| {B} | {kv} | {bs} | {dense:.3f} | {paged:.3f} | {paged / dense:.2f} | {fi_ms} | "
+                      f"{tbps[0]:.2f} | {tbps[1]:.2f} |", flush=True)
+                del case
+                if cuda:
+                    torch.cuda.empty_cache()
 
 if __name__ == "__main__":
     main()

@@ -73,13 +73,12 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames: int | None = None) -> KvLayout:
     """The temporal LM's paged KV ring in blocks of `block_frames` (None: the model's default,
     `paged_kv.block_size_for`, which also checks a given size): what one block of every layer's
-    keys and values (and fp8 scales) takes in bytes. OptionsError for a block that does not tile
-    the ring."""
+    keys and values (and fp8 scales) takes in bytes. OptionsError for a block longer than the ring."""
     tr = checkpoint.lm.transformer
     try:
         block_frames = block_size_for(tr.capacity, block_frames)
     except ValueError as exc:
-        raise OptionsError(f"a KV block of {block_frames} frames must divide the {tr.capacity}-frame window.") from exc
+        raise OptionsError(f"a KV block of {block_frames} frames must be 1 .. the {tr.capacity}-frame window.") from exc
     dtype = kv_dtype or next(checkpoint.lm.parameters()).dtype
     head_dim = tr.d_model // tr.num_heads
     per_slot = 2 * tr.num_heads * head_dim * dtype.itemsize  # a key and a value of every head

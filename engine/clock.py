@@ -29,6 +29,7 @@ class TickClock:
         self._index = 0  # the boundary the next tick belongs to (kept as an int: no float drift)
         self.late_ticks = 0
         self.skipped_ticks = 0
+        self.start_lag = 0.0  # how far past its boundary the last tick started (woken late, or late)
 
     def wait(self, stop: threading.Event, idle: bool = False) -> bool:
         """Block until the next tick should start. False if `stop` was set meanwhile.
@@ -37,20 +38,25 @@ class TickClock:
         now = self._now()
         if self._origin is None:
             self._origin = now  # first tick: the grid starts here
-        lag = now - (self._origin + self._index * self.period)
+        boundary = self._origin + self._index * self.period
+        lag = now - boundary
+        self.start_lag = max(0.0, lag)
         if lag < 0:
             if self._sleep is None:
                 if stop.wait(-lag):
                     return False
             else:
                 self._sleep(-lag)
+            self.start_lag = max(0.0, self._now() - boundary)  # the wake-up's own lateness
         elif lag > 0 and idle:
+            self.start_lag = 0.0  # no frame was due at the boundary
             self._index += int(lag // self.period)  # back on the grid, nothing counted
         elif lag > 0:
             # The previous step ran past this boundary: start now (late), and drop every
             # boundary we are a whole period or more behind instead of bursting through them.
             self.late_ticks += 1
             missed = int(lag // self.period)
+            self.start_lag = lag - missed * self.period  # past the boundary this tick now serves
             self.skipped_ticks += missed
             self._index += missed
         self._index += 1

@@ -70,6 +70,7 @@ log = logging.getLogger("parley.engine")
 # a few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
 # traffic"). A short interval bounds each wait, at a small cost in switches to the loop.
 GIL_SWITCH_S = 0.0005
+LATE_LOG_INTERVAL_S = 10.0  # a late tick is a log line, at most one this often (the rest are counted)
 
 
 class EngineClosed(RuntimeError):
@@ -114,6 +115,9 @@ class Engine:
         self._slack.add_source(self._prefill)
         self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
         self._route_s = 0.0  # the last tick's routing: what a full GC pass beside the device leaves room for
+        self._after_step = (0.0, 0.0, 0.0)  # the last tick's step, GC pause, slack work (clock seconds)
+        self._late_logged_at: float | None = None  # when the last late-tick line was logged
+        self._late_unlogged = 0
         self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
@@ -326,12 +330,32 @@ class Engine:
         if self._clock.next_boundary() is None:
             self._guarded(self._slack.prepare_sources)
         ticks = 0
+        late = self._clock.late_ticks
         while (max_ticks is None or ticks < max_ticks) and self._healthy and \
                 self._clock.wait(self._stop, idle=self._idle_slack):
+            self.metrics.observe_start_lag(self._clock.start_lag)
+            if self._clock.late_ticks > late:
+                late = self._clock.late_ticks
+                self._log_late_start()
             self._guarded(self._run_one_tick, deadline=self._clock.next_boundary())
             self.metrics.set("late_ticks", self._clock.late_ticks)
             self.metrics.set("skipped_ticks", self._clock.skipped_ticks)
             ticks += 1
+
+    def _log_late_start(self) -> None:
+        """A late tick in one line: how late, and what the engine thread did after the previous
+        tick's step (its step, GC pause, slack work, clock seconds); at most one line per
+        LATE_LOG_INTERVAL_S, the rest counted into the next."""
+        now = self._clock.now()
+        self._late_unlogged += 1
+        if self._late_logged_at is not None and now - self._late_logged_at < LATE_LOG_INTERVAL_S:
+            return
+        step, gc_s, slack = (1000 * v for v in self._after_step)
+        more = f" ({self._late_unlogged - 1} more since the last line)" if self._late_unlogged > 1 else ""
+        log.warning("tick %d started %.1f ms late: the tick before ran %.1f ms, then a GC pass %.1f ms and slack "
+                    "work %.1f ms; %d late ticks so far%s", self._tick, 1000 * self._clock.start_lag, step, gc_s,
+                    slack, self._clock.late_ticks, more)
+        self._late_logged_at, self._late_unlogged = now, 0
 
     def _guarded(self, fn, **kwargs) -> None:
         try:
@@ -340,6 +364,7 @@ class Engine:
             self._fatal(exc)
 
     def _run_one_tick(self, deadline: float | None) -> None:
+        tick_began = self._clock.now()
         start = time.perf_counter()
         plan = self._scheduler.plan(self._tick)
         planned = time.perf_counter()
@@ -367,12 +392,15 @@ class Engine:
         self.metrics.inc("ticks")
         self.metrics.observe_tick(time.perf_counter() - start)
         self._idle_slack = deadline is not None and not plan.any_live and not self._prefill.busy
+        stepped = self._clock.now()
         if deadline is not None:  # a clocked tick: before the slack's own work, which fills what is left
             self.collections.maybe_collect(None if self._idle_slack else deadline - self._clock.now())
+        collected = self._clock.now()
         if self._idle_slack:  # no frame due at the boundary: up to one period past it (module docstring)
             self._slack.run_until(deadline + self._clock.period, interrupt=self._scheduler.has_inbox)
         else:
             self._slack.run_until(deadline)
+        self._after_step = (stepped - tick_began, collected - stepped, self._clock.now() - collected)
 
     def _collect_beside_device(self, deadline: float) -> None:
         """A due full GC pass while the device runs the queued step: it lengthens the tick only by

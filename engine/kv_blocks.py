@@ -69,17 +69,17 @@ class KvLayout:
     """The model's KV ring, as the pool needs it."""
 
     window_frames: int  # ring slots per row (the model's capacity)
-    block_frames: int  # slots per block; divides window_frames
+    block_frames: int  # slots per block (the window's last block is partly used unless it divides)
     block_bytes: int  # bytes one block takes over every layer (keys, values, fp8 scales)
 
     def __post_init__(self) -> None:
-        if self.block_frames < 1 or self.window_frames % self.block_frames:
-            raise OptionsError(f"a KV block of {self.block_frames} frames must divide the {self.window_frames}-frame "
-                               "window.")
+        if not 0 < self.block_frames <= self.window_frames:
+            raise OptionsError(f"a KV block of {self.block_frames} frames must be 1 .. the "
+                               f"{self.window_frames}-frame window.")
 
     @property
     def window_blocks(self) -> int:
-        return self.window_frames // self.block_frames
+        return -(-self.window_frames // self.block_frames)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 # Bucket upper bounds in seconds. Ticks: around the 80 ms budget. Prefill: up to seconds.
 TICK_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5)
 PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# How late ticks start: a woken thread's delay (sub-ms when the host is idle), up to a late tick's.
+START_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08)
 RECENT_TICKS = 256  # ~20 s of ticks: the window of /load's tick_ms_p50 / tick_ms_p99
 
 
@@ -65,6 +67,7 @@ class EngineMetrics:
         self._counts = dict.fromkeys(COUNTERS, 0)
         self.tick_seconds = Histogram(TICK_BUCKETS)
         self.prefill_seconds = Histogram(PREFILL_BUCKETS)
+        self.tick_start_lag_seconds = Histogram(START_LAG_BUCKETS)
         self._recent_ticks: deque[float] = deque(maxlen=RECENT_TICKS)
         self._last_tick_at: float | None = None  # time.monotonic() of the last tick's end
 
@@ -86,11 +89,16 @@ class EngineMetrics:
         with self._lock:
             self.prefill_seconds.observe(seconds)
 
+    def observe_start_lag(self, seconds: float) -> None:
+        with self._lock:
+            self.tick_start_lag_seconds.observe(seconds)
+
     def snapshot(self, live_slots: int, free_slots: int, healthy: bool) -> dict:
         with self._lock:
             return {**self._counts, "live_slots": live_slots, "free_slots": free_slots,
                     "healthy": healthy, "tick_seconds": self.tick_seconds.snapshot(),
                     "prefill_seconds": self.prefill_seconds.snapshot(),
+                    "tick_start_lag_seconds": self.tick_start_lag_seconds.snapshot(),
                     "tick_ms_p50": _quantile_ms(self._recent_ticks, 0.50),
                     "tick_ms_p99": _quantile_ms(self._recent_ticks, 0.99),
                     "seconds_since_tick": (None if self._last_tick_at is None

@@ -26,7 +26,7 @@ rows that do not execute (their cache is left unwritten) get the same output as 
 bf16 / fp32 caches run tensor-core dots (the query row repeated 16 times); fp8 caches run fp32
 products on CUDA cores (a tensor-core fp8 loop needed ~250 registers and was issue-bound).
 
-Paged rings (models/paged_kv.py; `block_table=` [B, S // bs] int32 on decode_attention and
+Paged rings (models/paged_kv.py; `block_table=` [B, ceil(S / bs)] int32 on decode_attention and
 rope_write): the caches and fp8 scales are pools [blocks, H, bs(, D)] shared by all rows, slot n
 of row b lives at pool block block_table[b, n // bs], slot n % bs, and writes to the null block 0
 are dropped. The results are the dense ring's; a constexpr PAGED picks the addressing, so the
@@ -219,7 +219,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
         D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
     if write:  # after every split has read the ring
-        _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v, block_table)
+        _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v, block_table, S)
     return out
 
 
@@ -244,20 +244,21 @@ def _paging(block_table: torch.Tensor | None, cache_k: torch.Tensor, B: int, S: 
         assert cache_k.shape[2] == S, "a dense ring is [B, H, S, D]"
         return False
     bs = cache_k.shape[2]
-    assert S % bs == 0 and block_table.shape == (B, S // bs), f"a block table [{B}, {S} // {bs}] for this ring"
+    assert block_table.shape == (B, -(-S // bs)), f"a block table [{B}, ceil({S} / {bs})] for this ring"
     assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
     return True
 
 
 def _write_kv(k_new: torch.Tensor, v_new: torch.Tensor, pos: torch.Tensor, exec_mask: torch.Tensor | None,
-              cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
+              cache_k: torch.Tensor, cache_v: torch.Tensor, block_table: torch.Tensor | None = None,
+              S: int | None = None) -> None:
     """cache[b, :, pos[b] % S] = new[b] for executing rows (rope_write's store without RoPE); paged
     caches through the block table, never into the null block 0."""
     B, H, D = k_new.shape
     keep = exec_mask if exec_mask is not None else torch.ones_like(pos, dtype=torch.bool)
     if block_table is not None:
         bs = cache_k.shape[2]
-        slot = pos % (block_table.shape[1] * bs)
+        slot = pos % S
         blk = block_table.long().gather(1, torch.div(slot, bs, rounding_mode="floor")[:, None])[:, 0]
         keep = (keep & (blk != 0))[:, None, None]
         for cache, new in ((cache_k, k_new), (cache_v, v_new)):
@@ -273,7 +274,8 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
                pos: torch.Tensor, exec_mask: torch.Tensor | None, cache_k: torch.Tensor,
                cache_v: torch.Tensor, k_scale: torch.Tensor | None = None,
                v_scale: torch.Tensor | None = None, steps: int = 1,
-               block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               block_table: torch.Tensor | None = None,
+               capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [B, 3*H*D] -> q, k (rotated, [B, H, D]), v (a view); k, v written to slot pos % S of
     executing rows' caches (fp8 caches: quantized with a per-(row, head, slot) scale, written to
     `k_scale` / `v_scale` [B, H, S]; see `quantize_kv`).
@@ -282,10 +284,13 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
     t of row r at position pos[r] + t (written to slot (pos[r] + t) % S), with cos_sin per step
     ([R * T, D / 2]); exec_mask and pos stay per row [R]; q and k come back [R * T, H, D].
 
-    `block_table` [R, S // bs] int32: paged caches (see `decode_attention`), S = its columns * bs."""
+    `block_table` [R, ceil(S / bs)] int32: paged caches (see `decode_attention`), with the ring's
+    `capacity` S (a partial last block leaves it no multiple of bs)."""
     jit = triton_kernels()
     B = qkv.shape[0]
-    S = cache_k.shape[2] if block_table is None else block_table.shape[1] * cache_k.shape[2]
+    assert block_table is None or capacity is not None, "paged caches take the ring's capacity"
+    S = cache_k.shape[2] if block_table is None else capacity
+    assert capacity in (None, S), f"a dense ring of {S} slots, not {capacity}"
     paged = _paging(block_table, cache_k, pos.shape[0], S)
     assert B % steps == 0 and pos.shape[0] * steps == B, "qkv must hold `steps` steps of every row"
     assert qkv.stride(1) == 1 and cache_k.stride(3) == 1 and cache_v.stride(3) == 1

@@ -1,14 +1,17 @@
 """Paged KV rings: per-layer pools of fixed-size blocks that every row draws from, and a block table.
 
-    bs = block_size_for(capacity, None)          # the default: largest divisor of capacity <= 64 (3000 -> 60)
-    view = gather_ring(pool, table)              # [B, H, capacity(, D)]: each row's ring as a dense copy
+    bs = block_size_for(capacity, None)          # the default: 64 slots (the whole ring when shorter)
+    view = gather_ring(pool, table, capacity)    # [B, H, capacity(, D)]: each row's ring as a dense copy
     scatter_slots(pool, table, view, slots, keep)   # view[b, :, slots[b, t]] back to the pool, rows where keep[b]
     write_prefix(pool, table_row, prefix)        # slots 0 .. F - 1 of one row = prefix [H, F(, D)]
 
 Layout: a pool is [num_blocks, H, block_size, D] (fp8 scales [num_blocks, H, block_size]); the
-table [B, capacity // block_size] int32 maps logical ring block j of row b to physical block
+table [B, ring_blocks(capacity, bs)] int32 maps logical ring block j of row b to physical block
 table[b, j], so ring slot s of row b lives at pool[table[b, s // bs], :, s % bs]. The ring itself
 is unchanged (slot = position % capacity, TransformerState.slot_pos): only where a slot is stored.
+A block need not divide the ring: its last block is then partly used (Moshi's 3000 slots in 64s:
+47 blocks, the last holding 56). A power-of-two block is what the kernels' tiles walk without
+padding (a 60-slot block costs them a 64-slot tile: 7 % more reads, benchmarks/paged_attention.py).
 
 Physical block 0 is the null block: table entries no row owns point at it. It is never attended
 (its slots' slot_pos is -1) and every write to it is dropped, here and in the kernels
@@ -24,17 +27,22 @@ from __future__ import annotations
 import torch
 
 NULL_BLOCK = 0
-DEFAULT_MAX_BLOCK = 64  # a default block: 64 slots or fewer (60 for Moshi's 3000-frame ring)
+DEFAULT_BLOCK = 64  # slots: a whole number of the attention kernels' tiles (16 fp8, 64 bf16)
 
 
 def block_size_for(capacity: int, block_size: int | None) -> int:
-    """`block_size` checked against the ring, or the default: the largest divisor of `capacity`
-    not above 64 (a block must tile the ring exactly, so a slot's block is slot // block_size)."""
+    """`block_size` checked against the ring (1 .. capacity slots), or the default: 64 slots, the
+    whole ring when it is shorter."""
     if block_size is None:
-        return next(d for d in range(min(capacity, DEFAULT_MAX_BLOCK), 0, -1) if capacity % d == 0)
-    if block_size <= 0 or capacity % block_size:
-        raise ValueError(f"block_size {block_size} must divide the KV ring's capacity {capacity}")
+        return min(capacity, DEFAULT_BLOCK)
+    if not 0 < block_size <= capacity:
+        raise ValueError(f"block_size {block_size} must be 1 .. the KV ring's capacity {capacity}")
     return block_size
+
+
+def ring_blocks(capacity: int, block_size: int) -> int:
+    """Logical blocks in a ring of `capacity` slots (the last one partly used unless they divide)."""
+    return -(-capacity // block_size)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -42,13 +50,13 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
-def gather_ring(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def gather_ring(pool: torch.Tensor, table: torch.Tensor, capacity: int) -> torch.Tensor:
     """Each row's ring in slot order, [B, H, capacity(, D)], dense (a copy: writes to it stay there)."""
     B, nb = table.shape
     blocks = _raw(pool)[table.long().flatten()]  # [B * nb, H, bs(, D)]
     H, bs = blocks.shape[1], blocks.shape[2]
     ring = blocks.view(B, nb, H, bs, *blocks.shape[3:]).transpose(1, 2)
-    return ring.reshape(B, H, nb * bs, *blocks.shape[3:]).view(pool.dtype)
+    return ring.reshape(B, H, nb * bs, *blocks.shape[3:])[:, :, :capacity].view(pool.dtype)
 
 
 def _addresses(table: torch.Tensor, slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

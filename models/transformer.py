@@ -177,7 +177,7 @@ class LayerKV(NamedTuple):
     values: torch.Tensor
     key_scales: torch.Tensor | None = None  # fp8 only: [B, H, capacity] (paged: [num_blocks, H, block_size])
     value_scales: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None  # paged only: [B, capacity // block_size] int32
+    block_table: torch.Tensor | None = None  # paged only: [B, ring_blocks(capacity, block_size)] int32
 
 
 @dataclass
@@ -198,7 +198,7 @@ class TransformerState:
     # (paged: [num_blocks, H, block_size]); slot n of a head holds keys[..., n, :] * key_scales[..., n].
     key_scales: list[torch.Tensor] | None = None
     value_scales: list[torch.Tensor] | None = None
-    # Paged only: [B, capacity // block_size] int32, logical ring block -> pool block (0: the null
+    # Paged only: [B, ring_blocks(capacity, block_size)] int32, logical ring block -> pool block (0: the null
     # block). A CUDA-graph input: updated in place, never replaced.
     block_table: torch.Tensor | None = None
     # Paged only: the table as `map_blocks` last wrote it, on the host (made from the device's on first use).
@@ -282,9 +282,9 @@ class TransformerState:
         host[entries[last]] = assigned[last, 2]
         if released.size or forgotten.size or assigned.size:
             table.copy_(torch.from_numpy(self.table_host), non_blocking=True)  # pageable: staged before it returns
+        in_block = forgotten[:, 1, None] * size + np.arange(size)  # a partial last block: its ring slots only
         emptied = np.concatenate([(released[:, None] * capacity + np.arange(capacity)).ravel(),
-                                  ((forgotten[:, 0] * capacity + forgotten[:, 1] * size)[:, None]
-                                   + np.arange(size)).ravel()])
+                                  (forgotten[:, 0, None] * capacity + in_block)[in_block < capacity]])
         if emptied.size:
             self.slot_pos.view(-1).index_fill_(0, self._upload(emptied), -1)
         if released.size:
@@ -469,7 +469,7 @@ class StreamingAttention(nn.Module):
         wrote go back to the pool (executing rows only, never the null block)."""
         table = kv.block_table
         pools = [t for t in kv[:4] if t is not None]
-        views = [paged_kv.gather_ring(pool, table) for pool in pools]
+        views = [paged_kv.gather_ring(pool, table, attn_mask.shape[-1]) for pool in pools]  # the mask spans the ring
         out = StreamingAttention._attend(q, k, v, LayerKV(*views), slots, attn_mask, exec_mask)
         for pool, view in zip(pools, views):
             paged_kv.scatter_slots(pool, table, view, slots, exec_mask)
@@ -649,7 +649,8 @@ class StreamingTransformer(nn.Module):
             if kv_blocks < 2:
                 raise ValueError(f"kv_blocks {kv_blocks}: a pool needs the null block and at least one more")
             shape = (kv_blocks, self.num_heads, block_size, head_dim)
-            table = torch.zeros(batch_size, self.capacity // block_size, device=device, dtype=torch.int32)
+            table = torch.zeros(batch_size, paged_kv.ring_blocks(self.capacity, block_size), device=device,
+                                dtype=torch.int32)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         scales = {}
         if kv_dtype == torch.float8_e4m3fn:
@@ -808,7 +809,7 @@ class StreamingTransformer(nn.Module):
                                            self.context, write=True, exec_mask=exec_mask, block_table=table)
         else:
             q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
-                                         *scales, block_table=table)
+                                         *scales, block_table=table, capacity=self.capacity)
             out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
                                            self.context, *scales, order=order, block_table=table)
         return F.linear(out.view(B, dim), w_out)

@@ -82,8 +82,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-memory", type=float, default=None,
                    help="the KV pool's size in GiB (turned into blocks; see --kv-blocks)")
     p.add_argument("--kv-block-frames", type=int, default=None,
-                   help="frames (80 ms each) per KV block; must divide the model's window (Moshi: 3000). "
-                        "Default: the largest divisor of the window up to 64 (Moshi: 60)")
+                   help="frames (80 ms each) per KV block, 1 .. the model's window (Moshi: 3000); the "
+                        "window's last block is partly used unless it divides it. Default: 64 (the whole "
+                        "window if shorter), a whole number of the attention kernels' tiles")
     p.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the audio codec (Mimi) of every model served: float32, the reference's; "
                         "bfloat16 makes the codec about a third faster at 64 sessions and more on an H200 "

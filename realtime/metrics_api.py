@@ -61,7 +61,7 @@ ENGINE_GAUGES = ("live_slots", "free_slots", "healthy", "tts_live", "tts_slots",
                  # to admitted sessions, and how many more sessions memory admits now
                  "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_high_water",
                  "kv_blocks_promised", "kv_sessions_admittable")
-ENGINE_HISTOGRAMS = ("tick_seconds", "prefill_seconds")
+ENGINE_HISTOGRAMS = ("tick_seconds", "prefill_seconds", "tick_start_lag_seconds")
 
 
 class EngineCollector:

@@ -211,8 +211,8 @@ def check_frame() -> None:
 def paged_layout(pos: torch.Tensor, S: int, bs: int) -> tuple[torch.Tensor, int]:
     """A block table giving each row blocks for the slots it has filled and the one it writes
     now (none at all for a row at position 0: it stays on the null block), drawn in a shuffled
-    order; and the pool size."""
-    B, nb = pos.shape[0], S // bs
+    order; and the pool size. A block that does not divide S leaves the last one partly used."""
+    B, nb = pos.shape[0], -(-S // bs)
     table = torch.zeros(B, nb, dtype=torch.int32)
     free = (torch.randperm(B * nb) + 1).tolist()
     for b in range(B):
@@ -222,37 +222,43 @@ def paged_layout(pos: torch.Tensor, S: int, bs: int) -> tuple[torch.Tensor, int]
     return table, B * nb + 1
 
 
-def paged_copy(ring: torch.Tensor, table: torch.Tensor, blocks: int) -> torch.Tensor:
+def paged_copy(ring: torch.Tensor, table: torch.Tensor, blocks: int, bs: int) -> torch.Tensor:
     """A pool [blocks, H, bs(, D)] holding dense `ring` [B, H, S(, D)]'s assigned blocks."""
-    B, nb = table.shape
-    bs = ring.shape[2] // nb
     raw = ring.view(torch.uint8) if ring.dtype == torch.float8_e4m3fn else ring
     pool = torch.zeros(blocks, raw.shape[1], bs, *raw.shape[3:], dtype=raw.dtype)
     for b, j in table.nonzero().tolist():
-        pool[table[b, j]] = raw[b, :, j * bs:(j + 1) * bs]
+        part = raw[b, :, j * bs:(j + 1) * bs]  # (the ring's last block: maybe fewer slots)
+        pool[table[b, j], :, :part.shape[1]] = part
     return pool.view(ring.dtype)
 
 
 def same_assigned(pool: torch.Tensor, ring: torch.Tensor, table: torch.Tensor) -> None:
     """Every assigned block of the pool holds the dense ring's bytes; the null block stays zero."""
     raw = (lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
-    expected = paged_copy(ring, table, pool.shape[0])
+    expected = paged_copy(ring, table, pool.shape[0], pool.shape[2])
     assert torch.equal(raw(pool), raw(expected)), (raw(pool).float() - raw(expected).float()).abs().max()
 
 
 def check_paged_attention() -> None:
     """decode_attention over pools through a block table against the dense ring: bf16 / fp32 and
     fp8, rows empty / partly filled / full / wrapped, one split and split + reduce, a context,
-    row order, and write= with rows not executing (and a row on the null block)."""
+    row order, and write= with rows not executing (and a row on the null block). Blocks that
+    divide the ring (8) and do not (12: its last block holds 4 slots)."""
+    for bs in (8, 12):
+        _check_paged_attention(bs)
+    print("ok paged_attention")
+
+
+def _check_paged_attention(bs: int) -> None:
     from parley.models.transformer import quantize_kv
-    B, H, S, D, bs = 4, 2, 40, 16, 8
+    B, H, S, D = 4, 2, 40, 16
     pos = torch.tensor([0, 5, 39, 97])
     sp = ring_slot_positions(pos, S)
     table, blocks = paged_layout(pos, S, bs)
     launches = (None, kernels.AttentionLaunch(16, 1, 1, 4))
     for dt in (torch.float32, torch.bfloat16):
         ck, cv = torch.randn(B, H, S, D).to(dt), torch.randn(B, H, S, D).to(dt)
-        pk, pv = paged_copy(ck, table, blocks), paged_copy(cv, table, blocks)
+        pk, pv = paged_copy(ck, table, blocks, bs), paged_copy(cv, table, blocks, bs)
         q, kn, vn = (torch.randn(B, H, D).to(dt) for _ in range(3))
         for context, launch in ((None, launches[0]), (30, launches[1]), (None, launches[1])):
             dense = kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, context, launch=launch)
@@ -270,19 +276,19 @@ def check_paged_attention() -> None:
             same_assigned(pk2, k2, table)
             same_assigned(pv2, v2, table)
     (k8, ks), (v8, vs) = quantize_kv(torch.randn(B, H, S, D)), quantize_kv(torch.randn(B, H, S, D) * 0.1)
-    paged = [paged_copy(t, table, blocks) for t in (k8, v8, ks, vs)]
+    paged = [paged_copy(t, table, blocks, bs) for t in (k8, v8, ks, vs)]
     q, kn, vn = (torch.randn(B, H, D) for _ in range(3))
     for launch in (None, kernels.AttentionLaunch(16, 1, 4, 2)):
         close(kernels.decode_attention(q, kn, vn, *paged[:2], sp, pos, 30, *paged[2:], launch=launch, block_table=table),
               kernels.decode_attention(q, kn, vn, k8, v8, sp, pos, 30, ks, vs, launch=launch))
-    print("ok paged_attention")
 
 
 def check_paged_rope_write() -> None:
     """rope_write through a block table: the same q, k and the same bytes stored (fp8: and scales)
-    as into the dense ring, for one step and two, rows not executing, a row on the null block."""
-    B, H, D, S, bs = 4, 2, 16, 10, 5
-    for steps, kv_fp8 in ((1, False), (2, False), (1, True)):
+    as into the dense ring, for one step and two, rows not executing, a row on the null block; in
+    blocks that divide the ring and (4: the last holds 2 slots) do not."""
+    B, H, D, S = 4, 2, 16, 10
+    for steps, kv_fp8, bs in ((1, False, 5), (2, False, 5), (1, True, 5), (1, False, 4), (2, True, 4)):
         pos = torch.tensor([0, 4, 23, 9])
         table, blocks = paged_layout(pos + steps - 1, S, bs)
         table[0] = 0  # row 0 executes without blocks: nothing may land anywhere
@@ -294,9 +300,10 @@ def check_paged_rope_write() -> None:
             from parley.models.transformer import quantize_kv
             (k8, ks), (v8, vs) = quantize_kv(rings[0]), quantize_kv(rings[1])
             rings = [k8, v8, ks, vs]
-        pools = [paged_copy(r, table, blocks) for r in rings]
+        pools = [paged_copy(r, table, blocks, bs) for r in rings]
         q, k, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *rings, steps=steps)
-        qp, kp, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *pools, steps=steps, block_table=table)
+        qp, kp, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *pools, steps=steps, block_table=table,
+                                       capacity=S)
         close(qp, q)
         close(kp, k)
         for pool, ring in zip(pools, rings):
@@ -312,11 +319,11 @@ def check_paged_transformer_decode() -> None:
     from parley.models.transformer import StreamingTransformer
     torch.manual_seed(0)
     tr = StreamingTransformer(32, 2, 1, 64, context=16, norm="rms_norm_f32", gating="silu").eval()
-    B, bs = 3, 4
+    B = 3
     with torch.no_grad():
-        for kv_dtype in (None, torch.float8_e4m3fn):
+        for kv_dtype, bs in ((None, 4), (torch.float8_e4m3fn, 4), (None, 5)):  # 5: the last block holds 1 slot
             dense = tr.init_state(B, kv_dtype=kv_dtype)
-            paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * tr.capacity // bs, block_size=bs)
+            paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * -(-tr.capacity // bs), block_size=bs)
             free = list(range(1, paged.num_blocks))
             for t in range(22):
                 live = torch.tensor([True, t % 3 != 1, t >= 5])
@@ -329,7 +336,9 @@ def check_paged_transformer_decode() -> None:
                     expected = tr(x, dense, live)
                 close(tr(x, paged, live), expected)
                 assert torch.equal(paged.pos, dense.pos) and torch.equal(paged.slot_pos, dense.slot_pos)
-            assert (paged.block_table != 0).all()  # every row's ring filled
+            for row, p in enumerate(paged.pos.tolist()):  # every row's written slots in blocks it holds
+                assert (paged.block_table[row, :-(-min(p, tr.capacity) // bs)] != 0).all()
+            assert (paged.block_table[0] != 0).all()  # (row 0 ran every step: its whole ring)
     print("ok paged_transformer_decode")
 
 if __name__ == "__main__":

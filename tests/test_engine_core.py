@@ -11,6 +11,7 @@ real engine thread briefly.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -332,7 +333,7 @@ def test_clock_catches_up_after_an_overrun_without_bursting():
     assert (clock.late_ticks, clock.skipped_ticks) == (2, 1)
 
 
-def test_engine_counts_late_and_skipped_ticks_on_its_clock():
+def test_engine_counts_late_and_skipped_ticks_on_its_clock(caplog):
     fake = FakeTime()
     durations = {2: 0.1, 5: 0.25}  # step index -> how long the step "takes"
     starts = []
@@ -345,7 +346,8 @@ def test_engine_counts_late_and_skipped_ticks_on_its_clock():
     clock = TickClock(0.08, now=fake.now, sleep=fake.sleep)
     engine = Engine(backend, clock=clock)
 
-    serve_one_session(engine, 8)
+    with caplog.at_level(logging.WARNING, logger="parley.engine"):
+        serve_one_session(engine, 8)
     # step 2 (0.1 s) overruns 0.32: step 3 starts at once, late. Step 5 (0.25 s) misses
     # 0.56 and 0.64 (skipped); one late tick at 0.73, then the grid again at 0.80.
     assert starts == [0.08, 0.16, 0.24, 0.34, 0.4, 0.48, 0.73, 0.8]
@@ -354,6 +356,13 @@ def test_engine_counts_late_and_skipped_ticks_on_its_clock():
     counters = engine.counters()
     assert (counters["late_ticks"], counters["skipped_ticks"]) == (2, 2)
     assert counters["ticks"] == 9
+    # How late each tick started, against the boundary it serves: 20 ms and 10 ms, the rest on time
+    # (the fake clock wakes exactly); one log line says why (the second, within 10 s, is counted).
+    lag = counters["tick_start_lag_seconds"]
+    assert lag["count"] == 9 and lag["buckets"]["0.0002"] == 7 and lag["buckets"]["0.01"] == 8
+    assert abs(lag["sum"] - 0.03) < 1e-9
+    late = [r.getMessage() for r in caplog.records if "late" in r.getMessage()]
+    assert len(late) == 1 and "started 20.0 ms late: the tick before ran 100.0 ms" in late[0], late
     engine.shutdown()
 
 

@@ -57,6 +57,22 @@ def test_a_wrapped_row_reuses_its_own_blocks():
     assert not any(after) and p.counters().used == 4
 
 
+def test_a_block_that_does_not_divide_the_window_leaves_its_last_block_partly_used():
+    """40 frames in blocks of 12: logical blocks 0..3 start at positions 0, 12, 24, 36; the ring
+    wraps at 40 into block 0, and a full window is 4 blocks."""
+    p = KvBlockPool(KvLayout(window_frames=40, block_frames=12, block_bytes=1024), 2, 8)
+    assert p.blocks_for(37) == 4 and p.blocks_for(1000) == 4
+    p.admit(0, "a")
+    p.start(0, "a", 0)
+    got = [p.step(["a"]).assigned for _ in range(45)]
+    assert [t for t, a in enumerate(got) if a] == [0, 12, 24, 36]
+    assert p.held(0) == {0: 1, 1: 2, 2: 3, 3: 4} and p.counters().used == 4  # positions 40..44 reuse block 0
+    small = KvBlockPool(KvLayout(window_frames=40, block_frames=12, block_bytes=1024), 2, 7)
+    small.admit(0, "b")  # reserve: a full window is 4 blocks, so 7 hold one session, not two
+    with pytest.raises(KvFull):
+        small.admit(1, "c")
+
+
 def test_release_frees_blocks_at_the_next_engine_call_with_the_row_released_first():
     p = pool(8)
     p.admit(0, "a")
@@ -179,5 +195,7 @@ def test_settings_are_checked_and_size_the_pool():
     with pytest.raises(OptionsError, match="cannot hold one session"):
         KvSettings(blocks=3).budget(LAYOUT, rows=3)
     assert KvSettings(policy="shrink", blocks=1).budget(LAYOUT, rows=3) == 1
-    with pytest.raises(OptionsError, match="divide"):
-        KvLayout(40, 12, 1024)
+    assert KvLayout(40, 12, 1024).window_blocks == 4  # 3 blocks of 12 and one of 4 slots used
+    for bad in (0, 41):
+        with pytest.raises(OptionsError, match="1 .. the 40-frame window"):
+            KvLayout(40, bad, 1024)

@@ -39,7 +39,7 @@ def speech_like(seed: int, frames: int) -> np.ndarray:
 
 
 def engine_for(ckpt_dir, rows: int, paged: bool, blocks: int | None = None, policy: str = "reserve",
-               device: str = "cpu"):
+               device: str = "cpu", block: int = BLOCK):
     """An engine over the checkpoint: dense rows and no pool, or a paged state of `blocks` blocks
     (default: every row a full window) and its pool, as `parley serve` builds them (on CUDA: one
     graph per row bucket, the table rewritten between replays)."""
@@ -48,7 +48,7 @@ def engine_for(ckpt_dir, rows: int, paged: bool, blocks: int | None = None, poli
     if not paged:
         backend = ModelBackend(checkpoint, rows, seed=0)
         return Engine(backend, config), backend
-    layout = kv_layout(checkpoint, None, BLOCK)
+    layout = kv_layout(checkpoint, None, block)
     total = blocks if blocks is not None else rows * layout.window_blocks
     backend = ModelBackend(checkpoint, rows, seed=0, kv_blocks=total, kv_block_frames=layout.block_frames)
     return Engine(backend, config, kv=KvBlockPool(layout, rows, total, policy)), backend
@@ -91,9 +91,10 @@ def conversation(engine: Engine, options: SessionOptions) -> dict[str, list]:
     return result
 
 
-def test_paged_engine_equals_dense_bit_for_bit(tiny_moshi_dir):
+@pytest.mark.parametrize("block", [BLOCK, 12], ids=["divides", "partial-last"])  # 40 = 3 x 12 + 4
+def test_paged_engine_equals_dense_bit_for_bit(tiny_moshi_dir, block):
     dense_engine, _ = engine_for(tiny_moshi_dir, 3, paged=False)
-    paged_engine, backend = engine_for(tiny_moshi_dir, 3, paged=True)
+    paged_engine, backend = engine_for(tiny_moshi_dir, 3, paged=True, block=block)
     dense = conversation(dense_engine, SessionOptions())
     paged = conversation(paged_engine, SessionOptions())
     assert backend.kv_paged
@@ -102,7 +103,7 @@ def test_paged_engine_equals_dense_bit_for_bit(tiny_moshi_dir):
         assert len(paged[name]) == len(dense[name]) > 0, name
         assert paged[name] == dense[name], name
     counters = paged_engine.counters()
-    assert counters["kv_shortfalls"] == 0 and counters["kv_blocks_high_water"] <= 15
+    assert counters["kv_shortfalls"] == 0 and counters["kv_blocks_high_water"] <= 3 * -(-40 // block)
 
 
 def test_paged_personaplex_prompts_equal_dense_bit_for_bit(tiny_personaplex_dir):
@@ -179,8 +180,9 @@ def test_the_kv_layout_takes_the_models_block_rule(tiny_moshi_dir):
     window = checkpoint.lm.transformer.capacity
     assert kv_layout(checkpoint, None).block_frames == paged_kv.block_size_for(window, None) == 40
     assert kv_layout(checkpoint, None, BLOCK).block_frames == BLOCK
-    with pytest.raises(OptionsError, match="divide"):
-        kv_layout(checkpoint, None, 12)
+    assert kv_layout(checkpoint, None, 12).block_frames == 12  # 4 blocks, the last holding 4 frames
+    with pytest.raises(OptionsError, match="1 .. the 40-frame window"):
+        kv_layout(checkpoint, None, 41)
 
 
 def test_parley_serve_pages_the_duplex_model_in_the_models_blocks(tiny_moshi_dir):
@@ -192,15 +194,16 @@ def test_parley_serve_pages_the_duplex_model_in_the_models_blocks(tiny_moshi_dir
         return ServeConfig(model=str(tiny_moshi_dir), codec_workers=0, torch_threads=1, max_sessions=2,
                            kv=KvSettings(**kv))
 
-    for kv, block in (({}, 40), ({"block_frames": BLOCK}, BLOCK)):  # the model's default block: the 40-frame window
+    # The model's default block (the whole 40-frame window), a block that divides it, one that does not.
+    for kv, block in (({}, 40), ({"block_frames": BLOCK}, BLOCK), ({"block_frames": 12}, 12)):
         engine = build_services(config(**kv)).engine
         try:
             assert engine._backend.kv_paged and engine.kv.layout.block_frames == block
-            assert engine.kv.total == 2 * 40 // block  # --max-sessions full windows
+            assert engine.kv.total == 2 * -(-40 // block)  # --max-sessions full windows
         finally:
             engine.shutdown()
-    with pytest.raises(ServeError, match="--kv-.*divide"):
-        build_services(config(block_frames=12))
+    with pytest.raises(ServeError, match="--kv-.*40-frame window"):
+        build_services(config(block_frames=41))
 
 
 @pytest.mark.gpu

@@ -25,6 +25,9 @@ from parley.models.transformer import TransformerState
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BLOCK = 8  # tiny ring: context 40 = 5 blocks of 8
+# ... and blocks that do not divide the ring (40 = 3 x 12 + 4: the last block partly used), as
+# Moshi's 3000 slots in the default 64-slot blocks.
+BLOCKS = pytest.mark.parametrize("block", [BLOCK, 12], ids=["divides", "partial-last"])
 
 
 def make_lm(dtype: torch.dtype = torch.float32) -> LMModel:
@@ -62,23 +65,25 @@ def assert_same_rings(paged: TransformerState, dense: TransformerState) -> None:
     if dense.key_scales is not None:
         pairs += list(zip(paged.key_scales + paged.value_scales, dense.key_scales + dense.value_scales))
     for pool, ring in pairs:
-        view = paged_kv.gather_ring(pool, paged.block_table)
+        view = paged_kv.gather_ring(pool, paged.block_table, paged.capacity)
         a, b = view.transpose(1, 2)[written], ring.transpose(1, 2)[written]
         if a.dtype == torch.float8_e4m3fn:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(a, b)
 
 
+@BLOCKS
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                             (torch.float32, torch.float8_e4m3fn)],
                          ids=["fp32", "bf16", "fp8"])
-def test_paged_steps_equal_dense_bit_for_bit(dtype, kv_dtype):
+def test_paged_steps_equal_dense_bit_for_bit(dtype, kv_dtype, block):
     """One-step calls past the window (the ring wraps), rows at different positions, a row that
     pauses (exec_mask) and one that never runs (no blocks: the null block)."""
     tr = make_lm(dtype).transformer
     B, frames = 4, 2 * tr.capacity + 7
     dense = tr.init_state(B, kv_dtype=kv_dtype)
-    paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + 3 * tr.capacity // BLOCK, block_size=BLOCK)
+    paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + 3 * paged_kv.ring_blocks(tr.capacity, block),
+                          block_size=block)
     blocks = Blocks(paged)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -92,13 +97,15 @@ def test_paged_steps_equal_dense_bit_for_bit(dtype, kv_dtype):
         assert not pool[paged_kv.NULL_BLOCK].view(torch.uint8).any()
 
 
+@BLOCKS
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["fp32", "fp8"])
-def test_paged_multi_step_call_equals_dense(kv_dtype):
+def test_paged_multi_step_call_equals_dense(kv_dtype, block):
     """Calls of several steps (a prefill of one row, then calls that wrap the ring)."""
     tr = make_lm().transformer
     B = 2
     dense = tr.init_state(B, kv_dtype=kv_dtype)
-    paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * tr.capacity // BLOCK, block_size=BLOCK)
+    paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * paged_kv.ring_blocks(tr.capacity, block),
+                          block_size=block)
     blocks = Blocks(paged)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -139,22 +146,29 @@ def test_lm_frames_and_prompt_adoption_paged_equal_dense(kv_dtype):
     assert_same_rings(paged.transformer, dense.transformer)
 
 
-def test_forgotten_block_is_never_attended_again():
+@BLOCKS
+def test_forgotten_block_is_never_attended_again(block):
     """A row that gives a block back mid-session (the engine's shrink policy) attends as a dense
-    row whose slots in that block were emptied; the block's next lap takes a fresh block."""
+    row whose slots in that block were emptied; the block's next lap takes a fresh block. The
+    ring's last block too: where it is partly used, only its ring slots are emptied (the rest
+    would be the next row's)."""
     tr = make_lm().transformer
     B = 2
+    nb = paged_kv.ring_blocks(tr.capacity, block)
     dense = tr.init_state(B)
-    paged = tr.init_state(B, kv_blocks=2 + B * tr.capacity // BLOCK, block_size=BLOCK)  # + the block's next lap
+    paged = tr.init_state(B, kv_blocks=3 + B * nb, block_size=block)  # + the forgotten blocks' next laps
     blocks = Blocks(paged)
     live = torch.ones(B, dtype=torch.bool)
     g = torch.Generator().manual_seed(6)
     with torch.no_grad():
         for t in range(tr.capacity + 12):
-            if t == 20:  # row 1 forgets its logical block 1 (slots 8 .. 15)
+            if t == 20:  # row 1 forgets its logical block 1 (slots block .. 2 * block - 1)
                 paged.forget_blocks(1, [1])
-                dense.slot_pos[1, BLOCK:2 * BLOCK] = -1
+                dense.slot_pos[1, block:2 * block] = -1
                 assert int(paged.block_table[1, 1]) == paged_kv.NULL_BLOCK
+            if t == tr.capacity + 4:  # row 0 forgets its last block (the ring's last slots)
+                paged.forget_blocks(0, [nb - 1])
+                dense.slot_pos[0, (nb - 1) * block:] = -1
             blocks.before_step(live)
             x = torch.randn(B, 1, tr.d_model, generator=g)
             assert torch.equal(tr(x, paged, live), tr(x, dense, live))
@@ -191,11 +205,12 @@ def test_block_table_methods_and_views():
 
 
 def test_block_size_default_and_checks():
-    assert paged_kv.block_size_for(3000, None) == 60
-    assert paged_kv.block_size_for(40, None) == 40 and paged_kv.block_size_for(250, None) == 50
-    assert paged_kv.block_size_for(3000, 100) == 100
-    with pytest.raises(ValueError, match="divide"):
-        paged_kv.block_size_for(3000, 64)
+    assert paged_kv.block_size_for(3000, None) == 64 and paged_kv.ring_blocks(3000, 64) == 47
+    assert paged_kv.block_size_for(40, None) == 40 and paged_kv.ring_blocks(40, 40) == 1
+    assert paged_kv.block_size_for(3000, 60) == 60 and paged_kv.ring_blocks(3000, 60) == 50
+    for bad in (0, 3001):
+        with pytest.raises(ValueError, match="capacity 3000"):
+            paged_kv.block_size_for(3000, bad)
     tr = make_lm().transformer
     with pytest.raises(ValueError, match="kv_blocks"):
         tr.init_state(1, block_size=8)

@@ -1,5 +1,6 @@
 """Paged KV rings on a CUDA device: the fused kernels through a block table against the dense
-ring (Moshi's 3000-slot ring in blocks of 60, bf16 and fp8), the fused decode of a paged state
+ring (Moshi's 3000-slot ring in blocks of 64, the default, whose last block holds 56 slots, and
+of 60, which divide it; bf16 and fp8), the fused decode of a paged state
 against the dense one, and a paged duplex frame replayed from CUDA graphs against the same frame
 run eagerly (the engine rewrites the table between replays) and against dense rows.
 
@@ -31,8 +32,8 @@ FP8 = torch.float8_e4m3fn
 def _table(pos: torch.Tensor, S: int, bs: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
     """A shuffled block table giving each row the blocks its window and next write use (none for
     a row at position 0), and the pool size."""
-    B, nb = pos.shape[0], S // bs
-    need = torch.clamp((pos + bs) // bs, max=nb) * (pos > 0)  # blocks 0 .. (pos % S) // bs, or all once wrapped
+    B, nb = pos.shape[0], -(-S // bs)
+    need = torch.clamp(pos // bs + 1, max=nb) * (pos > 0)  # blocks 0 .. pos // bs, or all once wrapped
     table = torch.zeros(B, nb, dtype=torch.int32, device="cuda")
     ids = (torch.randperm(B * nb, generator=g, device="cuda") + 1).int()
     cols = torch.arange(nb, device="cuda")
@@ -40,23 +41,25 @@ def _table(pos: torch.Tensor, S: int, bs: int, g: torch.Generator) -> tuple[torc
     return table, B * nb + 1
 
 
-def _to_pool(ring: torch.Tensor, table: torch.Tensor, blocks: int) -> torch.Tensor:
+def _to_pool(ring: torch.Tensor, table: torch.Tensor, blocks: int, bs: int) -> torch.Tensor:
     """A pool holding `ring` [B, H, S(, D)] through `table` (what a dense ring looks like paged)."""
     B, nb = table.shape
     raw = ring.view(torch.uint8) if ring.dtype == FP8 else ring
-    bs = raw.shape[2] // nb
+    padded = torch.zeros(B, raw.shape[1], nb * bs, *raw.shape[3:], dtype=raw.dtype, device="cuda")
+    padded[:, :, :raw.shape[2]] = raw  # (a partial last block: zeros past the ring)
     pool = torch.zeros(blocks, raw.shape[1], bs, *raw.shape[3:], dtype=raw.dtype, device="cuda")
-    parts = raw.view(B, raw.shape[1], nb, bs, *raw.shape[3:]).transpose(1, 2)  # [B, nb, H, bs(, D)]
+    parts = padded.view(B, raw.shape[1], nb, bs, *raw.shape[3:]).transpose(1, 2)  # [B, nb, H, bs(, D)]
     keep = table.flatten() != 0
     pool[table.flatten()[keep].long()] = parts.reshape(B * nb, *parts.shape[2:])[keep]
     return pool.view(ring.dtype)
 
 
+@pytest.mark.parametrize("bs", [64, 60])
 @pytest.mark.parametrize("B,H,fp8", [(7, 4, False), (7, 4, True), (64, 32, False), (64, 32, True)])
-def test_paged_decode_attention_equals_dense(B, H, fp8):
-    """Moshi's ring (3000 slots, blocks of 60), rows empty / partly filled / wrapped; small B
+def test_paged_decode_attention_equals_dense(B, H, fp8, bs):
+    """Moshi's ring (3000 slots, blocks of 64 or 60), rows empty / partly filled / wrapped; small B
     (split + reduce) and B * H >= 2048 (one program a row, in row order)."""
-    S, D, bs = 3000, 128, 60
+    S, D = 3000, 128
     g = torch.Generator("cuda").manual_seed(0)
     pos = torch.randint(0, 3 * S, (B,), device="cuda", generator=g)
     pos[0], pos[1] = 0, 5
@@ -66,7 +69,7 @@ def test_paged_decode_attention_equals_dense(B, H, fp8):
     if fp8:
         (k8, ks), (v8, vs) = quantize_kv(rings[0]), quantize_kv(rings[1])
         rings = [k8, v8, ks, vs]
-    pools = [_to_pool(r, table, blocks) for r in rings]
+    pools = [_to_pool(r, table, blocks, bs) for r in rings]
     q, kn, vn = (torch.randn(B, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
     order = kernels.row_order(pos, H, S, fp8)
     dense = kernels.decode_attention(q, kn, vn, *rings[:2], sp, pos, S, *rings[2:], order=order)
@@ -74,11 +77,12 @@ def test_paged_decode_attention_equals_dense(B, H, fp8):
     torch.testing.assert_close(paged.float(), dense.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("bs", [64, 60])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_paged_rope_write_stores_what_dense_stores(fp8):
+def test_paged_rope_write_stores_what_dense_stores(fp8, bs):
     """The same q and k, the same bytes (and fp8 scales) in the row's blocks, rows not executing
     untouched, and nothing in the null block."""
-    B, H, D, S, bs = 6, 8, 128, 3000, 60
+    B, H, D, S = 6, 8, 128, 3000
     g = torch.Generator("cuda").manual_seed(1)
     pos = torch.randint(1, 3 * S, (B,), device="cuda", generator=g)
     table, blocks = _table(pos, S, bs, g)
@@ -88,12 +92,12 @@ def test_paged_rope_write_stores_what_dense_stores(fp8):
     rings = [torch.zeros(B, H, S, D, device="cuda", dtype=FP8 if fp8 else torch.bfloat16) for _ in range(2)]
     if fp8:
         rings += [torch.zeros(B, H, S, device="cuda") for _ in range(2)]
-    pools = [_to_pool(r, table, blocks) for r in rings]
+    pools = [_to_pool(r, table, blocks, bs) for r in rings]
     q, k, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *rings)
-    qp, kp, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *pools, block_table=table)
+    qp, kp, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *pools, block_table=table, capacity=S)
     assert torch.equal(qp, q) and torch.equal(kp, k)
     for pool, ring in zip(pools, rings):
-        assert torch.equal(_raw(pool), _raw(_to_pool(ring, table, blocks)))
+        assert torch.equal(_raw(pool), _raw(_to_pool(ring, table, blocks, bs)))
         assert not _raw(pool)[paged_kv.NULL_BLOCK].any()
 
 
@@ -101,14 +105,16 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
+@pytest.mark.parametrize("bs", [64, 60])
 @pytest.mark.parametrize("kv_dtype,tol", [(None, 5e-2), (FP8, 8e-2)], ids=["bf16", "fp8"])
-def test_paged_fused_decode_equals_dense(kv_dtype, tol):
-    """A 300-frame window in blocks of 60: a 250-frame prefix (the general path through the table),
-    then 80 fused steps (the ring wraps), row 1 pausing every third step."""
+def test_paged_fused_decode_equals_dense(kv_dtype, tol, bs):
+    """A 300-frame window in blocks of 64 (5, the last holding 44 slots) or 60: a 250-frame prefix
+    (the general path through the table), then 80 fused steps (the ring wraps), row 1 pausing
+    every third step."""
     torch.manual_seed(0)
     tr = StreamingTransformer(256, 2, 2, 1024, context=300, norm="rms_norm_f32", gating="silu", layer_scale=0.1,
                               device="cuda", dtype=torch.bfloat16)
-    B, bs = 4, 60
+    B = 4
     dense = tr.init_state(B, kv_dtype=kv_dtype)
     paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * 5, block_size=bs)
     for row in range(B):  # every row its whole window, shuffled
