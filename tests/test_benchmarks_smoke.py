@@ -153,8 +153,9 @@ CPU_CASES = {
          r"^late ticks: duplex alone \d+, tts alone \d+, transcription alone \d+, image alone \d+, together \d+$"]),
     "paged_attention": (  # "ours only" (FlashInfer is a GPU comparison): tiny shapes in Triton's interpreter
         "paged_attention.py", ["--device", "cpu"],
-        [r"^\| B \| KV \| ours dense ms \| ours paged ms \|", r"^\| 2 \| bf16 \| \d+\.\d{3} \| \d+\.\d{3} \| \d+\.\d\d \|",
-         r"^\| 2 \| fp8 \| \d+\.\d{3} \| \d+\.\d{3} \|"]),
+        [r"^\| B \| KV \| block \| ours dense ms \| ours paged ms \|",
+         r"^\| 2 \| bf16 \| \d+ \| \d+\.\d{3} \| \d+\.\d{3} \| \d+\.\d\d \|",
+         r"^\| 2 \| fp8 \| \d+ \| \d+\.\d{3} \| \d+\.\d{3} \|"]),
     "cli_startup": (
         "cli_startup.py", ["--runs", "1"],
         [r"^\| command \| median \(s\) \| slowest \(s\) \| heavy imports \|$",
