@@ -2,6 +2,7 @@
 FlashInfer's BatchDecodeWithPagedKVCacheWrapper over the very same pools when it is installed.
 
     python benchmarks/paged_attention.py --batches 128,256 --kv bf16,fp8 --blocks 60,64
+    python benchmarks/paged_attention.py --batches 64 --launches default,64x24x3x4   # our kernels' launch shapes
     python benchmarks/paged_attention.py --device cpu     # tiny shapes, our kernels in Triton's interpreter
 
 Moshi 7B's temporal attention: H = 32 heads of D = 128, a `--window`-slot ring (3000) in blocks of
@@ -33,11 +34,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--window", type=int, default=3000, help="ring slots, all filled")
     parser.add_argument("--blocks", default="64", help="comma-separated slots per block (1 .. --window)")
+    parser.add_argument("--launches", default="default",
+                        help="comma-separated launch shapes of our kernels, BLOCK_NxBLOCKSxSTAGESxWARPS (BLOCKS 0: "
+                             "one program over the whole ring), or default (kernels.attention_launch); a table each")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
     if args.device == "cpu":  # tiny: the interpreter runs every program in numpy
         args.batches, args.heads, args.head_dim, args.window, args.blocks, args.iters = "2", 2, 16, 120, "20,32", 2
     args.blocks = [int(b) for b in args.blocks.split(",")]
+    try:
+        args.launches = [None if shape == "default" else tuple(int(x) for x in shape.split("x"))
+                         for shape in args.launches.split(",")]
+    except ValueError:
+        parser.error(f"--launches {args.launches!r}: each default or BLOCK_NxBLOCKSxSTAGESxWARPS")
+    if not all(shape is None or (len(shape) == 4 and shape[0] > 0) for shape in args.launches):
+        parser.error(f"--launches {args.launches}: each default or four numbers BLOCK_NxBLOCKSxSTAGESxWARPS")
     if not all(0 < b <= args.window for b in args.blocks):
         parser.error(f"--blocks {args.blocks}: each must be 1 .. --window {args.window}")
     return args
@@ -68,15 +79,22 @@ def make_case(B: int, H: int, D: int, S: int, bs: int, fp8: bool, device: str) -
                 kv_bytes=sum(r.numel() * r.element_size() for r in rings))
 
 
-def ours(case: dict, paged: bool):
+def ours(case: dict, paged: bool, shape: tuple[int, ...] | None = None):
+    """Our kernel over the dense ring or the pools, at a launch shape (None: the default launch)."""
     from parley.models import kernels
     c = case
     caches = c["pools"] if paged else c["rings"]
     table = c["table"] if paged else None
     S = c["sp"].shape[1]
-    order = kernels.row_order(c["pos"], c["q"].shape[1], S, len(caches) == 4) if c["q"].is_cuda else None
+    launch = None
+    if shape is not None:
+        block_n, blocks, stages, warps = shape
+        launch = kernels.AttentionLaunch(block_n, blocks or -(-S // block_n), stages, warps)
+    one_split = launch is None or launch.block_n * launch.blocks >= S  # only those take a row order
+    order = (kernels.row_order(c["pos"], c["q"].shape[1], S, len(caches) == 4)
+             if c["q"].is_cuda and one_split else None)
     return lambda: kernels.decode_attention(c["q"], c["kn"], c["vn"], *caches[:2], c["sp"], c["pos"], S, *caches[2:],
-                                            order=order, block_table=table)
+                                            launch=launch, order=order, block_table=table)
 
 
 def flashinfer_call(case: dict, fp8: bool):
@@ -134,26 +152,34 @@ def main() -> None:
     cuda = args.device == "cuda"
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu (Triton interpreter)'}  H={args.heads} "
           f"D={args.head_dim} window={args.window}")
-    print("\n| B | KV | block | ours dense ms | ours paged ms | paged / dense | FlashInfer ms | dense TB/s | paged TB/s |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for B in (int(b) for b in args.batches.split(",")):
-        for kv in args.kv.split(","):
-            fp8 = kv == "fp8"
-            dense = None  # the same ring whatever the block: timed once
-            for bs in args.blocks:
-                case = make_case(B, args.heads, args.head_dim, args.window, bs, fp8, args.device)
-                dense = dense or median_ms(ours(case, False), args.iters, cuda)
-                paged = median_ms(ours(case, True), args.iters, cuda)
-                fi = flashinfer_call(case, fp8) if cuda else None
-                fi_ms = f"{median_ms(fi, args.iters, cuda):.3f}" if fi else "not installed"
-                if fi and not fp8:
-                    fi_ms += f" (max diff {flashinfer_error(case, fi):.1e})"
-                tbps = [case["kv_bytes"] / (ms * 1e-3) / 1e12 for ms in (dense, paged)]
-                print(f"| {B} | {kv} | {bs} | {dense:.3f} | {paged:.3f} | {paged / dense:.2f} | {fi_ms} | "
-                      f"{tbps[0]:.2f} | {tbps[1]:.2f} |", flush=True)
-                del case
-                if cuda:
-                    torch.cuda.empty_cache()
+    for shape in args.launches:
+        print(f"\nlaunch: {'default' if shape is None else 'x'.join(map(str, shape))}")
+        print("\n| B | KV | block | ours dense ms | ours paged ms | paged / dense | FlashInfer ms | dense TB/s | paged TB/s |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        for B in (int(b) for b in args.batches.split(",")):
+            for kv in args.kv.split(","):
+                table_rows(args, B, kv, shape, cuda)
+
+
+def table_rows(args: argparse.Namespace, B: int, kv: str, shape: tuple[int, ...] | None, cuda: bool) -> None:
+    """One (B, KV dtype) of a launch's table: a row per block size."""
+    fp8 = kv == "fp8"
+    dense = None  # the same ring whatever the block: timed once
+    for bs in args.blocks:
+        case = make_case(B, args.heads, args.head_dim, args.window, bs, fp8, args.device)
+        dense = dense or median_ms(ours(case, False, shape), args.iters, cuda)
+        paged = median_ms(ours(case, True, shape), args.iters, cuda)
+        fi = flashinfer_call(case, fp8) if cuda else None
+        fi_ms = f"{median_ms(fi, args.iters, cuda):.3f}" if fi else "not installed"
+        if fi and not fp8:
+            fi_ms += f" (max diff {flashinfer_error(case, fi):.1e})"
+        tbps = [case["kv_bytes"] / (ms * 1e-3) / 1e12 for ms in (dense, paged)]
+        print(f"| {B} | {kv} | {bs} | {dense:.3f} | {paged:.3f} | {paged / dense:.2f} | {fi_ms} | "
+              f"{tbps[0]:.2f} | {tbps[1]:.2f} |", flush=True)
+        del case
+        if cuda:
+            torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main()

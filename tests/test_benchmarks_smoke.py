@@ -152,8 +152,8 @@ CPU_CASES = {
          r"^\| image \| images/min \| \d+\.\d \| \d+\.\d \|$",
          r"^late ticks: duplex alone \d+, tts alone \d+, transcription alone \d+, image alone \d+, together \d+$"]),
     "paged_attention": (  # "ours only" (FlashInfer is a GPU comparison): tiny shapes in Triton's interpreter
-        "paged_attention.py", ["--device", "cpu"],
-        [r"^\| B \| KV \| block \| ours dense ms \| ours paged ms \|",
+        "paged_attention.py", ["--device", "cpu", "--launches", "default,16x4x1x4"],
+        [r"^launch: default$", r"^launch: 16x4x1x4$", r"^\| B \| KV \| block \| ours dense ms \| ours paged ms \|",
          r"^\| 2 \| bf16 \| \d+ \| \d+\.\d{3} \| \d+\.\d{3} \| \d+\.\d\d \|",
          r"^\| 2 \| fp8 \| \d+ \| \d+\.\d{3} \| \d+\.\d{3} \|"]),
     "cli_startup": (
