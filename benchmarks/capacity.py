@@ -29,7 +29,9 @@ they share one GIL, so a sum near 1 means the ticks wait for the loop's Python. 
 ticks' time went, mean ms per tick (`parley_engine_tick_*_seconds_total`): the plan (rows and
 their input frames), the rows' changes before the step (resets, KV blocks), launching the step,
 waiting for the device (and the output copy), and routing the outputs to the sessions' streams. The progress lines (every 10 s) add the full
-garbage collections in the server and their pauses (each stops every thread, the engine's too).
+garbage collections in the server and their pauses (each stops every thread, the engine's too),
+and, with --spawn, the lines its log gained since the last one (it logs warnings and errors: a
+late tick is one, naming what ran before it; at most SERVER_LINES a progress line, the rest counted).
 At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
 of its frames over 60 ms), 0 late ticks and 0 frames lost.
 """
@@ -43,6 +45,7 @@ import json
 import math
 import re
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -65,6 +68,7 @@ FRAME_P99_S = 0.060  # the frame-time bound a held period must keep
 TAIL_S = 0.6  # load.client reads this long after its last frame
 RAMP_S = 30.0  # --steady: the sessions under way at the start open over this long
 PROGRESS_S = 10.0  # a progress line on stderr this often (scaled), for runs polled while they go
+SERVER_LINES = 5  # the spawned server's new log lines shown with a progress line, at most
 
 
 @dataclass
@@ -238,6 +242,34 @@ def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration
     return out
 
 
+class ServerLog:
+    """The spawned server's log, read on from where the last call stopped (whole lines only: one
+    still being written waits for the next call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        whole = data.rfind(b"\n") + 1
+        self.offset += whole
+        return [line for line in data[:whole].decode(errors="replace").splitlines() if line.strip()]
+
+
+def show_server_lines(lines: list[str]) -> None:
+    for line in lines[:SERVER_LINES]:
+        print(f"  server: {line}", file=sys.stderr)
+    if len(lines) > SERVER_LINES:
+        print(f"  server: ... {len(lines) - SERVER_LINES} more lines in its log", file=sys.stderr)
+    sys.stderr.flush()
+
+
 def progress(s: Sample, earlier: Sample) -> None:
     p99 = "-" if s.tick_p99_ms is None else f"{s.tick_p99_ms:.1f}"
     print(f"t {s.t:.0f} s: live {s.live}, tick p99 {p99} ms, ticks over 60 ms {s.ticks_over:.0f} of {s.ticks:.0f}, "
@@ -248,7 +280,7 @@ def progress(s: Sample, earlier: Sample) -> None:
 
 
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
-                       seed: int, steady: bool = False) -> list[Period]:
+                       seed: int, steady: bool = False, server_log: ServerLog | None = None) -> list[Period]:
     http = url.replace("ws://", "http://").replace("wss://", "https://")
     arrivals = schedule(target, minutes, time_scale, seed, steady)
     duration = minutes * 60 * time_scale
@@ -266,6 +298,8 @@ async def run_capacity(url: str, target: float, minutes: float, time_scale: floa
             samples.append(await asyncio.to_thread(sample, http, start_at))
             if samples[-1].t >= shown.t + PROGRESS_S * time_scale:
                 progress(samples[-1], shown)
+                if server_log is not None:
+                    show_server_lines(server_log.new_lines())
                 shown = samples[-1]
         results = [pair for f in futures for pair in await f]
     ended = [_ended(a, stats, start_at) for a, stats in results]
@@ -313,12 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--serve-log, --serve-arg and --max-sessions apply to a server this script starts (--spawn)")
     if args.time_scale <= 0 or args.target <= 0 or args.minutes <= 0:
         p.error("--time-scale, --target and --minutes must be more than 0")
-    run = lambda url: asyncio.run(run_capacity(url, args.target, args.minutes, args.time_scale,  # noqa: E731
-                                               args.procs, args.seed, args.steady))
+    run = lambda url, log=None: asyncio.run(run_capacity(url, args.target, args.minutes,  # noqa: E731
+                                                         args.time_scale, args.procs, args.seed, args.steady, log))
     if args.spawn:
         rows = args.max_sessions or math.ceil(1.5 * args.target)
-        with spawned_server(args.spawn, rows, args.device, args.serve_arg, args.serve_log) as url:
-            found = run(url)
+        with tempfile.TemporaryDirectory() as tmp:
+            log_path = args.serve_log or Path(tmp) / "serve.log"
+            with spawned_server(args.spawn, rows, args.device, args.serve_arg, log_path) as url:
+                found = run(url, ServerLog(log_path))
     else:
         found = run(args.url.rstrip("/"))
     report(found, args.time_scale, args.target, args.steady)

@@ -43,3 +43,19 @@ def test_sessions_are_ordered_and_end_with_the_run():
         assert all(x.at <= y.at for x, y in zip(arrivals, arrivals[1:]))
         assert all(0 <= a.at < 180 and a.at + a.length <= 180 + 3 * capacity.FRAME_S for a in arrivals)
         assert sum(a.at + a.length >= 180 - 1e-6 for a in arrivals) > 10  # cut at the end, not dropped
+
+
+def test_server_log_lines_come_once_and_whole(tmp_path, capsys):
+    path = tmp_path / "serve.log"
+    log = capacity.ServerLog(path)
+    assert log.new_lines() == []  # not written yet
+    path.write_text("a WARNING tick 7 started 12.0 ms late\nhalf a li")
+    assert log.new_lines() == ["a WARNING tick 7 started 12.0 ms late"]
+    with open(path, "a") as f:
+        f.write("ne\n\nb ERROR x\n")
+    assert log.new_lines() == ["half a line", "b ERROR x"]  # the held-back line whole, the blank one dropped
+    assert log.new_lines() == []
+    capacity.show_server_lines([f"line {i}" for i in range(capacity.SERVER_LINES + 3)])
+    shown = capsys.readouterr().err.splitlines()
+    assert shown[:capacity.SERVER_LINES] == [f"  server: line {i}" for i in range(capacity.SERVER_LINES)]
+    assert shown[capacity.SERVER_LINES:] == ["  server: ... 3 more lines in its log"]
