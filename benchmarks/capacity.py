@@ -32,7 +32,8 @@ waiting for the device (and the output copy), and routing the outputs to the ses
 garbage collections in the server and their pauses (each stops every thread, the engine's too),
 and, with --spawn, the lines its log gained since the last one (it logs warnings and errors: a
 late tick is one, naming what ran before it; at most SERVER_LINES a progress line, the rest counted).
-At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
+Each period's server-side figures also go to stderr as it ends (`minute N done: ...`), so a run
+whose final table is lost keeps them. At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
 of its frames over 60 ms), 0 late ticks and 0 frames lost.
 """
 
@@ -209,6 +210,15 @@ class Period:
                 f"{self.loop_cores:.2f} | {self.engine_cores:.2f} | {self.phases} | {'yes' if self.held else 'no'} |")
 
 
+    def server_line(self) -> str:
+        """The period's server-side figures, printed when it ends: a run whose final table is lost
+        keeps them (arrivals, refusals and the clients' frame loss come only in that table)."""
+        return (f"minute {self.index} done: live max {self.live_max}, frame p99 {self.tick_p99_ms:.1f} ms, "
+                f"{100 * self.over_share:.2f} % of frames over 60 ms, late {self.late:.0f}, engine drops "
+                f"{self.lost:.0f}, KV blocks {'-' if self.kv_used is None else self.kv_used}, loop / engine cores "
+                f"{self.loop_cores:.2f} / {self.engine_cores:.2f}, tick ms {self.phases}")
+
+
 def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration: float) -> list[Period]:
     out = [Period(i) for i in range(max(1, math.ceil(duration / period_s)))]
 
@@ -293,9 +303,16 @@ async def run_capacity(url: str, target: float, minutes: float, time_scale: floa
         samples.append(await asyncio.to_thread(sample, http, start_at))
         every = max(0.2, time_scale)  # a sample a second, scaled (not below 0.2 s: each costs a scrape)
         shown = samples[0]
+        done = 0  # periods whose server line is out
+        period_s = PERIOD_S * time_scale
         while not all(f.done() for f in futures):
             await asyncio.sleep(every)
             samples.append(await asyncio.to_thread(sample, http, start_at))
+            if samples[-1].t >= (done + 1) * period_s:
+                ending = periods(samples, [], period_s, duration)
+                for p in ending[done:min(len(ending), int(samples[-1].t // period_s))]:
+                    print(p.server_line(), file=sys.stderr, flush=True)
+                    done += 1
             if samples[-1].t >= shown.t + PROGRESS_S * time_scale:
                 progress(samples[-1], shown)
                 if server_log is not None:
@@ -303,7 +320,7 @@ async def run_capacity(url: str, target: float, minutes: float, time_scale: floa
                 shown = samples[-1]
         results = [pair for f in futures for pair in await f]
     ended = [_ended(a, stats, start_at) for a, stats in results]
-    return periods(samples, ended, PERIOD_S * time_scale, duration)
+    return periods(samples, ended, period_s, duration)
 
 
 def report(found: list[Period], time_scale: float, target: float, steady: bool = False) -> None:

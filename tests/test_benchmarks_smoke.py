@@ -117,7 +117,9 @@ CPU_CASES = {
          r"^\| minute \(traffic time\) \| arrived \| refused \|.* \| loop CPU, cores \| engine CPU, cores \| tick ms: plan/rows/launch/device/route \| held \|$",
          r"^\| 0 \| \d+ \| \d+ \| \d+ \| \d+\.\d \| \d+\.\d\d \| \d+ \| \d+ \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| "
          r"\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d \| (yes|no) \|$",
-         r"^most concurrent sessions held \(frame p99 <= 60 ms, 0 late ticks, 0 frames lost\): \d+$"]),
+         r"^most concurrent sessions held \(frame p99 <= 60 ms, 0 late ticks, 0 frames lost\): \d+$",
+         r"^minute 0 done: live max \d+, frame p99 \d+\.\d ms, \d+\.\d\d % of frames over 60 ms, late \d+, "
+         r"engine drops \d+, KV blocks \d+, loop / engine cores \d+\.\d\d / \d+\.\d\d, tick ms "]),
     "transcript_delay": (
         "transcript_delay.py", ["--spawn", "tiny", "--paired", "1", "--standalone", "1", "--duration", "2"],
         [r"path\s+deltas\s+mean ms\s+p50 ms", r"^paired\s+\d+", r"^standalone\s+\d+",

@@ -59,3 +59,12 @@ def test_server_log_lines_come_once_and_whole(tmp_path, capsys):
     shown = capsys.readouterr().err.splitlines()
     assert shown[:capacity.SERVER_LINES] == [f"  server: line {i}" for i in range(capacity.SERVER_LINES)]
     assert shown[capacity.SERVER_LINES:] == ["  server: ... 3 more lines in its log"]
+
+
+def test_a_period_ends_with_its_server_side_line():
+    start = capacity.Sample(0.0, 0, None, 0, 0, 0, 0, 0, 0.0, 0.0, (0.0,) * 5, (0.0, 0.0, 0.0))
+    end = capacity.Sample(59.0, 250, 52.5, 4934, 1, 0, 750, 3, 25.0, 30.0, (0.9, 0.6, 0.7, 29.0, 2.4), (6.0, 0.2, 0.0))
+    p = capacity.periods([start, end], [], 60.0, 120.0)[0]
+    assert p.server_line() == ("minute 0 done: live max 250, frame p99 52.5 ms, 0.40 % of frames over 60 ms, late 1, "
+                               "engine drops 0, KV blocks 4934, loop / engine cores 0.42 / 0.51, "
+                               "tick ms 1.2/0.8/0.9/38.7/3.2")
