@@ -78,6 +78,27 @@ _VOICE_FRAMES = 8
 
 
 @torch.no_grad()
+def randomize_mimi_state_(state: dict[str, torch.Tensor], seed: int) -> None:
+    """A Mimi state_dict (ours or the reference's: the same buffer names) made non-trivial in
+    place: unit-gain Gaussian weights keep the audio near +-1, Gaussian centroids give diverse
+    codes, layer scales large enough for the transformer to matter."""
+    generator = torch.Generator().manual_seed(seed)
+    for key, t in state.items():
+        if key.endswith("embedding_sum"):
+            t.normal_(generator=generator)
+        elif key.endswith("cluster_usage"):
+            t.uniform_(0.5, 2.0, generator=generator)
+        elif key.endswith("_initialized"):
+            t.fill_(1.0)
+        elif key.endswith("layer_scale_1.scale") or key.endswith("layer_scale_2.scale"):
+            t.uniform_(0.1, 0.5, generator=generator)
+        elif t.dim() >= 2:
+            t.normal_(0.0, 1.0 / math.sqrt(t[0].numel()), generator=generator)
+        else:
+            t.normal_(0.0, 0.1, generator=generator)
+
+
+@torch.no_grad()
 def _tiny_mimi_state(cfg: MimiConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random tiny Mimi whose codes follow its input.
 

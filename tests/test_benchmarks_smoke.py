@@ -158,6 +158,11 @@ CPU_CASES = {
         [r"^launch: default$", r"^launch: 16x4x1x4$", r"^\| B \| KV \| block \| ours dense ms \| ours paged ms \|",
          r"^\| 2 \| bf16 \| \d+ \| \d+\.\d{3} \| \d+\.\d{3} \| \d+\.\d\d \|",
          r"^\| 2 \| fp8 \| \d+ \| \d+\.\d{3} \| \d+\.\d{3} \|"]),
+    "mimi_quality": (  # the tiny Mimi on the CPU: no TF32 there, so the float32 row is exact
+        "mimi_quality.py", ["--device", "cpu", "--tiny", "--batch", "2", "--frames", "6"],
+        [r"^\| variant \| semantic codes equal \| all codes equal \| decode SNR vs exact reference \|$",
+         r"^\| parley float32, TF32 off \| 100\.00% \| 100\.00% \| exact \|$",
+         r"^\| parley bfloat16 \| \d+\.\d\d% \| \d+\.\d\d% \| (\d+\.\d dB|exact) \|$"]),
     "cli_startup": (
         "cli_startup.py", ["--runs", "1"],
         [r"^\| command \| median \(s\) \| slowest \(s\) \| heavy imports \|$",
@@ -166,12 +171,15 @@ CPU_CASES = {
 }
 
 # s (the others: 120): the demo server's start, then a drain, on a loaded box
+CPU_NEEDS = {"mimi_quality": "moshi"}  # the reference package it compares against (tests/run.sh installs it)
 CPU_TIMEOUTS = {"mixed_load": 240, "mixed_soak": 240, "mixed_soak_in_process": 240, "mixed_soak_trace": 240}
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_benchmark_runs_on_cpu(case: str) -> None:
     script, args, patterns = CPU_CASES[case]
+    if case in CPU_NEEDS:
+        pytest.importorskip(CPU_NEEDS[case])
     output = run_benchmark(script, *args, timeout=CPU_TIMEOUTS.get(case, 120))
     for pattern in patterns:
         assert re.search(pattern, output, re.MULTILINE), f"{script}: no /{pattern}/ in:\n{output[-4000:]}"

@@ -18,6 +18,7 @@ from parley.models import kernels
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config
 from parley.models.mimi import Mimi, MimiState, model_key
 from parley.models.mimi.quantizer import Codebook
+from parley.models.synthetic import randomize_mimi_state_
 
 FRAMES = 60  # >= 50 frames (4.8 s): the tiny transformer's 20-step context ring wraps 6 times
 
@@ -38,26 +39,6 @@ def reference_config(cfg: MimiConfig) -> dict:
     return raw
 
 
-@torch.no_grad()
-def randomize_(state: dict[str, torch.Tensor], seed: int) -> None:
-    """Non-trivial weights in place: unit-gain Gaussian weights keep the audio near +-1,
-    Gaussian centroids give diverse codes, layer scales large enough for the transformer to matter."""
-    generator = torch.Generator().manual_seed(seed)
-    for key, t in state.items():
-        if key.endswith("embedding_sum"):
-            t.normal_(generator=generator)
-        elif key.endswith("cluster_usage"):
-            t.uniform_(0.5, 2.0, generator=generator)
-        elif key.endswith("_initialized"):
-            t.fill_(1.0)
-        elif key.endswith("layer_scale_1.scale") or key.endswith("layer_scale_2.scale"):
-            t.uniform_(0.1, 0.5, generator=generator)
-        elif t.dim() >= 2:
-            t.normal_(0.0, 1.0 / math.sqrt(t[0].numel()), generator=generator)
-        else:
-            t.normal_(0.0, 0.1, generator=generator)
-
-
 def published_key(reference_key: str) -> str:
     """A reference in-memory state_dict key -> the published file's name of the same tensor."""
     return (reference_key.replace("self_attn.in_projs.0.weight", "self_attn.in_proj_weight")
@@ -73,7 +54,7 @@ def reference_key(key: str) -> str:
 def random_mimi(cfg: MimiConfig, seed: int = 0) -> Mimi:
     mimi = Mimi(cfg)
     state = mimi.state_dict()
-    randomize_(state, seed)
+    randomize_mimi_state_(state, seed)
     mimi.load_state_dict(state, strict=True)
     return mimi
 
@@ -139,7 +120,7 @@ def _reference(cfg: MimiConfig, seed: int):
     loaders = pytest.importorskip("moshi.models.loaders", reason="the reference moshi==0.2.13 is not installed")
     ref = loaders.get_mimi(None, reference_config(cfg), num_codebooks=cfg.num_codebooks)
     state = ref.state_dict()
-    randomize_(state, seed)
+    randomize_mimi_state_(state, seed)
     ref.load_state_dict(state)
     ours = Mimi(cfg)
     ours.load_state_dict({published_key(k): v for k, v in ref.state_dict().items()}, strict=True)
