@@ -87,8 +87,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "window if shorter), a whole number of the attention kernels' tiles")
     p.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the audio codec (Mimi) of every model served: float32, the reference's; "
-                        "bfloat16 makes the codec about a third faster at 64 sessions and more on an H200 "
-                        "(decoded audio within ~50 dB SNR of float32, docs/benchmarks.md)")
+                        "bfloat16 makes the codec about a third faster at 64 sessions and more on an H200, "
+                        "and changes ~11 %% of the semantic codes the model hears where float32 changes ~1 %% "
+                        "(docs/benchmarks.md, benchmarks/mimi_quality.py)")
     add_session_default_flags(p)
     add_process_flags(p)
     add_service_flags(p)
