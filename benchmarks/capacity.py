@@ -209,7 +209,6 @@ class Period:
                 f"{self.tick_p99_ms:.1f} | {100 * self.over_share:.2f} | {self.late:.0f} | {self.lost:.0f} | {kv} | "
                 f"{self.loop_cores:.2f} | {self.engine_cores:.2f} | {self.phases} | {'yes' if self.held else 'no'} |")
 
-
     def server_line(self) -> str:
         """The period's server-side figures, printed when it ends: a run whose final table is lost
         keeps them (arrivals, refusals and the clients' frame loss come only in that table)."""

@@ -36,7 +36,7 @@ import torch
 from parley.models.checkpoint import mimi_config_dict
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config
 from parley.models.mimi import Mimi
-from parley.models.synthetic import randomize_mimi_state_
+from parley.models.synthetic import quantizer_inputs, randomize_mimi_state_
 
 SAMPLE_RATE = 24_000
 
@@ -66,16 +66,8 @@ def fit_codebooks_(mimi: Mimi, pcm: torch.Tensor, seed: int) -> None:
     """Each level's centroids drawn from that level's residuals of `pcm`'s latents (one draw, no
     k-means steps): needs at least `bins` latent frames."""
     g = torch.Generator().manual_seed(seed)
-    rvqs = (mimi.quantizer.rvq_first, mimi.quantizer.rvq_rest)
-    projected: dict[torch.nn.Module, list[torch.Tensor]] = {rvq.input_proj: [] for rvq in rvqs}
-    hooks = [rvq.input_proj.register_forward_hook(lambda mod, args, out: projected[mod].append(out))
-             for rvq in rvqs]  # (encode steps frame by frame: one call a frame)
-    mimi.encode(pcm)
-    for hook in hooks:
-        hook.remove()
-    for rvq in rvqs:
-        latents = torch.cat(projected[rvq.input_proj], dim=-1)  # [B, dim, frames]
-        residual = latents.transpose(1, 2).reshape(-1, latents.shape[1])
+    for rvq, latent in quantizer_inputs(mimi, pcm):
+        residual = latent.transpose(1, 2).reshape(-1, latent.shape[1])
         if residual.shape[0] < mimi.cardinality:
             raise ValueError(f"{residual.shape[0]} latent frames cannot seed {mimi.cardinality} centroids")
         for level in rvq.vq.layers:

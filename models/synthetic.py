@@ -99,6 +99,23 @@ def randomize_mimi_state_(state: dict[str, torch.Tensor], seed: int) -> None:
 
 
 @torch.no_grad()
+def quantizer_inputs(mimi: Mimi, pcm: torch.Tensor) -> list[tuple[nn.Module, torch.Tensor]]:
+    """Each residual quantizer (semantic, acoustic) with the latent it projects from `pcm`'s
+    encode, [B, dim, frames]: what its codebooks quantize (read by hooks on its input projection,
+    called once a frame)."""
+    rvqs = (mimi.quantizer.rvq_first, mimi.quantizer.rvq_rest)
+    latents: dict[nn.Module, list[torch.Tensor]] = {rvq.input_proj: [] for rvq in rvqs}
+    hooks = [rvq.input_proj.register_forward_hook(lambda mod, args, out: latents[mod].append(out))
+             for rvq in rvqs]
+    try:
+        mimi.encode(pcm)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [(rvq, torch.cat(latents[rvq.input_proj], dim=-1)) for rvq in rvqs]
+
+
+@torch.no_grad()
 def _tiny_mimi_state(cfg: MimiConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random tiny Mimi whose codes follow its input.
 
@@ -114,15 +131,8 @@ def _tiny_mimi_state(cfg: MimiConfig, seed: int) -> dict[str, torch.Tensor]:
             p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(math.prod(p.shape[1:])))
         elif name.endswith("bias") and ".norm" not in name:
             p.zero_()
-    rvqs = (mimi.quantizer.rvq_first, mimi.quantizer.rvq_rest)
-    latents: dict[nn.Module, list[torch.Tensor]] = {rvq.input_proj: [] for rvq in rvqs}
-    hooks = [rvq.input_proj.register_forward_hook(lambda mod, args, out: latents[mod].append(out))
-             for rvq in rvqs]
-    mimi.encode(0.1 * torch.randn(1, 4 * cfg.frame_size, generator=generator))
-    for hook in hooks:
-        hook.remove()
-    for rvq in rvqs:
-        scale = torch.cat(latents[rvq.input_proj], dim=-1).std().item()
+    for rvq, latent in quantizer_inputs(mimi, 0.1 * torch.randn(1, 4 * cfg.frame_size, generator=generator)):
+        scale = latent.std().item()
         for level in rvq.vq.layers:
             book = level._codebook
             book.embedding_sum.copy_(scale * torch.randn(book.embedding_sum.shape, generator=generator))
