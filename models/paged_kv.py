@@ -3,6 +3,7 @@
     bs = block_size_for(capacity, None)          # the default: 64 slots (the whole ring when shorter)
     view = gather_ring(pool, table, capacity)    # [B, H, capacity(, D)]: each row's ring as a dense copy
     scatter_slots(pool, table, view, slots, keep)   # view[b, :, slots[b, t]] back to the pool, rows where keep[b]
+    indptr, indices, last = decode_pages(table_host, pos, taken_at, capacity, bs)   # page lists (FlashInfer's)
     write_prefix(pool, table_row, prefix)        # slots 0 .. F - 1 of one row = prefix [H, F(, D)]
 
 Layout: a pool is [num_blocks, H, block_size, D] (fp8 scales [num_blocks, H, block_size]); the
@@ -24,6 +25,7 @@ TransformerState.assign_blocks / release_row between steps.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 NULL_BLOCK = 0
@@ -87,3 +89,37 @@ def write_prefix(pool: torch.Tensor, table_row: torch.Tensor, prefix: torch.Tens
     slots = torch.arange(frames, device=table_row.device)
     phys, off = _addresses(table_row[None], slots[None], pool.shape[2])
     _raw(pool)[phys[0], :, off[0]] = _raw(prefix).transpose(0, 1).to(pool.device)
+
+
+def decode_pages(table: np.ndarray, pos: np.ndarray, taken_at: np.ndarray, capacity: int,
+                 block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One decode step's page lists in the layout of FlashInfer's paged decode (`indptr` [B + 1],
+    `indices`, `last_page_len` [B], int32): for each row the slots its attention reads once the
+    step has written position pos[b]. Host arrays: `table` [B, nb] (the host copy of the block
+    table), `pos` [B] (the position the step writes; -1: the row does not step, and reads the
+    null block's first slot, its output unused), `taken_at` [B, nb] (the position at which the
+    row took each of its held logical blocks).
+
+    A row's valid slots are its held blocks, all full but one: the block being written, when the
+    row took it in this lap of the ring (before the first wrap, or after the `shrink` policy took
+    it), holds only the slots up to pos % capacity; a block the row kept from its last lap is
+    full (its later slots hold the window's oldest positions). That block goes last, the one
+    page the list lets be partial, so the block must divide the ring (no second partial page)."""
+    if capacity % block_size:
+        raise ValueError(f"page lists need a block that divides the {capacity}-slot ring, not {block_size}")
+    B, nb = table.shape
+    rows = np.arange(B)
+    stepping = pos >= 0
+    slot = np.where(stepping, pos % capacity, 0)
+    current = slot // block_size  # (row 0's null block for a row that does not step)
+    kept = stepping & (taken_at[rows, current] <= pos - capacity + 1)  # its later slots written since it was taken
+    last = np.where(kept, block_size, np.where(stepping, slot - current * block_size + 1, 1))
+    blocks = np.where(stepping[:, None], table, NULL_BLOCK)
+    # Each row's held blocks in ring order, then its current block: sort by rank, keep ranks <= nb.
+    rank = np.where(blocks != NULL_BLOCK, np.arange(nb), nb + 1)
+    rank[rows, current] = nb
+    order = np.argsort(rank, axis=1, kind="stable")
+    chosen = np.take_along_axis(rank, order, axis=1) <= nb
+    indptr = np.zeros(B + 1, dtype=np.int32)
+    np.cumsum(chosen.sum(axis=1), out=indptr[1:])
+    return indptr, np.take_along_axis(blocks, order, axis=1)[chosen].astype(np.int32), last.astype(np.int32)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -241,3 +242,60 @@ def test_frame_benchmarks_paged_setup_runs_on_cpu():
         out = backend.step(torch.randn(3, FRAME_SAMPLES) * 0.1, live).to_host()
     assert state.pos.tolist() == [5, 25, 45] and out.valid.all()
     backend.close()
+
+
+def test_decode_pages_are_the_slots_the_ring_holds():
+    """`paged_kv.decode_pages` (FlashInfer's page-list layout) against the ring itself: the engine's
+    KV block pool under the shrink policy (blocks taken from the longest row, rings wrapping,
+    sessions ending and starting with prompts) drives a paged state that the model steps; after
+    every step each row's pages hold exactly the slots whose slot_pos says written."""
+    from parley.engine.kv_blocks import KvBlockPool, KvLayout
+
+    tr = make_lm().transformer
+    B, S = 3, tr.capacity
+    total = 9  # 3 rows of 5-block windows in 9 blocks: shrink takes blocks once they grow
+    pool = KvBlockPool(KvLayout(window_frames=S, block_frames=BLOCK, block_bytes=1), B, total, "shrink")
+    state = tr.init_state(B, kv_blocks=1 + total, block_size=BLOCK)
+    nb = paged_kv.ring_blocks(S, BLOCK)
+    taken_at = np.full((B, nb), -1, dtype=np.int64)
+    ids: list[str | None] = [None] * B
+    g = torch.Generator().manual_seed(9)
+    rng = np.random.default_rng(9)
+    sessions = 0
+
+    def apply(changes, at) -> None:
+        state.map_blocks(changes.released, changes.forgotten, changes.assigned)
+        for row, logical, _ in changes.assigned:
+            taken_at[row, logical] = at(row, logical)
+
+    with torch.no_grad():
+        for t in range(4 * S):
+            for row in range(B):
+                if ids[row] is not None and rng.random() < 0.01:
+                    pool.end(row, ids[row])
+                    ids[row] = None
+                if ids[row] is None and rng.random() < 0.2 and pool.admittable() > 0:
+                    sessions += 1
+                    rid, prompt = f"s{sessions}", int(rng.integers(0, 12))
+                    pool.admit(row, rid)
+                    apply(pool.start(row, rid, prompt), lambda r, logical: logical * BLOCK)
+                    one = torch.zeros(B, dtype=torch.bool)
+                    one[row] = True
+                    for _ in range(prompt):  # the prompt's frames, written before the row goes live
+                        tr(torch.randn(B, 1, tr.d_model, generator=g), state, one)
+                    ids[row] = rid
+            pos = np.where([rid is not None for rid in ids], state.pos.numpy(), -1)
+            apply(pool.step(ids), lambda r, logical: pos[r])
+            tr(torch.randn(B, 1, tr.d_model, generator=g), state, torch.from_numpy(pos >= 0))
+            indptr, indices, last = paged_kv.decode_pages(state.table_host, pos, taken_at, S, BLOCK)
+            for row in np.flatnonzero(pos >= 0):
+                pages = indices[indptr[row]:indptr[row + 1]]
+                read = {(int(p), k) for p in pages[:-1] for k in range(BLOCK)}
+                read |= {(int(pages[-1]), k) for k in range(int(last[row]))}
+                written = {(int(state.table_host[row, s // BLOCK]), s % BLOCK)
+                           for s in np.flatnonzero(state.slot_pos[row].numpy() >= 0)}
+                assert read == written, (t, row)
+            assert all(last[pos < 0] == 1) and all(indices[indptr[:-1][pos < 0]] == paged_kv.NULL_BLOCK)
+    assert pool.counters().shrinks > 0 and sessions > B  # shrink took blocks; rows were reused
+    with pytest.raises(ValueError, match="divides"):  # a second partial page has no place in the list
+        paged_kv.decode_pages(np.zeros((1, 4), np.int32), np.zeros(1, np.int64), np.zeros((1, 4), np.int64), 40, 12)
