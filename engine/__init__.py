@@ -25,7 +25,8 @@ _EXPORTS = {
     "Engine": "engine", "EngineClosed": "engine",
     "FULL_COLLECTIONS": "gc_pauses", "SLACK_COLLECTIONS": "gc_pauses", "freeze_loaded_objects": "gc_pauses",
     "InputError": "input_buffer",
-    "KV_POLICIES": "kv_blocks:POLICIES", "KvBlockPool": "kv_blocks", "KvSettings": "kv_blocks",
+    "KV_ATTENTION": "kv_blocks:ATTENTION", "KV_POLICIES": "kv_blocks:POLICIES", "KvBlockPool": "kv_blocks",
+    "KvSettings": "kv_blocks",
     "TICK_PHASES": "metrics",  # the tick's phases, each timed: /metrics' parley_engine_tick_<phase>_seconds
     "FrameOut": "session", "Session": "session",
     "EngineFull": "slots",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from .image_queue import STALLED as IMAGE_STALLED
     from .image_queue import ImageRequest, ImageResult, ImageSpec
     from .input_buffer import InputError
+    from .kv_blocks import ATTENTION as KV_ATTENTION
     from .kv_blocks import POLICIES as KV_POLICIES
     from .kv_blocks import KvBlockPool, KvSettings
     from .metrics import TICK_PHASES

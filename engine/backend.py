@@ -37,20 +37,22 @@ from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.lm_gen import LMGen, LMGenState
 from parley.models.sampling import UNSEEDED
 from parley.models.mimi import MimiState
-from parley.models.paged_kv import block_size_for
+from parley.models.paged_decode import FlashInferDecode, flashinfer_module
+from parley.models.paged_kv import block_size_for, decode_pages, ring_blocks
 from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
 from parley.models.voices import PersonaError
 
 from .config import OptionsError, SamplingOptions, SessionOptions
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import sync_device
-from .kv_blocks import KvChanges, KvLayout
+from .kv_blocks import ATTENTION, KvChanges, KvLayout
 from .prompt_handoff import PromptHandoff
 from .row_reset import RowReset
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
 from .voice_library import VoiceLibrary
 
 log = logging.getLogger("parley.engine.backend")
+
 
 
 class RowFailure(Exception):
@@ -70,13 +72,15 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames: int | None = None) -> KvLayout:
+def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames: int | None = None,
+              divides: bool = False) -> KvLayout:
     """The temporal LM's paged KV ring in blocks of `block_frames` (None: the model's default,
-    `paged_kv.block_size_for`, which also checks a given size): what one block of every layer's
-    keys and values (and fp8 scales) takes in bytes. OptionsError for a block longer than the ring."""
+    `paged_kv.block_size_for`, which also checks a given size; `divides`: a default that divides
+    the ring, for page lists): what one block of every layer's keys and values (and fp8 scales)
+    takes in bytes. OptionsError for a block longer than the ring."""
     tr = checkpoint.lm.transformer
     try:
-        block_frames = block_size_for(tr.capacity, block_frames)
+        block_frames = block_size_for(tr.capacity, block_frames, divides)
     except ValueError as exc:
         raise OptionsError(f"a KV block of {block_frames} frames must be 1 .. the {tr.capacity}-frame window.") from exc
     dtype = kv_dtype or next(checkpoint.lm.parameters()).dtype
@@ -213,7 +217,7 @@ class ModelBackend:
                  seed: int | None = None, kv_dtype: torch.dtype | None = None,
                  encode_codebooks: int | None = None, row_buckets: bool | None = None,
                  side_work: FrameSideWork | None = None, kv_blocks: int | None = None,
-                 kv_block_frames: int | None = None) -> None:
+                 kv_block_frames: int | None = None, paged_attention: str = "parley") -> None:
         # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
         # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
         # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
@@ -222,6 +226,8 @@ class ModelBackend:
         # side_work: run beside each frame's LM (FrameSideWork), its output in BackendOutput.side.
         # kv_blocks: page the temporal KV ring: a pool of this many blocks of `kv_block_frames` frames
         # (plus the null block) that the engine's KvBlockPool hands out (`map_kv_blocks`); None: dense.
+        # paged_attention: "flashinfer" reads a paged bf16 ring through page lists that the engine's
+        # pool plans before each step (`plan_kv_step`), with FlashInfer's decode (CUDA, installed).
         self.max_sessions = max_sessions
         self.kv_paged = kv_blocks is not None  # the engine's KV block pool must then drive the block table
         self._side_work = side_work
@@ -246,6 +252,11 @@ class ModelBackend:
             self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype, kv_blocks=kv_blocks + 1,
                                                   block_size=kv_block_frames)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
+        if row_buckets is None:
+            row_buckets = self.device.type == "cuda"
+        self._buckets = bucket_sizes(max_sessions) if row_buckets else [max_sessions]
+        self._page_decode = self._page_list_attention(paged_attention, kv_dtype)
+        self._page_positions: tuple[np.ndarray, np.ndarray] | None = None  # the next step's (plan_kv_step)
         self._voices = VoiceLibrary(checkpoint.voices_dir, self._mimi, self.device)  # read at start (PersonaPlex)
         self._pinned = self.device.type == "cuda"
         # A tick's input rows, [audio frame | live flag] (FRAME_SAMPLES + 1 float32): one upload a tick.
@@ -254,7 +265,7 @@ class ModelBackend:
         # A prefilled row's last prompt frame runs inside its next regular tick (engine/prompt_handoff.py).
         self._handoff = PromptHandoff(max_sessions, self.cfg, self.device, self._device_mask)
         self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
-        self._frames = self._frame_steps(row_buckets, cuda_graphs)
+        self._frames = self._frame_steps(cuda_graphs)
         self._reset = RowReset(self._reset_program, max_sessions, self.device, cuda_graphs)
         # PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
         # graph per chunk class on CUDA; warmed up here so the first session's prompt does not
@@ -274,19 +285,55 @@ class ModelBackend:
 
     # ---- the frame ----
 
-    def _frame_steps(self, row_buckets: bool | None, cuda_graphs: bool) -> BucketedStep:
+    def _page_list_attention(self, choice: str, kv_dtype: torch.dtype | None) -> FlashInferDecode | None:
+        """FlashInfer's decode for the paged temporal ring when asked for (and possible), else None."""
+        if choice not in ATTENTION:
+            raise OptionsError(f"paged_attention must be one of {', '.join(ATTENTION)}, got {choice!r}.")
+        if choice == "parley":
+            return None
+        tr = self._lm_state.transformer
+        dtype = kv_dtype or next(self.checkpoint.lm.parameters()).dtype
+        why = ("it reads a paged KV cache (--kv-blocks / --kv-memory)" if not self.kv_paged else
+               "it runs on CUDA" if self.device.type != "cuda" else
+               "it reads bf16 KV caches" if dtype != torch.bfloat16 else
+               f"its page lists need a block that divides the {tr.capacity}-frame window, not "
+               f"{tr.block_size}" if tr.capacity % tr.block_size else
+               "it is not installed (pip install flashinfer-python==0.7.2.post1)" if flashinfer_module() is None
+               else None)
+        if why is not None:
+            raise OptionsError(f"paged_attention flashinfer: {why}.")
+        head_dim = tr.keys[0].shape[-1]
+        decode = FlashInferDecode(self._buckets, tr.keys[0].shape[1], head_dim, tr.block_size,
+                                  ring_blocks(tr.capacity, tr.block_size), self.device)
+        tr.page_decode = decode
+        return decode
+
+    def plan_kv_step(self, positions: np.ndarray, taken_at: np.ndarray) -> None:
+        """The next step's positions (-1: a row that does not step) and when each row took each
+        KV block (the engine's pool, `KvBlockPool.decode_positions`): page lists for `step`."""
+        self._page_positions = positions, taken_at
+
+    def _plan_pages(self, n: int, positions: np.ndarray, taken_at: np.ndarray) -> None:
+        tr = self._lm_state.transformer
+        if tr.table_host is None:
+            tr.table_host = tr.block_table.cpu().numpy().copy()
+        self._page_decode.plan(n, *decode_pages(tr.table_host[:n], positions[:n], taken_at[:n], tr.capacity,
+                                                tr.block_size))
+
+    def _frame_steps(self, cuda_graphs: bool) -> BucketedStep:
         """Per bucket n, the frame over views of the lowest n rows; on CUDA one graph each."""
-        if row_buckets is None:
-            row_buckets = self.device.type == "cuda"
-        frames = BucketedStep(self._frame, (self._lm_state, self._mimi_state),
-                              bucket_sizes(self.max_sessions) if row_buckets else [self.max_sessions])
+        frames = BucketedStep(self._frame, (self._lm_state, self._mimi_state), self._buckets)
         if cuda_graphs and self.device.type == "cuda":
             side = self._side_work
             frames.capture(self._idle_frame_inputs, generators=side.generators if side is not None else ())
         return frames
 
     def _idle_frame_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
-        """A bucket's capture inputs: silence, no row live (by the model contract no state changes)."""
+        """A bucket's capture inputs: silence, no row live (by the model contract no state changes);
+        with page-list attention, the lists of rows that do not step."""
+        if self._page_decode is not None:
+            nb = self._lm_state.transformer.block_table.shape[1]
+            self._plan_pages(n, np.full(n, -1, dtype=np.int64), np.full((n, nb), -1, dtype=np.int64))
         return (torch.zeros(n, self._mimi.frame_size + 1, device=self.device),)
 
     def _frame(self, lm_state: LMGenState, mimi_state: MimiState, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -352,6 +399,11 @@ class ModelBackend:
         self._inputs_np[:n, :-1] = frames.numpy()[:n]  # pinned on CUDA: the upload is asynchronous
         self._inputs_np[:n, -1] = live[:n]
         inputs = self._inputs_host[:n]
+        if self._page_decode is not None:
+            if self._page_positions is None:
+                raise RuntimeError("page-list attention needs plan_kv_step (the engine's KV pool) before each step")
+            self._plan_pages(n, *self._page_positions)
+            self._page_positions = None
         if not self._frames.graphed:  # a graph copies its inputs in itself
             inputs = inputs.to(self.device, non_blocking=True)
         packed, pcm, text, valid, agent, user, *side = self._frames(n, inputs)

@@ -16,6 +16,7 @@ class KvBinding:
     def __init__(self, pool: KvBlockPool | None, backend: FrameBackend) -> None:
         self.pool = pool
         self._map: Callable[[KvChanges], None] | None = getattr(backend, "map_kv_blocks", None)
+        self._plan = getattr(backend, "plan_kv_step", None)  # page-list attention's positions, before each step
         paged = getattr(backend, "kv_paged", None)  # ModelBackend says; a fabricated backend may not
         if pool is not None and (self._map is None or paged is False):
             raise OptionsError("a KV block pool needs a backend with a paged KV state (ModelBackend(kv_blocks=)).")
@@ -36,6 +37,8 @@ class KvBinding:
         """Before a step: ended rows' blocks back, live rows' next blocks in (kv_blocks.py rule 1)."""
         if self.pool is not None:
             self._apply(self.pool.step(request_ids))
+            if self._plan is not None:
+                self._plan(*self.pool.decode_positions())
 
     def end(self, row: int, request_id: str) -> None:
         if self.pool is not None:

@@ -55,6 +55,7 @@ from .slots import EngineFull
 log = logging.getLogger("parley.engine.kv")
 
 POLICIES = ("reserve", "shrink")
+ATTENTION = ("parley", "flashinfer")  # who reads the paged ring: our Triton kernel, or FlashInfer's decode (bf16, CUDA)
 SHRINK_EXPECTED = 0.5  # shrink: the window share a session is promised (2 min of Moshi's 4)
 SHRINK_FLOOR = 0.25  # shrink: no session's window shrinks below this share (60 s of Moshi's 240 s)
 
@@ -84,16 +85,20 @@ class KvLayout:
 
 @dataclass(frozen=True)
 class KvSettings:
-    """`parley serve --kv-policy / --kv-blocks / --kv-memory / --kv-block-frames`, checked once."""
+    """`parley serve --kv-policy / --kv-blocks / --kv-memory / --kv-block-frames / --kv-attention`,
+    checked once."""
 
     policy: str = "reserve"
     blocks: int | None = None  # the pool's size in blocks
     memory_gib: float | None = None  # or in GiB of KV memory; neither: every row a full window
     block_frames: int | None = None  # None: the model's default block (paged_kv.block_size_for)
+    attention: str = "parley"  # ATTENTION; flashinfer's default block divides the window
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise OptionsError(f"kv_policy must be one of {', '.join(POLICIES)}, got {self.policy!r}.")
+        if self.attention not in ATTENTION:
+            raise OptionsError(f"kv_attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}.")
         if self.blocks is not None and self.memory_gib is not None:
             raise OptionsError("kv_blocks and kv_memory size the same pool; give one of them.")
         if self.blocks is not None and (isinstance(self.blocks, bool) or not isinstance(self.blocks, int)
@@ -184,6 +189,11 @@ class KvBlockPool:
         self._expected = _share(nb, SHRINK_EXPECTED)
         self._floor = _share(nb, SHRINK_FLOOR)
         self._lock = threading.Lock()  # admission runs on the event loop, blocks move on the engine thread
+        # For page-list attention (`decode_positions`; engine thread): the position each row's
+        # last `step` wrote (-1: it did not step), and the position at which it took each block.
+        import numpy as np  # (here, not at the top: `parley --help` reads this module's POLICIES, numpy-free)
+        self._stepped = np.full(rows, -1, dtype=np.int64)
+        self._taken_at = np.full((rows, nb), -1, dtype=np.int64)
         self._free = list(range(total, 0, -1))  # a stack: block 1 is taken first
         self._rows: list[_Holder | None] = [None] * rows  # admitted sessions by row
         self._ending: list[_Holder] = []  # ended, blocks not yet freed (engine thread frees them)
@@ -270,12 +280,19 @@ class KvBlockPool:
         next position needs (rule 1), and moves on one position."""
         with self._lock:
             changes = self._collect()
+            self._stepped.fill(-1)
             for row, request_id in enumerate(request_ids):
                 holder = self._rows[row] if request_id is not None else None
                 if holder is not None and holder.request_id == request_id:
                     self._ensure(holder, holder.next_pos, changes)
+                    self._stepped[row] = holder.next_pos
                     holder.next_pos += 1
             return changes
+
+    def decode_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """After `step` (engine thread): the position each row's step writes (-1: none) and the
+        position at which each row took each logical block: `paged_kv.decode_pages`' inputs."""
+        return self._stepped, self._taken_at
 
     def held(self, row: int) -> dict[int, int]:
         """The row's logical -> physical blocks (tests, debugging)."""
@@ -308,6 +325,7 @@ class KvBlockPool:
         else:
             physical = self._take(holder, logical, changes)
         holder.blocks[logical] = physical
+        self._taken_at[holder.row, logical] = pos
         changes.assigned.append((holder.row, logical, physical))
         self._high_water = max(self._high_water, self.total - len(self._free))
 

@@ -32,11 +32,13 @@ NULL_BLOCK = 0
 DEFAULT_BLOCK = 64  # slots: a whole number of the attention kernels' tiles (16 fp8, 64 bf16)
 
 
-def block_size_for(capacity: int, block_size: int | None) -> int:
+def block_size_for(capacity: int, block_size: int | None, divides: bool = False) -> int:
     """`block_size` checked against the ring (1 .. capacity slots), or the default: 64 slots, the
-    whole ring when it is shorter."""
+    whole ring when it is shorter; `divides` (page lists, `decode_pages`): the largest divisor of
+    the ring up to 64 (60 for Moshi's 3000)."""
     if block_size is None:
-        return min(capacity, DEFAULT_BLOCK)
+        top = min(capacity, DEFAULT_BLOCK)
+        return next(d for d in range(top, 0, -1) if capacity % d == 0) if divides else top
     if not 0 < block_size <= capacity:
         raise ValueError(f"block_size {block_size} must be 1 .. the KV ring's capacity {capacity}")
     return block_size
@@ -98,7 +100,8 @@ def decode_pages(table: np.ndarray, pos: np.ndarray, taken_at: np.ndarray, capac
     step has written position pos[b]. Host arrays: `table` [B, nb] (the host copy of the block
     table), `pos` [B] (the position the step writes; -1: the row does not step, and reads the
     null block's first slot, its output unused), `taken_at` [B, nb] (the position at which the
-    row took each of its held logical blocks).
+    row took each of its held logical blocks, or will first write it: a later one is not read yet;
+    -1 for a block written before position 0, as a ring placed already wrapped).
 
     A row's valid slots are its held blocks, all full but one: the block being written, when the
     row took it in this lap of the ring (before the first wrap, or after the `shrink` policy took
@@ -114,7 +117,8 @@ def decode_pages(table: np.ndarray, pos: np.ndarray, taken_at: np.ndarray, capac
     current = slot // block_size  # (row 0's null block for a row that does not step)
     kept = stepping & (taken_at[rows, current] <= pos - capacity + 1)  # its later slots written since it was taken
     last = np.where(kept, block_size, np.where(stepping, slot - current * block_size + 1, 1))
-    blocks = np.where(stepping[:, None], table, NULL_BLOCK)
+    # A block taken for a later position (a benchmark's rows get their run's blocks at once) holds nothing yet.
+    blocks = np.where(stepping[:, None] & (taken_at <= pos[:, None]), table, NULL_BLOCK)
     # Each row's held blocks in ring order, then its current block: sort by rank, keep ranks <= nb.
     rank = np.where(blocks != NULL_BLOCK, np.arange(nb), nb + 1)
     rank[rows, current] = nb

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -203,6 +203,9 @@ class TransformerState:
     block_table: torch.Tensor | None = None
     # Paged only: the table as `map_blocks` last wrote it, on the host (made from the device's on first use).
     table_host: np.ndarray | None = field(default=None, repr=False)
+    # Paged bf16 decode only: attention through page lists (models/paged_decode.py) in place of the
+    # Triton kernel; its owner plans each step's lists for the leading rows the step runs.
+    page_decode: Any = field(default=None, repr=False)
 
     def kv(self, layer: int) -> LayerKV:
         """A layer's keys and values, with the fp8 scales and the block table where the state has them."""
@@ -363,8 +366,10 @@ class TransformerState:
             return tensors if tensors is None or self.paged else [t[sl] for t in tensors]
 
         table = None if self.block_table is None else self.block_table[sl]
+        leading = sl.start in (0, None)  # page lists are planned for a bucket's leading rows only
         return TransformerState(self.pos[sl], self.slot_pos[sl], cut(self.keys), cut(self.values),
-                                cut(self.key_scales), cut(self.value_scales), table)
+                                cut(self.key_scales), cut(self.value_scales), table,
+                                page_decode=self.page_decode if leading else None)
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -810,8 +815,11 @@ class StreamingTransformer(nn.Module):
         else:
             q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
                                          *scales, block_table=table, capacity=self.capacity)
-            out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
-                                           self.context, *scales, order=order, block_table=table)
+            if state.page_decode is not None:  # the step's key is in the pool now: the lists include it
+                out = state.page_decode.run(q, state.keys[i], state.values[i])
+            else:
+                out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
+                                               self.context, *scales, order=order, block_table=table)
         return F.linear(out.view(B, dim), w_out)
 
     def _advance_decode(self, state: TransformerState, pos: torch.Tensor, exec_mask: torch.Tensor | None) -> None:

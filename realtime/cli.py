@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 # Only torch-free modules here: `parley --help` must not wait for torch (tests/test_lazy_imports.py).
 # Each handler imports what its command needs when it runs.
 from parley.engine import (
-    DEFAULT_STALL_TIMEOUT_S, KV_POLICIES, KvSettings, OptionsError, SamplingOptions, SessionOptions,
+    DEFAULT_STALL_TIMEOUT_S, KV_ATTENTION, KV_POLICIES, KvSettings, OptionsError, SamplingOptions, SessionOptions,
 )
 
 from . import cli_sources, doors
@@ -85,6 +85,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="frames (80 ms each) per KV block, 1 .. the model's window (Moshi: 3000); the "
                         "window's last block is partly used unless it divides it. Default: 64 (the whole "
                         "window if shorter), a whole number of the attention kernels' tiles")
+    p.add_argument("--kv-attention", choices=KV_ATTENTION, default="parley",
+                   help="what reads the paged KV cache in each step: parley (its Triton kernels, every KV dtype) "
+                        "or flashinfer (FlashInfer's paged decode: bf16 KV on CUDA, flashinfer-python installed; "
+                        "the default block is then the largest that divides the window, 60 for Moshi)")
     p.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="dtype of the audio codec (Mimi) of every model served: float32, the reference's; "
                         "bfloat16 makes the codec about a third faster at 64 sessions and more on an H200, "
@@ -304,7 +308,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         reliability = {**reliability_settings(args), "served_model_names": served_names(args)}
         kv = KvSettings(policy=args.kv_policy, blocks=args.kv_blocks, memory_gib=args.kv_memory,
-                        block_frames=args.kv_block_frames)
+                        block_frames=args.kv_block_frames, attention=args.kv_attention)
     except (ValueError, OSError) as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
         return 2

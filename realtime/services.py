@@ -247,10 +247,14 @@ def _build_engine(loaded: _Loaded) -> Engine:
     in_frame = transcription is not None and PAIRED_IN_FRAME
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     kv = _kv_pool(config, checkpoint, kv_dtype)
-    backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
-                           kv_blocks=kv.total, kv_block_frames=kv.layout.block_frames,
-                           encode_codebooks=stt.lm_config.n_q if paired and not in_frame else None,
-                           side_work=transcription.frame_work if in_frame else None)
+    try:
+        backend = ModelBackend(checkpoint, config.max_sessions, kv_dtype=kv_dtype,
+                               kv_blocks=kv.total, kv_block_frames=kv.layout.block_frames,
+                               paged_attention=config.kv.attention,
+                               encode_codebooks=stt.lm_config.n_q if paired and not in_frame else None,
+                               side_work=transcription.frame_work if in_frame else None)
+    except OptionsError as exc:
+        raise ServeError(f"parley serve --kv-attention: {exc}") from exc
     loaded.voices = backend.voice_names()
     engine = Engine(backend, kv=kv)
     if transcription is not None:
@@ -264,13 +268,13 @@ def _kv_pool(config: "ServeConfig", checkpoint: Checkpoint, kv_dtype: torch.dtyp
     by --kv-blocks / --kv-memory (default: every row a full window)."""
     settings = config.kv
     try:
-        layout = kv_layout(checkpoint, kv_dtype, settings.block_frames)
+        layout = kv_layout(checkpoint, kv_dtype, settings.block_frames, divides=settings.attention == "flashinfer")
         pool = KvBlockPool(layout, config.max_sessions, settings.budget(layout, config.max_sessions), settings.policy)
     except OptionsError as exc:
         raise ServeError(f"parley serve --kv-*: {exc}") from exc
-    log.info("KV paged: %d blocks of %d frames (%.2f GiB), %s policy, %d sessions at full windows",
+    log.info("KV paged: %d blocks of %d frames (%.2f GiB), %s policy, %d sessions at full windows, read by %s",
              pool.total, layout.block_frames, pool.total * layout.block_bytes / 2**30, pool.policy,
-             pool.total // layout.window_blocks)
+             pool.total // layout.window_blocks, settings.attention)
     return pool
 
 

@@ -341,6 +341,43 @@ def check_paged_transformer_decode() -> None:
             assert (paged.block_table[0] != 0).all()  # (row 0 ran every step: its whole ring)
     print("ok paged_transformer_decode")
 
+
+def check_page_list_decode() -> None:
+    """The fused decode reading the paged ring through page lists (`TransformerState.page_decode`,
+    here `TorchPagedDecode`, FlashInfer's meaning in PyTorch) against the Triton paged kernel on a
+    copy of the same state: the engine's KV pool under the shrink policy plans each step (rows
+    pausing, blocks taken from the longest row, the ring wrapping)."""
+    import numpy as np
+    from parley.engine.kv_blocks import KvBlockPool, KvLayout
+    from parley.models import paged_kv
+    from parley.models.paged_decode import TorchPagedDecode
+    from parley.models.transformer import StreamingTransformer
+    torch.manual_seed(0)
+    tr = StreamingTransformer(32, 2, 1, 64, context=16, norm="rms_norm_f32", gating="silu").eval()
+    B, bs = 3, 4
+    pool = KvBlockPool(KvLayout(window_frames=tr.capacity, block_frames=bs, block_bytes=1), B, 7, "shrink")
+    lists = tr.init_state(B, kv_blocks=8, block_size=bs)
+    kernel = tr.init_state(B, kv_blocks=8, block_size=bs)
+    lists.page_decode = TorchPagedDecode(2, 16, bs)
+    for row in range(B):
+        pool.admit(row, f"s{row}")
+        for state in (lists, kernel):
+            state.map_blocks(assigned=pool.start(row, f"s{row}", 0).assigned)
+    with torch.no_grad():
+        for t in range(40):
+            ids = [f"s0", f"s1" if t % 3 != 1 else None, f"s2" if t >= 5 else None]
+            changes = pool.step(ids)
+            for state in (lists, kernel):
+                state.map_blocks(changes.released, changes.forgotten, changes.assigned)
+            pos, taken_at = pool.decode_positions()
+            lists.page_decode.plan(B, *paged_kv.decode_pages(lists.table_host, pos, taken_at, tr.capacity, bs))
+            live = torch.from_numpy(pos >= 0)
+            x = torch.randn(B, 1, tr.d_model)
+            got, want = tr(x, lists, live), tr(x, kernel, live)
+            close(got[live], want[live])  # (a row that does not step reads the null block: its output is unused)
+    assert pool.counters().shrinks > 0
+    print("ok page_list_decode")
+
 if __name__ == "__main__":
     check_decode_attention()
     check_rope_write()
@@ -352,3 +389,4 @@ if __name__ == "__main__":
     check_paged_attention()
     check_paged_rope_write()
     check_paged_transformer_decode()
+    check_page_list_decode()

@@ -184,6 +184,8 @@ def test_a_shrunk_row_reuses_its_own_oldest_block_when_its_ring_comes_round():
 def test_settings_are_checked_and_size_the_pool():
     with pytest.raises(OptionsError, match="kv_policy"):
         KvSettings(policy="lru")
+    with pytest.raises(OptionsError, match="kv_attention must be one of parley, flashinfer"):
+        KvSettings(attention="sdpa")
     with pytest.raises(OptionsError, match="give one of them"):
         KvSettings(blocks=4, memory_gib=1.0)
     with pytest.raises(OptionsError, match="kv_blocks"):

@@ -204,6 +204,19 @@ def test_parley_serve_pages_the_duplex_model_in_the_models_blocks(tiny_moshi_dir
             engine.shutdown()
     with pytest.raises(ServeError, match="--kv-.*40-frame window"):
         build_services(config(block_frames=41))
+    # FlashInfer's decode (tests/test_flashinfer_decode.py) reads bf16 KV on CUDA: refused by name here.
+    with pytest.raises(ServeError, match="--kv-attention: paged_attention flashinfer: it runs on CUDA"):
+        build_services(config(attention="flashinfer"))
+
+
+def test_page_list_attention_is_refused_where_it_cannot_run(tiny_moshi_dir):
+    checkpoint = load_checkpoint(tiny_moshi_dir, "cpu", torch.float32)
+    with pytest.raises(OptionsError, match="one of parley, flashinfer"):
+        ModelBackend(checkpoint, 1, kv_blocks=5, paged_attention="sdpa")
+    with pytest.raises(OptionsError, match="flashinfer: it reads a paged KV cache"):
+        ModelBackend(checkpoint, 1, paged_attention="flashinfer")
+    with pytest.raises(OptionsError, match="flashinfer: it runs on CUDA"):
+        ModelBackend(checkpoint, 1, kv_blocks=5, paged_attention="flashinfer")
 
 
 @pytest.mark.gpu

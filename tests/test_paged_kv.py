@@ -209,6 +209,8 @@ def test_block_size_default_and_checks():
     assert paged_kv.block_size_for(3000, None) == 64 and paged_kv.ring_blocks(3000, 64) == 47
     assert paged_kv.block_size_for(40, None) == 40 and paged_kv.ring_blocks(40, 40) == 1
     assert paged_kv.block_size_for(3000, 60) == 60 and paged_kv.ring_blocks(3000, 60) == 50
+    assert paged_kv.block_size_for(3000, None, divides=True) == 60  # page lists: a block that divides
+    assert paged_kv.block_size_for(40, None, divides=True) == 40 and paged_kv.block_size_for(100, None, True) == 50
     for bad in (0, 3001):
         with pytest.raises(ValueError, match="capacity 3000"):
             paged_kv.block_size_for(3000, bad)
@@ -256,17 +258,13 @@ def test_decode_pages_are_the_slots_the_ring_holds():
     total = 9  # 3 rows of 5-block windows in 9 blocks: shrink takes blocks once they grow
     pool = KvBlockPool(KvLayout(window_frames=S, block_frames=BLOCK, block_bytes=1), B, total, "shrink")
     state = tr.init_state(B, kv_blocks=1 + total, block_size=BLOCK)
-    nb = paged_kv.ring_blocks(S, BLOCK)
-    taken_at = np.full((B, nb), -1, dtype=np.int64)
     ids: list[str | None] = [None] * B
     g = torch.Generator().manual_seed(9)
     rng = np.random.default_rng(9)
     sessions = 0
 
-    def apply(changes, at) -> None:
+    def apply(changes) -> None:
         state.map_blocks(changes.released, changes.forgotten, changes.assigned)
-        for row, logical, _ in changes.assigned:
-            taken_at[row, logical] = at(row, logical)
 
     with torch.no_grad():
         for t in range(4 * S):
@@ -278,15 +276,18 @@ def test_decode_pages_are_the_slots_the_ring_holds():
                     sessions += 1
                     rid, prompt = f"s{sessions}", int(rng.integers(0, 12))
                     pool.admit(row, rid)
-                    apply(pool.start(row, rid, prompt), lambda r, logical: logical * BLOCK)
+                    apply(pool.start(row, rid, prompt))
                     one = torch.zeros(B, dtype=torch.bool)
                     one[row] = True
                     for _ in range(prompt):  # the prompt's frames, written before the row goes live
                         tr(torch.randn(B, 1, tr.d_model, generator=g), state, one)
                     ids[row] = rid
-            pos = np.where([rid is not None for rid in ids], state.pos.numpy(), -1)
-            apply(pool.step(ids), lambda r, logical: pos[r])
-            tr(torch.randn(B, 1, tr.d_model, generator=g), state, torch.from_numpy(pos >= 0))
+            apply(pool.step(ids))
+            pos, taken_at = pool.decode_positions()
+            stepping = pos >= 0
+            assert np.array_equal(stepping, [rid is not None for rid in ids])
+            assert np.array_equal(pos[stepping], state.pos.numpy()[stepping])  # the pool's positions are the model's
+            tr(torch.randn(B, 1, tr.d_model, generator=g), state, torch.from_numpy(stepping))
             indptr, indices, last = paged_kv.decode_pages(state.table_host, pos, taken_at, S, BLOCK)
             for row in np.flatnonzero(pos >= 0):
                 pages = indices[indptr[row]:indptr[row + 1]]
@@ -297,5 +298,12 @@ def test_decode_pages_are_the_slots_the_ring_holds():
                 assert read == written, (t, row)
             assert all(last[pos < 0] == 1) and all(indices[indptr[:-1][pos < 0]] == paged_kv.NULL_BLOCK)
     assert pool.counters().shrinks > 0 and sessions > B  # shrink took blocks; rows were reused
+    # Blocks given ahead of the positions that write them (as the frame benchmarks place rows) are
+    # not read before; a row placed wrapped (taken before position 0: -1) reads its whole ring.
+    table = np.array([[3, 5, 7, 9, 11], [2, 4, 6, 8, 10]], np.int32)
+    taken = np.array([[0, 8, 16, 24, 32], [-1] * 5])
+    indptr, indices, last = paged_kv.decode_pages(table, np.array([12, 47]), taken, 40, 8)
+    assert indptr.tolist() == [0, 2, 7] and last.tolist() == [5, 8]
+    assert indices.tolist() == [3, 5, 4, 6, 8, 10, 2]  # row 1 writes slot 7 (47 % 40): its block 0 goes last
     with pytest.raises(ValueError, match="divides"):  # a second partial page has no place in the list
         paged_kv.decode_pages(np.zeros((1, 4), np.int32), np.zeros(1, np.int64), np.zeros((1, 4), np.int64), 40, 12)
