@@ -27,4 +27,5 @@ def test_fused_kernels_in_the_interpreter_match_pytorch():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.split() == ["ok", "decode_attention", "ok", "rope_write", "ok", "norms", "ok", "sample",
                                    "ok", "fp8", "ok", "transformer_decode", "ok", "frame",
-                                   "ok", "paged_attention", "ok", "paged_rope_write", "ok", "paged_transformer_decode"]
+                                   "ok", "paged_attention", "ok", "paged_rope_write", "ok", "paged_transformer_decode",
+                                   "ok", "page_list_decode"]
