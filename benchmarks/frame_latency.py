@@ -16,7 +16,9 @@ at the copy bandwidth, see frame_setup.py) and the fraction of it reached (floor
 `--kv-blocks N|fit|full` pages the temporal KV ring (models/paged_kv.py): a pool of N blocks
 (`fit`: what the placed rows write over the run, `full`: a whole window per row) of
 `--kv-block-frames` frames, each row given the blocks of its window before timing. Compare with
-the same command without it (dense rings). `--no-reference` needs no `moshi` package.
+the same command without it (dense rings). `--kv-attention flashinfer` reads a paged bf16 ring
+with FlashInfer's decode (installed) through page lists planned each frame, as `parley serve
+--kv-attention` does. `--no-reference` needs no `moshi` package.
 
     python benchmarks/frame_latency.py --batches 1,8,16,32,64,128 --frames 60 --json frames.json
     python benchmarks/frame_latency.py --batches 64,128 --no-reference --kv-dtype fp8 --kv-blocks fit
@@ -35,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from frame_setup import (H200_COPY_TBPS, KV_POOLS, WINDOWS, bench_checkpoint, floor_ms, kv_bytes,  # noqa: E402
-                         kv_pool, percentile, place_rows, random_models, time_frames, weight_bytes,
-                         window_positions)
+                         kv_pool, page_list_planner, percentile, place_rows, random_models, time_frames,
+                         weight_bytes, window_positions)
 
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
@@ -83,13 +85,16 @@ def bench_reference(ref_lm, ref_mimi, batch: int, frames: int, warmup: int) -> d
 @torch.no_grad()
 def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: int, windows,
                  kv_dtype: torch.dtype | None = None, live_rows: int | None = None,
-                 kv_blocks: str | None = None, block_frames: int | None = None) -> dict:
+                 kv_blocks: str | None = None, block_frames: int | None = None,
+                 kv_attention: str = "parley") -> dict:
     """`live_rows`: only the lowest rows are live (the others are idle slots), default all.
-    `kv_blocks` (a number, `fit` or `full`; see the module doc): paged KV rings, else dense."""
+    `kv_blocks` (a number, `fit` or `full`; see the module doc): paged KV rings, else dense;
+    `kv_attention`: who reads them (ModelBackend's `paged_attention`)."""
     ckpt = bench_checkpoint(lm, mimi, lm_cfg, mimi_cfg)
     torch.cuda.reset_peak_memory_stats()
-    pool = kv_pool(kv_blocks, batch, windows, lm_cfg, block_frames, frames + warmup)
-    paged = dict(kv_blocks=pool[0], kv_block_frames=pool[1]) if pool else {}
+    page_lists = kv_attention == "flashinfer"
+    pool = kv_pool(kv_blocks, batch, windows, lm_cfg, block_frames, frames + warmup, divides=page_lists)
+    paged = dict(kv_blocks=pool[0], kv_block_frames=pool[1], paged_attention=kv_attention) if pool else {}
     backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0, kv_dtype=kv_dtype, **paged)
     pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1
     live = torch.zeros(batch, dtype=torch.bool)
@@ -97,7 +102,12 @@ def bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch: int, frames: int, warmup: in
     results = {}
     for window in windows:
         place_rows(backend._lm_state, window, lm_cfg.context, ahead=frames + warmup)
-        times = time_frames(lambda: backend.step(pcm, live).to_host(), frames, warmup)
+        plan = page_list_planner(backend, window, lm_cfg.context, live) if page_lists else (lambda: None)
+
+        def frame():
+            plan()
+            return backend.step(pcm, live).to_host()
+        times = time_frames(frame, frames, warmup)
         live_pos = window_positions(batch, window, lm_cfg.context, "cpu")[live]
         floor = floor_ms(weight_bytes(lm, mimi), kv_bytes(lm_cfg, live_pos, kv_dtype))
         results[window] = {"p50": percentile(times, 50), "p99": percentile(times, 99), "floor": floor}
@@ -121,13 +131,18 @@ def parse_args() -> argparse.Namespace:
                         help="Parley's LM KV cache dtype (fp8: float8_e4m3fn with per-vector scales)")
     parser.add_argument("--kv-blocks", help="page Parley's temporal KV ring: a pool of N blocks, 'fit' (what the "
                         "rows' windows write over the run) or 'full' (a whole window per row); default dense rings")
-    parser.add_argument("--kv-block-frames", type=int, help="frames per KV block (default: the largest divisor "
-                        "of the context <= 64, 60 for Moshi)")
+    parser.add_argument("--kv-block-frames", type=int, help="frames per KV block (default 64, or with "
+                        "--kv-attention flashinfer the largest divisor of the context <= 64, 60 for Moshi)")
+    parser.add_argument("--kv-attention", choices=("parley", "flashinfer"), default="parley",
+                        help="who reads the paged ring (needs --kv-blocks): our Triton kernel, or FlashInfer's "
+                        "decode (bf16 KV, installed)")
     parser.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="Parley's Mimi (serve's --mimi-dtype); the reference's stays float32")
     args = parser.parse_args()
     if args.kv_blocks is not None and args.kv_blocks not in KV_POOLS and not args.kv_blocks.isdigit():
         parser.error(f"--kv-blocks {args.kv_blocks}: a number of blocks, or one of {', '.join(KV_POOLS)}")
+    if args.kv_attention != "parley" and args.kv_blocks is None:
+        parser.error(f"--kv-attention {args.kv_attention} reads a paged ring: give --kv-blocks too")
     return args
 
 
@@ -157,6 +172,7 @@ def main() -> None:
     ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = load_models(args)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  weights: Moshi-7B shapes, random bf16"
           f"  Parley KV cache: {args.kv_dtype}, {'paged ' + args.kv_blocks if args.kv_blocks else 'dense'}"
+          f"{', read by ' + args.kv_attention if args.kv_blocks else ''}"
           f"  Parley Mimi: {args.mimi_dtype}")
     rows = []
     for batch in batches:
@@ -164,7 +180,7 @@ def main() -> None:
         try:
             row["parley"] = bench_parley(lm, mimi, lm_cfg, mimi_cfg, batch, args.frames, args.warmup, windows,
                                          torch.float8_e4m3fn if args.kv_dtype == "fp8" else None, args.live,
-                                         args.kv_blocks, args.kv_block_frames)
+                                         args.kv_blocks, args.kv_block_frames, args.kv_attention)
         except torch.cuda.OutOfMemoryError:
             row["parley"] = "OOM"
         torch.cuda.empty_cache()
@@ -200,6 +216,7 @@ def main() -> None:
     if args.json:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "kv_dtype": args.kv_dtype,
                 "kv_blocks": args.kv_blocks, "kv_block_frames": args.kv_block_frames,
+                "kv_attention": args.kv_attention,
                 "mimi_dtype": args.mimi_dtype, "frames": args.frames, "live": args.live, "warmup": args.warmup, "bandwidth_tbps": H200_COPY_TBPS}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 

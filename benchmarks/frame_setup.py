@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from parley.models.checkpoint import Checkpoint
@@ -109,13 +110,14 @@ def paged_blocks(positions: torch.Tensor, capacity: int, block_size: int, ahead:
 
 
 def kv_pool(choice: str | None, batch: int, windows, cfg: LMConfig, block_frames: int | None,
-            ahead: int) -> tuple[int, int] | None:
+            ahead: int, divides: bool = False) -> tuple[int, int] | None:
     """(usable blocks, frames per block) for --kv-blocks `choice`: a number, `fit` (what the rows
     of the most demanding window write over `ahead` frames) or `full` (a whole window for every
-    row); None (dense rings) without one. Block frames default as the model's (paged_kv)."""
+    row); None (dense rings) without one. Block frames default as the model's (paged_kv; with
+    `divides`, as page-list attention needs)."""
     if choice is None:
         return None
-    block_frames = block_size_for(cfg.context, block_frames)
+    block_frames = block_size_for(cfg.context, block_frames, divides)
     if choice == "full":
         return batch * ring_blocks(cfg.context, block_frames), block_frames
     if choice == "fit":
@@ -145,6 +147,21 @@ def place_rows(state: LMGenState, window: str, context: int, ahead: int = 0) -> 
     tr.pos.copy_(pos)
     tr.slot_pos.copy_(ring_slot_positions(pos, tr.slot_pos.shape[1]))
     state.offsets.copy_(pos)
+
+
+def page_list_planner(backend, window: str, context: int, live: torch.Tensor):
+    """For page-list attention (`ModelBackend(paged_attention="flashinfer")`): a callable that hands
+    the backend the next frame's positions and when each block was taken, as the engine's KV pool
+    does before each step, for rows placed by `place_rows` (block j first written at position
+    j * block; rows not `live` do not step). Call it before each `backend.step`."""
+    tr = backend._lm_state.transformer
+    pos = np.where(live.numpy(), window_positions(len(live), window, context, "cpu").numpy(), -1)
+    taken_at = np.broadcast_to(np.arange(tr.block_table.shape[1]) * tr.block_size, tr.block_table.shape).copy()
+
+    def plan() -> None:
+        backend.plan_kv_step(pos.copy(), taken_at)
+        pos[pos >= 0] += 1
+    return plan
 
 
 def time_frames(run_frame, frames: int, warmup: int) -> list[float]:

@@ -2,10 +2,15 @@
 GPU, against Parley's Triton paged kernel on a copy of the same state, bf16, Moshi's head size:
 the engine's KV pool under the shrink policy plans each step (rows pausing, blocks taken from the
 longest row, rings wrapping). Then under a CUDA graph: captured once on idle lists, replayed after
-each step's plan, equal to eager. Skipped without CUDA or without flashinfer-python installed.
+each step's plan, equal to eager. Then through the engine (`--kv-attention flashinfer`): every
+call checked against the window the rings hold, and graphed against eager. Skipped without CUDA
+or without flashinfer-python installed.
 """
 
 from __future__ import annotations
+
+import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -94,3 +99,114 @@ def test_flashinfer_decode_graph_equals_eager():
             want = tr(x, eager, live)
             assert torch.equal(static_out[live], want[live]), t
             assert torch.equal(graphed.pos, eager.pos)
+
+
+def engine_with(tiny_moshi_dir, cuda_graphs: bool, check: bool = False, rows: int = 3, blocks: int = 9):
+    """An engine as `parley serve --kv-attention flashinfer` builds it, over the tiny checkpoint
+    with an LM of Moshi's head size (128) in bf16, a pool short of memory (the shrink policy takes
+    blocks); `check`: its decode wrapped in `CheckedDecode` (eager), returned too."""
+    from parley.engine import Engine, EngineConfig
+    from parley.engine.backend import ModelBackend, kv_layout
+    from parley.models.checkpoint import load_checkpoint
+    from parley.models.lm import LMModel
+    checkpoint = load_checkpoint(tiny_moshi_dir, "cuda", torch.bfloat16)
+    cfg = dataclasses.replace(checkpoint.lm_config, dim=2 * HEAD_DIM, num_heads=2)
+    torch.manual_seed(0)
+    checkpoint = dataclasses.replace(checkpoint, lm=LMModel(cfg, device="cuda", dtype=torch.bfloat16).eval(),
+                                     lm_config=cfg)
+    layout = kv_layout(checkpoint, None, BLOCK, divides=True)
+    backend = ModelBackend(checkpoint, rows, seed=0, cuda_graphs=cuda_graphs, kv_blocks=blocks,
+                           kv_block_frames=layout.block_frames, paged_attention="flashinfer")
+    checked = CheckedDecode(backend) if check else None
+    pool = KvBlockPool(layout, rows, blocks, "shrink")
+    return Engine(backend, EngineConfig(input_frames=256, output_events=1024), kv=pool), checked
+
+
+def run_conversation(engine) -> dict[str, list[tuple[np.ndarray, int]]]:
+    """Sessions a (the whole run, its window wraps), b (closed at 21), c (from 25, on b's row), d
+    (from 10): each one's frames (pcm, text token)."""
+    from parley.engine import FrameOut, SamplingOptions, SessionOptions
+    sessions, out = {}, {}
+
+    async def main():
+        def open_(name: str, seed: int, frames: int) -> None:
+            s = engine.open_nowait(SessionOptions(sampling=SamplingOptions.greedy()))
+            s.push_audio(np.random.default_rng(seed).uniform(-0.3, 0.3, frames * 1920).astype(np.float32))
+            sessions[name], out[name] = s, []
+
+        open_("a", 1, 90)
+        open_("b", 2, 20)
+        for tick in range(90):
+            if tick == 10:
+                open_("d", 4, 50)
+            if tick == 21:
+                sessions["b"].close()
+            if tick == 25:
+                open_("c", 3, 60)
+            engine.run_ticks(1)
+            for name, s in sessions.items():
+                out[name] += [(e.pcm.copy(), e.text_token) for e in s.events.drain() if isinstance(e, FrameOut)]
+
+    asyncio.run(main())
+    engine.shutdown()
+    return out
+
+
+class CheckedDecode:
+    """FlashInfer's decode, each call checked against attention over the rows' rings as the state
+    holds them (their slot positions within the window, the step's own slot at its position):
+    what the Triton kernel reads, and the positions the pool planned against the state's. Eager only."""
+
+    def __init__(self, backend) -> None:
+        self.state = backend._lm_state.transformer
+        self.decode, self.context = self.state.page_decode, backend.checkpoint.lm_config.context
+        self.state.page_decode = backend._page_decode = self
+        self.stepping: np.ndarray | None = None
+        self.checked = 0
+        plan_step = backend.plan_kv_step
+
+        def record(positions, taken_at):  # (before the Engine binds it)
+            self.stepping = positions.copy()
+            plan_step(positions, taken_at)
+        backend.plan_kv_step = record
+
+    def plan(self, n, indptr, indices, last_len) -> None:
+        self.decode.plan(n, indptr, indices, last_len)
+
+    def run(self, q, k_pool, v_pool):
+        out = self.decode.run(q, k_pool, v_pool)
+        n, tr = q.shape[0], self.state
+        pos = tr.pos[:n]
+        rows = torch.from_numpy(self.stepping[:n] >= 0).cuda()
+        assert torch.equal(pos[rows].cpu(), torch.from_numpy(self.stepping[:n][self.stepping[:n] >= 0]))
+        slot_pos = tr.slot_pos[:n].clone()
+        slot_pos[torch.arange(n, device="cuda"), pos % tr.capacity] = pos  # written this step, advanced after
+        valid = (slot_pos >= 0) & (slot_pos > pos[:, None] - self.context) & (slot_pos <= pos[:, None])
+        keys = paged_kv.gather_ring(k_pool, tr.block_table[:n], tr.capacity).float()
+        values = paged_kv.gather_ring(v_pool, tr.block_table[:n], tr.capacity).float()
+        scores = torch.einsum("bhd,bhsd->bhs", q.float(), keys) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~valid[:, None], float("-inf"))
+        want = torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), values)
+        torch.testing.assert_close(out[rows].float(), want[rows], atol=3e-2, rtol=3e-2)
+        self.checked += int(rows.sum())
+        return out
+
+
+def test_the_engine_plans_the_pages_each_tick(tiny_moshi_dir):
+    """Through the engine (its KV pool plans each tick, row buckets, rows ending and reused, the
+    shrink policy, windows wrapping), every FlashInfer call reads the window the rings hold."""
+    engine, checked = engine_with(tiny_moshi_dir, cuda_graphs=False, check=True)
+    out = run_conversation(engine)
+    assert checked.checked > 0 and engine.counters()["kv_shrinks"] > 0
+    assert {name: len(frames) for name, frames in out.items()} == {"a": 90, "b": 20, "c": 60, "d": 50}
+
+
+def test_the_engine_under_graphs_equals_eager(tiny_moshi_dir):
+    """The same conversation graphed (one graph per row bucket, planned lists in its buffers) and
+    eager: text equal while the sessions' inputs agree, audio within bf16's step tolerance."""
+    eager = run_conversation(engine_with(tiny_moshi_dir, cuda_graphs=False)[0])
+    graphed = run_conversation(engine_with(tiny_moshi_dir, cuda_graphs=True)[0])
+    for name in eager:
+        assert len(graphed[name]) == len(eager[name]) > 0
+        assert graphed[name][0][1] == eager[name][0][1], name
+        np.testing.assert_allclose(graphed[name][0][0], eager[name][0][0], atol=2e-2)
