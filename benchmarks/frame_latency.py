@@ -44,6 +44,7 @@ from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
 from parley.models.lm import LMModel, published_state  # noqa: E402
 from parley.models.mimi.codec import Mimi  # noqa: E402
+from parley.models.mimi.precision import mimi_dtype_for  # noqa: E402
 
 
 def build_models(device: str, dtype: torch.dtype):
@@ -136,8 +137,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-attention", choices=("parley", "flashinfer"), default="parley",
                         help="who reads the paged ring (needs --kv-blocks): our Triton kernel, or FlashInfer's "
                         "decode (bf16 KV, installed)")
-    parser.add_argument("--mimi-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="Parley's Mimi (serve's --mimi-dtype); the reference's stays float32")
+    parser.add_argument("--mimi-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="Parley's Mimi, as serve's --mimi-dtype (auto: float16 where it passes its probe); "
+                        "the reference's stays float32")
     args = parser.parse_args()
     if args.kv_blocks is not None and args.kv_blocks not in KV_POOLS and not args.kv_blocks.isdigit():
         parser.error(f"--kv-blocks {args.kv_blocks}: a number of blocks, or one of {', '.join(KV_POOLS)}")
@@ -154,8 +156,10 @@ def load_models(args: argparse.Namespace):
         lm, mimi, lm_cfg, mimi_cfg = random_models("moshi", "cuda", torch.bfloat16)
     else:
         ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
-    if args.mimi_dtype == "bfloat16":  # a copy: the reference keeps its fp32 Mimi
-        mimi = copy.deepcopy(mimi).compute_in(torch.bfloat16)
+    dtype = mimi_dtype_for(mimi, None if args.mimi_dtype == "auto" else getattr(torch, args.mimi_dtype))
+    args.mimi_dtype = str(dtype).removeprefix("torch.")  # (what auto chose, for the header and --json)
+    if dtype != torch.float32:  # a copy: the reference keeps its fp32 Mimi
+        mimi = copy.deepcopy(mimi).compute_in(dtype)
     return ref_lm, ref_mimi, lm, mimi, lm_cfg, mimi_cfg
 
 

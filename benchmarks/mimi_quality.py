@@ -182,6 +182,8 @@ def main() -> None:
                             lambda: (reference_encode(ref, pcm), reference_decode(ref, base_codes)), AS_RUN))
         variants.append(("parley float32", lambda: parley_stream(ours, pcm, base_codes), AS_RUN))
     variants.append(("parley bfloat16", lambda: parley_stream(bf16, pcm, base_codes), AS_RUN))
+    fp16 = copy.deepcopy(ours).compute_in(torch.float16)
+    variants.append(("parley float16", lambda: parley_stream(fp16, pcm, base_codes), AS_RUN))
     print("\n| variant | semantic codes equal | all codes equal | decode SNR vs exact reference |")
     print("|---|---:|---:|---:|")
     for name, run, switches in variants:

@@ -32,7 +32,7 @@ from parley.models import kernels  # noqa: E402
 from parley.models.config import FRAME_SAMPLES  # noqa: E402
 from parley.models.mimi import Mimi  # noqa: E402
 
-VARIANTS = ("float32", "plain", "bfloat16")
+VARIANTS = ("float32", "plain", "bfloat16", "float16")
 
 
 def kernel_count(runner: CUDAGraphRunner, inputs, replays: int = 3) -> float:
@@ -84,7 +84,8 @@ def main() -> None:
     torch.manual_seed(0)
     mimi = random_mimi(model_configs("moshi")[1])
     models = {"float32": (mimi, True), "plain": (mimi, False),
-              "bfloat16": (copy.deepcopy(mimi).compute_in(torch.bfloat16), True)}
+              "bfloat16": (copy.deepcopy(mimi).compute_in(torch.bfloat16), True),
+              "float16": (copy.deepcopy(mimi).compute_in(torch.float16), True)}
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  Moshi Mimi, random weights")
     print("\n| B | variant | encode ms | encode kernels | decode ms | decode kernels | codes equal to float32 "
           "| decode SNR vs float32 |\n|---:|---|---:|---:|---:|---:|---:|---:|")

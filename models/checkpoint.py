@@ -51,6 +51,7 @@ from .config import (
 )
 from .lm import LMModel
 from .mimi.codec import Mimi
+from .mimi.precision import mimi_dtype_for
 from .stt import SttSettings, check_stt_config
 from .tokenizer import TextTokenizer, TokenizerError
 from .voices import PersonaError, unpack_voices
@@ -417,8 +418,9 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, *, lm_file: str | Path | None = None,
                     mimi_file: str | Path | None = None,
                     tokenizer_file: str | Path | None = None, progress: Progress | None = None,
-                    mimi_dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load LM (in `dtype`), Mimi (read in fp32, then cast to `mimi_dtype`), tokenizer and voices
+                    mimi_dtype: torch.dtype | None = None) -> Checkpoint:
+    """Load LM (in `dtype`), Mimi (read in fp32, then cast to `mimi_dtype`; None: auto, see
+    mimi/precision.py), tokenizer and voices
     from a directory or HF repo id. `progress`, if given, is told after each tensor read (a large
     LM takes a while)."""
     device = torch.device(device)
@@ -452,7 +454,7 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     mimi_plan = _plan(_meta_shapes(mimi), mimi_st, "Mimi weights", "Mimi config", legacy=_MIMI_LEGACY_NAMES)
     _load_weights(lm, lm_st, lm_plan, device, dtype, progress)
     _load_weights(mimi, mimi_st, mimi_plan, device, torch.float32, progress)
-    mimi.compute_in(mimi_dtype)  # convs and transformers; the quantizer stays fp32
+    mimi.compute_in(mimi_dtype_for(mimi, mimi_dtype))  # convs and transformers; the quantizer stays fp32
 
     return Checkpoint(
         lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,
@@ -642,7 +644,7 @@ class SttCheckpoint:
 
 
 def load_stt_checkpoint(source: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.bfloat16, mimi_dtype: torch.dtype = torch.float32) -> SttCheckpoint:
+                        dtype: torch.dtype = torch.bfloat16, mimi_dtype: torch.dtype | None = None) -> SttCheckpoint:
     """Load an STT checkpoint: config.json (LM kwargs with dep_q 0, `stt_config`, and the file
     names `moshi_name` / `mimi_name` / `tokenizer_name`), the LM file, Mimi and the tokenizer."""
     device = torch.device(device)
@@ -685,6 +687,6 @@ def load_stt_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     mimi_plan = _plan(_meta_shapes(mimi), mimi_st, "Mimi weights", "Mimi config", legacy=_MIMI_LEGACY_NAMES)
     _load_weights(lm, lm_st, lm_plan, device, dtype)
     _load_weights(mimi, mimi_st, mimi_plan, device, torch.float32)
-    mimi.compute_in(mimi_dtype)
+    mimi.compute_in(mimi_dtype_for(mimi, mimi_dtype))
     return SttCheckpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,
                          settings=settings, path=directory)

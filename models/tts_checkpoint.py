@@ -34,6 +34,7 @@ from .checkpoint import (
 )
 from .config import MIMI_FILE, ConfigError, MimiConfig
 from .mimi.codec import Mimi
+from .mimi.precision import mimi_dtype_for
 from .tokenizer import TextTokenizer, TokenizerError
 from .tts import VOICE_KEY, TtsConfig, TtsLM
 
@@ -54,7 +55,7 @@ class TtsCheckpoint:
 
 
 def load_tts_checkpoint(source: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.bfloat16, mimi_dtype: torch.dtype = torch.float32) -> TtsCheckpoint:
+                        dtype: torch.dtype = torch.bfloat16, mimi_dtype: torch.dtype | None = None) -> TtsCheckpoint:
     device = torch.device(device)
     directory = resolve_checkpoint_dir(source)
     config_path = directory / CONFIG_FILE
@@ -94,7 +95,7 @@ def load_tts_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     load_module_weights(lm, lm_path, "TTS LM weights", what, device, dtype, FP32_PREFIXES)
     load_module_weights(mimi, mimi_path, "Mimi weights", "Mimi config", device, torch.float32,
                         legacy=MIMI_LEGACY_NAMES)
-    mimi.compute_in(mimi_dtype)  # as load_checkpoint does
+    mimi.compute_in(mimi_dtype_for(mimi, mimi_dtype))  # as load_checkpoint does
     return TtsCheckpoint(lm=lm, mimi=mimi, tokenizer=tokenizer, config=cfg,
                          gen_defaults=dict(raw.get("lm_gen_config") or {}), path=directory)
 

@@ -61,7 +61,7 @@ class ServeConfig:
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     kv_dtype: str | None = None  # temporal KV cache: None = the weights' dtype, "fp8" = float8 e4m3
     kv: KvSettings = KvSettings()  # the KV block pool: admission by memory, paging (engine/kv_blocks.py)
-    mimi_dtype: str = "float32"  # every Mimi's (duplex, STT, TTS): float32 (the reference's) or bfloat16
+    mimi_dtype: str = "auto"  # every Mimi's (duplex, STT, TTS): auto (float16 where it passes its probe), or a dtype
     defaults: SessionOptions = SessionOptions()  # persona and voice; sampling comes from below
     sampling: dict = dataclasses.field(default_factory=dict)  # SamplingOptions fields set by flags
     api_key: str | tuple[str, ...] | None = None  # one key or several (--api-key-file: rotation)

@@ -65,10 +65,18 @@ DEMO_ALIASES = {"duplex": ("parley", "gpt-realtime", "gpt-4o-realtime-preview", 
                 "stt": ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "gpt-realtime-whisper",
                         "gpt-transcribe")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIMI_DTYPES = {"auto": None, **DTYPES}  # --mimi-dtype; auto: models/mimi/precision.py
 
 
 class ServeError(RuntimeError):
     """A serve configuration that cannot work; the CLI prints the message and exits 2."""
+
+
+def mimi_dtype(config: "ServeConfig") -> torch.dtype | None:
+    """--mimi-dtype as the loaders take it (None: auto)."""
+    if config.mimi_dtype not in MIMI_DTYPES:
+        raise ServeError(f"--mimi-dtype must be one of {', '.join(MIMI_DTYPES)}, got {config.mimi_dtype!r}")
+    return MIMI_DTYPES[config.mimi_dtype]
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,7 @@ def _load_duplex(loaded: _Loaded) -> Checkpoint | None:
     progress = LoadProgress()
     try:
         checkpoint = load_checkpoint(source, device=loaded.device, dtype=loaded.dtype, progress=progress,
-                                     mimi_dtype=DTYPES[config.mimi_dtype])
+                                     mimi_dtype=mimi_dtype(config))
     finally:
         progress.close()
     if checkpoint.model_type != "personaplex" and (config.defaults.persona or config.defaults.voice):
@@ -316,18 +324,17 @@ def build_speech(config: "ServeConfig", demo: bool, device: torch.device, dtype:
                  duplex_mimi: Mimi | None = None) -> SpeechService | None:
     """The TTS pool and voices: --tts-model, or the demo TTS when no model at all was given.
     `duplex_mimi`: the duplex model's codec, whose equal weights the TTS Mimi then shares."""
-    mimi_dtype = DTYPES[config.mimi_dtype]
     if config.tts_model is None and not demo:
         return None
     if config.tts_model is None:
         directory = ensure_demo_tts()
         return load_speech_service(directory, slots=config.tts_slots, voices=directory / "voices",
                                    voice_map=directory / DEMO_TTS_VOICE_MAP, device=str(device), dtype=dtype,
-                                   share_mimi=duplex_mimi, mimi_dtype=mimi_dtype)
+                                   share_mimi=duplex_mimi, mimi_dtype=mimi_dtype(config))
     log.info("loading TTS %s on %s", config.tts_model, device)
     return load_speech_service(config.tts_model, slots=config.tts_slots, voices=config.tts_voices,
                                voice_map=config.tts_voice_map, device=str(device), dtype=dtype,
-                               share_mimi=duplex_mimi, mimi_dtype=mimi_dtype)
+                               share_mimi=duplex_mimi, mimi_dtype=mimi_dtype(config))
 
 
 def _load_stt(config: "ServeConfig", demo: str | None, device: torch.device,
@@ -339,7 +346,7 @@ def _load_stt(config: "ServeConfig", demo: str | None, device: torch.device,
     if config.stt_model is None:
         log.warning("demo server: %s", STT_NOTICE)
     log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)
-    return load_stt_checkpoint(source, device=device, dtype=dtype, mimi_dtype=DTYPES[config.mimi_dtype])
+    return load_stt_checkpoint(source, device=device, dtype=dtype, mimi_dtype=mimi_dtype(config))
 
 
 def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:

@@ -24,7 +24,7 @@ log = logging.getLogger("parley.speech")
 
 def load_speech_service(source: str | Path, *, slots: int, voices: str | Path | None,
                         voice_map: str | Path | None, device: str, dtype: torch.dtype,
-                        share_mimi: Mimi | None = None, mimi_dtype: torch.dtype = torch.float32,
+                        share_mimi: Mimi | None = None, mimi_dtype: torch.dtype | None = None,
                         read_voices: bool = True) -> SpeechService:
     """`share_mimi`: a loaded codec (the duplex model's); the TTS Mimi's weights equal to it are
     shared, not held twice (Kyutai's TTS ships the duplex model's Mimi file). `read_voices`: read
