@@ -233,7 +233,7 @@ OWN_TESTS = ("write_models.py",)
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
                "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
-               "mimi_steps.py", "frame_gpu_time.py")
+               "mimi_steps.py", "frame_gpu_time.py", "flashinfer_decode.py")
 
 
 def test_other_benchmarks_import() -> None:
