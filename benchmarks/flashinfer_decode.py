@@ -73,7 +73,7 @@ def run_case(B: int, window: str, bs: int) -> str:
                                                      order=order, block_table=device_table))
     line = f"| {B} | {window} | {bs} | {ours:.3f} |"
     if RING % bs:
-        return line + " | | |"
+        return line + "  |  |"
     decode = FlashInferDecode([B], HEADS, HEAD_DIM, bs, nb, torch.device("cuda"))
     lists = paged_kv.decode_pages(table.numpy(), pos, taken_at, RING, bs)
     decode.plan(B, *lists)
