@@ -9,17 +9,18 @@ or without flashinfer-python installed.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
+from parley.engine import SessionOptions
 from parley.engine.kv_blocks import KvBlockPool, KvLayout
 from parley.models import paged_kv
 from parley.models.paged_decode import FlashInferDecode, flashinfer_module
 from parley.models.transformer import StreamingTransformer
+from test_paged_engine import conversation  # the same sessions: ending, reusing a row, wrapping
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -122,36 +123,6 @@ def engine_with(tiny_moshi_dir, cuda_graphs: bool, check: bool = False, rows: in
     return Engine(backend, EngineConfig(input_frames=256, output_events=1024), kv=pool), checked
 
 
-def run_conversation(engine) -> dict[str, list[tuple[np.ndarray, int]]]:
-    """Sessions a (the whole run, its window wraps), b (closed at 21), c (from 25, on b's row), d
-    (from 10): each one's frames (pcm, text token)."""
-    from parley.engine import FrameOut, SamplingOptions, SessionOptions
-    sessions, out = {}, {}
-
-    async def main():
-        def open_(name: str, seed: int, frames: int) -> None:
-            s = engine.open_nowait(SessionOptions(sampling=SamplingOptions.greedy()))
-            s.push_audio(np.random.default_rng(seed).uniform(-0.3, 0.3, frames * 1920).astype(np.float32))
-            sessions[name], out[name] = s, []
-
-        open_("a", 1, 90)
-        open_("b", 2, 20)
-        for tick in range(90):
-            if tick == 10:
-                open_("d", 4, 50)
-            if tick == 21:
-                sessions["b"].close()
-            if tick == 25:
-                open_("c", 3, 60)
-            engine.run_ticks(1)
-            for name, s in sessions.items():
-                out[name] += [(e.pcm.copy(), e.text_token) for e in s.events.drain() if isinstance(e, FrameOut)]
-
-    asyncio.run(main())
-    engine.shutdown()
-    return out
-
-
 class CheckedDecode:
     """FlashInfer's decode, each call checked against attention over the rows' rings as the state
     holds them (their slot positions within the window, the step's own slot at its position):
@@ -194,7 +165,7 @@ def test_the_engine_plans_the_pages_each_tick(tiny_moshi_dir):
     """Through the engine (its KV pool plans each tick, row buckets, rows ending and reused, the
     shrink policy, windows wrapping), every FlashInfer call reads the window the rings hold."""
     engine, checked = engine_with(tiny_moshi_dir, cuda_graphs=False, check=True)
-    out = run_conversation(engine)
+    out = conversation(engine, SessionOptions())
     assert checked.checked > 0 and engine.counters()["kv_shrinks"] > 0
     assert all(len(frames) > 0 for frames in out.values())
 
@@ -202,9 +173,10 @@ def test_the_engine_plans_the_pages_each_tick(tiny_moshi_dir):
 def test_the_engine_under_graphs_equals_eager(tiny_moshi_dir):
     """The same conversation graphed (one graph per row bucket, planned lists in its buffers) and
     eager: text equal while the sessions' inputs agree, audio within bf16's step tolerance."""
-    eager = run_conversation(engine_with(tiny_moshi_dir, cuda_graphs=False)[0])
-    graphed = run_conversation(engine_with(tiny_moshi_dir, cuda_graphs=True)[0])
+    eager = conversation(engine_with(tiny_moshi_dir, cuda_graphs=False)[0], SessionOptions())
+    graphed = conversation(engine_with(tiny_moshi_dir, cuda_graphs=True)[0], SessionOptions())
     for name in eager:
         assert len(graphed[name]) == len(eager[name]) > 0
         assert graphed[name][0][1] == eager[name][0][1], name
-        np.testing.assert_allclose(graphed[name][0][0], eager[name][0][0], atol=2e-2)
+        np.testing.assert_allclose(np.frombuffer(graphed[name][0][0], np.float32),
+                                   np.frombuffer(eager[name][0][0], np.float32), atol=2e-2)
