@@ -36,7 +36,7 @@ import torch
 from parley.models.checkpoint import mimi_config_dict
 from parley.models.config import FRAME_SAMPLES, MimiConfig, tiny_mimi_config
 from parley.models.mimi import Mimi
-from parley.models.synthetic import quantizer_inputs, randomize_mimi_state_
+from parley.models.synthetic import fit_codebooks_, randomize_mimi_state_
 
 SAMPLE_RATE = 24_000
 
@@ -59,25 +59,6 @@ def speech_like(batch: int, frames: int, seed: int) -> torch.Tensor:
     pcm = 0.3 * pcm / pcm.abs().amax(dim=1, keepdim=True)
     pcm += 0.3 * 10 ** (-30 / 20) * torch.randn(pcm.shape, generator=g, dtype=torch.float64)
     return pcm.float()
-
-
-@torch.no_grad()
-def fit_codebooks_(mimi: Mimi, pcm: torch.Tensor, seed: int) -> None:
-    """Each level's centroids drawn from that level's residuals of `pcm`'s latents (one draw, no
-    k-means steps): needs at least `bins` latent frames."""
-    g = torch.Generator().manual_seed(seed)
-    for rvq, latent in quantizer_inputs(mimi, pcm):
-        residual = latent.transpose(1, 2).reshape(-1, latent.shape[1])
-        if residual.shape[0] < mimi.cardinality:
-            raise ValueError(f"{residual.shape[0]} latent frames cannot seed {mimi.cardinality} centroids")
-        for level in rvq.vq.layers:
-            book = level._codebook
-            pick = torch.randperm(residual.shape[0], generator=g)[:mimi.cardinality].to(residual.device)
-            book.embedding_sum.copy_(residual[pick])
-            book.cluster_usage.fill_(1.0)
-            book._initialized.fill_(1.0)
-            book.refresh_embedding()
-            residual = residual - book.decode(book.encode(residual))
 
 
 AS_RUN = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)  # the process's (PyTorch's defaults)

@@ -116,6 +116,27 @@ def quantizer_inputs(mimi: Mimi, pcm: torch.Tensor) -> list[tuple[nn.Module, tor
 
 
 @torch.no_grad()
+def fit_codebooks_(mimi: Mimi, pcm: torch.Tensor, seed: int) -> None:
+    """Codebooks as a trained codec's lie, among the data: each level's centroids drawn from that
+    level's residuals of `pcm`'s latents (one draw, no k-means steps; needs at least `bins` latent
+    frames). Random centroids lie far from the latents and hide near-ties (every precision then
+    picks the same code); these show them (benchmarks/mimi_quality.py, tests/test_mimi.py)."""
+    g = torch.Generator().manual_seed(seed)
+    for rvq, latent in quantizer_inputs(mimi, pcm):
+        residual = latent.transpose(1, 2).reshape(-1, latent.shape[1])
+        if residual.shape[0] < mimi.cardinality:
+            raise ValueError(f"{residual.shape[0]} latent frames cannot seed {mimi.cardinality} centroids")
+        for level in rvq.vq.layers:
+            book = level._codebook
+            pick = torch.randperm(residual.shape[0], generator=g)[:mimi.cardinality].to(residual.device)
+            book.embedding_sum.copy_(residual[pick])
+            book.cluster_usage.fill_(1.0)
+            book._initialized.fill_(1.0)
+            book.refresh_embedding()
+            residual = residual - book.decode(book.encode(residual))
+
+
+@torch.no_grad()
 def _tiny_mimi_state(cfg: MimiConfig, seed: int) -> dict[str, torch.Tensor]:
     """Random tiny Mimi whose codes follow its input.
 
