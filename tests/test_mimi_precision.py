@@ -41,11 +41,13 @@ def test_a_decoder_past_float16s_range_fails_the_probe(tiny_mimi):
     assert half_precision_problem(broken, frames=3) == "float16 overflowed in the decoder on a loud probe"
 
 
-def test_auto_is_float32_on_the_cpu_and_an_explicit_dtype_is_kept(tiny_mimi, monkeypatch):
+def test_auto_is_float32_on_the_cpu_and_an_explicit_dtype_is_kept(tiny_mimi, monkeypatch, caplog):
     def no_probe(*args, **kwargs):
         raise AssertionError("auto probed on the CPU")
     monkeypatch.setattr(precision, "half_precision_problem", no_probe)
-    assert mimi_dtype_for(tiny_mimi, None) == torch.float32
+    with caplog.at_level(logging.INFO, logger="parley.models.mimi"):
+        assert mimi_dtype_for(tiny_mimi, None) == torch.float32
+    assert "Mimi computes in float32 (--mimi-dtype auto on the CPU)" in caplog.text
     assert mimi_dtype_for(tiny_mimi, torch.bfloat16) == torch.bfloat16
     assert mimi_dtype_for(tiny_mimi, torch.float16) == torch.float16
 

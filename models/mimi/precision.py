@@ -89,6 +89,7 @@ def mimi_dtype_for(mimi: Mimi, requested: torch.dtype | None) -> torch.dtype:
     if requested is not None:
         return requested
     if next(mimi.parameters()).device.type != "cuda":
+        log.info("Mimi computes in float32 (--mimi-dtype auto on the CPU)")
         return torch.float32
     problem = half_precision_problem(mimi)
     if problem is not None:
