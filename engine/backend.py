@@ -279,9 +279,11 @@ class ModelBackend:
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
-             dtype: torch.dtype | None = None, **kwargs) -> "ModelBackend":
-        """Load a checkpoint (directory or HF repo id) and build the backend on `device`."""
-        return cls(load_checkpoint(source, device, dtype or default_dtype(device)), max_sessions, **kwargs)
+             dtype: torch.dtype | None = None, mimi_dtype: torch.dtype | None = None, **kwargs) -> "ModelBackend":
+        """Load a checkpoint (directory or HF repo id) and build the backend on `device`; `mimi_dtype`
+        as load_checkpoint takes it (None: auto)."""
+        return cls(load_checkpoint(source, device, dtype or default_dtype(device), mimi_dtype=mimi_dtype),
+                   max_sessions, **kwargs)
 
     # ---- the frame ----
 

@@ -29,7 +29,7 @@ from .launch import add_launch
 from .limits import WS_MAX_SIZE, EdgeLimits
 from .live_policy import DelegateBackend, parse_policy
 from .log_format import LOG_FORMATS, configure_logging
-from .offline_cli import add_offline
+from .offline_cli import add_mimi_dtype_flag, add_offline
 from .served_models import parse_served_names
 from .server_sockets import bind
 from .transcribe_cli import add_transcribe
@@ -89,13 +89,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="what reads the paged KV cache in each step: parley (its Triton kernels, every KV dtype) "
                         "or flashinfer (FlashInfer's paged decode: bf16 KV on CUDA, flashinfer-python installed; "
                         "the default block is then the largest that divides the window, 60 for Moshi)")
-    p.add_argument("--mimi-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
-                   help="dtype of the audio codec (Mimi) of every model served. auto (default): float16 on CUDA "
-                        "when the loaded codec, run in float16 on a loud probe at load, stays finite and near "
-                        "float32 (else float32, logged), float32 on the CPU. On an H200 float16 makes the codec "
-                        "about a third faster (2.5 ms a frame at 128 sessions) and changes ~1.5 %% of the "
-                        "semantic codes the model hears, where float32 on a GPU (the reference's) changes ~1 %% "
-                        "and bfloat16 ~11 %% (docs/benchmarks.md, benchmarks/mimi_quality.py)")
+    add_mimi_dtype_flag(p, "of every model served")
     add_session_default_flags(p)
     add_process_flags(p)
     add_service_flags(p)

@@ -42,12 +42,24 @@ def device_arg(name: str) -> str:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--device ")) from None
 
 
+def add_mimi_dtype_flag(p: argparse.ArgumentParser, whose: str) -> None:
+    """--mimi-dtype: `parley serve` and the offline commands (realtime/services.py's MIMI_DTYPES maps it)."""
+    p.add_argument("--mimi-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help=f"dtype of the audio codec (Mimi) {whose}. auto (default): float16 on CUDA "
+                        "when the loaded codec, run in float16 on a loud probe at load, stays finite and near "
+                        "float32 (else float32, logged), float32 on the CPU. On an H200 float16 makes the codec "
+                        "about a third faster (2.5 ms a frame at 128 sessions) and changes ~1.5 %% of the "
+                        "semantic codes the model hears, where float32 on a GPU (the reference's) changes ~1 %% "
+                        "and bfloat16 ~11 %% (docs/benchmarks.md, benchmarks/mimi_quality.py)")
+
+
 def add_device_flags(p: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
-    """--device, --dtype, --log-level: shared by the offline commands (offline, tts, transcribe)."""
+    """--device, --dtype, --mimi-dtype, --log-level: shared by the offline commands (offline, tts, transcribe)."""
     p.add_argument("--device", default="cpu", type=device_arg,
                    help="torch device: cpu, cuda, cuda:N or auto (CUDA when present, else CPU)")
     p.add_argument("--dtype", choices=dtypes, default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    add_mimi_dtype_flag(p, "of the model loaded")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="logging verbosity")
 
@@ -65,7 +77,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
     from parley.engine import ModelBackend, OptionsError, SamplingOptions, SessionOptions, SessionRejected, run_offline
     from parley.models import AudioFileError, CheckpointError, read_wav, write_wav
 
-    from .server import resolve_dtype
+    from .server import MIMI_DTYPES, resolve_dtype
 
     try:
         options = SessionOptions(persona=args.persona, voice=args.voice,
@@ -73,7 +85,7 @@ def run_offline_command(args: argparse.Namespace) -> int:
         pcm = read_wav(args.input_wav)
         started = time.perf_counter()
         backend = ModelBackend.load(args.model, 1, device=args.device, dtype=resolve_dtype(args.dtype, args.device),
-                                    cuda_graphs=False, seed=args.seed)
+                                    mimi_dtype=MIMI_DTYPES[args.mimi_dtype], cuda_graphs=False, seed=args.seed)
         log.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)
         started = time.perf_counter()
         result = run_offline(backend, pcm, options)

@@ -41,8 +41,8 @@ from .limits import WS_MAX_SIZE, EdgeLimits
 from .live_policy import DelegateBackend, DelegationPolicy
 from .security import RedactKeys
 from .transport import IceServer
-# resolve_device / resolve_dtype / DTYPES: the offline CLIs import them from here
-from .services import DTYPES, ServeError, build_services, resolve_device, resolve_dtype  # noqa: F401
+# resolve_device / resolve_dtype / DTYPES / MIMI_DTYPES: the offline CLIs import them from here
+from .services import DTYPES, MIMI_DTYPES, ServeError, build_services, resolve_device, resolve_dtype  # noqa: F401
 from .ws_protocol import ParleyWebSocketProtocol
 
 log = logging.getLogger("parley.server")

@@ -33,11 +33,12 @@ def run_transcribe(args: argparse.Namespace) -> int:
     from parley.engine import SttFailed, SttPool, collect_transcript
     from parley.models import AudioFileError, CheckpointError, load_stt_checkpoint, read_wav
 
-    from .server import resolve_dtype
+    from .server import MIMI_DTYPES, resolve_dtype
 
     try:
         pcm = read_wav(args.input).numpy()
-        checkpoint = load_stt_checkpoint(args.model, args.device, resolve_dtype(args.dtype, args.device))
+        checkpoint = load_stt_checkpoint(args.model, args.device, resolve_dtype(args.dtype, args.device),
+                                         MIMI_DTYPES[args.mimi_dtype])
     except (AudioFileError, CheckpointError) as exc:
         print(f"parley transcribe: {exc}", file=sys.stderr)
         return 2

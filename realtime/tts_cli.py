@@ -42,7 +42,7 @@ def run_tts_command(args: argparse.Namespace) -> int:
     from parley.engine import CostModel, synthesize
     from parley.models import CheckpointError, write_wav
 
-    from .server import resolve_dtype
+    from .server import MIMI_DTYPES, resolve_dtype
     from .speech_setup import load_speech_service
 
     if args.seed is not None:
@@ -51,6 +51,7 @@ def run_tts_command(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         service = load_speech_service(args.model, slots=1, voices=args.voices, voice_map=args.voice_map,
                                       device=args.device, dtype=resolve_dtype(args.dtype, args.device),
+                                      mimi_dtype=MIMI_DTYPES[args.mimi_dtype],
                                       read_voices=False)  # one voice is used: not the whole set
         service.pool.warm_up(CostModel())  # graphs captured before the first step (no engine: its own costs)
         log.info("loaded %s in %.1f s", args.model, time.perf_counter() - started)

@@ -32,6 +32,23 @@ def test_parley_tts_writes_a_wav_and_word_timings(tiny_tts_dir, tmp_path):
     assert timings[-1]["stop_s"] <= pcm.size / 24000
 
 
+def test_parley_tts_honours_mimi_dtype(tiny_tts_dir, tmp_path):
+    """--mimi-dtype reaches the codec of `parley tts` (as of `offline` and `transcribe`, one flag):
+    auto is float32 on the CPU, so its greedy WAV equals float32's bit for bit; bfloat16 decodes
+    the same tokens near it but not equal."""
+    def say(*flags):
+        out = tmp_path / f"out{len(flags)}{'-'.join(flags)}.wav"
+        assert cli.main(["tts", "--model", str(tiny_tts_dir), "--voices", str(tiny_tts_dir / "voices"),
+                         "--voice", "tiny/alpha", "--text", "Hello there.", "--output", str(out), "--greedy",
+                         *flags]) == 0
+        return sf.read(out)[0]
+
+    auto, fp32, bf16 = say(), say("--mimi-dtype", "float32"), say("--mimi-dtype", "bfloat16")
+    assert np.array_equal(auto, fp32)
+    assert bf16.shape == fp32.shape and not np.array_equal(bf16, fp32)
+    assert np.corrcoef(bf16, fp32)[0, 1] > 0.999  # 0.99996 on the tiny TTS
+
+
 def test_parley_tts_refuses_an_unknown_voice(tiny_tts_dir, tmp_path, capsys):
     rc = cli.main(["tts", "--model", str(tiny_tts_dir), "--voices", str(tiny_tts_dir / "voices"), "--voice", "nobody",
                    "--text", "Hi.", "--output", str(tmp_path / "x.wav")])
