@@ -54,7 +54,6 @@ from .voice_library import VoiceLibrary
 log = logging.getLogger("parley.engine.backend")
 
 
-
 class RowFailure(Exception):
     """Some rows' inputs were refused before any state changed: {row: reason}."""
 
