@@ -288,9 +288,17 @@ def progress(s: Sample, earlier: Sample) -> None:
           file=sys.stderr, flush=True)
 
 
+def describe_server(http: str) -> str:
+    """The server's model and each codec's dtype (/api/info): what `--mimi-dtype auto` chose is on record."""
+    info = json.loads(urllib.request.urlopen(f"{http}/api/info", timeout=10).read())
+    codecs = ", ".join(f"{kind} {dtype}" for kind, dtype in info.get("mimi_dtypes", {}).items())
+    return f"server: model {info['model']}, {info['max_sessions']} sessions at most, Mimi: {codecs or 'none'}"
+
+
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
                        seed: int, steady: bool = False, server_log: ServerLog | None = None) -> list[Period]:
     http = url.replace("ws://", "http://").replace("wss://", "https://")
+    print(describe_server(http), file=sys.stderr, flush=True)
     arrivals = schedule(target, minutes, time_scale, seed, steady)
     duration = minutes * 60 * time_scale
     start_at = time.monotonic() + 1.0

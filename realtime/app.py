@@ -177,7 +177,8 @@ async def _api_info(request: Request) -> Response:
     manager: SessionManager = request.app.state.sessions
     stt_pool = request.app.state.stt_pool
     body = {"model": info.model, "demo": info.demo, "max_sessions": manager.engine.max_sessions,
-            "prompts": manager.defaults.prompts}  # whether a persona / voice prompt can be given
+            "prompts": manager.defaults.prompts,  # whether a persona / voice prompt can be given
+            "mimi_dtypes": info.mimi_dtypes}  # each served codec's dtype (--mimi-dtype auto picks per codec)
     if info.demo:
         body["notice"] = DEMO_NOTICE
     body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions

@@ -88,6 +88,7 @@ class ServerInfo:
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
     notes: list[str] = field(default_factory=list)
+    mimi_dtypes: dict[str, str] = field(default_factory=dict)  # by modality: the dtype its codec computes in
 
 
 @dataclass
@@ -187,7 +188,7 @@ def build_services(config: "ServeConfig") -> Services:
     stt_pool = SttPool(loaded.stt, config.stt_slots) if loaded.stt is not None else None
     if stt_pool is not None:
         register_slack_source(engine, stt_pool)
-    info, defaults = _info_and_defaults(loaded)
+    info, defaults = _info_and_defaults(loaded, speech)
     try:
         models = ServedModels.build(_checkpoint_names(loaded, info, speech, stt_pool, images),
                                     _aliases(config, demo), created=int(time.time()))
@@ -286,15 +287,20 @@ def _kv_pool(config: "ServeConfig", checkpoint: Checkpoint, kv_dtype: torch.dtyp
     return pool
 
 
-def _info_and_defaults(loaded: _Loaded) -> tuple[ServerInfo, ServerDefaults]:
+def _info_and_defaults(loaded: _Loaded, speech: SpeechService | None) -> tuple[ServerInfo, ServerDefaults]:
     config, checkpoint = loaded.config, loaded.checkpoint
+    # what --mimi-dtype (auto: a probe per codec) made of each served codec
+    codecs = {"duplex": checkpoint and checkpoint.mimi, "tts": speech and speech.pool.mimi,
+              "stt": loaded.stt and loaded.stt.mimi}
+    mimi_dtypes = {kind: str(mimi.dtype).removeprefix("torch.") for kind, mimi in codecs.items()
+                   if mimi is not None}
     if checkpoint is None:
-        info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON])
+        info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON], mimi_dtypes=mimi_dtypes)
         options, prompts = config.defaults, False
     else:
         info = ServerInfo(model=DEMO_NAMES["duplex"] if loaded.demo else Path(str(config.model)).name,
                           demo=loaded.demo is not None, voices=loaded.voices,
-                          default_voice=config.defaults.voice)
+                          default_voice=config.defaults.voice, mimi_dtypes=mimi_dtypes)
         options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
         prompts = checkpoint.model_type == "personaplex"
     defaults = ServerDefaults(options=options, model_name=info.model, api_key=config.api_key, prompts=prompts,

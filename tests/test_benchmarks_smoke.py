@@ -114,6 +114,7 @@ CPU_CASES = {
     "capacity": (  # 2 minutes of traffic at time scale 0.02: ~2.4 s of arrivals, periods of 1.2 s
         "capacity.py", ["--spawn", "tiny", "--target", "2", "--minutes", "2", "--time-scale", "0.02"],
         [r"sigma 0\.541 \(10 % past 240 s, mean 139 s\)",
+         r"^server: model ckpt, 3 sessions at most, Mimi: duplex float32$",  # the codec auto chose, on record
          r"^\| minute \(traffic time\) \| arrived \| refused \|.* \| loop CPU, cores \| engine CPU, cores \| tick ms: plan/rows/launch/device/route \| held \|$",
          r"^\| 0 \| \d+ \| \d+ \| \d+ \| \d+\.\d \| \d+\.\d\d \| \d+ \| \d+ \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| "
          r"\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d \| (yes|no) \|$",

@@ -63,6 +63,7 @@ def test_the_demo_lists_the_18_published_voices_and_takes_personas(demo_url):
     assert sorted(f"{v}.pt" for v in PERSONAPLEX_VOICES) == PUBLISHED_VOICES
     info = _get(f"http://{demo_url}/api/info")
     assert info["demo"] is True and info["prompts"] is True  # the page enables its persona box
+    assert info["mimi_dtypes"] == {"duplex": "float32", "tts": "float32", "stt": "float32"}  # auto on the CPU
     assert sorted(_get(f"http://{demo_url}/api/voices")["voices"]) == PUBLISHED_VOICES
 
 

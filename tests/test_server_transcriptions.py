@@ -136,12 +136,14 @@ def test_chat_transcript_sends_the_users_words_as_0x07(tiny_moshi_dir, tmp_path)
 
 
 def test_bf16_mimi_is_shared_with_the_stt_model_and_serves(tiny_moshi_dir, tmp_path):
-    """--mimi-dtype bfloat16 casts every Mimi after loading: the duplex and STT codecs stay one
-    (paired transcription needs that), and a session talks and is transcribed."""
+    """--mimi-dtype bfloat16 casts every Mimi after loading (/api/info says so): the duplex and STT
+    codecs stay one (paired transcription needs that), and a session talks and is transcribed."""
     stt_dir = write_tiny_stt_checkpoint(tmp_path / "stt", mimi_from=tiny_moshi_dir)
     app = build_app(ServeConfig(model=str(tiny_moshi_dir), stt_model=str(stt_dir), max_sessions=1, stt_slots=1,
                                 mimi_dtype="bfloat16"))
     with serve(app) as url:
+        info = json.loads(urllib.request.urlopen(f"http://{url}/api/info", timeout=10).read())
+        assert info["mimi_dtypes"] == {"duplex": "bfloat16", "stt": "bfloat16"}
         res = asyncio.run(chat_session(url, tone(300, 0.6), query="transcript=1", tail_seconds=0.3))
         assert res.handshake_at is not None and res.audio_messages > 0
         assert "".join(res.user_text).strip()
