@@ -40,6 +40,7 @@ from frame_setup import (H200_COPY_TBPS, KV_POOLS, WINDOWS, bench_checkpoint, fl
                          kv_pool, page_list_planner, percentile, place_rows, random_models, time_frames,
                          weight_bytes, window_positions)
 
+from parley.engine import KV_ATTENTION  # noqa: E402
 from parley.engine.backend import ModelBackend  # noqa: E402
 from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig  # noqa: E402
 from parley.models.lm import LMModel, published_state  # noqa: E402
@@ -134,7 +135,7 @@ def parse_args() -> argparse.Namespace:
                         "rows' windows write over the run) or 'full' (a whole window per row); default dense rings")
     parser.add_argument("--kv-block-frames", type=int, help="frames per KV block (default 64, or with "
                         "--kv-attention flashinfer the largest divisor of the context <= 64, 60 for Moshi)")
-    parser.add_argument("--kv-attention", choices=("parley", "flashinfer"), default="parley",
+    parser.add_argument("--kv-attention", choices=KV_ATTENTION, default="parley",
                         help="who reads the paged ring (needs --kv-blocks): our Triton kernel, or FlashInfer's "
                         "decode (bf16 KV, installed)")
     parser.add_argument("--mimi-dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",

@@ -1,5 +1,6 @@
-"""bf16 Mimi against the reference's own numbers: what `--mimi-dtype bfloat16` changes in the codes
-and the audio, beside what the reference itself changes when it runs as users run it.
+"""Mimi in bf16 and float16 against the reference's own numbers: what `--mimi-dtype bfloat16` /
+`float16` (auto's choice on CUDA) change in the codes and the audio, beside what the reference
+itself changes when it runs as users run it.
 
     python benchmarks/mimi_quality.py                          # CUDA, full-size Mimi
     python benchmarks/mimi_quality.py --device cpu --tiny      # the CPU smoke run
@@ -19,7 +20,8 @@ the baseline's codes against the baseline's audio. Variants (CUDA):
 - `reference (PyTorch defaults)`: the reference as it runs on a GPU unless told otherwise;
   PyTorch lets cuDNN's convolutions round their inputs to TF32 by default;
 - `parley float32, TF32 off` / `parley float32`: Parley's default Mimi, exact and as it runs;
-- `parley bfloat16`: `--mimi-dtype bfloat16` (convs and transformers in bf16, quantizer in fp32).
+- `parley bfloat16` / `parley float16`: `--mimi-dtype bfloat16` / `float16` (convs and
+  transformers in that dtype, quantizer in fp32).
 On the CPU there is no TF32: the two float32 rows are one.
 """
 
@@ -76,17 +78,9 @@ def tf32(cudnn_and_matmul: tuple[bool, bool]):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@torch.no_grad()
 def parley_stream(mimi: Mimi, pcm: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Streaming encode of pcm [B, F * 1920] and decode of codes [B, K, F] -> codes, audio [B, F, 1920]."""
-    batch, frames = codes.shape[0], codes.shape[-1]
-    state = mimi.init_state(batch, pcm.device)
-    run = torch.ones(batch, dtype=torch.bool, device=pcm.device)
-    out_codes, out_audio = [], []
-    for f in range(frames):
-        out_codes.append(mimi.encode_step(pcm[:, f * FRAME_SAMPLES:(f + 1) * FRAME_SAMPLES], state, run))
-        out_audio.append(mimi.decode_step(codes[:, :, f], state, run))
-    return torch.stack(out_codes, dim=-1), torch.stack(out_audio, dim=1)
+    return mimi.encode(pcm), mimi.decode(codes).view(codes.shape[0], -1, FRAME_SAMPLES)
 
 
 @torch.no_grad()

@@ -423,16 +423,6 @@ def test_bf16_mimi_stays_within_its_stated_tolerance(device):
     assert snr >= 40, f"bf16 decode SNR {snr:.1f} dB"
 
 
-def _stream(model: Mimi, pcm: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Streaming encode of pcm [B, F, 1920] -> codes [B, F, K]; decode of codes [B, F, K] -> audio."""
-    batch, frames = pcm.shape[:2]
-    state = model.init_state(batch, pcm.device)
-    run = torch.ones(batch, dtype=torch.bool, device=pcm.device)
-    enc = torch.stack([model.encode_step(pcm[:, f], state, run) for f in range(frames)], 1)
-    dec = torch.stack([model.decode_step(codes[:, f], state, run) for f in range(frames)], 1)
-    return enc, dec
-
-
 def test_float16_keeps_the_codes_that_bf16_moves(tiny_mimi: Mimi):
     """With codebooks fitted to the latents (as a trained codec's lie, among the data: the near-ties
     random ones hide), float16, what `--mimi-dtype auto` takes on CUDA, keeps at least 90 % of
@@ -442,13 +432,14 @@ def test_float16_keeps_the_codes_that_bf16_moves(tiny_mimi: Mimi):
     mimi = copy.deepcopy(tiny_mimi)
     g = torch.Generator().manual_seed(0)
     fit_codebooks_(mimi, 0.3 * torch.randn(256, 8 * FRAME_SAMPLES, generator=g), seed=0)  # 2048 latent frames
-    pcm = 0.3 * torch.randn(8, 8, FRAME_SAMPLES, generator=g)
-    codes, _ = _stream(mimi, pcm, torch.zeros(8, 8, mimi.num_codebooks, dtype=torch.long))
-    _, audio = _stream(mimi, pcm, codes)
+    pcm = 0.3 * torch.randn(8, 8 * FRAME_SAMPLES, generator=g)
+    codes = mimi.encode(pcm)  # streaming, frame by frame: [B, K, F]
+    audio = mimi.decode(codes)
     results = {}
     for dtype in (torch.float16, torch.bfloat16):
-        enc, dec = _stream(copy.deepcopy(mimi).compute_in(dtype), pcm, codes)
-        semantic = (enc[..., 0] == codes[..., 0]).float().mean().item()
+        half = copy.deepcopy(mimi).compute_in(dtype)
+        enc, dec = half.encode(pcm), half.decode(codes)
+        semantic = (enc[:, 0] == codes[:, 0]).float().mean().item()
         snr = 10 * torch.log10(audio.pow(2).sum() / (dec - audio).pow(2).sum()).item()
         results[dtype] = semantic, snr
     (semantic16, snr16), (_, snr_bf16) = results[torch.float16], results[torch.bfloat16]
