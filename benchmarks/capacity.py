@@ -28,13 +28,14 @@ CPU of the server's event loop and engine threads in cores (`parley_thread_cpu_s
 they share one GIL, so a sum near 1 means the ticks wait for the loop's Python. Then where the
 ticks' time went, mean ms per tick (`parley_engine_tick_*_seconds_total`): the plan (rows and
 their input frames), the rows' changes before the step (resets, KV blocks), launching the step,
-waiting for the device (and the output copy), and routing the outputs to the sessions' streams. The progress lines (every 10 s) add the full
-garbage collections in the server and their pauses (each stops every thread, the engine's too),
-and, with --spawn, the lines its log gained since the last one (it logs warnings and errors: a
-late tick is one, naming what ran before it; at most SERVER_LINES a progress line, the rest counted).
-Each period's server-side figures also go to stderr as it ends (`minute N done: ...`), so a run
-whose final table is lost keeps them. At the end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 %
-of its frames over 60 ms), 0 late ticks and 0 frames lost.
+waiting for the device (and the output copy), and routing the outputs to the sessions' streams.
+The progress lines (every 10 s) add the full garbage collections in the server and their pauses
+(each stops every thread, the engine's too), and, with --spawn, the lines its log gained since the
+last one (it logs warnings and errors: a late tick is one, naming what ran before it; at most
+SERVER_LINES a progress line, the rest counted). Each period's server-side figures also go to
+stderr as it ends (`minute N done: ...`), so a run whose final table is lost keeps them. At the
+end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 % of its
+frames over 60 ms), 0 late ticks and 0 frames lost.
 """
 
 from __future__ import annotations

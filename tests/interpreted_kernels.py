@@ -365,7 +365,7 @@ def check_page_list_decode() -> None:
             state.map_blocks(assigned=pool.start(row, f"s{row}", 0).assigned)
     with torch.no_grad():
         for t in range(40):
-            ids = [f"s0", f"s1" if t % 3 != 1 else None, f"s2" if t >= 5 else None]
+            ids = ["s0", "s1" if t % 3 != 1 else None, "s2" if t >= 5 else None]
             changes = pool.step(ids)
             for state in (lists, kernel):
                 state.map_blocks(changes.released, changes.forgotten, changes.assigned)
@@ -377,6 +377,7 @@ def check_page_list_decode() -> None:
             close(got[live], want[live])  # (a row that does not step reads the null block: its output is unused)
     assert pool.counters().shrinks > 0
     print("ok page_list_decode")
+
 
 if __name__ == "__main__":
     check_decode_attention()
