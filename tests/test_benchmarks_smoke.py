@@ -234,7 +234,7 @@ OWN_TESTS = ("write_models.py",)
 # helpers, the benchmarks-folder imports) still runs here.
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
                "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
-               "mimi_steps.py", "frame_gpu_time.py", "flashinfer_decode.py")
+               "mimi_steps.py", "frame_gpu_time.py", "flashinfer_decode.py", "fp8_weights.py")
 
 
 def test_other_benchmarks_import() -> None:
@@ -298,6 +298,8 @@ GPU_CASES = {
                                 r"B=2 full\s+split_d .* registers"]),
     "mimi_steps": ("mimi_steps.py", ["--batches", "2", "--frames", "2"],
                    [r"^\| 2 \| plain \| \d+\.\d{3} \| \d+ \|", r"^\| 2 \| bfloat16 \| .* dB \|$"]),
+    "fp8_weights": ("fp8_weights.py", ["--batches", "2", "--layers", "1", "--replays", "2"],
+                    [r"^\| 2 \| \d+\.\d\d \| .* \| \d+\.\d\d% \|$"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "frame_gpu_time": ("frame_gpu_time.py", ["--batch", "1", "--frames", "3", "--warmup", "1"],
                        [r"gc as is: wall p50 \d+\.\d\d .* gpu p50 \d+\.\d\d", r"gc frozen: wall p50"]),
