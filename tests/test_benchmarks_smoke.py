@@ -299,7 +299,7 @@ GPU_CASES = {
     "mimi_steps": ("mimi_steps.py", ["--batches", "2", "--frames", "2"],
                    [r"^\| 2 \| plain \| \d+\.\d{3} \| \d+ \|", r"^\| 2 \| bfloat16 \| .* dB \|$"]),
     "fp8_weights": ("fp8_weights.py", ["--batches", "2", "--layers", "1", "--replays", "2"],
-                    [r"^\| 2 \| \d+\.\d\d \| .* \| \d+\.\d\d% \|$"]),
+                    [r"^\| 2 \| bf16 \| \d+\.\d\d \| .* \| 0\.00% \|$", r"^\| 2 \| fp8 tensor \| .* \| \d\.\d\d% \|$"]),
     "kv_drift": ("kv_drift.py", ["--batch", "1", "--frames", "2"], [r"greedy text agreement \d+\.\d %"]),
     "frame_gpu_time": ("frame_gpu_time.py", ["--batch", "1", "--frames", "3", "--warmup", "1"],
                        [r"gc as is: wall p50 \d+\.\d\d .* gpu p50 \d+\.\d\d", r"gc frozen: wall p50"]),
