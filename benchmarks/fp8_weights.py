@@ -12,7 +12,9 @@ one step's 128 matmuls are captured as one CUDA graph, median ms of a replay by 
   in the graph each input is scaled per row by its absolute max and cast, then
   `torch._scaled_mm` into bf16. Its rows are padded to a multiple of 16 (the fp8 matmul's
   shape rule);
-- fp8 tensor: the same with one scale per weight and one per input (cuBLASLt's fp8 path).
+- fp8 tensor: the same with one scale per weight and one per input (cuBLASLt's fp8 path);
+- fp8 matmul only: fp8 tensor's matmuls on inputs cast before the graph, what is left if the
+  cast were fused into the kernel before each matmul (the norm, the activation).
 Beside them: the bytes each must read and the bandwidth reached, and fp8's error against bf16
 on the same inputs (the norm of the difference over the norm of bf16's output, worst matmul).
 The error says nothing yet of what it does to the model's tokens: that would need a fidelity
@@ -96,7 +98,14 @@ def main() -> None:
         def fp8_step(weights8):
             return lambda *xs: [fp8_linear(x, q, s)[:batch] for x, (q, s) in zip(xs, weights8)]
 
-        steps = {"bf16": (bf16_step, bf16_bytes), **{name: (fp8_step(w8), fp8_bytes) for name, w8 in quantized.items()}}
+        cast = [to_fp8(x, rows=False) for x in inputs]
+
+        def fp8_matmul_only(*xs):
+            return [torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=s, out_dtype=torch.bfloat16)[:batch]
+                    for (xq, x_scale), (q, s) in zip(cast, quantized["fp8 tensor"])]
+
+        steps = {"bf16": (bf16_step, bf16_bytes), **{name: (fp8_step(w8), fp8_bytes) for name, w8 in quantized.items()},
+                 "fp8 matmul only": (fp8_matmul_only, fp8_bytes)}
         reference = None
         for name, (step, nbytes) in steps.items():
             runner = CUDAGraphRunner(step, inputs)
