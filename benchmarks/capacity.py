@@ -35,7 +35,8 @@ last one (it logs warnings and errors: a late tick is one, naming what ran befor
 SERVER_LINES a progress line, the rest counted). Each period's server-side figures also go to
 stderr as it ends (`minute N done: ...`), so a run whose final table is lost keeps them. At the
 end: the most concurrent sessions held in a period with frame p99 <= 60 ms (at most 1 % of its
-frames over 60 ms), 0 late ticks and 0 frames lost.
+frames over 60 ms), 0 late ticks and 0 frames lost; and the server's own refusals by reason
+(`parley_refusals_total`: `full` slots or KV `memory`), which a client's 503 does not tell apart.
 """
 
 from __future__ import annotations
@@ -289,6 +290,16 @@ def progress(s: Sample, earlier: Sample) -> None:
           file=sys.stderr, flush=True)
 
 
+def server_refusals(http: str) -> dict[str, int]:
+    """The server's own count of refusals by reason (`parley_refusals_total`, every door): a
+    client sees a 503 alone, which does not say whether the slots or the KV memory were full."""
+    text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
+    out: dict[str, int] = {}
+    for reason, n in re.findall(r'^parley_refusals_total\{[^}]*reason="(\w+)"[^}]*\} ([0-9.eE+]+)$', text, re.M):
+        out[reason] = out.get(reason, 0) + int(float(n))
+    return {reason: n for reason, n in out.items() if n}
+
+
 def describe_server(http: str) -> str:
     """The server's model and each codec's dtype (/api/info): what `--mimi-dtype auto` chose is on record."""
     info = json.loads(urllib.request.urlopen(f"{http}/api/info", timeout=10).read())
@@ -297,7 +308,8 @@ def describe_server(http: str) -> str:
 
 
 async def run_capacity(url: str, target: float, minutes: float, time_scale: float, procs: int,
-                       seed: int, steady: bool = False, server_log: ServerLog | None = None) -> list[Period]:
+                       seed: int, steady: bool = False,
+                       server_log: ServerLog | None = None) -> tuple[list[Period], dict[str, int]]:
     http = url.replace("ws://", "http://").replace("wss://", "https://")
     print(describe_server(http), file=sys.stderr, flush=True)
     arrivals = schedule(target, minutes, time_scale, seed, steady)
@@ -328,10 +340,11 @@ async def run_capacity(url: str, target: float, minutes: float, time_scale: floa
                 shown = samples[-1]
         results = [pair for f in futures for pair in await f]
     ended = [_ended(a, stats, start_at) for a, stats in results]
-    return periods(samples, ended, period_s, duration)
+    return periods(samples, ended, period_s, duration), await asyncio.to_thread(server_refusals, http)
 
 
-def report(found: list[Period], time_scale: float, target: float, steady: bool = False) -> None:
+def report(found: list[Period], refusals: dict[str, int], time_scale: float, target: float,
+           steady: bool = False) -> None:
     print(f"sessions: log-normal lengths, median {MEDIAN_S:.0f} s, sigma {SIGMA:.3f} ({100 * PAST_WINDOW:.0f} % past "
           f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average"
           f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
@@ -345,6 +358,8 @@ def report(found: list[Period], time_scale: float, target: float, steady: bool =
           f"{max(held) if held else 0}")
     print(f"totals: arrived {sum(p.arrived for p in found)}, refused {sum(p.refused for p in found)}, late ticks "
           f"{sum(p.late for p in found):.0f}, frames lost {sum(p.lost for p in found):.0f}")
+    by_reason = ", ".join(f"{reason} {n}" for reason, n in sorted(refusals.items()))
+    print(f"the server's refusals by reason (docs/protocols.md): {by_reason or 'none'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,10 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             log_path = args.serve_log or Path(tmp) / "serve.log"
             with spawned_server(args.spawn, rows, args.device, args.serve_arg, log_path) as url:
-                found = run(url, ServerLog(log_path))
+                found, refusals = run(url, ServerLog(log_path))
     else:
-        found = run(args.url.rstrip("/"))
-    report(found, args.time_scale, args.target, args.steady)
+        found, refusals = run(args.url.rstrip("/"))
+    report(found, refusals, args.time_scale, args.target, args.steady)
     return 0
 
 

@@ -119,6 +119,7 @@ CPU_CASES = {
          r"^\| 0 \| \d+ \| \d+ \| \d+ \| \d+\.\d \| \d+\.\d\d \| \d+ \| \d+ \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| "
          r"\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d \| (yes|no) \|$",
          r"^most concurrent sessions held \(frame p99 <= 60 ms, 0 late ticks, 0 frames lost\): \d+$",
+         r"^the server's refusals by reason \(docs/protocols.md\): (none|[a-z_]+ \d+(, [a-z_]+ \d+)*)$",
          r"^minute 0 done: live max \d+, frame p99 \d+\.\d ms, \d+\.\d\d % of frames over 60 ms, late \d+, "
          r"engine drops \d+, KV blocks \d+, loop / engine cores \d+\.\d\d / \d+\.\d\d, tick ms "]),
     "transcript_delay": (
