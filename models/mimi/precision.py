@@ -45,20 +45,19 @@ def probe_signal(frames: int = PROBE_FRAMES) -> torch.Tensor:
 
 @torch.no_grad()
 def _stream(mimi: Mimi, pcm: torch.Tensor, codes: torch.Tensor | None):
-    """Streaming encode of pcm -> (latents [B, F, C], codes [B, K, F]); decode of `codes` (default
-    its own) -> audio [B, F, 1920]."""
-    rows, frames = pcm.shape[0], pcm.shape[1] // FRAME_SAMPLES
+    """Streaming encode of pcm -> (latents [B, F, C], codes [B, K, F]), keeping the latents that
+    `Mimi.encode` does not return (an overflow shows there first); `Mimi.decode` of `codes`
+    (default its own) -> audio [B, F * 1920]."""
+    rows = pcm.shape[0]
     state = mimi.init_state(rows, pcm.device)
     run = torch.ones(rows, dtype=torch.bool, device=pcm.device)
     latents, own = [], []
-    for f in range(frames):
-        latent = mimi.encode_latent_step(pcm[:, f * FRAME_SAMPLES:(f + 1) * FRAME_SAMPLES], state, run)
+    for chunk in pcm.split(FRAME_SAMPLES, dim=-1):
+        latent = mimi.encode_latent_step(chunk, state, run)
         latents.append(latent.float())
         own.append(mimi.quantize(latent))
     own = torch.stack(own, dim=-1)
-    codes = own if codes is None else codes
-    audio = torch.stack([mimi.decode_step(codes[..., f], state, run) for f in range(frames)], dim=1)
-    return torch.stack(latents, dim=1), own, audio.float()
+    return torch.stack(latents, dim=1), own, mimi.decode(own if codes is None else codes)
 
 
 def half_precision_problem(mimi: Mimi, frames: int = PROBE_FRAMES) -> str | None:
