@@ -72,12 +72,12 @@ def main() -> None:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         sys.exit(f"--batches {args.batches!r}: comma-separated integers")
-    if min(batches) < 1:
-        sys.exit("every batch must be at least 1")
+    if min(batches) < 1 or args.replays < 1 or (args.layers is not None and args.layers < 1):
+        sys.exit("every batch, --layers and --replays must be at least 1")
     if not torch.cuda.is_available():
         sys.exit("fp8_weights needs a CUDA GPU")
     cfg = model_configs("moshi")[0]
-    layers = args.layers or cfg.num_layers
+    layers = cfg.num_layers if args.layers is None else args.layers
     shapes = layer_shapes(cfg.dim, cfg.hidden_scale) * layers
     gen = torch.Generator("cuda").manual_seed(0)
     weights = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * k ** -0.5 for n, k in shapes]
