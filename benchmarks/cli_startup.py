@@ -36,7 +36,7 @@ PROBE = ("import json, sys\nfrom parley.realtime.cli import main\n"
 
 
 LAZY = ("triton", "torch._dynamo", "aiortc", "pyloudnorm", "scipy.signal")
-SERVER_BUILD = ("from parley.realtime.server import ServeConfig, build_app\n"
+SERVER_BUILD = ("from parley.realtime.server.serve import ServeConfig, build_app\n"
                 "build_app(ServeConfig(model=sys.argv[1], stt_model=sys.argv[2], device='cpu', max_sessions=1))")
 
 
@@ -57,7 +57,7 @@ def server_start(runs: int) -> None:
         write_tiny_stt_checkpoint(stt, mimi_from=model)
         print("\n| server start | median (s) | slowest (s) | loaded only where used, imported |")
         print("|---|---|---|---|")
-        for what, code in (("import parley.realtime.server", "import parley.realtime.server"),
+        for what, code in (("import parley.realtime.server.serve", "import parley.realtime.server.serve"),
                            ("import it, build a CPU server's app", SERVER_BUILD)):
             timed = [time_code(code, str(model), str(stt)) for _ in range(runs)]
             seconds = [t for t, _ in timed]

@@ -49,9 +49,9 @@ def serve_main(port: int, sessions: int, codec_workers: int) -> None:
 
     from parley.engine import Engine
     from delay_backend import DelayBackend
-    from parley.realtime.app import ServerInfo, create_app
-    from parley.realtime.services import Services
-    from parley.realtime.server import uvicorn_config
+    from parley.realtime.server.app import ServerInfo, create_app
+    from parley.realtime.server.services import Services
+    from parley.realtime.server.serve import uvicorn_config
 
     _name_os_threads()
     backend = DelayBackend(sessions)

@@ -195,7 +195,7 @@ def thread_server(max_sessions: int):
     """The demo app on a uvicorn thread of this process: (base, this pid)."""
     import uvicorn
 
-    from parley.realtime.server import ServeConfig, build_app, uvicorn_config
+    from parley.realtime.server.serve import ServeConfig, build_app, uvicorn_config
 
     port = free_port()
     app = build_app(ServeConfig(model=None, max_sessions=max_sessions))

@@ -30,7 +30,7 @@ requests (pcm, read as fast as they come) and prints:
   for MS ms, with every thread's stack (Python work holding the GIL, benchmarks/stall_watch.py);
   and (CUDA) the caching allocator's cudaMalloc / cudaFree calls and retries during it
   (places a one-off stall against the requests: the first TTS case of a run had one, until the
-  edge stopped importing modules on its first request, realtime/app.py `load_lazy_modules`);
+  edge stopped importing modules on its first request, realtime/server/app.py `load_lazy_modules`);
 - under each TTS row, where its slack went: items, ms per item and the estimate per TTS item key
   (admit; text and full steps per row bucket, e.g. `full/4`: a full step over the lowest 4 rows).
 
@@ -92,10 +92,10 @@ from parley.models.mimi.codec import Mimi  # noqa: E402
 from parley.models.tokenizer import TextTokenizer, train_tiny_tokenizer  # noqa: E402
 from parley.models.tts import TtsConfig, TtsLM  # noqa: E402
 from parley.models.tts_checkpoint import VoiceStore, write_voice  # noqa: E402
-from parley.realtime.app import ServerInfo, create_app  # noqa: E402
-from parley.realtime.services import Services, register_slack_source  # noqa: E402
-from parley.realtime.server import uvicorn_config  # noqa: E402
-from parley.realtime.speech_api import SpeechService, parse_request  # noqa: E402
+from parley.realtime.server.app import ServerInfo, create_app  # noqa: E402
+from parley.realtime.server.services import Services, register_slack_source  # noqa: E402
+from parley.realtime.server.serve import uvicorn_config  # noqa: E402
+from parley.realtime.http.speech import SpeechService, parse_request  # noqa: E402
 
 TEXT = ("Good morning, and welcome to the show. Today we are going to talk about the weather, music, and "
         "books. It was a bright cold day in April, and the clocks were striking thirteen. Please wait "

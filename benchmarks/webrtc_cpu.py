@@ -48,7 +48,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def worker_pids(server: int) -> list[int]:
-    """The server's WebRTC worker processes (its children running parley.realtime.webrtc_worker)."""
+    """The server's WebRTC worker processes (its children running parley.realtime.webrtc.worker)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

@@ -57,7 +57,7 @@ from parley.models.tokenizer import train_tiny_tokenizer  # noqa: E402
 from parley.models.tts import TtsConfig, TtsLM  # noqa: E402
 from parley.models.tts_checkpoint import (TTS_TOKENIZER_FILE, VoiceStore, load_tts_checkpoint,  # noqa: E402
                                           write_tts_lm, write_voice)
-from parley.realtime.demo_model import OPENAI_VOICE_NAMES  # noqa: E402
+from parley.realtime.server.demo_model import OPENAI_VOICE_NAMES  # noqa: E402
 
 KINDS = ("duplex", "tts", "stt", "image")
 VOICE_MAP = "voice_map.json"

@@ -128,7 +128,7 @@ class SlackSource:
     it measured, {key: seconds}, for the start-up log. Anything source-specific a warm-up needs
     (the TTS conditions its admissions carry, the image sizes to capture) is a constructor
     argument or an attribute set before it, never a warm-up parameter. One owner calls it:
-    `realtime/services.py`'s `register_slack_source` warms a source and adds it to the engine,
+    `realtime/server/services.py`'s `register_slack_source` warms a source and adds it to the engine,
     for every source the server serves (tests and benchmarks driving a source alone call
     `warm_up` themselves, with the cost model they use). `slack_prepare` then measures the keys
     once more on the engine thread."""

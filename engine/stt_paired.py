@@ -7,7 +7,7 @@
 
 Row r of the STT state is duplex row r. Two ways to run the STT step, same results:
 - in the frame (`in_frame=True`; the server switches to it once its GPU test passes,
-  `PAIRED_IN_FRAME` in realtime/server.py): the backend calls `frame_work` with the
+  `PAIRED_IN_FRAME` in realtime/server/serve.py): the backend calls `frame_work` with the
   frame's Mimi latent right after the encode; it quantizes the latent to the STT's codebooks (the
   first ones are the LM's, unchanged: residual quantization is sequential) and steps the STT. On
   CUDA this runs on a stream of its own inside the frame's graph, overlapping the duplex LM and

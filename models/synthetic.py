@@ -1,5 +1,5 @@
 """Checkpoints Parley writes, in the exact published layout: for its own tests, and for the
-built-in demo (`parley serve` with no --model serves them: realtime/demo_model.py), which is why
+built-in demo (`parley serve` with no --model serves them: realtime/server/demo_model.py), which is why
 this lives in the product package.
 
 `write_tiny_checkpoint(dir, kind)`: random weights for `tiny_lm_config()` / `tiny_mimi_config()`,

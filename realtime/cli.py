@@ -23,17 +23,17 @@ from parley.engine import (
     DEFAULT_STALL_TIMEOUT_S, KV_ATTENTION, KV_POLICIES, KvSettings, OptionsError, SamplingOptions, SessionOptions,
 )
 
-from . import cli_sources, doors
-from .help_format import HelpFormatter
-from .launch import add_launch
-from .limits import WS_MAX_SIZE, EdgeLimits
-from .live_policy import DelegateBackend, parse_policy
-from .log_format import LOG_FORMATS, configure_logging
-from .offline_cli import add_mimi_dtype_flag, add_offline
-from .served_models import parse_served_names
-from .server_sockets import bind
-from .transcribe_cli import add_transcribe
-from .tts_cli import add_tts
+from .server import cli_sources, doors
+from .server.help_format import HelpFormatter
+from .server.launch import add_launch
+from .sessions.limits import WS_MAX_SIZE, EdgeLimits
+from .live.policy import DelegateBackend, parse_policy
+from .server.log_format import LOG_FORMATS, configure_logging
+from .server.offline_cli import add_mimi_dtype_flag, add_offline
+from .server.served_models import parse_served_names
+from .server.sockets import bind
+from .server.transcribe_cli import add_transcribe
+from .server.tts_cli import add_tts
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -166,7 +166,7 @@ def add_service_flags(p: argparse.ArgumentParser) -> None:
                    help="an image request that has had no work run for this long (the voice load leaves no "
                         "slack for its size, or it is queued behind others) fails with a message saying so; "
                         "a client not reading its stream does not count")
-    # ---- TTS: POST /v1/audio/speech (realtime/speech_api.py) ----
+    # ---- TTS: POST /v1/audio/speech (realtime/http/speech.py) ----
     p.add_argument("--tts-model", default=None,
                    help="DSM TTS checkpoint directory or Hugging Face repo id (e.g. kyutai/tts-1.6b-en_fr), "
                         "served on /v1/audio/speech beside --model, or alone without it; the demo (no --model, "
@@ -233,8 +233,8 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
 
 def reliability_settings(args: argparse.Namespace) -> dict:
     """ServeConfig fields from the flags above; raises ValueError with a sentence naming the flag."""
-    from .security import parse_origins, read_key_file  # starlette: only once serving
-    from .transport import parse_ice_servers
+    from .server.security import parse_origins, read_key_file  # starlette: only once serving
+    from .calls.transport import parse_ice_servers
 
     if args.api_key and args.api_key_file:
         raise ValueError("give --api-key or --api-key-file, not both")
@@ -308,12 +308,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"parley serve: {exc}", file=sys.stderr)
         return 2
-    try:  # before loading anything: a taken port is found at once (server_sockets.py)
+    try:  # before loading anything: a taken port is found at once (server/sockets.py)
         sockets = bind(args.host, args.port)
     except OSError as exc:
         print(f"parley serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    from .server import serve  # torch and the models: only once serving
+    from .server.serve import serve  # torch and the models: only once serving
 
     return serve(_serve_config(args, defaults, {k: v for k, v in given.items() if v is not None}, kv, reliability),
                  sockets)
@@ -322,7 +322,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: dict, kv: KvSettings,
                   reliability: dict):
     """`parley serve`'s checked flags as the server's ServeConfig (imports the server: once serving)."""
-    from .server import ServeConfig
+    from .server.serve import ServeConfig
 
     return ServeConfig(model=args.model, demo=args.demo, host=args.host, port=args.port,
                        max_sessions=args.max_sessions,

@@ -9,7 +9,7 @@ import time
 
 import uvicorn
 
-from parley.realtime.server import ServeConfig, build_app, uvicorn_config
+from parley.realtime.server.serve import ServeConfig, build_app, uvicorn_config
 
 port = int(sys.argv[1])
 server = uvicorn.Server(uvicorn_config(build_app(ServeConfig(model=None, port=port)), "127.0.0.1", port,

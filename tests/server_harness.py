@@ -22,11 +22,11 @@ import uvicorn
 
 from parley.engine import Engine
 from delay_backend import DelayBackend
-from parley.realtime.app import ServerInfo, create_app
-from parley.realtime.served_models import ServedModels
-from parley.realtime.services import Services
-from parley.realtime.server import uvicorn_config
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.served_models import ServedModels
+from parley.realtime.server.services import Services
+from parley.realtime.server.serve import uvicorn_config
+from parley.realtime.sessions.session import ServerDefaults
 
 FRAME = 1920
 SR = 24000

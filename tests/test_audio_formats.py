@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from parley.realtime.audio_formats import AudioFormat, FormatError, InputDecoder, OutputEncoder, g711_decode, g711_encode
+from parley.realtime.media.audio_formats import AudioFormat, FormatError, InputDecoder, OutputEncoder, g711_decode, g711_encode
 
 
 @pytest.mark.parametrize("kind", ["pcmu", "pcma"])
@@ -66,8 +66,8 @@ def test_an_append_names_what_is_wrong_with_its_audio():
     FormatError is a ValueError: it was reported as bad base64)."""
     import base64
 
-    from parley.realtime.input_audio import appended_audio
-    from parley.realtime.realtime_settings import ClientError
+    from parley.realtime.calls.input_audio import appended_audio
+    from parley.realtime.realtime_api.settings import ClientError
 
     decode = InputDecoder(AudioFormat("pcm16")).decode
     event = {"type": "input_audio_buffer.append"}

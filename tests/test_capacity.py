@@ -21,11 +21,11 @@ import pytest
 from parley.engine import Engine, EngineConfig, EngineFull
 from parley.engine.slack import Priority, SlackSource
 from delay_backend import DelayBackend
-from parley.realtime.app import create_app
-from parley.realtime.services import Services
-from parley.realtime.drain import DrainingServer
-from parley.realtime.server import uvicorn_config
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.server.app import create_app
+from parley.realtime.server.services import Services
+from parley.realtime.server.drain import DrainingServer
+from parley.realtime.server.serve import uvicorn_config
+from parley.realtime.sessions.session import ServerDefaults
 from server_harness import chat_session, delay_app, free_port, serve, tone, wait_for
 
 

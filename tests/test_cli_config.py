@@ -10,10 +10,10 @@ import logging
 
 import pytest
 
-from parley.realtime import cli_sources
+from parley.realtime.server import cli_sources
 from parley.realtime.cli import build_parser
-from parley.realtime.log_format import configure_logging
-from parley.realtime.server import ServeError, resolve_device
+from parley.realtime.server.log_format import configure_logging
+from parley.realtime.server.serve import ServeError, resolve_device
 
 FLAGS = ["--max-sessions", "3", "--port", "9100", "--device", "cpu", "--kv-dtype", "fp8", "--text-temperature",
          "0.5", "--persona", "Be brief.", "--log-level", "debug", "--log-format", "json"]
@@ -123,7 +123,7 @@ def test_checkpoint_load_reports_progress_as_log_lines_off_a_terminal(tiny_moshi
     import torch
 
     from parley.models.checkpoint import load_checkpoint
-    from parley.realtime.load_progress import LoadProgress
+    from parley.realtime.server.load_progress import LoadProgress
 
     calls = []
     progress = LoadProgress(io.StringIO())  # not a terminal: periodic log lines, no bar
@@ -185,10 +185,10 @@ def test_the_server_answers_on_the_sockets_bound_before_loading():
 
     from parley.engine import Engine
     from delay_backend import DelayBackend
-    from parley.realtime.app import create_app
-    from parley.realtime.services import Services
-    from parley.realtime.server import run_app, uvicorn_config
-    from parley.realtime.server_sockets import bind
+    from parley.realtime.server.app import create_app
+    from parley.realtime.server.services import Services
+    from parley.realtime.server.serve import run_app, uvicorn_config
+    from parley.realtime.server.sockets import bind
     from server_harness import free_port
 
     app = create_app(Services(Engine(DelayBackend(1)), web_dir=None))

@@ -18,9 +18,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from parley.realtime.demo_model import (DEMO_KINDS, PERSONAPLEX_VOICES, cache_dir, ensure_demo_checkpoint,
+from parley.realtime.server.demo_model import (DEMO_KINDS, PERSONAPLEX_VOICES, cache_dir, ensure_demo_checkpoint,
                                         write_demo_checkpoint)
-from parley.realtime.server import ServeConfig, ServeError, build_app
+from parley.realtime.server.serve import ServeConfig, ServeError, build_app
 from server_harness import chat_session, free_port, serve, tone
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

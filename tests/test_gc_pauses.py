@@ -10,7 +10,7 @@ import pytest
 from delay_backend import DelayBackend, FakeTime, serve_one_session
 from parley.engine import Engine, TickClock
 from parley.engine.gc_pauses import FULL_COLLECTIONS, FullCollections, SlackCollections, freeze_loaded_objects
-from parley.realtime.metrics_api import EdgeMetrics
+from parley.realtime.http.metrics import EdgeMetrics
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_thread_cpu_is_read_per_named_thread():
     import threading
     import time
 
-    from parley.realtime.worker_processes import cpu_seconds
+    from parley.realtime.server.workers import cpu_seconds
 
     ids: dict[str, int | None] = {"loop": threading.get_native_id(), "engine": None}
     burned, release = threading.Event(), threading.Event()

@@ -16,9 +16,9 @@ from parley.engine import Engine, EngineConfig, EngineFull, SessionOptions
 from parley.engine.kv_blocks import KvBlockPool, KvChanges, KvFull, KvLayout
 from delay_backend import DelayBackend
 from parley.models.config import FRAME_SAMPLES
-from parley.realtime.app import create_app
-from parley.realtime.services import ServerInfo, Services
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.server.app import create_app
+from parley.realtime.server.services import ServerInfo, Services
+from parley.realtime.sessions.session import ServerDefaults
 from server_harness import serve, wait_for
 from test_capacity import get_json, http, upgrade
 

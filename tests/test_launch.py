@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from parley.realtime.cli import main
-from parley.realtime.launch import LaunchError, LaunchPlan, haproxy_config, parse_gpus, plan_workers
+from parley.realtime.server.launch import LaunchError, LaunchPlan, haproxy_config, parse_gpus, plan_workers
 from server_harness import chat_session, free_port, tone
 
 ROOT = Path(__file__).resolve().parents[1]

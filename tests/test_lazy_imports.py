@@ -2,12 +2,12 @@
 
 The `parley` command's help and version load no model stack: torch, diffusers and transformers
 took 7-9 s before argparse ran. Each command's handler imports what it needs when it runs; the
-defaults --help shows come from torch-free modules (engine/config.py, realtime/limits.py, ...).
+defaults --help shows come from torch-free modules (engine/config.py, realtime/sessions/limits.py, ...).
 
 After the server starts, serving a request imports no module. An import holds the GIL while it
 runs (tens of ms), and the engine thread waits for it: on the H200 the first /v1/audio/speech
 request made a duplex frame 20-50 ms late (anyio's backend, loaded on Starlette's first request),
-and the first mp3 response imported PyAV. realtime/app.py `load_lazy_modules` imports them at
+and the first mp3 response imported PyAV. realtime/server/app.py `load_lazy_modules` imports them at
 start; this test serves one request of every kind to the demo server (every modality) in a
 process of its own and fails naming any module a request imported."""
 
@@ -79,12 +79,12 @@ def test_a_cpu_server_starts_without_triton_aiortc_or_pyloudnorm(tiny_personaple
     pyloudnorm's scipy.signal (docs/benchmarks.md)."""
     stt = tmp_path / "stt"
     write_tiny_stt_checkpoint(stt, mimi_from=tiny_personaplex_dir)
-    assert imported_by("import parley.realtime.server") == []
+    assert imported_by("import parley.realtime.server.serve") == []
     config = f"ServeConfig(model={str(tiny_personaplex_dir)!r}, stt_model={str(stt)!r}, device='cpu', max_sessions=1)"
-    assert imported_by(f"from parley.realtime.server import ServeConfig, build_app\nbuild_app({config})") == []
+    assert imported_by(f"from parley.realtime.server.serve import ServeConfig, build_app\nbuild_app({config})") == []
     # The demo (every modality; .pt voices, WebRTC in worker processes): its image model's diffusers
     # imports torch._dynamo, and with it Triton, itself; the other two stay out.
-    demo = "from parley.realtime.server import ServeConfig, build_app\nbuild_app(ServeConfig(model=None, device='cpu'))"
+    demo = "from parley.realtime.server.serve import ServeConfig, build_app\nbuild_app(ServeConfig(model=None, device='cpu'))"
     assert set(imported_by(demo)) <= {"torch._dynamo", "triton"}
 
 
@@ -94,7 +94,7 @@ def test_each_is_imported_where_it_is_needed(tmp_path):
     fused = "import torch\nfrom parley.models import kernels\nassert kernels.available(torch.zeros(1))"
     assert "triton" in imported_by(fused, {"TRITON_INTERPRET": "1"})
     assert "triton" not in imported_by(fused.replace("assert ", "assert not "))  # no CUDA, no interpreter
-    assert "aiortc" in imported_by("import parley.realtime.webrtc_worker")
+    assert "aiortc" in imported_by("import parley.realtime.webrtc.worker")
     wav = tmp_path / "voice.wav"
     sf.write(wav, 0.3 * np.sin(np.arange(24_000) * 0.05), 24_000)
     assert "pyloudnorm" in imported_by(f"from parley.models.voices import voice_audio\nvoice_audio({str(wav)!r})")
@@ -105,7 +105,7 @@ def test_serve_help_shows_the_engines_defaults():
     from parley.engine import SamplingOptions
     from parley.engine.image_queue import DEFAULT_STALL_TIMEOUT_S
     from parley.realtime.cli import build_parser
-    from parley.realtime.limits import EdgeLimits
+    from parley.realtime.sessions.limits import EdgeLimits
 
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     text = " ".join(serve.format_help().split())

@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from parley.realtime.live_policy import DelegateBackend
+from parley.realtime.live.policy import DelegateBackend
 from server_harness import serve
 from test_live_responses import SPOKEN, backend_app
 from test_live_server import SR, checkpoints, live_app, speech_then_quiet  # noqa: F401 (fixture)

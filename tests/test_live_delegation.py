@@ -1,5 +1,5 @@
-"""GPT-Live's delegation policy (live_policy.py), its turn watcher and delegation ids
-(live_delegation.py), and the settings judge (live_config.py), without sockets."""
+"""GPT-Live's delegation policy (live/policy.py), its turn watcher and delegation ids
+(live/delegation.py), and the settings judge (live/config.py), without sockets."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from parley.realtime.cli import build_parser, reliability_settings
-from parley.realtime.live_config import check_update, parse_start
-from parley.realtime.live_delegation import Delegations, TurnWatcher
-from parley.realtime.live_policy import DelegationPolicy, PolicyError, parse_policy
-from parley.realtime.realtime_settings import ClientError, ModelCaps
+from parley.realtime.live.config import check_update, parse_start
+from parley.realtime.live.delegation import Delegations, TurnWatcher
+from parley.realtime.live.policy import DelegationPolicy, PolicyError, parse_policy
+from parley.realtime.realtime_api.settings import ClientError, ModelCaps
 
 SR = 24_000
 MOSHI, PERSONAPLEX = ModelCaps(prompts=False, models=("m",)), ModelCaps(prompts=True, models=("m",))

@@ -15,8 +15,8 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from parley.realtime.cli import build_parser, reliability_settings
-from parley.realtime.live_policy import DelegateBackend
-from parley.realtime.live_responses import FALLBACK
+from parley.realtime.live.policy import DelegateBackend
+from parley.realtime.live.responses import FALLBACK
 from server_harness import free_port, serve
 from test_live_server import (SR, checkpoints, close_live, live_app, output_deltas, pcm_frames, speak,  # noqa: F401 (fixture)
                               speech_then_quiet, start, validate)
@@ -193,7 +193,7 @@ def test_delegate_flags():
 def test_a_turn_delegated_while_a_call_is_open_joins_the_run_after_its_output():
     """The chat API needs a call's output right after the call: a user turn (or message item) that
     comes while the call is open waits for response.create, and goes to the backend after the output."""
-    from parley.realtime.live_responses import ResponsesDelegate, parse_settings
+    from parley.realtime.live.responses import ResponsesDelegate, parse_settings
 
     requests: list[dict] = []
 
@@ -234,7 +234,7 @@ def test_a_turn_delegated_while_a_call_is_open_joins_the_run_after_its_output():
 def test_a_backend_that_never_answers_is_bounded_by_the_run_timeout(monkeypatch):
     """The run is bounded (RUN_TIMEOUT_S, shortened here): a backend that accepts and never answers
     gets the session response.failed, a delegation_failed error and the spoken fallback."""
-    from parley.realtime import live_responses
+    from parley.realtime.live import responses as live_responses
 
     monkeypatch.setattr(live_responses, "RUN_TIMEOUT_S", 0.5)
 
@@ -267,7 +267,7 @@ def test_a_backend_that_never_answers_is_bounded_by_the_run_timeout(monkeypatch)
 
 
 def test_the_conversation_kept_drops_its_oldest_messages_never_leaving_an_output_without_its_call(monkeypatch):
-    from parley.realtime import live_responses
+    from parley.realtime.live import responses as live_responses
 
     monkeypatch.setattr(live_responses, "MAX_MESSAGES", 3)
 

@@ -17,10 +17,10 @@ import pytest
 from openai.types.live import ServerEvent
 
 from parley.models.synthetic import write_tiny_stt_checkpoint
-from parley.realtime.audio_formats import g711_decode, g711_encode
-from parley.realtime.live_policy import parse_policy
-from parley.realtime.server import ServeConfig, ServeError, build_app
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.media.audio_formats import g711_decode, g711_encode
+from parley.realtime.live.policy import parse_policy
+from parley.realtime.server.serve import ServeConfig, ServeError, build_app
+from parley.realtime.sessions.session import ServerDefaults
 
 from live_checkpoints import write_pausing_checkpoint
 from server_harness import OPENAI_ALIASES, best_lag_correlation, delay_app, serve, tone
@@ -401,7 +401,7 @@ def test_a_drain_refuses_new_live_sessions_then_notices_the_live_one_and_closes_
 def test_a_refused_voice_names_it_and_the_session_may_start_again_and_silence_times_out(monkeypatch):
     from websockets.asyncio.client import connect
 
-    from parley.realtime import live_session
+    from parley.realtime.live import session as live_session
 
     monkeypatch.setattr(live_session, "START_TIMEOUT_S", 0.5)  # the server runs in this process
     app, _ = delay_app(1)  # its backend rejects the voice "unknown"
@@ -432,7 +432,7 @@ def test_the_key_the_origin_and_the_event_size_are_checked_as_on_the_other_doors
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
 
-    from parley.realtime.limits import EdgeLimits
+    from parley.realtime.sessions.limits import EdgeLimits
 
     app, _ = delay_app(1, defaults=ServerDefaults(api_key="sk-test", limits=EdgeLimits(max_event_bytes=4096)))
 

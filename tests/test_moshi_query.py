@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from parley.engine import OptionsError, SamplingOptions, SessionOptions
-from parley.realtime.moshi_protocol import options_from_query
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.chat.protocol import options_from_query
+from parley.realtime.sessions.session import ServerDefaults
 from server_harness import delay_app, serve
 
 

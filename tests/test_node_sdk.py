@@ -26,8 +26,8 @@ import soundfile as sf
 from PIL import Image
 
 from parley.engine import Engine, EngineConfig
-from parley.realtime import services
-from parley.realtime.server import ServeConfig, build_app
+from parley.realtime.server import services
+from parley.realtime.server.serve import ServeConfig, build_app
 from server_harness import serve
 
 NODE_DIR = Path(__file__).resolve().parent / "node"

@@ -187,8 +187,8 @@ def test_the_kv_layout_takes_the_models_block_rule(tiny_moshi_dir):
 
 def test_parley_serve_pages_the_duplex_model_in_the_models_blocks(tiny_moshi_dir):
     from parley.engine import KvSettings
-    from parley.realtime.server import ServeConfig, ServeError
-    from parley.realtime.services import build_services
+    from parley.realtime.server.serve import ServeConfig, ServeError
+    from parley.realtime.server.services import build_services
 
     def config(**kv) -> ServeConfig:
         return ServeConfig(model=str(tiny_moshi_dir), codec_workers=0, torch_threads=1, max_sessions=2,

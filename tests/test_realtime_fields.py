@@ -13,7 +13,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from parley.realtime.audio_formats import g711_decode, g711_encode
+from parley.realtime.media.audio_formats import g711_decode, g711_encode
 from server_harness import FRAME, SR, delay_app, serve, tone
 from test_server_realtime import Recorder, beta_validators, check_all, client, ga_validators, pcm16_b64, stream
 
@@ -173,7 +173,7 @@ def run(coro):
 
 
 def test_moshi_checkpoint_refuses_persona_and_voice_prompts_beta():
-    from parley.realtime.edge_sessions import ServerDefaults
+    from parley.realtime.sessions.session import ServerDefaults
     app, backend = delay_app(1, defaults=ServerDefaults(prompts=False))
 
     async def scenario(base):

@@ -8,9 +8,9 @@ import base64
 import numpy as np
 import pytest
 
-from parley.realtime.audio_formats import AudioFormat
-from parley.realtime.openai_events import Dialect, SessionConfig
-from parley.realtime.realtime_settings import (
+from parley.realtime.media.audio_formats import AudioFormat
+from parley.realtime.realtime_api.events import Dialect, SessionConfig
+from parley.realtime.realtime_api.settings import (
     ClientError, ModelCaps, apply_session_update, parse_item, parse_response_options, parse_turn_detection,
 )
 

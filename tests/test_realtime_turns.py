@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from parley.models.config import FRAME_SAMPLES
-from parley.realtime.limits import ConversationBudget, EdgeLimits
-from parley.realtime.openai_events import Dialect, Events, SessionConfig
-from parley.realtime.realtime_settings import ClientError, ResponseOptions
-from parley.realtime.realtime_turns import END_QUIET_FRAMES, Turns
+from parley.realtime.sessions.limits import ConversationBudget, EdgeLimits
+from parley.realtime.realtime_api.events import Dialect, Events, SessionConfig
+from parley.realtime.realtime_api.settings import ClientError, ResponseOptions
+from parley.realtime.realtime_api.turns import END_QUIET_FRAMES, Turns
 
 LOUD = (0.3 * np.sin(np.arange(FRAME_SAMPLES) * 0.1)).astype(np.float32)
 QUIET = np.zeros(FRAME_SAMPLES, np.float32)

@@ -1,5 +1,5 @@
 """Every refused session or request leaves one INFO line (door, reason, client; never a key) and
-one step of parley_refusals_total{door, reason} (realtime/refusals.py), whichever door refused it
+one step of parley_refusals_total{door, reason} (realtime/sessions/refusals.py), whichever door refused it
 and however: 503 / 401 / 403 before the upgrade, or a close after it. Real uvicorn on loopback
 over the fabricated echo backend.
 """
@@ -16,12 +16,12 @@ import pytest
 
 from parley.engine import Engine
 from delay_backend import DelayBackend
-from parley.realtime.app import ServerInfo, create_app
-from parley.realtime.services import Services
-from parley.realtime.limits import EdgeLimits
-from parley.realtime.moshi_protocol import MAX_MESSAGE_BYTES
-from parley.realtime.refusals import REASONS
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.services import Services
+from parley.realtime.sessions.limits import EdgeLimits
+from parley.realtime.chat.protocol import MAX_MESSAGE_BYTES
+from parley.realtime.sessions.refusals import REASONS
+from parley.realtime.sessions.session import ServerDefaults
 from server_harness import serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -174,7 +174,7 @@ def test_a_session_the_stopped_engine_cannot_open_is_refused(caplog):
 
 
 def test_a_session_without_a_codec_worker_is_refused(caplog, monkeypatch):
-    from parley.realtime.opus import CodecUnavailable
+    from parley.realtime.media.opus import CodecUnavailable
 
     caplog.set_level(logging.INFO, logger="parley")
     app = make_app()
@@ -195,7 +195,7 @@ def test_a_request_refused_by_a_full_tts_pool(caplog, tiny_tts_dir):
     import torch
 
     from parley.engine import EngineConfig
-    from parley.realtime.speech_setup import load_speech_service
+    from parley.realtime.http.speech_setup import load_speech_service
 
     caplog.set_level(logging.INFO, logger="parley")
     service = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,

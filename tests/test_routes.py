@@ -1,6 +1,6 @@
 """What the server says it serves, and how it answers what it does not serve.
 
-- The startup banner lists exactly the routes the app mounted (doors.py's table, less the doors
+- The startup banner lists exactly the routes the app mounted (server/doors.py's table, less the doors
   whose service is not loaded); `parley --help` and `parley serve --help` describe the same table.
 - An unknown WebSocket path is refused 404 before the upgrade (not the framework's 403).
 - Under /v1/ every error is OpenAI-shaped JSON that the openai SDK parses: an unknown path, a door
@@ -19,12 +19,13 @@ import pytest
 
 from parley.engine import Engine
 from delay_backend import DelayBackend
-from parley.realtime import doors, server
-from parley.realtime.app import ServerInfo, create_app
-from parley.realtime.services import Services
+from parley.realtime.server import doors
+from parley.realtime.server import serve as server
+from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.services import Services
 from parley.realtime.cli import main as cli_main
-from parley.realtime.edge_sessions import ServerDefaults
-from parley.realtime.server import ServeConfig
+from parley.realtime.sessions.session import ServerDefaults
+from parley.realtime.server.serve import ServeConfig
 from server_harness import serve
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,7 +134,7 @@ def test_speech_takes_every_key_the_middleware_takes(tiny_tts_dir):
     import torch
 
     from parley.engine import EngineConfig
-    from parley.realtime.speech_setup import load_speech_service
+    from parley.realtime.http.speech_setup import load_speech_service
 
     service = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,
                                   device="cpu", dtype=torch.float32)

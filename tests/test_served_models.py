@@ -1,4 +1,4 @@
-"""One rule for `model` (served_models.py): each modality answers to its checkpoint's name and
+"""One rule for `model` (server/served_models.py): each modality answers to its checkpoint's name and
 the operator's aliases (--served-model-name), another name is OpenAI's 404 model_not_found,
 and leaving it out picks the served one; GET /v1/models lists them. Before, speech took any
 string, transcription any non-empty one, images answered 400, and /v1/models was a 404."""
@@ -20,12 +20,12 @@ from parley.engine.stt_pool import SttPool
 from delay_backend import DelayBackend
 from parley.models.checkpoint import load_stt_checkpoint
 from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_stt_checkpoint
-from parley.realtime.app import create_app
+from parley.realtime.server.app import create_app
 from parley.realtime.cli import main as cli_main
-from parley.realtime.served_models import ModelNotFound, ServedModels, parse_served_names
-from parley.realtime.server import ServeConfig, ServeError
-from parley.realtime.services import ServerInfo, Services, build_images, build_services, register_slack_source
-from parley.realtime.speech_setup import load_speech_service
+from parley.realtime.server.served_models import ModelNotFound, ServedModels, parse_served_names
+from parley.realtime.server.serve import ServeConfig, ServeError
+from parley.realtime.server.services import ServerInfo, Services, build_images, build_services, register_slack_source
+from parley.realtime.http.speech_setup import load_speech_service
 
 from server_harness import serve
 from test_server_transcriptions import wav_bytes

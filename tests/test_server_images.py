@@ -18,13 +18,13 @@ from PIL import Image
 from parley.engine import Engine, EngineConfig
 from parley.engine.image_queue import ImageQueue
 from delay_backend import DelayBackend
-from parley.realtime.app import ServerInfo, create_app
-from parley.realtime.services import Services
+from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.services import Services
 from parley.realtime.cli import main
-from parley.realtime.demo_model import DEMO_IMAGE_MODEL, demo_image_stepper
-from parley.realtime.images_api import ImageService
-from parley.realtime.server import ServeConfig, ServeError
-from parley.realtime.services import build_images, register_slack_source
+from parley.realtime.server.demo_model import DEMO_IMAGE_MODEL, demo_image_stepper
+from parley.realtime.http.images import ImageService
+from parley.realtime.server.serve import ServeConfig, ServeError
+from parley.realtime.server.services import build_images, register_slack_source
 
 from server_harness import serve
 

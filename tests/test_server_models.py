@@ -28,7 +28,7 @@ from parley.models.checkpoint import load_checkpoint
 from parley.models.persona_prompt import SILENCE_FRAMES
 from parley.models.synthetic import ECHO_FIRST_FRAME, echo_text_token, echo_words
 from parley.models.voices import unpack_voices
-from parley.realtime.server import ServeConfig, build_app
+from parley.realtime.server.serve import ServeConfig, build_app
 from server_harness import FRAME, SR, chat_session, free_port, serve, tone, wait_healthy
 
 pytestmark = pytest.mark.timeout(90)
@@ -78,7 +78,7 @@ def test_api_voices_lists_every_voice_the_backend_loads(tiny_personaplex_dir, co
 
 
 def test_moshi_checkpoint_refuses_a_default_persona(tiny_moshi_dir):
-    from parley.realtime.server import ServeError
+    from parley.realtime.server.serve import ServeError
     with pytest.raises(ServeError, match="persona"):
         build_app(ServeConfig(model=str(tiny_moshi_dir), defaults=SessionOptions(persona="x")))
 

@@ -18,8 +18,8 @@ import pytest
 
 from parley.engine import Engine
 from delay_backend import DelayBackend
-from parley.realtime.app import ServerInfo, create_app
-from parley.realtime.services import Services
+from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.services import Services
 from server_harness import FRAME, SR, best_lag_correlation, chat_session, delay_app, serve, tone, wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -198,11 +198,11 @@ class SilentTextBackend(DelayBackend):
 
 def test_responses_follow_the_models_activity():
     from parley.engine import Engine
-    from parley.realtime.app import ServerInfo, create_app
-    from parley.realtime.services import Services
-    from parley.realtime.edge_sessions import ServerDefaults
+    from parley.realtime.server.app import ServerInfo, create_app
+    from parley.realtime.server.services import Services
+    from parley.realtime.sessions.session import ServerDefaults
 
-    from parley.realtime.served_models import ServedModels
+    from parley.realtime.server.served_models import ServedModels
 
     engine = Engine(SilentTextBackend(1))
     app = create_app(Services(engine, ServerDefaults(), ServerInfo(), codec_workers=1,
@@ -339,7 +339,7 @@ def test_api_key_subprotocols_and_dialect_selection():
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
 
-    from parley.realtime.edge_sessions import ServerDefaults
+    from parley.realtime.sessions.session import ServerDefaults
     app, _ = delay_app(1, defaults=ServerDefaults(api_key="secret"))
 
     async def scenario(base):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from parley.models.synthetic import write_tiny_stt_checkpoint
-from parley.realtime.server import ServeConfig, build_app
+from parley.realtime.server.serve import ServeConfig, build_app
 from server_harness import OPENAI_ALIASES, assert_transcript_delays, delay_app, serve, tone
 from test_server_realtime import Recorder, beta_validators, check_all, client, ga_validators, run, stream
 

@@ -20,11 +20,11 @@ from parley.engine.stt_pool import SttPool
 from delay_backend import DelayBackend
 from parley.models.checkpoint import load_stt_checkpoint
 from parley.models.synthetic import write_tiny_stt_checkpoint
-from parley.realtime.app import ServerInfo, create_app
-from parley.realtime.served_models import ServedModels
-from parley.realtime.services import Services, register_slack_source
+from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.served_models import ServedModels
+from parley.realtime.server.services import Services, register_slack_source
 from parley.realtime.cli import main as cli_main
-from parley.realtime.server import ServeConfig, build_app
+from parley.realtime.server.serve import ServeConfig, build_app
 
 from server_harness import assert_transcript_delays, chat_session, serve, tone
 from test_stt_pool import audio, expected_text

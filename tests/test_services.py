@@ -16,10 +16,10 @@ from delay_backend import DelayBackend
 from parley.models.checkpoint import CheckpointError
 from parley.models.synthetic import TINY_TTS_SUFFIX, TINY_TTS_VOICES, write_tiny_stt_checkpoint
 from parley.models.tiny_diffusion import write_tiny_pipeline
-from parley.realtime.app import create_app
-from parley.realtime.server import ServeConfig, ServeError, build_app
-from parley.realtime.services import ServerInfo, Services, build_services
-from parley.realtime.speech_setup import load_speech_service
+from parley.realtime.server.app import create_app
+from parley.realtime.server.serve import ServeConfig, ServeError, build_app
+from parley.realtime.server.services import ServerInfo, Services, build_services
+from parley.realtime.http.speech_setup import load_speech_service
 
 from server_harness import serve
 from test_server_transcriptions import wav_bytes

@@ -26,12 +26,12 @@ from parley.engine import Engine, EngineConfig
 from delay_backend import DelayBackend
 from parley.engine.tts_offline import synthesize
 from parley.models.synthetic import TINY_TTS_VOICES
-from parley.realtime.app import ServerInfo, create_app
-from parley.realtime.served_models import ServedModels
-from parley.realtime.services import Services
-from parley.realtime.demo_model import OPENAI_VOICE_NAMES
-from parley.realtime.speech_formats import to_int16
-from parley.realtime.speech_setup import load_speech_service
+from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.served_models import ServedModels
+from parley.realtime.server.services import Services
+from parley.realtime.server.demo_model import OPENAI_VOICE_NAMES
+from parley.realtime.media.speech_formats import to_int16
+from parley.realtime.http.speech_setup import load_speech_service
 from server_harness import serve
 
 TEXT = "Hello there, how are you?"

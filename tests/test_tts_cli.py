@@ -11,8 +11,8 @@ import pytest
 import soundfile as sf
 
 from parley.realtime import cli
-from parley.realtime.demo_model import OPENAI_VOICE_NAMES
-from parley.realtime.server import ServeConfig, build_app
+from parley.realtime.server.demo_model import OPENAI_VOICE_NAMES
+from parley.realtime.server.serve import ServeConfig, build_app
 from server_harness import serve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

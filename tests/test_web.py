@@ -202,8 +202,8 @@ class StubServer:
 
 def _real_server_available() -> str | None:
     """None when `parley serve` on the echo checkpoint can be tried, else why not."""
-    if not (ROOT / "realtime" / "app.py").exists():
-        return "realtime/app.py does not exist yet"
+    if not (ROOT / "realtime" / "server/app.py").exists():
+        return "realtime/server/app.py does not exist yet"
     try:
         from parley.models.synthetic import write_echo_checkpoint  # noqa: F401
         import parley.realtime.cli  # noqa: F401
@@ -464,7 +464,7 @@ def test_page_behind_an_api_key_passes_it_on(tmp_path):
 def test_page_with_parley_serve_demo(tmp_path):
     """Plain `parley serve` (the built-in demo model, a tiny PersonaPlex): the page lists its 18
     voices, takes a persona and the last voice, says it babbles, and the agent's text and voice arrive."""
-    from parley.realtime.demo_model import PERSONAPLEX_VOICES
+    from parley.realtime.server.demo_model import PERSONAPLEX_VOICES
     _need_browser()
     _need_server()
     voices = sorted(f"{v}.pt" for v in PERSONAPLEX_VOICES)

@@ -339,7 +339,7 @@ def test_bad_calls_are_refused_before_media_and_only_that_call_ends():
 
 
 def test_a_full_server_refuses_a_call_with_503_and_the_key_and_origin_are_checked():
-    from parley.realtime.edge_sessions import ServerDefaults
+    from parley.realtime.sessions.session import ServerDefaults
 
     app, _ = delay_app(1, defaults=ServerDefaults(api_key="k"))
     with serve(app) as base:
@@ -384,7 +384,7 @@ async def wait_live(base: str, n: int, key: str | None = None) -> None:
 
 def test_ice_servers_come_from_the_flags_and_reach_the_page():
     from parley.realtime.cli import build_parser, reliability_settings
-    from parley.realtime.transport import IceServer, parse_ice_servers
+    from parley.realtime.calls.transport import IceServer, parse_ice_servers
 
     assert parse_ice_servers(None) == ()
     assert parse_ice_servers("stun:stun.example.com:3478, turn:t.example.com:3478?transport=udp", "u", "p") == (
@@ -396,7 +396,7 @@ def test_ice_servers_come_from_the_flags_and_reach_the_page():
         parse_ice_servers("stun:s.example.com", "u", "p")
     args = build_parser().parse_args(["serve", "--ice-servers", "stun:stun.example.com:3478"])
     assert reliability_settings(args)["ice_servers"] == (IceServer("stun:stun.example.com:3478"),)
-    from parley.realtime.edge_sessions import ServerDefaults
+    from parley.realtime.sessions.session import ServerDefaults
 
     app, _ = delay_app(1, defaults=ServerDefaults(ice_servers=(IceServer("turn:t.example.com:3478", "u", "p"),)))
     with serve(app) as base:
@@ -408,7 +408,7 @@ def test_ice_servers_come_from_the_flags_and_reach_the_page():
 def test_output_audio_buffer_events_follow_the_response_on_the_track():
     """started before a response's first audio on the track, once; stopped after its response.done,
     cleared when it was cancelled; another response's done changes nothing."""
-    from parley.realtime.frame_output import PlayingResponse
+    from parley.realtime.calls.frame_output import PlayingResponse
 
     playing = PlayingResponse(lambda what, rid: (what, rid))
     assert playing.before_audio({"response_id": "r1"}) == [("started", "r1")]

@@ -1,4 +1,4 @@
-"""WebRTC calls in worker processes (realtime/webrtc_pool.py, webrtc_worker.py, webrtc_transport.py):
+"""WebRTC calls in worker processes (realtime/webrtc/pool.py, webrtc/worker.py, webrtc/transport.py):
 
 - a worker killed mid-call ends its own call only; a call on the other worker goes on hearing its
   echo, the pool replaces the dead worker, and a new call is served;
@@ -24,8 +24,8 @@ import numpy as np
 import openai
 import pytest
 
-from parley.realtime import webrtc_wire as wire
-from parley.realtime.webrtc_transport import CallUnavailable, WebRTCCall
+from parley.realtime.webrtc import wire
+from parley.realtime.webrtc.transport import CallUnavailable, WebRTCCall
 from server_harness import delay_app, serve
 from test_webrtc import ECHO_SETTINGS, Client, run, wait_live
 
@@ -88,7 +88,7 @@ def test_a_call_no_worker_can_take_is_refused_with_503_and_frees_its_slot():
 
 
 def test_the_webrtc_workers_flag_is_honoured_and_bad_values_are_refused(monkeypatch):
-    from parley.realtime import webrtc_pool
+    from parley.realtime.webrtc import pool as webrtc_pool
     from parley.realtime.cli import _serve_config, build_parser, serve_flag_error
 
     parser = build_parser()
@@ -239,7 +239,7 @@ class FakeClock:
 
 
 def test_the_track_keeps_a_20ms_grid_bounds_its_queue_and_restarts_the_grid_after_a_stall():
-    from parley.realtime.webrtc_peer import ModelAudioTrack
+    from parley.realtime.webrtc.peer import ModelAudioTrack
 
     async def scenario():
         clock = FakeClock()
@@ -263,7 +263,7 @@ def test_the_track_keeps_a_20ms_grid_bounds_its_queue_and_restarts_the_grid_afte
 
 
 def test_the_workers_outbox_is_bounded():
-    from parley.realtime.webrtc_worker import WorkerCall
+    from parley.realtime.webrtc.worker import WorkerCall
 
     class Worker:
         def __init__(self) -> None:
@@ -305,7 +305,9 @@ def test_workers_log_in_the_servers_format(monkeypatch, capsys):
     import logging
     import subprocess
 
-    from parley.realtime import log_format, webrtc_pool, webrtc_worker
+    from parley.realtime.server import log_format
+    from parley.realtime.webrtc import pool as webrtc_pool
+    from parley.realtime.webrtc import worker as webrtc_worker
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)

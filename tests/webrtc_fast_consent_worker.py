@@ -1,4 +1,4 @@
-"""A WebRTC worker (parley.realtime.webrtc_worker) whose ICE consent checks fail within about a
+"""A WebRTC worker (parley.realtime.webrtc.worker) whose ICE consent checks fail within about a
 second rather than 30 s, so a test sees a vanished peer's call end soon. Tests start it by
 setting the pool's `argv` (tests/test_webrtc.py)."""
 
@@ -6,7 +6,7 @@ import sys
 
 import aioice.ice
 
-from parley.realtime.webrtc_worker import main
+from parley.realtime.webrtc.worker import main
 
 aioice.ice.CONSENT_INTERVAL = 0.2
 aioice.ice.CONSENT_FAILURES = 3

@@ -18,7 +18,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from battery import engine_healthy
-from parley.realtime.opus_codec import OpusCodec, OpusError
+from parley.realtime.media.opus_codec import OpusCodec, OpusError
 from server_harness import FRAME, SR, delay_app, serve, tone
 
 pytestmark = pytest.mark.timeout(240)

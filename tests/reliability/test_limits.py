@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from parley.realtime.limits import (
+from parley.realtime.sessions.limits import (
     BURST_SECONDS, ConversationBudget, EdgeLimits, JSONLimitError, LagMeter, RateLimiter, parse_json_event,
 )
 

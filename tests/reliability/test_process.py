@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from attacks import oversized_handshake
-from parley.realtime.server import run_app, uvicorn_config
+from parley.realtime.server.serve import run_app, uvicorn_config
 from server_harness import chat_session, delay_app, free_port, tone, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

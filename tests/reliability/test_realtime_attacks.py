@@ -13,8 +13,8 @@ from websockets.asyncio.client import connect
 
 from attacks import stalled_reader
 from battery import assert_observer_ok, engine_healthy, flood_until_closed, under_observation
-from parley.realtime.limits import EdgeLimits
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.sessions.limits import EdgeLimits
+from parley.realtime.sessions.session import ServerDefaults
 from server_harness import delay_app, serve
 
 pytestmark = pytest.mark.timeout(90)

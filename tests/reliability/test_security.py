@@ -13,8 +13,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from battery import get_json
-from parley.realtime.security import RedactKeys, key_matches, parse_origins
-from parley.realtime.edge_sessions import ServerDefaults
+from parley.realtime.server.security import RedactKeys, key_matches, parse_origins
+from parley.realtime.sessions.session import ServerDefaults
 from server_harness import delay_app, serve
 
 pytestmark = pytest.mark.timeout(60)

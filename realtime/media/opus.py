@@ -1,0 +1,377 @@
+"""Ogg-Opus at 24 kHz, decoded and encoded off the event loop.
+
+Each `/api/chat` connection opens one `CodecStream` (an Ogg reader and an Ogg writer: Ogg
+streams are stateful) from the server's codec runner and awaits its `decode` / `encode`.
+The codec calls are blocking and, in sphn 0.2.1, hold the GIL (2-core dev machine: encode
+~0.25-0.8 ms per 80 ms frame, decode ~0.05-0.07 ms). Two runners:
+
+- `CodecProcessPool` (`--codec-workers N`, N >= 1): N worker *processes*
+  (`realtime/media/codec_worker.py`). A session is pinned to one worker for its lifetime, and that
+  worker holds the session's sphn reader and writer; PCM and Ogg bytes travel over a Unix
+  socket per worker. The event loop only frames and routes bytes (tens of microseconds per
+  call), so codec work leaves the server's GIL entirely: what a full GPU's session count
+  needs. Bounded: at most `max_inflight` requests per worker, each with a deadline. A worker
+  that dies (or stops answering) fails only its own sessions, with `CodecUnavailable`
+  (the connection closes 1011 saying so), and is restarted for new sessions.
+- `CodecThreadRunner` (`--codec-workers 0`): a small thread pool in the server process.
+  Keeps the loop free while a frame is encoded, but the GIL serializes the codec with the
+  loop and the engine thread: fine for the handful of sessions of a CPU box.
+
+Ordering: a connection decodes only from its receive task and encodes only from its send
+task, each awaiting one call at a time, so a stream's calls never overlap or reorder (a
+worker serves its requests in order; the thread pool sees one call per stream at a time).
+Reader and writer are separate objects, so a decode and an encode may run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Protocol
+
+import numpy as np
+
+from . import codec_worker as wire
+from ..server.workers import backoff, cpu_seconds, reap, spawn
+from .opus_codec import OpusCodec, OpusError, check_frame
+
+log = logging.getLogger("parley.codec")
+
+class CodecUnavailable(RuntimeError):
+    """The codec could not serve this session (its worker crashed, hung, or the server is
+    shutting down). The session cannot go on: its Ogg stream state is gone."""
+
+
+class CodecStream(Protocol):
+    """One connection's Ogg-Opus reader and writer."""
+
+    async def decode(self, data: bytes) -> np.ndarray:
+        """Feed any number of Ogg bytes; return the float32 PCM decodable so far (maybe empty).
+        Raises OpusError for a corrupt stream (after which decode keeps failing)."""
+
+    async def encode(self, pcm: np.ndarray) -> bytes:
+        """Encode one 1920-sample float32 frame; return the Ogg page bytes it completes."""
+
+    def close(self) -> None:
+        """Forget the stream (idempotent, never blocks)."""
+
+
+# ---------------------------------------------------------------------------- threads
+
+
+class CodecThreadRunner:
+    """`--codec-workers 0`: codec calls on a small in-process thread pool."""
+
+    workers = 0
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = max(1, threads if threads is not None else min(4, os.cpu_count() or 1))
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="opus")
+
+    async def start(self) -> None:
+        return None
+
+    def open(self) -> "_ThreadStream":
+        return _ThreadStream(self._pool)
+
+    def worker_pids(self) -> list[int]:
+        return []
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _ThreadStream:
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._codec = OpusCodec()
+
+    async def decode(self, data: bytes) -> np.ndarray:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._codec.decode, data)
+
+    async def encode(self, pcm: np.ndarray) -> bytes:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._codec.encode, pcm)
+
+    def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+class _Worker:
+    """One worker process and the parent's end of its socket (all state on the event loop)."""
+
+    def __init__(self, index: int, proc: subprocess.Popen, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, max_inflight: int) -> None:
+        self.index = index
+        self.proc = proc
+        self.reader = reader
+        self.writer = writer
+        self.slots = asyncio.Semaphore(max_inflight)  # bounded: requests in flight to this worker
+        self.pending: dict[int, asyncio.Future[bytes]] = {}
+        self.streams = 0  # sessions pinned here now
+        self.dead: str | None = None  # why, once it is gone
+        self.started = time.monotonic()
+        self.read_task: asyncio.Task | None = None
+
+    def fail(self, reason: str) -> None:
+        if self.dead is None:
+            self.dead = reason
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(CodecUnavailable(self.dead))
+        self.pending.clear()
+
+
+class CodecProcessPool:
+    """`--codec-workers N`: N codec worker processes, sessions pinned to one each."""
+
+    def __init__(self, workers: int, *, max_inflight: int = 512, request_timeout: float = 3.0,
+                 start_timeout: float = 30.0, on_restart: Callable[[], None] | None = None) -> None:
+        if workers < 1:
+            raise ValueError("a codec process pool needs at least one worker")
+        self.workers = workers
+        self.max_inflight = max_inflight
+        self.request_timeout = request_timeout
+        self.start_timeout = start_timeout
+        self.on_restart = on_restart
+        self.restarts = 0
+        self._slots: list[_Worker | None] = [None] * workers
+        self._stream_ids = itertools.count(1)
+        self._req_ids = itertools.count(1)
+        self._closing = False
+        self._respawning: set[asyncio.Task] = set()
+
+    # ---- lifecycle (event loop) ----
+
+    async def start(self) -> None:
+        """Start every worker and wait until each says it is ready (raises if one cannot start)."""
+        workers = await asyncio.gather(*(self._spawn(i) for i in range(self.workers)), return_exceptions=True)
+        errors = [w for w in workers if isinstance(w, BaseException)]
+        for i, w in enumerate(workers):
+            if not isinstance(w, BaseException):
+                self._install(i, w)
+        if errors:
+            await self.aclose()
+            raise RuntimeError(f"codec workers failed to start: {errors[0]}") from errors[0]
+        log.info("codec: %d worker processes (pids %s)", self.workers, self.worker_pids())
+
+    async def _spawn(self, index: int) -> _Worker:
+        proc, parent_sock = await spawn([sys.executable, "-m", "parley.realtime.media.codec_worker"])
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=parent_sock, limit=1 << 20)
+            head = await asyncio.wait_for(reader.readexactly(wire.REPLY.size), self.start_timeout)
+            if wire.REPLY.unpack(head)[0] != wire.STATUS_READY:
+                raise RuntimeError("unexpected first message")
+        except BaseException as exc:
+            parent_sock.close()
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+            if isinstance(exc, (asyncio.IncompleteReadError, asyncio.TimeoutError)):
+                raise RuntimeError(f"codec worker {index} did not start (exit code {proc.poll()})") from None
+            raise
+        return _Worker(index, proc, reader, writer, self.max_inflight)
+
+    def _install(self, index: int, worker: _Worker) -> None:
+        self._slots[index] = worker
+        worker.read_task = asyncio.get_running_loop().create_task(self._read_loop(worker),
+                                                                  name=f"codec-worker-{index}")
+
+    async def aclose(self) -> None:
+        """Close every worker (EOF on its socket makes it exit), bounded; kill stragglers."""
+        self._closing = True
+        for task in list(self._respawning):
+            task.cancel()
+        workers = [w for w in self._slots if w is not None]
+        self._slots = [None] * self.workers
+        for w in workers:
+            w.fail("the server is shutting down")
+            w.writer.close()
+        await reap(w.proc for w in workers)
+        for w in workers:
+            if w.read_task is not None:
+                w.read_task.cancel()
+
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self._slots if w is not None and w.dead is None]
+
+    def worker_cpu_seconds(self) -> float:
+        """CPU time of the live workers (Linux /proc), for /metrics and benchmarks."""
+        return cpu_seconds(self.worker_pids())
+
+    # ---- sessions ----
+
+    def open(self) -> "_ProcessStream":
+        """Pin a new stream to the least-loaded live worker."""
+        live = [w for w in self._slots if w is not None and w.dead is None]
+        if self._closing or not live:
+            raise CodecUnavailable("no codec worker is running (the server is shutting down or restarting them)")
+        worker = min(live, key=lambda w: w.streams)
+        worker.streams += 1
+        return _ProcessStream(self, worker, next(self._stream_ids) & 0xFFFFFFFF)
+
+    async def call(self, worker: _Worker, op: int, sid: int, payload: bytes) -> bytes:
+        if worker.dead is not None:
+            raise CodecUnavailable(worker.dead)
+        async with worker.slots:
+            if worker.dead is not None:
+                raise CodecUnavailable(worker.dead)
+            req = next(self._req_ids) & 0xFFFFFFFF
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[bytes] = loop.create_future()
+            worker.pending[req] = fut
+            deadline = loop.call_later(self.request_timeout, _expire, fut)  # cheaper than wait_for
+            try:
+                worker.writer.write(wire.REQUEST.pack(op, sid, req, len(payload)) + payload)
+                await worker.writer.drain()
+                return await fut
+            except asyncio.TimeoutError:
+                self._lose(worker, f"codec worker {worker.index} (pid {worker.proc.pid}) did not answer within "
+                                   f"{self.request_timeout:g} s and was restarted")
+                raise CodecUnavailable(worker.dead) from None
+            except (ConnectionError, RuntimeError) as exc:
+                if isinstance(exc, CodecUnavailable):
+                    raise
+                self._lose(worker, f"codec worker {worker.index} connection lost: {exc}")
+                raise CodecUnavailable(worker.dead) from None
+            finally:
+                deadline.cancel()
+                worker.pending.pop(req, None)
+
+    def send_close(self, worker: _Worker, sid: int) -> None:
+        worker.streams = max(0, worker.streams - 1)
+        if worker.dead is None:
+            try:
+                worker.writer.write(wire.REQUEST.pack(wire.OP_CLOSE, sid, 0, 0))
+            except (ConnectionError, RuntimeError):
+                pass
+
+    # ---- crashes ----
+
+    async def _read_loop(self, worker: _Worker) -> None:
+        reader = worker.reader
+        try:
+            while True:
+                status, req, n = wire.REPLY.unpack(await reader.readexactly(wire.REPLY.size))
+                payload = await reader.readexactly(n) if n else b""
+                fut = worker.pending.get(req)
+                if fut is None or fut.done():
+                    continue  # the caller gave up (timeout / cancelled)
+                if status == wire.STATUS_OK:
+                    fut.set_result(payload)
+                elif status == wire.STATUS_OPUS_ERROR:
+                    fut.set_exception(OpusError(payload.decode(errors="replace")))  # the worker's OpusCodec says why
+                else:
+                    fut.set_exception(CodecUnavailable(f"codec error: {payload.decode(errors='replace')}"))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except asyncio.CancelledError:
+            return
+        if self._closing:
+            return
+        code = await asyncio.to_thread(_wait_exit, worker.proc)
+        self._lose(worker, f"codec worker {worker.index} (pid {worker.proc.pid}) exited with code {code}; "
+                           "its sessions' audio streams were lost")
+
+    def _lose(self, worker: _Worker, reason: str) -> None:
+        """Fail the worker's sessions, kill it if needed, and start a replacement."""
+        if worker.dead is not None:
+            return
+        worker.fail(reason)
+        log.error("%s", reason)
+        try:
+            worker.writer.close()
+        except RuntimeError:
+            pass
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+        if self._closing or self._slots[worker.index] is not worker:
+            return
+        task = asyncio.get_running_loop().create_task(self._respawn(worker))
+        self._respawning.add(task)
+        task.add_done_callback(self._respawning.discard)
+
+    async def _respawn(self, old: _Worker) -> None:
+        # Back off when a worker dies right after starting (a broken environment, not a fluke).
+        delay = 0.0 if time.monotonic() - old.started > 5.0 else 1.0
+        attempt = 0
+        while not self._closing:
+            await asyncio.sleep(delay)
+            try:
+                await asyncio.to_thread(old.proc.wait)
+                worker = await self._spawn(old.index)
+            except Exception as exc:  # noqa: BLE001 - keep trying, bounded by the backoff
+                attempt += 1
+                delay = backoff(attempt)
+                log.error("codec worker %d restart failed (%s); retrying in %.1f s", old.index, exc, delay)
+                continue
+            if self._closing:
+                worker.writer.close()
+                await asyncio.to_thread(worker.proc.wait)
+                return
+            self._install(old.index, worker)
+            self.restarts += 1
+            if self.on_restart is not None:
+                self.on_restart()
+            log.warning("codec worker %d restarted (pid %d)", old.index, worker.proc.pid)
+            return
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
+def _wait_exit(proc: subprocess.Popen) -> int | None:
+    try:
+        return proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+class _ProcessStream:
+    def __init__(self, pool: CodecProcessPool, worker: _Worker, sid: int) -> None:
+        self._pool = pool
+        self._worker = worker
+        self._sid = sid
+        self._closed = False
+
+    @property
+    def worker_pid(self) -> int:
+        return self._worker.proc.pid
+
+    async def decode(self, data: bytes) -> np.ndarray:
+        out = await self._pool.call(self._worker, wire.OP_DECODE, self._sid, bytes(data))
+        return np.frombuffer(out, dtype=np.float32)
+
+    async def encode(self, pcm: np.ndarray) -> bytes:
+        check_frame(pcm)
+        payload = np.ascontiguousarray(pcm, dtype=np.float32).tobytes()
+        return await self._pool.call(self._worker, wire.OP_ENCODE, self._sid, payload)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.send_close(self._worker, self._sid)
+
+
+CodecRunner = CodecThreadRunner | CodecProcessPool
+
+
+def make_codec_runner(workers: int | None, *, max_sessions: int = 8,
+                      on_restart: Callable[[], None] | None = None) -> CodecThreadRunner | CodecProcessPool:
+    """`workers` None: automatic (threads up to 8 sessions, else one process per 32 sessions,
+    at most one per CPU core); 0: threads; N: N worker processes."""
+    if workers is None:
+        workers = 0 if max_sessions <= 8 else min(max(1, (os.cpu_count() or 2) - 1), -(-max_sessions // 32))
+    if workers == 0:
+        return CodecThreadRunner()
+    return CodecProcessPool(workers, on_restart=on_restart)

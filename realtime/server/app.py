@@ -1,0 +1,207 @@
+"""The starlette app: routes, and the engine's lifetime tied to the app's lifespan.
+
+The routes are the doors of server/doors.py's table whose service is loaded, each served by
+ENDPOINTS below: the Moshi protocol (chat/protocol.py), the OpenAI Realtime API
+(realtime_api/endpoint.py), OpenAI's GPT-Live (live/session.py), both over WebRTC too (webrtc/doors.py), speech (http/speech.py),
+transcription (http/transcriptions.py), images (http/images.py), the probes and /load (sessions/capacity.py), /metrics (http/metrics.py), /admin/drain
+(server/drain.py), and the page (web/). What no door serves is answered by http/not_found.py.
+
+The app builds nothing: `create_app(services)` maps routes and middleware from what
+services.build_services built (tests hand in Services around a fabricated backend). It starts
+the engine on startup if needed and shuts it down, bounded, on shutdown after closing every
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from pathlib import Path
+from typing import AsyncIterator
+
+import anyio
+import anyio.lowlevel
+from PIL import Image
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from ..http import metrics as metrics_api
+from ..sessions import capacity
+from . import doors
+from .demo_model import STT_NOTICE
+from ..sessions.capacity import Admission
+from .drain import Drainer, drain_endpoint
+from ..http.not_found import UnknownWebSocket, http_error
+from ..http.images import images_generations
+from ..chat.protocol import chat_endpoint
+from ..live.session import live_endpoint
+from ..realtime_api.endpoint import realtime_endpoint
+from ..media.opus import CodecProcessPool, make_codec_runner
+from .security import AccessMiddleware, static_paths
+from ..http.models import model_endpoint, models_endpoint
+from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
+from ..sessions.session import SessionManager
+from ..http.speech import speech_endpoint, voices_endpoint
+from ..media.speech_formats import warm_up_encoders
+from ..http.transcriptions import transcriptions_endpoint
+from ..webrtc.doors import call_action, live_calls, realtime_calls
+from ..webrtc.pool import WebRTCPool, default_workers
+
+log = logging.getLogger("parley.app")
+CALLS_CLOSE_TIMEOUT_S = 5.0  # at shutdown, WebRTC calls get this long to hang up
+
+# The doors' endpoints, by path (server/doors.py); /api/voices and /api/info, which read the app's info, come from create_app.
+ENDPOINTS = {
+    "/api/chat": chat_endpoint,
+    "/v1/realtime": realtime_endpoint,
+    "/v1/live/sessions": live_endpoint,
+    "POST /v1/realtime/calls": realtime_calls,  # a path served by two doors is keyed with its method
+    "POST /v1/live/sessions": live_calls,
+    "/v1/realtime/calls/{call_id}/{action}": call_action,
+    "/v1/audio/speech": speech_endpoint,
+    "/v1/audio/voices": voices_endpoint,
+    "/v1/audio/transcriptions": transcriptions_endpoint,
+    "/v1/images/generations": images_generations,
+    "/livez": capacity.livez,
+    "/readyz": capacity.readyz,
+    "/health": capacity.livez,
+    "/ready": capacity.readyz,
+    "/load": capacity.load,
+    "/metrics": metrics_api.metrics,
+    "/admin/drain": drain_endpoint,
+    "/v1/models": models_endpoint,
+    "/v1/models/{model:path}": model_endpoint,
+}
+
+async def load_lazy_modules() -> None:
+    """Import now what the first requests would import on the server's thread while the engine
+    ticks: an import holds the GIL while it runs (tens of ms, more where no .pyc was written) and
+    the engine thread waits for it, so on the H200 the first /v1/audio/speech request made a
+    duplex frame 20-50 ms late. Starlette's anyio loads its asyncio backend and stream modules on
+    the first request, and the static page reads files through anyio; Pillow registers its image
+    formats on the first save; PyAV's encoders set themselves up on their first container.
+    tests/test_lazy_imports.py fails if a request still imports a module."""
+    await anyio.lowlevel.checkpoint()
+    await anyio.Path(".").exists()
+    Image.init()
+    warm_up_encoders()
+
+
+def create_app(services: Services) -> Starlette:
+    """Map routes and middleware from `services` (server/services.py: built, warmed and registered on
+    the engine). With `services.start_engine`, the lifespan starts the engine (if it is not
+    running); it always shuts it down at exit."""
+    engine = services.engine
+    metrics: metrics_api.EdgeMetrics | None = None
+
+    def count_restart() -> None:
+        if metrics is not None:
+            metrics.codec_restarts.inc()
+
+    codec = make_codec_runner(services.codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
+    webrtc = WebRTCPool(services.webrtc_workers or default_workers(engine.max_sessions),  # started by the first call
+                        on_restart=lambda: metrics.webrtc_restarts.inc(),
+                        on_silent=lambda packets: metrics.webrtc_silent.inc(packets))
+    loop_thread: dict[str, int] = {}  # the event loop's OS thread id, taken when the lifespan starts on it
+    metrics = metrics_api.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
+                                      if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds,
+                                      threads=lambda: {"loop": loop_thread.get("id"), "engine": engine.thread_id})
+    if services.images is not None:
+        metrics.registry.register(services.images)  # parley_images_* (images_api.ImageService.collect)
+    manager = SessionManager(engine, services.defaults, codec, metrics,
+                             Admission(engine, metrics.registry, ready_min_free=services.ready_min_free,
+                                       refusals=metrics.refusals), models=services.served_models())
+    has_page = services.web_dir is not None and (services.web_dir / "index.html").is_file()  # public: server/security.py
+    served = doors.mounted({"page": has_page, "tts": services.speech is not None,
+                            "stt": services.stt_pool is not None, "images": services.images is not None})
+    endpoints = {**ENDPOINTS, "/api/voices": _voices, "/api/info": _api_info}
+    access = Middleware(AccessMiddleware, keys=services.defaults.api_keys,
+                        protect_metrics=services.defaults.protect_metrics,
+                        allowed_origins=services.defaults.allowed_origins,
+                        static_paths=static_paths(services.web_dir) if has_page else (),
+                        session_paths=doors.WEBRTC_PATHS, refusals=metrics.refusals)
+    unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
+    app = Starlette(routes=[_route(door, endpoints, services.web_dir) for door in served],
+                    lifespan=_lifespan(services, manager, codec, webrtc, loop_thread), middleware=[access, unknown_ws],
+                    exception_handlers={HTTPException: http_error})
+    app.state.doors = served
+    app.state.sessions = manager
+    app.state.calls = set()  # the WebRTC calls' tasks (webrtc/doors.py), held until each ends
+    app.state.webrtc = webrtc  # the calls' worker processes (webrtc/pool.py)
+    app.state.drainer = Drainer(manager, services.drain_timeout)
+    app.state.codec = codec
+    app.state.info = services.info
+    app.state.stt_pool = services.stt_pool
+    app.state.images = services.images
+    app.state.speech = services.speech
+    app.state.models = manager.models  # what `model` may name on each door (server/served_models.py)
+    app.state.refusals = metrics.refusals  # for the HTTP doors' own refusals (a full pool or queue)
+    return app
+
+
+def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTCPool, loop_thread: dict[str, int]):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop_thread["id"] = threading.get_native_id()
+        await codec.start()  # worker processes start on the server's loop, before any session
+        await load_lazy_modules()
+        if services.start_engine:
+            services.engine.start()
+        try:
+            yield
+        finally:
+            await manager.shutdown()
+            if app.state.calls:  # closed by the shutdown above; let them finish hanging up
+                await asyncio.wait(set(app.state.calls), timeout=CALLS_CLOSE_TIMEOUT_S)
+            await asyncio.to_thread(services.engine.shutdown)
+            if services.images is not None:
+                services.images.close()  # the engine thread is gone: end what it will never finish
+            await codec.aclose()
+            await webrtc.aclose()
+
+    return lifespan
+
+
+async def _voices(request: Request) -> Response:
+    info: ServerInfo = request.app.state.info
+    return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
+
+
+async def _api_info(request: Request) -> Response:
+    info: ServerInfo = request.app.state.info
+    manager: SessionManager = request.app.state.sessions
+    stt_pool = request.app.state.stt_pool
+    body = {"model": info.model, "demo": info.demo, "max_sessions": manager.engine.max_sessions,
+            "prompts": manager.defaults.prompts,  # whether a persona / voice prompt can be given
+            "mimi_dtypes": info.mimi_dtypes}  # each served codec's dtype (--mimi-dtype auto picks per codec)
+    if info.demo:
+        body["notice"] = DEMO_NOTICE
+    body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
+    body["session_transcript"] = manager.engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
+    body["webrtc"] = True  # POST /v1/realtime/calls and /v1/live/sessions (the page calls over WebRTC)
+    body["ice_servers"] = [server.for_browser() for server in manager.defaults.ice_servers]
+    if info.demo and stt_pool is not None:
+        body["transcription_notice"] = STT_NOTICE
+    return JSONResponse(body)
+
+
+def _route(door: doors.Door, endpoints: dict, web_dir: Path | None) -> BaseRoute:
+    if door.path == "/":  # the page: its files under every path no other door takes
+        return Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web")
+    endpoint = endpoints.get(f"{door.method} {door.path}") or endpoints[door.path]
+    if door.method == doors.WS:
+        return WebSocketRoute(door.path, endpoint)
+    return Route(door.path, endpoint, methods=[door.method])
+
+
+def served_paths(app: Starlette) -> list[str]:
+    """The paths the app's router serves, in its order (the startup banner lists them)."""
+    paths = [route.path or "/" for route in app.routes]  # Mount("/") keeps its path as ""
+    return list(dict.fromkeys(paths))  # a path with a WebSocket and a POST door once

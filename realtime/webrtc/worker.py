@@ -1,0 +1,168 @@
+"""A WebRTC worker process: the aiortc peers (webrtc/peer.py) of the calls pinned to it, on an
+event loop of its own, so Opus, SRTP, DTLS and SCTP never run on the server's loop, its engine
+thread or under its GIL.
+
+Started by `parley.realtime.webrtc.pool.WebRTCPool` as `python -m parley.realtime.webrtc.worker FD`,
+where FD is its end of a Unix socketpair carrying webrtc/wire.py's frames. It imports aiortc, PyAV,
+soxr and numpy, never torch. It exits when the socket reaches EOF (the server closed it or died:
+the kernel closes its fds), hanging up every call first, so it never outlives its server.
+
+Bounded: audio for a server that stopped reading is dropped past SOFT_OUTBOX_BYTES (counted);
+a call whose events would push the queue past HARD_OUTBOX_BYTES ends (`overflowed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+
+import numpy as np
+
+from . import wire
+from .peer import Peer
+from ..server.log_format import configure_logging
+from .wire import OfferError
+
+log = logging.getLogger("parley.webrtc.worker")  # (in a worker process)
+
+BACKLOG_REPORT_S = 0.04  # how often changed channel backlogs are reported (half a tick)
+
+
+class WorkerCall:
+    """One call in this worker: its peer, and the frames it sends to the server (a CallSink)."""
+
+    def __init__(self, worker: "Worker", call_id: int, ice_servers: list[dict], max_lag_s: float) -> None:
+        self.worker = worker
+        self.id = call_id
+        self.peer = Peer(self, ice_servers, max_lag_s)
+        self.reported_backlog = 0
+        self.dropped_in = 0  # audio chunks dropped here since the last report
+        self.reported_silent = 0  # the track's silent packets already reported
+        self.closing: asyncio.Task | None = None
+
+    def ready(self) -> None:
+        self.worker.send(wire.READY, self.id)
+
+    def audio(self, pcm: np.ndarray) -> None:
+        if self.worker.link.queued() > wire.SOFT_OUTBOX_BYTES:
+            self.dropped_in += 1
+            return
+        self.worker.send(wire.AUDIO, self.id, np.ascontiguousarray(pcm, np.float32).tobytes())
+
+    def message(self, message: str | bytes) -> None:
+        if self.worker.link.queued() + len(message) > wire.HARD_OUTBOX_BYTES:
+            self.peer.end(overflowed=True)
+            return
+        text = isinstance(message, str)
+        self.worker.send(wire.TEXT if text else wire.BYTES, self.id, message.encode() if text else message)
+
+    def ended(self, overflowed: bool) -> None:
+        self.worker.send(wire.ENDED, self.id, bytes([overflowed]))
+        self.worker.forget(self)
+
+    def play(self, payload: bytes) -> None:
+        dropped = self.peer.outgoing.play(np.frombuffer(payload, np.float32))
+        if dropped:
+            self.worker.send(wire.DROPPED_OP, self.id, wire.DROPPED.pack(0, dropped, 0))
+
+    def report(self) -> None:
+        """Changed backlog, dropped input and silent packets, for the server's lag bound and counters."""
+        backlog = self.peer.backlog()
+        if backlog != self.reported_backlog:
+            self.reported_backlog = backlog
+            self.worker.send(wire.BACKLOG_OP, self.id, wire.BACKLOG.pack(backlog))
+        silent = self.peer.outgoing.silent_packets - self.reported_silent
+        if self.dropped_in or silent:
+            self.worker.send(wire.DROPPED_OP, self.id, wire.DROPPED.pack(self.dropped_in, 0, silent))
+            self.dropped_in = 0
+            self.reported_silent += silent
+
+
+class Worker:
+    """The calls of this process, by the server's call id."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, WorkerCall] = {}
+        self.closing: set[asyncio.Task] = set()
+        self.link = wire.FrameProtocol(self.on_frame, self.on_lost)
+
+    def send(self, op: int, call: int, payload: bytes = b"") -> None:
+        self.link.send(op, call, payload)
+
+    def on_frame(self, op: int, call_id: int, payload: bytes) -> None:
+        call = self.calls.get(call_id)
+        if op == wire.OFFER:
+            if call is None:
+                self._spawn(self.offer(call_id, json.loads(payload)))
+        elif call is None:
+            return  # an ended call's late audio or events
+        elif op == wire.PLAY:
+            call.play(payload)
+        elif op in (wire.SEND_TEXT, wire.SEND_BYTES):
+            call.peer.send(payload.decode() if op == wire.SEND_TEXT else payload)
+        elif op == wire.CLOSE:
+            call.peer.end()  # forgets it; the peer closes below
+
+    async def offer(self, call_id: int, request: dict) -> None:
+        call = WorkerCall(self, call_id, request.get("ice_servers", []), float(request["max_lag_s"]))
+        self.calls[call_id] = call
+        try:
+            answer = await call.peer.answer(request["sdp"])
+        except OfferError as exc:
+            self.send(wire.REFUSED, call_id, str(exc).encode())
+            self.calls.pop(call_id, None)
+            await call.peer.close()
+            return
+        if call.peer.ended:  # closed by the server while answering
+            return
+        self.send(wire.ANSWER, call_id, answer.encode())
+
+    def forget(self, call: WorkerCall) -> None:
+        if self.calls.get(call.id) is call:
+            del self.calls[call.id]
+        self._spawn(call.peer.close())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.closing.add(task)
+        task.add_done_callback(self.closing.discard)
+
+    def on_lost(self, why: str) -> None:
+        for call in list(self.calls.values()):
+            call.peer.end()
+
+    async def report_backlogs(self) -> None:
+        while True:
+            await asyncio.sleep(BACKLOG_REPORT_S)
+            for call in list(self.calls.values()):
+                call.report()
+
+
+async def serve(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    worker = Worker()
+    await asyncio.get_running_loop().create_connection(lambda: worker.link, sock=sock)
+    worker.send(wire.HELLO, 0)
+    reporter = asyncio.create_task(worker.report_backlogs())
+    await worker.link.lost  # EOF: the server closed the socket or exited
+    reporter.cancel()
+    worker.on_lost("")
+    if worker.closing:
+        await asyncio.wait(set(worker.closing), timeout=3.0)
+
+
+def main(argv: list[str]) -> int:
+    """argv: the socket's fd, then the server's log format (`--log-format`; text if absent)."""
+    # Ctrl-C reaches the whole process group: the server shuts its workers down itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging("warning", argv[1] if len(argv) > 1 else "text")
+    asyncio.run(serve(int(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
