@@ -11,7 +11,6 @@ registers its flags and sets `handler`; `main` only parses and dispatches.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -19,11 +18,10 @@ from typing import Callable, Sequence
 
 # Only torch-free modules here: `parley --help` must not wait for torch (tests/test_lazy_imports.py).
 # Each handler imports what its command needs when it runs.
-from parley.engine import (
-    DEFAULT_STALL_TIMEOUT_S, KV_ATTENTION, KV_POLICIES, KvSettings, OptionsError, SamplingOptions, SessionOptions,
-)
+from parley.engine import KvSettings, OptionsError, SamplingOptions, SessionOptions
 
 from .server import cli_sources, doors
+from .server.modalities import MODALITIES
 from .server.help_format import HelpFormatter
 from .server.launch import add_launch
 from .sessions.limits import WS_MAX_SIZE, EdgeLimits
@@ -37,8 +35,6 @@ from .server.tts_cli import add_tts
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-DEFAULT_SAMPLING = SamplingOptions()
-
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -48,13 +44,9 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                     "demo model is generated on first run and served: it babbles.\n\n"
                     "Doors (one in [brackets] is served only with what the brackets name):\n" + doors.help_table(),
         formatter_class=HelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory or Hugging Face repo id (e.g. kyutai/moshiko-pytorch-bf16, "
-                        "nvidia/personaplex-7b-v1); omitted: the built-in demo model, which babbles")
-    p.add_argument("--demo", choices=("personaplex", "moshi"), default=None,
-                   help="which built-in demo model to serve when --model is omitted: personaplex (the default: "
-                        "persona prompts and PersonaPlex's 18 voice names) or moshi (no persona, one voice); "
-                        "refused together with --model or --tts-model")
+    for modality in MODALITIES:  # each modality's own flags (server/modalities.py): --model, --tts-model, ...
+        modality.add_flags(p)
+    add_served_name_flag(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 to accept connections from other machines")
     p.add_argument("--port", type=int, default=8998, help="TCP port to listen on")
@@ -64,57 +56,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
                    help="torch device: auto (CUDA when present, else CPU; the log says which), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--kv-dtype", choices=("fp8",), default=None,
-                   help="store the temporal KV cache in float8 (e4m3, per-vector scales): half the memory, "
-                        "so about twice the sessions per GPU; small drift in the logits (docs/benchmarks.md). "
-                        "Default: the weight dtype")
-    p.add_argument("--kv-policy", choices=KV_POLICIES, default="reserve",
-                   help="admission by KV memory (docs/architecture.md): reserve admits a session only while the "
-                        "KV pool can hold every admitted session's full window (never overcommits; beyond it HTTP "
-                        "503 before the upgrade); shrink promises each session half a window and, when the pool "
-                        "runs out, shortens the longest sessions' windows a block at a time (never below a "
-                        "quarter)")
-    p.add_argument("--kv-blocks", type=int, default=None,
-                   help="the KV pool's size in blocks (of --kv-block-frames frames of every layer's keys and "
-                        "values); with --kv-memory, one of the two. Default: --max-sessions full windows. "
-                        "The KV cache is paged (each session holds only the blocks it filled), so a budget "
-                        "below that admits sessions by memory; --max-sessions is then a cap on rows")
-    p.add_argument("--kv-memory", type=float, default=None,
-                   help="the KV pool's size in GiB (turned into blocks; see --kv-blocks)")
-    p.add_argument("--kv-block-frames", type=int, default=None,
-                   help="frames (80 ms each) per KV block, 1 .. the model's window (Moshi: 3000); the "
-                        "window's last block is partly used unless it divides it. Default: 64 (the whole "
-                        "window if shorter), a whole number of the attention kernels' tiles")
-    p.add_argument("--kv-attention", choices=KV_ATTENTION, default="parley",
-                   help="what reads the paged KV cache in each step: parley (its Triton kernels, every KV dtype) "
-                        "or flashinfer (FlashInfer's paged decode: bf16 KV on CUDA, flashinfer-python installed; "
-                        "the default block is then the largest that divides the window, 60 for Moshi)")
     add_mimi_dtype_flag(p, "of every model served")
-    add_session_default_flags(p)
     add_process_flags(p)
-    add_service_flags(p)
     add_reliability_flags(p)
     p.set_defaults(handler=run_serve)
-
-
-def add_session_default_flags(p: argparse.ArgumentParser) -> None:
-    """What a session gets when its client does not choose: persona, voice and sampling."""
-    p.add_argument("--persona", default="",
-                   help="default persona / system prompt (PersonaPlex); clients override it with "
-                        "text_prompt (/api/chat) or instructions (/v1/realtime)")
-    p.add_argument("--voice", default=None,
-                   help="default voice prompt name, e.g. NATF2.pt (PersonaPlex); clients override it with "
-                        "voice_prompt or voice")
-    p.add_argument("--text-temperature", type=float, default=None,
-                   help="default text sampling temperature, 0 for greedy (default: the checkpoint's "
-                        f"lm_gen_config, else {DEFAULT_SAMPLING.text_temperature})")
-    p.add_argument("--text-topk", type=int, default=None,
-                   help=f"default text top-k (default: the checkpoint's, else {DEFAULT_SAMPLING.text_top_k})")
-    p.add_argument("--audio-temperature", type=float, default=None,
-                   help="default audio sampling temperature, 0 for greedy (default: the checkpoint's, "
-                        f"else {DEFAULT_SAMPLING.audio_temperature})")
-    p.add_argument("--audio-topk", type=int, default=None,
-                   help=f"default audio top-k (default: the checkpoint's, else {DEFAULT_SAMPLING.audio_top_k})")
 
 
 def add_process_flags(p: argparse.ArgumentParser) -> None:
@@ -143,43 +88,12 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                         "line, for log collectors)")
 
 
-# ---- the models served beside (or without) the duplex one, and their names ----
-
-def add_service_flags(p: argparse.ArgumentParser) -> None:
-    # -- speech-to-text (transcription) --
-    p.add_argument("--stt-model", default=None,
-                   help="Kyutai STT checkpoint directory or Hugging Face repo id (e.g. kyutai/stt-1b-en_fr) "
-                        "for POST /v1/audio/transcriptions and /v1/realtime?intent=transcription (and, when its "
-                        "Mimi equals --model's, transcripts in the frame); the demo server includes a tiny random one")
-    p.add_argument("--stt-slots", type=int, default=16,
-                   help="standalone transcription rows, shared by POST /v1/audio/transcriptions (more requests "
-                        "wait in a queue of 64) and /v1/realtime?intent=transcription sessions (one row each; "
-                        "refused when none is free)")
-    # ---- images (/v1/images/generations; docs/images.md) ----
-    p.add_argument("--image-model", default=None,
-                   help="diffusers text-to-image pipeline (directory or Hugging Face id; Stable Diffusion 1.x/2.x "
-                        "or 3) served on /v1/images/generations in the voice ticks' slack. Omitted: the tiny "
-                        "demo pipeline (noise) when --model is omitted too, else no image endpoint")
-    p.add_argument("--image-queue", type=int, default=16,
-                   help="images waiting or running at once; more are refused with 429 and Retry-After")
-    p.add_argument("--image-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
-                   help="an image request that has had no work run for this long (the voice load leaves no "
-                        "slack for its size, or it is queued behind others) fails with a message saying so; "
-                        "a client not reading its stream does not count")
-    # ---- TTS: POST /v1/audio/speech (realtime/http/speech.py) ----
-    p.add_argument("--tts-model", default=None,
-                   help="DSM TTS checkpoint directory or Hugging Face repo id (e.g. kyutai/tts-1.6b-en_fr), "
-                        "served on /v1/audio/speech beside --model, or alone without it; the demo (no --model, "
-                        "no --tts-model) includes a tiny TTS")
-    p.add_argument("--tts-slots", type=int, default=4, help="concurrent TTS requests; one more gets 429")
-    p.add_argument("--tts-voices", default=None,
-                   help="voice set for --tts-model: a directory or Hugging Face repo id (default kyutai/tts-voices)")
-    p.add_argument("--tts-voice-map", default=None,
-                   help="JSON file mapping voice aliases (e.g. OpenAI's alloy, ash, ...) to voice names")
+def add_served_name_flag(p: argparse.ArgumentParser) -> None:
+    """The names each modality's model answers to (server/served_models.py), keyed by its record's key."""
     p.add_argument("--served-model-name", action="append", default=None, metavar="MODALITY=NAME[,NAME...]",
                    help="names a modality's model answers to beside its checkpoint's name, e.g. tts=tts-1,kyutai-tts "
-                        "(modalities: duplex, tts, stt, image; repeatable). A request naming another model gets "
-                        "404 model_not_found; GET /v1/models lists them")
+                        f"(modalities: {', '.join(m.key for m in MODALITIES)}; repeatable). A request naming "
+                        "another model gets 404 model_not_found; GET /v1/models lists them")
 
 
 # ---- security and per-connection limits (docs/reliability.md) ----
@@ -267,26 +181,17 @@ def served_names(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
 
 
 def serve_flag_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with `parley serve`'s numeric and TTS flags (None: nothing), before anything loads."""
+    """What is wrong with `parley serve`'s numeric flags and each modality's (None: nothing), before
+    anything loads."""
     if args.codec_workers is not None and args.codec_workers < 0:
         return "--codec-workers must be 0 (threads) or more (processes)"
     if args.webrtc_workers is not None and args.webrtc_workers < 1:
         return f"--webrtc-workers must be at least 1 (got {args.webrtc_workers}); WebRTC calls always run in workers"
     if args.max_sessions < 1:
         return "--max-sessions must be at least 1"
-    if args.tts_slots < 1:
-        return "--tts-slots must be at least 1"
-    if args.tts_model is None and (args.tts_voices or args.tts_voice_map):
-        return "--tts-voices and --tts-voice-map need --tts-model"
-    if args.stt_slots < 1:
-        return "--stt-slots must be at least 1"
     if args.ready_min_free < 0 or args.drain_timeout < 0:
         return "--ready-min-free and --drain-timeout must be 0 or more"
-    if args.image_queue < 1:
-        return "--image-queue must be at least 1"
-    if not 0 < args.image_stall_timeout < math.inf:
-        return f"--image-stall-timeout must be a number of seconds more than 0 (got {args.image_stall_timeout:g})"
-    return None
+    return next(filter(None, (modality.flag_error(args) for modality in MODALITIES)), None)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -324,17 +229,13 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
     """`parley serve`'s checked flags as the server's ServeConfig (imports the server: once serving)."""
     from .server.serve import ServeConfig
 
-    return ServeConfig(model=args.model, demo=args.demo, host=args.host, port=args.port,
-                       max_sessions=args.max_sessions,
-                       device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype, kv=kv,
+    return ServeConfig(host=args.host, port=args.port, max_sessions=args.max_sessions,
+                       device=args.device, dtype=args.dtype, kv=kv,
                        mimi_dtype=args.mimi_dtype, defaults=defaults, sampling=sampling,
                        log_level=args.log_level, codec_workers=args.codec_workers,
-                       webrtc_workers=args.webrtc_workers,
-                       torch_threads=args.torch_threads, stt_model=args.stt_model, stt_slots=args.stt_slots,
+                       webrtc_workers=args.webrtc_workers, torch_threads=args.torch_threads,
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
-                       image_model=args.image_model, image_queue=args.image_queue,
-                       image_stall_timeout=args.image_stall_timeout, tts_model=args.tts_model,
-                       tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map,
+                       **{name: getattr(args, name) for modality in MODALITIES for name in modality.settings},
                        **reliability)
 
 

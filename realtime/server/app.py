@@ -1,10 +1,13 @@
 """The starlette app: routes, and the engine's lifetime tied to the app's lifespan.
 
-The routes are the doors of server/doors.py's table whose service is loaded, each served by
-ENDPOINTS below: the Moshi protocol (chat/protocol.py), the OpenAI Realtime API
-(realtime_api/endpoint.py), OpenAI's GPT-Live (live/session.py), both over WebRTC too (webrtc/doors.py), speech (http/speech.py),
-transcription (http/transcriptions.py), images (http/images.py), the probes and /load (sessions/capacity.py), /metrics (http/metrics.py), /admin/drain
-(server/drain.py), and the page (web/). What no door serves is answered by http/not_found.py.
+The routes are the doors of server/doors.py's table whose service is loaded (each modality's, from
+server/modalities.py, and the server's own), each served by the endpoint its door names: the Moshi
+protocol (chat/protocol.py), the OpenAI Realtime API (realtime_api/endpoint.py), OpenAI's GPT-Live
+(live/session.py), both over WebRTC too (webrtc/doors.py), speech (http/speech.py), transcription
+(http/transcriptions.py), images (http/images.py), the probes and /load (sessions/capacity.py),
+/metrics (http/metrics.py), /admin/drain (server/drain.py), and the page (web/). What no door serves
+is answered by http/not_found.py. Each modality's metrics collector is registered, and its service
+closed at shutdown, as its record says.
 
 The app builds nothing: `create_app(services)` maps routes and middleware from what
 services.build_services built (tests hand in Services around a fabricated backend). It starts
@@ -33,52 +36,22 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from ..http import metrics as metrics_api
-from ..sessions import capacity
 from . import doors
+from .modalities import MODALITIES, resolve
 from .demo_model import STT_NOTICE
 from ..sessions.capacity import Admission
-from .drain import Drainer, drain_endpoint
+from .drain import Drainer
 from ..http.not_found import UnknownWebSocket, http_error
-from ..http.images import images_generations
-from ..chat.protocol import chat_endpoint
-from ..live.session import live_endpoint
-from ..realtime_api.endpoint import realtime_endpoint
 from ..media.opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
-from ..http.models import model_endpoint, models_endpoint
 from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
 from ..sessions.session import SessionManager
-from ..http.speech import speech_endpoint, voices_endpoint
 from ..media.speech_formats import warm_up_encoders
-from ..http.transcriptions import transcriptions_endpoint
-from ..webrtc.doors import call_action, live_calls, realtime_calls
 from ..webrtc.pool import WebRTCPool, default_workers
 
 log = logging.getLogger("parley.app")
 CALLS_CLOSE_TIMEOUT_S = 5.0  # at shutdown, WebRTC calls get this long to hang up
 
-# The doors' endpoints, by path (server/doors.py); /api/voices and /api/info, which read the app's info, come from create_app.
-ENDPOINTS = {
-    "/api/chat": chat_endpoint,
-    "/v1/realtime": realtime_endpoint,
-    "/v1/live/sessions": live_endpoint,
-    "POST /v1/realtime/calls": realtime_calls,  # a path served by two doors is keyed with its method
-    "POST /v1/live/sessions": live_calls,
-    "/v1/realtime/calls/{call_id}/{action}": call_action,
-    "/v1/audio/speech": speech_endpoint,
-    "/v1/audio/voices": voices_endpoint,
-    "/v1/audio/transcriptions": transcriptions_endpoint,
-    "/v1/images/generations": images_generations,
-    "/livez": capacity.livez,
-    "/readyz": capacity.readyz,
-    "/health": capacity.livez,
-    "/ready": capacity.readyz,
-    "/load": capacity.load,
-    "/metrics": metrics_api.metrics,
-    "/admin/drain": drain_endpoint,
-    "/v1/models": models_endpoint,
-    "/v1/models/{model:path}": model_endpoint,
-}
 
 async def load_lazy_modules() -> None:
     """Import now what the first requests would import on the server's thread while the engine
@@ -113,22 +86,21 @@ def create_app(services: Services) -> Starlette:
     metrics = metrics_api.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
                                       if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds,
                                       threads=lambda: {"loop": loop_thread.get("id"), "engine": engine.thread_id})
-    if services.images is not None:
-        metrics.registry.register(services.images)  # parley_images_* (images_api.ImageService.collect)
+    for modality in MODALITIES:  # each modality's own metrics (its record's collector)
+        if modality.collector is not None and (service := services.service(modality)) is not None:
+            metrics.registry.register(modality.collector(service))
     manager = SessionManager(engine, services.defaults, codec, metrics,
                              Admission(engine, metrics.registry, ready_min_free=services.ready_min_free,
                                        refusals=metrics.refusals), models=services.served_models())
     has_page = services.web_dir is not None and (services.web_dir / "index.html").is_file()  # public: server/security.py
-    served = doors.mounted({"page": has_page, "tts": services.speech is not None,
-                            "stt": services.stt_pool is not None, "images": services.images is not None})
-    endpoints = {**ENDPOINTS, "/api/voices": _voices, "/api/info": _api_info}
+    served = doors.mounted({"page": has_page, **services.available()})
     access = Middleware(AccessMiddleware, keys=services.defaults.api_keys,
                         protect_metrics=services.defaults.protect_metrics,
                         allowed_origins=services.defaults.allowed_origins,
                         static_paths=static_paths(services.web_dir) if has_page else (),
                         session_paths=doors.WEBRTC_PATHS, refusals=metrics.refusals)
     unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
-    app = Starlette(routes=[_route(door, endpoints, services.web_dir) for door in served],
+    app = Starlette(routes=[_route(door, services.web_dir) for door in served],
                     lifespan=_lifespan(services, manager, codec, webrtc, loop_thread), middleware=[access, unknown_ws],
                     exception_handlers={HTTPException: http_error})
     app.state.doors = served
@@ -161,20 +133,21 @@ def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTC
             if app.state.calls:  # closed by the shutdown above; let them finish hanging up
                 await asyncio.wait(set(app.state.calls), timeout=CALLS_CLOSE_TIMEOUT_S)
             await asyncio.to_thread(services.engine.shutdown)
-            if services.images is not None:
-                services.images.close()  # the engine thread is gone: end what it will never finish
+            for modality in MODALITIES:  # the engine thread is gone: each ends what it will never finish
+                if modality.close is not None and (service := services.service(modality)) is not None:
+                    modality.close(service)
             await codec.aclose()
             await webrtc.aclose()
 
     return lifespan
 
 
-async def _voices(request: Request) -> Response:
+async def api_voices(request: Request) -> Response:
     info: ServerInfo = request.app.state.info
     return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
 
 
-async def _api_info(request: Request) -> Response:
+async def api_info(request: Request) -> Response:
     info: ServerInfo = request.app.state.info
     manager: SessionManager = request.app.state.sessions
     stt_pool = request.app.state.stt_pool
@@ -192,10 +165,10 @@ async def _api_info(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _route(door: doors.Door, endpoints: dict, web_dir: Path | None) -> BaseRoute:
+def _route(door: doors.Door, web_dir: Path | None) -> BaseRoute:
     if door.path == "/":  # the page: its files under every path no other door takes
         return Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web")
-    endpoint = endpoints.get(f"{door.method} {door.path}") or endpoints[door.path]
+    endpoint = resolve(door.endpoint)  # the door's handler, in its room (server/modalities.py names it)
     if door.method == doors.WS:
         return WebSocketRoute(door.path, endpoint)
     return Route(door.path, endpoint, methods=[door.method])

@@ -136,6 +136,9 @@ def _ensure(target: Path, write, message: str) -> Path:
     return target
 
 
+# The demo's served names (its STT's is its directory's).
+DEMO_DUPLEX_MODEL = "parley-demo"
+DEMO_TTS_MODEL = "parley-demo-tts"
 DEMO_IMAGE_MODEL = "parley-demo-image"
 
 

@@ -1,67 +1,49 @@
-"""The server's doors: every path it can serve, what each is, and what makes it served.
+"""The server's doors: every path it can serve, what each is, what serves it, and what makes it served.
 
-One table, read by everything that names the doors, so they cannot disagree: server/app.py mounts
-its routes from it (a door whose service is not loaded is not mounted), the startup banner
+The table is each modality's doors (server/modalities.py) and the server's own. One table, read
+by everything that names the doors, so they cannot disagree: server/app.py mounts its routes from
+it (a door whose service is not loaded is not mounted), the startup banner
 lists the routes server/app.py mounted, `parley serve --help` describes the table, the answer for an
 unmounted /v1 door names the flag that serves it (http/not_found.py), and the refusal counter takes
-its bounded `door` label from it (sessions/refusals.py). Standard library only: `--help` imports it
-without torch.
+its bounded `door` label from it (sessions/refusals.py). Torch-free: `--help` imports it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .modalities import MODALITIES, WS, Door  # noqa: F401 (WS, Door: what the app and the tests name)
 
-WS = "WS"  # a door's method when it is a WebSocket
-
-
-@dataclass(frozen=True)
-class Door:
-    path: str
-    method: str  # WS, GET or POST
-    what: str
-    needs: str | None = None  # the service it serves (a NEEDS key); None: always mounted
-
-
-# What mounts a door that needs a service: (what it is, the flag that loads it).
+# What mounts a door that needs a service: (what it is, the flag that loads it), by modality key.
 NEEDS = {
     "page": ("the web page", "the web/ folder"),
-    "tts": ("text-to-speech model", "--tts-model; the demo includes a tiny one"),
-    "stt": ("speech-to-text model", "--stt-model; the demo includes a tiny one"),
-    "images": ("image model", "--image-model; the demo includes a tiny one"),
+    **{m.key: (m.noun, m.loaded_by) for m in MODALITIES},
 }
 
-DOORS = (
-    Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol"),
-    Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, or ?intent=transcription)"),
-    Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation"),
-    Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out"),
-    Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out"),
-    Door("/v1/realtime/calls/{call_id}/{action}", "POST", "a Realtime WebRTC call's hangup (accept, reject, refer: "
-         "SIP only, refused)"),
-    Door("/v1/audio/speech", "POST", "OpenAI speech: text to speech", "tts"),
-    Door("/v1/audio/voices", "GET", "the text-to-speech voices", "tts"),
-    Door("/v1/audio/transcriptions", "POST", "OpenAI transcription", "stt"),
-    Door("/v1/images/generations", "POST", "OpenAI images", "images"),
-    Door("/v1/models", "GET", "OpenAI models: every served model name, with its modality"),
-    Door("/v1/models/{model:path}", "GET", "one served model, or 404 model_not_found"),
-    Door("/api/voices", "GET", "the model's voice prompts, for the page"),
-    Door("/api/info", "GET", "the model, and what this server serves, for the page"),
-    Door("/livez", "GET", "liveness probe (alias /health)"),
-    Door("/readyz", "GET", "readiness probe: 503 when full, draining or unhealthy (alias /ready)"),
-    Door("/health", "GET", "alias of /livez"),
-    Door("/ready", "GET", "alias of /readyz"),
-    Door("/load", "GET", "slots, live sessions and tick times, for a load balancer"),
-    Door("/metrics", "GET", "Prometheus metrics"),
-    Door("/admin/drain", "POST", "stop admitting, let live sessions finish, exit"),
-    Door("/", "GET", "the browser voice-chat page and its files", "page"),  # last: it takes every other path
+# The server's own doors: what it serves whatever is loaded.
+SERVER_DOORS = (
+    Door("/v1/models", "GET", "OpenAI models: every served model name, with its modality",
+         "http.models:models_endpoint"),
+    Door("/v1/models/{model:path}", "GET", "one served model, or 404 model_not_found", "http.models:model_endpoint"),
+    Door("/api/voices", "GET", "the model's voice prompts, for the page", "server.app:api_voices"),
+    Door("/api/info", "GET", "the model, and what this server serves, for the page", "server.app:api_info"),
+    Door("/livez", "GET", "liveness probe (alias /health)", "sessions.capacity:livez"),
+    Door("/readyz", "GET", "readiness probe: 503 when full, draining or unhealthy (alias /ready)",
+         "sessions.capacity:readyz"),
+    Door("/health", "GET", "alias of /livez", "sessions.capacity:livez"),
+    Door("/ready", "GET", "alias of /readyz", "sessions.capacity:readyz"),
+    Door("/load", "GET", "slots, live sessions and tick times, for a load balancer", "sessions.capacity:load"),
+    Door("/metrics", "GET", "Prometheus metrics", "http.metrics:metrics"),
+    Door("/admin/drain", "POST", "stop admitting, let live sessions finish, exit", "server.drain:drain_endpoint"),
 )
+PAGE = Door("/", "GET", "the browser voice-chat page and its files", "", "page")  # a Mount of web/, not an endpoint
+
+# Every modality's doors in the registry's order, then the server's; the page last: it takes every other path.
+DOORS = (*(door for modality in MODALITIES for door in modality.doors), *SERVER_DOORS, PAGE)
 BY_PATH = {door.path: door for door in DOORS}
 WEBRTC_PATHS = frozenset({"/v1/realtime/calls", "/v1/live/sessions"})  # POST: a WebRTC call starts a session
 
 
 def mounted(available: dict[str, bool]) -> list[Door]:
-    """The doors served when `available` says which services are loaded (NEEDS keys)."""
+    """The doors served when `available` says which services are loaded (modality keys, and "page")."""
     return [door for door in DOORS if door.needs is None or available[door.needs]]
 
 

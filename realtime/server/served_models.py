@@ -3,8 +3,8 @@
 A modality's names are its checkpoint's name first, then the operator's aliases
 (`--served-model-name tts=tts-1,kyutai-tts`, vLLM's convention). A request that names another
 model gets OpenAI's 404 `model_not_found`; one that leaves `model` out gets the served one.
-`GET /v1/models` lists every name, with its modality. Standard library only: the CLI parses
-the flag without torch.
+`GET /v1/models` lists every name, with its modality (its record's key, server/modalities.py).
+Torch-free: the CLI parses the flag without torch.
 """
 
 from __future__ import annotations
@@ -12,14 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-# A modality: what it is (for messages) and the doors that serve it.
-MODALITIES = {
-    "duplex": "speech-to-speech model (/api/chat, /v1/realtime, /v1/live/sessions)",
-    "tts": "text-to-speech model (/v1/audio/speech)",
-    "stt": "speech-to-text model (/v1/audio/transcriptions, /v1/realtime?intent=transcription, "
-           "/v1/realtime's audio.input.transcription)",
-    "image": "image model (/v1/images/generations)",
-}
+from .modalities import MODALITIES
+
+# A modality: what it is (for messages) and the doors that serve it, by its one key (server/modalities.py).
+WHAT = {modality.key: modality.what for modality in MODALITIES}
 OWNED_BY = "parley"
 
 
@@ -28,7 +24,7 @@ class ModelNotFound(LookupError):
 
     def __init__(self, modality: str, asked: str, names: tuple[str, ...]) -> None:
         served = ", ".join(repr(n) for n in names)
-        super().__init__(f"the model {asked!r:.100} does not exist on this server: its {MODALITIES[modality]} "
+        super().__init__(f"the model {asked!r:.100} does not exist on this server: its {WHAT[modality]} "
                          f"is served as {served} (GET /v1/models lists every model); leave model out to use it.")
 
 
@@ -38,9 +34,9 @@ def parse_served_names(values: Iterable[str]) -> dict[str, tuple[str, ...]]:
     for value in values:
         modality, sep, names = value.partition("=")
         modality = modality.strip()
-        if not sep or modality not in MODALITIES:
+        if not sep or modality not in WHAT:
             raise ValueError(f"--served-model-name {value!r}: expected MODALITY=NAME[,NAME...] with MODALITY one "
-                             f"of {', '.join(MODALITIES)}")
+                             f"of {', '.join(WHAT)}")
         listed = tuple(n.strip() for n in names.split(","))
         if not all(listed):
             raise ValueError(f"--served-model-name {value!r}: a name is empty")
@@ -67,7 +63,7 @@ class ServedModels:
         for modality in aliases:
             if modality not in names:
                 raise ValueError(f"--served-model-name {modality}=...: this server serves no "
-                                 f"{MODALITIES[modality]}")
+                                 f"{WHAT[modality]}")
         owner: dict[str, str] = {}
         for modality, listed in names.items():
             for name in listed:

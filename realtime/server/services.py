@@ -1,11 +1,12 @@
 """`build_services(config) -> Services`: the one place that builds what a server serves.
 
-It loads every model (duplex, TTS and its voices, STT, images), builds the engine around the
-duplex backend (or NoDuplexBackend on a server without one), warms and registers every slack
-source on it (the TTS pool, paired and standalone transcription, the image queue), refuses
-flag combinations it cannot serve (ServeError), and names each modality's served models
-(server/served_models.py). `app.create_app(services)` then maps routes and middleware from the
-result and nothing else; server/serve.py binds sockets and runs uvicorn.
+It walks the modality registry (server/modalities.py) twice around the engine: first each record's
+`load` (the duplex model, the TTS and its voices, the STT), then the engine around the duplex backend
+(or NoDuplexBackend on a server without one, with paired transcription when the STT shares the
+duplex Mimi), then each record's `start`, which builds its service and warms and registers it on
+the engine. It refuses flag combinations it cannot serve (ServeError) and names each modality's
+served models (server/served_models.py). `app.create_app(services)` then maps routes and
+middleware from the result and nothing else; server/serve.py binds sockets and runs uvicorn.
 
 Every slack source is warmed and registered in one place, `register_slack_source` (engine/slack.py's
 warm-up protocol: `source.warm_up(engine.slack_costs)`, then `engine.add_slack_source`). Tests build
@@ -19,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -31,10 +32,11 @@ from parley.models import (
     Checkpoint, Mimi, SttCheckpoint, load_checkpoint, load_stt_checkpoint, share_equal_tensors,
 )
 
-from .demo_model import (DEMO_KINDS, DEMO_TTS_VOICE_MAP, STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint,
-                         ensure_demo_stt_checkpoint, ensure_demo_tts)
+from .demo_model import (DEMO_DUPLEX_MODEL, DEMO_KINDS, DEMO_TTS_MODEL, DEMO_TTS_VOICE_MAP, STT_NOTICE,
+                         demo_image_stepper, ensure_demo_checkpoint, ensure_demo_stt_checkpoint, ensure_demo_tts)
 from ..http.images import ImageService
 from .load_progress import LoadProgress
+from .modalities import DUPLEX, MODALITIES, SPEECH, TRANSCRIPTION, Modality, resolve
 from .served_models import ServedModels
 from ..sessions.session import ServerDefaults
 from ..http.speech import SpeechService
@@ -51,19 +53,11 @@ PAIRED_IN_FRAME = True
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 DEMO_NOTICE = ("This server runs Parley's tiny demo model: it babbles (random weights). "
                "Start `parley serve --model <checkpoint dir or Hugging Face repo id>` to talk for real.")
-DEMO_NAMES = {"duplex": "parley-demo", "tts": "parley-demo-tts"}
 # The demo also answers to the names the docs' examples use (docs/protocols.md) and to the ones
-# OpenAI's clients send by default (the SDK's examples, openai-agents, pipecat's and LiveKit's
-# GPT-Live services), so each of them talks to a fresh demo unchanged; a real checkpoint answers
-# to its own name and the operator's --served-model-name aliases only. Transcription (the HTTP
-# door and /v1/realtime's audio.input.transcription.model): openai-agents' and LiveKit's realtime
-# sessions send gpt-4o-mini-transcribe, pipecat's InputAudioTranscription() gpt-realtime-whisper,
-# pipecat's and openai-agents' STT services gpt-transcribe; whisper-1 and gpt-4o-transcribe are
-# the names of OpenAI's guides (the SDK sends none unless asked).
-DEMO_ALIASES = {"duplex": ("parley", "gpt-realtime", "gpt-4o-realtime-preview", "gpt-realtime-2.1", "gpt-live-1"),
-                "tts": ("tts-1",),
-                "stt": ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "gpt-realtime-whisper",
-                        "gpt-transcribe")}
+# OpenAI's clients send by default (each record's demo_aliases, server/modalities.py), so each of
+# them talks to a fresh demo unchanged; a real checkpoint answers to its own name and the
+# operator's --served-model-name aliases only.
+DEMO_ALIASES = {m.key: m.demo_aliases for m in MODALITIES if m.demo_aliases}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIMI_DTYPES = {"auto": None, **DTYPES}  # --mimi-dtype; auto: models/mimi/precision.py
 
@@ -109,12 +103,29 @@ class Services:
     speech: SpeechService | None = None
     models: ServedModels | None = None  # None: each service's own name, no aliases
 
+    def service(self, modality: Modality):
+        """`modality`'s built service, None where it is not served; the duplex model, which the engine
+        serves (no field of its own), is the server's info."""
+        return getattr(self, modality.field) if modality.field is not None else self.info
+
+    def available(self) -> dict[str, bool]:
+        """Which modalities are served, by key (server/doors.py's `needs`, less the page)."""
+        return {m.key: self.service(m) is not None for m in MODALITIES}
+
     def served_models(self) -> ServedModels:
         if self.models is not None:
             return self.models
-        return ServedModels.build({"duplex": self.info.model, "tts": self.speech and self.speech.model,
-                                   "stt": self.stt_pool and self.stt_pool.name,
-                                   "image": self.images and self.images.model}, {})
+        return ServedModels.build(served_names(self.service), {})
+
+
+def served_names(service_of: Callable[[Modality], Any]) -> dict[str, str | None]:
+    """Each modality's checkpoint name (its record's served_name of its service), in the registry's
+    order; None where `service_of` has no service for it."""
+    names = {}
+    for modality in MODALITIES:
+        service = service_of(modality)
+        names[modality.key] = None if service is None else modality.served_name(service)
+    return names
 
 
 def register_slack_source(engine: Engine, source: SlackSource) -> dict:
@@ -158,46 +169,49 @@ def default_sampling(checkpoint: Checkpoint, overrides: dict) -> SamplingOptions
 
 
 @dataclass
-class _Loaded:
-    """What build_services has loaded so far, on one device and dtype."""
+class Build:
+    """What build_services has built so far, on one device and dtype."""
 
     config: "ServeConfig"
     demo: str | None  # the demo kind served, None for a named model
     device: torch.device
     dtype: torch.dtype
-    checkpoint: Checkpoint | None = None  # the duplex model; None on a server without one
-    stt: SttCheckpoint | None = None
+    loaded: dict[str, Any] = field(default_factory=dict)  # each modality's model (its record's `load`), by key
     voices: tuple[str, ...] = ()  # the duplex model's voice prompts, read at start by its backend
+
+    @property
+    def checkpoint(self) -> Checkpoint | None:
+        """The duplex model; None on a server without one."""
+        return self.loaded.get(DUPLEX.key)
+
+    @property
+    def stt(self) -> SttCheckpoint | None:
+        return self.loaded.get(TRANSCRIPTION.key)
 
 
 def build_services(config: "ServeConfig") -> Services:
-    """Load every model named by `config`, build the engine, and register its slack sources."""
+    """Load every model named by `config`, build the engine, and build and register every service."""
     demo = _demo_kind(config)
     if config.torch_threads is not None:
         torch.set_num_threads(config.torch_threads)
     device = resolve_device(config.device)
-    loaded = _Loaded(config, demo, device, resolve_dtype(config.dtype, device.type))
-    loaded.checkpoint = _load_duplex(loaded)
-    speech = build_speech(config, demo is not None, device, loaded.dtype,
-                          loaded.checkpoint.mimi if loaded.checkpoint is not None else None)
-    loaded.stt = _load_stt(config, demo, device, loaded.dtype)
-    engine = _build_engine(loaded)
-    if speech is not None:
-        register_slack_source(engine, speech.pool)  # warm admissions carry the requests' conditions
-    images = build_images(config, engine, device, loaded.dtype, demo is not None)
-    stt_pool = SttPool(loaded.stt, config.stt_slots) if loaded.stt is not None else None
-    if stt_pool is not None:
-        register_slack_source(engine, stt_pool)
-    info, defaults = _info_and_defaults(loaded, speech)
+    build = Build(config, demo, device, resolve_dtype(config.dtype, device.type))
+    for modality in MODALITIES:
+        if modality.load is not None:
+            build.loaded[modality.key] = resolve(modality.load)(build)
+    engine = _build_engine(build)
+    built = {m.key: resolve(m.start)(build, engine) for m in MODALITIES if m.start is not None}
+    info, defaults = _info_and_defaults(build)
+    built[DUPLEX.key] = info if build.checkpoint is not None else None  # the engine serves it
     try:
-        models = ServedModels.build(_checkpoint_names(loaded, info, speech, stt_pool, images),
-                                    _aliases(config, demo), created=int(time.time()))
+        models = ServedModels.build(served_names(lambda m: built.get(m.key)), _aliases(config, demo),
+                                    created=int(time.time()))
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     return Services(engine, defaults, info, codec_workers=config.codec_workers,
-                    webrtc_workers=config.webrtc_workers, stt_pool=stt_pool,
-                    ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, images=images,
-                    speech=speech, models=models)
+                    webrtc_workers=config.webrtc_workers, ready_min_free=config.ready_min_free,
+                    drain_timeout=config.drain_timeout, models=models,
+                    **{m.field: built.get(m.key) for m in MODALITIES if m.field is not None})
 
 
 def _demo_kind(config: "ServeConfig") -> str | None:
@@ -212,7 +226,7 @@ def _demo_kind(config: "ServeConfig") -> str | None:
     return kind if demo else None
 
 
-def _load_duplex(loaded: _Loaded) -> Checkpoint | None:
+def load_duplex(loaded: Build) -> Checkpoint | None:
     """--model, the demo's, or None on a TTS-only server (its duplex doors refuse sessions, saying why)."""
     config = loaded.config
     if config.model is None and loaded.demo is None:
@@ -236,7 +250,7 @@ def _load_duplex(loaded: _Loaded) -> Checkpoint | None:
     return checkpoint
 
 
-def _build_engine(loaded: _Loaded) -> Engine:
+def _build_engine(loaded: Build) -> Engine:
     """The engine around the duplex backend (NoDuplexBackend without one), with paired
     transcription when the STT model shares the duplex model's Mimi."""
     config, checkpoint, stt = loaded.config, loaded.checkpoint, loaded.stt
@@ -287,18 +301,17 @@ def _kv_pool(config: "ServeConfig", checkpoint: Checkpoint, kv_dtype: torch.dtyp
     return pool
 
 
-def _info_and_defaults(loaded: _Loaded, speech: SpeechService | None) -> tuple[ServerInfo, ServerDefaults]:
+def _info_and_defaults(loaded: Build) -> tuple[ServerInfo, ServerDefaults]:
     config, checkpoint = loaded.config, loaded.checkpoint
     # what --mimi-dtype (auto: a probe per codec) made of each served codec
-    codecs = {"duplex": checkpoint and checkpoint.mimi, "tts": speech and speech.pool.mimi,
-              "stt": loaded.stt and loaded.stt.mimi}
-    mimi_dtypes = {kind: str(mimi.dtype).removeprefix("torch.") for kind, mimi in codecs.items()
-                   if mimi is not None}
+    codecs = {m.key: m.codec(loaded.loaded[m.key]) for m in MODALITIES
+              if m.codec is not None and loaded.loaded.get(m.key) is not None}
+    mimi_dtypes = {kind: str(mimi.dtype).removeprefix("torch.") for kind, mimi in codecs.items()}
     if checkpoint is None:
         info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON], mimi_dtypes=mimi_dtypes)
         options, prompts = config.defaults, False
     else:
-        info = ServerInfo(model=DEMO_NAMES["duplex"] if loaded.demo else Path(str(config.model)).name,
+        info = ServerInfo(model=DEMO_DUPLEX_MODEL if loaded.demo else Path(str(config.model)).name,
                           demo=loaded.demo is not None, voices=loaded.voices,
                           default_voice=config.defaults.voice, mimi_dtypes=mimi_dtypes)
         options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
@@ -310,20 +323,32 @@ def _info_and_defaults(loaded: _Loaded, speech: SpeechService | None) -> tuple[S
     return info, defaults
 
 
-def _checkpoint_names(loaded: _Loaded, info: ServerInfo, speech: SpeechService | None, stt_pool: SttPool | None,
-                      images: ImageService | None) -> dict[str, str | None]:
-    """Each modality's checkpoint name (server/served_models.py), None where it is not served."""
-    return {"duplex": info.model if loaded.checkpoint is not None else None,
-            "tts": speech and (DEMO_NAMES["tts"] if loaded.demo else speech.model),
-            "stt": stt_pool and stt_pool.name, "image": images and images.model}
-
-
 def _aliases(config: "ServeConfig", demo: str | None) -> dict[str, tuple[str, ...]]:
     """--served-model-name's aliases, after the demo's own."""
     aliases = dict(DEMO_ALIASES) if demo else {}
     for modality, names in config.served_model_names.items():
         aliases[modality] = aliases.get(modality, ()) + tuple(names)
     return aliases
+
+
+# ---- each modality's `load` and `start` (server/modalities.py names them) ----
+
+def load_speech(build: Build) -> SpeechService | None:
+    """The TTS service, loaded before the engine so that its Mimi shares the duplex model's weights;
+    the demo's answers to the demo's TTS name."""
+    checkpoint = build.checkpoint
+    speech = build_speech(build.config, build.demo is not None, build.device, build.dtype,
+                          checkpoint.mimi if checkpoint is not None else None)
+    if speech is not None and build.demo:
+        speech = dataclasses.replace(speech, model=DEMO_TTS_MODEL)
+    return speech
+
+
+def start_speech(build: Build, engine: Engine) -> SpeechService | None:
+    speech = build.loaded.get(SPEECH.key)
+    if speech is not None:
+        register_slack_source(engine, speech.pool)  # warm admissions carry the requests' conditions
+    return speech
 
 
 def build_speech(config: "ServeConfig", demo: bool, device: torch.device, dtype: torch.dtype,
@@ -343,16 +368,25 @@ def build_speech(config: "ServeConfig", demo: bool, device: torch.device, dtype:
                                share_mimi=duplex_mimi, mimi_dtype=mimi_dtype(config))
 
 
-def _load_stt(config: "ServeConfig", demo: str | None, device: torch.device,
-              dtype: torch.dtype) -> SttCheckpoint | None:
-    """--stt-model, or with `demo` (the demo kind served) the demo's tiny STT sharing its Mimi."""
+def load_stt(build: Build) -> SttCheckpoint | None:
+    """--stt-model, or with a demo served the demo's tiny STT sharing its Mimi."""
+    config, demo = build.config, build.demo
     if config.stt_model is None and demo is None:
         return None
     source = config.stt_model or str(ensure_demo_stt_checkpoint(demo))
     if config.stt_model is None:
         log.warning("demo server: %s", STT_NOTICE)
     log.info("loading speech-to-text %s (%d rows)", source, config.stt_slots)
-    return load_stt_checkpoint(source, device=device, dtype=dtype, mimi_dtype=mimi_dtype(config))
+    return load_stt_checkpoint(source, device=build.device, dtype=build.dtype, mimi_dtype=mimi_dtype(config))
+
+
+def start_transcription(build: Build, engine: Engine) -> SttPool | None:
+    """The standalone transcription rows, registered on the engine (paired rows: _build_engine)."""
+    if build.stt is None:
+        return None
+    pool = SttPool(build.stt, build.config.stt_slots)
+    register_slack_source(engine, pool)
+    return pool
 
 
 def _shares_mimi(checkpoint: Checkpoint, stt: SttCheckpoint) -> bool:
@@ -390,3 +424,7 @@ def build_images(config: "ServeConfig", engine: Engine, device: torch.device, dt
              ", ".join(f"{k[1]}{'x' + str(k[-1]) if k[1] == 'denoise' else ''} {v * 1e3:.1f} ms"
                        for k, v in measured.items()))
     return ImageService(queue, engine, stepper.name)
+
+
+def start_images(build: Build, engine: Engine) -> ImageService | None:
+    return build_images(build.config, engine, build.device, build.dtype, build.demo is not None)
