@@ -80,7 +80,9 @@ class Modality:
     # -- building (server/services.py), "module:function" references --
     load: str | None = None  # (Build) -> its model, before the engine is built; None where it loads none
     start: str | None = None  # (Build, Engine) -> its service, warmed and registered on the engine
-    field: str | None = None  # the Services field holding its service; None: the engine serves it
+    # The Services field holding its service (typed: its doors read it); None: a door set with no
+    # service of its own (its doors need another modality's), not in /v1/models.
+    field: str | None = None
     # -- serving: each takes the built service --
     served_name: Callable[[Any], str] = lambda service: service.model  # its checkpoint's served name
     codec: Callable[[Any], Any] | None = None  # (its loaded model) -> its Mimi, for /api/info's mimi_dtypes
@@ -174,7 +176,8 @@ DUPLEX = Modality(
     add_flags=add_duplex_flags, settings=("model", "demo", "kv_dtype"),
     # The engine is built around it (services._build_engine); on a server without it the engine's
     # NoDuplexBackend refuses its doors' sessions, saying why, and it has no served name.
-    load="server.services:load_duplex", codec=lambda checkpoint: checkpoint.mimi,
+    # Its service is the server's info (the engine serves it; None on a server without it).
+    load="server.services:load_duplex", field="info", codec=lambda checkpoint: checkpoint.mimi,
     # The names OpenAI's clients send by default (the SDK's examples, openai-agents, pipecat's and
     # LiveKit's GPT-Live services), so each of them talks to a fresh demo unchanged.
     demo_aliases=("parley", "gpt-realtime", "gpt-4o-realtime-preview", "gpt-realtime-2.1", "gpt-live-1"),

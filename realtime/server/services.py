@@ -104,9 +104,9 @@ class Services:
     models: ServedModels | None = None  # None: each service's own name, no aliases
 
     def service(self, modality: Modality):
-        """`modality`'s built service, None where it is not served; the duplex model, which the engine
-        serves (no field of its own), is the server's info."""
-        return getattr(self, modality.field) if modality.field is not None else self.info
+        """`modality`'s built service (its record's field), None where it is not served or has none
+        of its own. The duplex model's is the server's info: the engine serves it."""
+        return getattr(self, modality.field) if modality.field is not None else None
 
     def available(self) -> dict[str, bool]:
         """Which modalities are served, by key (server/doors.py's `needs`, less the page)."""
@@ -208,10 +208,10 @@ def build_services(config: "ServeConfig") -> Services:
                                     created=int(time.time()))
     except ValueError as exc:
         raise ServeError(str(exc)) from None
-    return Services(engine, defaults, info, codec_workers=config.codec_workers,
-                    webrtc_workers=config.webrtc_workers, ready_min_free=config.ready_min_free,
-                    drain_timeout=config.drain_timeout, models=models,
-                    **{m.field: built.get(m.key) for m in MODALITIES if m.field is not None})
+    fields = {m.field: built.get(m.key) for m in MODALITIES if m.field is not None}
+    fields["info"] = info  # every server's, the duplex model's service or not (/api/info)
+    return Services(engine, defaults, codec_workers=config.codec_workers, webrtc_workers=config.webrtc_workers,
+                    ready_min_free=config.ready_min_free, drain_timeout=config.drain_timeout, models=models, **fields)
 
 
 def _demo_kind(config: "ServeConfig") -> str | None:
