@@ -2,7 +2,7 @@
 come from docs/benchmarks.md.
 
 Rules checked (no network, no rendering; a few milliseconds):
-1. Every relative link in README.md, CHANGELOG.md, docs/*.md and benchmarks/NOTES.md names a file
+1. Every relative link (Markdown, or an HTML a / img / source tag) in README.md, CHANGELOG.md, docs/*.md and benchmarks/NOTES.md names a file
    or folder that exists, and its #anchor, if any, is a heading of the Markdown file it names.
    Anchors are GitHub's: the heading's text lower-cased, everything but letters, digits, spaces,
    hyphens and underscores dropped, spaces made hyphens, a repeated one suffixed -1, -2, ...
@@ -29,6 +29,7 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFERENCE_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)")
+HTML_LINK = re.compile(r"<(?:a|img|source)\b[^>]*?\s(?:href|src)=[\"']([^\"']+)[\"']", re.I)
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?![\w])")
 COMMIT = re.compile(r"`[0-9a-f]{7,40}`")
@@ -80,6 +81,7 @@ def links(path: Path) -> list[tuple[int, str]]:
         bare = INLINE_CODE.sub(lambda m: " " * len(m.group(0)), line)
         out += [(number, m.group(1)) for m in LINK.finditer(bare)]
         out += [(number, m.group(1)) for m in REFERENCE_DEF.finditer(bare)]
+        out += [(number, m.group(1)) for m in HTML_LINK.finditer(bare)]
     return out
 
 
@@ -156,6 +158,7 @@ def test_the_readme_names_no_commit() -> None:
 def test_the_checker_sees_a_broken_link_and_a_broken_anchor(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("# Top\n\n## A `code` heading\n\n[ok](#a-code-heading) [bad](#nope) [gone](missing.md)\n"
-                    "```\n[in code](nowhere.md)\n```\n`[inline](nowhere.md)`\n")
+                    "```\n[in code](nowhere.md)\n```\n`[inline](nowhere.md)`\n<img src=\"shot.png\" alt=\"x\">\n")
     found = {target: broken(page, target) for _, target in links(page)}
-    assert found == {"#a-code-heading": None, "#nope": "no heading #nope in page.md", "missing.md": "no file missing.md"}
+    assert found == {"#a-code-heading": None, "#nope": "no heading #nope in page.md", "missing.md": "no file missing.md",
+                     "shot.png": "no file shot.png"}
