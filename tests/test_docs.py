@@ -112,6 +112,12 @@ def test_anchors_follow_github_rules() -> None:
     assert slug("PersonaPlex: load and prefill") == "personaplex-load-and-prefill"
 
 
+def test_a_repeated_heading_gets_a_numbered_anchor_and_code_holds_none(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# Notes\n\n## Run\n\n```\n# not a heading\n```\n\n## Run\n")
+    assert [anchor for _, _, anchor in headings(page)] == ["notes", "run", "run-1"]
+
+
 def section(path: Path, anchor: str) -> str:
     """The text under a heading, to the next heading of its level or above."""
     lines = path.read_text().splitlines()
@@ -138,7 +144,7 @@ def headline_rows() -> list[list[str]]:
 def test_every_headline_figure_is_stated_in_its_benchmarks_section() -> None:
     rows = headline_rows()
     assert len(rows) >= 5
-    for *cells, card, link in [row[:-2] + row[-2:] for row in rows]:
+    for *cells, card, link in rows:
         match = re.search(r"\]\(docs/benchmarks\.md#([^)]+)\)", link)
         assert match, f"row {cells[0]!r} links to no section of docs/benchmarks.md"
         text = section(BENCHMARKS, match.group(1))
