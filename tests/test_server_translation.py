@@ -270,3 +270,22 @@ def test_the_source_transcript_comes_from_the_paired_stt(tiny_moshi_dir, stt_app
     heard = [e for e in events if e["type"] == "session.input_transcript.delta"]
     assert heard and all(e["delta"] and e["elapsed_ms"] % 80 == 0 for e in heard)
     assert [e for e in events if e["type"] == "session.output_audio.delta"]
+
+
+def test_the_example_client_translates_a_file(tmp_path, capsys):
+    import soundfile
+
+    from test_duplex_client import load_example
+
+    wav, out, text_out = tmp_path / "in.wav", tmp_path / "reply.wav", tmp_path / "reply.txt"
+    source = speech_like(2.0)
+    soundfile.write(wav, source, SR)
+    app, _ = delay_app(1)
+    with serve(app) as base:
+        assert load_example().main([str(wav), "--translate", "--language", "en", "--url", f"http://{base}",
+                                    "--out", str(out), "--text-out", str(text_out)]) == 0  # no --model: the served one
+    reply, rate = soundfile.read(out, dtype="float32")
+    frames = reply.reshape(-1, FRAME)
+    heard = frames[np.abs(frames).max(axis=1) > 0].reshape(-1)
+    assert rate == SR and heard.size == source.size  # every frame of the file came back (2 s: whole frames)
+    assert text_out.read_text() and "server error" not in capsys.readouterr().err
