@@ -67,7 +67,7 @@ def apply_update(session: Any, config: TranslationConfig,
 
 def _audio(value: Any, config: TranslationConfig, caps: TranslationCaps,
            refused: list[ClientError]) -> TranslationConfig:
-    for direction, fields in _branches("session.audio", value, ("input", "output")):
+    for direction, fields in _branches("session.audio", value, ("input", "output"), refused):
         for key, field in fields.items():
             param = f"session.audio.{direction}.{key}"
             try:
@@ -77,8 +77,10 @@ def _audio(value: Any, config: TranslationConfig, caps: TranslationCaps,
     return config
 
 
-def _branches(param: str, value: Any, names: tuple[str, ...]) -> list[tuple[str, dict]]:
-    """An object's known sub-objects (null: none); ClientError for a wrong type or unknown key."""
+def _branches(param: str, value: Any, names: tuple[str, ...],
+              refused: list[ClientError]) -> list[tuple[str, dict]]:
+    """An object's known sub-objects (null: none); an unknown key or a wrong type is refused by
+    name, the other keys still count (ClientError: `value` itself is not an object)."""
     if value is None:
         return []
     if not isinstance(value, dict):
@@ -86,10 +88,11 @@ def _branches(param: str, value: Any, names: tuple[str, ...]) -> list[tuple[str,
     out = []
     for key, sub in value.items():
         if key not in names:
-            raise _unknown(f"{param}.{key}")
-        if sub is not None and not isinstance(sub, dict):
-            raise ClientError(f"{param}.{key} must be an object", "invalid_type", f"{param}.{key}")
-        out.append((key, sub or {}))
+            refused.append(_unknown(f"{param}.{key}"))
+        elif sub is not None and not isinstance(sub, dict):
+            refused.append(ClientError(f"{param}.{key} must be an object", "invalid_type", f"{param}.{key}"))
+        else:
+            out.append((key, sub or {}))
     return out
 
 
