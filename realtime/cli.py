@@ -92,8 +92,8 @@ def add_served_name_flag(p: argparse.ArgumentParser) -> None:
     """The names each modality's model answers to (server/served_models.py), keyed by its record's key."""
     p.add_argument("--served-model-name", action="append", default=None, metavar="MODALITY=NAME[,NAME...]",
                    help="names a modality's model answers to beside its checkpoint's name, e.g. tts=tts-1,kyutai-tts "
-                        f"(modalities: {', '.join(m.key for m in MODALITIES)}; repeatable). A request naming "
-                        "another model gets 404 model_not_found; GET /v1/models lists them")
+                        f"(modalities: {', '.join(m.key for m in MODALITIES if m.named)}; repeatable). A request "
+                        "naming another model gets 404 model_not_found; GET /v1/models lists them")
 
 
 # ---- security and per-connection limits (docs/reliability.md) ----

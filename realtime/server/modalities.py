@@ -18,8 +18,10 @@ Rules it keeps:
   key, `/v1/models`' `modality`, a door's `needs`, the Services field's record. Nothing else names
   a modality by a string of its own.
 - A door needs one modality key (or "page", or nothing: always mounted). A door set served by
-  another modality's service (Kyutai's doors on the STT or TTS pool) is a record whose doors need
-  that key and which builds nothing of its own.
+  another modality's service (Kyutai's doors on the STT or TTS pool, the translation door on the
+  duplex model) is a record whose doors need that key and which builds nothing of its own: no
+  field, no served names of its own (`--served-model-name` takes only the keys of records with a
+  service).
 - Standard library only: `parley --help` reads the records without torch
   (tests/test_lazy_imports.py). Code that needs torch is named by a "module:function" string,
   relative to parley.realtime, and imported only once serving (`resolve`), as pip's command table
@@ -93,6 +95,11 @@ class Modality:
     @property
     def what(self) -> str:
         return f"{self.noun} ({self.uses})"
+
+    @property
+    def named(self) -> bool:
+        """Whether it has served names (`--served-model-name`, /v1/models): it has a service of its own."""
+        return self.field is not None
 
 
 # ---- duplex: the Moshi-family model every conversation door serves (the engine's frame) ----
@@ -286,6 +293,19 @@ IMAGES = Modality(
 )
 
 
+# ---- translation: /v1/realtime/translations (realtime/translation/) ----
+
+# A door set with no service of its own: until the Hibiki model is served, the duplex model
+# translates (translation/model.py `served_translator`), so its door is always mounted and answers
+# to the duplex model's served names. Serving Hibiki gives this record its flags, load, start,
+# field and served name.
+TRANSLATION = Modality(
+    "translation", "speech-to-speech translation model", "/v1/realtime/translations", "--model",
+    doors=(Door("/v1/realtime/translations", WS, "OpenAI Realtime translation: speech in, translated speech and "
+                "text out", "translation.endpoint:translation_endpoint"),),
+)
+
+
 # In this order: the doors table, --help, GET /v1/models and the slack sources' warm-ups follow it.
-MODALITIES: tuple[Modality, ...] = (DUPLEX, SPEECH, TRANSCRIPTION, IMAGES)
+MODALITIES: tuple[Modality, ...] = (DUPLEX, SPEECH, TRANSCRIPTION, IMAGES, TRANSLATION)
 BY_KEY = {modality.key: modality for modality in MODALITIES}

@@ -15,7 +15,7 @@ from typing import Iterable
 from .modalities import MODALITIES
 
 # A modality: what it is (for messages) and the doors that serve it, by its one key (server/modalities.py).
-WHAT = {modality.key: modality.what for modality in MODALITIES}
+WHAT = {modality.key: modality.what for modality in MODALITIES if modality.named}
 OWNED_BY = "parley"
 
 

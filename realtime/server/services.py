@@ -122,7 +122,7 @@ def served_names(service_of: Callable[[Modality], Any]) -> dict[str, str | None]
     """Each modality's checkpoint name (its record's served_name of its service), in the registry's
     order; None where `service_of` has no service for it."""
     names = {}
-    for modality in MODALITIES:
+    for modality in (m for m in MODALITIES if m.named):
         service = service_of(modality)
         names[modality.key] = None if service is None else modality.served_name(service)
     return names
