@@ -90,6 +90,7 @@ class SpeechFrontEnd:
     speaker_token: int | None = 1  # multi-speaker models prefix the first word with the main speaker
     # TtsRequest sampling fields; empty: the published TTSModel's defaults (temp 0.6, top-k 25 / 250).
     sampling: dict = field(default_factory=dict)
+    cfg_values: tuple[str, ...] = ()  # the values the model's `cfg` condition takes (empty: it has none)
 
     @classmethod
     def for_checkpoint(cls, checkpoint: "TtsCheckpoint", voices: Voices, *, read_voices: bool = True,
@@ -98,7 +99,10 @@ class SpeechFrontEnd:
         now (a server: no request then reads a file, and a broken one stops the start)."""
         if read_voices:
             voices.read_all()
-        return cls(checkpoint.tokenizer.encode, voices, conditions_for(checkpoint), **options)
+        cfg = checkpoint.config
+        cfg_values = cfg.lut_values("cfg") if "cfg" in {c.name for c in cfg.conditioners} else ()
+        return cls(checkpoint.tokenizer.encode, voices, conditions_for(checkpoint), cfg_values=tuple(cfg_values),
+                   **options)
 
     def check_voice(self, voice: str) -> None:
         """UnknownVoice unless `voice` is a name or an alias in the store."""

@@ -295,6 +295,11 @@ class TtsPool(SlackSource):
     def live(self) -> int:
         return self._pool.live
 
+    @property
+    def free(self) -> int:
+        """Requests the pool would take now (slots neither live nor promised to a waiting request)."""
+        return max(0, self.slots - self._pool.live - self._pool.pending)
+
     def slack_counters(self) -> dict:
         return {"tts_live": self.live, "tts_slots": self.slots, "tts_steps_text": self.steps["text"],
                 "tts_steps_full": self.steps["full"], "tts_frames": self.frames_out, "tts_starved": self.starved,
