@@ -3,7 +3,7 @@
 The routes are the doors of server/doors.py's table whose service is loaded, each served by
 ENDPOINTS below: the Moshi protocol (chat/protocol.py), the OpenAI Realtime API
 (realtime_api/endpoint.py), OpenAI's GPT-Live (live/session.py), both over WebRTC too (webrtc/doors.py), speech (http/speech.py),
-transcription (http/transcriptions.py), images (http/images.py), the probes and /load (sessions/capacity.py), /metrics (http/metrics.py), /admin/drain
+transcription (http/transcriptions.py), images (http/images.py), Kyutai moshi-server's doors (kyutai/), the probes and /load (sessions/capacity.py), /metrics (http/metrics.py), /admin/drain
 (server/drain.py), and the page (web/). What no door serves is answered by http/not_found.py.
 
 The app builds nothing: `create_app(services)` maps routes and middleware from what
@@ -51,6 +51,9 @@ from ..sessions.session import SessionManager
 from ..http.speech import speech_endpoint, voices_endpoint
 from ..media.speech_formats import warm_up_encoders
 from ..http.transcriptions import transcriptions_endpoint
+from ..kyutai.asr import asr_endpoint
+from ..kyutai.info import build_info, modules_info
+from ..kyutai.tts import tts_endpoint
 from ..webrtc.doors import call_action, live_calls, realtime_calls
 from ..webrtc.pool import WebRTCPool, default_workers
 
@@ -69,6 +72,10 @@ ENDPOINTS = {
     "/v1/audio/voices": voices_endpoint,
     "/v1/audio/transcriptions": transcriptions_endpoint,
     "/v1/images/generations": images_generations,
+    "/api/asr-streaming": asr_endpoint,
+    "/api/tts_streaming": tts_endpoint,
+    "/api/build_info": build_info,
+    "/api/modules_info": modules_info,
     "/livez": capacity.livez,
     "/readyz": capacity.readyz,
     "/health": capacity.livez,

@@ -1,0 +1,46 @@
+"""moshi-server's info routes: `GET /api/build_info` and `GET /api/modules_info`.
+
+- `/api/build_info`: what server this is, as JSON (Unmute's health check reads only the 200;
+  moshi-server's fields describe its Rust build, so Parley names its own package and version).
+- `/api/modules_info`: one entry per Kyutai door served, moshi-server's fields as it writes them
+  (every value a string): `type` (`batched_asr` for the STT door, `py` for the TTS door, the module
+  kinds whose paths these are in Kyutai's configs), `path`, `lm` (the model's name), `used_slots`
+  and `total_slots` (the pool's rows taken and in all; the rows are shared with the OpenAI doors
+  on the same pool).
+Both need no key, as on moshi-server (server/security.py's public paths).
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+ASR_PATH = "/api/asr-streaming"
+TTS_PATH = "/api/tts_streaming"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("parley")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+async def build_info(request: Request) -> Response:
+    return JSONResponse({"server": "parley", "version": _version(), "python_version": platform.python_version()})
+
+
+async def modules_info(request: Request) -> Response:
+    modules = []
+    stt = request.app.state.stt_pool
+    if stt is not None:
+        modules.append({"type": "batched_asr", "path": ASR_PATH, "lm": stt.name, "used_slots": str(stt.live),
+                        "total_slots": str(stt.slots)})
+    speech = request.app.state.speech
+    if speech is not None:
+        modules.append({"type": "py", "path": TTS_PATH, "lm": speech.model, "used_slots": str(speech.pool.live),
+                        "total_slots": str(speech.pool.slots)})
+    return JSONResponse(modules)
