@@ -438,6 +438,11 @@ class SttPool(SlackSource):
     def live(self) -> int:
         return self._pool.live
 
+    @property
+    def free(self) -> int:
+        """Rows a live request could take now (neither running nor promised to a waiting request)."""
+        return max(0, self.slots - self._pool.live - self._pool.pending)
+
     def slack_counters(self) -> dict:
         return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": self._pool.pending,
                 "stt_model_delay_seconds": self.gen.text_delay / FRAME_RATE}

@@ -5,8 +5,8 @@
 - `/api/modules_info`: one entry per Kyutai door served, moshi-server's fields as it writes them
   (every value a string): `type` (`batched_asr` for the STT door, `py` for the TTS door, the module
   kinds whose paths these are in Kyutai's configs), `path`, `lm` (the model's name), `used_slots`
-  and `total_slots` (the pool's rows taken and in all; the rows are shared with the OpenAI doors
-  on the same pool).
+  and `total_slots` (the pool's rows taken or promised to a waiting request, and its rows in all;
+  the rows are shared with the OpenAI doors on the same pool).
 Both need no key, as on moshi-server (server/security.py's public paths).
 """
 
@@ -37,10 +37,10 @@ async def modules_info(request: Request) -> Response:
     modules = []
     stt = request.app.state.stt_pool
     if stt is not None:
-        modules.append({"type": "batched_asr", "path": ASR_PATH, "lm": stt.name, "used_slots": str(stt.live),
+        modules.append({"type": "batched_asr", "path": ASR_PATH, "lm": stt.name, "used_slots": str(stt.slots - stt.free),
                         "total_slots": str(stt.slots)})
     speech = request.app.state.speech
     if speech is not None:
-        modules.append({"type": "py", "path": TTS_PATH, "lm": speech.model, "used_slots": str(speech.pool.live),
+        modules.append({"type": "py", "path": TTS_PATH, "lm": speech.model, "used_slots": str(speech.pool.slots - speech.pool.free),
                         "total_slots": str(speech.pool.slots)})
     return JSONResponse(modules)
