@@ -15,6 +15,8 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -395,22 +397,33 @@ def wav_file(pcm: np.ndarray) -> io.BytesIO:
 
 @pytest.fixture(scope="module")
 def demo_url(tmp_path_factory):
-    """The default demo server (tests/test_demo_model.py's), its cache in a temporary folder."""
+    """The default demo server (tests/test_demo_model.py's), its cache in a temporary folder; its
+    STT taught to close words (close_words: the demo's random one never would)."""
     from parley.realtime.server.serve import ServeConfig, build_app
 
     mp = pytest.MonkeyPatch()
     mp.setenv("PARLEY_CACHE", str(tmp_path_factory.mktemp("parley-cache")))
     try:
-        with serve(build_app(ServeConfig(model=None, max_sessions=2, device="cpu", codec_workers=0))) as url:
+        app = build_app(ServeConfig(model=None, max_sessions=2, device="cpu", codec_workers=0))
+        close_words(app.state.stt_pool.checkpoint)
+        with serve(app) as url:
             yield url
     finally:
         mp.undo()
 
 
-def test_livekit_kyutai_plugin_unmodified_transcribes_a_wav_on_the_demo(demo_url):
+def live_sessions(base: str) -> float:
+    text = urllib.request.urlopen(f"http://{base}/metrics", timeout=10).read().decode()
+    found = re.search(r'^parley_live_sessions{protocol="kyutai_asr"} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_livekit_kyutai_plugin_unmodified_transcribes_a_wav_on_the_demo(demo_url, caplog):
     """LiveKit's Kyutai STT plugin, pointed at the demo: a WAV's words come back as final
-    transcripts with their start times, and closing the stream closes the socket cleanly (1000)
-    and frees the row."""
+    transcripts with their start times, and closing the stream ends the connection cleanly: no
+    error on either side, the session and its row freed. (The plugin's close cancels its pending
+    receive, which aiohttp books as 1006 and then drops the socket without a close frame; it does
+    so against moshi-server too. The server must take that as an ordinary goodbye.)"""
     import aiohttp
     from lasuite.plugins.kyutai import STT  # tests/run.sh installs it
     from livekit import rtc
@@ -442,14 +455,16 @@ def test_livekit_kyutai_plugin_unmodified_transcribes_a_wav_on_the_demo(demo_url
                 await asyncio.sleep(0.5)
                 if finals and time.monotonic() - arrived[-1] > 5:
                     break
-            ws = stream._ws  # the plugin's socket, read only to see how it closed
+            assert live_sessions(demo_url) == 1
             await stream.aclose()
             collector.cancel()
-            return finals, ws.close_code
+            return finals
 
-    finals, code = asyncio.run(run())
+    with caplog.at_level(logging.WARNING):
+        finals = asyncio.run(run())
+        wait_rows_free(demo_url)
     assert finals and all(f.text for f in finals)
     starts = [f.start_time for f in finals]
-    assert starts == sorted(starts) and starts[-1] <= 5.0
-    assert code == 1000
-    wait_rows_free(demo_url)
+    assert starts == sorted(starts) and starts[-1] <= CLIP.size / 24_000 + 2
+    assert live_sessions(demo_url) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
