@@ -267,10 +267,13 @@ def test_the_key_is_taken_as_moshi_server_takes_it(server, how):
     assert asyncio.run(run()) == {"type": "Ready"}
 
 
-@pytest.mark.parametrize("path, headers", [("/api/asr-streaming", {}),
-                                           ("/api/asr-streaming", {"kyutai-api-key": "wrong"}),
-                                           ("/api/tts_streaming?auth_id=wrong", {})])
-def test_a_missing_or_wrong_key_is_refused_before_the_upgrade(server, path, headers):
+@pytest.mark.parametrize("path, headers, status", [
+    ("/api/asr-streaming", {}, 401), ("/api/asr-streaming", {"kyutai-api-key": "wrong"}, 401),
+    ("/api/tts_streaming?auth_id=wrong", {}, 401),
+    ("/api/asr-streaming", {**HEADERS, "Origin": "https://elsewhere.example"}, 403)])
+def test_a_wrong_key_or_origin_is_refused_before_the_upgrade(server, path, headers, status):
+    """The one auth layer, as for every door: the key (moshi-server's header or query, or Parley's)
+    and a browser's Origin."""
     url, _ = server
 
     async def run():
@@ -279,7 +282,7 @@ def test_a_missing_or_wrong_key_is_refused_before_the_upgrade(server, path, head
 
     with pytest.raises(InvalidStatus) as refused:
         asyncio.run(run())
-    assert refused.value.response.status_code == 401
+    assert refused.value.response.status_code == status
 
 
 def test_build_info_and_modules_info_need_no_key(server):
@@ -468,3 +471,84 @@ def test_livekit_kyutai_plugin_unmodified_transcribes_a_wav_on_the_demo(demo_url
     assert starts == sorted(starts) and starts[-1] <= CLIP.size / 24_000 + 2
     assert live_sessions(demo_url) == 0
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_ogg_opus_audio_in_is_transcribed_step_by_step(server):
+    """OggOpus{data}: Ogg pages of Opus (sphn's writer, as moshi-server's clients make them); each
+    80 ms of decoded audio is one Step, and the marker comes back after it."""
+    import sphn
+
+    url, _ = server
+    wait_rows_free(url)
+    writer = sphn.OpusStreamWriter(24_000)
+    pages = [writer.append_pcm(f) for f in np.split(np.concatenate([CLIP[:24_000], np.zeros(24_000, np.float32)]), 25)]
+
+    async def run():
+        async with connect(f"ws://{url}/api/asr-streaming", additional_headers=HEADERS) as ws:
+            await ws.recv()  # Ready
+            for page in pages[:12]:  # 1 s of audio
+                await ws.send(msgpack.packb({"type": "OggOpus", "data": bytes(page)}))
+            await ws.send(msgpack.packb({"type": "Marker", "id": 1}))
+            for page in pages[12:]:  # 1 s of silence: flushes the text delay
+                await ws.send(msgpack.packb({"type": "OggOpus", "data": bytes(page)}))
+            got = []
+            while (message := read(await asyncio.wait_for(ws.recv(), 60), UNMUTE_STT))["type"] != "Marker":
+                got.append(message)
+            return got
+
+    steps = [m["step_idx"] for m in asyncio.run(run()) if m["type"] == "Step"]
+    assert steps == list(range(1, len(steps) + 1)) and 8 <= len(steps) <= 25
+
+
+def test_tts_ogg_opus_message_pack_decodes_to_the_engine_frames(server):
+    import sphn
+
+    url, oracle = server
+    wait_rows_free(url)
+
+    async def run():
+        async with connect(f"ws://{url}/api/tts_streaming{unmute_tts_query(TINY_TTS_VOICES[0], 'OggOpusMessagePack')}",
+                           additional_headers=HEADERS) as ws:
+            assert read(await ws.recv(), UNMUTE_TTS)["type"] == "Ready"
+            await ws.send(msgpack.packb({"type": "Text", "text": " ".join(WORDS)}))
+            await ws.send(msgpack.packb({"type": "Eos"}))
+            got = []
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    got.append(msgpack.unpackb(await asyncio.wait_for(ws.recv(), 60)))
+            return got
+
+    got = asyncio.run(run())
+    data = b"".join(m["data"] for m in got if m["type"] == "OggOpus")
+    assert data[:4] == b"OggS" and {m["type"] for m in got} == {"OggOpus", "Text"}
+    pcm, rate = sphn.read_opus_bytes(data)
+    assert abs(pcm.shape[-1] / rate - oracle.pcm.size / 24_000) < 0.1
+
+
+def test_a_voice_message_is_honoured_or_refused_by_its_shape(server, tts_service):
+    """Voice{embeddings, shape} (Unmute's cloned voices): the voice set's own embeddings speak as
+    that voice does; another shape is an Error naming Voice.shape."""
+    url, oracle = server
+    wait_rows_free(url)
+    voice = tts_service.front_end.voices.load(TINY_TTS_VOICES[0]).float()
+
+    async def speak(embeddings: np.ndarray, shape: list[int]):
+        uri = f"ws://{url}/api/tts_streaming{unmute_tts_query(TINY_TTS_VOICES[1])}"
+        async with connect(uri, additional_headers=HEADERS) as ws:
+            await ws.recv()  # Ready
+            await ws.send(msgpack.packb({"type": "Voice", "embeddings": embeddings.tolist(), "shape": shape}))
+            await ws.send(msgpack.packb({"type": "Text", "text": " ".join(WORDS)}))
+            await ws.send(msgpack.packb({"type": "Eos"}))
+            got = []
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    got.append(msgpack.unpackb(await asyncio.wait_for(ws.recv(), 60)))
+            return got, ws.close_code
+
+    got, code = asyncio.run(speak(voice.reshape(-1).numpy(), list(voice.shape)))
+    assert code == 1000
+    np.testing.assert_array_equal(np.concatenate([m["pcm"] for m in got if m["type"] == "Audio"]).astype(np.float32),
+                                  oracle.pcm)
+    wait_rows_free(url)
+    got, code = asyncio.run(speak(np.zeros(6, np.float32), [2, 3]))
+    assert got[-1]["type"] == "Error" and "Voice.shape" in got[-1]["message"] and code == 1008

@@ -22,10 +22,11 @@ Rules:
    word times stream out as synthesised; the last word is flushed; then close 1000 (the `Eos`
    flush). `Eos` with no words: close 1000 at once, as moshi-server does.
 3. `Voice` replaces the voice when its shape is the voice set's (`[1, dim, frames]` or
-   `[dim, frames]`); another shape is an `Error` naming it.
+   `[dim, frames]`); another shape is an `Error` naming it, then close 1008.
 4. Input the door cannot take gets an `Error{message}` on its own connection, then a close: a frame
-   that is not a message (1007), text past `MAX_TEXT_CHARS` (1009), a full pool at `Eos` (1013), a
-   failed synthesis (1011). Limits, Origin check, keys and drain are every door's.
+   that is not a message (1007), text past `MAX_TEXT_CHARS` (1009), a voice or text it cannot speak
+   (1008), a full pool at `Eos` (1013), a failed synthesis (1011). Limits, Origin check, keys and
+   drain are every door's.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..http.speech import SpeechService
 from ..media.speech_formats import make_encoder
 from ..server.security import choose_subprotocol
 from ..sessions.capacity import deny_upgrade
-from ..sessions.session import (CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_TOO_BIG,
+from ..sessions.session import (CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG,
                                 CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager)
 from . import messages as msg
 from .asr import NO_FREE_CHANNELS
@@ -255,7 +256,7 @@ async def _read_script(edge: EdgeSession, output: Output, script: Script) -> Scr
             await _close(edge, output, CLOSE_TOO_BIG, "too_large", f"the text passed {MAX_TEXT_CHARS} characters before Eos")
             return None
         if isinstance(message, msg.Voice) and (why := script.set_voice(message)) is not None:
-            await _close(edge, output, CLOSE_INVALID_PAYLOAD, "options", why)
+            await _close(edge, output, CLOSE_POLICY, "options", why)
             return None
 
 
@@ -264,7 +265,7 @@ async def _submit(edge: EdgeSession, service: SpeechService, query: TtsQuery, ou
     try:
         request, _ = service.front_end.request(script.text, query.voice)
     except SpeechInputError as exc:  # e.g. nothing speakable in the text
-        await _close(edge, output, CLOSE_INVALID_PAYLOAD, "options", exc.message)
+        await _close(edge, output, CLOSE_POLICY, "options", exc.message)
         return None
     request = dataclasses.replace(request, **query.sampling)
     if query.cfg is not None:
