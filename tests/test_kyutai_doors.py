@@ -102,12 +102,16 @@ def stt(tmp_path_factory):
     return checkpoint
 
 
-@pytest.fixture(scope="module")
-def tts_service(tiny_tts_dir):
-    service = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,
+def speech_service(tts_dir):
+    service = load_speech_service(tts_dir, slots=1, voices=tts_dir / "voices", voice_map=None,
                                   device="cpu", dtype=torch.float32)
     service.front_end.sampling = dict(GREEDY)
     return service
+
+
+@pytest.fixture(scope="module")
+def tts_service(tiny_tts_dir):
+    return speech_service(tiny_tts_dir)
 
 
 def kyutai_app(stt_pool, speech, *, start_engine: bool = True):
@@ -354,12 +358,14 @@ def test_raw_pcm_with_plain_text_frames_and_the_zero_byte(server):
 
 @pytest.mark.parametrize("query, named", [("?format=Wav", "format"), ("?voice=nobody", "voice"),
                                           ("?cfg_alpha=1.7", "cfg_alpha"), ("?seed=3", "seed"),
-                                          ("?max_seq_len=9", "max_seq_len"), ("?speed=2", "speed")])
-def test_tts_settings_it_cannot_serve_are_refused_by_name(server, query, named):
+                                          ("?max_seq_len=9", "max_seq_len"), ("?speed=2", "speed"),
+                                          ("?language=fr", "language")])
+def test_settings_a_door_cannot_serve_are_refused_by_name(server, query, named):
     url, _ = server
+    path = "/api/asr-streaming" if named == "language" else "/api/tts_streaming"
 
     async def run():
-        async with connect(f"ws://{url}/api/tts_streaming{query}", additional_headers=HEADERS):
+        async with connect(f"ws://{url}{path}{query}", additional_headers=HEADERS):
             pass
 
     with pytest.raises(InvalidStatus) as refused:
@@ -367,9 +373,11 @@ def test_tts_settings_it_cannot_serve_are_refused_by_name(server, query, named):
     assert refused.value.response.status_code == 400 and named in refused.value.response.body.decode()
 
 
-def test_a_full_tts_pool_answers_as_moshi_server(stt, tts_service):
+def test_a_full_tts_pool_answers_as_moshi_server(tiny_tts_dir):
     """A pool whose one row is promised (the engine never runs here, so it stays so): the next
-    connection's first message is Error "no free channels", then the server closes."""
+    connection's first message is Error "no free channels", then the server closes. (A pool of
+    its own: an engine's shutdown stops its pools for good.)"""
+    tts_service = speech_service(tiny_tts_dir)
     with serve(kyutai_app(None, tts_service, start_engine=False)) as url:
         async def run():
             uri = f"ws://{url}/api/tts_streaming{unmute_tts_query(TINY_TTS_VOICES[0])}"

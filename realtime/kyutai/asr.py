@@ -17,10 +17,12 @@ out `Ready`, `Word{text, start_time}`, `EndWord{stop_time}`, `Step{step_idx, prs
    Times are seconds of the client's audio.
 5. `Marker{id}` comes back once the audio sent before it has been stepped and the model's text
    delay after it: the client must keep sending audio (silence flushes), as with moshi-server.
-6. Input the door cannot take gets an `Error{message}` on its own connection: a frame that is not
-   a message (then close 1007), audio with NaN or too far ahead of real time (the chunk is dropped,
-   the stream goes on). Text frames are ignored, as moshi-server does. A frame over
-   `MAX_MESSAGE_BYTES` closes 1009; the rate limits, Origin check, keys and drain are every door's.
+6. The query takes only a key (`auth_id`, `api_key`: server/security.py); anything else is a 400
+   naming it, before the upgrade. Input the door cannot take gets an `Error{message}` on its own
+   connection: a frame that is not a message (then close 1007), audio with NaN or too far ahead of
+   real time (the chunk is dropped, the stream goes on). Text frames are ignored, as moshi-server
+   does. A frame over `MAX_MESSAGE_BYTES` closes 1009; the rate limits, Origin check, keys and drain
+   are every door's.
 7. The client ends the stream by closing; its row is freed at the pool's next offer. Nothing is
    flushed (moshi-server neither): send the marker and silence first to get the last words.
 """
@@ -33,6 +35,7 @@ import time
 from collections import deque
 
 import numpy as np
+from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from parley.engine import SttBusy, SttInputError, SttPartial, SttPool, SttRequest, Status, Terminal, WordHeard
@@ -40,6 +43,7 @@ from parley.models import FRAME_RATE, FRAME_SAMPLES
 
 from ..media.opus import CodecUnavailable, OpusError
 from ..server.security import choose_subprotocol
+from ..sessions.capacity import deny_upgrade
 from ..sessions.session import (CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN_LATER,
                                 EdgeSession, SessionManager)
 from . import messages as msg
@@ -49,6 +53,7 @@ log = logging.getLogger("parley.kyutai")
 PROTOCOL = "kyutai_asr"
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024  # ~20 s of float32 samples in one frame; honest clients send 80 ms
 NO_FREE_CHANNELS = "no free channels"  # moshi-server's words for a full pool
+QUERY = {"auth_id", "api_key"}  # keys, read by server/security.py
 
 
 class AsrStream:
@@ -84,6 +89,12 @@ async def asr_endpoint(websocket: WebSocket) -> None:
     STT model (server/doors.py)."""
     manager: SessionManager = websocket.app.state.sessions
     pool: SttPool = websocket.app.state.stt_pool
+    unknown = sorted(set(websocket.query_params) - QUERY)
+    if unknown:
+        why = f"unknown query parameter {unknown[0][:40]!r}; this door takes only a key (auth_id)"
+        manager.metrics.refusals.record(websocket.scope, "options", why)
+        await deny_upgrade(websocket, PlainTextResponse(why, status_code=400), why)
+        return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=False)  # draining: 503
     if reservation is None:
         return

@@ -29,8 +29,13 @@ def _version() -> str:
         return "unknown"
 
 
+# Read once at import: a request that first reads package metadata would import modules while the
+# engine ticks (server/app.py's load_lazy_modules says why that is avoided).
+BUILD_INFO = {"server": "parley", "version": _version(), "python_version": platform.python_version()}
+
+
 async def build_info(request: Request) -> Response:
-    return JSONResponse({"server": "parley", "version": _version(), "python_version": platform.python_version()})
+    return JSONResponse(BUILD_INFO)
 
 
 async def modules_info(request: Request) -> Response:
