@@ -560,3 +560,27 @@ def test_a_voice_message_is_honoured_or_refused_by_its_shape(server, tts_service
     wait_rows_free(url)
     got, code = asyncio.run(speak(np.zeros(6, np.float32), [2, 3]))
     assert got[-1]["type"] == "Error" and "Voice.shape" in got[-1]["message"] and code == 1008
+
+
+def test_a_drain_refuses_new_streams_and_says_goodbye_to_live_ones(stt):
+    """As every door: once draining, an upgrade gets 503; a live stream gets moshi-server's Error
+    with the reason, then close 1001 (going away)."""
+    app = kyutai_app(SttPool(stt, slots=2), None)
+    app.state.drainer.timeout_s = 0.5  # live sessions' grace before the goodbye
+    with serve(app) as url:
+        async def run():
+            async with connect(f"ws://{url}/api/asr-streaming", additional_headers=HEADERS) as ws:
+                assert msgpack.unpackb(await ws.recv()) == {"type": "Ready"}
+                request = urllib.request.Request(f"http://{url}/admin/drain", method="POST",
+                                                 headers={"Authorization": f"Bearer {KEY}"})
+                await asyncio.to_thread(urllib.request.urlopen, request, timeout=10)
+                with pytest.raises(InvalidStatus) as refused:
+                    async with connect(f"ws://{url}/api/asr-streaming", additional_headers=HEADERS):
+                        pass
+                goodbye = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 10))
+                with pytest.raises(ConnectionClosed):
+                    await ws.recv()
+                return refused.value.response.status_code, goodbye, ws.close_code
+
+        status, goodbye, code = asyncio.run(run())
+    assert status == 503 and goodbye["type"] == "Error" and "going away" in goodbye["message"] and code == 1001
