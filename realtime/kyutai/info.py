@@ -42,10 +42,13 @@ async def modules_info(request: Request) -> Response:
     modules = []
     stt = request.app.state.stt_pool
     if stt is not None:
-        modules.append({"type": "batched_asr", "path": ASR_PATH, "lm": stt.name, "used_slots": str(stt.slots - stt.free),
-                        "total_slots": str(stt.slots)})
+        modules.append(_module("batched_asr", ASR_PATH, stt.name, stt))
     speech = request.app.state.speech
     if speech is not None:
-        modules.append({"type": "py", "path": TTS_PATH, "lm": speech.model, "used_slots": str(speech.pool.slots - speech.pool.free),
-                        "total_slots": str(speech.pool.slots)})
+        modules.append(_module("py", TTS_PATH, speech.model, speech.pool))
     return JSONResponse(modules)
+
+
+def _module(kind: str, path: str, model: str, pool) -> dict[str, str]:
+    return {"type": kind, "path": path, "lm": model, "used_slots": str(pool.slots - pool.free),
+            "total_slots": str(pool.slots)}

@@ -241,7 +241,8 @@ async def _read_script(edge: EdgeSession, output: Output, script: Script) -> Scr
         elif data == b"\0":
             message = msg.Eos()
         elif len(data) > MAX_MESSAGE_BYTES:
-            await _close(edge, output, CLOSE_TOO_BIG, "too_large", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+            await _close(edge, output, CLOSE_TOO_BIG, "too_large",
+                         f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
             return None
         else:
             try:
@@ -253,7 +254,8 @@ async def _read_script(edge: EdgeSession, output: Output, script: Script) -> Scr
         if isinstance(message, msg.Eos):
             return script
         if isinstance(message, msg.Text) and not script.add_text(message.text):
-            await _close(edge, output, CLOSE_TOO_BIG, "too_large", f"the text passed {MAX_TEXT_CHARS} characters before Eos")
+            await _close(edge, output, CLOSE_TOO_BIG, "too_large",
+                         f"the text passed {MAX_TEXT_CHARS} characters before Eos")
             return None
         if isinstance(message, msg.Voice) and (why := script.set_voice(message)) is not None:
             await _close(edge, output, CLOSE_POLICY, "options", why)
