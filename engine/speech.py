@@ -121,3 +121,8 @@ class SpeechFrontEnd:
         request = TtsRequest(entries=entries, voices=(self.voices.load(voice),), conditions=dict(self.conditions),
                              padding_bonus=speed_bonus(speed), **self.sampling)
         return request, tokens
+
+    def more_words(self, text: str) -> tuple:
+        """The entries of text that follows a request's first words (TtsJob.append): split as
+        `request` splits, without the speaker token that opens only the first word."""
+        return text_entries(text, self.encode, None)

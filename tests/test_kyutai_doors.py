@@ -51,6 +51,7 @@ KEY = "public_token"  # Unmute's HEADERS = {"kyutai-api-key": "public_token"}
 HEADERS = {"kyutai-api-key": KEY}
 GREEDY = {"text_temperature": 0.0, "audio_temperature": 0.0}
 WORDS = "Hello there, how are you?".split()
+LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.".split()
 # The fields of Unmute's pydantic models (extra fields are ignored there; moshi-server's Step also
 # carries buffered_pcm, which Unmute does not read).
 UNMUTE_STT = {"Word": {"text", "start_time"}, "EndWord": {"stop_time"}, "Marker": {"id"},
@@ -129,12 +130,14 @@ def kyutai_app(stt_pool, speech, *, start_engine: bool = True):
 @pytest.fixture(scope="module")
 def server(stt, tts_service):
     """One STT row and one TTS row behind the key; the TTS oracle made before the engine owns the pool."""
-    request, _ = tts_service.front_end.request(" ".join(WORDS), TINY_TTS_VOICES[0])
-    request = dataclasses.replace(request, conditions={**request.conditions, "cfg": "1.5"})  # Unmute's cfg_alpha
-    oracle = synthesize(tts_service.pool, request)
-    assert oracle.terminal.status.value == "completed" and oracle.pcm.size and oracle.words
+    oracles = {}
+    for words in (WORDS, LONG):
+        request, _ = tts_service.front_end.request(" ".join(words), TINY_TTS_VOICES[0])
+        request = dataclasses.replace(request, conditions={**request.conditions, "cfg": "1.5"})  # Unmute's cfg_alpha
+        oracles[len(words)] = synthesize(tts_service.pool, request)
+        assert oracles[len(words)].terminal.status.value == "completed" and oracles[len(words)].words
     with serve(kyutai_app(SttPool(stt, slots=1), tts_service)) as url:
-        yield url, oracle
+        yield url, oracles[len(WORDS)], oracles[len(LONG)]
 
 
 def get(url: str) -> tuple[int, object]:
@@ -177,7 +180,7 @@ def direct_transcript(stt, pcm: np.ndarray, steps: int):
 def test_unmute_stt_flow_words_steps_and_marker_equal_the_model(server, stt):
     """Unmute's flow (stt_from_file_example.py): Ready; 80 ms Audio frames; Marker; silence
     until the Marker comes back. Words, their times and each Step's prs are the model's own."""
-    url, _ = server
+    url, *_ = server
     wait_rows_free(url)
     clip = CLIP
     silence = [np.zeros(FRAME_SAMPLES, np.float32)] * 25
@@ -215,7 +218,7 @@ def test_unmute_stt_flow_words_steps_and_marker_equal_the_model(server, stt):
 def test_a_full_stt_pool_answers_as_moshi_server(server):
     """The one row taken: the next connection's first message is Error "no free channels" (Unmute
     raises MissingServiceAtCapacity on it), then the server closes."""
-    url, _ = server
+    url, *_ = server
     wait_rows_free(url)
 
     async def run():
@@ -232,7 +235,7 @@ def test_a_full_stt_pool_answers_as_moshi_server(server):
 
 
 def test_bad_frames_get_an_error_on_their_own_connection(server):
-    url, _ = server
+    url, *_ = server
     wait_rows_free(url)
 
     async def run():
@@ -254,7 +257,7 @@ def test_bad_frames_get_an_error_on_their_own_connection(server):
 
 @pytest.mark.parametrize("how", ["header", "auth_id", "bearer"])
 def test_the_key_is_taken_as_moshi_server_takes_it(server, how):
-    url, _ = server
+    url, *_ = server
     wait_rows_free(url)
     path, headers = "/api/asr-streaming", {}
     if how == "header":
@@ -278,7 +281,7 @@ def test_the_key_is_taken_as_moshi_server_takes_it(server, how):
 def test_a_wrong_key_or_origin_is_refused_before_the_upgrade(server, path, headers, status):
     """The one auth layer, as for every door: the key (moshi-server's header or query, or Parley's)
     and a browser's Origin."""
-    url, _ = server
+    url, *_ = server
 
     async def run():
         async with connect(f"ws://{url}{path}", additional_headers=headers):
@@ -291,7 +294,7 @@ def test_a_wrong_key_or_origin_is_refused_before_the_upgrade(server, path, heade
 
 def test_build_info_and_modules_info_need_no_key(server):
     """Unmute's health check GETs /api/build_info without a key, as moshi-server serves it."""
-    url, _ = server
+    url, *_ = server
     wait_rows_free(url)
     status, info = get(f"http://{url}/api/build_info")
     assert status == 200 and info["server"] == "parley"
@@ -310,7 +313,7 @@ def unmute_tts_query(voice: str, fmt: str = "PcmMessagePack") -> str:
 def test_unmute_tts_flow_speaks_the_engine_frames_then_closes(server):
     """TextToSpeech: Ready, Text messages word by word (msgpack of the pydantic model), Eos; then
     Audio and Text messages until the server closes (the Eos flush)."""
-    url, oracle = server
+    url, oracle, _ = server
     wait_rows_free(url)
 
     async def run():
@@ -336,7 +339,7 @@ def test_unmute_tts_flow_speaks_the_engine_frames_then_closes(server):
 
 def test_raw_pcm_with_plain_text_frames_and_the_zero_byte(server):
     """moshi-server's other forms: plain text frames in, b"\\0" as end of stream, raw float32 out."""
-    url, oracle = server
+    url, oracle, _ = server
     wait_rows_free(url)
 
     async def run():
@@ -361,7 +364,7 @@ def test_raw_pcm_with_plain_text_frames_and_the_zero_byte(server):
                                           ("?max_seq_len=9", "max_seq_len"), ("?speed=2", "speed"),
                                           ("?language=fr", "language")])
 def test_settings_a_door_cannot_serve_are_refused_by_name(server, query, named):
-    url, _ = server
+    url, *_ = server
     path = "/api/asr-streaming" if named == "language" else "/api/tts_streaming"
 
     async def run():
@@ -486,7 +489,7 @@ def test_ogg_opus_audio_in_is_transcribed_step_by_step(server):
     80 ms of decoded audio is one Step, and the marker comes back after it."""
     import sphn
 
-    url, _ = server
+    url, *_ = server
     wait_rows_free(url)
     writer = sphn.OpusStreamWriter(24_000)
     pages = [writer.append_pcm(f) for f in np.split(np.concatenate([CLIP[:24_000], np.zeros(24_000, np.float32)]), 25)]
@@ -511,7 +514,7 @@ def test_ogg_opus_audio_in_is_transcribed_step_by_step(server):
 def test_tts_ogg_opus_message_pack_decodes_to_the_engine_frames(server):
     import sphn
 
-    url, oracle = server
+    url, oracle, _ = server
     wait_rows_free(url)
 
     async def run():
@@ -536,7 +539,7 @@ def test_tts_ogg_opus_message_pack_decodes_to_the_engine_frames(server):
 def test_a_voice_message_is_honoured_or_refused_by_its_shape(server, tts_service):
     """Voice{embeddings, shape} (Unmute's cloned voices): the voice set's own embeddings speak as
     that voice does; another shape is an Error naming Voice.shape."""
-    url, oracle = server
+    url, oracle, _ = server
     wait_rows_free(url)
     voice = tts_service.front_end.voices.load(TINY_TTS_VOICES[0]).float()
 
@@ -584,3 +587,33 @@ def test_a_drain_refuses_new_streams_and_says_goodbye_to_live_ones(stt):
 
         status, goodbye, code = asyncio.run(run())
     assert status == 503 and goodbye["type"] == "Error" and "going away" in goodbye["message"] and code == 1001
+
+
+def test_tts_speaks_while_the_text_streams_in(server):
+    """Unmute streams its LLM's words: the first audio comes before the text's end (the row holds
+    the DSM's lookahead and waits for more words), and the frames are the whole script's."""
+    url, _, oracle = server
+    wait_rows_free(url)
+
+    async def run():
+        uri = f"ws://{url}/api/tts_streaming{unmute_tts_query(TINY_TTS_VOICES[0])}"
+        async with connect(uri, additional_headers=HEADERS) as ws:
+            assert read(await ws.recv(), UNMUTE_TTS)["type"] == "Ready"
+            for word in LONG[:-2]:
+                await ws.send(msgpack.packb({"type": "Text", "text": word}))
+            got = [read(await asyncio.wait_for(ws.recv(), 60), UNMUTE_TTS)]
+            while got[-1]["type"] != "Audio":  # before the last words and Eos are sent
+                got.append(read(await asyncio.wait_for(ws.recv(), 60), UNMUTE_TTS))
+            for word in LONG[-2:]:
+                await ws.send(msgpack.packb({"type": "Text", "text": word}))
+            await ws.send(msgpack.packb({"type": "Eos"}))
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    got.append(read(await asyncio.wait_for(ws.recv(), 60), UNMUTE_TTS))
+            return got, ws.close_code
+
+    got, code = asyncio.run(run())
+    assert code == 1000
+    pcm = np.concatenate([np.asarray(m["pcm"], np.float32) for m in got if m["type"] == "Audio"])
+    np.testing.assert_array_equal(pcm, oracle.pcm)
+    assert [m["text"] for m in got if m["type"] == "Text"] == [w.text for w in oracle.words]

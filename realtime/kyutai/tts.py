@@ -17,12 +17,14 @@ formats carry audio only, as moshi-server's do.
 Rules:
 1. At connect a TTS slot must be free, else `Error{"no free channels"}` (raw formats: nothing) and
    close 1013. Then `Ready`.
-2. The text is kept until `Eos`, then spoken on one pool row (engine/tts_pool.py takes a whole
-   script: first audio waits for `Eos`, where moshi-server starts at the first words). Audio and
-   word times stream out as synthesised; the last word is flushed; then close 1000 (the `Eos`
-   flush). `Eos` with no words: close 1000 at once, as moshi-server does.
-3. `Voice` replaces the voice when its shape is the voice set's (`[1, dim, frames]` or
-   `[dim, frames]`); another shape is an `Error` naming it, then close 1008.
+2. The first words take a pool row (engine/tts_pool.py, `text_open`); later text joins its
+   script as it arrives, and `Eos` ends it. The row speaks as the words come, holding the DSM's
+   lookahead (2 words) + 1 ahead of what it has said, as moshi-server's `tts.py` waits for words.
+   Audio and word times stream out as synthesised; after `Eos` the last word is flushed, then
+   close 1000 (the `Eos` flush). `Eos` with no words: close 1000 at once, as moshi-server does.
+3. `Voice` before the first words replaces the voice when its shape is the voice set's
+   (`[1, dim, frames]` or `[dim, frames]`); another shape, or a `Voice` after the first words
+   (moshi-server reads the voice at the first words), is an `Error` naming it, then close 1008.
 4. Input the door cannot take gets an `Error{message}` on its own connection, then a close: a frame
    that is not a message (1007), text past `MAX_TEXT_CHARS` (1009), a voice or text it cannot speak
    (1008), a full pool at `Eos` (1013), a failed synthesis (1011). Limits, Origin check, keys and
@@ -43,7 +45,7 @@ import torch
 from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from parley.engine import SpeechInputError, Status, Terminal, TtsAudio, TtsJob, TtsPoolFull, TtsWord
+from parley.engine import SpeechInputError, Status, Terminal, TtsAudio, TtsJob, TtsPoolFull, TtsRequest, TtsWord
 
 from ..http.speech import SpeechService
 from ..media.speech_formats import make_encoder
@@ -211,74 +213,95 @@ async def _serve(edge: EdgeSession, service: SpeechService, query: TtsQuery, out
         await _full(edge, output, f"all {service.pool.slots} TTS slots are busy")
         return
     await _send(edge, output.message(msg.ready()))
-    shape = tuple(service.front_end.voices.load(query.voice).shape)
-    script = await _read_script(edge, output, Script(shape))
-    if script is None:
-        return
-    if not script.text.strip():
-        await edge.close_socket(CLOSE_NORMAL, "end of stream")
-        return
-    job = await _submit(edge, service, query, output, script)
-    if job is None:
+    script = Script(tuple(service.front_end.voices.load(query.voice).shape))
+    request = await _first_words(edge, output, service, query, script)
+    if request is None:
         return
     try:
-        await edge.run_duplex(_speak(edge, job, output), _drain_input(edge))
+        job = service.pool.submit(request, asyncio.get_running_loop())
+    except TtsPoolFull as exc:
+        await _full(edge, output, str(exc))
+        return
+    try:
+        await edge.run_duplex(_speak(edge, job, output), _more_words(edge, output, service, job, script))
     finally:
         job.cancel()  # no-op once finished; frees the row at the pool's next offer otherwise
 
 
-async def _read_script(edge: EdgeSession, output: Output, script: Script) -> Script | None:
-    """Client messages until `Eos`; None once the connection is closed (the client left, or bad input)."""
-    while True:
-        frame = await edge.websocket.receive()
-        if frame["type"] == "websocket.disconnect":
-            return None
-        data, text = frame.get("bytes"), frame.get("text")
-        if not await edge.admit_message(len(data) if data is not None else len(text or "")):
-            return None
-        if data is None:
-            message: object = msg.Text(text or "")
-        elif data == b"\0":
-            message = msg.Eos()
-        elif len(data) > MAX_MESSAGE_BYTES:
-            await _close(edge, output, CLOSE_TOO_BIG, "too_large",
-                         f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-            return None
-        else:
-            try:
-                message = msg.parse(data, msg.TTS_IN)
-            except msg.ProtocolError as exc:
-                edge.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-                await _close(edge, output, CLOSE_INVALID_PAYLOAD, None, str(exc))
-                return None
+async def _next_message(edge: EdgeSession, output: Output) -> object | None:
+    """The client's next message (a text frame is `Text`, the byte 0 `Eos`); None once the
+    connection is closed (the client left, or a frame the door cannot take)."""
+    frame = await edge.websocket.receive()
+    if frame["type"] == "websocket.disconnect":
+        return None
+    data, text = frame.get("bytes"), frame.get("text")
+    if not await edge.admit_message(len(data) if data is not None else len(text or "")):
+        return None
+    if data is None:
+        return msg.Text(text or "")
+    if data == b"\0":
+        return msg.Eos()
+    if len(data) > MAX_MESSAGE_BYTES:
+        await _close(edge, output, CLOSE_TOO_BIG, "too_large",
+                     f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        return None
+    try:
+        return msg.parse(data, msg.TTS_IN)
+    except msg.ProtocolError as exc:
+        edge.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
+        await _close(edge, output, CLOSE_INVALID_PAYLOAD, None, str(exc))
+        return None
+
+
+async def _first_words(edge: EdgeSession, output: Output, service: SpeechService, query: TtsQuery,
+                       script: Script) -> TtsRequest | None:
+    """Messages until the text holds a word: the pool's request for it, its text still open. None
+    once the connection is closed (`Eos` with no words closes 1000, as moshi-server does)."""
+    while (message := await _next_message(edge, output)) is not None:
         if isinstance(message, msg.Eos):
-            return script
-        if isinstance(message, msg.Text) and not script.add_text(message.text):
-            await _close(edge, output, CLOSE_TOO_BIG, "too_large",
-                         f"the text passed {MAX_TEXT_CHARS} characters before Eos")
+            await edge.close_socket(CLOSE_NORMAL, "end of stream")
             return None
-        if isinstance(message, msg.Voice) and (why := script.set_voice(message)) is not None:
-            await _close(edge, output, CLOSE_POLICY, "options", why)
+        if isinstance(message, msg.Voice):
+            if (why := script.set_voice(message)) is not None:
+                await _close(edge, output, CLOSE_POLICY, "options", why)
+                return None
+            continue
+        if not script.add_text(message.text):
+            await _close(edge, output, CLOSE_TOO_BIG, "too_large", f"the text passed {MAX_TEXT_CHARS} characters")
             return None
+        try:
+            request, _ = service.front_end.request(script.text, query.voice)
+        except SpeechInputError:  # nothing speakable yet (blanks, punctuation): wait for words
+            continue
+        request = dataclasses.replace(request, text_open=True, **query.sampling)
+        if query.cfg is not None:
+            request = dataclasses.replace(request, conditions={**request.conditions, "cfg": query.cfg})
+        if script.voice is not None:
+            request = dataclasses.replace(request, voices=(script.voice,))
+        return request
+    return None
 
 
-async def _submit(edge: EdgeSession, service: SpeechService, query: TtsQuery, output: Output,
-                  script: Script) -> TtsJob | None:
-    try:
-        request, _ = service.front_end.request(script.text, query.voice)
-    except SpeechInputError as exc:  # e.g. nothing speakable in the text
-        await _close(edge, output, CLOSE_POLICY, "options", exc.message)
-        return None
-    request = dataclasses.replace(request, **query.sampling)
-    if query.cfg is not None:
-        request = dataclasses.replace(request, conditions={**request.conditions, "cfg": query.cfg})
-    if script.voice is not None:
-        request = dataclasses.replace(request, voices=(script.voice,))
-    try:
-        return service.pool.submit(request, asyncio.get_running_loop())
-    except TtsPoolFull as exc:
-        await _full(edge, output, str(exc))
-        return None
+async def _more_words(edge: EdgeSession, output: Output, service: SpeechService, job: TtsJob,
+                      script: Script) -> None:
+    """After the first words: more text onto the job's row, then `Eos`; after it the client may
+    still send (moshi-server reads on): counted against the limits and dropped. Returns when the
+    client leaves or the connection is closed for bad input."""
+    ended = False
+    while (message := await _next_message(edge, output)) is not None:
+        if ended:
+            continue
+        if isinstance(message, msg.Eos):
+            job.end_text()
+            ended = True
+        elif isinstance(message, msg.Voice):
+            await _close(edge, output, CLOSE_POLICY, "options", "a Voice message must come before the first words")
+            return
+        elif not script.add_text(message.text):
+            await _close(edge, output, CLOSE_TOO_BIG, "too_large", f"the text passed {MAX_TEXT_CHARS} characters")
+            return
+        elif entries := service.front_end.more_words(message.text):
+            job.append(entries)
 
 
 async def _speak(edge: EdgeSession, job: TtsJob, output: Output) -> None:
@@ -298,18 +321,6 @@ async def _speak(edge: EdgeSession, job: TtsJob, output: Output) -> None:
                 return
     except (WebSocketDisconnect, RuntimeError, OSError):
         return  # the client left
-
-
-async def _drain_input(edge: EdgeSession) -> None:
-    """After `Eos` the client may still send (moshi-server reads on); anything it sends is counted
-    against the limits and dropped. Returns when it leaves."""
-    while True:
-        frame = await edge.websocket.receive()
-        if frame["type"] == "websocket.disconnect":
-            return
-        size = len(frame.get("bytes") or b"") + len(frame.get("text") or "")
-        if not await edge.admit_message(size):
-            return
 
 
 async def _full(edge: EdgeSession, output: Output, detail: str) -> None:
