@@ -4,8 +4,9 @@
     request, input_tokens = front_end.request("Hello there.", "alloy", speed=1.0)
     job = pool.submit(request, loop)
 
-Every door that speaks text (`POST /v1/audio/speech`, `parley tts`) goes through it, so they
-split words, pick the voice, set the conditions and map the speed the same way:
+Every door that speaks text (`POST /v1/audio/speech`, `parley tts`, Kyutai's `/api/tts_streaming`)
+goes through it, so they split words, pick the voice, set the conditions and map the speed the same
+way (text that streams in: `request` for the first words, `more_words` for the rest):
 - the text is normalised and split into words, each its tokenizer pieces; a
   `<break time="1.5s"/>` is a pad-only entry; `speaker_token` (None: a single-speaker model)
   opens the first word (tts_pool.text_entries);
