@@ -268,7 +268,8 @@ class ModelBackend:
     def _prompt_runner(self, cuda_graphs: bool) -> PromptRunner | None:
         """PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
         graph per chunk class on CUDA; warmed up here so the first session's prompt does not
-        pay for loading kernels and picking matmul algorithms (0.15-1.2 s on an H200). Moshi: None."""
+        pay for loading kernels and picking matmul algorithms (a cold chunk can take longer than
+        a whole tick). Moshi: None."""
         if self.checkpoint.model_type != "personaplex":
             return None
         prompts = PromptRunner(self._gen, self.kv.dtype, graphs=cuda_graphs and self.device.type == "cuda")

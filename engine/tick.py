@@ -102,8 +102,8 @@ class TickRunner:
 
     def _collect_beside_device(self, deadline: float) -> None:
         """A due full GC pass while the device runs the queued step: it lengthens the tick only by
-        what it outlasts the device, where after the tick it would add its whole pause (at 256
-        live the tick's own slack never holds one). Room: up to the boundary, less the routing."""
+        what it outlasts the device, where after the tick it would add its whole pause (at full
+        load the tick's own slack may never hold one). Room: up to the boundary, less the routing."""
         self._collections().maybe_collect(deadline - self._clock.now() - self._route_s)
 
     def log_late_start(self) -> None:

@@ -1,5 +1,6 @@
 """The product code's shape, read with ast: no function over MAX_FUNCTION_LINES lines in the checked
-packages, and the classes the engine reads through kept under their limits.
+packages, and the classes the engine reads through kept under their limits. Their comments say why,
+never what a benchmark measured on some GPU (figures go stale; they belong in docs/benchmarks.md).
 
 Lines count from the `def` (or `class`) line to the last line of the body, docstring and comments
 included, decorators not. Exempt: Triton kernel bodies, functions decorated with `triton.jit` (with
@@ -10,6 +11,7 @@ The folders are a list so that another package joins the rule by its name.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ FOLDERS = ("engine", "models")  # packages held to the function rule (folders of
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = {("engine/engine.py", "Engine"): 300, ("engine/backend.py", "ModelBackend"): 300}
 
+# What marks a measured figure: a GPU's name or a bandwidth.
+MEASURED = re.compile(r"\b(?:[ABH]100|H200|B200|L40S?)\b|\b[0-9.]+ ?[GT]i?B/s\b")
 Function = ast.FunctionDef | ast.AsyncFunctionDef
 
 
@@ -72,3 +76,10 @@ def test_the_rule_counts_what_it_says() -> None:
     assert long_functions(over) == [f"over:2 ({MAX_FUNCTION_LINES + 1} lines)"]
     assert long_functions(kernel) == long_functions(called) == []
     assert long_functions(other) == [f"not_triton:4 ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+def test_no_measured_figures_in_comments() -> None:
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in product_files()
+             for i, line in enumerate(p.read_text().splitlines(), 1) if MEASURED.search(line)]
+    assert not found, f"measured figures in product code (say why; figures go in docs/benchmarks.md): {found}"
+    assert MEASURED.search("4.5 TB/s at full windows") and MEASURED.search("on an H200 host")
