@@ -21,8 +21,9 @@ a finished request is replaced at once). Per scenario:
     python benchmarks/diffusion_interference.py                       # H200: B 1,16,64 x K 0,1,4,16 x 512,1024
     python benchmarks/diffusion_interference.py --smoke --loads 0,1,2   # CPU: tiny models, checks it runs
 
-Pass bar (docs/benchmarks.md): lateness p99 <= 1 ms, voice done p99 within max(2 %, 0.5 ms) of
-K = 0, zero items past the boundary; diffusion >= 50 % of standalone at B = 64, 512 px.
+Pass bar (issue 9; benchmarks/NOTES.md, "Diffusion in the slack"): lateness p99 <= 1 ms, voice done p99
+within max(2 %, 0.5 ms) of K = 0, zero items past the boundary; diffusion >= 50 % of standalone at
+B = 64, 512 px.
 (--no-alone skips the queue-alone runs.)
 """
 

@@ -12,7 +12,7 @@ a replacement arrives into a running queue, the steady state), slack used, items
 stalled (no item for `--stall-timeout` s of the replay's clock; a stalled request is replaced
 like a finished one).
 
-    python benchmarks/image_queue_replay.py                 # H200 costs at B=64, 512 px (docs/benchmarks.md)
+    python benchmarks/image_queue_replay.py                 # H200 costs at B=64, 512 px (benchmarks/NOTES.md)
     python benchmarks/image_queue_replay.py --loads 4 --encode-ms 22
     python benchmarks/image_queue_replay.py --cold-side 1.5 --frame 0.055   # 768 px never measured, B=128
 
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--tick", type=float, default=0.080)
     parser.add_argument("--guard", type=float, default=0.003)
     parser.add_argument("--frame", type=float, default=0.0175, help="voice frame + host work before the slack, s")
-    # H200, SD-1.5 shapes, bf16, 512 px (docs/benchmarks.md, eea73f4); encode after the negative-prompt cache
+    # H200, SD-1.5 shapes, bf16, 512 px (benchmarks/NOTES.md, eea73f4); encode after the negative-prompt cache
     parser.add_argument("--encode-ms", type=float, default=12.0)
     parser.add_argument("--denoise-ms", type=float, default=13.5, help="a batch-1 CFG step")
     parser.add_argument("--denoise-row-ms", type=float, default=5.5, help="each further job in a step")

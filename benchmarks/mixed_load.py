@@ -1,7 +1,7 @@
 """Every kind of work at once through one `parley serve`, each kind's figures beside its figures alone.
 
     python benchmarks/mixed_load.py --duration 8                     # the demo server: every modality, tiny, CPU
-    # H200 (3.3 minutes with --duration 15 once written; docs/benchmarks.md): Moshi-7B, TTS 1.6B, STT 1B and SD-1.5 shapes, random weights
+    # H200 (3.3 minutes with --duration 15 once written; benchmarks/NOTES.md): Moshi-7B, TTS 1.6B, STT 1B and SD-1.5 shapes, random weights
     python benchmarks/write_models.py --dir /tmp/models --device cuda && \\
     python benchmarks/mixed_load.py --models /tmp/models --duplex 64 --tts 16 --transcription 64 --images 4 \\
         --image-size 512x512 --image-steps 20 --duration 20 --procs 4 --serve-arg=--device=cuda

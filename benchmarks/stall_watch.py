@@ -5,7 +5,7 @@ holds it (an import, a long pure-Python loop), the engine thread waits, and so d
 It wakes every millisecond, samples all stacks every few wakes, and when a wake comes more than
 `threshold_s` late it records the stacks from just before and at the end of the stall: the
 thread whose frames say what it held the GIL for is usually plain (this found the first TTS
-request's imports, docs/benchmarks.md).
+request's imports: benchmarks/NOTES.md, "TTS beside duplex").
 
     watch = StallWatch(0.008).start()
     ...

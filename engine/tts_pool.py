@@ -349,7 +349,8 @@ class TtsPool(SlackSource):
             for kind in reversed(STEP_KINDS):  # the full steps' largest bucket first: it sizes the pool
                 pool = self._steps[kind].capture(lambda n: (idle[:n],), pool=pool)
             # The admission's device part (row reset, Mimi reset, voice -> cross-attention keys and
-            # values: ~700 small kernels eagerly, ~4-5 ms of launches on the H200). Captured with
+            # values: hundreds of small kernels, whose launches alone would take much of a tick's
+            # slack eagerly). Captured with
             # no row selected and row 0 as the voice's target: no row is live yet.
             warm = warm_request(self._gen.lm.cfg, self._voice_frames, conditions)
             voice = tuple(t.to(self.device) for t in self._gen.voice_inputs(warm.voices))

@@ -4,6 +4,7 @@
     python examples/duplex_client.py question.wav --persona "You are Ada." --voice NATF2.pt
     python examples/duplex_client.py question.wav --realtime            # /v1/realtime (OpenAI API)
     python examples/duplex_client.py question.wav --live --commentary "Let me check."  # GPT-Live
+    python examples/duplex_client.py speech.wav --translate --language en  # /v1/realtime/translations
 
 The input may be any rate and channel count (it is mixed to mono and resampled to 24 kHz).
 It is streamed paced in real time, followed by `--tail` seconds of silence so the agent can
@@ -18,6 +19,9 @@ so the reply WAV holds the agent's speech back to back.
 /api/chat); the text is the model's output transcript. It delegates to this client (client
 delegation): with `--commentary TEXT` each session.delegation.created is answered with that
 text as commentary, which the model says from its next pause.
+/v1/realtime/translations (--translate): base64 PCM16 events both ways, every 80 ms frame kept;
+the text is the translation's transcript. After the file (no silence tail unless --tail asks)
+`session.close` flushes: the server translates what it still owes, then sends session.closed.
 """
 
 from __future__ import annotations
@@ -210,6 +214,48 @@ async def live(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.n
     return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
 
 
+async def translate(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.ndarray, str]:
+    query = f"?{urllib.parse.urlencode({'model': args.model})}" if args.model else ""  # none: the served one
+    url = f"{args.url.rstrip('/')}/v1/realtime/translations{query}"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    audio: list[np.ndarray] = []
+    text: list[str] = []
+    async with connect(url, additional_headers=headers, max_size=None, compression=None) as ws:
+        created = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        if created.get("type") != "session.created":
+            raise SystemExit(f"expected session.created, got {created}")
+        if args.language:
+            await ws.send(json.dumps({"type": "session.update",
+                                      "session": {"audio": {"output": {"language": args.language}}}}))
+
+        async def receive() -> None:
+            try:
+                async for raw in ws:
+                    event = json.loads(raw)
+                    kind = event.get("type", "")
+                    if kind == "session.output_audio.delta":
+                        pcm16 = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
+                        audio.append(pcm16.astype(np.float32) / 32768.0)
+                    elif kind == "session.output_transcript.delta":
+                        text.append(event["delta"])
+                        print(event["delta"], end="", flush=True)
+                    elif kind == "error":  # a refused --language names audio.output.language
+                        print(f"\nserver error: {event['error']}", file=sys.stderr)
+                    elif kind == "session.closed":
+                        return
+            except ConnectionClosed:
+                pass
+
+        receiver = asyncio.create_task(receive())
+        async for frame in paced(frames):
+            pcm16 = (np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()
+            await ws.send(json.dumps({"type": "session.input_audio_buffer.append",
+                                      "audio": base64.b64encode(pcm16).decode()}))
+        await ws.send(json.dumps({"type": "session.close"}))  # the server flushes what it owes, then closes
+        await asyncio.wait_for(receiver, 60)
+    return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("wav", help="input audio file (WAV/FLAC/OGG, any rate)")
@@ -219,32 +265,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-out", default="reply.txt", help="where to write the agent's text (default %(default)s)")
     p.add_argument("--persona", default="", help="persona / system prompt (PersonaPlex)")
     p.add_argument("--voice", default=None, help="voice prompt name, e.g. NATF2.pt (PersonaPlex)")
-    p.add_argument("--tail", type=float, default=3.0,
-                   help="seconds of silence streamed after the input (default %(default)s)")
+    p.add_argument("--tail", type=float, default=None,
+                   help="seconds of silence streamed after the input (default 3.0; 0 with --translate)")
     p.add_argument("--realtime", action="store_true", help="use /v1/realtime (OpenAI Realtime API) instead")
     p.add_argument("--live", action="store_true", help="use /v1/live/sessions (OpenAI GPT-Live) instead")
+    p.add_argument("--translate", action="store_true",
+                   help="use /v1/realtime/translations (OpenAI Realtime translation) instead")
+    p.add_argument("--language", default=None,
+                   help="--translate: the output language, e.g. en (default: the model's own)")
     p.add_argument("--commentary", default=None,
                    help="--live: answer each delegation with this text as commentary (the model says it)")
     p.add_argument("--model", default=None,
-                   help="model name sent to /v1/realtime or /v1/live/sessions: one the server serves "
-                        "(default: its speech-to-speech model, from GET /v1/models)")
+                   help="model name sent to /v1/realtime, /v1/live/sessions or /v1/realtime/translations: "
+                        "one the server serves (default: its speech-to-speech model, from GET /v1/models)")
     p.add_argument("--api-key", default=None,
-                   help="bearer key for /v1/realtime or /v1/live/sessions, if the server requires one")
+                   help="bearer key for the /v1 doors, if the server requires one")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.realtime and args.live:
-        parser.error("--realtime and --live are two protocols: give one")
+    if args.realtime + args.live + args.translate > 1:
+        parser.error("--realtime, --live and --translate are three protocols: give one")
+    if args.language and not args.translate:
+        parser.error("--language is the translation's output language: it needs --translate")
     if args.commentary and not args.live:
         parser.error("--commentary answers GPT-Live delegations: it needs --live")
     # Browsers' http(s) addresses work too: the WebSocket scheme is the same address's ws(s).
     args.url = re.sub(r"^http(s?)://", r"ws\1://", args.url)
 
-    frames = frames_of(load_wav(args.wav), args.tail)
-    protocol = realtime if args.realtime else live if args.live else chat
+    tail = args.tail if args.tail is not None else 0.0 if args.translate else 3.0
+    frames = frames_of(load_wav(args.wav), tail)
+    protocol = realtime if args.realtime else live if args.live else translate if args.translate else chat
     audio, text = asyncio.run(protocol(args, frames))
     soundfile.write(args.out, np.clip(audio, -1, 1), SAMPLE_RATE, subtype="PCM_16")
     with open(args.text_out, "w", encoding="utf-8") as f:

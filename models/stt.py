@@ -37,7 +37,7 @@ import torch
 
 from .config import FRAME_RATE, UNGENERATED_TOKEN, LMConfig
 from .lm import LMModel
-from .lm_gen import DelayedRows, ring_write
+from .lm_gen import DelayedRows, ring_write, temporal_step
 from .sampling import sample_tokens
 
 END_OF_TURN_HEAD = 2  # the extra head Kyutai's servers (moshi-server, unmute) read as "pause / end of turn"
@@ -137,14 +137,8 @@ class SttGen:
         audio = slice(1, 1 + cfg.n_q)
         ring_write(state.ring[:, audio], offsets[:, None] + self.delays[None, audio], codes[:, :cfg.n_q], exec_mask)
 
-        column = (offsets % self.ring_size)[:, None, None].expand(-1, cfg.num_codebooks, 1)
-        tokens = state.ring.gather(2, column)[..., 0]
-        is_init = (offsets[:, None] <= self.delays[None]) | ~exec_mask[:, None]
-        tokens = torch.where(is_init, self.initial[None], tokens)
-
-        hidden, text_logits = self.model.temporal(self.model.embed(tokens)[:, None], state.transformer, exec_mask)
-        hidden = hidden[:, 0]
-        text = sample_tokens(text_logits[:, 0], state.text_temp, state.text_topk, self.generator)
+        hidden, text_logits = temporal_step(self.model, state, self.delays, self.initial, exec_mask)
+        text = sample_tokens(text_logits, state.text_temp, state.text_topk, self.generator)
 
         new_offsets = torch.where(exec_mask, offsets + 1, offsets)
         ring_write(state.ring[:, :1], new_offsets[:, None], text[:, None], exec_mask)

@@ -1,0 +1,1 @@
+"""`/api/chat`: the Moshi / PersonaPlex binary WebSocket protocol."""

@@ -1,0 +1,1 @@
+"""`/v1/live/sessions`: OpenAI's GPT-Live, with client and Responses delegation."""

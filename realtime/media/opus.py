@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import logging
 import os
 import subprocess
 import sys
@@ -38,10 +37,9 @@ from typing import Callable, Protocol
 import numpy as np
 
 from . import codec_worker as wire
-from ..server.workers import backoff, cpu_seconds, reap, spawn
+from ..server.workers import Supervisor, spawn
 from .opus_codec import OpusCodec, OpusError, check_frame
 
-log = logging.getLogger("parley.codec")
 
 class CodecUnavailable(RuntimeError):
     """The codec could not serve this session (its worker crashed, hung, or the server is
@@ -106,7 +104,7 @@ class _ThreadStream:
 
 
 class _Worker:
-    """One worker process and the parent's end of its socket (all state on the event loop)."""
+    """One codec worker process and the parent's end of its socket (all state on the event loop)."""
 
     def __init__(self, index: int, proc: subprocess.Popen, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, max_inflight: int) -> None:
@@ -121,12 +119,25 @@ class _Worker:
         self.started = time.monotonic()
         self.read_task: asyncio.Task | None = None
 
-    def fail(self, reason: str) -> None:
-        if self.dead is None:
-            self.dead = reason
+    def load(self) -> int:
+        return self.streams
+
+    def end(self, reason: str) -> None:
+        self._fail(reason)
+        try:
+            self.writer.close()
+        except RuntimeError:
+            pass
+
+    def close(self, reason: str) -> None:
+        self.end(reason)  # the codec's streams cannot outlive their worker: nothing queued to keep
+        if self.read_task is not None:
+            self.read_task.cancel()
+
+    def _fail(self, reason: str) -> None:
         for fut in self.pending.values():
             if not fut.done():
-                fut.set_exception(CodecUnavailable(self.dead))
+                fut.set_exception(CodecUnavailable(reason))
         self.pending.clear()
 
 
@@ -135,33 +146,23 @@ class CodecProcessPool:
 
     def __init__(self, workers: int, *, max_inflight: int = 512, request_timeout: float = 3.0,
                  start_timeout: float = 30.0, on_restart: Callable[[], None] | None = None) -> None:
-        if workers < 1:
-            raise ValueError("a codec process pool needs at least one worker")
         self.workers = workers
         self.max_inflight = max_inflight
         self.request_timeout = request_timeout
         self.start_timeout = start_timeout
-        self.on_restart = on_restart
-        self.restarts = 0
-        self._slots: list[_Worker | None] = [None] * workers
+        self.supervisor: Supervisor[_Worker] = Supervisor("codec", workers, self._spawn, on_restart)
         self._stream_ids = itertools.count(1)
         self._req_ids = itertools.count(1)
-        self._closing = False
-        self._respawning: set[asyncio.Task] = set()
+
+    @property
+    def restarts(self) -> int:
+        return self.supervisor.restarts
 
     # ---- lifecycle (event loop) ----
 
     async def start(self) -> None:
         """Start every worker and wait until each says it is ready (raises if one cannot start)."""
-        workers = await asyncio.gather(*(self._spawn(i) for i in range(self.workers)), return_exceptions=True)
-        errors = [w for w in workers if isinstance(w, BaseException)]
-        for i, w in enumerate(workers):
-            if not isinstance(w, BaseException):
-                self._install(i, w)
-        if errors:
-            await self.aclose()
-            raise RuntimeError(f"codec workers failed to start: {errors[0]}") from errors[0]
-        log.info("codec: %d worker processes (pids %s)", self.workers, self.worker_pids())
+        await self.supervisor.start(strict=True)
 
     async def _spawn(self, index: int) -> _Worker:
         proc, parent_sock = await spawn([sys.executable, "-m", "parley.realtime.media.codec_worker"])
@@ -177,43 +178,29 @@ class CodecProcessPool:
             if isinstance(exc, (asyncio.IncompleteReadError, asyncio.TimeoutError)):
                 raise RuntimeError(f"codec worker {index} did not start (exit code {proc.poll()})") from None
             raise
-        return _Worker(index, proc, reader, writer, self.max_inflight)
-
-    def _install(self, index: int, worker: _Worker) -> None:
-        self._slots[index] = worker
+        worker = _Worker(index, proc, reader, writer, self.max_inflight)
         worker.read_task = asyncio.get_running_loop().create_task(self._read_loop(worker),
                                                                   name=f"codec-worker-{index}")
+        return worker
 
     async def aclose(self) -> None:
         """Close every worker (EOF on its socket makes it exit), bounded; kill stragglers."""
-        self._closing = True
-        for task in list(self._respawning):
-            task.cancel()
-        workers = [w for w in self._slots if w is not None]
-        self._slots = [None] * self.workers
-        for w in workers:
-            w.fail("the server is shutting down")
-            w.writer.close()
-        await reap(w.proc for w in workers)
-        for w in workers:
-            if w.read_task is not None:
-                w.read_task.cancel()
+        await self.supervisor.aclose("the server is shutting down")
 
     def worker_pids(self) -> list[int]:
-        return [w.proc.pid for w in self._slots if w is not None and w.dead is None]
+        return self.supervisor.worker_pids()
 
     def worker_cpu_seconds(self) -> float:
         """CPU time of the live workers (Linux /proc), for /metrics and benchmarks."""
-        return cpu_seconds(self.worker_pids())
+        return self.supervisor.worker_cpu_seconds()
 
     # ---- sessions ----
 
     def open(self) -> "_ProcessStream":
         """Pin a new stream to the least-loaded live worker."""
-        live = [w for w in self._slots if w is not None and w.dead is None]
-        if self._closing or not live:
+        worker = self.supervisor.least_loaded()
+        if worker is None:
             raise CodecUnavailable("no codec worker is running (the server is shutting down or restarting them)")
-        worker = min(live, key=lambda w: w.streams)
         worker.streams += 1
         return _ProcessStream(self, worker, next(self._stream_ids) & 0xFFFFFFFF)
 
@@ -233,13 +220,13 @@ class CodecProcessPool:
                 await worker.writer.drain()
                 return await fut
             except asyncio.TimeoutError:
-                self._lose(worker, f"codec worker {worker.index} (pid {worker.proc.pid}) did not answer within "
-                                   f"{self.request_timeout:g} s and was restarted")
+                self.supervisor.lose(worker, f"codec worker {worker.index} (pid {worker.proc.pid}) did not answer "
+                                             f"within {self.request_timeout:g} s and was restarted")
                 raise CodecUnavailable(worker.dead) from None
             except (ConnectionError, RuntimeError) as exc:
                 if isinstance(exc, CodecUnavailable):
                     raise
-                self._lose(worker, f"codec worker {worker.index} connection lost: {exc}")
+                self.supervisor.lose(worker, f"codec worker {worker.index} connection lost: {exc}")
                 raise CodecUnavailable(worker.dead) from None
             finally:
                 deadline.cancel()
@@ -274,54 +261,11 @@ class CodecProcessPool:
             pass
         except asyncio.CancelledError:
             return
-        if self._closing:
+        if self.supervisor.closing or worker.dead is not None:
             return
         code = await asyncio.to_thread(_wait_exit, worker.proc)
-        self._lose(worker, f"codec worker {worker.index} (pid {worker.proc.pid}) exited with code {code}; "
-                           "its sessions' audio streams were lost")
-
-    def _lose(self, worker: _Worker, reason: str) -> None:
-        """Fail the worker's sessions, kill it if needed, and start a replacement."""
-        if worker.dead is not None:
-            return
-        worker.fail(reason)
-        log.error("%s", reason)
-        try:
-            worker.writer.close()
-        except RuntimeError:
-            pass
-        if worker.proc.poll() is None:
-            worker.proc.kill()
-        if self._closing or self._slots[worker.index] is not worker:
-            return
-        task = asyncio.get_running_loop().create_task(self._respawn(worker))
-        self._respawning.add(task)
-        task.add_done_callback(self._respawning.discard)
-
-    async def _respawn(self, old: _Worker) -> None:
-        # Back off when a worker dies right after starting (a broken environment, not a fluke).
-        delay = 0.0 if time.monotonic() - old.started > 5.0 else 1.0
-        attempt = 0
-        while not self._closing:
-            await asyncio.sleep(delay)
-            try:
-                await asyncio.to_thread(old.proc.wait)
-                worker = await self._spawn(old.index)
-            except Exception as exc:  # noqa: BLE001 - keep trying, bounded by the backoff
-                attempt += 1
-                delay = backoff(attempt)
-                log.error("codec worker %d restart failed (%s); retrying in %.1f s", old.index, exc, delay)
-                continue
-            if self._closing:
-                worker.writer.close()
-                await asyncio.to_thread(worker.proc.wait)
-                return
-            self._install(old.index, worker)
-            self.restarts += 1
-            if self.on_restart is not None:
-                self.on_restart()
-            log.warning("codec worker %d restarted (pid %d)", old.index, worker.proc.pid)
-            return
+        self.supervisor.lose(worker, f"codec worker {worker.index} (pid {worker.proc.pid}) exited with code "
+                                     f"{code}; its sessions' audio streams were lost")
 
 
 def _expire(fut: asyncio.Future) -> None:

@@ -1,0 +1,1 @@
+"""The server: the `parley` commands, config, app assembly, launch, drain and the worker supervisor."""

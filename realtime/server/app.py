@@ -43,6 +43,7 @@ from ..http.images import images_generations
 from ..chat.protocol import chat_endpoint
 from ..live.session import live_endpoint
 from ..realtime_api.endpoint import realtime_endpoint
+from ..translation.endpoint import translation_endpoint
 from ..media.opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from ..http.models import model_endpoint, models_endpoint
@@ -65,6 +66,7 @@ ENDPOINTS = {
     "/api/chat": chat_endpoint,
     "/v1/realtime": realtime_endpoint,
     "/v1/live/sessions": live_endpoint,
+    "/v1/realtime/translations": translation_endpoint,
     "POST /v1/realtime/calls": realtime_calls,  # a path served by two doors is keyed with its method
     "POST /v1/live/sessions": live_calls,
     "/v1/realtime/calls/{call_id}/{action}": call_action,

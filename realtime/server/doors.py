@@ -35,6 +35,7 @@ DOORS = (
     Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol"),
     Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, or ?intent=transcription)"),
     Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation"),
+    Door("/v1/realtime/translations", WS, "OpenAI Realtime translation: speech in, translated speech and text out"),
     Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out"),
     Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out"),
     Door("/v1/realtime/calls/{call_id}/{action}", "POST", "a Realtime WebRTC call's hangup (accept, reject, refer: "

@@ -1,0 +1,1 @@
+"""What every door's connection is made of: admission and its slot, limits, refusals, the connection."""

@@ -1,0 +1,1 @@
+"""WebRTC: the OpenAI WebRTC doors, and the aiortc peers in worker processes."""

@@ -6,7 +6,7 @@ of them (webrtc/worker.py), never on the server's event loop or engine thread.
 - One Unix socketpair per worker carries every call's frames (webrtc/wire.py), routed here to the
   call's `WebRTCCall` by id.
 - A worker that dies (or is found stuck) ends only its own calls, each as if its peer had left,
-  and is replaced for new calls; restarts back off when a worker dies right after starting.
+  and is replaced for new calls (server/workers.py's Supervisor, as for the codec's workers).
 - `aclose()` (the server's shutdown, after its calls hung up) closes each socket: EOF makes a
   worker hang up whatever it still holds and exit; one that does not within 3 s is killed.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
 import subprocess
 import sys
@@ -24,10 +23,9 @@ from typing import Callable
 
 from . import wire
 from ..server.log_format import current_kind
-from ..server.workers import backoff, cpu_seconds, reap, spawn
+from ..server.workers import Supervisor, spawn
 from .transport import CallUnavailable, WebRTCCall
 
-log = logging.getLogger("parley.webrtc")
 
 # The automatic size: one worker per this many sessions. A call costs its worker ~0.12 cores (H200
 # host, 64 calls: 7.4 cores over 12 workers); at 16 a worker (4.5 cores over 4) saturated and
@@ -54,6 +52,24 @@ class WorkerProcess:
         self.link = wire.FrameProtocol(lambda op, call, payload: pool.on_frame(self, op, call, payload),
                                        lambda why: pool.on_lost(self, why))
 
+    def load(self) -> int:
+        return len(self.calls)
+
+    def end(self, reason: str) -> None:
+        self._end_calls(reason)
+        if self.link.transport is not None:
+            self.link.transport.abort()
+
+    def close(self, reason: str) -> None:
+        self._end_calls(reason)
+        if self.link.transport is not None:
+            self.link.transport.close()  # what is queued (the calls' CLOSE frames) goes first
+
+    def _end_calls(self, reason: str) -> None:
+        for call in list(self.calls.values()):
+            call.lost(reason)
+        self.calls.clear()
+
 
 class WebRTCPool:
     """`--webrtc-workers N`: N WebRTC worker processes, calls pinned to one each."""
@@ -66,15 +82,15 @@ class WebRTCPool:
         self.workers = workers
         self.argv = [sys.executable, "-m", "parley.realtime.webrtc.worker"]  # + the socket's fd, the log format
         self.start_timeout = start_timeout
-        self.on_restart = on_restart
         self.on_silent = on_silent  # (packets): the calls' tracks sent silence, no model audio ready
-        self.restarts = 0
-        self._slots: list[WorkerProcess | None] = [None] * workers
+        self.supervisor: Supervisor[WorkerProcess] = Supervisor("webrtc", workers, self._spawn, on_restart)
         self._ids = itertools.count(1)
         self._started = False
         self._starting = asyncio.Lock()
-        self._closing = False
-        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def restarts(self) -> int:
+        return self.supervisor.restarts
 
     # ---- calls ----
 
@@ -82,10 +98,9 @@ class WebRTCPool:
         """Give the call an id and the least-loaded live worker (starting the pool on the first call)."""
         if not self._started:
             await self._start()
-        live = [w for w in self._slots if w is not None and w.dead is None]
-        if self._closing or not live:
+        worker = self.supervisor.least_loaded()
+        if worker is None:
             raise CallUnavailable("no WebRTC worker is running (the server is stopping or restarting them)")
-        worker = min(live, key=lambda w: len(w.calls))
         call.id = next(self._ids) & 0xFFFFFFFF
         worker.calls[call.id] = call
         return worker
@@ -107,18 +122,9 @@ class WebRTCPool:
 
     async def _start(self) -> None:
         async with self._starting:
-            if self._started:
-                return
-            spawned = await asyncio.gather(*(self._spawn(i) for i in range(self.workers)), return_exceptions=True)
-            for index, worker in enumerate(spawned):
-                if isinstance(worker, BaseException):
-                    log.error("%s; retrying", worker)
-                    self._respawn_later(index, 1.0)
-                else:
-                    self._slots[index] = worker
-            self._started = True
-            pids = self.worker_pids()
-            log.info("webrtc: %d of %d worker processes started (pids %s)", len(pids), self.workers, pids)
+            if not self._started:
+                await self.supervisor.start(strict=False)
+                self._started = True
 
     async def _spawn(self, index: int) -> WorkerProcess:
         proc, parent_sock = await spawn(self.argv, current_kind())
@@ -149,65 +155,11 @@ class WebRTCPool:
 
     def lose(self, worker: WorkerProcess, reason: str) -> None:
         """End the worker's calls, kill it if needed, and start a replacement."""
-        if worker.dead is not None:
-            return
-        worker.dead = reason
-        if not self._closing:
-            log.error("%s", reason)
-        for call in list(worker.calls.values()):
-            call.lost(reason)
-        worker.calls.clear()
-        if worker.link.transport is not None:
-            worker.link.transport.abort()
-        if worker.proc.poll() is None:
-            worker.proc.kill()
-        if not self._closing and self._slots[worker.index] is worker:
-            self._respawn_later(worker.index, 0.0 if time.monotonic() - worker.started > 5.0 else 1.0)
-
-    def _respawn_later(self, index: int, delay: float) -> None:
-        task = asyncio.get_running_loop().create_task(self._respawn(index, delay), name=f"webrtc-worker-{index}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _respawn(self, index: int, delay: float) -> None:
-        attempt = 0
-        old = self._slots[index]
-        if old is not None:
-            await asyncio.to_thread(old.proc.wait)  # reap it
-        while not self._closing:
-            await asyncio.sleep(delay)
-            try:
-                worker = await self._spawn(index)
-            except Exception as exc:  # noqa: BLE001 - keep trying, bounded by the backoff
-                attempt += 1
-                delay = backoff(attempt)
-                log.error("webrtc worker %d restart failed (%s); retrying in %.1f s", index, exc, delay)
-                continue
-            if self._closing:
-                worker.link.transport.close()
-                await asyncio.to_thread(worker.proc.wait)
-                return
-            self._slots[index] = worker
-            self.restarts += 1
-            if self.on_restart is not None:
-                self.on_restart()
-            log.warning("webrtc worker %d restarted (pid %d)", index, worker.pid)
-            return
+        self.supervisor.lose(worker, reason)
 
     async def aclose(self) -> None:
         """Close every worker (EOF on its socket makes it hang up and exit), bounded; kill stragglers."""
-        self._closing = True
-        for task in list(self._tasks):
-            task.cancel()
-        workers = [w for w in self._slots if w is not None]
-        self._slots = [None] * self.workers
-        for worker in workers:
-            for call in list(worker.calls.values()):
-                call.lost("the server is shutting down")
-            worker.dead = worker.dead or "the server is shutting down"
-            if worker.link.transport is not None:
-                worker.link.transport.close()  # what is queued (the calls' CLOSE frames) goes first
-        await reap(w.proc for w in workers)
+        await self.supervisor.aclose("the server is shutting down")
 
     # ---- figures ----
 
@@ -216,12 +168,12 @@ class WebRTCPool:
             self.on_silent(packets)
 
     def worker_pids(self) -> list[int]:
-        return [w.pid for w in self._slots if w is not None and w.dead is None]
+        return self.supervisor.worker_pids()
 
     def calls(self) -> dict[int, int]:
         """Calls pinned to each live worker, by pid."""
-        return {w.pid: len(w.calls) for w in self._slots if w is not None and w.dead is None}
+        return {w.pid: len(w.calls) for w in self.supervisor.live()}
 
     def worker_cpu_seconds(self) -> float:
         """CPU time of the live workers (Linux /proc), for /metrics and benchmarks."""
-        return cpu_seconds(self.worker_pids())
+        return self.supervisor.worker_cpu_seconds()

@@ -1,0 +1,42 @@
+"""The model a translation session runs on, and how its source ends: the door's one seam to it.
+
+To the engine a translation session is a duplex session of a translating model: source audio in,
+translated audio and its text out, one 80 ms frame a tick. Two things differ by model, and
+`Translator` holds both:
+- the languages its speech comes out in (`audio.output.language` must name one);
+- what happens when the source ends (`session.close`): a model that knows (Hibiki's input
+  end-of-stream code) is told, and its stream ends by itself once the translation is out
+  (`owed_frames` None); one that does not is followed for `owed_frames` more frames.
+
+`served_translator` picks the server's: until the Hibiki model is served, the duplex model, which
+speaks English and has no end-of-source call. Serving Hibiki changes that function only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parley.engine import Session
+
+# The duplex stand-in's output after the source's last frame: one second of model frames (its
+# reply to the last words lags them; Hibiki's end of translation ends its stream instead).
+DUPLEX_OWED_FRAMES = 12
+
+
+@dataclass(frozen=True)
+class Translator:
+    modality: str  # the served-names modality `?model=` must name (server/served_models.py)
+    languages: tuple[str, ...]  # ISO 639-1 codes of the output speech; the first is the session's default
+    owed_frames: int | None  # frames followed after the source's last; None: the engine ends the stream
+
+    def end_source(self, session: Session) -> None:
+        """Tell the engine `session`'s source has ended (its last frame has been consumed). The
+        duplex stand-in has nothing to be told."""
+
+
+DUPLEX_STAND_IN = Translator(modality="duplex", languages=("en",), owed_frames=DUPLEX_OWED_FRAMES)
+
+
+def served_translator() -> Translator:
+    """The translating model this server serves."""
+    return DUPLEX_STAND_IN
