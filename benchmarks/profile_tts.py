@@ -86,7 +86,7 @@ def profile_rows(lm: TtsLM, mimi: Mimi, rows: int, slots: int, replays: int, war
     result["mimi decode"] = graph_ms(decode, (codes, active(n)), replays, warmup)
     result["depformer + sampling"] = result["full"] - result["text"] - result["mimi decode"]
     result["per bucket"] = per_bucket
-    result["kernels (full step)"] = kernel_breakdown(graphs["full", n], (active(n),), 5)
+    result["kernels (full step)"] = kernel_breakdown(pool._steps["full"].graph(n), (active(n),), 5)
     return result
 
 

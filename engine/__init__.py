@@ -41,6 +41,7 @@ _EXPORTS = {
     # transcription: standalone rows (requests) and the duplex sessions' paired rows
     "SttBusy": "stt_pool", "SttFailed": "stt_pool", "SttInputError": "stt_pool", "SttPartial": "stt_pool",
     "SttPool": "stt_pool", "SttRequest": "stt_pool", "collect_transcript": "stt_pool",
+    "WordEnded": "stt_pool", "WordHeard": "stt_pool",  # a word as moshi-server's ASR reports it (models/stt_text.py)
     "PairedTranscription": "stt_paired",
     # images
     "IMAGE_STALLED": "image_queue:STALLED", "ImagePartial": "image_queue", "ImageQueue": "image_queue",
@@ -74,7 +75,8 @@ if TYPE_CHECKING:
     from .speech import SpeechFrontEnd, SpeechInputError, UnknownVoice
     from .stream import OutputStream, Status, Terminal
     from .stt_paired import PairedTranscription
-    from .stt_pool import SttBusy, SttFailed, SttInputError, SttPartial, SttPool, SttRequest, collect_transcript
+    from .stt_pool import (SttBusy, SttFailed, SttInputError, SttPartial, SttPool, SttRequest, WordEnded, WordHeard,
+                           collect_transcript)
     from .tts_offline import synthesize
     from .tts_pool import TtsAudio, TtsJob, TtsPool, TtsPoolFull, TtsRequest, TtsWord, text_entries
 

@@ -37,15 +37,15 @@ from parley.models.checkpoint import Checkpoint, load_checkpoint
 from parley.models.lm_gen import LMGen, LMGenState
 from parley.models.sampling import UNSEEDED
 from parley.models.mimi import MimiState
-from parley.models.paged_decode import FlashInferDecode, flashinfer_module
-from parley.models.paged_kv import block_size_for, decode_pages, ring_blocks
+from parley.models.paged_kv import block_size_for
 from parley.models.persona_prompt import PromptPlan, build_prompt_frames, persona_tokens
 from parley.models.voices import PersonaError
 
 from .config import OptionsError, SamplingOptions, SessionOptions
 from .bucketed_step import BucketedStep, bucket_sizes
 from .cuda_graph import sync_device
-from .kv_blocks import ATTENTION, KvChanges, KvLayout
+from .kv_blocks import KvChanges, KvLayout
+from .kv_storage import kv_storage
 from .prompt_handoff import PromptHandoff
 from .row_reset import RowReset
 from .prompt_prefill import PREFILL_CHUNKS, PromptPrefill, PromptRunner
@@ -204,6 +204,15 @@ class FrameBackend(Protocol):
         """Free device memory. Called once, after the engine thread has stopped."""
 
 
+def _encode_codebooks(checkpoint: Checkpoint, asked: int | None) -> int:
+    """Mimi codebooks a frame encodes: n_user (what the LM reads) unless more are asked for."""
+    levels = checkpoint.mimi.quantizer.levels
+    if asked is not None and not checkpoint.lm_config.n_user <= asked <= levels:
+        raise ValueError(f"encode_codebooks must be between {checkpoint.lm_config.n_user} and this Mimi's "
+                         f"{levels} codebooks, got {asked}")
+    return asked or checkpoint.lm_config.n_user
+
+
 class ModelBackend:
     """The real frame: Mimi encode -> LMGen.step -> Mimi decode for `max_sessions` rows.
 
@@ -217,64 +226,62 @@ class ModelBackend:
                  encode_codebooks: int | None = None, row_buckets: bool | None = None,
                  side_work: FrameSideWork | None = None, kv_blocks: int | None = None,
                  kv_block_frames: int | None = None, paged_attention: str = "parley") -> None:
-        # kv_dtype: the temporal LM's KV ring (default the model dtype; torch.float8_e4m3fn halves it).
+        # kv_dtype, kv_blocks, kv_block_frames, paged_attention: the temporal KV ring's layout, one
+        # object (engine/kv_storage.py): dense in kv_dtype (default the model's; torch.float8_e4m3fn
+        # halves it), or with kv_blocks a pool of that many blocks of kv_block_frames frames that the
+        # engine's KvBlockPool hands out (`map_kv_blocks`), read by our kernel or by FlashInfer's
+        # ("flashinfer": page lists the pool plans before each step, `plan_kv_step`).
         # encode_codebooks: Mimi codebooks encoded per frame (default n_user); more for paired
         # transcription, whose STT reads them from `BackendOutput.user_codes` (the LM reads the first n_user).
         # row_buckets: run each tick on the lowest rows that hold every live row (default: on CUDA;
         # off on CPU, where every tick runs all rows, bit for bit as before).
         # side_work: run beside each frame's LM (FrameSideWork), its output in BackendOutput.side.
-        # kv_blocks: page the temporal KV ring: a pool of this many blocks of `kv_block_frames` frames
-        # (plus the null block) that the engine's KvBlockPool hands out (`map_kv_blocks`); None: dense.
-        # paged_attention: "flashinfer" reads a paged bf16 ring through page lists that the engine's
-        # pool plans before each step (`plan_kv_step`), with FlashInfer's decode (CUDA, installed).
+        self.kv = kv_storage(kv_dtype, kv_blocks, kv_block_frames, paged_attention)
         self.max_sessions = max_sessions
-        self.kv_paged = kv_blocks is not None  # the engine's KV block pool must then drive the block table
         self._side_work = side_work
-        levels = checkpoint.mimi.quantizer.levels
-        if encode_codebooks is not None and not checkpoint.lm_config.n_user <= encode_codebooks <= levels:
-            raise ValueError(f"encode_codebooks must be between {checkpoint.lm_config.n_user} and this Mimi's "
-                             f"{levels} codebooks, got {encode_codebooks}")
-        self.encode_codebooks = encode_codebooks or checkpoint.lm_config.n_user
-        self.checkpoint = checkpoint
-        self.cfg = checkpoint.lm_config
+        self.encode_codebooks = _encode_codebooks(checkpoint, encode_codebooks)
+        self.checkpoint, self.cfg = checkpoint, checkpoint.lm_config
         self.device = next(checkpoint.lm.parameters()).device
-        self._mimi = checkpoint.mimi
-        self._tokenizer = checkpoint.tokenizer
+        self._mimi, self._tokenizer = checkpoint.mimi, checkpoint.tokenizer
         sampling = checkpoint.sampling  # a row's sampling after reset_rows, unless set_sampling
         if seed is not None:
             torch.manual_seed(seed)
         self._gen = LMGen(checkpoint.lm, text_temp=sampling.text_temperature, text_topk=sampling.text_top_k,
                           audio_temp=sampling.audio_temperature, audio_topk=sampling.audio_top_k)
-        if kv_blocks is None:
-            self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype)
-        else:  # + 1: the pool's block 0 is the null block, which no row holds
-            self._lm_state = self._gen.init_state(max_sessions, kv_dtype=kv_dtype, kv_blocks=kv_blocks + 1,
-                                                  block_size=kv_block_frames)
+        self._lm_state = self.kv.init_state(self._gen, max_sessions)
         self._mimi_state = self._mimi.init_state(max_sessions, self.device)
         if row_buckets is None:
             row_buckets = self.device.type == "cuda"
         self._buckets = bucket_sizes(max_sessions) if row_buckets else [max_sessions]
-        self._page_decode = self._page_list_attention(paged_attention, kv_dtype)
-        self._page_positions: tuple[np.ndarray, np.ndarray] | None = None  # the next step's (plan_kv_step)
+        self.kv.attach(self._buckets, self.device)
         self._voices = VoiceLibrary(checkpoint.voices_dir, self._mimi, self.device)  # read at start (PersonaPlex)
-        self._pinned = self.device.type == "cuda"
         # A tick's input rows, [audio frame | live flag] (FRAME_SAMPLES + 1 float32): one upload a tick.
-        self._inputs_host = torch.zeros(max_sessions, self._mimi.frame_size + 1, pin_memory=self._pinned)
+        self._inputs_host = torch.zeros(max_sessions, self._mimi.frame_size + 1, pin_memory=self.device.type == "cuda")
         self._inputs_np = self._inputs_host.numpy()  # the same memory
         # A prefilled row's last prompt frame runs inside its next regular tick (engine/prompt_handoff.py).
         self._handoff = PromptHandoff(max_sessions, self.cfg, self.device, self._device_mask)
         self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
         self._frames = self._frame_steps(cuda_graphs)
         self._reset = RowReset(self._reset_program, max_sessions, self.device, cuda_graphs)
-        # PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
-        # graph per chunk class on CUDA; warmed up here so the first session's prompt does not
-        # pay for loading kernels and picking matmul algorithms (0.15-1.2 s on an H200).
-        self._prompts: PromptRunner | None = None
-        if checkpoint.model_type == "personaplex":
-            self._prompts = PromptRunner(self._gen, kv_dtype, graphs=cuda_graphs and self.device.type == "cuda")
-            if self.device.type == "cuda":
-                self._prompts.warm_up(PREFILL_CHUNKS)
-            self._voices.load()
+        self._prompts = self._prompt_runner(cuda_graphs)
+
+    def _prompt_runner(self, cuda_graphs: bool) -> PromptRunner | None:
+        """PersonaPlex prompts run on a state of their own (engine/prompt_prefill.py), one CUDA
+        graph per chunk class on CUDA; warmed up here so the first session's prompt does not
+        pay for loading kernels and picking matmul algorithms (a cold chunk can take longer than
+        a whole tick). Moshi: None."""
+        if self.checkpoint.model_type != "personaplex":
+            return None
+        prompts = PromptRunner(self._gen, self.kv.dtype, graphs=cuda_graphs and self.device.type == "cuda")
+        if self.device.type == "cuda":
+            prompts.warm_up(PREFILL_CHUNKS)
+        self._voices.load()
+        return prompts
+
+    @property
+    def kv_paged(self) -> bool:
+        """Whether the KV ring is paged: the engine's KV block pool must then drive its block table."""
+        return self.kv.paged
 
     @classmethod
     def load(cls, source: str | Path, max_sessions: int, device: str = "cpu",
@@ -286,40 +293,10 @@ class ModelBackend:
 
     # ---- the frame ----
 
-    def _page_list_attention(self, choice: str, kv_dtype: torch.dtype | None) -> FlashInferDecode | None:
-        """FlashInfer's decode for the paged temporal ring when asked for (and possible), else None."""
-        if choice not in ATTENTION:
-            raise OptionsError(f"paged_attention must be one of {', '.join(ATTENTION)}, got {choice!r}.")
-        if choice == "parley":
-            return None
-        tr = self._lm_state.transformer
-        dtype = kv_dtype or next(self.checkpoint.lm.parameters()).dtype
-        why = ("it reads a paged KV cache (--kv-blocks / --kv-memory)" if not self.kv_paged else
-               "it runs on CUDA" if self.device.type != "cuda" else
-               "it reads bf16 KV caches" if dtype != torch.bfloat16 else
-               f"its page lists need a block that divides the {tr.capacity}-frame window, not "
-               f"{tr.block_size}" if tr.capacity % tr.block_size else
-               "it is not installed (pip install flashinfer-python==0.7.2.post1)" if flashinfer_module() is None
-               else None)
-        if why is not None:
-            raise OptionsError(f"paged_attention flashinfer: {why}.")
-        head_dim = tr.keys[0].shape[-1]
-        decode = FlashInferDecode(self._buckets, tr.keys[0].shape[1], head_dim, tr.block_size,
-                                  ring_blocks(tr.capacity, tr.block_size), self.device)
-        tr.page_decode = decode
-        return decode
-
     def plan_kv_step(self, positions: np.ndarray, taken_at: np.ndarray) -> None:
         """The next step's positions (-1: a row that does not step) and when each row took each
-        KV block (the engine's pool, `KvBlockPool.decode_positions`): page lists for `step`."""
-        self._page_positions = positions, taken_at
-
-    def _plan_pages(self, n: int, positions: np.ndarray, taken_at: np.ndarray) -> None:
-        tr = self._lm_state.transformer
-        if tr.table_host is None:
-            tr.table_host = tr.block_table.cpu().numpy().copy()
-        self._page_decode.plan(n, *decode_pages(tr.table_host[:n], positions[:n], taken_at[:n], tr.capacity,
-                                                tr.block_size))
+        KV block (the engine's pool, `KvBlockPool.decode_positions`), for the KV layout's planning."""
+        self.kv.plan_step(positions, taken_at)
 
     def _frame_steps(self, cuda_graphs: bool) -> BucketedStep:
         """Per bucket n, the frame over views of the lowest n rows; on CUDA one graph each."""
@@ -331,10 +308,8 @@ class ModelBackend:
 
     def _idle_frame_inputs(self, n: int) -> tuple[torch.Tensor, ...]:
         """A bucket's capture inputs: silence, no row live (by the model contract no state changes);
-        with page-list attention, the lists of rows that do not step."""
-        if self._page_decode is not None:
-            nb = self._lm_state.transformer.block_table.shape[1]
-            self._plan_pages(n, np.full(n, -1, dtype=np.int64), np.full((n, nb), -1, dtype=np.int64))
+        the KV layout readied for it (page lists of rows that do not step)."""
+        self.kv.before_capture(n)
         return (torch.zeros(n, self._mimi.frame_size + 1, device=self.device),)
 
     def _frame(self, lm_state: LMGenState, mimi_state: MimiState, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -400,11 +375,7 @@ class ModelBackend:
         self._inputs_np[:n, :-1] = frames.numpy()[:n]  # pinned on CUDA: the upload is asynchronous
         self._inputs_np[:n, -1] = live[:n]
         inputs = self._inputs_host[:n]
-        if self._page_decode is not None:
-            if self._page_positions is None:
-                raise RuntimeError("page-list attention needs plan_kv_step (the engine's KV pool) before each step")
-            self._plan_pages(n, *self._page_positions)
-            self._page_positions = None
+        self.kv.before_step(n)  # page lists, with FlashInfer's decode
         if not self._frames.graphed:  # a graph copies its inputs in itself
             inputs = inputs.to(self.device, non_blocking=True)
         packed, pcm, text, valid, agent, user, *side = self._frames(n, inputs)
@@ -488,7 +459,7 @@ class ModelBackend:
     def map_kv_blocks(self, changes: KvChanges) -> None:
         """The KV block pool's changes into the paged state, in their order (engine thread, between
         ticks), batched (TransformerState.map_blocks)."""
-        self._lm_state.transformer.map_blocks(changes.released, changes.forgotten, changes.assigned)
+        self.kv.map_blocks(changes)
 
     def force_text(self, row: int, ids: list[int]) -> bool:
         return self._lm_state.forced.push(row, ids)

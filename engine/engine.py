@@ -6,6 +6,8 @@
 
     slack.run_until(next boundary)       # prefill, TTS, ... : work items that fit (slack.py)
 
+The tick itself, top to bottom, is engine/tick.py (`TickRunner`); the Engine runs it on its clock.
+
 Everything besides the frame is slack work (engine/slack.py): new sessions' prompts
 (prefill_source.py) and any source added with `add_slack_source`, run after the tick's outputs
 are out and only when their estimated cost ends before the next boundary. With no session
@@ -33,18 +35,16 @@ model work: `open` awaits a future the engine thread resolves.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import sys
 import threading
-import time
 import uuid
 from typing import Callable
 
 from parley.models.config import FRAME_SAMPLES
 
 from .prefill_source import PrefillSource
-from .backend import FrameBackend, SessionRejected, rows_mask
+from .backend import FrameBackend, SessionRejected
 from .clock import TickClock
 from .config import EngineConfig, OptionsError, SessionOptions
 from .frame_step import FrameStep
@@ -61,6 +61,7 @@ from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
+from .tick import TickRunner
 
 log = logging.getLogger("parley.engine")
 
@@ -70,7 +71,6 @@ log = logging.getLogger("parley.engine")
 # a few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
 # traffic"). A short interval bounds each wait, at a small cost in switches to the loop.
 GIL_SWITCH_S = 0.0005
-LATE_LOG_INTERVAL_S = 10.0  # a late tick is a log line, at most one this often (the rest are counted)
 
 
 class EngineClosed(RuntimeError):
@@ -97,7 +97,6 @@ class Engine:
         self._sessions: dict[str, Session] = {}  # every open session, for fail-all and shutdown
         self._closed = False
         self._healthy = True
-        self._tick = 0
         self.fatal_error: str | None = None  # why the engine stopped serving, once it has
         # The tick's step, with paired transcription's STT rows beside the duplex rows (set_paired_transcription).
         self._frame = FrameStep(backend, rows, self._find_session, self.fail_session)
@@ -113,14 +112,13 @@ class Engine:
                                       ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed,
                                       now=self._clock.now, started=self._kv.start if kv is not None else None)
         self._slack.add_source(self._prefill)
-        self._idle_slack = False  # the last tick had no session live and its slack ran past the boundary
-        self._route_s = 0.0  # the last tick's routing: what a full GC pass beside the device leaves room for
-        self._after_step = (0.0, 0.0, 0.0)  # the last tick's step, GC pause, slack work (clock seconds)
-        self._late_logged_at: float | None = None  # when the last late-tick line was logged
-        self._late_unlogged = 0
         self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
+        # The engine thread's tick: plan -> step -> route, then a GC pass and slack (engine/tick.py).
+        self._ticks = TickRunner(backend=backend, scheduler=self._scheduler, frame=self._frame, output=self._output,
+                                 kv=self._kv, forcing=self._forcing, slack=self._slack, prefill=self._prefill,
+                                 clock=self._clock, metrics=self.metrics, collections=lambda: self.collections)
 
     # ---- lifecycle ----
 
@@ -316,7 +314,7 @@ class Engine:
         for _ in range(n):
             if not self._healthy or self._closed:
                 return
-            self._guarded(self._run_one_tick, deadline=None)
+            self._guarded(self._ticks.run, deadline=None)
 
     def serve_ticks(self, n: int) -> None:
         """Run `n` clocked ticks on the calling thread (tests drive a fake clock with it)."""
@@ -332,81 +330,21 @@ class Engine:
         ticks = 0
         late = self._clock.late_ticks
         while (max_ticks is None or ticks < max_ticks) and self._healthy and \
-                self._clock.wait(self._stop, idle=self._idle_slack):
+                self._clock.wait(self._stop, idle=self._ticks.idle_slack):
             self.metrics.observe_start_lag(self._clock.start_lag)
             if self._clock.late_ticks > late:
                 late = self._clock.late_ticks
-                self._log_late_start()
-            self._guarded(self._run_one_tick, deadline=self._clock.next_boundary())
+                self._ticks.log_late_start()
+            self._guarded(self._ticks.run, deadline=self._clock.next_boundary())
             self.metrics.set("late_ticks", self._clock.late_ticks)
             self.metrics.set("skipped_ticks", self._clock.skipped_ticks)
             ticks += 1
-
-    def _log_late_start(self) -> None:
-        """A late tick in one line: how late, and what the engine thread did after the previous
-        tick's step (its step, GC pause, slack work, clock seconds); at most one line per
-        LATE_LOG_INTERVAL_S, the rest counted into the next."""
-        now = self._clock.now()
-        self._late_unlogged += 1
-        if self._late_logged_at is not None and now - self._late_logged_at < LATE_LOG_INTERVAL_S:
-            return
-        step, gc_s, slack = (1000 * v for v in self._after_step)
-        more = f" ({self._late_unlogged - 1} more since the last line)" if self._late_unlogged > 1 else ""
-        log.warning("tick %d started %.1f ms late: the tick before ran %.1f ms, then a GC pass %.1f ms and slack "
-                    "work %.1f ms; %d late ticks so far%s", self._tick, 1000 * self._clock.start_lag, step, gc_s,
-                    slack, self._clock.late_ticks, more)
-        self._late_logged_at, self._late_unlogged = now, 0
 
     def _guarded(self, fn, **kwargs) -> None:
         try:
             fn(**kwargs)
         except Exception as exc:  # any escape from the backend is fatal for the whole batch
             self._fatal(exc)
-
-    def _run_one_tick(self, deadline: float | None) -> None:
-        tick_began = self._clock.now()
-        start = time.perf_counter()
-        plan = self._scheduler.plan(self._tick)
-        planned = time.perf_counter()
-        self._tick += 1
-        if plan.released:  # an ended session's row goes back to empty: idle rows read no KV
-            self._backend.reset_rows(rows_mask(self.max_sessions, plan.released))
-        if self._forcing is not None:  # after the reset: a released row's queue is gone, a live one's text joins it
-            self._forcing.apply(plan)
-        self._kv.step(plan.request_ids)  # ended rows' blocks back, live rows' next blocks in (kv_blocks.py rule 1)
-        if plan.underruns:
-            self.metrics.inc("underruns", plan.underruns)
-        if plan.any_live:  # an idle engine runs no step at all
-            stepping = time.perf_counter()
-            beside = None if deadline is None else functools.partial(self._collect_beside_device, deadline)
-            host = self._frame.run(plan, beside)  # engine/frame_step.py
-            routing = time.perf_counter()
-            if host is not None:
-                self._output.route(plan, host)
-            self._route_s = time.perf_counter() - routing
-            self.metrics.inc("tick_plan_seconds", planned - start)
-            self.metrics.inc("tick_rows_seconds", stepping - planned)
-            self.metrics.inc("tick_launch_seconds", self._frame.launch_s)
-            self.metrics.inc("tick_device_seconds", routing - stepping - self._frame.launch_s)
-            self.metrics.inc("tick_route_seconds", self._route_s)
-        self.metrics.inc("ticks")
-        self.metrics.observe_tick(time.perf_counter() - start)
-        self._idle_slack = deadline is not None and not plan.any_live and not self._prefill.busy
-        stepped = self._clock.now()
-        if deadline is not None:  # a clocked tick: before the slack's own work, which fills what is left
-            self.collections.maybe_collect(None if self._idle_slack else deadline - self._clock.now())
-        collected = self._clock.now()
-        if self._idle_slack:  # no frame due at the boundary: up to one period past it (module docstring)
-            self._slack.run_until(deadline + self._clock.period, interrupt=self._scheduler.has_inbox)
-        else:
-            self._slack.run_until(deadline)
-        self._after_step = (stepped - tick_began, collected - stepped, self._clock.now() - collected)
-
-    def _collect_beside_device(self, deadline: float) -> None:
-        """A due full GC pass while the device runs the queued step: it lengthens the tick only by
-        what it outlasts the device, where after the tick it would add its whole pause (at 256
-        live the tick's own slack never holds one). Room: up to the boundary, less the routing."""
-        self.collections.maybe_collect(deadline - self._clock.now() - self._route_s)
 
     def _prefill_failed(self, session: Session, exc: Exception) -> None:
         """One session's options or prompt failed: that session ends, nothing else does."""

@@ -1,8 +1,8 @@
 """Python's full garbage collections, kept short while the engine ticks.
 
 A full (generation 2) collection walks every tracked object while holding the GIL. A loaded
-server holds ~4e5 of them (torch, diffusers, transformers, the models' modules), so one full
-pass stalls every thread for tens of ms (200 ms on a slow CPU): an engine thread stalled
+server holds hundreds of thousands of them (torch, diffusers, transformers, the models'
+modules), so one full pass stalls every thread for a good part of a tick: an engine thread stalled
 between a frame's launches makes the frame late. Objects alive once the server has loaded are
 alive until it exits, so `freeze_loaded_objects` moves them to the permanent generation once:
 later full collections walk only what serving created. `FullCollections` times the passes
@@ -10,8 +10,8 @@ that still happen (benchmarks print them; /metrics exposes them). At exit they a
 the interpreter's last collection then frees them, and extensions that count their objects at
 teardown (Triton's nanobind module) have nothing left to report as leaked.
 
-What serving creates still takes a full pass every ~10 s at ~270 live sessions (23-49 ms on the
-H200's host), and one that lands inside a tick makes that frame late. So while an engine thread
+What serving creates still takes a full pass every few seconds under load (benchmarks/capacity.py
+prints them), and one that lands inside a tick makes that frame late. So while an engine thread
 ticks, `SlackCollections` turns CPython's automatic full collections off and runs them itself
 where the time left before the next tick holds the last pause: while the device computes a
 queued step (the pass then lengthens the tick only by what it outlasts the device), else after
@@ -99,7 +99,7 @@ class SlackCollections:
         self._holders = 0
         self._saved: tuple[int, ...] | None = None
         self._last: float | None = None  # when the last pass ran (None: not since take_over)
-        self.last_pause_s = 0.05  # until measured: the H200 host's passes took 23-44 ms at ~270 sessions
+        self.last_pause_s = 0.05  # until measured: a guess above a loaded server's passes, so the first waits for room
         self.in_slack = 0  # passes run in a slack that could hold them
         self.forced = 0  # passes run after max_interval_s without such a slack
 

@@ -6,16 +6,13 @@ batch, times 2 with CFG: a conditioned and an unconditioned row per image; other
 one), the measured (pixels, seconds) points make a cost curve in pixels:
 
 - one measured size: linear from it (cost(k) * pixels / pixels(k)), every cost taken as
-  per-pixel work. A small size's cost is mostly fixed overhead (the demo's 16 px step: ~12 ms
-  of launch and host work), so this overstates larger sizes many times over (64 px: 16x, about
-  190-270 ms predicted against ~51 ms measured on one CPU core), and the queue warms a second
-  size for that reason;
+  per-pixel work. A small size's cost is mostly fixed overhead (launches and host work), so
+  this overstates larger sizes many times over, and the queue warms a second size for that
+  reason;
 - two or more sizes (the warm-up measures the default size and twice its side): fixed +
   per-pixel, the line through the measured points, extended past the largest with the slope
   of the last two (never below 0). Attention grows with the square of the tokens, so past the
-  largest measured size the line is optimistic, more so the farther out (the demo on one CPU
-  core, fitted on 16 and 32 px: 64 px ~42 ms predicted, ~51 ms measured; 128 px ~140 ms on the
-  line, ~311 ms measured). Two sizes whose costs are both mostly overhead give a slope near 0,
+  largest measured size the line is optimistic, more so the farther out. Two sizes whose costs are both mostly overhead give a slope near 0,
   so past `REACH` times the largest measured pixels (the 2x-side warm size's 2x side) the line
   is scaled by pixels / (REACH x largest), quadratic growth from there (128 px: 4x the line).
   And the queue never trusts a prediction past an empty tick's slack: such a size is measured
@@ -23,8 +20,8 @@ one), the measured (pixels, seconds) points make a cost curve in pixels:
 - at or below the smallest measured size: the smallest's cost (cost never falls as pixels grow).
 
 Across rows the growth is at most linear from any measured row count, and rows never trade for
-pixels (attention grows faster with the pixels of one image than with the images of a batch:
-on an H200, SD-1.5 512 px batch 4 costs 29.9 ms, 1024 px batch 1 40.0 ms):
+pixels (attention grows faster with the pixels of one image than with the images of a batch,
+so one image of 4x the pixels costs more than a batch of 4):
 
     predicted(key) = min over measured row counts r of curve_r(pixels(key)) * max(1, rows(key) / r)
 

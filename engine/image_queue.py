@@ -33,8 +33,8 @@ first job in that order picks the bucket; the bucket's other jobs come along in 
 (up to `max_batch`), and the batch shrinks, dropping the last in that order, to what fits. So
 batches stay as full as with oldest-first places (the same throughput), but a new request
 reaches its first partial after its own steps instead of after the remaining steps of every
-older job (oldest-first places, with 16 outstanding at 512 px and B = 64, measured 2.6 s p50 and
-4.7 s max to a first partial on the H200). The age rule bounds the wait of a job past its first
+older job (with oldest-first places a new request waits out the queue ahead of it,
+benchmarks/image_queue_replay.py). The age rule bounds the wait of a job past its first
 output: requests that keep arriving with no partials (each one first in line for all its steps)
 could otherwise take every place for as long as they come; once older than `age_limit_s` a job
 is first in line again, ahead of every younger one. The first of those items that fits runs.
@@ -96,9 +96,8 @@ DEFAULT_CAPACITY = 16
 DEFAULT_MAX_BATCH = 4
 # A job this old (s since its request was submitted) takes denoise places ahead of younger jobs
 # past their first output: the bound on their wait (the module docstring's Order). Well above an
-# image's time through a full queue (16 at 512 px, B = 64: about 4.6 s by Little's law from the
-# replay of the H200's costs, benchmarks/image_queue_replay.py), so it acts only on a job being
-# passed over, and well below the stall timeout (a job with no item for that long fails).
+# image's time through a full queue (benchmarks/image_queue_replay.py replays it), so it acts only
+# on a job being passed over, and well below the stall timeout (a job with no item for that long fails).
 DEFAULT_AGE_LIMIT_S = 10.0
 
 

@@ -79,6 +79,12 @@ class EngineMetrics:
         with self._lock:
             self._counts[name] = value
 
+    def observe_phases(self, **seconds: float) -> None:
+        """Seconds of a stepping tick's phases (TICK_PHASES, by name) added to their counters."""
+        with self._lock:
+            for phase, value in seconds.items():
+                self._counts[f"tick_{phase}_seconds"] += value
+
     def observe_tick(self, seconds: float) -> None:
         with self._lock:
             self.tick_seconds.observe(seconds)

@@ -6,11 +6,10 @@ at a time, starting at position 0; its last chunk copies the filled slots into t
 session's row (`LMGen.adopt_prompt`), leaving the row as a prefill on the row itself would.
 
 Why a state of its own: its tensors never move, so each chunk size class (`PREFILL_CHUNKS`)
-is one CUDA graph, and a chunk is one launch. An eager chunk launches ~1000 kernels (every
-layer's matmuls, rope, ring writes, masked attention) from the engine thread, which under a
-burst of connecting clients competes for the GIL with the event loop: at 64 PersonaPlex
-sessions opening at once, eager chunks cost several times their GPU time and made ticks late
-(docs/benchmarks.md). A chunk shorter than its class is padded to it: the padding frames come
+is one CUDA graph, and a chunk is one launch. An eager chunk launches every layer's kernels
+(matmuls, rope, ring writes, masked attention) from the engine thread, which under a burst of
+connecting clients competes for the GIL with the event loop: with many PersonaPlex sessions
+opening at once, eager chunks cost several times their GPU time and made ticks late. A chunk shorter than its class is padded to it: the padding frames come
 after the real ones, so causal attention keeps them out of every real frame, their keys sit
 in slots the next chunk rewrites before any real frame reads them, and the row never takes
 them (`adopt_prefix` copies only the real positions). A chunk that has no class, or whose

@@ -3,7 +3,7 @@ CUDA graph on CUDA.
 
 Why a graph: a reset is a masked fill of each per-row state tensor (hundreds, over Mimi's and the
 LM's layers), and every torch call the engine thread makes gives the GIL up; taking it back waits
-while the event loop runs Python, about 0.5 ms a call beside a busy loop (docs/architecture.md).
+while the event loop runs Python, a wait per call beside a busy loop (docs/architecture.md).
 Replayed, a reset is two calls (the mask's upload and the replay) whatever the model.
 """
 

@@ -30,8 +30,9 @@ boundary (minus a guard). The rules, one per concern:
    per unit of work (a prefill chunk's unit is one prompt frame, a graphed step's is the
    step). One observation alone never sets the estimate: a single cold or preempted call
    would otherwise hold it for the whole window, and a declined key gets no new
-   observations to push it out (issue 14: a CPU-contended STT step whose costs ran 13 ms
-   typical, 20 ms second worst, 32 ms worst starved live rows in 20-30 ms slack). The price:
+   observations to push it out (issue 14: a CPU-contended STT step whose one worst cost, well
+   above its typical and its second worst, kept it out of slack that fits it and starved live
+   rows). The price:
    a real rise in cost is believed on its second observation, so it overruns twice, not once
    (both counted). Sources should seed their keys with a warm-up at start, and measure
    them once more on the engine thread in `slack_prepare` (called there before the first
@@ -44,8 +45,8 @@ boundary (minus a guard). The rules, one per concern:
    as the first item of a tick's slack (so a first measurement can cost at most one unknown
    item a tick). Warm-up measurements are seeds (`CostModel.seed`): they stand in for a key
    only until it has two live measurements, then they are dropped. They were taken on an idle
-   GPU around graph captures and first calls, often well above the live cost (an H200 image
-   preview: 10.7 ms seeded, 5.4 ms live), and kept in the window they would set the
+   GPU around graph captures and first calls, often well above the live cost (an image
+   preview's, for one), and kept in the window they would set the
    estimate for the key's first 31 live items, each then needing more slack than it takes.
 3. A source may mark an item `forced`: it runs as the first item of a tick even when it
    does not fit, whatever its class (the first forced item offered, in `Priority` order).

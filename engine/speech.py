@@ -4,8 +4,9 @@
     request, input_tokens = front_end.request("Hello there.", "alloy", speed=1.0)
     job = pool.submit(request, loop)
 
-Every door that speaks text (`POST /v1/audio/speech`, `parley tts`) goes through it, so they
-split words, pick the voice, set the conditions and map the speed the same way:
+Every door that speaks text (`POST /v1/audio/speech`, `parley tts`, Kyutai's `/api/tts_streaming`)
+goes through it, so they split words, pick the voice, set the conditions and map the speed the same
+way (text that streams in: `request` for the first words, `more_words` for the rest):
 - the text is normalised and split into words, each its tokenizer pieces; a
   `<break time="1.5s"/>` is a pad-only entry; `speaker_token` (None: a single-speaker model)
   opens the first word (tts_pool.text_entries);
@@ -90,6 +91,7 @@ class SpeechFrontEnd:
     speaker_token: int | None = 1  # multi-speaker models prefix the first word with the main speaker
     # TtsRequest sampling fields; empty: the published TTSModel's defaults (temp 0.6, top-k 25 / 250).
     sampling: dict = field(default_factory=dict)
+    cfg_values: tuple[str, ...] = ()  # the values the model's `cfg` condition takes (empty: it has none)
 
     @classmethod
     def for_checkpoint(cls, checkpoint: "TtsCheckpoint", voices: Voices, *, read_voices: bool = True,
@@ -98,7 +100,10 @@ class SpeechFrontEnd:
         now (a server: no request then reads a file, and a broken one stops the start)."""
         if read_voices:
             voices.read_all()
-        return cls(checkpoint.tokenizer.encode, voices, conditions_for(checkpoint), **options)
+        cfg = checkpoint.config
+        cfg_values = cfg.lut_values("cfg") if "cfg" in {c.name for c in cfg.conditioners} else ()
+        return cls(checkpoint.tokenizer.encode, voices, conditions_for(checkpoint), cfg_values=tuple(cfg_values),
+                   **options)
 
     def check_voice(self, voice: str) -> None:
         """UnknownVoice unless `voice` is a name or an alias in the store."""
@@ -117,3 +122,8 @@ class SpeechFrontEnd:
         request = TtsRequest(entries=entries, voices=(self.voices.load(voice),), conditions=dict(self.conditions),
                              padding_bonus=speed_bonus(speed), **self.sampling)
         return request, tokens
+
+    def more_words(self, text: str) -> tuple:
+        """The entries of text that follows a request's first words (TtsJob.append): split as
+        `request` splits, without the speaker token that opens only the first word."""
+        return text_entries(text, self.encode, None)

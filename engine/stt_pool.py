@@ -38,7 +38,7 @@ import torch
 from parley.models.checkpoint import SttCheckpoint
 from parley.models.config import FRAME_RATE, FRAME_SAMPLES
 from parley.models.stt import SttGen
-from parley.models.stt_text import TextDelta, TranscriptDecoder, Word
+from parley.models.stt_text import TextDelta, TranscriptDecoder, Word, WordEnded, WordHeard
 
 from .bucketed_step import BucketedStep, bucket_sizes
 from .host_rows import join_rows
@@ -76,6 +76,8 @@ class SttPartial:
     # server made up (silence prefix, flush, underrun) counts from when it was made. None: no step
     # (an end-of-stream flush). The edge measures transcript delay from it.
     input_at: float | None = None
+    heads: tuple[float, ...] = ()  # every extra head's probability of its entry 0 (moshi-server's `prs`)
+    heard: tuple[WordHeard | WordEnded, ...] = ()  # the words as moshi-server's ASR reports them (stt_text.py)
 
 
 @dataclass
@@ -214,15 +216,17 @@ class _Row:
         return True, None, None
 
     def publish(self, values: np.ndarray, input_at: float) -> None:
-        """One step's output (text token, valid, end-of-turn probability) to the request's stream."""
+        """One step's output (text token, valid, end-of-turn probability, the extra heads) to the
+        request's stream."""
         step = self.step
         self.step += 1
         events = self.decoder.feed(int(values[0]), step) if values[1] > 0.5 else []
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         words = tuple(e for e in events if isinstance(e, Word))
-        if text or words or self.request.live:
+        heard = tuple(e for e in events if isinstance(e, (WordHeard, WordEnded)))
+        if text or words or heard or self.request.live:
             self.request.events.push(SttPartial(text, words, float(values[2]), self.audio_frames / FRAME_RATE,
-                                                input_at))
+                                                input_at, tuple(float(v) for v in values[3:]), heard))
 
 
 class SttPool(SlackSource):
@@ -390,7 +394,8 @@ class SttPool(SlackSource):
 
     def run_device(self, frames: np.ndarray, run: list[bool]) -> np.ndarray:
         """One step of the rows flagged in `run` (frames [slots, FRAME_SAMPLES]): the lowest
-        bucket holding them, its graph if captured. Host [bucket, 3] (text, valid, end_of_turn)."""
+        bucket holding them, its graph if captured. Host [bucket, 3 + H] (text, valid, end_of_turn, the
+        H extra heads)."""
         n = self.bucket(i for i, flag in enumerate(run) if flag)
         self._frames_host[:n].copy_(torch.from_numpy(frames[:n]))
         self._mask_host[:n].copy_(torch.tensor(run[:n]))
@@ -402,7 +407,8 @@ class SttPool(SlackSource):
     @torch.no_grad()
     def _device_step(self, state, mimi_state, pcm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor]:
         codes = self.checkpoint.mimi.encode_step(pcm, mimi_state, mask)
-        return (self.gen.step(state, codes, mask).packed(),)
+        out = self.gen.step(state, codes, mask)
+        return (torch.cat([out.packed(), out.heads], dim=1),)
 
     @property
     def graphed(self) -> bool:
@@ -411,10 +417,12 @@ class SttPool(SlackSource):
 
     def _complete(self, i: int) -> None:
         row = self._rows[i]
-        words = tuple(row.decoder.flush(row.step - 1))
+        events = row.decoder.flush(row.step - 1)
+        words = tuple(e for e in events if isinstance(e, Word))
         audio_s = row.audio_frames / FRAME_RATE
-        if words:
-            row.request.events.push(SttPartial("", words, float("nan"), audio_s))
+        if events:
+            row.request.events.push(SttPartial("", words, float("nan"), audio_s,
+                                               heard=tuple(e for e in events if isinstance(e, (WordHeard, WordEnded)))))
         self.counters["stt_audio_seconds"] += audio_s
         self.counters["stt_completed"] += 1
         self._pool.release(i, Terminal(Status.COMPLETED))
@@ -429,6 +437,11 @@ class SttPool(SlackSource):
     @property
     def live(self) -> int:
         return self._pool.live
+
+    @property
+    def free(self) -> int:
+        """Rows a live request could take now (neither running nor promised to a waiting request)."""
+        return max(0, self.slots - self._pool.live - self._pool.pending)
 
     def slack_counters(self) -> dict:
         return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": self._pool.pending,

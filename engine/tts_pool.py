@@ -48,6 +48,11 @@ Scheduling (engine/slack.py rule 1: realtime items, then throughput items, each 
 - Admission (voice -> cross-attention keys, script -> the row's DSM arrays) is its own work item
   over the whole pool (one graph).
 - A failure inside a step ends the requests of that step's rows (FAILED) and nothing else.
+- Text that streams in (`TtsRequest.text_open`: Kyutai's `/api/tts_streaming`): the job's later words
+  come by `TtsJob.append` and its end by `end_text`, taken onto the row at the next offer
+  (DsmRows.extend). Until the text ends, the row steps only while it holds the DSM's lookahead
+  (`second_stream_ahead`) + 1 words it has not consumed, so every step reads only words that are
+  there, and the frames equal the whole script's; a row short of words waits (no step, no cost).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence
 
@@ -106,6 +111,7 @@ class TtsRequest:
     text_top_k: int = TtsSampling.text_top_k
     audio_temperature: float = TtsSampling.audio_temperature
     audio_top_k: int = TtsSampling.audio_top_k
+    text_open: bool = False  # more words may follow (TtsJob.append) until TtsJob.end_text
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,27 @@ class TtsJob:
         self.request_id = stream.request_id
         self._cancelled = threading.Event()
         self.frames = 0  # audio frames pushed so far (engine thread)
+        self._lock = threading.Lock()
+        self._more: list[WordEntry] = []  # words appended, not yet on the row
+        self._text_ended = not request.text_open
+
+    def append(self, entries: Sequence[WordEntry]) -> None:
+        """More words of a `text_open` request (event loop; no speaker token: they follow the first)."""
+        with self._lock:
+            if self._text_ended:
+                raise ValueError("words were appended after the text ended")
+            self._more.extend(entries)
+
+    def end_text(self) -> None:
+        """No more words: the row may consume its last ones and end."""
+        with self._lock:
+            self._text_ended = True
+
+    def take_text(self) -> tuple[list[WordEntry], bool]:
+        """Engine thread: the words appended since the last call, and whether the text has ended."""
+        with self._lock:
+            more, self._more = self._more, []
+            return more, self._text_ended
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -147,6 +174,8 @@ class _Row:
     pending_word: tuple[str, int] | None = None  # (text, step) of the last word, stop not yet known
     ended_at: int = -1  # the DSM end step, once known
     first_audio_at: float | None = None  # the pool's clock when the row pushed its first audio frame
+    entries: list[WordEntry] = field(default_factory=list)  # the script on the row so far
+    text_ended: bool = True  # False while a text_open request may still append words
 
     def advance(self, info: list[int], pcm: np.ndarray | None, first: int) -> Terminal | None:
         """One step's results for this row: `info` (valid, frame index, entries consumed, DSM end
@@ -174,7 +203,7 @@ class _Row:
         machine takes at most one entry per step (DsmRows.step), at the row's own step index,
         which is `self.steps - 1` here: no device read needed."""
         assert consumed == self.words_seen + 1, "the DSM consumes at most one entry per step"
-        entry, step = self.job.request.entries[self.words_seen], self.steps - 1
+        entry, step = self.entries[self.words_seen], self.steps - 1
         if entry.tokens:  # (a break: the words around it carry the timing)
             self._flush_word(step)
             self.pending_word = (entry.text, step)
@@ -295,6 +324,11 @@ class TtsPool(SlackSource):
     def live(self) -> int:
         return self._pool.live
 
+    @property
+    def free(self) -> int:
+        """Requests the pool would take now (slots neither live nor promised to a waiting request)."""
+        return max(0, self.slots - self._pool.live - self._pool.pending)
+
     def slack_counters(self) -> dict:
         return {"tts_live": self.live, "tts_slots": self.slots, "tts_steps_text": self.steps["text"],
                 "tts_steps_full": self.steps["full"], "tts_frames": self.frames_out, "tts_starved": self.starved,
@@ -315,7 +349,8 @@ class TtsPool(SlackSource):
             for kind in reversed(STEP_KINDS):  # the full steps' largest bucket first: it sizes the pool
                 pool = self._steps[kind].capture(lambda n: (idle[:n],), pool=pool)
             # The admission's device part (row reset, Mimi reset, voice -> cross-attention keys and
-            # values: ~700 small kernels eagerly, ~4-5 ms of launches on the H200). Captured with
+            # values: hundreds of small kernels, whose launches alone would take much of a tick's
+            # slack eagerly). Captured with
             # no row selected and row 0 as the voice's target: no row is live yet.
             warm = warm_request(self._gen.lm.cfg, self._voice_frames, conditions)
             voice = tuple(t.to(self.device) for t in self._gen.voice_inputs(warm.voices))
@@ -348,6 +383,7 @@ class TtsPool(SlackSource):
 
     def offer(self, left_s: float | None, costs: CostModel) -> WorkItem | None:
         self.cancelled += self._pool.release_ended(Terminal(Status.CANCELLED, "the client went away"))
+        self._take_text()
         job, cancelled = self._pool.front(Terminal(Status.CANCELLED, "cancelled before it started"))
         self.cancelled += cancelled
         if job is not None:
@@ -401,14 +437,39 @@ class TtsPool(SlackSource):
 
     def _eligible(self) -> list[int]:
         return [b for b, row in enumerate(self._rows)
-                if row is not None and row.job.stream.buffered < self.lead_frames]
+                if row is not None and row.job.stream.buffered < self.lead_frames and self._has_words(row)]
+
+    def _has_words(self, row: _Row) -> bool:
+        """Whether `row` may step: its text ended, or it holds the lookahead + 1 unconsumed words
+        (module docstring: then no step reads a word that is not there yet)."""
+        if row.text_ended:
+            return True
+        left = sum(1 for entry in row.entries[row.words_seen:] if entry.tokens)
+        return left > self._gen.dsm.ahead
+
+    def _take_text(self) -> None:
+        """Streamed words and text ends onto their rows (before this offer's eligibility)."""
+        for b, row in enumerate(self._rows):
+            if row is None or row.text_ended:
+                continue
+            more, ended = row.job.take_text()
+            if more:
+                try:
+                    self._gen.dsm.extend(b, row.entries + more, started=row.words_seen > 0)
+                except ValueError as exc:  # the script outgrew the row
+                    self.failed += self._pool.end_rows([b], Terminal(Status.FAILED, str(exc)))
+                    continue
+                row.entries += more
+                row.budget = step_budget(row.entries, self.delay)
+            row.text_ended = ended
 
     def _admit(self, job: TtsJob) -> None:
         """The pending job `offer` left at the front of the queue (a declined admission item
         finds it there again) takes the lowest free row."""
         row = self._pool.reserve(job)
         self._load_row(row, job.request)
-        self._pool.place(row, _Row(job, budget=step_budget(job.request.entries, self.delay)))
+        self._pool.place(row, _Row(job, budget=step_budget(job.request.entries, self.delay),
+                                   entries=list(job.request.entries), text_ended=not job.request.text_open))
 
     def _load_row(self, row: int, req: TtsRequest) -> None:
         """Reset `row` and load `req` into it: the checks and the voice on the host, then the

@@ -240,6 +240,37 @@ class DsmRows:
     def load(self, row: int, entries: Sequence[WordEntry]) -> None:
         """Write a fresh script into `row` (one host -> device copy; not for a captured graph)."""
         self.check(entries)
+        values, first_ahead = self._script_values(entries)
+        cols = self._columns
+        values[cols["word_step"]] = -1
+        for name, value in (("n_entries", len(entries)), ("next_entry", 0), ("q_pos", 0), ("q_end", 0),
+                            ("la_pos", first_ahead), ("la_end", first_ahead), ("remaining", self.initial_padding),
+                            ("forced", self.initial_padding), ("end_step", -1)):
+            values[cols[name]] = value
+        copy_from_host(self.state[row], values)
+
+    def extend(self, row: int, entries: Sequence[WordEntry], started: bool) -> None:
+        """`row`'s script grew: `entries` is all of it so far, the loaded entries first, unchanged.
+        Rewrites the script's arrays (an earlier word's lookahead may only now exist) and its
+        length, never the counters the steps move; `started` False (no entry consumed yet): the
+        lookahead queue's start too, which its first word `second_stream_ahead` in sets. The rows
+        that use this step only while `second_stream_ahead` + 1 unconsumed words are loaded (or the
+        text has ended), so no step ever reads an entry, or a lookahead, that is not there yet:
+        the steps are those the whole script would have taken (engine/tts_pool.py)."""
+        self.check(entries)
+        values, first_ahead = self._script_values(entries)
+        cols = self._columns
+        script = slice(0, cols["ahead_end"].stop)  # tokens, start, length, padding, ahead_end: one span
+        copy_from_host(self.state[row, script], values[script])
+        counters = [("n_entries", len(entries))]
+        if not started:
+            counters += [("la_pos", first_ahead), ("la_end", first_ahead)]
+        for name, value in counters:
+            self.state[row, cols[name]] = value
+
+    def _script_values(self, entries: Sequence[WordEntry]) -> tuple[np.ndarray, int]:
+        """A row's values with `entries`' arrays written (counters zero), and where its lookahead
+        queue starts."""
         flat: list[int] = []
         starts, lengths, pads = [], [], []
         word_ends: list[int] = []  # end of each word that has tokens, in order
@@ -266,12 +297,7 @@ class DsmRows:
         for name, array in (("tokens", flat), ("start", starts), ("length", lengths), ("padding", pads),
                             ("ahead_end", ahead_end)):
             values[cols[name].start:cols[name].start + len(array)] = array
-        values[cols["word_step"]] = -1
-        for name, value in (("n_entries", len(entries)), ("next_entry", 0), ("q_pos", 0), ("q_end", 0),
-                            ("la_pos", first_ahead), ("la_end", first_ahead), ("remaining", self.initial_padding),
-                            ("forced", self.initial_padding), ("end_step", -1)):
-            values[cols[name]] = value
-        copy_from_host(self.state[row], values)
+        return values, first_ahead
 
     def step(self, step: torch.Tensor, sampled: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """step [B] (each row's own step index), sampled [B] text tokens, active [B] bool ->

@@ -20,7 +20,7 @@ Each job owns a deep copy of the pipeline's scheduler (schedulers are stateful: 
 multistep history; `from_config` would also lose the patched `steps_offset`) and a CPU
 generator (device-independent noise). A batched `denoise` concatenates jobs at *different*
 timesteps with a per-sample timestep vector; each job then takes its own scheduler step.
-Batched results differ from solo ones only by GEMM reduction order (about 1e-6 in fp32).
+Batched results differ from solo ones only by GEMM reduction order (float rounding).
 
 Two families: `UNetStepper` (Stable Diffusion 1.x/2.x: UNet, CLIP, VAE, CFG) and
 `FlowStepper` (Stable Diffusion 3: MMDiT transformer, flow-matching Euler; the T5 encoder
@@ -467,9 +467,9 @@ def stepper_for(pipe: DiffusionPipeline, name: str = "", speedups: tuple[str, ..
     return entry[1](pipe, name, speedups)
 
 
-# What the loader applies on CUDA unless told, as measured by benchmarks/image_step.py on the H200
-# (b4812cc): fused QKV made the batch-4 step 2 % faster; channels_last made it 7.5 % and the VAE
-# decode 32 % slower (PyTorch's CUDA GroupNorm works in NCHW: a layout copy around each one).
+# What the loader applies on CUDA unless told, as benchmarks/image_step.py measures them: fused QKV
+# makes the denoise step faster; channels_last makes both the step and the VAE decode slower
+# (PyTorch's CUDA GroupNorm works in NCHW: a layout copy around each one).
 CUDA_SPEEDUPS = {"channels_last": False, "fused_qkv": True}
 
 

@@ -24,7 +24,7 @@ slot n != pos[b] % S whose `slot_pos[b, n]` is >= 0, <= pos[b] and, with a conte
 rows that do not execute (their cache is left unwritten) get the same output as rows that do.
 
 bf16 / fp32 caches run tensor-core dots (the query row repeated 16 times); fp8 caches run fp32
-products on CUDA cores (a tensor-core fp8 loop needed ~250 registers and was issue-bound).
+products on CUDA cores (a tensor-core fp8 loop needed too many registers and was issue-bound).
 
 Paged rings (models/paged_kv.py; `block_table=` [B, ceil(S / bs)] int32 on decode_attention and
 rope_write): the caches and fp8 scales are pools [blocks, H, bs(, D)] shared by all rows, slot n
@@ -52,7 +52,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 # The kernels themselves are in models/triton_kernels.py, imported at the first fused path taken
-# (`triton_kernels()`): importing Triton costs ~0.1 s, and a CPU server never launches a kernel.
+# (`triton_kernels()`): importing Triton takes time at start, and a CPU server never launches a kernel.
 _triton: dict[str, ModuleType | None] = {}
 
 
@@ -134,11 +134,11 @@ class AttentionLaunch(NamedTuple):
 def attention_launch(B: int, H: int, S: int, fp8: bool) -> AttentionLaunch:
     """Programs per (row, head): enough to fill the GPU at small B, long enough loops at large B.
 
-    From benchmarks/attention_kernel.py on the H200 (docs/figures/attention_sweep*.json), with
-    2048 or more (row, head) pairs: one program per pair over the whole ring (no reduce pass,
-    and nothing to do past the filled window), in 64-slot blocks for bf16 (4.5 TB/s at full
-    windows). fp8 caches run on CUDA cores in 16-slot blocks, 2 warps, 4 stages deep
-    (benchmarks/fp8_attention_variants.py: 4.0 TB/s at B = 128 full), with the same split lengths."""
+    Chosen from benchmarks/attention_kernel.py's sweeps (docs/figures/attention_sweep*.json): with
+    2048 or more (row, head) pairs, one program per pair over the whole ring (no reduce pass,
+    and nothing to do past the filled window), in 64-slot blocks for bf16 (the fastest at full
+    windows). fp8 caches run on CUDA cores in 16-slot blocks, 2 warps, 4 stages deep (the fastest
+    of benchmarks/fp8_attention_variants.py's variants at large B), with the same split lengths."""
     if B * H >= 2048 and S > 64:
         if fp8:
             return AttentionLaunch(16, _cdiv(S, 16), 4, 2)

@@ -48,7 +48,7 @@ def published_state(reference_state: dict[str, torch.Tensor]) -> dict[str, torch
 class Embedding(nn.Embedding):
     """nn.Embedding that draws no weights on the meta device, where the checkpoint loaders build
     (then load the weights): there is nothing to draw, and drawing there imports torch._dynamo and
-    with it Triton (~1.5 s at every start, on a CPU server too)."""
+    with it Triton (seconds at every start, on a CPU server too)."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:

@@ -174,17 +174,9 @@ class LMGen:
         user = slice(1 + n_agent, 1 + cfg.n_q)
         self._write(state.ring[:, user], offsets[:, None] + self.delays[None, user], user_codes, exec_mask)
 
-        # 2. Temporal input: column `offset`, initial tokens where a stream's delay has not elapsed.
-        #    Rows not executing also read initial tokens so that they never embed garbage.
-        column = (offsets % self.ring_size)[:, None, None].expand(-1, cfg.num_codebooks, 1)
-        tokens = state.ring.gather(2, column)[..., 0]
-        is_init = (offsets[:, None] <= self.delays[None]) | ~exec_mask[:, None]
-        tokens = torch.where(is_init, self.initial[None], tokens)
-
-        # 3. Temporal transformer and text.
-        hidden, text_logits = self.model.temporal(self.model.embed(tokens)[:, None], state.transformer, exec_mask)
-        hidden = hidden[:, 0]
-        text = sample_tokens(text_logits[:, 0], state.text_temp, state.text_topk, self.generator,
+        # 2-3. Temporal input from the ring, temporal transformer, then text.
+        hidden, text_logits = temporal_step(self.model, state, self.delays, self.initial, exec_mask)
+        text = sample_tokens(text_logits, state.text_temp, state.text_topk, self.generator,
                              seeds=state.text_seed, counter=offsets, stream=0)
         # Queued text (commentary) where no prompt token is forced this step.
         queue_rows = exec_mask if force_text is None else exec_mask & (force_text == UNGENERATED_TOKEN)
@@ -279,6 +271,27 @@ class LMGen:
             assert k <= self.ring_size, f"ring_tokens has {k} columns, the ring holds {self.ring_size}"
             cols = (state.offsets[row] - k + 1 + torch.arange(k, device=ring.device)) % self.ring_size
             ring.scatter_(1, cols[None].expand(ring.shape[0], k), ring_tokens.to(ring.device))
+
+
+def temporal_step(model: LMModel, rows: DelayedRows, delays: torch.Tensor, initial: torch.Tensor,
+                  exec_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 2 and 3 of a frame (the module docstring), shared by the duplex LM and the STT: the
+    temporal input from the ring (`ring_inputs`), then the temporal transformer. Returns its
+    hidden state [B, dim] and text logits [B, text_card]."""
+    tokens = ring_inputs(rows.ring, rows.offsets, delays, initial, exec_mask)
+    hidden, text_logits = model.temporal(model.embed(tokens)[:, None], rows.transformer, exec_mask)
+    return hidden[:, 0], text_logits[:, 0]
+
+
+def ring_inputs(ring: torch.Tensor, offsets: torch.Tensor, delays: torch.Tensor, initial: torch.Tensor,
+                exec_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's temporal input [B, streams]: ring column `offset`, with the initial tokens where
+    a stream's delay has not elapsed (offset <= delay); rows not executing read initial tokens too,
+    so they never embed garbage."""
+    column = (offsets % ring.shape[2])[:, None, None].expand(-1, ring.shape[1], 1)
+    tokens = ring.gather(2, column)[..., 0]
+    is_init = (offsets[:, None] <= delays[None]) | ~exec_mask[:, None]
+    return torch.where(is_init, initial[None], tokens)
 
 
 def ring_write(ring: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, exec_mask: torch.Tensor) -> None:

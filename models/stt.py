@@ -4,6 +4,7 @@
     state = gen.init_state(batch_size)
     out = gen.step(state, codes[B, n_q], exec_mask[B])
     out.text [B], out.valid [B], out.end_of_turn [B] (probability; NaN without the head)
+    out.heads [B, H] (every extra head's probability of its entry 0)
     state.reset(mask[B])
 
 An STT checkpoint is a Moshi-family LM with `dep_q` 0 (no depformer, no audio output): its
@@ -21,7 +22,9 @@ token and predicts text. The text stream is delayed by `delays[0]` frames (stt-1
 Extra heads (`extra_heads_num_heads` linear heads of `extra_heads_dim` on the normalised hidden
 state) give softmax probabilities; Kyutai's servers read head `END_OF_TURN_HEAD`, entry 0, as the
 probability that the speaker has finished their turn (semantic VAD). It is reported for the
-current step (no delay), exactly as the reference `step_with_extra_heads` does.
+current step (no delay), exactly as the reference `step_with_extra_heads` does. `heads` holds entry 0
+of every extra head, as moshi-server's ASR sends them (`Step.prs`); the end-of-turn column is its
+`END_OF_TURN_HEAD` column.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 
 from .config import FRAME_RATE, UNGENERATED_TOKEN, LMConfig
 from .lm import LMModel
-from .lm_gen import DelayedRows, ring_write
+from .lm_gen import DelayedRows, ring_write, temporal_step
 from .sampling import sample_tokens
 
 END_OF_TURN_HEAD = 2  # the extra head Kyutai's servers (moshi-server, unmute) read as "pause / end of turn"
@@ -79,6 +82,7 @@ class SttStepOutput:
     text: torch.Tensor  # [B] long: the de-delayed text token (-2 where not valid)
     valid: torch.Tensor  # [B] bool: False before a row's first max_delay steps, or not executed
     end_of_turn: torch.Tensor  # [B] float32 probability; NaN if the model has no such head
+    heads: torch.Tensor  # [B, H] float32: each extra head's probability of its entry 0 (H = 0 without heads)
 
     def packed(self) -> torch.Tensor:
         """[B, 3] float32 (text, valid, end_of_turn): one tensor, so a step needs one host copy
@@ -133,14 +137,8 @@ class SttGen:
         audio = slice(1, 1 + cfg.n_q)
         ring_write(state.ring[:, audio], offsets[:, None] + self.delays[None, audio], codes[:, :cfg.n_q], exec_mask)
 
-        column = (offsets % self.ring_size)[:, None, None].expand(-1, cfg.num_codebooks, 1)
-        tokens = state.ring.gather(2, column)[..., 0]
-        is_init = (offsets[:, None] <= self.delays[None]) | ~exec_mask[:, None]
-        tokens = torch.where(is_init, self.initial[None], tokens)
-
-        hidden, text_logits = self.model.temporal(self.model.embed(tokens)[:, None], state.transformer, exec_mask)
-        hidden = hidden[:, 0]
-        text = sample_tokens(text_logits[:, 0], state.text_temp, state.text_topk, self.generator)
+        hidden, text_logits = temporal_step(self.model, state, self.delays, self.initial, exec_mask)
+        text = sample_tokens(text_logits, state.text_temp, state.text_topk, self.generator)
 
         new_offsets = torch.where(exec_mask, offsets + 1, offsets)
         ring_write(state.ring[:, :1], new_offsets[:, None], text[:, None], exec_mask)
@@ -149,10 +147,12 @@ class SttGen:
         read = (new_offsets - cfg.max_delay + self.delays[0]) % self.ring_size
         out = state.ring[:, 0].gather(1, read[:, None])[:, 0]
         valid = (new_offsets > cfg.max_delay) & exec_mask
+        heads = torch.stack([torch.softmax(head(hidden).float(), dim=-1)[:, END_OF_TURN_INDEX]
+                             for head in self.model.extra_heads], dim=1) if self.cfg.extra_heads_num_heads \
+            else torch.zeros(valid.shape[0], 0, device=valid.device)
         if self.has_end_of_turn:
-            head = self.model.extra_heads[END_OF_TURN_HEAD](hidden).float()
-            end_of_turn = torch.softmax(head, dim=-1)[:, END_OF_TURN_INDEX]
+            end_of_turn = heads[:, END_OF_TURN_HEAD]
         else:
             end_of_turn = torch.full(valid.shape, float("nan"), device=valid.device)
         return SttStepOutput(text=torch.where(valid, out, torch.full_like(out, UNGENERATED_TOKEN)),
-                             valid=valid, end_of_turn=end_of_turn)
+                             valid=valid, end_of_turn=end_of_turn, heads=heads)

@@ -9,6 +9,11 @@ starts right after it), other ids are SentencePiece pieces of the current word. 
 moshi-server's ASR (`asr.rs`): a step's time is (step + 1 - text_delay) / 12.5 s; a word starts at
 the time of the last EPAD before it and ends at the next EPAD after it (or at `flush`); several words in one segment share its span.
 
+Beside those, `feed` and `flush` report each segment as moshi-server's ASR messages it, for the door
+that speaks its protocol (realtime/kyutai/): `WordHeard` once its text is complete (the first PAD or
+EPAD after its pieces; its end is not known yet), then `WordEnded` when it ends (the next EPAD, a new
+word without one, or `flush`). Consumers that want only `TextDelta` / `Word` skip them by type.
+
 Kept apart from the TTS text machinery on purpose (its DSM state machine feeds text *in*); the two
 can share the piece/word helpers once both have landed.
 """
@@ -31,6 +36,17 @@ class Word:
     text: str
     start: float  # seconds from the start of the audio
     end: float
+
+
+@dataclass(frozen=True)
+class WordHeard:
+    text: str  # the segment's text, as the tokenizer decodes its pieces (one word, or rarely several)
+    start: float  # seconds from the start of the audio: the end of the segment before it
+
+
+@dataclass(frozen=True)
+class WordEnded:
+    end: float  # the heard segment ends here (seconds from the start of the audio)
 
 
 class TranscriptDecoder:
@@ -57,23 +73,23 @@ class TranscriptDecoder:
         at = max(0.0, (step + 1 - self._delay) / FRAME_RATE - self._offset)
         return at if self._audio_end is None else min(at, self._audio_end)
 
-    def feed(self, token: int, step: int) -> list[TextDelta | Word]:
-        out: list[TextDelta | Word] = []
+    def feed(self, token: int, step: int) -> list[TextDelta | Word | WordHeard | WordEnded]:
+        out: list[TextDelta | Word | WordHeard | WordEnded] = []
         if token in (TEXT_PAD, TEXT_EPAD):
             if self._word:
                 self._pending = self._open_word(self._word_start)
+                if self._pending is not None:
+                    out.append(WordHeard(self._pending.text, self._pending.start))
             if token == TEXT_EPAD:
                 now = self._time(step)
                 if self._pending is not None:
-                    out += _split(self._pending.text, self._pending.start, now)
-                    self._pending = None
+                    out += self._end_pending(now)
                 self._word_start = now
             return out
         if token < 0 or self._tok.is_special(token):
             return out
         if self._pending is not None:  # a new word began without an EPAD: the old one ends here
-            out += _split(self._pending.text, self._pending.start, self._time(step))
-            self._pending = None
+            out += self._end_pending(self._time(step))
             self._word_start = self._time(step)
         self._word.append(token)
         piece = self._tok.piece(token)
@@ -90,15 +106,23 @@ class TranscriptDecoder:
         self._word = []
         return Word(text, self._word_start, end) if text else None
 
-    def flush(self, step: int) -> list[TextDelta | Word]:
+    def _end_pending(self, end: float) -> list[Word | WordEnded]:
+        """The heard segment ends at `end`: its words, then the end itself."""
+        assert self._pending is not None
+        words: list[Word | WordEnded] = list(_split(self._pending.text, self._pending.start, end))
+        self._pending = None
+        return [*words, WordEnded(end)]
+
+    def flush(self, step: int) -> list[TextDelta | Word | WordHeard | WordEnded]:
         """The audio ended after `step`: close the open word at that time."""
         end = self._time(step)
-        out: list[TextDelta | Word] = []
+        out: list[TextDelta | Word | WordHeard | WordEnded] = []
         if self._word:
             self._pending = self._open_word(end)
+            if self._pending is not None:
+                out.append(WordHeard(self._pending.text, self._pending.start))
         if self._pending is not None:
-            out += _split(self._pending.text, self._pending.start, max(end, self._pending.start))
-        self._pending = None
+            out += self._end_pending(max(end, self._pending.start))
         return out
 
 

@@ -504,8 +504,8 @@ class StreamingAttention(nn.Module):
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA over a ring. On CUDA, a few queries (Mimi's T = 2 steps) take plain batched matmuls:
-    PyTorch's fused SDPA kernels are ~100 us a call at that shape (B = 64, 250 slots, fp32); the
-    math is the same up to float rounding. CPU keeps SDPA (bit-exact with the reference)."""
+    PyTorch's fused SDPA kernels cost more than the matmuls at that shape (few queries over a short
+    ring; benchmarks/mimi_steps.py's `plain` variant runs SDPA); the math is the same up to float rounding. CPU keeps SDPA (bit-exact with the reference)."""
     if not (kernels.available(q) and q.shape[2] <= FEW_STEPS):
         return F.scaled_dot_product_attention(q, k, v, mask)
     scores = torch.matmul(q * (q.shape[-1] ** -0.5), k.transpose(-1, -2))

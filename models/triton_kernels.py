@@ -169,9 +169,9 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
                      STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
                      PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
     # fp8 caches on CUDA cores: with one query row, tensor-core dots need the row repeated 16
-    # times and a converted 128 x 128 tile in registers (195+ registers, 2 programs an SM,
-    # issue-bound at ~2.9 TB/s on the H200); elementwise fp32 products over small blocks keep
-    # ~128 registers and read ~4 TB/s (benchmarks/fp8_attention_variants.py, cc_lazy).
+    # times and a converted 128 x 128 tile in registers (so few programs an SM that the kernel
+    # is issue-bound); elementwise fp32 products over small blocks keep far fewer registers and
+    # read faster (benchmarks/fp8_attention_variants.py compares them, cc_lazy).
     # Each slot lane of the block keeps its own value sum and denominator (summed once at the
     # end), and the running max moves only when a block's max exceeds it by more than 2^8, so
     # most blocks skip the rescale (p stays <= 256: no fp32 overflow). PAGED: as in

@@ -42,6 +42,7 @@ from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConfigError, LMConfig
 from .dsm import DsmRows, DsmTokens, WordEntry
 from .host_rows import copy_from_host
 from .lm import Embedding, ZeroEmbedding
+from .lm_gen import ring_inputs
 from .row_views import leading_rows
 from .sampling import sample_tokens
 from .transformer import StreamingTransformer, TransformerState, make_norm
@@ -526,11 +527,7 @@ class TtsGen:
         cfg, lm = self.cfg, self.lm
         offsets = self.offsets
         n = cfg.lm.num_codebooks
-        column = (offsets % self.ring_size)[:, None, None].expand(-1, n, 1)
-        tokens = self.ring.gather(2, column)[..., 0]
-        is_init = (offsets[:, None] <= self.delays[None]) | ~active[:, None]
-        tokens = torch.where(is_init, self.initial[None], tokens)
-
+        tokens = ring_inputs(self.ring, offsets, self.delays, self.initial, active)
         x = lm.embed(tokens) + self.cond_sum
         hidden, logits = lm.temporal(x[:, None], self.transformer, active, self.cross)
         hidden, logits = hidden[:, 0], logits[:, 0].float()

@@ -61,7 +61,7 @@ def integrated_loudness(pcm: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> fl
 
     Raises `ValueError` when the audio is shorter than one 400 ms gating block.
     """
-    # Imported here (~0.9 s, with scipy.signal): only an audio voice needs it. Voices are read when
+    # Imported here (slow, with scipy.signal): only an audio voice needs it. Voices are read when
     # the backend is built (engine/voice_library.py), never on the engine thread while it ticks.
     import pyloudnorm
 

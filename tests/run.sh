@@ -24,6 +24,9 @@ python -m pip install -q --no-deps "livekit-plugins-nvidia==1.8.9" "nvidia-riva-
 # LiveKit's GPT-Live plugin (tests/test_live_clients.py): a thin wrapper of livekit-agents' GPTLiveModel whose
 # dependencies (livekit-agents, openai, httpx2) are already in; --no-deps keeps pip from re-resolving them.
 python -m pip install -q --no-deps "livekit-plugins-openai==1.8.9"
+# LiveKit's Kyutai STT plugin (tests/test_kyutai_doors.py): its dependencies (livekit-agents[codecs],
+# msgpack, numpy) are already in; --no-deps keeps pip from re-resolving them.
+python -m pip install -q --no-deps "livekit-plugins-kyutai-lasuite==0.0.6"
 # HAProxy for the `parley launch` end-to-end tests (tests/test_launch.py): the distribution's package.
 if ! command -v haproxy >/dev/null; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -10,12 +10,14 @@ Scripts whose every path needs CUDA are at least imported on CPU, and run small 
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import json
 import os
 import random
 import re
 import subprocess
+import symtable
 import sys
 import time
 from pathlib import Path
@@ -236,6 +238,35 @@ OWN_TESTS = ("write_models.py",)
 IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
                "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
                "mimi_steps.py", "frame_gpu_time.py", "flashinfer_decode.py", "fp8_weights.py")
+
+
+def undefined_globals(path: Path) -> list[str]:
+    """`function:line name` for each name a function of `path` reads as a global that the module
+    never binds (nor builtins hold): a NameError waiting for that line to run."""
+    top = symtable.symtable(path.read_text(), str(path), "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    known = bound | set(dir(builtins)) | {"__file__", "__name__"}
+    found, tables = [], list(top.get_children())
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        if table.get_type() == "function":
+            found += [f"{table.get_name()}:{table.get_lineno()} {s.get_name()}" for s in table.get_symbols()
+                      if s.is_global() and s.is_referenced() and s.get_name() not in known]
+    return sorted(found)
+
+
+def test_benchmarks_read_no_unbound_names() -> None:
+    """Every script's functions, the CUDA-only ones included, read only names their module binds:
+    profile_tts.py once read a `graphs` dict that a refactor had removed, and only a GPU run found it."""
+    found = {p.name: undefined_globals(p) for p in sorted(BENCH.glob("*.py"))}
+    assert not {name: names for name, names in found.items() if names}
+
+
+def test_the_unbound_name_check_finds_one(tmp_path) -> None:
+    script = tmp_path / "bench.py"
+    script.write_text("import torch\n\ndef run(n):\n    return torch.zeros(n) + graphs[n]\n")
+    assert undefined_globals(script) == ["run:3 graphs"]
 
 
 def test_other_benchmarks_import() -> None:

@@ -75,3 +75,14 @@ def test_the_packages_load_their_names_lazily():
             "from parley.models import SAMPLE_RATE\nimport parley.realtime.cli\nprint('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages by hand (the folders install under other names): a room
+    missing there would work from a checkout and be absent from an installed copy."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {PACKAGES[top] + "".join(f".{p}" for p in init.parent.relative_to(ROOT / top).parts)
+               for top in PACKAGES for init in (ROOT / top).rglob("__init__.py")}
+    assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

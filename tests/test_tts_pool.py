@@ -432,3 +432,50 @@ def test_a_rows_steps_are_realtime_until_it_is_a_second_ahead_of_a_real_time_lis
         assert not step()
         job.cancel()
     asyncio.run(main())
+
+
+def test_text_that_streams_in_waits_for_words_and_gives_the_whole_scripts_frames(tts):
+    """A `text_open` request steps only while it holds the DSM's lookahead + 1 unconsumed words;
+    words appended one at a time (each once the row waits for it), then `end_text`, give the
+    frames and word times of the whole script."""
+    import dataclasses
+
+    ck, _ = tts
+    text = "The quick brown fox jumps over the lazy dog."
+    whole = request(tts, text, text_temperature=0.0, audio_temperature=0.0)  # greedy: no draw to line up
+
+    def frames_of(job, pool, feed):
+        got = []
+        while not (got and isinstance(got[-1], Terminal)):
+            ran = run_items(pool)
+            events = job.stream.drain()
+            if not ran and not events:
+                feed()  # the row waits, and not on its reader: give it what it waits for
+            got += events
+        return got
+
+    async def main():
+        pool = TtsPool(ck.lm, ck.mimi, 1, voice_frames=10)
+        want = frames_of(pool.submit(whole, asyncio.get_running_loop()), pool, lambda: None)
+        entries = list(whole.entries)
+        streamed = dataclasses.replace(whole, entries=tuple(entries[:1]), text_open=True)
+        job = pool.submit(streamed, asyncio.get_running_loop())
+        waits = []
+
+        def feed():
+            waits.append(pool._rows[0].steps)
+            if len(entries) > len(pool._rows[0].entries):
+                job.append([entries[len(pool._rows[0].entries)]])
+            else:
+                job.end_text()
+
+        got = frames_of(job, pool, feed)
+        assert len(waits) == len(entries) and waits[0] == 0  # one word: it cannot start
+        assert waits[1:] == sorted(waits[1:]) and waits[-1] > 0  # then it spoke as words came
+        assert [e.text for e in got if isinstance(e, TtsWord)] == [e.text for e in want if isinstance(e, TtsWord)]
+        assert [(e.start_s, e.stop_s) for e in got if isinstance(e, TtsWord)] == \
+            [(e.start_s, e.stop_s) for e in want if isinstance(e, TtsWord)]
+        np.testing.assert_array_equal(np.concatenate([e.pcm for e in got if isinstance(e, TtsAudio)]),
+                                      np.concatenate([e.pcm for e in want if isinstance(e, TtsAudio)]))
+        assert got[-1].status is Status.COMPLETED
+    asyncio.run(main())

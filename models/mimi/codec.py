@@ -166,9 +166,8 @@ class MimiState(RowState):
 
 class Mimi(nn.Module):
     """Mimi codec with batched per-row streaming. Loaded in fp32 (the reference's precision);
-    `compute_in(torch.bfloat16)` runs its convs and transformers in bf16 (about a third faster at
-    64 rows and more on an H200, docs/benchmarks.md) within the tolerance `tests/test_mimi.py`
-    states. Either way the steps take and return fp32 pcm."""
+    `compute_in(torch.bfloat16)` runs its convs and transformers in bf16 (faster at many rows,
+    benchmarks/mimi_steps.py) within the tolerance `tests/test_mimi.py` states. Either way the steps take and return fp32 pcm."""
 
     def __init__(self, cfg: MimiConfig):
         super().__init__()
@@ -203,7 +202,7 @@ class Mimi(nn.Module):
     def compute_in(self, dtype: torch.dtype) -> "Mimi":
         """Cast every weight but the quantizer's to `dtype`; states made after this follow it.
         The quantizer stays fp32: residual levels pick the nearest of 2048 centroids for ever
-        smaller residuals, where bf16's rounding would flip codes (79 % agreement on CPU)."""
+        smaller residuals, where bf16's rounding would flip many codes."""
         for name, child in self.named_children():
             if name != "quantizer":
                 child.to(dtype)

@@ -226,7 +226,7 @@ def _convtr_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int) 
     """ConvTranspose1d with kernel 2 * stride as one matmul plus an overlap-add (CUDA only).
 
     cuDNN picks a slow non-tensor-core dgrad kernel for one of SEANet's decoder upsamplers at
-    B = 64 (~0.95 ms a frame); this is the same sum in fp32 (rounding may differ in the last bits).
+    large batches (benchmarks/mimi_steps.py times the decode); this is the same sum in fp32 (rounding may differ in the last bits).
     """
     B, c_in, T = x.shape
     c_out = weight.shape[1]

@@ -3,11 +3,10 @@
     dtype = mimi_dtype_for(mimi, None)     # auto: float16 on CUDA when a float16 copy passes the probe
     mimi.compute_in(dtype)
 
-Why float16 by default on CUDA: on an H200 it runs the codec as fast as bf16 (encode + decode
-4.8 ms at 128 rows against float32's 7.4), and against the reference's exact float32 (random
-weights, codebooks fitted to the latents: `benchmarks/mimi_quality.py`) it changes ~1.5 % of the
-semantic codes at ~59 dB, beside the reference's own ~1 % at ~64 dB on a GPU; bf16 changes 11 %
-at ~41 dB. float16's risk is range (65504 at most), which random weights cannot speak for, so
+Why float16 by default on CUDA: it runs the codec as fast as bf16, well ahead of float32
+(benchmarks/mimi_steps.py), and against the reference's exact float32 (random weights, codebooks
+fitted to the latents: `benchmarks/mimi_quality.py` measures both) it stays about as close as the
+reference's own GPU run, where bf16 changes many times more codes. float16's risk is range (65504 at most), which random weights cannot speak for, so
 auto runs the loaded weights themselves on a loud probe first: noise and a square wave at twice
 full scale, a sine, silence. float16 is taken only when every latent and sample stays finite
 and its codes and audio stay near float32's; otherwise the codec stays float32 and says why.
@@ -29,8 +28,8 @@ from .codec import Mimi
 log = logging.getLogger("parley.models.mimi")
 
 PROBE_FRAMES = 8  # 640 ms: past the encoder's and decoder's first frames, through their transformers
-MIN_CODES_EQUAL = 0.9  # float16 moves ~0.4 % of all codes on fitted codebooks; an overflow moves most
-MIN_DECODE_SNR_DB = 40.0  # float16 decodes ~59 dB from float32; an overflow is inf or noise
+MIN_CODES_EQUAL = 0.9  # float16 moves a small fraction of codes (mimi_quality.py); an overflow moves most
+MIN_DECODE_SNR_DB = 40.0  # well below float16's decode against float32 (mimi_quality.py); an overflow is inf or noise
 
 
 def probe_signal(frames: int = PROBE_FRAMES) -> torch.Tensor:

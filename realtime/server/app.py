@@ -4,9 +4,9 @@ The routes are the doors of server/doors.py's table whose service is loaded (eac
 server/modalities.py, and the server's own), each served by the endpoint its door names: the Moshi
 protocol (chat/protocol.py), the OpenAI Realtime API (realtime_api/endpoint.py), OpenAI's GPT-Live
 (live/session.py), both over WebRTC too (webrtc/doors.py), speech (http/speech.py), transcription
-(http/transcriptions.py), images (http/images.py), the probes and /load (sessions/capacity.py),
-/metrics (http/metrics.py), /admin/drain (server/drain.py), and the page (web/). What no door serves
-is answered by http/not_found.py. Each modality's metrics collector is registered, and its service
+(http/transcriptions.py), images (http/images.py), Kyutai moshi-server's doors (kyutai/), the probes
+and /load (sessions/capacity.py), /metrics (http/metrics.py), /admin/drain (server/drain.py), and the
+page (web/). What no door serves is answered by http/not_found.py. Each modality's metrics collector is registered, and its service
 closed at shutdown, as its record says.
 
 The app builds nothing: `create_app(services)` maps routes and middleware from what

@@ -306,6 +306,25 @@ TRANSLATION = Modality(
 )
 
 
+# ---- Kyutai moshi-server's doors (realtime/kyutai/), on the STT and TTS pools ----
+
+# A door set with no service of its own: its streaming doors are served by the transcription and
+# speech records' pools (mounted with them), its info doors always.
+KYUTAI = Modality(
+    "kyutai", "Kyutai moshi-server doors", "/api/asr-streaming, /api/tts_streaming", "--stt-model / --tts-model",
+    doors=(
+        Door("/api/asr-streaming", WS, "Kyutai moshi-server speech-to-text (msgpack; Unmute, LiveKit's Kyutai "
+             "plugin)", "kyutai.asr:asr_endpoint", "stt"),
+        Door("/api/tts_streaming", WS, "Kyutai moshi-server text-to-speech (msgpack; Unmute)",
+             "kyutai.tts:tts_endpoint", "tts"),
+        Door("/api/build_info", "GET", "Kyutai moshi-server's build info (Unmute's health check)",
+             "kyutai.info:build_info"),
+        Door("/api/modules_info", "GET", "Kyutai moshi-server's modules: used and total slots of each Kyutai door",
+             "kyutai.info:modules_info"),
+    ),
+)
+
+
 # In this order: the doors table, --help, GET /v1/models and the slack sources' warm-ups follow it.
-MODALITIES: tuple[Modality, ...] = (DUPLEX, SPEECH, TRANSCRIPTION, IMAGES, TRANSLATION)
+MODALITIES: tuple[Modality, ...] = (DUPLEX, SPEECH, TRANSCRIPTION, IMAGES, TRANSLATION, KYUTAI)
 BY_KEY = {modality.key: modality for modality in MODALITIES}

@@ -4,7 +4,10 @@
   files and the health probes (`PUBLIC_PATHS`); `/metrics` only with `--protect-metrics`.
   Default-deny: a route added later is covered without a change here. A key is accepted as
   `Authorization: Bearer <key>`, as the `api_key` query parameter, or as the WebSocket
-  subprotocol `openai-insecure-api-key.<key>` (browsers cannot set headers on a WebSocket).
+  subprotocol `openai-insecure-api-key.<key>` (browsers cannot set headers on a WebSocket); and
+  as Kyutai's moshi-server takes it (Unmute, LiveKit's Kyutai plugin), the `kyutai-api-key` header
+  or the `auth_id` query parameter, on every door alike. moshi-server's `/api/build_info` (Unmute's
+  health check) and `/api/modules_info` need none, as there.
   Keys are compared in constant time and never logged (`RedactKeys` scrubs uvicorn's lines).
 - Origins (`--allowed-origins`): a browser request's Origin must be the server's own (default),
   one of the listed origins, or anything with `*`. Requests without an Origin (non-browser
@@ -35,10 +38,14 @@ from starlette.websockets import WebSocket
 from ..sessions.capacity import deny_upgrade
 from ..sessions.refusals import Refusals
 
-PUBLIC_PATHS = frozenset({"/", "/livez", "/readyz", "/health", "/ready", "/load"})  # probes: no key
+# probes: no key (moshi-server's info routes are probes too: Unmute checks /api/build_info without one)
+PUBLIC_PATHS = frozenset({"/", "/livez", "/readyz", "/health", "/ready", "/load", "/api/build_info",
+                          "/api/modules_info"})
 METRICS_PATH = "/metrics"
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 KEY_QUERY_PARAM = "api_key"
+KYUTAI_KEY_HEADER = "kyutai-api-key"  # moshi-server's header, and its query parameter below
+KYUTAI_KEY_QUERY_PARAM = "auth_id"
 
 
 def read_key_file(path: str | Path) -> tuple[str, ...]:
@@ -52,11 +59,14 @@ def read_key_file(path: str | Path) -> tuple[str, ...]:
 
 def offered_key(scope: Scope) -> str | None:
     """The key a request carries, by header, query parameter or subprotocol (first found)."""
-    auth = Headers(scope=scope).get("authorization", "")
+    headers = Headers(scope=scope)
+    auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
+    if KYUTAI_KEY_HEADER in headers:
+        return headers[KYUTAI_KEY_HEADER]
     for name, value in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
-        if name == KEY_QUERY_PARAM:
+        if name in (KEY_QUERY_PARAM, KYUTAI_KEY_QUERY_PARAM):
             return value
     for proto in scope.get("subprotocols", []) or []:
         if proto.startswith(KEY_SUBPROTOCOL_PREFIX):
@@ -147,8 +157,8 @@ class AccessMiddleware:
             return
         if self.needs_key(path) and not key_matches(offered_key(scope), self.keys):
             await self._refuse(scope, receive, send, 401, "api_key", "invalid or missing API key: send "
-                               "Authorization: Bearer <key>, ?api_key=<key> or the subprotocol "
-                               "openai-insecure-api-key.<key>")
+                               "Authorization: Bearer <key>, ?api_key=<key>, the subprotocol "
+                               "openai-insecure-api-key.<key>, or kyutai-api-key: <key> / ?auth_id=<key>")
             return
         await self.app(scope, receive, send)
 
@@ -167,7 +177,7 @@ class AccessMiddleware:
             await response(scope, receive, send)
 
 
-_KEY_IN_TEXT = re.compile(r"(api_key=|openai-insecure-api-key\.)[^&\s\"']*", re.IGNORECASE)
+_KEY_IN_TEXT = re.compile(r"(api_key=|auth_id=|openai-insecure-api-key\.)[^&\s\"']*", re.IGNORECASE)
 
 
 class RedactKeys(logging.Filter):
