@@ -15,15 +15,18 @@ live in), never an edit in each of the places below:
 
 Rules it keeps:
 - A record's `key` is the one spelling of its modality, everywhere: the `--served-model-name`
-  key, `/v1/models`' `modality`, a door's `needs`, the Services field's record. Nothing else names
-  a modality by a string of its own.
+  key, `/v1/models`' `modality`, a door's `needs`, `/api/info`'s `mimi_dtypes`, the build's
+  loaded models. Nothing else names a modality by a string of its own.
+- A modality with a model of its own also declares where its values live, typed: each setting a
+  ServeConfig field of the flag's name, its service a Services field (its doors read it typed).
+  tests/test_modalities.py checks both against the records.
 - A door needs one modality key (or "page", or nothing: always mounted). A door set served by
   another modality's service (Kyutai's doors on the STT or TTS pool, the translation door on the
   duplex model) is a record whose doors need that key and which builds nothing of its own: no
   field, no served names of its own (`--served-model-name` takes only the keys of records with a
   service).
-- Standard library only: `parley --help` reads the records without torch
-  (tests/test_lazy_imports.py). Code that needs torch is named by a "module:function" string,
+- Torch-free (the standard library and parley.engine's torch-free names): `parley --help` reads the
+  records without torch (tests/test_lazy_imports.py). Code that needs torch is named by a "module:function" string,
   relative to parley.realtime, and imported only once serving (`resolve`), as pip's command table
   names its commands.
 """
@@ -68,7 +71,7 @@ def _no_error(args: argparse.Namespace) -> str | None:
 
 @dataclass(frozen=True)
 class Modality:
-    """One modality. Hooks taking a built service get what `service` returns (never None)."""
+    """One modality. Hooks taking a built service get its Services field's value (never None)."""
 
     key: str  # its one spelling (module docstring)
     noun: str  # what it is, in messages: "text-to-speech model"
