@@ -33,8 +33,11 @@ NEEDS = {
 
 DOORS = (
     Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol"),
-    Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, or ?intent=transcription)"),
+    Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, ?intent=transcription, or a sideband "
+         "joining a WebRTC call: ?call_id=)"),
     Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation"),
+    Door("/v1/live/sessions/{session_id}/attach", WS, "GPT-Live sideband: a server joins a WebRTC call's "
+         "session (its events out, control events in)"),
     Door("/v1/realtime/translations", WS, "OpenAI Realtime translation: speech in, translated speech and text out"),
     Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out"),
     Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out"),
