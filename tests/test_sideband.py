@@ -324,3 +324,44 @@ def test_the_registry_holds_a_call_until_it_is_released_and_ends_its_sidebands_o
     registry.release(call)  # idempotent: the sideband was ended once
     assert registry.find("sess_1") is None and len(registry) == 0 and channel.observer is None
     assert side.got == [{"type": "x"}, {"type": "session.closed"}, 1000]
+
+
+def test_a_sideband_too_far_behind_is_closed_and_the_bound_is_a_flag():
+    """Fan-out never waits: a sideband whose queue is full is closed (1008) once what it holds is
+    sent; `--max-sidebands` sets the bound (0: none), a negative one is refused naming the flag."""
+    from parley.realtime.calls.sideband import MAX_QUEUED_EVENTS, AttachedCall, Sideband
+    from parley.realtime.cli import build_parser, reliability_settings
+
+    class Socket:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.closed: tuple | None = None
+
+        async def send_text(self, text: str) -> None:
+            self.sent.append(text)
+
+        async def receive(self) -> dict:
+            await asyncio.Event().wait()  # a sideband that never speaks
+
+        async def close(self, code: int, reason: str) -> None:
+            self.closed = (code, reason)
+
+    async def scenario():
+        socket = Socket()
+        call = AttachedCall("sess_1", "live", None, None, {}, lambda: None)
+        sideband = Sideband(socket, call, EdgeLimits())
+        call.sidebands.add(sideband)
+        for i in range(MAX_QUEUED_EVENTS + 5):  # nothing is sent meanwhile: the writer has not run
+            call.observe({"type": "x"}, json.dumps({"n": i}))
+        await asyncio.wait_for(sideband.run(), WAIT_S)
+        return socket, call
+
+    socket, call = asyncio.run(scenario())
+    assert [json.loads(t)["n"] for t in socket.sent] == list(range(MAX_QUEUED_EVENTS))
+    assert socket.closed[0] == 1008 and "too slowly" in socket.closed[1]
+    assert not call.sidebands
+    for given, limit in (([], 4), (["--max-sidebands", "0"], 0), (["--max-sidebands", "2"], 2)):
+        args = build_parser().parse_args(["serve", *given])
+        assert reliability_settings(args)["limits"].max_sidebands == limit
+    with pytest.raises(ValueError, match="--max-sidebands"):
+        reliability_settings(build_parser().parse_args(["serve", "--max-sidebands", "-1"]))

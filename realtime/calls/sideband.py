@@ -174,7 +174,10 @@ class Sideband:
             data = message.get("text")
             data = data if data is not None else (message.get("bytes") or b"")
             why = self._rate.admit(len(data))
-            if why is not None:
+            if why is not None:  # counted and logged as every door's flood is
+                metrics = self.call.channel.edge.manager.metrics
+                metrics.rate_limited.labels(self.call.protocol).inc()
+                metrics.refusals.record(self.websocket.scope, "rate_limit", f"a sideband's rate limit: {why}")
                 self.finish(CLOSE_POLICY, f"rate limit: {why}")
                 return
             try:
