@@ -211,6 +211,9 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
                    help="largest /v1/realtime event (larger: an error event)")
     p.add_argument("--max-conversation-bytes", type=int, default=limits.max_conversation_bytes,
                    help="/v1/realtime conversation items kept per session (over it: the item is refused)")
+    p.add_argument("--max-sidebands", type=int, default=limits.max_sidebands,
+                   help="server connections that may attach to one live call (GPT-Live's /v1/live/sessions/ID/attach, "
+                        "Realtime's /v1/realtime?call_id=ID); past it: 429. 0: none")
     p.add_argument("--live-delegation", default="every_turn", metavar="POLICY",
                    help="GPT-Live (/v1/live/sessions): when a session delegates to its client: every_turn (at "
                         "the end of each user turn), never, or pattern:REGEX (turns whose input transcript "
@@ -241,11 +244,13 @@ def reliability_settings(args: argparse.Namespace) -> dict:
     keys = read_key_file(args.api_key_file) if args.api_key_file else args.api_key
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    if args.max_sidebands < 0:
+        raise ValueError(f"--max-sidebands must be 0 or more, not {args.max_sidebands}")
     if args.max_event_bytes > WS_MAX_SIZE:
         raise ValueError(f"--max-event-bytes must be at most {WS_MAX_SIZE} (the WebSocket message cap)")
     limits = EdgeLimits(max_messages_per_s=args.max_messages_per_s, max_bytes_per_s=args.max_bytes_per_s,
                         max_lag_s=args.max_lag_s, max_event_bytes=args.max_event_bytes,
-                        max_conversation_bytes=args.max_conversation_bytes)
+                        max_conversation_bytes=args.max_conversation_bytes, max_sidebands=args.max_sidebands)
     if args.delegate_api_key_file and not args.delegate_url:
         raise ValueError("--delegate-api-key-file is the key of --delegate-url: give both")
     delegate = DelegateBackend(args.delegate_url, read_key_file(args.delegate_api_key_file)[0]

@@ -56,6 +56,8 @@ from ..kyutai.asr import asr_endpoint
 from ..kyutai.info import build_info, modules_info
 from ..kyutai.tts import tts_endpoint
 from ..webrtc.doors import call_action, live_calls, realtime_calls
+from ..live.attach import live_attach_endpoint
+from ..calls.sideband import LiveCalls
 from ..webrtc.pool import WebRTCPool, default_workers
 
 log = logging.getLogger("parley.app")
@@ -66,6 +68,7 @@ ENDPOINTS = {
     "/api/chat": chat_endpoint,
     "/v1/realtime": realtime_endpoint,
     "/v1/live/sessions": live_endpoint,
+    "/v1/live/sessions/{session_id}/attach": live_attach_endpoint,
     "/v1/realtime/translations": translation_endpoint,
     "POST /v1/realtime/calls": realtime_calls,  # a path served by two doors is keyed with its method
     "POST /v1/live/sessions": live_calls,
@@ -143,6 +146,7 @@ def create_app(services: Services) -> Starlette:
     app.state.doors = served
     app.state.sessions = manager
     app.state.calls = set()  # the WebRTC calls' tasks (webrtc/doors.py), held until each ends
+    app.state.live_calls = LiveCalls()  # the calls a sideband may attach to, by id (calls/sideband.py)
     app.state.webrtc = webrtc  # the calls' worker processes (webrtc/pool.py)
     app.state.drainer = Drainer(manager, services.drain_timeout)
     app.state.codec = codec

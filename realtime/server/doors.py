@@ -10,6 +10,7 @@ without torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 WS = "WS"  # a door's method when it is a WebSocket
@@ -33,8 +34,11 @@ NEEDS = {
 
 DOORS = (
     Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol"),
-    Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, or ?intent=transcription)"),
+    Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, ?intent=transcription, or a sideband "
+         "joining a WebRTC call: ?call_id=)"),
     Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation"),
+    Door("/v1/live/sessions/{session_id}/attach", WS, "GPT-Live sideband: a server joins a WebRTC call's "
+         "session (its events out, control events in)"),
     Door("/v1/realtime/translations", WS, "OpenAI Realtime translation: speech in, translated speech and text out"),
     Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out"),
     Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out"),
@@ -71,10 +75,18 @@ def mounted(available: dict[str, bool]) -> list[Door]:
     return [door for door in DOORS if door.needs is None or available[door.needs]]
 
 
+# Doors with parameters ({session_id}; {model:path} takes slashes), as patterns of their paths.
+PATTERNS = tuple((re.compile(re.sub(r"\{\w+:path\}", ".+", re.sub(r"\{\w+\}", "[^/]+", door.path)) + "$"), door.path)
+                 for door in DOORS if "{" in door.path)
+
+
 def label(path: str) -> str:
-    """A metrics label for a request path: the door's path, or `other` (bounded cardinality)."""
+    """A metrics label for a request path: the door's path (a parameter's door's, as written in
+    the table), or `other` (bounded cardinality)."""
     door = BY_PATH.get(path)
-    return door.path if door is not None else "other"
+    if door is not None:
+        return door.path
+    return next((name for pattern, name in PATTERNS if pattern.match(path)), "other")
 
 
 def help_summary() -> str:
