@@ -84,9 +84,9 @@ def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames
         raise OptionsError(f"a KV block of {block_frames} frames must be 1 .. the {tr.capacity}-frame window.") from exc
     dtype = kv_dtype or next(checkpoint.lm.parameters()).dtype
     head_dim = tr.d_model // tr.num_heads
-    per_slot = 2 * tr.num_heads * head_dim * dtype.itemsize  # a key and a value of every head
+    per_slot = 2 * tr.kv_heads * head_dim * dtype.itemsize  # a key and a value of every KV head
     if dtype == torch.float8_e4m3fn:
-        per_slot += 2 * tr.num_heads * 4  # their fp32 scales
+        per_slot += 2 * tr.kv_heads * 4  # their fp32 scales
     return KvLayout(window_frames=tr.capacity, block_frames=block_frames,
                     block_bytes=per_slot * len(tr.layers) * block_frames)
 

@@ -48,6 +48,7 @@ from torch import nn
 
 from .config import (
     LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, ConfigError, LMConfig, MimiConfig, SamplingDefaults,
+    conditioners_dict,
 )
 from .lm import LMModel
 from .mimi.codec import Mimi
@@ -522,9 +523,24 @@ def _describe(cfg: LMConfig) -> str:
 # Writing
 
 
+# LMConfig fields written only when they differ from these defaults (the reference's LMModel would
+# take depformer_kv_repeat None as a head count), and the conditioning, written in the reference's form.
+_OMITTED_DEFAULTS = {"kv_repeat": 1, "depformer_kv_repeat": None, "depformer_norm": None}
+
+
 def lm_config_dict(cfg: LMConfig) -> dict[str, Any]:
-    """An LMConfig as config.json LMModel kwargs (tuples as lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    """An LMConfig as config.json LMModel kwargs (tuples as lists; conditioners as the reference's
+    `conditioners` and `fuser` objects)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in ("conditioners", "fuse_sum") or _OMITTED_DEFAULTS.get(f.name, object()) == value:
+            continue
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    if cfg.conditioners:
+        out["conditioners"] = conditioners_dict(cfg.conditioners)
+        out["fuser"] = {"sum": list(cfg.fuse_sum)}
+    return out
 
 
 def mimi_config_dict(cfg: MimiConfig) -> dict[str, Any]:
