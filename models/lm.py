@@ -124,6 +124,12 @@ class LMModel(nn.Module):
     def text_initial_token(self) -> int:
         return self.cfg.text_card
 
+    @property
+    def input_eos_token(self) -> int:
+        """Hibiki's end of the source: this code in every user codebook of the frame where the
+        source audio ends (hibiki_zero's `add_input_eos` writes Mimi's cardinality, == card)."""
+        return self.cfg.card
+
     def initial_tokens(self, device: torch.device | None = None) -> torch.Tensor:
         """[n_q + 1] long: what a stream reads before its delay has elapsed."""
         tokens = torch.full((self.cfg.num_codebooks,), self.audio_initial_token, dtype=torch.long, device=device)
