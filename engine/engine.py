@@ -61,6 +61,7 @@ from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
+from .translation import TAIL_FRAMES, SourceEnds
 
 log = logging.getLogger("parley.engine")
 
@@ -121,6 +122,8 @@ class Engine:
         self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
+        # Translation models (Hibiki): a session's source can end, then its translation (translation.py).
+        self._source_ends = SourceEnds(backend, self._end_session) if getattr(backend, "translates", False) else None
 
     # ---- lifecycle ----
 
@@ -194,6 +197,26 @@ class Engine:
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._forcing.submit(session, ids, done)
         return await done
+
+    @property
+    def translates(self) -> bool:
+        """Whether the served model translates (Hibiki): sessions can `end_input`."""
+        return self._source_ends is not None
+
+    def end_input(self, session: Session, tail_frames: int | None = None) -> None:
+        """`Session.end_input`: the session's source has ended (engine/translation.py). Its pending
+        audio is still translated, then the input end code goes in, and the session ends with
+        Terminal(completed) when the model ends its translation, or `tail_frames` frames (default
+        TAIL_FRAMES) after the end code. OptionsError when the model does not translate."""
+        if self._source_ends is None:
+            raise OptionsError("this model does not translate, so a session's input cannot end; close the session.")
+        if tail_frames is not None and (isinstance(tail_frames, bool) or not isinstance(tail_frames, int)
+                                        or tail_frames < 1):
+            raise OptionsError(f"tail_frames must be a whole number of at least 1, got {tail_frames!r}.")
+        if session.closed or session.input.ended:
+            return
+        session.input.finish()
+        self._source_ends.submit(session, TAIL_FRAMES if tail_frames is None else tail_frames)
 
     def slack_by_key(self) -> dict:
         """Slack items run and seconds spent per cost key so far (benchmarks: where the slack goes)."""
@@ -376,12 +399,16 @@ class Engine:
         self._kv.step(plan.request_ids)  # ended rows' blocks back, live rows' next blocks in (kv_blocks.py rule 1)
         if plan.underruns:
             self.metrics.inc("underruns", plan.underruns)
+        if self._source_ends is not None:  # ended sources: the end code goes into their rows' frames
+            self._source_ends.before_step(plan)
         if plan.any_live:  # an idle engine runs no step at all
             stepping = time.perf_counter()
             beside = None if deadline is None else functools.partial(self._collect_beside_device, deadline)
             host = self._frame.run(plan, beside)  # engine/frame_step.py
             routing = time.perf_counter()
             if host is not None:
+                if self._source_ends is not None:  # finished translations end before their last frame is routed
+                    self._source_ends.after_step(plan, host)
                 self._output.route(plan, host)
             self._route_s = time.perf_counter() - routing
             self.metrics.inc("tick_plan_seconds", planned - start)
