@@ -321,15 +321,17 @@ HIBIKI_DESCRIPTIONS = ("very_bad", "bad", "neutral", "good", "very_good")
 def tiny_hibiki_config(kind: str = "hibiki-zero", context: int = 40) -> LMConfig:
     """Toy shapes with a Hibiki's structure: 32 audio streams (16 source, 16 translated), acoustic
     delay 2, the `description` LUT summed into the input. `hibiki-zero` adds what Hibiki-Zero 3B
-    has over Hibiki 2B: grouped KV heads (kv_repeat 2, the depformer's too), a depformer weight
-    schedule (9 weight slices for 16 steps) and a norm before each step's output head."""
+    has over Hibiki 2B: grouped KV heads (kv_repeat 2, the depformer's too), RoPE on head halves
+    (`rope_concat`, max period 20000), a depformer weight schedule (9 weight slices for 16 steps)
+    and a norm before each step's output head."""
     if kind not in HIBIKI_KINDS:
         raise ValueError(f"kind must be one of {HIBIKI_KINDS}, got {kind!r}")
     stream = (0,) + (2,) * 15  # semantic, then 15 acoustic codebooks two frames behind
     zero = kind == "hibiki-zero"
     return dataclasses.replace(
         tiny_lm_config(dep_q=16), n_q=32, context=context, depformer_context=16, delays=(0,) + stream + stream,
-        kv_repeat=2 if zero else 1,
+        kv_repeat=2 if zero else 1, positional_embedding="rope_concat" if zero else "rope",
+        max_period=20_000.0 if zero else 10_000.0,
         depformer_weights_per_step_schedule=tuple(min(k, 8) for k in range(16)) if zero else None,
         depformer_norm="rms_norm_f32" if zero else None,
         conditioners=(ConditionerConfig("description", "lut", 8, len(HIBIKI_DESCRIPTIONS), HIBIKI_DESCRIPTIONS),),

@@ -37,7 +37,9 @@ Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
   holds dim query rows then dim / r key and dim / r value rows a weight step; the ring stores
   H / r heads, each expanded to its r query heads when attended (`expand_kv`). The fused decode
   kernels read one KV head per query head, so a grouped transformer steps on the general path
-  (still free of host syncs: CUDA graphs capture it).
+  (still free of host syncs: CUDA graphs capture it). `positional_embedding="rope_concat"`
+  (Hibiki-Zero): RoPE rotating the two halves of each head instead of interleaved pairs, as the
+  reference's; the general path too.
 
 Parameter names are the published checkpoint keys: `layers.{i}.self_attn.in_proj_weight`
 (fused QKV, per-step weights stacked on dim 0), `layers.{i}.self_attn.out_proj.weight`,
@@ -146,13 +148,18 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, max_period: float) -> t
     return torch.cos(angles), torch.sin(angles)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Interleaved rotary embedding. q, k: [B, H, T, D]; cos_sin: `rope_cos_sin` of the positions
-    [B, T] (computed once per call, shared by the layers). Computed in fp32."""
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               interleave: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding. q, k: [B, H, T, D] (k may have fewer heads); cos_sin: `rope_cos_sin` of the
+    positions [B, T] (computed once per call, shared by the layers). Computed in fp32. `interleave`:
+    pairs (x[2i], x[2i + 1]) rotate (`rope`); else (x[i], x[i + D/2]) do (the reference's `rope_concat`)."""
     D = q.shape[-1]
     cos, sin = (c[:, None] for c in cos_sin)  # [B, 1, T, D/2]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
+        if not interleave:
+            xr, xi = x[..., :D // 2].float(), x[..., D // 2:].float()
+            return torch.cat([(xr * cos - xi * sin).to(x.dtype), (xr * sin + xi * cos).to(x.dtype)], dim=-1)
         x = x.view(*x.shape[:-1], D // 2, 2)
         xr, xi = x[..., 0].float(), x[..., 1].float()
         out_r = (xr * cos - xi * sin).to(x.dtype)
@@ -402,11 +409,13 @@ def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 class StreamingAttention(nn.Module):
     """Multi-head self-attention over a per-row KV ring. No biases (as in every Moshi model)."""
 
-    def __init__(self, dim: int, num_heads: int, num_weights: int, kv_repeat: int = 1, device=None, dtype=None):
+    def __init__(self, dim: int, num_heads: int, num_weights: int, kv_repeat: int = 1, rope_interleave: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         self.dim = dim
         self.num_heads = num_heads
         self.kv_repeat = kv_repeat
+        self.rope_interleave = rope_interleave
         # Fused QKV for each weight step, stacked: the checkpoint layout [num_weights * rows, dim],
         # rows = dim query rows then 2 * kv_dim key and value rows (kv_dim = dim / kv_repeat).
         self.rows = dim + 2 * (dim // kv_repeat)
@@ -447,7 +456,7 @@ class StreamingAttention(nn.Module):
             q = qkv[..., :self.dim].view(B, T, H, D).transpose(1, 2)
             k, v = qkv[..., self.dim:].view(B, T, 2, H // self.kv_repeat, D).permute(2, 0, 3, 1, 4)
         if rope is not None:
-            q, k = apply_rope(q, k, rope)
+            q, k = apply_rope(q, k, rope, self.rope_interleave)
 
         if kv is None:  # stateless: attend over this call's keys only
             out = F.scaled_dot_product_attention(q, *expand_kv(k, v, H), attn_mask)
@@ -567,10 +576,10 @@ class CrossAttention(nn.Module):
 class StreamingTransformerLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, dim_feedforward: int, norm: str, gating: str,
                  layer_scale: float | None, num_weights: int, per_step: bool, cross_attention: bool = False,
-                 kv_repeat: int = 1, device=None, dtype=None):
+                 kv_repeat: int = 1, rope_interleave: bool = True, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.self_attn = StreamingAttention(d_model, num_heads, num_weights, kv_repeat, **factory)
+        self.self_attn = StreamingAttention(d_model, num_heads, num_weights, kv_repeat, rope_interleave, **factory)
         self.cross_attention: CrossAttention | None = None
         if cross_attention:  # the reference's cross-attention norm is always a LayerNorm
             self.cross_attention = CrossAttention(d_model, num_heads, **factory)
@@ -633,14 +642,17 @@ class StreamingTransformer(nn.Module):
                              f"or num_heads by kv_repeat {kv_repeat}")
         if not causal:
             raise ValueError("only causal streaming transformers are supported")
-        if positional_embedding not in ("rope", "none"):
-            raise ValueError(f"positional_embedding {positional_embedding!r}: only 'rope' and 'none' are supported")
+        if positional_embedding not in ("rope", "rope_concat", "none"):
+            raise ValueError(f"positional_embedding {positional_embedding!r}: only 'rope', 'rope_concat' and 'none' "
+                             f"are supported")
         self.d_model = d_model
         self.num_heads = num_heads
         self.kv_heads = num_heads // kv_repeat  # heads the KV ring holds (grouped when kv_repeat > 1)
         self.context = context
         self.capacity = capacity if capacity is not None else (context or weights_per_step or None)
-        self.rope_max_period = max_period if positional_embedding == "rope" else None
+        self.rope_max_period = max_period if positional_embedding != "none" else None
+        # rope_concat (Hibiki-Zero): halves rotate, not interleaved pairs; the fused kernels rotate pairs.
+        self.rope_interleave = positional_embedding != "rope_concat"
         self.weights_per_step = weights_per_step
         self.schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
         self.cross_attention = cross_attention
@@ -650,7 +662,8 @@ class StreamingTransformer(nn.Module):
         self.layers = nn.ModuleList([
             StreamingTransformerLayer(d_model, num_heads, dim_feedforward, norm, gating, layer_scale,
                                       num_weights, per_step=bool(weights_per_step), cross_attention=cross_attention,
-                                      kv_repeat=kv_repeat, device=device, dtype=dtype)
+                                      kv_repeat=kv_repeat, rope_interleave=self.rope_interleave,
+                                      device=device, dtype=dtype)
             for _ in range(num_layers)
         ])
 
@@ -763,8 +776,8 @@ class StreamingTransformer(nn.Module):
 
     def _can_fuse(self, x: torch.Tensor) -> bool:
         """CUDA + Triton, a power-of-two head dim, no grouped KV heads (the kernels read one KV
-        head per query head): T == 1 steps take `_forward_decode`."""
-        if not kernels.available(x) or self.kv_heads != self.num_heads:
+        head per query head), interleaved RoPE: T == 1 steps take `_forward_decode`."""
+        if not kernels.available(x) or self.kv_heads != self.num_heads or not self.rope_interleave:
             return False
         head_dim = self.d_model // self.num_heads
         return head_dim == 1 << (head_dim.bit_length() - 1)
