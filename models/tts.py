@@ -41,7 +41,7 @@ from torch import nn
 from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConditionerConfig, ConfigError, LMConfig, parse_conditioners
 from .dsm import DsmRows, DsmTokens, WordEntry
 from .host_rows import copy_from_host
-from .conditioning import ConditionProvider, Embedding
+from .conditioning import ConditionProvider
 from .lm import ZeroEmbedding
 from .row_views import leading_rows
 from .sampling import sample_tokens

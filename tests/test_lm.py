@@ -6,8 +6,6 @@ The oracle is the published `moshi` package, version 0.2.13 (a test-only depende
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
