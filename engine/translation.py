@@ -66,8 +66,10 @@ class SourceEnds:
         """Rules 2 and 4, after the plan popped this tick's frames."""
         due = []
         for rid, ending in list(self._endings.items()):
-            if ending.session.closed or plan.request_ids[ending.session.row] != rid:
+            if ending.session.closed:
                 del self._endings[rid]  # rule 4
+            elif plan.request_ids[ending.session.row] != rid:
+                continue  # not live yet (still being prefilled): its frames are all still buffered
             elif not ending.sent and ending.wait == 0:
                 due.append(ending)
             elif not ending.sent:

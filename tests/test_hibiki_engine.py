@@ -141,6 +141,21 @@ def test_the_models_end_of_text_ends_the_translation_before_that_frame(hibiki_di
     assert frames[10 - MAX_DELAY][1] == TEXT_EOS, "the early end of text went out as a frame"
 
 
+def test_a_source_ended_before_the_session_is_live_is_still_translated_then_ends(hibiki_dir):
+    engine, backend = paged_engine(hibiki_dir, 1)
+
+    async def main():
+        s = engine.open_nowait(GREEDY)
+        s.push_audio(source(0, 3))
+        s.end_input(tail_frames=4)  # before its first tick: it is not prefilled yet
+        engine.run_ticks(12)
+        return s, events(s)
+    s, evts = asyncio.run(main())
+    assert s.closed and evts[-1].status is Status.COMPLETED
+    codes = torch.stack(backend.user)[:, 0]
+    assert (codes[3] == 2048).all() and not (codes[:3] == 2048).any(), "three frames of audio, then the end code"
+
+
 def test_audio_after_the_end_of_input_fails_that_session_only(hibiki_dir):
     engine, _ = paged_engine(hibiki_dir, 2)
 
