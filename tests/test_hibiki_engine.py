@@ -112,6 +112,15 @@ def test_translations_in_one_tick_give_each_its_tokens_alone(hibiki_dir):
     assert frames_of(together[0]) != frames_of(together[1])
 
 
+def test_kv_blocks_hold_the_grouped_heads_only(hibiki_dir):
+    """The KV pool sizes a block by the heads the ring stores: num_heads / kv_repeat."""
+    checkpoint = load_checkpoint(hibiki_dir, "cpu", torch.float32)
+    cfg, tr = checkpoint.lm_config, checkpoint.lm.transformer
+    assert tr.kv_heads == cfg.num_heads // cfg.kv_repeat
+    per_slot = 2 * tr.kv_heads * (cfg.dim // cfg.num_heads) * 4  # a key and a value, fp32
+    assert kv_layout(checkpoint, None, BLOCK).block_bytes == per_slot * cfg.num_layers * BLOCK
+
+
 def test_end_of_input_writes_the_end_code_once_after_the_last_audio(hibiki_dir):
     engine, backend = paged_engine(hibiki_dir, 2)
     sessions, evts = run(engine, talking=[0, 1], rows=2, ticks=FRAMES + 8, end_after={0: 5})
