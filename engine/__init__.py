@@ -33,6 +33,8 @@ _EXPORTS = {
     "OutputStream": "stream", "Status": "stream", "Terminal": "stream",
     "CostModel": "slack", "SlackSource": "slack",  # slack sources: warm_up(costs) seeds the cost model
     "run_offline": "offline",
+    # translation (Hibiki): Session.end_input's default tail, in frames
+    "TRANSLATION_TAIL_FRAMES": "translation:TAIL_FRAMES",
     # speech: a request's words, options and voice in, audio frames and word times out
     "TtsAudio": "tts_pool", "TtsJob": "tts_pool", "TtsPool": "tts_pool", "TtsPoolFull": "tts_pool",
     "TtsRequest": "tts_pool", "TtsWord": "tts_pool", "text_entries": "tts_pool",
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
     from .stt_paired import PairedTranscription
     from .stt_pool import (SttBusy, SttFailed, SttInputError, SttPartial, SttPool, SttRequest, WordEnded, WordHeard,
                            collect_transcript)
+    from .translation import TAIL_FRAMES as TRANSLATION_TAIL_FRAMES
     from .tts_offline import synthesize
     from .tts_pool import TtsAudio, TtsJob, TtsPool, TtsPoolFull, TtsRequest, TtsWord, text_entries
 

@@ -33,6 +33,7 @@ from .prefill_source import PrefillSource
 from .scheduler import Scheduler
 from .slack import SlackRunner
 from .text_forcing import TextForcing
+from .translation import SourceEnds
 
 log = logging.getLogger("parley.engine")
 
@@ -44,11 +45,13 @@ class TickRunner:
 
     def __init__(self, *, backend: FrameBackend, scheduler: Scheduler, frame: FrameStep, output: OutputProcessor,
                  kv: KvBinding, forcing: TextForcing | None, slack: SlackRunner, prefill: PrefillSource,
-                 clock: TickClock, metrics: EngineMetrics, collections: Callable[[], SlackCollections]) -> None:
+                 clock: TickClock, metrics: EngineMetrics, collections: Callable[[], SlackCollections],
+                 source_ends: SourceEnds | None = None) -> None:
         self._backend, self._scheduler, self._frame, self._output = backend, scheduler, frame, output
         self._kv, self._forcing, self._slack, self._prefill = kv, forcing, slack, prefill
         self._clock, self._metrics = clock, metrics
         self._collections = collections  # the Engine's, read at each tick (tests replace it)
+        self._source_ends = source_ends  # translation models: sources that ended (translation.py)
         self.ticks = 0  # ticks run so far
         self.idle_slack = False  # the last tick had no session live and its slack ran past the boundary
         self._route_s = 0.0  # the last tick's routing: what a full GC pass beside the device leaves room for
@@ -71,12 +74,16 @@ class TickRunner:
         self._kv.step(plan.request_ids)  # ended rows' blocks back, live rows' next blocks in (kv_blocks.py rule 1)
         if plan.underruns:
             self._metrics.inc("underruns", plan.underruns)
+        if self._source_ends is not None:  # ended sources: the end code goes into their rows' frames
+            self._source_ends.before_step(plan)
         if plan.any_live:  # an idle engine runs no step at all
             stepping = time.perf_counter()
             beside = None if deadline is None else functools.partial(self._collect_beside_device, deadline)
             host = self._frame.run(plan, beside)  # engine/frame_step.py
             routing = time.perf_counter()
             if host is not None:
+                if self._source_ends is not None:  # finished translations end before their last frame is routed
+                    self._source_ends.after_step(plan, host)
                 self._output.route(plan, host)
             self._route_s = time.perf_counter() - routing
             launch = self._frame.launch_s
