@@ -62,6 +62,7 @@ from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
 from .tick import TickRunner
+from .tick_trace import TickTrace
 
 log = logging.getLogger("parley.engine")
 
@@ -79,7 +80,7 @@ class EngineClosed(RuntimeError):
 
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
-                 clock: TickClock | None = None, kv: KvBlockPool | None = None) -> None:
+                 clock: TickClock | None = None, kv: KvBlockPool | None = None, trace: TickTrace | None = None) -> None:
         rows = backend.max_sessions
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
@@ -118,7 +119,8 @@ class Engine:
         # The engine thread's tick: plan -> step -> route, then a GC pass and slack (engine/tick.py).
         self._ticks = TickRunner(backend=backend, scheduler=self._scheduler, frame=self._frame, output=self._output,
                                  kv=self._kv, forcing=self._forcing, slack=self._slack, prefill=self._prefill,
-                                 clock=self._clock, metrics=self.metrics, collections=lambda: self.collections)
+                                 clock=self._clock, metrics=self.metrics, collections=lambda: self.collections,
+                                 trace=trace)  # the opt-in tick timeline (engine/tick_trace.py), closed at shutdown
 
     # ---- lifecycle ----
 
@@ -228,6 +230,8 @@ class Engine:
             self._healthy = False
             log.error("engine thread did not stop within the shutdown timeout; backend not freed")
             return
+        if trace := self._ticks.trace:  # its last ticks, once the thread that writes it has stopped
+            trace.close()
         try:
             if self._frame.paired is not None:
                 self._frame.paired.close()
