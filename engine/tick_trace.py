@@ -50,6 +50,7 @@ from typing import Any, Callable, Hashable, Protocol
 log = logging.getLogger("parley.engine.trace")
 
 LAG_TICKS = 2  # a tick's events are read back once this many later ticks have ended (rule 2)
+DEFAULT_MAX_TICKS = 20_000  # tick lines a trace writes unless told (27 minutes of 80 ms ticks)
 MAX_PENDING = 32  # ticks held for their events at most; older ones are written without GPU times
 HEADER = "parley tick timeline"
 
