@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Protocol
 
+from .config import OptionsError
+
 log = logging.getLogger("parley.engine.trace")
 
 LAG_TICKS = 2  # a tick's events are read back once this many later ticks have ended (rule 2)
@@ -138,7 +140,7 @@ class TickTrace:
                  now: Callable[[], float] = time.perf_counter, cpu: Callable[[], float] = time.thread_time,
                  wall: Callable[[], float] = time.time) -> None:
         if isinstance(max_ticks, bool) or not isinstance(max_ticks, int) or max_ticks < 1:
-            raise ValueError(f"tick_trace_ticks must be a whole number of at least 1, got {max_ticks!r}.")
+            raise OptionsError(f"tick_trace_ticks must be a whole number of at least 1, got {max_ticks!r}.")
         self._out, self.max_ticks, self._gpu, self._name = out, max_ticks, gpu, name
         self._now, self._cpu, self._wall = now, cpu, wall
         self._tick: _Tick | None = None  # the tick being recorded
@@ -150,12 +152,12 @@ class TickTrace:
 
     @classmethod
     def open(cls, path: str | Path, max_ticks: int, cuda: bool) -> "TickTrace":
-        """A trace written to `path` (truncated), with CUDA events when `cuda`. ValueError naming
+        """A trace written to `path` (truncated), with CUDA events when `cuda`. OptionsError naming
         tick_trace when the file cannot be written."""
         try:
             out = open(path, "w", encoding="utf-8")
         except OSError as exc:
-            raise ValueError(f"tick_trace {str(path)!r} cannot be written: {exc.strerror or exc}") from exc
+            raise OptionsError(f"tick_trace {str(path)!r} cannot be written: {exc.strerror or exc}") from exc
         return cls(out, max_ticks, CudaEvents() if cuda else None, name=str(path))
 
     def start(self, period_s: float) -> None:

@@ -278,7 +278,7 @@ def _tick_trace(loaded: _Loaded) -> TickTrace | None:
         return None
     try:
         trace = TickTrace.open(config.tick_trace, config.tick_trace_ticks, cuda=loaded.device.type == "cuda")
-    except ValueError as exc:
+    except OptionsError as exc:
         raise ServeError(f"parley serve --tick-trace: {exc}") from exc
     log.info("tick trace: at most %d ticks to %s", config.tick_trace_ticks, config.tick_trace)
     return trace

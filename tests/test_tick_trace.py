@@ -277,3 +277,16 @@ def test_cuda_event_times_are_positive_and_inside_their_tick(tmp_path):
         for item in t["slack"]:
             assert end <= item["gpu"][0] < item["gpu"][1] <= t["gpu"]["end"]
         assert t["gpu"]["end"] <= t["phases"][-1][2] + 1.0  # the device's span fits the host's (a launch's latency)
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--tick-trace", "/no/such/dir/t.jsonl"], "--tick-trace '/no/such/dir/t.jsonl' must be a file in an existing directory"),
+    (["--tick-trace", "/tmp"], "--tick-trace '/tmp' must be a file in an existing directory"),
+    (["--tick-trace-ticks", "5"], "--tick-trace-ticks needs --tick-trace"),
+    (["--tick-trace", "/tmp/t.jsonl", "--tick-trace-ticks", "0"], "--tick-trace-ticks must be at least 1 (got 0)"),
+], ids=["no directory", "a directory", "ticks alone", "no ticks"])
+def test_serve_refuses_a_tick_trace_flag_it_cannot_honour_by_name(flags, error):
+    from parley.realtime.cli import build_parser, serve_flag_error
+
+    assert serve_flag_error(build_parser().parse_args(["serve", *flags])) == error
+    assert serve_flag_error(build_parser().parse_args(["serve", "--tick-trace", "/tmp/t.jsonl"])) is None
