@@ -4,9 +4,11 @@ period goes, one JSON line per tick, read by benchmarks/tick_timeline.py.
 The file: a header line ({"trace": "parley tick timeline", "period_ms", "gpu"}), then one line per tick,
 times in ms from the tick's start on the host's perf_counter:
 - `phases`: the tick's host phases in order, each [name, start, end, cpu]: plan; rows (resets, forced
-  text, KV blocks); launch (the frame's step queued); beside (a GC pass while the device runs it);
-  wait (until the frame's output is on the host); route; gc (metrics and a due GC pass); slack (the
-  slack runner, its items included). A tick without a step has no launch, beside, wait or route.
+  text, KV blocks); launch (paired transcription's inputs and the frame's step queued; all of a step
+  the host runs itself); beside (a GC pass while the device runs it, clocked ticks only); wait (until
+  the frame's output is on the host, then paired transcription's publish); route; gc (metrics and a
+  due GC pass); slack (the slack runner, its items included). A tick without a step has no launch,
+  beside, wait or route.
 - `slack`: each item run, in order: kind (its source's `Priority`), key, realtime, start, queued (its
   `run` returned), end (after the runner's device sync), cpu_run, cpu_sync, failed, and on CUDA
   gpu [start, end].
