@@ -264,6 +264,7 @@ def test_cuda_event_times_are_positive_and_inside_their_tick(tmp_path):
             return WorkItem(key=("tts", 2048), run=work, fail=lambda exc: None, realtime=True)
 
     backend = DelayBackend(2, on_step=work, queue_wait=torch.cuda.synchronize)
+    backend.synchronize = torch.cuda.synchronize  # each item waited for, as a model backend does (rule 4)
     path = tmp_path / "trace.jsonl"
     engine = Engine(backend, trace=TickTrace.open(path, 100, cuda=True))
     engine.add_slack_source(CudaItems())
