@@ -27,6 +27,7 @@ _EXPORTS = {
     "InputError": "input_buffer",
     "KV_ATTENTION": "kv_blocks:ATTENTION", "KV_POLICIES": "kv_blocks:POLICIES", "KvBlockPool": "kv_blocks",
     "KvSettings": "kv_blocks",
+    "TickTrace": "tick_trace", "TICK_TRACE_TICKS": "tick_trace:DEFAULT_MAX_TICKS",  # parley serve --tick-trace
     "TICK_PHASES": "metrics",  # the tick's phases, each timed: /metrics' parley_engine_tick_<phase>_seconds
     "FrameOut": "session", "Session": "session",
     "EngineFull": "slots",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from .config import (DEFAULT_STALL_TIMEOUT_S, TICK_SECONDS, EngineConfig, OptionsError, SamplingOptions,
                          SessionOptions)
     from .engine import Engine, EngineClosed
+    from .tick_trace import DEFAULT_MAX_TICKS as TICK_TRACE_TICKS, TickTrace
     from .gc_pauses import FULL_COLLECTIONS, SLACK_COLLECTIONS, freeze_loaded_objects
     from .image_queue import MAX_PARTIAL_IMAGES, ImagePartial, ImageQueue, ImageQueueFull, ImageRefused
     from .image_queue import STALLED as IMAGE_STALLED

@@ -63,6 +63,7 @@ from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
 from .tick import TickRunner
 from .translation import SourceEnds
+from .tick_trace import TickTrace
 
 log = logging.getLogger("parley.engine")
 
@@ -80,7 +81,7 @@ class EngineClosed(RuntimeError):
 
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
-                 clock: TickClock | None = None, kv: KvBlockPool | None = None) -> None:
+                 clock: TickClock | None = None, kv: KvBlockPool | None = None, trace: TickTrace | None = None) -> None:
         rows = backend.max_sessions
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
@@ -117,11 +118,12 @@ class Engine:
         self._forcing = TextForcing(force, _settle) if force is not None else None
         translates = getattr(backend, "translates", False)  # Hibiki: a source can end (translation.py)
         self._source_ends = SourceEnds(backend, self._end_session) if translates else None
-        # The engine thread's tick: plan -> step -> route, then a GC pass and slack (engine/tick.py).
+        # The engine thread's tick: plan -> step -> route, then a GC pass and slack (engine/tick.py);
+        # `trace`: the opt-in tick timeline (engine/tick_trace.py), closed at shutdown.
         self._ticks = TickRunner(backend=backend, scheduler=self._scheduler, frame=self._frame, output=self._output,
                                  kv=self._kv, forcing=self._forcing, slack=self._slack, prefill=self._prefill,
                                  clock=self._clock, metrics=self.metrics, collections=lambda: self.collections,
-                                 source_ends=self._source_ends)
+                                 source_ends=self._source_ends, trace=trace)
 
     # ---- lifecycle ----
 
@@ -137,9 +139,7 @@ class Engine:
         self.collections.take_over()  # full GC passes in the ticks' slack (engine/gc_pauses.py)
         self._thread.start()
 
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
+    healthy = property(lambda self: self._healthy)  # False once a fatal error stopped the engine
 
     @property
     def thread_id(self) -> int | None:
@@ -234,6 +234,8 @@ class Engine:
             self._healthy = False
             log.error("engine thread did not stop within the shutdown timeout; backend not freed")
             return
+        if self._ticks.trace:  # its last ticks, once the thread that writes it has stopped
+            self._ticks.trace.close()
         try:
             if self._frame.paired is not None:
                 self._frame.paired.close()

@@ -15,12 +15,14 @@ import math
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Callable, Sequence
 
 # Only torch-free modules here: `parley --help` must not wait for torch (tests/test_lazy_imports.py).
 # Each handler imports what its command needs when it runs.
 from parley.engine import (
-    DEFAULT_STALL_TIMEOUT_S, KV_ATTENTION, KV_POLICIES, KvSettings, OptionsError, SamplingOptions, SessionOptions,
+    DEFAULT_STALL_TIMEOUT_S, KV_ATTENTION, KV_POLICIES, TICK_TRACE_TICKS, KvSettings, OptionsError, SamplingOptions,
+    SessionOptions,
 )
 
 from .server import cli_sources, doors
@@ -137,6 +139,11 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
                         "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
+    p.add_argument("--tick-trace", default=None, metavar="PATH",
+                   help="write the engine's tick timeline to PATH, one JSON line per tick: host phases, slack "
+                        "items and, on CUDA, device times (benchmarks/tick_timeline.py reads it); off by default")
+    p.add_argument("--tick-trace-ticks", type=int, default=None, metavar="N",
+                   help=f"with --tick-trace: ticks written at most, then tracing stops (default {TICK_TRACE_TICKS})")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="log lines (Parley's and uvicorn's alike): text with timestamps, or json (one object a "
@@ -289,8 +296,22 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return "--ready-min-free and --drain-timeout must be 0 or more"
     if args.image_queue < 1:
         return "--image-queue must be at least 1"
+    if (wrong := tick_trace_error(args)) is not None:
+        return wrong
     if not 0 < args.image_stall_timeout < math.inf:
         return f"--image-stall-timeout must be a number of seconds more than 0 (got {args.image_stall_timeout:g})"
+    return None
+
+
+def tick_trace_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with --tick-trace / --tick-trace-ticks (None: nothing); the file opens once serving."""
+    if args.tick_trace is None:
+        return "--tick-trace-ticks needs --tick-trace" if args.tick_trace_ticks is not None else None
+    path = Path(args.tick_trace)
+    if path.is_dir() or not path.parent.is_dir():
+        return f"--tick-trace {args.tick_trace!r} must be a file in an existing directory"
+    if args.tick_trace_ticks is not None and args.tick_trace_ticks < 1:
+        return f"--tick-trace-ticks must be at least 1 (got {args.tick_trace_ticks})"
     return None
 
 
@@ -340,6 +361,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        image_model=args.image_model, image_queue=args.image_queue,
                        image_stall_timeout=args.image_stall_timeout, tts_model=args.tts_model,
                        tts_slots=args.tts_slots, tts_voices=args.tts_voices, tts_voice_map=args.tts_voice_map,
+                       tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
                        **reliability)
 
 
