@@ -6,6 +6,10 @@
     python benchmarks/mixed_load.py --models /tmp/models --duplex 64 --tts 16 --transcription 64 --images 4 \\
         --image-size 512x512 --image-steps 20 --duration 20 --procs 4 --serve-arg=--device=cuda
 
+    # where the together phase's ticks go (docs/benchmarks.md): the server traces its ticks
+    # (`parley serve --tick-trace`), the together phase's are kept in PATH and read into one table
+    python benchmarks/mixed_load.py --duration 8 --tick-trace /tmp/together.jsonl
+
 `--models DIR` serves what benchmarks/write_models.py wrote there (`--model`, `--tts-model` with its
 voices and voice map, `--stt-model`, `--image-model`); `--serve-arg` adds or overrides flags. Unless
 given, the server gets `--max-sessions` duplex + 2 (transcription sessions hold no duplex row),
@@ -22,7 +26,9 @@ image), then all of them at once. Real clients over real sockets:
   benchmarks/transcript_delay.py reads it) and deltas;
 - image: `--images` concurrent loops of /v1/images/generations (K images in flight, `--image-size`,
   `--image-steps`): images per minute and errors.
-Every phase also reports the engine's late ticks (from /metrics). The design's promise is that the
+Every phase also reports the engine's late ticks (from /metrics). `--tick-trace PATH`: the server writes
+its tick timeline to PATH.all (engine/tick_trace.py); once it has stopped, the ticks that started during
+the together phase go to PATH (the rest is removed) and benchmarks/tick_timeline.py's table follows. The design's promise is that the
 "together" column stays near the "alone" one: the duplex frame on time, the slack kinds slowed only
 by what the ticks leave them.
 """
@@ -40,6 +46,7 @@ import httpx2 as httpx  # the HTTP client the pinned openai SDK ships on
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import pct, run_load, scrape, served_model  # noqa: E402
+from tick_timeline import read_trace, table as timeline_table  # noqa: E402
 from mixed_soak import child_server, post  # noqa: E402
 from transcript_delay import delta, quantile, standalone_client, transcript_metrics  # noqa: E402
 from tts_clients import one_request  # noqa: E402
@@ -47,6 +54,7 @@ from tts_clients import one_request  # noqa: E402
 KINDS = ("duplex", "tts", "transcription", "image")
 TTS_TEXT = "The quick brown fox jumps over the lazy dog, and then it takes a long nap in the sun."
 REQUEST_TIMEOUT_S = 120.0
+TICK_S = 0.08  # the engine's tick period: how many ticks a phase holds
 
 
 async def duplex_load(ws: str, args) -> dict:
@@ -144,25 +152,48 @@ def fmt(value) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
-async def run(base: str, args, kinds: list[str]) -> None:
+async def run(base: str, args, kinds: list[str]) -> tuple[float, float]:
+    """Each kind alone, then together; returns the together phase's (start, end), time.time()."""
     alone: dict = {}
     for kind in kinds:
         alone[kind] = await phase([kind], base, args)
         print(f"{kind} alone: {json.dumps(alone[kind])}", flush=True)
+    started = time.time()
     together = await phase(kinds, base, args)
+    window = (started, time.time())
     print(f"together: {json.dumps(together)}", flush=True)
     late = together.pop("engine")["late ticks"]
     print("\n".join(table({k: alone[k][k] for k in kinds}, together)))
     print("late ticks: " + ", ".join(f"{k} alone {alone[k]['engine']['late ticks']:.0f}" for k in kinds)
           + f", together {late:.0f}")
+    return window
 
 
-def server_flags(args) -> list[str]:
+def server_flags(args, kinds: list[str]) -> list[str]:
     """--models' flags, then --serve-arg's (the later wins), then the sizes the load needs where not given."""
     flags = [*(model_flags(args.models) if args.models is not None else []), *args.serve_arg]
     needs = {"--max-sessions": args.duplex + 2, "--tts-slots": max(args.tts, 1),
              "--stt-slots": max(args.transcription, 1)}
+    if args.tick_trace is not None:  # every phase's ticks, twice over (a tick's line is written only once)
+        flags.append(f"--tick-trace={full_trace(args.tick_trace)}")
+        needs["--tick-trace-ticks"] = int(2 * (len(kinds) + 1) * args.duration / TICK_S) + 1000
     return flags + [f"{flag}={n}" for flag, n in needs.items() if not any(a.startswith(flag) for a in flags)]
+
+
+def full_trace(path: Path) -> Path:
+    """Where the server writes its whole trace, beside the together phase's."""
+    return path.with_name(path.name + ".all")
+
+
+def cut_trace(path: Path, window: tuple[float, float]) -> int:
+    """The ticks of the server's trace (PATH.all, then removed) that started within `window` to `path`
+    (with the header); returns how many."""
+    source = full_trace(path)
+    header, ticks = read_trace(source)
+    kept = [tick for tick in ticks if window[0] <= tick["wall"] <= window[1]]
+    path.write_text("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in (header, *kept)))
+    source.unlink()
+    return len(kept)
 
 
 def model_flags(directory: Path) -> list[str]:
@@ -189,12 +220,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve what benchmarks/write_models.py wrote in this directory")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="an extra `parley serve` argument (repeat); none: the demo server (every modality, tiny)")
+    p.add_argument("--tick-trace", type=Path, default=None, metavar="PATH",
+                   help="keep the server's tick timeline of the together phase in PATH and print its table")
     args = p.parse_args(argv)
     kinds = [k for k in KINDS if getattr(args, "images" if k == "image" else k) > 0]
     if not kinds:
         p.error("nothing to run: every kind's count is 0")
-    with child_server(server_flags(args)) as (base, _pid):
-        asyncio.run(run(base, args, kinds))
+    if args.tick_trace is not None and any(a.startswith("--tick-trace") for a in args.serve_arg):
+        p.error("--tick-trace sets the server's --tick-trace and --tick-trace-ticks: drop them from --serve-arg")
+    if args.tick_trace is not None and not args.tick_trace.parent.is_dir():
+        p.error(f"--tick-trace {args.tick_trace}: its directory does not exist")
+    with child_server(server_flags(args, kinds)) as (base, _pid):
+        window = asyncio.run(run(base, args, kinds))
+    if args.tick_trace is not None:  # the server has stopped: its trace is complete
+        print(f"tick trace: {cut_trace(args.tick_trace, window)} ticks of the together phase in {args.tick_trace}")
+        print("\n".join(timeline_table(*read_trace(args.tick_trace))))
     return 0
 
 

@@ -27,12 +27,15 @@ _EXPORTS = {
     "InputError": "input_buffer",
     "KV_ATTENTION": "kv_blocks:ATTENTION", "KV_POLICIES": "kv_blocks:POLICIES", "KvBlockPool": "kv_blocks",
     "KvSettings": "kv_blocks",
+    "TickTrace": "tick_trace", "TICK_TRACE_TICKS": "tick_trace:DEFAULT_MAX_TICKS",  # parley serve --tick-trace
     "TICK_PHASES": "metrics",  # the tick's phases, each timed: /metrics' parley_engine_tick_<phase>_seconds
     "FrameOut": "session", "Session": "session",
     "EngineFull": "slots",
     "OutputStream": "stream", "Status": "stream", "Terminal": "stream",
     "CostModel": "slack", "SlackSource": "slack",  # slack sources: warm_up(costs) seeds the cost model
     "run_offline": "offline",
+    # translation (Hibiki): Session.end_input's default tail, in frames
+    "TRANSLATION_TAIL_FRAMES": "translation:TAIL_FRAMES",
     # speech: a request's words, options and voice in, audio frames and word times out
     "TtsAudio": "tts_pool", "TtsJob": "tts_pool", "TtsPool": "tts_pool", "TtsPoolFull": "tts_pool",
     "TtsRequest": "tts_pool", "TtsWord": "tts_pool", "text_entries": "tts_pool",
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
     from .config import (DEFAULT_STALL_TIMEOUT_S, TICK_SECONDS, EngineConfig, OptionsError, SamplingOptions,
                          SessionOptions)
     from .engine import Engine, EngineClosed
+    from .tick_trace import DEFAULT_MAX_TICKS as TICK_TRACE_TICKS, TickTrace
     from .gc_pauses import FULL_COLLECTIONS, SLACK_COLLECTIONS, freeze_loaded_objects
     from .image_queue import MAX_PARTIAL_IMAGES, ImagePartial, ImageQueue, ImageQueueFull, ImageRefused
     from .image_queue import STALLED as IMAGE_STALLED
@@ -77,6 +81,7 @@ if TYPE_CHECKING:
     from .stt_paired import PairedTranscription
     from .stt_pool import (SttBusy, SttFailed, SttInputError, SttPartial, SttPool, SttRequest, WordEnded, WordHeard,
                            collect_transcript)
+    from .translation import TAIL_FRAMES as TRANSLATION_TAIL_FRAMES
     from .tts_offline import synthesize
     from .tts_pool import TtsAudio, TtsJob, TtsPool, TtsPoolFull, TtsRequest, TtsWord, text_entries
 

@@ -84,11 +84,16 @@ def kv_layout(checkpoint: Checkpoint, kv_dtype: torch.dtype | None, block_frames
         raise OptionsError(f"a KV block of {block_frames} frames must be 1 .. the {tr.capacity}-frame window.") from exc
     dtype = kv_dtype or next(checkpoint.lm.parameters()).dtype
     head_dim = tr.d_model // tr.num_heads
-    per_slot = 2 * tr.num_heads * head_dim * dtype.itemsize  # a key and a value of every head
+    per_slot = 2 * tr.kv_heads * head_dim * dtype.itemsize  # a key and a value of every KV head
     if dtype == torch.float8_e4m3fn:
-        per_slot += 2 * tr.num_heads * 4  # their fp32 scales
+        per_slot += 2 * tr.kv_heads * 4  # their fp32 scales
     return KvLayout(window_frames=tr.capacity, block_frames=block_frames,
                     block_bytes=per_slot * len(tr.layers) * block_frames)
+
+
+# A live row's input flag (the last column of a tick's inputs) when its frame carries the input
+# end-of-stream code instead of its Mimi codes; 1.0 is plain live, 0.0 idle.
+SOURCE_END = 2.0
 
 
 def rows_mask(size: int, rows: Iterable[int]) -> torch.Tensor:
@@ -258,6 +263,7 @@ class ModelBackend:
         # A tick's input rows, [audio frame | live flag] (FRAME_SAMPLES + 1 float32): one upload a tick.
         self._inputs_host = torch.zeros(max_sessions, self._mimi.frame_size + 1, pin_memory=self.device.type == "cuda")
         self._inputs_np = self._inputs_host.numpy()  # the same memory
+        self._source_ends: set[int] = set()  # rows whose next frame carries the input end code (Hibiki)
         # A prefilled row's last prompt frame runs inside its next regular tick (engine/prompt_handoff.py).
         self._handoff = PromptHandoff(max_sessions, self.cfg, self.device, self._device_mask)
         self._side_stream = torch.cuda.Stream(self.device) if side_work and self.device.type == "cuda" else None
@@ -319,6 +325,7 @@ class ModelBackend:
         packed for the host (`pack_host`), then audio, text, valid flags, agent and user codes (and
         the side work's output) apart. The handoff tensors are read in place, as the state is."""
         frames, live = inputs[:, :-1].contiguous(), inputs[:, -1] > 0.5
+        source_end = inputs[:, -1] > 1.5  # flag SOURCE_END: this frame's user codes are the end code
         force_text, force_audio, prompt_user, prompt_mask = self._handoff.inputs(inputs.shape[0])
         # A row in its handoff frame reads the prompt's user codes; its encoder waits for real audio.
         # `encoding` and `latent` are read by the side work: they must stay referenced until the join
@@ -329,6 +336,7 @@ class ModelBackend:
         codes = self._mimi.quantize(latent, self.encode_codebooks)
         side = self._fork_side_work(latent, encoding)
         user_codes = torch.where(prompt_mask[:, None], prompt_user, codes[:, :self.cfg.n_user])
+        user_codes = torch.where(source_end[:, None], self.checkpoint.lm.input_eos_token, user_codes)
         out = self._gen.step(lm_state, user_codes, live, force_text, force_audio)
         if codes.shape[1] > self.cfg.n_user:
             user_codes = torch.cat([user_codes, codes[:, self.cfg.n_user:]], dim=1)
@@ -374,6 +382,9 @@ class ModelBackend:
         n = self.bucket(live_mask)
         self._inputs_np[:n, :-1] = frames.numpy()[:n]  # pinned on CUDA: the upload is asynchronous
         self._inputs_np[:n, -1] = live[:n]
+        for row in self._source_ends:
+            self._inputs_np[row, -1] = SOURCE_END if live[row] else 0.0
+        self._source_ends.clear()
         inputs = self._inputs_host[:n]
         self.kv.before_step(n)  # page lists, with FlashInfer's decode
         if not self._frames.graphed:  # a graph copies its inputs in itself
@@ -397,6 +408,16 @@ class ModelBackend:
         self._mimi_state.reset(mask)
         self._handoff.clear_device(mask)
 
+    @property
+    def translates(self) -> bool:
+        """A translation model (Hibiki): its sessions' source can end (`end_source`)."""
+        return self.checkpoint.model_type == "hibiki"
+
+    def end_source(self, row: int) -> None:
+        """The row's next step writes the input end-of-stream code into every user codebook (the
+        frame after its last audio), as the reference's `add_input_eos`; engine thread, between ticks."""
+        self._source_ends.add(row)
+
     def set_sampling(self, row: int, sampling: SamplingOptions) -> None:
         self._lm_state.set_sampling(row, text_temp=sampling.text_temperature,
                                     text_topk=sampling.text_top_k, audio_temp=sampling.audio_temperature,
@@ -415,7 +436,8 @@ class ModelBackend:
         an empty job."""
         if self.checkpoint.model_type != "personaplex":
             if options.voice or options.persona:
-                raise SessionRejected("this model is Moshi, which takes no voice or persona; leave them out.")
+                name = "Hibiki" if self.translates else "Moshi"
+                raise SessionRejected(f"this model is {name}, which takes no voice or persona; leave them out.")
             return PromptPrefill(None, None, None)
         if options.voice and self.checkpoint.voices_dir is None:
             raise SessionRejected("this checkpoint ships no voices.")

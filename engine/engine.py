@@ -62,6 +62,8 @@ from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
 from .tick import TickRunner
+from .translation import SourceEnds
+from .tick_trace import TickTrace
 
 log = logging.getLogger("parley.engine")
 
@@ -79,7 +81,7 @@ class EngineClosed(RuntimeError):
 
 class Engine:
     def __init__(self, backend: FrameBackend, config: EngineConfig = EngineConfig(),
-                 clock: TickClock | None = None, kv: KvBlockPool | None = None) -> None:
+                 clock: TickClock | None = None, kv: KvBlockPool | None = None, trace: TickTrace | None = None) -> None:
         rows = backend.max_sessions
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise OptionsError(f"max_sessions must be a whole number of at least 1, got {rows!r}.")
@@ -100,8 +102,7 @@ class Engine:
         self.fatal_error: str | None = None  # why the engine stopped serving, once it has
         # The tick's step, with paired transcription's STT rows beside the duplex rows (set_paired_transcription).
         self._frame = FrameStep(backend, rows, self._find_session, self.fail_session)
-        # Called once, on the engine thread, after a fatal error: `parley serve` uses it to exit
-        # non-zero so a supervisor restarts the process instead of it staying up and dead.
+        # Called once on the engine thread after a fatal error: `parley serve` exits non-zero on it.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
         # The KV block pool (engine/kv_blocks.py): admission by memory, the blocks each row holds, mapped into
@@ -115,10 +116,14 @@ class Engine:
         self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
-        # The engine thread's tick: plan -> step -> route, then a GC pass and slack (engine/tick.py).
+        translates = getattr(backend, "translates", False)  # Hibiki: a source can end (translation.py)
+        self._source_ends = SourceEnds(backend, self._end_session) if translates else None
+        # The engine thread's tick: plan -> step -> route, then a GC pass and slack (engine/tick.py);
+        # `trace`: the opt-in tick timeline (engine/tick_trace.py), closed at shutdown.
         self._ticks = TickRunner(backend=backend, scheduler=self._scheduler, frame=self._frame, output=self._output,
                                  kv=self._kv, forcing=self._forcing, slack=self._slack, prefill=self._prefill,
-                                 clock=self._clock, metrics=self.metrics, collections=lambda: self.collections)
+                                 clock=self._clock, metrics=self.metrics, collections=lambda: self.collections,
+                                 source_ends=self._source_ends, trace=trace)
 
     # ---- lifecycle ----
 
@@ -134,9 +139,7 @@ class Engine:
         self.collections.take_over()  # full GC passes in the ticks' slack (engine/gc_pauses.py)
         self._thread.start()
 
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
+    healthy = property(lambda self: self._healthy)  # False once a fatal error stopped the engine
 
     @property
     def thread_id(self) -> int | None:
@@ -186,12 +189,15 @@ class Engine:
         (within a tick). OptionsError: the model cannot, the text has no tokens, or it does not fit."""
         if self._forcing is None:
             raise OptionsError("this model cannot be given text to say (its backend forces no text).")
-        ids = self._backend.text_tokens(text)  # type: ignore[attr-defined]  # with force_text
-        if not ids:
-            raise OptionsError("the text has no tokens to say.")
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._forcing.submit(session, ids, done)
-        return await done
+        return await self._forcing.say(session, self._backend.text_tokens(text))  # type: ignore[attr-defined]
+
+    translates = property(lambda self: self._source_ends is not None)  # Hibiki: sessions can `end_input`
+
+    def end_input(self, session: Session, tail_frames: int | None = None) -> None:
+        """`Session.end_input`: the session's source has ended (engine/translation.py's rules)."""
+        if self._source_ends is None:
+            raise OptionsError("this model does not translate, so a session's input cannot end; close the session.")
+        self._source_ends.end_input(session, tail_frames)
 
     def slack_by_key(self) -> dict:
         """Slack items run and seconds spent per cost key so far (benchmarks: where the slack goes)."""
@@ -228,6 +234,8 @@ class Engine:
             self._healthy = False
             log.error("engine thread did not stop within the shutdown timeout; backend not freed")
             return
+        if self._ticks.trace:  # its last ticks, once the thread that writes it has stopped
+            self._ticks.trace.close()
         try:
             if self._frame.paired is not None:
                 self._frame.paired.close()

@@ -7,6 +7,8 @@ Clients send audio in whatever chunk sizes their codec produces; the model wants
 - more than `max_frames` queued -> the oldest frames are dropped, counted as overruns
   (latency must not grow during a call).
 `push` runs on the event loop (one thread) and `pop` on the engine thread, hence the lock.
+`finish` ends the input (a translation's source): the unfinished frame is completed with silence
+and queued, and audio pushed after it is an InputError.
 Each whole frame keeps the time its last samples arrived (`time.monotonic()`, or the edge's
 receive time): transcript delay is measured from it (docs/transcription.md).
 """
@@ -54,10 +56,13 @@ class InputBuffer:
         self._partial_len = 0
         self.underruns = 0
         self.overruns = 0
+        self.ended = False  # `finish` was called: no more audio
 
     def push(self, pcm: object, received_at: float | None = None) -> int:
         """Append audio (validated) that reached the server at `received_at` (time.monotonic();
         default now); one producer thread. Returns how many frames were dropped to stay bounded."""
+        if self.ended:
+            raise InputError("the input has ended; no more audio is taken after it.")
         samples = validate_pcm(pcm)
         at = time.monotonic() if received_at is None else received_at
         n = self.frame_samples
@@ -84,6 +89,22 @@ class InputBuffer:
                 dropped += 1
             self.overruns += dropped
         return dropped
+
+    def finish(self) -> None:
+        """End the input (same thread as `push`): a partial frame is padded with silence and
+        queued; later pushes raise InputError. Idempotent."""
+        if self.ended:
+            return
+        self.ended = True
+        if self._partial_len == 0:
+            return
+        frame = self._partial  # its tail is already zeros: frames start zeroed
+        self._partial, self._partial_len = np.zeros(self.frame_samples, dtype=np.float32), 0
+        with self._lock:
+            self._frames.append((frame, time.monotonic()))
+            while len(self._frames) > self.max_frames:
+                self._frames.popleft()
+                self.overruns += 1
 
     def pop(self) -> tuple[np.ndarray | None, float | None]:
         """The next frame (the buffer's own array, handed over) and when it arrived

@@ -56,6 +56,13 @@ class Session:
         if dropped:
             self._engine.metrics.inc("overruns", dropped)
 
+    def end_input(self, tail_frames: int | None = None) -> None:
+        """A translation's source has ended (Hibiki): the audio pushed so far is translated, the
+        model is told the source ended, and the session ends by itself with Terminal(completed)
+        once the translation is finished (engine/translation.py). Later audio fails the session.
+        OptionsError when the model does not translate."""
+        self._engine.end_input(self, tail_frames)
+
     def close(self) -> None:
         """End the session: the stream ends with Terminal(cancelled) and the slot is free
         for the next open(). Idempotent."""

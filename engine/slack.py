@@ -68,6 +68,8 @@ boundary (minus a guard). The rules, one per concern:
 6. Failure containment: an exception from an item is that item's request's failure
    (`WorkItem.fail`), unless it leaves shared device state unknown (a CUDA error), which
    is fatal and propagates to the engine.
+7. With a tick trace (engine/tick_trace.py, opt-in: `trace`), each item's start, end of `run` and end
+   after the sync are marked in it, with its source's kind; without one (None) no trace call is made.
 """
 
 from __future__ import annotations
@@ -77,12 +79,15 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, TypeVar
+from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
 
 import torch
 
 from .slack_share import FairShares
 from .stream import Terminal
+
+if TYPE_CHECKING:
+    from .tick_trace import TickTrace
 
 T = TypeVar("T")
 
@@ -299,6 +304,7 @@ class SlackRunner:
         self._declined: dict[Hashable, int] = {}  # key -> ticks in a row its items did not fit
         # Seconds of work per source, one ledger per class (True: realtime), for rule 1's order.
         self.shares = {True: FairShares(), False: FairShares()}
+        self.trace: "TickTrace | None" = None  # the tick timeline's items (rule 7), set by engine/tick.py
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with
@@ -350,7 +356,11 @@ class SlackRunner:
             if picked is None:
                 break
             source, item = picked
+            if self.trace is not None:
+                self.trace.item_started(source.priority.name.lower(), item.key, item.realtime)
             spent = self._run(item, deadline)
+            if self.trace is not None:
+                self.trace.item_ended(failed=spent is None)
             if spent is not None:
                 self.shares[item.realtime].charge(source, spent)
             ran.add(item.key)
@@ -413,6 +423,8 @@ class SlackRunner:
         start = self._now()
         try:
             item.run()
+            if self.trace is not None:
+                self.trace.item_queued()
             self._synchronize()
         except Exception as exc:
             if fatal_for_device(exc):

@@ -28,6 +28,14 @@ class TextForcing:
         self._lock = threading.Lock()
         self._inbox: deque[tuple[Session, list[int], asyncio.Future]] = deque()
 
+    async def say(self, session: Session, ids: list[int]) -> int:
+        """Queue `ids` for `session`'s model to say; returns how many, once they are (within a tick)."""
+        if not ids:
+            raise OptionsError("the text has no tokens to say.")
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.submit(session, ids, done)
+        return await done
+
     def submit(self, session: Session, ids: list[int], done: asyncio.Future) -> None:
         """Any thread: queue `ids` for `session`'s row; `done` resolves on the engine thread."""
         with self._lock:

@@ -21,7 +21,7 @@ _EXPORTS = {
     "load_image_pipeline": "image_pipeline", "stepper_for": "image_pipeline",
     "Mimi": "mimi.codec",
     "TINY_TTS_VOICES": "synthetic", "write_tiny_checkpoint": "synthetic", "write_tiny_stt_checkpoint": "synthetic",
-    "write_tiny_tts_checkpoint": "synthetic",
+    "write_tiny_tts_checkpoint": "synthetic", "HIBIKI_KINDS": "synthetic", "write_tiny_hibiki_checkpoint": "synthetic",
     "share_equal_tensors": "tensor_sharing",
     "tiny_pipeline": "tiny_diffusion",
     "TextTokenizer": "tokenizer",
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from .config import FRAME_RATE, FRAME_SAMPLES, SAMPLE_RATE
     from .image_pipeline import ImagePipelineError, ImageStepper, load_image_pipeline, stepper_for
     from .mimi.codec import Mimi
-    from .synthetic import (TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_stt_checkpoint,
-                            write_tiny_tts_checkpoint)
+    from .synthetic import (HIBIKI_KINDS, TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_hibiki_checkpoint,
+                            write_tiny_stt_checkpoint, write_tiny_tts_checkpoint)
     from .tensor_sharing import share_equal_tensors
     from .tiny_diffusion import tiny_pipeline
     from .tokenizer import TextTokenizer

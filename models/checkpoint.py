@@ -21,6 +21,13 @@ loader rule is kept: depformer weights for steps 8..15 that the file lacks are c
 0..7 (`depformer_in.{k}`, `linears.{k}`, `depformer_emb.{k}`, `depformer.layers.{i}.gating.{k}`,
 and the per-step rows stacked in `depformer.layers.{i}.self_attn.{in_proj_weight,out_proj.weight}`).
 
+Hibiki and Hibiki-Zero (`model_type: hibiki` in config.json; kyutai/hibiki-*-pytorch-bf16 and
+kyutai/hibiki-zero-3b-pytorch-bf16): n_q 32 (16 codebooks a stream), grouped KV heads (`kv_repeat`),
+a depformer weight schedule and per-step norms, the `description` LUT conditioner (its weights
+under `condition_provider.`, kept fp32). After loading, as the reference does: the text embedding
+of end-of-text (2) is overwritten by padding's (3), and every row is conditioned on
+`description: very_good`. Classifier-free guidance (`cfg_coef` other than 1) is refused by name.
+
 Every failure is a `CheckpointError` whose message names the file and what was expected; the
 CLI prints `str(err)` as is.
 """
@@ -47,7 +54,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .config import (
-    LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, ConfigError, LMConfig, MimiConfig, SamplingDefaults,
+    HIBIKI_CONDITION, LM_FILE, MIMI_FILE, TEXT_EOS, TEXT_PAD, TOKENIZER_FILE, VOICES_ARCHIVE, ConfigError, LMConfig,
+    MimiConfig, SamplingDefaults, conditioners_dict,
 )
 from .lm import LMModel
 from .mimi.codec import Mimi
@@ -59,9 +67,9 @@ from .voices import PersonaError, unpack_voices
 CONFIG_FILE = "config.json"
 MIMI_CONFIG_FILE = "mimi_config.json"  # what write_checkpoint names a Mimi config (mimi_config_name)
 VOICES_DIR = "voices"
-SUPPORTED_MODEL_TYPES = ("moshi", "personaplex")
+SUPPORTED_MODEL_TYPES = ("moshi", "personaplex", "hibiki")
 
-ModelType = Literal["moshi", "personaplex"]
+ModelType = Literal["moshi", "personaplex", "hibiki"]
 
 
 class CheckpointError(RuntimeError):
@@ -418,11 +426,11 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.bfloat16, *, lm_file: str | Path | None = None,
                     mimi_file: str | Path | None = None,
                     tokenizer_file: str | Path | None = None, progress: Progress | None = None,
-                    mimi_dtype: torch.dtype | None = None) -> Checkpoint:
+                    mimi_dtype: torch.dtype | None = None, cfg_coef: float = 1.0) -> Checkpoint:
     """Load LM (in `dtype`), Mimi (read in fp32, then cast to `mimi_dtype`; None: auto, see
     mimi/precision.py), tokenizer and voices
     from a directory or HF repo id. `progress`, if given, is told after each tensor read (a large
-    LM takes a while)."""
+    LM takes a while). `cfg_coef`: Hibiki's classifier-free guidance; only 1 (none) is served."""
     device = torch.device(device)
     directory = _resolve_source(source)
 
@@ -441,7 +449,8 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     n_agent_default = n_q // 2 if isinstance(n_q, int) else LMConfig.n_q // 2
     lm_config = _lm_config(raw, config_path if raw else None,
                            has_voices or _is_personaplex_file(lm_st, n_agent_default))
-    model_type: ModelType = "personaplex" if lm_config.teacher_forced_user else "moshi"
+    model_type = _model_type(raw, lm_config, config_path)
+    _check_cfg_coef(raw, cfg_coef, config_path)
     mimi_config, mimi_where = _mimi_config(directory, raw, lm_config)
     tokenizer = _tokenizer(tok_path, lm_config)
     voices_dir = _voices_dir(directory) if model_type == "personaplex" else None
@@ -452,15 +461,57 @@ def load_checkpoint(source: str | Path, device: torch.device | str = "cpu",
     fill = (lm_config.n_agent, lm_config.dep_q) if model_type == "personaplex" else None
     lm_plan = _plan(_meta_shapes(lm), lm_st, "LM weights", f"LM config ({_describe(lm_config)})", fill)
     mimi_plan = _plan(_meta_shapes(mimi), mimi_st, "Mimi weights", "Mimi config", legacy=_MIMI_LEGACY_NAMES)
-    _load_weights(lm, lm_st, lm_plan, device, dtype, progress)
+    # Conditioners stay fp32, as the reference loader keeps them.
+    _load_weights(lm, lm_st, lm_plan, device, dtype, progress, fp32_prefixes=("condition_provider.",))
     _load_weights(mimi, mimi_st, mimi_plan, device, torch.float32, progress)
     mimi.compute_in(mimi_dtype_for(mimi, mimi_dtype))  # convs and transformers; the quantizer stays fp32
+    if model_type == "hibiki":
+        _prepare_hibiki(lm, f"config.json {config_path}")
 
     return Checkpoint(
         lm=lm, mimi=mimi, tokenizer=tokenizer, lm_config=lm_config, mimi_config=mimi_config,
         voices_dir=voices_dir,
         sampling=sampling, model_type=model_type, path=directory,
     )
+
+
+def _model_type(raw: dict, lm_config: LMConfig, config_path: Path) -> ModelType:
+    """moshi, personaplex (a depformer over the user codebooks too) or hibiki (config.json says so);
+    conditioning is refused on any model but Hibiki, as the reference's get_condition_tensors does."""
+    if raw.get("model_type") == "hibiki":
+        return "hibiki"
+    if lm_config.conditioners:
+        raise CheckpointError(f"config.json {config_path}: conditioners are served for model_type 'hibiki' only "
+                              f"(found model_type {raw.get('model_type', 'moshi')!r})")
+    return "personaplex" if lm_config.teacher_forced_user else "moshi"
+
+
+def _check_cfg_coef(raw: dict, cfg_coef: float, config_path: Path) -> None:
+    """Classifier-free guidance (Hibiki's `cfg_coef`, which doubles every row with `very_bad`
+    conditioning) is not served: refused by name, from the caller or from lm_gen_config."""
+    if cfg_coef != 1.0:
+        raise CheckpointError(f"cfg_coef {cfg_coef}: classifier-free guidance is not served (only cfg_coef 1)")
+    gen_config = raw.get("lm_gen_config")
+    config_coef = gen_config.get("cfg_coef", 1.0) if isinstance(gen_config, dict) else 1.0
+    if config_coef != 1.0:
+        raise CheckpointError(f"config.json {config_path}: lm_gen_config.cfg_coef {config_coef}: classifier-free "
+                              f"guidance is not served (only cfg_coef 1)")
+
+
+@torch.no_grad()
+def _prepare_hibiki(lm: LMModel, where: str) -> None:
+    """What the reference does to a loaded Hibiki: the text embedding of end-of-text (2) becomes
+    padding's (3), so an end of text sampled while the source still plays reads as padding; and
+    every row is conditioned on `description: very_good` (run_inference.get_condition_tensors)."""
+    lm.text_emb.weight[TEXT_EOS] = lm.text_emb.weight[TEXT_PAD]
+    if not lm.cfg.conditioners:
+        return  # nothing to condition on (the reference then passes no condition tensors)
+    (name, value), = HIBIKI_CONDITION.items()
+    spec = next((c for c in lm.cfg.conditioners if c.name == name), None)
+    if spec is None or name not in lm.cfg.fuse_sum or value not in spec.possible_values:
+        raise CheckpointError(f"{where}: a Hibiki model needs a LUT conditioner {name!r} summed by the fuser "
+                              f"with the value {value!r}")
+    lm.set_condition(HIBIKI_CONDITION)
 
 
 def _sampling_defaults(raw: dict, config_path: Path) -> SamplingDefaults:
@@ -522,9 +573,24 @@ def _describe(cfg: LMConfig) -> str:
 # Writing
 
 
+# LMConfig fields written only when they differ from these defaults (the reference's LMModel would
+# take depformer_kv_repeat None as a head count), and the conditioning, written in the reference's form.
+_OMITTED_DEFAULTS = {"kv_repeat": 1, "depformer_kv_repeat": None, "depformer_norm": None}
+
+
 def lm_config_dict(cfg: LMConfig) -> dict[str, Any]:
-    """An LMConfig as config.json LMModel kwargs (tuples as lists)."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    """An LMConfig as config.json LMModel kwargs (tuples as lists; conditioners as the reference's
+    `conditioners` and `fuser` objects)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in ("conditioners", "fuse_sum") or _OMITTED_DEFAULTS.get(f.name, object()) == value:
+            continue
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    if cfg.conditioners:
+        out["conditioners"] = conditioners_dict(cfg.conditioners)
+        out["fuser"] = {"sum": list(cfg.fuse_sum)}
+    return out
 
 
 def mimi_config_dict(cfg: MimiConfig) -> dict[str, Any]:

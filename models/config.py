@@ -34,9 +34,59 @@ NON_LM_KEYS = (
     "model_type", "lm_gen_config", "tts_config", "stt_config", "model_id",
 )
 
+# Hibiki: the conditioning every row gets (moshi 0.2.13 run_inference.get_condition_tensors), and
+# the code written into every user codebook at the frame where the source audio ends.
+HIBIKI_CONDITION = {"description": "very_good"}
+
 
 class ConfigError(ValueError):
     """A configuration that cannot describe a model; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class ConditionerConfig:
+    """One conditioner of config.json's `conditioners` (the reference's `lut` or `tensor` kinds)."""
+
+    name: str
+    kind: str  # "lut" or "tensor"
+    dim: int  # input (tensor) or LUT embedding dim
+    n_bins: int = 0
+    possible_values: tuple[str, ...] = ()
+
+
+def parse_conditioners(raw: dict[str, Any]) -> tuple[ConditionerConfig, ...]:
+    """config.json's `conditioners` object; options other than their neutral values are refused."""
+    conditioners = []
+    for name, spec in (raw.get("conditioners") or {}).items():
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        if kind not in ("lut", "tensor"):
+            raise ConfigError(f"conditioner {name!r}: type {kind!r} is not supported (lut, tensor)")
+        args = dict(spec.get(kind) or {})
+        for key, neutral in (("force_linear", True), ("output_bias", False), ("learn_padding", True),
+                             ("tokenizer", "noop")):
+            if args.pop(key, neutral) != neutral:
+                raise ConfigError(f"conditioner {name!r}: {key} other than {neutral!r} is not supported")
+        args.pop("pad_empty", None)
+        args.pop("init_scale", None)  # a training-time draw scale: the weights are read from the file
+        values = tuple(args.pop("possible_values", None) or ())
+        if kind == "lut" and not values:
+            raise ConfigError(f"conditioner {name!r}: a LUT needs possible_values")
+        cond = ConditionerConfig(name, kind, int(args.pop("dim")), int(args.pop("n_bins", 0)), values)
+        if args:
+            raise ConfigError(f"conditioner {name!r}: unsupported option(s) {sorted(args)}")
+        conditioners.append(cond)
+    return tuple(conditioners)
+
+
+def conditioners_dict(conditioners: tuple[ConditionerConfig, ...]) -> dict[str, Any]:
+    """The reference's config.json `conditioners` object for these conditioners."""
+    out: dict[str, Any] = {}
+    for c in conditioners:
+        args: dict[str, Any] = {"dim": c.dim}
+        if c.kind == "lut":
+            args.update(n_bins=c.n_bins, tokenizer="noop", possible_values=list(c.possible_values))
+        out[c.name] = {"type": c.kind, c.kind: args}
+    return out
 
 
 @dataclass(frozen=True)
@@ -72,6 +122,16 @@ class LMConfig:
     depformer_pos_emb: str = "none"
     depformer_weights_per_step: bool = True
     depformer_weights_per_step_schedule: tuple[int, ...] | None = None
+    # Norm applied to the depformer's output before each step's `linears[k]` (Hibiki), None: none.
+    depformer_norm: str | None = None
+    # Grouped KV heads: num_heads / kv_repeat key-value heads, each shared by kv_repeat query heads.
+    # The reference passes kv_repeat to the depformer too unless depformer_kv_repeat says otherwise.
+    kv_repeat: int = 1
+    depformer_kv_repeat: int | None = None
+    # Conditioners whose outputs are summed into every temporal input (config.json's
+    # `conditioners` with `fuser.sum`; Hibiki's `description`). Only the `sum` fuser is served.
+    conditioners: tuple[ConditionerConfig, ...] = ()
+    fuse_sum: tuple[str, ...] = ()
     delays: tuple[int, ...] = (0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1)
     # Extra linear heads on the normalised hidden state (Kyutai STT: end-of-turn / pause
     # prediction, see models/stt.py); dep_q 0 means no depformer at all (an STT model).
@@ -88,6 +148,24 @@ class LMConfig:
                 f"depformer_dim {self.depformer_dim} is not divisible by depformer_num_heads {self.depformer_num_heads}")
         if self.dep_q > self.n_q:
             raise ConfigError(f"dep_q {self.dep_q} exceeds n_q {self.n_q}")
+        for name, heads, repeat in (("kv_repeat", self.num_heads, self.kv_repeat),
+                                    ("depformer_kv_repeat", self.depformer_num_heads, self.depformer_repeat)):
+            if repeat < 1 or heads % repeat:
+                raise ConfigError(f"{name} {repeat} does not divide the {heads} heads")
+        if self.depformer_weights_per_step_schedule is not None and (
+                len(self.depformer_weights_per_step_schedule) != self.dep_q):
+            raise ConfigError(f"depformer_weights_per_step_schedule has "
+                              f"{len(self.depformer_weights_per_step_schedule)} entries, expected dep_q = {self.dep_q}")
+        unknown = [n for n in self.fuse_sum if n not in {c.name for c in self.conditioners}]
+        if unknown:
+            raise ConfigError(f"fuser.sum names unknown conditioner(s) {unknown}")
+        if any(c.kind != "lut" for c in self.conditioners):
+            raise ConfigError("only LUT conditioners (text descriptions) are supported on a duplex LM")
+
+    @property
+    def depformer_repeat(self) -> int:
+        """The depformer's kv_repeat (the temporal one unless depformer_kv_repeat is given)."""
+        return self.kv_repeat if self.depformer_kv_repeat is None else self.depformer_kv_repeat
 
     @property
     def num_codebooks(self) -> int:
@@ -116,8 +194,8 @@ class LMConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "LMConfig":
         """Build from a reference-style config.json dict (file-name keys are ignored)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
+        known = {f.name for f in dataclasses.fields(cls)} - {"conditioners", "fuse_sum"}
+        kwargs: dict[str, Any] = _conditioning(raw)
         for key, value in raw.items():
             if key in NON_LM_KEYS or key in ("depformer_causal", "conditioners", "fuser"):
                 continue
@@ -131,6 +209,17 @@ class LMConfig:
                 value = tuple(value)
             kwargs[key] = value
         return cls(**kwargs)
+
+
+def _conditioning(raw: dict[str, Any]) -> dict[str, Any]:
+    """LMConfig's `conditioners` and `fuse_sum` from config.json's `conditioners` and `fuser`."""
+    if not raw.get("conditioners"):
+        return {}
+    fuser = dict(raw.get("fuser") or {})
+    for method in ("cross", "prepend"):
+        if fuser.get(method):
+            raise ConfigError(f"fuser.{method} is not supported for a duplex LM (only fuser.sum)")
+    return {"conditioners": parse_conditioners(raw), "fuse_sum": tuple(fuser.get("sum", ()))}
 
 
 # config.json's lm_gen_config keys (the reference's names) -> SamplingDefaults fields.

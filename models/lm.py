@@ -7,7 +7,11 @@
 
 State dict keys and shapes are the published checkpoint's (moshi 0.2.13 layout): `emb.{i}`,
 `text_emb`, `text_linear`, `out_norm.alpha`, `transformer.layers.*`, `depformer_in.{k}`,
-`depformer_emb.{k}`, `depformer_text_emb`, `depformer.layers.*`, `linears.{k}`.
+`depformer_emb.{k}`, `depformer_text_emb`, `depformer.layers.*`, `linears.{k}`; Hibiki adds
+`depformer_norms.{k}` (a norm before each `linears[k]`) and `condition_provider.*` (its
+`description` LUT, fp32). A conditioned model adds `condition` (its summed conditions, [dim],
+set by `set_condition` once the weights are loaded) to every temporal input, after the streams,
+as the reference adds its `sum_condition`. `kv_repeat` > 1: grouped KV heads (models/transformer.py).
 Sampling and the token ring live in `models/lm_gen.py`.
 """
 
@@ -19,6 +23,7 @@ import re
 import torch
 from torch import nn
 
+from .conditioning import ConditionProvider, Embedding
 from .config import ZERO_TOKEN, LMConfig
 from .transformer import StreamingTransformer, TransformerState, make_norm
 
@@ -45,16 +50,6 @@ def published_state(reference_state: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-class Embedding(nn.Embedding):
-    """nn.Embedding that draws no weights on the meta device, where the checkpoint loaders build
-    (then load the weights): there is nothing to draw, and drawing there imports torch._dynamo and
-    with it Triton (seconds at every start, on a CPU server too)."""
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            super().reset_parameters()
-
-
 class ZeroEmbedding(Embedding):
     """An embedding where index -1 (ZERO_TOKEN) gives an exact zero vector.
 
@@ -79,13 +74,15 @@ class LMModel(nn.Module):
         self.transformer = StreamingTransformer(
             dim, cfg.num_heads, cfg.num_layers, int(cfg.hidden_scale * dim), causal=cfg.causal,
             context=cfg.context, norm=cfg.norm, gating=cfg.gating, layer_scale=cfg.layer_scale,
-            positional_embedding=cfg.positional_embedding, max_period=cfg.max_period, **factory)
+            positional_embedding=cfg.positional_embedding, max_period=cfg.max_period,
+            kv_repeat=cfg.kv_repeat, **factory)
         self.out_norm = make_norm(cfg.norm, dim, **factory)
         self.text_linear = nn.Linear(dim, cfg.text_card, bias=False, **factory)
 
         # Extra heads (STT end-of-turn), applied by their user to the normalised hidden state.
         self.extra_heads = nn.ModuleList([nn.Linear(dim, cfg.extra_heads_dim, bias=False, **factory)
                                           for _ in range(cfg.extra_heads_num_heads)])
+        self.condition: torch.Tensor | None = None  # summed conditions [dim] (set_condition)
         if cfg.dep_q == 0:  # a speech-to-text model: text only, no depformer (as the reference)
             return
 
@@ -103,8 +100,19 @@ class LMModel(nn.Module):
             layer_scale=cfg.depformer_layer_scale, positional_embedding=cfg.depformer_pos_emb,
             max_period=cfg.depformer_max_period,
             weights_per_step=cfg.dep_q if cfg.depformer_weights_per_step else 0,
-            weights_per_step_schedule=schedule, **factory)
+            weights_per_step_schedule=schedule, kv_repeat=cfg.depformer_repeat, **factory)
+        if cfg.depformer_norm is not None:
+            self.depformer_norms = nn.ModuleList([make_norm(cfg.depformer_norm, ddim, **factory)
+                                                  for _ in range(cfg.dep_q)])
         self.linears = nn.ModuleList([nn.Linear(ddim, cfg.card, bias=False, **factory) for _ in range(cfg.dep_q)])
+        if cfg.conditioners:  # last: parameters() starts with the model-dtype embeddings
+            self.condition_provider = ConditionProvider(cfg.conditioners, dim, device=device)
+
+    def set_condition(self, values: dict[str, str]) -> None:
+        """Compute the summed `fuser.sum` conditions of `values` (fp32, as the reference) and keep
+        them in the model dtype, added to every temporal input from now on."""
+        total = self.condition_provider.sum_of(self.cfg.fuse_sum, values)
+        self.condition = None if total is None else total[0, 0].to(self.text_linear.weight.dtype)
 
     # -- tokens ---------------------------------------------------------------------------------
 
@@ -115,6 +123,12 @@ class LMModel(nn.Module):
     @property
     def text_initial_token(self) -> int:
         return self.cfg.text_card
+
+    @property
+    def input_eos_token(self) -> int:
+        """Hibiki's end of the source: this code in every user codebook of the frame where the
+        source audio ends (hibiki_zero's `add_input_eos` writes Mimi's cardinality, == card)."""
+        return self.cfg.card
 
     def initial_tokens(self, device: torch.device | None = None) -> torch.Tensor:
         """[n_q + 1] long: what a stream reads before its delay has elapsed."""
@@ -132,7 +146,8 @@ class LMModel(nn.Module):
         x = self.emb[0](tokens[..., 1])
         for k in range(1, self.cfg.n_q):
             x = x + self.emb[k](tokens[..., k + 1])
-        return x + self.text_emb(tokens[..., 0])
+        x = x + self.text_emb(tokens[..., 0])
+        return x if self.condition is None else x + self.condition.to(x)
 
     def temporal(self, x: torch.Tensor, state: TransformerState | None,
                  exec_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +167,8 @@ class LMModel(nn.Module):
         else:
             x = x + self.depformer_emb[step - 1](prev_token[:, None])
         y = self.depformer(x, state, step=step)
+        if self.cfg.depformer_norm is not None:
+            y = self.depformer_norms[step](y)
         return self.linears[step](y[:, 0])
 
     # -- weights --------------------------------------------------------------------------------

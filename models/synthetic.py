@@ -6,6 +6,9 @@ this lives in the product package.
 a tiny SentencePiece tokenizer (vocab = text_card) and config.json; PersonaPlex also a voices.tgz
 (NATF0 and NATM0 unless `voices` names others).
 
+`write_tiny_hibiki_checkpoint(dir, kind)`: a tiny random Hibiki-Zero- ('hibiki-zero') or
+Hibiki-shaped ('hibiki') checkpoint, model_type hibiki (`tiny_hibiki_config` says what differs).
+
 `write_echo_checkpoint(dir)`: an LM whose weights are *constructed* so that greedy decoding
 repeats the user's audio codes with a fixed one-frame delay, `ECHO_DELAY_FRAMES`:
 
@@ -56,7 +59,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import lm_config_dict, mimi_config_dict, write_checkpoint
-from .config import MIMI_FILE, TOKENIZER_FILE, LMConfig, MimiConfig, SamplingDefaults, tiny_lm_config, tiny_mimi_config
+from .config import (
+    MIMI_FILE, TOKENIZER_FILE, ConditionerConfig, LMConfig, MimiConfig, SamplingDefaults, tiny_lm_config,
+    tiny_mimi_config,
+)
 from .lm import LMModel
 from .mimi.codec import Mimi
 from .persona_prompt import voice_to_pt
@@ -301,6 +307,54 @@ def write_echo_checkpoint(directory: str | Path, kind: str = "moshi", seed: int 
                      _config_json(cfg), voices, lm_dtype=torch.float32, mimi_config=mimi_config_dict(mimi_cfg))
     for path in (tokenizer, *voices.values()):
         path.unlink()
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny Hibiki and Hibiki-Zero (model_type hibiki: 16 codebooks a stream)
+
+HIBIKI_KINDS = ("hibiki-zero", "hibiki")
+HIBIKI_TOKENIZER_FILE = "tokenizer_spm_48k_multi6_2.model"  # the 48k multilingual SentencePiece's name
+HIBIKI_DESCRIPTIONS = ("very_bad", "bad", "neutral", "good", "very_good")
+
+
+def tiny_hibiki_config(kind: str = "hibiki-zero", context: int = 40) -> LMConfig:
+    """Toy shapes with a Hibiki's structure: 32 audio streams (16 source, 16 translated), acoustic
+    delay 2, the `description` LUT summed into the input. `hibiki-zero` adds what Hibiki-Zero 3B
+    has over Hibiki 2B: grouped KV heads (kv_repeat 2, the depformer's too), RoPE on head halves
+    (`rope_concat`, max period 20000), a depformer weight schedule (9 weight slices for 16 steps)
+    and a norm before each step's output head."""
+    if kind not in HIBIKI_KINDS:
+        raise ValueError(f"kind must be one of {HIBIKI_KINDS}, got {kind!r}")
+    stream = (0,) + (2,) * 15  # semantic, then 15 acoustic codebooks two frames behind
+    zero = kind == "hibiki-zero"
+    return dataclasses.replace(
+        tiny_lm_config(dep_q=16), n_q=32, context=context, depformer_context=16, delays=(0,) + stream + stream,
+        kv_repeat=2 if zero else 1, positional_embedding="rope_concat" if zero else "rope",
+        max_period=20_000.0 if zero else 10_000.0,
+        depformer_weights_per_step_schedule=tuple(min(k, 8) for k in range(16)) if zero else None,
+        depformer_norm="rms_norm_f32" if zero else None,
+        conditioners=(ConditionerConfig("description", "lut", 8, len(HIBIKI_DESCRIPTIONS), HIBIKI_DESCRIPTIONS),),
+        fuse_sum=("description",))
+
+
+def write_tiny_hibiki_checkpoint(directory: str | Path, kind: str = "hibiki-zero", seed: int = 0,
+                                 dtype: torch.dtype = torch.float32, context: int = 40) -> Path:
+    """A tiny random Hibiki (`kind` 'hibiki-zero' or 'hibiki') in the published layout: config.json
+    with model_type hibiki, the conditioners and fuser, lm_gen_config and the file names; the LM
+    (stored in `dtype`), a Mimi with 32 levels of which the model reads 16, the tokenizer under
+    the 48k model's name."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_hibiki_config(kind, context)
+    lm = _random_lm(cfg, seed)
+    mimi_cfg = tiny_mimi_config(num_codebooks=16, levels=32)
+    tokenizer = train_tiny_tokenizer(directory / ".tiny_tokenizer.model", cfg.text_card)
+    config = {**_config_json(cfg), "model_type": "hibiki", "tokenizer_name": HIBIKI_TOKENIZER_FILE}
+    write_checkpoint(directory, lm.state_dict(), _tiny_mimi_state(mimi_cfg, seed), tokenizer, config,
+                     lm_dtype=dtype, mimi_config=mimi_config_dict(mimi_cfg))
+    (directory / TOKENIZER_FILE).rename(directory / HIBIKI_TOKENIZER_FILE)
+    tokenizer.unlink()
     return directory
 
 

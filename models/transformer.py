@@ -33,6 +33,13 @@ Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
 - Nothing in `forward` reads a device value back to the host: it can be captured in a CUDA graph.
 - Paged states (models/paged_kv.py) keep these semantics exactly; only where a slot is stored
   changes. The caller (the engine) assigns a row's blocks before the step that writes them.
+- `kv_repeat` r > 1 (Hibiki): grouped KV heads, as the reference's `kv_repeat`. `in_proj_weight`
+  holds dim query rows then dim / r key and dim / r value rows a weight step; the ring stores
+  H / r heads, each expanded to its r query heads when attended (`expand_kv`). The fused decode
+  kernels read one KV head per query head, so a grouped transformer steps on the general path
+  (still free of host syncs: CUDA graphs capture it). `positional_embedding="rope_concat"`
+  (Hibiki-Zero): RoPE rotating the two halves of each head instead of interleaved pairs, as the
+  reference's; the general path too.
 
 Parameter names are the published checkpoint keys: `layers.{i}.self_attn.in_proj_weight`
 (fused QKV, per-step weights stacked on dim 0), `layers.{i}.self_attn.out_proj.weight`,
@@ -141,13 +148,18 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, max_period: float) -> t
     return torch.cos(angles), torch.sin(angles)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Interleaved rotary embedding. q, k: [B, H, T, D]; cos_sin: `rope_cos_sin` of the positions
-    [B, T] (computed once per call, shared by the layers). Computed in fp32."""
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               interleave: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding. q, k: [B, H, T, D] (k may have fewer heads); cos_sin: `rope_cos_sin` of the
+    positions [B, T] (computed once per call, shared by the layers). Computed in fp32. `interleave`:
+    pairs (x[2i], x[2i + 1]) rotate (`rope`); else (x[i], x[i + D/2]) do (the reference's `rope_concat`)."""
     D = q.shape[-1]
     cos, sin = (c[:, None] for c in cos_sin)  # [B, 1, T, D/2]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
+        if not interleave:
+            xr, xi = x[..., :D // 2].float(), x[..., D // 2:].float()
+            return torch.cat([(xr * cos - xi * sin).to(x.dtype), (xr * sin + xi * cos).to(x.dtype)], dim=-1)
         x = x.view(*x.shape[:-1], D // 2, 2)
         xr, xi = x[..., 0].float(), x[..., 1].float()
         out_r = (xr * cos - xi * sin).to(x.dtype)
@@ -397,20 +409,25 @@ def dequantize_kv(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 class StreamingAttention(nn.Module):
     """Multi-head self-attention over a per-row KV ring. No biases (as in every Moshi model)."""
 
-    def __init__(self, dim: int, num_heads: int, num_weights: int, device=None, dtype=None):
+    def __init__(self, dim: int, num_heads: int, num_weights: int, kv_repeat: int = 1, rope_interleave: bool = True,
+                 device=None, dtype=None):
         super().__init__()
         self.dim = dim
         self.num_heads = num_heads
-        # Fused QKV for each weight step, stacked: the checkpoint layout [num_weights * 3 * dim, dim].
-        self.in_proj_weight = nn.Parameter(torch.empty(num_weights * 3 * dim, dim, device=device, dtype=dtype))
+        self.kv_repeat = kv_repeat
+        self.rope_interleave = rope_interleave
+        # Fused QKV for each weight step, stacked: the checkpoint layout [num_weights * rows, dim],
+        # rows = dim query rows then 2 * kv_dim key and value rows (kv_dim = dim / kv_repeat).
+        self.rows = dim + 2 * (dim // kv_repeat)
+        self.in_proj_weight = nn.Parameter(torch.empty(num_weights * self.rows, dim, device=device, dtype=dtype))
         # Output projections stacked the same way: [num_weights * dim, dim].
         self.out_proj = nn.Linear(dim, num_weights * dim, bias=False, device=device, dtype=dtype)
         nn.init.kaiming_uniform_(self.in_proj_weight, a=math.sqrt(5))
 
     def weights(self, weight_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(QKV weight [3 * dim, dim], output weight [dim, dim]) of one weight step."""
-        dim = self.dim
-        return (self.in_proj_weight[weight_index * 3 * dim:(weight_index + 1) * 3 * dim],
+        """(QKV weight [rows, dim], output weight [dim, dim]) of one weight step."""
+        dim, rows = self.dim, self.rows
+        return (self.in_proj_weight[weight_index * rows:(weight_index + 1) * rows],
                 self.out_proj.weight[weight_index * dim:(weight_index + 1) * dim])
 
     def forward(self, x: torch.Tensor, weight_index: int, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -433,12 +450,16 @@ class StreamingAttention(nn.Module):
                                          cache_k, cache_v, steps=T)
             out = _attention(q.view(B, T, H, D).transpose(1, 2), cache_k, cache_v, attn_mask)
             return F.linear(out.transpose(1, 2).reshape(B, T, self.dim), w_out)
-        q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        if self.kv_repeat == 1:
+            q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        else:  # grouped: H query heads, then H / kv_repeat key and value heads
+            q = qkv[..., :self.dim].view(B, T, H, D).transpose(1, 2)
+            k, v = qkv[..., self.dim:].view(B, T, 2, H // self.kv_repeat, D).permute(2, 0, 3, 1, 4)
         if rope is not None:
-            q, k = apply_rope(q, k, rope)
+            q, k = apply_rope(q, k, rope, self.rope_interleave)
 
         if kv is None:  # stateless: attend over this call's keys only
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask)
+            out = F.scaled_dot_product_attention(q, *expand_kv(k, v, H), attn_mask)
         elif kv.block_table is not None:
             out = self._attend_paged(q, k, v, kv, slots, attn_mask, exec_mask)
         else:
@@ -487,7 +508,7 @@ class StreamingAttention(nn.Module):
         index = slots[:, None, :, None].expand(B, H, T, D)
         full_k = dequantize_kv(cache_k, k_scale, q.dtype).scatter_(2, index, k)
         full_v = dequantize_kv(cache_v, v_scale, q.dtype).scatter_(2, index, v)
-        out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask)
+        out = F.scaled_dot_product_attention(q, *expand_kv(full_k, full_v, q.shape[1]), attn_mask)
         sindex = slots[:, None, :].expand(B, H, T)
         for cache, scale, new in ((cache_k, k_scale, k), (cache_v, v_scale, v)):
             new8, new_scale = quantize_kv(new)
@@ -502,10 +523,20 @@ class StreamingAttention(nn.Module):
         return out
 
 
+def expand_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped keys and values [B, H / r, S, D] -> [B, H, S, D]: KV head i serves query heads
+    i * r .. i * r + r - 1 (the reference's `expand_repeated_kv`). A no-op when r is 1."""
+    repeat = heads // k.shape[1]
+    if repeat == 1:
+        return k, v
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA over a ring. On CUDA, a few queries (Mimi's T = 2 steps) take plain batched matmuls:
     PyTorch's fused SDPA kernels cost more than the matmuls at that shape (few queries over a short
     ring; benchmarks/mimi_steps.py's `plain` variant runs SDPA); the math is the same up to float rounding. CPU keeps SDPA (bit-exact with the reference)."""
+    k, v = expand_kv(k, v, q.shape[1])
     if not (kernels.available(q) and q.shape[2] <= FEW_STEPS):
         return F.scaled_dot_product_attention(q, k, v, mask)
     scores = torch.matmul(q * (q.shape[-1] ** -0.5), k.transpose(-1, -2))
@@ -545,10 +576,10 @@ class CrossAttention(nn.Module):
 class StreamingTransformerLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, dim_feedforward: int, norm: str, gating: str,
                  layer_scale: float | None, num_weights: int, per_step: bool, cross_attention: bool = False,
-                 device=None, dtype=None):
+                 kv_repeat: int = 1, rope_interleave: bool = True, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.self_attn = StreamingAttention(d_model, num_heads, num_weights, **factory)
+        self.self_attn = StreamingAttention(d_model, num_heads, num_weights, kv_repeat, rope_interleave, **factory)
         self.cross_attention: CrossAttention | None = None
         if cross_attention:  # the reference's cross-attention norm is always a LayerNorm
             self.cross_attention = CrossAttention(d_model, num_heads, **factory)
@@ -604,19 +635,24 @@ class StreamingTransformer(nn.Module):
                  norm: str = "layer_norm", gating: str = "none", layer_scale: float | None = None,
                  positional_embedding: str = "rope", max_period: float = 10_000.0,
                  weights_per_step: int = 0, weights_per_step_schedule: list[int] | tuple[int, ...] | None = None,
-                 cross_attention: bool = False, device=None, dtype=None):
+                 cross_attention: bool = False, kv_repeat: int = 1, device=None, dtype=None):
         super().__init__()
-        if d_model % num_heads:
-            raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
+        if d_model % num_heads or num_heads % kv_repeat:
+            raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}, "
+                             f"or num_heads by kv_repeat {kv_repeat}")
         if not causal:
             raise ValueError("only causal streaming transformers are supported")
-        if positional_embedding not in ("rope", "none"):
-            raise ValueError(f"positional_embedding {positional_embedding!r}: only 'rope' and 'none' are supported")
+        if positional_embedding not in ("rope", "rope_concat", "none"):
+            raise ValueError(f"positional_embedding {positional_embedding!r}: only 'rope', 'rope_concat' and 'none' "
+                             f"are supported")
         self.d_model = d_model
         self.num_heads = num_heads
+        self.kv_heads = num_heads // kv_repeat  # heads the KV ring holds (grouped when kv_repeat > 1)
         self.context = context
         self.capacity = capacity if capacity is not None else (context or weights_per_step or None)
-        self.rope_max_period = max_period if positional_embedding == "rope" else None
+        self.rope_max_period = max_period if positional_embedding != "none" else None
+        # rope_concat (Hibiki-Zero): halves rotate, not interleaved pairs; the fused kernels rotate pairs.
+        self.rope_interleave = positional_embedding != "rope_concat"
         self.weights_per_step = weights_per_step
         self.schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
         self.cross_attention = cross_attention
@@ -626,6 +662,7 @@ class StreamingTransformer(nn.Module):
         self.layers = nn.ModuleList([
             StreamingTransformerLayer(d_model, num_heads, dim_feedforward, norm, gating, layer_scale,
                                       num_weights, per_step=bool(weights_per_step), cross_attention=cross_attention,
+                                      kv_repeat=kv_repeat, rope_interleave=self.rope_interleave,
                                       device=device, dtype=dtype)
             for _ in range(num_layers)
         ])
@@ -648,12 +685,12 @@ class StreamingTransformer(nn.Module):
         if kv_blocks is None:
             if block_size is not None:
                 raise ValueError("block_size is for paged states: give kv_blocks too")
-            shape = (batch_size, self.num_heads, self.capacity, head_dim)
+            shape = (batch_size, self.kv_heads, self.capacity, head_dim)
         else:
             block_size = paged_kv.block_size_for(self.capacity, block_size)
             if kv_blocks < 2:
                 raise ValueError(f"kv_blocks {kv_blocks}: a pool needs the null block and at least one more")
-            shape = (kv_blocks, self.num_heads, block_size, head_dim)
+            shape = (kv_blocks, self.kv_heads, block_size, head_dim)
             table = torch.zeros(batch_size, paged_kv.ring_blocks(self.capacity, block_size), device=device,
                                 dtype=torch.int32)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -738,8 +775,9 @@ class StreamingTransformer(nn.Module):
     # -- fused one-step decode (CUDA only) ----------------------------------------------------
 
     def _can_fuse(self, x: torch.Tensor) -> bool:
-        """CUDA + Triton, a power-of-two head dim: T == 1 steps take `_forward_decode`."""
-        if not kernels.available(x):
+        """CUDA + Triton, a power-of-two head dim, no grouped KV heads (the kernels read one KV
+        head per query head), interleaved RoPE: T == 1 steps take `_forward_decode`."""
+        if not kernels.available(x) or self.kv_heads != self.num_heads or not self.rope_interleave:
             return False
         head_dim = self.d_model // self.num_heads
         return head_dim == 1 << (head_dim.bit_length() - 1)

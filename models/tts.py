@@ -38,10 +38,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConfigError, LMConfig
+from .config import UNGENERATED_TOKEN, ZERO_TOKEN, ConditionerConfig, ConfigError, LMConfig, parse_conditioners
 from .dsm import DsmRows, DsmTokens, WordEntry
 from .host_rows import copy_from_host
-from .lm import Embedding, ZeroEmbedding
+from .conditioning import ConditionProvider, Embedding
+from .lm import ZeroEmbedding
 from .lm_gen import ring_inputs
 from .row_views import leading_rows
 from .sampling import sample_tokens
@@ -51,15 +52,6 @@ VOICE_KEY = "speaker_wavs"  # the tensor a voice file holds, [1, dim, frames]
 TTS_KEYS = ("text_card_out", "demux_second_stream", "depformer_low_rank_embeddings", "cross_attention",
             "conditioners", "fuser")
 FRAME_RATE = 12.5
-
-
-@dataclass(frozen=True)
-class ConditionerConfig:
-    name: str
-    kind: str  # "lut" or "tensor"
-    dim: int  # input (tensor) or LUT embedding dim
-    n_bins: int = 0
-    possible_values: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,25 +80,7 @@ class TtsConfig:
         lm = LMConfig.from_dict({k: v for k, v in raw.items() if k not in TTS_KEYS})
         if lm.dep_q != lm.n_q:
             raise ConfigError(f"dep_q {lm.dep_q} must equal n_q {lm.n_q} for a TTS model (no input audio)")
-        conditioners = []
-        for name, spec in (raw.get("conditioners") or {}).items():
-            kind = spec.get("type") if isinstance(spec, dict) else None
-            if kind not in ("lut", "tensor"):
-                raise ConfigError(f"conditioner {name!r}: type {kind!r} is not supported (lut, tensor)")
-            args = dict(spec.get(kind) or {})
-            for key, neutral in (("force_linear", True), ("output_bias", False), ("learn_padding", True),
-                                 ("tokenizer", "noop")):
-                if args.pop(key, neutral) != neutral:
-                    raise ConfigError(f"conditioner {name!r}: {key} other than {neutral!r} is not supported")
-            args.pop("pad_empty", None)
-            args.pop("init_scale", None)
-            values = tuple(args.pop("possible_values", None) or ())
-            if kind == "lut" and not values:
-                raise ConfigError(f"conditioner {name!r}: a LUT needs possible_values")
-            cond = ConditionerConfig(name, kind, int(args.pop("dim")), int(args.pop("n_bins", 0)), values)
-            if args:
-                raise ConfigError(f"conditioner {name!r}: unsupported option(s) {sorted(args)}")
-            conditioners.append(cond)
+        conditioners = parse_conditioners(raw)
         fuser = dict(raw.get("fuser") or {})
         if fuser.get("prepend"):
             raise ConfigError("fuser.prepend is not supported")
@@ -193,44 +167,7 @@ def _embedding(num: int, dim: int, demux: bool, low_rank: int | None, factory: d
 
 
 # ---------------------------------------------------------------------------------------------
-# Conditioners (fp32)
-
-
-class Conditioner(nn.Module):
-    """`output_proj` then masked positions replaced by `learnt_padding`. A LUT has `embed`
-    (its last row is the "no value" entry); a tensor conditioner projects its input."""
-
-    def __init__(self, spec: ConditionerConfig, out_dim: int, device=None):
-        super().__init__()
-        self.spec = spec
-        if spec.kind == "lut":
-            self.embed = Embedding(spec.n_bins + 1, spec.dim, device=device)
-        self.output_proj = nn.Linear(spec.dim, out_dim, bias=False, device=device)
-        self.learnt_padding = nn.Parameter(torch.zeros(1, 1, out_dim, device=device))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [B, T, dim] (LUT: long ids [B, T]), mask [B, T] bool -> [B, T, out_dim]."""
-        if self.spec.kind == "lut":
-            x = self.embed(x)
-        maskf = mask.float()[..., None]
-        return self.output_proj(x) * maskf + self.learnt_padding * (1 - maskf)
-
-    def lut(self, value: str | None) -> torch.Tensor:
-        """The LUT condition of one value (None: absent) -> [1, 1, out_dim]."""
-        device = self.output_proj.weight.device
-        if value is None:
-            ids, mask = [self.spec.n_bins], [False]
-        else:
-            if value not in self.spec.possible_values:
-                raise ValueError(f"{self.spec.name} value {value!r} is not one of {list(self.spec.possible_values)}")
-            ids, mask = [self.spec.possible_values.index(value)], [True]
-        return self(torch.tensor([ids], device=device), torch.tensor([mask], device=device))
-
-
-class ConditionProvider(nn.Module):
-    def __init__(self, cfg: TtsConfig, out_dim: int, device=None):
-        super().__init__()
-        self.conditioners = nn.ModuleDict({c.name: Conditioner(c, out_dim, device) for c in cfg.conditioners})
+# The cross-attention source's positions
 
 
 def sinusoids(length: int, dim: int, max_period: float = 10_000.0, device=None) -> torch.Tensor:
@@ -276,7 +213,7 @@ class TtsLM(nn.Module):
             max_period=lm.depformer_max_period, weights_per_step=lm.dep_q if lm.depformer_weights_per_step else 0,
             weights_per_step_schedule=schedule, **factory)
         self.linears = nn.ModuleList([nn.Linear(ddim, lm.card, bias=False, **factory) for _ in range(lm.dep_q)])
-        self.condition_provider = ConditionProvider(cfg, lm.dim, device=device)
+        self.condition_provider = ConditionProvider(cfg.conditioners, lm.dim, device=device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -291,10 +228,7 @@ class TtsLM(nn.Module):
 
     def condition_sum(self, values: dict[str, str | None]) -> torch.Tensor:
         """The `sum` conditions (e.g. {"control": "ok", "cfg": "2.0"}) -> [dim] in the model dtype."""
-        total = None
-        for name in self.cfg.fuse_sum:
-            cond = self.condition_provider.conditioners[name].lut(values.get(name))
-            total = cond if total is None else total + cond
+        total = self.condition_provider.sum_of(self.cfg.fuse_sum, values)
         if total is None:
             return torch.zeros(self.cfg.lm.dim, dtype=self.dtype, device=self.text_linear.weight.device)
         return total[0, 0].to(self.dtype)

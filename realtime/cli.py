@@ -14,11 +14,12 @@ import argparse
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Callable, Sequence
 
 # Only torch-free modules here: `parley --help` must not wait for torch (tests/test_lazy_imports.py).
 # Each handler imports what its command needs when it runs.
-from parley.engine import KvSettings, OptionsError, SamplingOptions, SessionOptions
+from parley.engine import TICK_TRACE_TICKS, KvSettings, OptionsError, SamplingOptions, SessionOptions
 
 from .server import cli_sources, doors
 from .server.modalities import MODALITIES
@@ -82,6 +83,11 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
                         "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
+    p.add_argument("--tick-trace", default=None, metavar="PATH",
+                   help="write the engine's tick timeline to PATH, one JSON line per tick: host phases, slack "
+                        "items and, on CUDA, device times (benchmarks/tick_timeline.py reads it); off by default")
+    p.add_argument("--tick-trace-ticks", type=int, default=None, metavar="N",
+                   help=f"with --tick-trace: ticks written at most, then tracing stops (default {TICK_TRACE_TICKS})")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging verbosity")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                    help="log lines (Parley's and uvicorn's alike): text with timestamps, or json (one object a "
@@ -125,6 +131,9 @@ def add_reliability_flags(p: argparse.ArgumentParser) -> None:
                    help="largest /v1/realtime event (larger: an error event)")
     p.add_argument("--max-conversation-bytes", type=int, default=limits.max_conversation_bytes,
                    help="/v1/realtime conversation items kept per session (over it: the item is refused)")
+    p.add_argument("--max-sidebands", type=int, default=limits.max_sidebands,
+                   help="server connections that may attach to one live call (GPT-Live's /v1/live/sessions/ID/attach, "
+                        "Realtime's /v1/realtime?call_id=ID); past it: 429. 0: none")
     p.add_argument("--live-delegation", default="every_turn", metavar="POLICY",
                    help="GPT-Live (/v1/live/sessions): when a session delegates to its client: every_turn (at "
                         "the end of each user turn), never, or pattern:REGEX (turns whose input transcript "
@@ -155,11 +164,13 @@ def reliability_settings(args: argparse.Namespace) -> dict:
     keys = read_key_file(args.api_key_file) if args.api_key_file else args.api_key
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+    if args.max_sidebands < 0:
+        raise ValueError(f"--max-sidebands must be 0 or more, not {args.max_sidebands}")
     if args.max_event_bytes > WS_MAX_SIZE:
         raise ValueError(f"--max-event-bytes must be at most {WS_MAX_SIZE} (the WebSocket message cap)")
     limits = EdgeLimits(max_messages_per_s=args.max_messages_per_s, max_bytes_per_s=args.max_bytes_per_s,
                         max_lag_s=args.max_lag_s, max_event_bytes=args.max_event_bytes,
-                        max_conversation_bytes=args.max_conversation_bytes)
+                        max_conversation_bytes=args.max_conversation_bytes, max_sidebands=args.max_sidebands)
     if args.delegate_api_key_file and not args.delegate_url:
         raise ValueError("--delegate-api-key-file is the key of --delegate-url: give both")
     delegate = DelegateBackend(args.delegate_url, read_key_file(args.delegate_api_key_file)[0]
@@ -191,7 +202,21 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return "--max-sessions must be at least 1"
     if args.ready_min_free < 0 or args.drain_timeout < 0:
         return "--ready-min-free and --drain-timeout must be 0 or more"
+    if (wrong := tick_trace_error(args)) is not None:
+        return wrong
     return next(filter(None, (modality.flag_error(args) for modality in MODALITIES)), None)
+
+
+def tick_trace_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with --tick-trace / --tick-trace-ticks (None: nothing); the file opens once serving."""
+    if args.tick_trace is None:
+        return "--tick-trace-ticks needs --tick-trace" if args.tick_trace_ticks is not None else None
+    path = Path(args.tick_trace)
+    if path.is_dir() or not path.parent.is_dir():
+        return f"--tick-trace {args.tick_trace!r} must be a file in an existing directory"
+    if args.tick_trace_ticks is not None and args.tick_trace_ticks < 1:
+        return f"--tick-trace-ticks must be at least 1 (got {args.tick_trace_ticks})"
+    return None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -235,6 +260,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        log_level=args.log_level, codec_workers=args.codec_workers,
                        webrtc_workers=args.webrtc_workers, torch_threads=args.torch_threads,
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
+                       tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
                        **{name: getattr(args, name) for modality in MODALITIES for name in modality.settings},
                        **reliability)
 

@@ -228,8 +228,24 @@ def test_write_models_real_shapes_load_on_meta(tmp_path: Path) -> None:
     assert (tmp_path / "tts" / "dsm_tts_1e68beda@240.safetensors").stat().st_size > 3e9  # bf16 1.8 B, sparse
 
 
-# Scripts with a test of their own above (each writes in a directory of the test's).
-OWN_TESTS = ("write_models.py",)
+def test_mixed_load_keeps_the_together_phases_tick_trace(tmp_path: Path) -> None:
+    """--tick-trace: the demo server traces its ticks; the together phase's are kept (with the header) and
+    benchmarks/tick_timeline.py's table printed; the server's whole trace is removed."""
+    trace = tmp_path / "together.jsonl"
+    output = run_benchmark("mixed_load.py", "--duration", "2", "--duplex", "1", "--tts", "1", "--transcription", "0",
+                           "--images", "0", "--tick-trace", str(trace), timeout=240)
+    kept = int(re.search(rf"^tick trace: (\d+) ticks of the together phase in {re.escape(str(trace))}$", output,
+                         re.MULTILINE)[1])
+    header, *ticks = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert header["trace"] == "parley tick timeline" and header["gpu"] is False and len(ticks) == kept > 0
+    assert any(phase[0] == "launch" for tick in ticks for phase in tick["phases"]), "no frame in the together phase"
+    assert re.search(r"^\d+ ticks \(\d+ with a frame\), period 80 ms, device times: no$", output, re.MULTILINE)
+    assert re.search(r"^\| host: launch \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d % \|$", output, re.MULTILINE), output
+    assert not (tmp_path / "together.jsonl.all").exists()
+
+
+# Scripts with a test of their own (above, or tests/test_tick_timeline.py; each writes in a directory of the test's).
+OWN_TESTS = ("write_models.py", "tick_timeline.py")
 
 # Scripts only imported here: those whose every path needs CUDA (run small under `gpu` below),
 # and CPU ones too slow for this file (attacks.py, edge_cpu.py: a server per run and seconds per

@@ -314,7 +314,7 @@ def test_lm_gen_config_overrides_the_reference_sampling_key_by_key(tiny_moshi_di
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must hold a JSON object"),
     (json.dumps({"dim": 64, "frobnicate": 3}), "unsupported LM option 'frobnicate'"),
-    (json.dumps({"model_type": "hibiki"}), "model_type 'hibiki' is not supported"),
+    (json.dumps({"model_type": "tts"}), "model_type 'tts' is not supported"),
     (json.dumps({"num_heads": 5}), "not divisible by num_heads"),
     (json.dumps({"lm_gen_config": [1]}), "lm_gen_config must be an object"),
     (json.dumps({"lm_gen_config": {"top_k": 2.5}}), "lm_gen_config: top_k must be a whole number, got 2.5"),

@@ -6,11 +6,10 @@ The oracle is the published `moshi` package, version 0.2.13 (a test-only depende
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
+from parley.models.checkpoint import lm_config_dict
 from parley.models.config import UNGENERATED_TOKEN, tiny_lm_config
 from parley.models.lm import LMModel, published_state
 from parley.models.lm_gen import LMGen
@@ -57,7 +56,7 @@ def run_ours(gen: LMGen, codes: torch.Tensor) -> list[tuple[torch.Tensor, torch.
 def reference_lm(model: LMModel):
     """The reference LMModel with the same config, loaded from our state dict (checkpoint layout)."""
     loaders = pytest.importorskip("moshi.models.loaders")
-    kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(model.cfg).items()}
+    kwargs = lm_config_dict(model.cfg)
     ref = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device="cpu", dtype=torch.float32)
     ref.load_state_dict(model.state_dict(), strict=True)  # its load hook splits the stacked weights
     return ref.eval()

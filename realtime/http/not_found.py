@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from starlette.exceptions import HTTPException
+from starlette.routing import compile_path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -37,9 +38,14 @@ class UnknownWebSocket:
     def __init__(self, app: ASGIApp, *, paths: frozenset[str]) -> None:
         self.app = app
         self.paths = paths
+        # a door with parameters ({session_id}) is a pattern
+        self.patterns = [compile_path(path)[0] for path in paths if "{" in path]
+
+    def served(self, path: str) -> bool:
+        return path in self.paths or any(pattern.match(path) for pattern in self.patterns)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "websocket" or scope["path"] in self.paths:
+        if scope["type"] != "websocket" or self.served(scope["path"]):
             await self.app(scope, receive, send)
             return
         text = f"no WebSocket door at {scope['path'][:100]}; the WebSocket doors are {', '.join(sorted(self.paths))}"

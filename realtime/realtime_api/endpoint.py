@@ -10,6 +10,7 @@
   slot, so it is admitted while the duplex slots are full (not while draining or unhealthy).
   Without an STT model the connection goes on as a realtime conversation and its first event
   after `session.created` is an `error` naming `intent`.
+- `?call_id=`: a sideband joining a WebRTC call's session (realtime_api/attach.py), no session of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .events import Dialect
 from .connection import BETA_SUBPROTOCOL, PROTOCOL, REALTIME_SUBPROTOCOL, RealtimeConnection
 from .settings import NO_STT, ClientError
 from .transcription import TranscriptionConnection
+from .attach import realtime_attach
 from ..server.security import choose_subprotocol
 from ..sessions.session import SessionManager
 
@@ -38,6 +40,9 @@ def select_dialect(websocket: WebSocket) -> Dialect:
 
 async def realtime_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
+    if "call_id" in websocket.query_params:
+        await realtime_attach(websocket)
+        return
     manager: SessionManager = websocket.app.state.sessions
     pool = websocket.app.state.stt_pool
     intent = websocket.query_params.get("intent")

@@ -47,6 +47,7 @@ from .security import AccessMiddleware, static_paths
 from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
 from ..sessions.session import SessionManager
 from ..media.speech_formats import warm_up_encoders
+from ..calls.sideband import LiveCalls
 from ..webrtc.pool import WebRTCPool, default_workers
 
 log = logging.getLogger("parley.app")
@@ -106,6 +107,7 @@ def create_app(services: Services) -> Starlette:
     app.state.doors = served
     app.state.sessions = manager
     app.state.calls = set()  # the WebRTC calls' tasks (webrtc/doors.py), held until each ends
+    app.state.live_calls = LiveCalls()  # the calls a sideband may attach to, by id (calls/sideband.py)
     app.state.webrtc = webrtc  # the calls' worker processes (webrtc/pool.py)
     app.state.drainer = Drainer(manager, services.drain_timeout)
     app.state.codec = codec

@@ -10,6 +10,8 @@ its bounded `door` label from it (sessions/refusals.py). Torch-free: `--help` im
 
 from __future__ import annotations
 
+import re
+
 from .modalities import MODALITIES, WS, Door  # noqa: F401 (WS, Door: what the app and the tests name)
 
 # What mounts a door that needs a service: (what it is, the flag that loads it), by modality key.
@@ -47,10 +49,18 @@ def mounted(available: dict[str, bool]) -> list[Door]:
     return [door for door in DOORS if door.needs is None or available[door.needs]]
 
 
+# Doors with parameters ({session_id}; {model:path} takes slashes), as patterns of their paths.
+PATTERNS = tuple((re.compile(re.sub(r"\{\w+:path\}", ".+", re.sub(r"\{\w+\}", "[^/]+", door.path)) + "$"), door.path)
+                 for door in DOORS if "{" in door.path)
+
+
 def label(path: str) -> str:
-    """A metrics label for a request path: the door's path, or `other` (bounded cardinality)."""
+    """A metrics label for a request path: the door's path (a parameter's door's, as written in
+    the table), or `other` (bounded cardinality)."""
     door = BY_PATH.get(path)
-    return door.path if door is not None else "other"
+    if door is not None:
+        return door.path
+    return next((name for pattern, name in PATTERNS if pattern.match(path)), "other")
 
 
 def help_summary() -> str:

@@ -172,10 +172,12 @@ DUPLEX = Modality(
     "duplex", "speech-to-speech model", "/api/chat, /v1/realtime, /v1/live/sessions", "--model",
     doors=(
         Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol", "chat.protocol:chat_endpoint"),
-        Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, or ?intent=transcription)",
-             "realtime_api.endpoint:realtime_endpoint"),
+        Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, ?intent=transcription, or a sideband "
+             "joining a WebRTC call: ?call_id=)", "realtime_api.endpoint:realtime_endpoint"),
         Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation",
              "live.session:live_endpoint"),
+        Door("/v1/live/sessions/{session_id}/attach", WS, "GPT-Live sideband: a server joins a WebRTC call's "
+             "session (its events out, control events in)", "live.attach:live_attach_endpoint"),
         Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out",
              "webrtc.doors:realtime_calls"),
         Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out",

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from parley.engine import DEFAULT_STALL_TIMEOUT_S, KvSettings, SessionOptions, freeze_loaded_objects
+from parley.engine import (DEFAULT_STALL_TIMEOUT_S, TICK_TRACE_TICKS, KvSettings, SessionOptions,
+                           freeze_loaded_objects)
 from parley.models import CheckpointError
 
 from .app import create_app, served_paths
@@ -98,6 +99,8 @@ class ServeConfig:
     ice_servers: tuple[IceServer, ...] = ()  # WebRTC calls' STUN/TURN servers (--ice-servers)
     # --served-model-name: each modality's aliases beside its checkpoint's name (server/served_models.py)
     served_model_names: dict = dataclasses.field(default_factory=dict)
+    tick_trace: str | None = None  # --tick-trace: the engine's tick timeline to this file (engine/tick_trace.py)
+    tick_trace_ticks: int = TICK_TRACE_TICKS  # tick lines it writes at most
 
 
 def uvicorn_config(app, host: str, port: int, log_level: str = "info", *, ssl_certfile: str | None = None,

@@ -26,7 +26,7 @@ import torch
 
 from parley.engine import (
     NO_DUPLEX_REASON, Engine, ImageQueue, KvBlockPool, ModelBackend, NoDuplexBackend, OptionsError,
-    PairedTranscription, SamplingOptions, SlackSource, SttPool, default_dtype, kv_layout,
+    PairedTranscription, SamplingOptions, SlackSource, SttPool, TickTrace, default_dtype, kv_layout,
 )
 from parley.models import (
     Checkpoint, Mimi, SttCheckpoint, load_checkpoint, load_stt_checkpoint, share_equal_tensors,
@@ -261,7 +261,7 @@ def _build_engine(loaded: Build) -> Engine:
         raise ServeError(f"--live-delegation {config.live_delegation} matches the user's words, which need a paired "
                          "speech-to-text model (--stt-model, sharing the duplex model's Mimi); use every_turn or never")
     if checkpoint is None:
-        return Engine(NoDuplexBackend(str(loaded.device)))
+        return Engine(NoDuplexBackend(str(loaded.device)), trace=_tick_trace(loaded))
     if stt is not None and not paired:
         log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
                     "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
@@ -279,10 +279,23 @@ def _build_engine(loaded: Build) -> Engine:
     except OptionsError as exc:
         raise ServeError(f"parley serve --kv-attention: {exc}") from exc
     loaded.voices = backend.voice_names()
-    engine = Engine(backend, kv=kv)
+    engine = Engine(backend, kv=kv, trace=_tick_trace(loaded))
     if transcription is not None:
         engine.set_paired_transcription(transcription)
     return engine
+
+
+def _tick_trace(loaded: Build) -> TickTrace | None:
+    """--tick-trace's timeline (engine/tick_trace.py), with device times on CUDA; None without the flag."""
+    config = loaded.config
+    if config.tick_trace is None:
+        return None
+    try:
+        trace = TickTrace.open(config.tick_trace, config.tick_trace_ticks, cuda=loaded.device.type == "cuda")
+    except OptionsError as exc:
+        raise ServeError(f"parley serve --tick-trace: {exc}") from exc
+    log.info("tick trace: at most %d ticks to %s", config.tick_trace_ticks, config.tick_trace)
+    return trace
 
 
 def _kv_pool(config: "ServeConfig", checkpoint: Checkpoint, kv_dtype: torch.dtype | None) -> KvBlockPool:

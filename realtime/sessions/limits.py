@@ -41,6 +41,7 @@ class EdgeLimits:
     max_event_bytes: int = 8 * 1024 * 1024  # one realtime event
     max_json_depth: int = 32  # realtime events nest 4-5 levels
     max_conversation_bytes: int = 16 * 1024 * 1024  # a realtime session's stored items
+    max_sidebands: int = 4  # connections attached to one call (calls/sideband.py); 0: none may attach
 
     def __post_init__(self) -> None:
         for name in ("max_messages_per_s", "max_bytes_per_s", "max_lag_s"):
@@ -52,6 +53,8 @@ class EdgeLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}.")
+        if isinstance(self.max_sidebands, bool) or not isinstance(self.max_sidebands, int) or self.max_sidebands < 0:
+            raise ValueError(f"max_sidebands must be a whole number of at least 0, got {self.max_sidebands!r}.")
 
 
 class _Bucket:

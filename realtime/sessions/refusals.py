@@ -32,6 +32,8 @@ REASONS = {
     "codec": "no audio codec worker for the session",
     "rate_limit": "over the message or byte rate",
     "too_large": "a message over the size limit",
+    "session_not_found": "a sideband's session is unknown, has ended, or is another key's",
+    "sidebands": "a session already has --max-sidebands attached connections",
 }
 MAX_DETAIL_CHARS = 200  # a client's text can reach the message: keep the line short
 

@@ -29,10 +29,14 @@ from starlette.responses import JSONResponse, Response
 from ..live import events as ev
 from ..sessions.capacity import RETRY_AFTER_S, Reservation
 from ..live.config import parse_start
+from ..live.attach import attached_live_call
 from ..live.session import PROTOCOL as LIVE_PROTOCOL, LiveConnection
+from ..calls.sideband import AttachedCall
+from ..server.security import offered_key
 from ..http.models import model_not_found
 from ..http.not_found import openai_error
 from ..realtime_api.events import Dialect, new_id
+from ..realtime_api.attach import attached_realtime_call
 from ..realtime_api.connection import PROTOCOL as REALTIME_PROTOCOL, RealtimeConnection
 from ..realtime_api.settings import ClientError
 from ..server.served_models import ModelNotFound
@@ -105,7 +109,8 @@ async def realtime_calls(request: Request) -> Response:
     call_id = new_id("rtc")
     edge.notice = lambda reason: connection.send(connection.events.error(reason, "server_shutting_down",
                                                                          kind="server_error"))
-    _start(request, edge, call, connection.run, call_task_name(call_id))
+    _start(request, edge, call, connection.run, call_task_name(call_id),
+           attached_realtime_call(call_id, connection, offered_key(request.scope)))
     return Response(answer, status_code=201, media_type="application/sdp",
                     headers={"Location": f"/v1/realtime/calls/{call_id}"})
 
@@ -197,7 +202,8 @@ async def live_calls(request: Request) -> Response:
     except OfferError as exc:
         return _refusal(manager, LIVE_PROTOCOL, bad_request(exc, "transport.sdp"))
     edge.notice = lambda reason: connection.send(ev.error(reason, "server_shutting_down", kind="server_error"))
-    _start(request, edge, call, lambda: connection.run(start=config), f"live session {config.id}")
+    _start(request, edge, call, lambda: connection.run(start=config), f"live session {config.id}",
+           attached_live_call(config.id, connection, offered_key(request.scope)))
     return JSONResponse({"session": {"id": config.id}, "transport": {"type": "webrtc", "sdp": answer}})
 
 
@@ -300,12 +306,16 @@ async def _hang_up(edge: EdgeSession, call: WebRTCCall) -> None:
 
 
 def _start(request: Request, edge: EdgeSession, call: WebRTCCall, run: Callable[[], Awaitable[None]],
-           name: str) -> None:
-    """Run the call's session on a task of its own (held by the app until it ends)."""
+           name: str, attachable: AttachedCall) -> None:
+    """Run the call's session on a task of its own (held by the app until it ends); sidebands may
+    attach to it by id meanwhile (calls/sideband.py), and are ended with it."""
     calls: set[asyncio.Task] = request.app.state.calls
+    registry = request.app.state.live_calls
+    registry.hold(attachable)
     task = asyncio.get_running_loop().create_task(_run_call(edge, call, run, name), name=name)
     calls.add(task)
     task.add_done_callback(calls.discard)
+    task.add_done_callback(lambda _: registry.release(attachable))
 
 
 async def _run_call(edge: EdgeSession, call: WebRTCCall, run: Callable[[], Awaitable[None]], name: str) -> None:
