@@ -717,7 +717,7 @@ def _screenshot_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def _wait_door(page, name: str, timeout_ms: int = 30000) -> dict:
+def _wait_door(page, name: str, timeout_ms: int = 120000) -> dict:
     """Waits for a section's request to end (window.parleyDoors[name].state done or error)."""
     try:
         page.wait_for_function("n => ['done', 'error'].includes(window.parleyDoors[n].state)", arg=name,
@@ -763,7 +763,7 @@ def _speech_section(page, shots: Path, tmp_path: Path) -> Path:
 
     voices = page.eval_on_selector_all("#speech-voice option", "os => os.map((o) => o.value)")
     assert set(OPENAI_VOICE_NAMES) <= set(voices), voices
-    page.fill("#speech-input", "Hello from the page. This text is read aloud.")
+    page.fill("#speech-input", "Hello from the page.")
     page.select_option("#speech-voice", "nova")
     page.click("#speech-go")
     done = _wait_door(page, "speech")
@@ -822,7 +822,7 @@ def _image_section(page, shots: Path) -> None:
     assert page.locator("#image-status").inner_text() == refused["message"]
     page.fill("#image-size", "auto")
     page.click("#image-go")
-    done = _wait_door(page, "image", 60000)
+    done = _wait_door(page, "image")
     assert done["state"] == "done", done
     page.wait_for_function("() => window.parleyDoors.image.width > 0", timeout=5000)
     done = page.evaluate("() => window.parleyDoors.image")

@@ -152,10 +152,12 @@ function initTranscription(api) {
   ui.go.addEventListener('click', () => run(ui.go, ui.status, doors.transcription, () => transcribe(api, ui, state.clip)));
 }
 
+// Record / Stop. While recording, Transcribe waits; at RECORD_MAX_SECONDS the recording stops itself.
 async function toggleRecording(ui, state, useClip) {
-  if (state.recorder) {
-    const { wav, ms } = await state.recorder.stop();
-    state.recorder = null;
+  const recorder = state.recorder;
+  if (recorder) {
+    state.recorder = null; // before the await: a second Stop (or the cap) finds nothing to stop
+    const { wav, ms } = await recorder.stop();
     doors.transcription.recordedMs = ms;
     ui.record.textContent = 'Record';
     ui.record.setAttribute('aria-pressed', 'false');
@@ -166,15 +168,20 @@ async function toggleRecording(ui, state, useClip) {
     doors.transcription.recordingMs = ms;
     say(ui.clip, `Recording… ${seconds(ms)} (press Stop when done)`);
   };
-  const recorder = new MicRecorder(progress,
-    () => { if (state.recorder === recorder) toggleRecording(ui, state, useClip); });
+  const next = new MicRecorder(progress, () => { if (state.recorder === next) toggleRecording(ui, state, useClip); });
+  ui.record.disabled = true;
+  ui.go.disabled = true;
   try {
-    await recorder.start();
+    await next.start();
   } catch (e) {
+    next.stop().catch(() => { /* partly started */ });
     say(ui.clip, `Could not record: ${e && e.message ? e.message : e}`, true);
+    ui.go.disabled = !state.clip;
     return;
+  } finally {
+    ui.record.disabled = false;
   }
-  state.recorder = recorder;
+  state.recorder = next;
   ui.file.value = ''; // the recording replaces a chosen file
   ui.record.textContent = 'Stop';
   ui.record.setAttribute('aria-pressed', 'true');
@@ -206,8 +213,9 @@ class MicRecorder {
   }
 
   async stop() {
-    for (const t of this.stream.getTracks()) t.stop();
-    await this.ctx.close();
+    if (this.stream) for (const t of this.stream.getTracks()) t.stop();
+    if (this.ctx && this.ctx.state !== 'closed') await this.ctx.close();
+    if (!this.recording) return null; // it never started
     return { wav: this.recording.wav(), ms: this.recording.seconds * 1000 };
   }
 }
@@ -252,9 +260,11 @@ async function generate(api, ui) {
     method: 'POST', headers: { ...api.auth, 'Content-Type': 'application/json' }, body: JSON.stringify(body),
   });
   if (!r.ok) throw new Error(await failure(r));
+  let completed = false;
   for await (const event of serverSentEvents(r.body)) {
     if (event.type === 'error') throw new Error((event.error && event.error.message) || 'the generation failed');
     if (!event.b64_json) continue;
+    completed ||= event.type === 'image_generation.completed';
     ui.out.src = `data:image/${event.output_format || 'png'};base64,${event.b64_json}`;
     ui.out.alt = prompt;
     ui.out.hidden = false;
@@ -266,6 +276,7 @@ async function generate(api, ui) {
         + ` (${doors.image.partials} previews on the way).`);
     }
   }
+  if (!completed) throw new Error('The stream ended before the image was complete.');
 }
 
 // The JSON `data:` of each event of a text/event-stream body.
