@@ -759,7 +759,7 @@ def _chat_section(page, shots: Path) -> None:
 def _speech_section(page, shots: Path, tmp_path: Path) -> Path:
     """POST /v1/audio/speech: the voice list is the door's; the WAV the page plays is real speech."""
     import soundfile
-    from parley.realtime.demo_model import OPENAI_VOICE_NAMES
+    from parley.realtime.server.demo_model import OPENAI_VOICE_NAMES
 
     voices = page.eval_on_selector_all("#speech-voice option", "os => os.map((o) => o.value)")
     assert set(OPENAI_VOICE_NAMES) <= set(voices), voices
