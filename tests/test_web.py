@@ -322,13 +322,11 @@ def run_page_scenario(base_url: str, tmp_path: Path, *, expect_voices: list[str]
             page.wait_for_timeout(1000)  # let the meters and the readout settle for the picture
             stats_a = _stats(page)
             if expect_text:  # what the page shows is what arrived (read in one go: text keeps coming)
-                # Agent text is the box's bare text; the user's words (0x07, when the server
-                # transcribes) are in .user-text spans after "You:" labels.
+                # The agent's text is its pane's; the user's words (0x07, when the server
+                # transcribes) are in their own pane beside it.
                 shown, received, user_shown, user_received = page.evaluate(
-                    "() => { const t = document.getElementById('transcript');"
-                    " const bare = Array.from(t.childNodes).filter((n) => n.nodeType === 3).map((n) => n.textContent);"
-                    " const user = Array.from(t.querySelectorAll('.user-text')).map((n) => n.textContent);"
-                    " return [bare.join(''), window.parleyStats.text, user.join(''), window.parleyStats.userText]; }")
+                    "() => [document.getElementById('transcript').textContent, window.parleyStats.text,"
+                    " document.getElementById('user-transcript').textContent, window.parleyStats.userText]")
                 assert shown.strip() and shown == received
                 assert user_shown == user_received
                 result_user_text = user_shown
@@ -338,6 +336,8 @@ def run_page_scenario(base_url: str, tmp_path: Path, *, expect_voices: list[str]
             if screenshot:
                 shutil.copy(shot, f"/tmp/{name}.png")
             result = {"a": stats_a, "console": console, "user_text": result_user_text if expect_text else "",
+                      "user_pane": page.locator("#user-pane").is_visible(),
+                      "modalities": page.evaluate("() => window.parleyDoors.modalities"),
                       "notice": page.locator("#server-notice").inner_text() if page.locator("#server-notice").is_visible() else ""}
             if not check_full:
                 page.keyboard.press("Escape")
@@ -440,6 +440,7 @@ def test_page_with_parley_serve_echo(tmp_path):
     # The real server refuses the upgrade with HTTP 503, which a browser reports as 1006; the page
     # then read /readyz (no free slot) to show "Server full".
     assert res["b_full"]["closeCode"] == 1006
+    assert not res["user_pane"]  # no STT: the agent's text alone
     print(json.dumps({k: res["a"][k] for k in ("decodedFrames", "decodedMs", "playedFrames", "avgBufferedMs",
                                                "latencyMs", "underruns", "droppedMs", "rxRealtime", "outputLevelMax")}))
 
@@ -459,6 +460,7 @@ def test_page_behind_an_api_key_passes_it_on(tmp_path):
         res = run_page_scenario(url + "?api_key=sesame&transport=websocket", tmp_path, expect_voices=None, screenshot=None,
                                 check_full=False)
     _check_live_stats(res["a"], max_buffer_ms=200)
+    assert res["modalities"] == ["duplex"]  # GET /v1/models, sent with the key as a bearer token
 
 
 def test_page_with_parley_serve_demo(tmp_path):
@@ -475,6 +477,7 @@ def test_page_with_parley_serve_demo(tmp_path):
     _check_live_stats(res["a"], max_buffer_ms=200)
     assert "babble" in res["notice"], res["notice"]
     assert res["user_text"].strip(), "the demo's tiny STT should show (nonsense) user words"
+    assert res["user_pane"], "the user's words show beside the agent's"
 
 
 # --------------------------------------------------------------------------- web/ogg.js unit check
@@ -697,5 +700,192 @@ def test_page_over_webrtc_with_parley_serve_echo(tmp_path):
             errors = [line for line in console if line.startswith(("error", "pageerror", "B error"))
                       and "503" not in line]  # the refused call's fetch logs its 503
             assert not errors, errors
+        finally:
+            browser.close()
+
+
+# --------------------------------------------------------------------------- the other doors' sections
+
+SCREENSHOTS_ENV = "PARLEY_WEB_SCREENSHOTS"  # e.g. docs/figures/web: where the sections' pictures go
+
+
+def _screenshot_dir(tmp_path: Path) -> Path:
+    """$PARLEY_WEB_SCREENSHOTS (relative to the repository) when set, else the test's tmp folder."""
+    asked = os.environ.get(SCREENSHOTS_ENV)
+    folder = (ROOT / asked) if asked else tmp_path / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _wait_door(page, name: str, timeout_ms: int = 120000) -> dict:
+    """Waits for a section's request to end (window.parleyDoors[name].state done or error)."""
+    try:
+        page.wait_for_function("n => ['done', 'error'].includes(window.parleyDoors[n].state)", arg=name,
+                               timeout=timeout_ms)
+    except Exception as e:
+        raise AssertionError(f"the {name} section never finished: "
+                             f"{page.evaluate('() => window.parleyDoors')}") from e
+    return page.evaluate("n => window.parleyDoors[n]", name)
+
+
+def _blob_bytes(page, selector: str) -> bytes:
+    """The bytes behind a media element's blob: address, as the page holds them."""
+    data = page.evaluate("async (sel) => Array.from(new Uint8Array(await (await fetch("
+                         "document.querySelector(sel).src)).arrayBuffer()))", selector)
+    return bytes(data)
+
+
+def _chat_section(page, shots: Path) -> None:
+    """Over the page's default transport (WebRTC, GPT-Live's door), the demo's paired STT puts
+    the user's words in their pane beside the agent's."""
+    page.fill("#persona", PERSONA)
+    page.click("#connect")
+    _wait_state(page, "live", 30000)
+    try:  # a line or so each, for the picture
+        page.wait_for_function("() => window.parleyStats.text.trim().length > 40"
+                               " && window.parleyStats.userText.trim().length > 20", timeout=30000)
+    except Exception as e:
+        raise AssertionError(f"no text from both sides: {_stats(page)}") from e
+    stats = _stats(page)
+    assert stats["transport"] == "webrtc", stats
+    assert page.locator("#user-pane").is_visible()
+    shown = page.evaluate("() => [document.getElementById('user-transcript').textContent, window.parleyStats.userText]")
+    assert shown[0] == shown[1]
+    page.locator("#chat").screenshot(path=str(shots / "chat.png"))
+    page.keyboard.press("Escape")
+    _wait_state(page, "disconnected", 5000)
+
+
+def _speech_section(page, shots: Path, tmp_path: Path) -> Path:
+    """POST /v1/audio/speech: the voice list is the door's; the WAV the page plays is real speech."""
+    import soundfile
+    from parley.realtime.server.demo_model import OPENAI_VOICE_NAMES
+
+    voices = page.eval_on_selector_all("#speech-voice option", "os => os.map((o) => o.value)")
+    assert set(OPENAI_VOICE_NAMES) <= set(voices), voices
+    page.fill("#speech-input", "Hello from the page.")
+    page.select_option("#speech-voice", "nova")
+    page.click("#speech-go")
+    done = _wait_door(page, "speech")
+    assert done["state"] == "done", done
+    page.wait_for_function("() => document.getElementById('speech-audio').duration > 0", timeout=10000)
+    wav = tmp_path / "spoken.wav"
+    wav.write_bytes(_blob_bytes(page, "#speech-audio"))
+    audio, rate = soundfile.read(wav, dtype="float32")
+    assert len(wav.read_bytes()) == done["bytes"]
+    assert rate == 24000 and len(audio) / rate > 0.5 and np.sqrt(np.mean(audio ** 2)) > 0.001
+    assert "of speech" in page.locator("#speech-status").inner_text()
+    page.locator("#speech-section").screenshot(path=str(shots / "speech.png"))
+    return wav
+
+
+def _transcription_section(page, shots: Path, url: str, spoken: Path) -> None:
+    """POST /v1/audio/transcriptions: an uploaded file gives what the openai SDK gets for it (the
+    STT is greedy); a recording of the (fake) microphone is sent as a mono WAV and transcribed."""
+    from openai import OpenAI
+
+    page.set_input_files("#transcribe-file", str(spoken))
+    page.click("#transcribe-go")
+    done = _wait_door(page, "transcription")
+    assert done["state"] == "done" and done["clipBytes"] == spoken.stat().st_size, done
+    sdk = OpenAI(base_url=url + "v1", api_key="unused")
+    with open(spoken, "rb") as f:
+        expected = sdk.audio.transcriptions.create(model="whisper-1", file=f).text
+    assert done["text"] == expected and expected.strip()
+    assert page.locator("#transcribe-text").inner_text() == expected
+
+    page.click("#transcribe-record")
+    page.wait_for_function("() => window.parleyDoors.transcription.recordingMs >= 2000", timeout=15000)
+    page.click("#transcribe-record")  # Stop
+    page.wait_for_function("() => window.parleyDoors.transcription.recordedMs > 0", timeout=5000)
+    recorded = page.evaluate("() => window.parleyDoors.transcription")
+    clip = spoken.with_name("recorded.wav")
+    clip.write_bytes(_blob_bytes(page, "#transcribe-audio"))
+    with wave.open(str(clip)) as w:
+        assert w.getnchannels() == 1 and w.getsampwidth() == 2
+        assert abs(w.getnframes() / w.getframerate() * 1000 - recorded["recordedMs"]) < 25
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2") / 32768
+    assert recorded["recordedMs"] >= 2000 and np.sqrt(np.mean(pcm ** 2)) > 0.01  # the fake microphone's signal
+    page.click("#transcribe-go")  # its handler marks the request busy before it returns
+    done = _wait_door(page, "transcription")
+    assert done["state"] == "done" and done["text"].strip(), done
+    page.locator("#transcribe-section").screenshot(path=str(shots / "transcription.png"))
+
+
+def _image_section(page, shots: Path) -> None:
+    """POST /v1/images/generations, streamed: a size the server refuses shows its message; the
+    demo's native size streams previews, then the image."""
+    page.fill("#image-size", "4096x4096")
+    page.click("#image-go")
+    refused = _wait_door(page, "image")
+    assert refused["state"] == "error" and "size" in refused["message"], refused
+    assert page.locator("#image-status").inner_text() == refused["message"]
+    page.fill("#image-size", "auto")
+    page.click("#image-go")
+    done = _wait_door(page, "image")
+    assert done["state"] == "done", done
+    page.wait_for_function("() => window.parleyDoors.image.width > 0", timeout=5000)
+    done = page.evaluate("() => window.parleyDoors.image")
+    assert (done["width"], done["height"]) == (16, 16) and done["partials"] >= 1, done
+    page.locator("#image-section").screenshot(path=str(shots / "image.png"))
+
+
+def test_page_sections_with_parley_serve_demo(tmp_path):
+    """Plain `parley serve` (the demo serves a duplex model with a paired STT, a TTS, an STT and an
+    image model): the page shows the user's words beside the agent's, and a section for each other
+    modality /v1/models lists, each driven through its door as a client would. One screenshot a
+    section: to $PARLEY_WEB_SCREENSHOTS (docs/figures/web for docs/web.md) or the tmp folder."""
+    _need_browser()
+    _need_server()
+    from playwright.sync_api import sync_playwright
+
+    shots = _screenshot_dir(tmp_path)
+    wav = tmp_path / "mic.wav"
+    write_speechlike_wav(wav, seconds=10.0)
+    with parley_serve(tmp_path, None, max_sessions=1) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=CHROME_FLAGS + [f"--use-file-for-fake-audio-capture={wav}"])
+        try:
+            context = browser.new_context(viewport={"width": 900, "height": 1000})
+            context.grant_permissions(["microphone"], origin=url.rstrip("/"))
+            console: list[str] = []
+            page = context.new_page()
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(url)
+            page.wait_for_function("() => window.parleyDoors && window.parleyDoors.ready", timeout=10000)
+            assert set(page.evaluate("() => window.parleyDoors.modalities")) == {"duplex", "tts", "stt", "image"}
+            for section in ("#speech-section", "#transcribe-section", "#image-section"):
+                assert page.locator(section).is_visible(), section
+            _chat_section(page, shots)
+            spoken = _speech_section(page, shots, tmp_path)
+            _transcription_section(page, shots, url, spoken)
+            _image_section(page, shots)
+            errors = [line for line in console if line.startswith(("error", "pageerror")) and "400" not in line]
+            assert not errors, errors  # the refused size's fetch logs its 400
+        finally:
+            browser.close()
+    assert sorted(f.name for f in shots.glob("*.png")) == ["chat.png", "image.png", "speech.png", "transcription.png"]
+
+
+def test_page_shows_no_sections_for_a_server_without_them(tmp_path):
+    """`parley serve --model <echo checkpoint>` serves the duplex model alone: /v1/models lists
+    no other modality, so no section shows, and the user's pane neither (no STT)."""
+    _need_browser()
+    _need_server()
+    from playwright.sync_api import sync_playwright
+    from parley.models.synthetic import write_echo_checkpoint
+
+    ckpt = write_echo_checkpoint(tmp_path / "echo_ckpt")
+    with parley_serve(tmp_path, ckpt, max_sessions=1) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROME_FLAGS)
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            page.wait_for_function("() => window.parleyDoors && window.parleyDoors.ready", timeout=10000)
+            page.wait_for_load_state("networkidle")
+            assert page.evaluate("() => window.parleyDoors.modalities") == ["duplex"]
+            for section in ("#speech-section", "#transcribe-section", "#image-section", "#user-pane"):
+                assert page.locator(section).is_hidden(), section
         finally:
             browser.close()

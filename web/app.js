@@ -10,10 +10,13 @@
 //   -> Ogg pages -> WebSocket messages tagged 0x01.
 // WebSocket 0x01 -> Ogg reader -> WebCodecs AudioDecoder -> jitter buffer worklet -> speakers.
 // WebSocket 0x02 -> the agent's text. 0x00 -> the session is ready (prefill done).
+//
+// The sections below the chat (speech, transcription, images) are sections.js's.
 
 import { OggOpusWriter, OggReader, isOpusHead, isOpusTags, parseOpusHead, opusPacketSamples48k } from './ogg.js';
 import { Resampler, levels, meterValue } from './dsp.js';
 import { Recording } from './recorder.js';
+import { initSections } from './sections.js';
 
 const MODEL_RATE = 24000;
 const FRAME_SAMPLES = 480; // 20 ms Opus frames, as the Moshi browser client sends
@@ -94,6 +97,9 @@ const ui = {
   download: $('download'),
   voiceNote: $('voice-note'),
   transcript: $('transcript'),
+  userTranscript: $('user-transcript'),
+  userPane: $('user-pane'),
+  transcripts: $('transcripts'),
   clear: $('clear'),
   micBar: $('mic-meter'),
   agentBar: $('agent-meter'),
@@ -154,29 +160,21 @@ function usesWebRTC() {
   return Boolean(serverInfo.webrtc) && typeof RTCPeerConnection !== 'undefined'
     && pageParams.get('transport') !== 'websocket';
 }
-let lastSpeaker = 'agent';
 
-// Both sides as text: the agent's pieces as they are, the user's in their own labelled lines.
+// Both sides as text, side by side: the agent's pieces in its pane, the user's (from the
+// server's STT) in theirs. Each pane follows its end unless the reader scrolled up.
 function appendText(piece, speaker = 'agent') {
   if (speaker === 'agent') stats.text += piece; else stats.userText += piece;
-  const t = ui.transcript;
+  const t = speaker === 'agent' ? ui.transcript : ui.userTranscript;
   const atBottom = t.scrollHeight - t.scrollTop - t.clientHeight < 24;
-  if (transcribesUser && speaker !== lastSpeaker) {
-    const label = document.createElement('span');
-    label.className = `speaker ${speaker}`;
-    label.textContent = `${t.textContent ? '\n' : ''}${speaker === 'user' ? 'You' : 'Agent'}: `;
-    t.append(label);
-    lastSpeaker = speaker;
-  }
-  if (speaker === 'user') {
-    const span = document.createElement('span');
-    span.className = 'user-text';
-    span.textContent = piece;
-    t.append(span);
-  } else {
-    t.append(piece);
-  }
+  t.append(piece);
   if (atBottom) t.scrollTop = t.scrollHeight;
+}
+
+// The user's pane beside the agent's, where the server transcribes the user.
+function showUserPane(on) {
+  ui.userPane.hidden = !on;
+  ui.transcripts.dataset.user = String(on);
 }
 
 function checkSupport() {
@@ -831,7 +829,12 @@ function disconnect() {
 
 ui.connect.addEventListener('click', () => (session ? disconnect() : connect()));
 ui.mute.addEventListener('click', () => setMuted(!muted));
-ui.clear.addEventListener('click', () => { ui.transcript.textContent = ''; stats.text = ''; stats.userText = ''; lastSpeaker = 'agent'; });
+ui.clear.addEventListener('click', () => {
+  ui.transcript.textContent = '';
+  ui.userTranscript.textContent = '';
+  stats.text = '';
+  stats.userText = '';
+});
 ui.download.addEventListener('click', downloadRecording);
 document.addEventListener('keydown', (e) => {
   if (e.key === 'Escape' && session) { e.preventDefault(); disconnect(); return; }
@@ -887,6 +890,7 @@ async function loadInfo() {
       ui.voice.disabled = true;
     }
     transcribesUser = Boolean(info && info.session_transcript);
+    showUserPane(transcribesUser);
     serverInfo = info || {};
     if (usesWebRTC()) ui.headphones.textContent = HEADPHONES_WEBRTC;
     const notice = info && (info.notice || (info.demo ? 'This server runs the tiny demo model: it babbles. Start `parley serve --model ...` with real weights to talk for real.' : ''));
@@ -905,3 +909,4 @@ if (missing.length) {
 setState('idle', '');
 loadVoices();
 loadInfo();
+initSections({ base: apiBase, key: apiKey });

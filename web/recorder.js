@@ -5,15 +5,17 @@
 // are placed by the audio clock (AudioContext.currentTime of their first sample), so they
 // line up as the user heard them. Kept as 16-bit samples and capped (MAX_SECONDS) so a long
 // call cannot grow memory without bound; the WAV is built only when downloaded.
+// With `channels` 1 it records the microphone alone (the transcription section's recording).
 
 export const MAX_SECONDS = 15 * 60;
 
 export class Recording {
-  constructor(sampleRate, maxSeconds = MAX_SECONDS) {
+  constructor(sampleRate, maxSeconds = MAX_SECONDS, channels = 2) {
     this.sampleRate = sampleRate;
+    this.channels = channels;
     this.maxSamples = Math.round(maxSeconds * sampleRate);
     this.t0 = null; // audio-clock time of sample 0
-    this.chunks = [[], []]; // per channel: {at, pcm: Int16Array}
+    this.chunks = Array.from({ length: channels }, () => []); // per channel: {at, pcm: Int16Array}
     this.length = 0; // samples, the longer channel
     this.truncated = false;
   }
@@ -33,13 +35,14 @@ export class Recording {
     this.length = Math.max(this.length, at + n);
   }
 
-  // A stereo 16-bit PCM WAV file.
+  // A 16-bit PCM WAV file (stereo by default).
   wav() {
     const frames = this.length;
-    const data = new Int16Array(frames * 2);
-    for (let ch = 0; ch < 2; ch++) {
+    const nch = this.channels;
+    const data = new Int16Array(frames * nch);
+    for (let ch = 0; ch < nch; ch++) {
       for (const { at, pcm } of this.chunks[ch]) {
-        for (let i = 0; i < pcm.length; i++) data[(at + i) * 2 + ch] = pcm[i];
+        for (let i = 0; i < pcm.length; i++) data[(at + i) * nch + ch] = pcm[i];
       }
     }
     const header = new DataView(new ArrayBuffer(44));
@@ -50,10 +53,10 @@ export class Recording {
     text(12, 'fmt ');
     header.setUint32(16, 16, true); // PCM fmt chunk size
     header.setUint16(20, 1, true); // PCM
-    header.setUint16(22, 2, true); // channels
+    header.setUint16(22, nch, true); // channels
     header.setUint32(24, this.sampleRate, true);
-    header.setUint32(28, this.sampleRate * 4, true); // byte rate
-    header.setUint16(32, 4, true); // block align
+    header.setUint32(28, this.sampleRate * 2 * nch, true); // byte rate
+    header.setUint16(32, 2 * nch, true); // block align
     header.setUint16(34, 16, true); // bits per sample
     text(36, 'data');
     header.setUint32(40, data.byteLength, true);
