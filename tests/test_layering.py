@@ -86,3 +86,79 @@ def test_every_package_folder_is_installed():
     folders = {PACKAGES[top] + "".join(f".{p}" for p in init.parent.relative_to(ROOT / top).parts)
                for top in PACKAGES for init in (ROOT / top).rglob("__init__.py")}
     assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+# The edge's rooms (realtime/ROOM/): server/ builds the engine and its pools and hands the doors the
+# engine client (realtime/engine_client.py); every other room reaches the engine through that module only.
+ENGINE_BUILDERS = ("realtime/server/", "realtime/cli.py", "realtime/engine_client.py")
+
+
+def room_of(where: str) -> str | None:
+    """`realtime/chat/protocol.py` -> "chat"; a top-level module (cli.py, engine_client.py) -> None."""
+    parts = where.split("/")
+    return parts[1] if len(parts) > 2 else None
+
+
+def engine_bypasses(found) -> list[str]:
+    """Imports of parley.engine from a file that is neither the engine client nor a builder of the engine."""
+    return [f"{where}:{line}: imports {module}; go through realtime/engine_client.py"
+            for where, line, module, _ in found
+            if below(module, "parley.engine") and not where.startswith(ENGINE_BUILDERS)]
+
+
+def private_crossings(found) -> list[str]:
+    """Imports of another room's private names (a leading underscore: a module or a name)."""
+    wrong = []
+    for where, line, module, names in found:
+        if not below(module, "parley.realtime"):
+            continue
+        parts = module.split(".")[2:]  # parley.realtime.ROOM.module...
+        if not parts or parts[0] == room_of(where):
+            continue
+        private = [p for p in parts if p.startswith("_") and p != "__init__"] + [n for n in names if n.startswith("_")]
+        if private:
+            wrong.append(f"{where}:{line}: imports {', '.join(private)} from {module} (another room's internals)")
+    return wrong
+
+
+def test_doors_reach_the_engine_only_through_the_engine_client():
+    assert not (wrong := engine_bypasses(imports("realtime"))), "\n".join(wrong)
+
+
+def test_no_room_imports_another_rooms_private_names():
+    assert not (wrong := private_crossings(imports("realtime"))), "\n".join(wrong)
+
+
+def test_the_room_checks_catch_what_they_forbid():
+    """The two checks above, on imports made up to break them (so neither passes by finding nothing)."""
+    found = [("realtime/chat/protocol.py", 3, "parley.engine", ("Engine",)),
+             ("realtime/server/services.py", 4, "parley.engine", ("Engine",)),  # server/ builds the engine
+             ("realtime/engine_client.py", 5, "parley.engine", ("FrameOut",)),
+             ("realtime/live/session.py", 6, "parley.realtime.calls.frame_output", ("_pace",)),
+             ("realtime/live/session.py", 7, "parley.realtime.calls._secret", ("thing",)),
+             ("realtime/live/session.py", 8, "parley.realtime.live.config", ("_own_room",)),  # its own room: fine
+             ("realtime/live/session.py", 9, "parley.realtime.calls.frame_output", ("FrameSender",))]
+    assert [w.split(":")[1] for w in engine_bypasses(found)] == ["3"]
+    assert [w.split(":")[1] for w in private_crossings(found)] == ["6", "7"]
+
+
+DOORS = ("chat", "realtime_api", "live", "calls", "webrtc", "http")
+REACHES = {"engine": "the engine (use the engine client)", "manager": "the session manager (use the edge's parts)"}
+
+
+def reaches_in(where: str, source: str) -> list[str]:
+    """Attribute reads in a door's room that reach through a connection to what lies behind its
+    parts (`edge.manager.metrics`, `manager.engine`): a door talks to the parts it composes."""
+    if room_of(where) not in DOORS:
+        return []
+    return [f"{where}:{node.lineno}: .{node.attr} reaches {REACHES[node.attr]}"
+            for node in ast.walk(ast.parse(source, where)) if isinstance(node, ast.Attribute) and node.attr in REACHES]
+
+
+def test_doors_never_reach_through_their_parts():
+    wrong = [w for path in sorted((ROOT / "realtime").rglob("*.py"))
+             for w in reaches_in(str(path.relative_to(ROOT)), path.read_text())]
+    assert not wrong, "\n".join(wrong)
+    made_up = "edge.manager.metrics.refused.inc()\nclient.engine.counters()\nedge.counters.refused()\n"
+    assert sorted(w.split(":")[1] for w in reaches_in("realtime/chat/protocol.py", made_up)) == ["1", "2"]
+    assert reaches_in("realtime/server/app.py", made_up) == []  # server/ builds and holds the engine

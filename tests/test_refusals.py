@@ -195,7 +195,7 @@ def test_a_request_refused_by_a_full_tts_pool(caplog, tiny_tts_dir):
     import torch
 
     from parley.engine import EngineConfig
-    from parley.realtime.http.speech_setup import load_speech_service
+    from parley.realtime.server.speech_setup import load_speech_service
 
     caplog.set_level(logging.INFO, logger="parley")
     service = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,

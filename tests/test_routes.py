@@ -134,7 +134,7 @@ def test_speech_takes_every_key_the_middleware_takes(tiny_tts_dir):
     import torch
 
     from parley.engine import EngineConfig
-    from parley.realtime.http.speech_setup import load_speech_service
+    from parley.realtime.server.speech_setup import load_speech_service
 
     service = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,
                                   device="cpu", dtype=torch.float32)

@@ -25,7 +25,7 @@ from parley.realtime.cli import main as cli_main
 from parley.realtime.server.served_models import ModelNotFound, ServedModels, parse_served_names
 from parley.realtime.server.serve import ServeConfig, ServeError
 from parley.realtime.server.services import ServerInfo, Services, build_images, build_services, register_slack_source
-from parley.realtime.http.speech_setup import load_speech_service
+from parley.realtime.server.speech_setup import load_speech_service
 
 from server_harness import serve
 from test_server_transcriptions import wav_bytes

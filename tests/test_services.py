@@ -19,7 +19,7 @@ from parley.models.tiny_diffusion import write_tiny_pipeline
 from parley.realtime.server.app import create_app
 from parley.realtime.server.serve import ServeConfig, ServeError, build_app
 from parley.realtime.server.services import ServerInfo, Services, build_services
-from parley.realtime.http.speech_setup import load_speech_service
+from parley.realtime.server.speech_setup import load_speech_service
 
 from server_harness import serve
 from test_server_transcriptions import wav_bytes

@@ -31,7 +31,7 @@ from parley.realtime.server.served_models import ServedModels
 from parley.realtime.server.services import Services
 from parley.realtime.server.demo_model import OPENAI_VOICE_NAMES
 from parley.realtime.media.speech_formats import to_int16
-from parley.realtime.http.speech_setup import load_speech_service
+from parley.realtime.server.speech_setup import load_speech_service
 from server_harness import serve
 
 TEXT = "Hello there, how are you?"

@@ -10,7 +10,7 @@ from parley.models.config import tiny_mimi_config
 from parley.models.mimi.codec import Mimi
 from parley.models.tensor_sharing import share_equal_tensors
 from parley.models.tts_checkpoint import load_tts_checkpoint
-from parley.realtime.http.speech_setup import load_speech_service
+from parley.realtime.server.speech_setup import load_speech_service
 
 
 def _copy(mimi: Mimi) -> Mimi:

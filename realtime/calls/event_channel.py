@@ -60,7 +60,7 @@ class EventChannel:
 
     async def _send_text(self, text: str) -> int:
         try:
-            await self.edge.send_text(text)
+            await self.edge.outbox.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError):
             return 0  # the client left; the receive loop sees the disconnect and ends the session
         return len(text)
@@ -74,7 +74,7 @@ class EventChannel:
 
     async def error(self, exc: ClientError) -> None:
         """The client's mistake, counted, as an `error` naming its event."""
-        self.edge.manager.metrics.protocol_errors.labels(self.protocol).inc()
+        self.edge.counters.protocol_error()
         event = self.error_event(str(exc), exc.code, param=exc.param, client_event_id=self.client_event_id)
         if self._errors_to is not None:  # a sideband's event: its error is that sideband's alone
             self._errors_to(event)
@@ -89,11 +89,11 @@ class EventChannel:
         """One message as an event with a type (None: it was bad, and the client was told)."""
         event_id = None
         try:
-            event = parse_client_event(data, self.edge.manager.defaults.limits)
+            event = parse_client_event(data, self.edge.defaults.limits)
             event_id = client_event_id(event)
             event_type(event)
         except ClientError as exc:
-            self.edge.manager.metrics.protocol_errors.labels(self.protocol).inc()
+            self.edge.counters.protocol_error()
             await self._send_text(json.dumps(self.error_event(str(exc), exc.code, param=exc.param,
                                                               client_event_id=event_id), separators=(",", ":")))
             return None

@@ -22,7 +22,7 @@ async def next_message(edge: EdgeSession) -> str | bytes | None:
     data = await edge.transport.receive()
     if data is None:
         return None
-    if not await edge.admit_message(len(data)):
+    if not await edge.outbox.admit_message(len(data)):
         return None
     return data
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable
 
-from parley.engine import FrameOut
-
+from ..engine_client import FrameOut
 from ..sessions.session import EdgeSession
 from .event_reader import Event
 
@@ -29,19 +28,19 @@ class FrameSender:
     def lagging(self, frame: FrameOut) -> bool:
         """Over a socket, whether this frame's audio is dropped: it would reach the client more than
         the lag limit late (counted by the edge). Never on a track (bounded there)."""
-        return not self.on_track and self.edge.drop_if_lagging(frame.produced_at)
+        return not self.on_track and self.edge.outbox.drop_if_lagging(frame.produced_at)
 
     async def send(self, audio: Event) -> None:
         """An audio event over the socket, its size told to the lag meter."""
-        self.edge.lag.sent(await self._send(audio))
+        self.edge.outbox.lag.sent(await self._send(audio))
 
     def play(self, frame: FrameOut) -> None:
         """The frame onto the call's track."""
-        self.edge.play(frame.pcm)
+        self.edge.outbox.play(frame.pcm)
 
     def count(self, frame: FrameOut) -> None:
         """One frame out (sent, or queued on the track), and its delay since the tick produced it."""
-        self.edge.observe_frame_sent(frame.produced_at)
+        self.edge.counters.frame_sent(frame.produced_at)
 
 
 class PlayingResponse:

@@ -45,7 +45,7 @@ class InputPacer:
                                   "heard; this chunk was dropped", "invalid_value", "audio")
             self.queue(pcm)
             return
-        session = self.edge.engine_session
+        session = self.edge.slot.session
         if session is not None:
             session.push_audio(pcm)
 
@@ -70,7 +70,7 @@ class InputPacer:
                 else:
                     self._feed.popleft()
                 self._feed_samples -= frame.size
-                session = self.edge.engine_session
+                session = self.edge.slot.session
                 if session is not None:
                     session.push_audio(frame)
                 due += step * frame.size / FRAME_SAMPLES

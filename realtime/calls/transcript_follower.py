@@ -1,6 +1,6 @@
 """What the paired STT row hears on a connection (engine/stt_paired.py), followed in a task beside
 the connection's two directions while the session wants it, on both OpenAI doors; across a
-re-prefill it follows the new engine session (EdgeSession.follow_transcript).
+re-prefill it follows the new engine session (Slot.follow_transcript).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class TranscriptFollower:
     def start(self) -> None:
         """Follow the transcript, unless it is followed already (or was, until its session ended)."""
         if self._task is None:
-            self._task = asyncio.create_task(self.edge.follow_transcript(self.heard, self.failed))
+            self._task = asyncio.create_task(self.edge.slot.follow_transcript(self.heard, self.failed))
 
     def stop(self) -> None:
         if self._task is not None:

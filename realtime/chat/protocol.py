@@ -37,17 +37,18 @@ from typing import Mapping
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from parley.engine import (
-    EngineClosed, EngineFull, FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status, Terminal,
+from ..engine_client import (
+    FrameOut, OptionsError, OptionsRejected, SamplingOptions, SessionClosed, SessionFull, SessionOptions, Status,
+    Terminal,
 )
-
 from ..http.models import deny_unserved_model
 from ..media.opus import CodecUnavailable, OpusError
 from ..server.security import choose_subprotocol
 from ..sessions.session import (
     CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG,
-    CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager, now,
+    CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager,
 )
+from ..server.state import app_state
 
 log = logging.getLogger("parley.moshi")
 
@@ -124,14 +125,14 @@ def _number(param: str, raw: str, parse: type) -> float | int:
 
 async def chat_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
-    manager: SessionManager = websocket.app.state.sessions
+    manager: SessionManager = app_state(websocket).sessions
     if await deny_unserved_model(websocket, "duplex"):  # ?model=, if given: server/served_models.py
         return
     reservation = await manager.admission.reserve_or_deny(websocket)
     if reservation is None:
         return
     edge = manager.attach(websocket, PROTOCOL, reservation)
-    edge.notice = lambda reason: edge.send_bytes(bytes([TAG_ERROR]) + reason.encode())
+    edge.notice = lambda reason: edge.outbox.send_bytes(bytes([TAG_ERROR]) + reason.encode())
     try:
         await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
         await _serve(edge, manager)
@@ -145,34 +146,34 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
     websocket = edge.websocket
     try:
         options = options_from_query(websocket.query_params, manager.defaults.options)
-        await edge.open_engine_session(options)
-    except EngineFull as exc:
-        await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"server full: {exc}")
+        await edge.slot.open(options)
+    except SessionFull as exc:
+        await edge.outbox.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"server full: {exc}")
         return
-    except (OptionsError, SessionRejected) as exc:
-        manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-        await edge.refuse(CLOSE_POLICY, "options", str(exc))
+    except (OptionsError, OptionsRejected) as exc:
+        edge.counters.protocol_error()
+        await edge.outbox.refuse(CLOSE_POLICY, "options", str(exc))
         return
-    except EngineClosed as exc:
-        await edge.refuse(CLOSE_INTERNAL, "unavailable", f"engine unavailable: {exc}")
+    except SessionClosed as exc:
+        await edge.outbox.refuse(CLOSE_INTERNAL, "unavailable", f"engine unavailable: {exc}")
         return
 
     transcript = None
     if websocket.query_params.get("transcript", "0") not in ("0", "", "false"):
         try:
-            transcript = manager.engine.enable_transcription(edge.engine_session)
+            transcript = edge.slot.transcription()
         except OptionsError as exc:
-            manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-            await edge.refuse(CLOSE_POLICY, "options", f"transcript=1: {exc}")
+            edge.counters.protocol_error()
+            await edge.outbox.refuse(CLOSE_POLICY, "options", f"transcript=1: {exc}")
             return
 
     try:
         edge.codec = manager.codec.open()  # pinned to one codec worker for the connection's life
     except CodecUnavailable as exc:
-        await edge.refuse(CLOSE_INTERNAL, "codec", f"audio codec unavailable: {exc}")
+        await edge.outbox.refuse(CLOSE_INTERNAL, "codec", f"audio codec unavailable: {exc}")
         return
     log.info("chat session %d open (persona %d chars, voice %s)", edge.number, len(options.persona), options.voice)
-    await edge.send_bytes(HANDSHAKE)
+    await edge.outbox.send_bytes(HANDSHAKE)
     user_text = asyncio.create_task(_send_user_text(edge, transcript)) if transcript is not None else None
     try:
         await edge.run_duplex(_send_frames(edge), _receive(edge))
@@ -186,8 +187,8 @@ async def _serve(edge: EdgeSession, manager: SessionManager) -> None:
 async def _receive(edge: EdgeSession) -> None:
     """Client -> engine: tags, Ogg bytes -> PCM -> push_audio. Returns when the client leaves
     or after closing the socket for bad input."""
-    websocket, manager = edge.websocket, edge.manager
-    assert edge.codec is not None and edge.engine_session is not None
+    websocket = edge.websocket
+    assert edge.codec is not None and edge.slot.session is not None
     while True:
         message = await websocket.receive()
         received = time.monotonic()  # before the Opus decode: transcript delay counts from here
@@ -195,45 +196,46 @@ async def _receive(edge: EdgeSession) -> None:
             return
         data = message.get("bytes")
         if data is None:  # a text frame: not part of this protocol, ignored (the docs say so)
-            if not await edge.admit_message(len(message.get("text") or "")):
+            if not await edge.outbox.admit_message(len(message.get("text") or "")):
                 return
             continue
-        if not await edge.admit_message(len(data)):
+        if not await edge.outbox.admit_message(len(data)):
             return
         if len(data) > MAX_MESSAGE_BYTES:
-            manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-            await edge.refuse(CLOSE_TOO_BIG, "too_large", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+            edge.counters.protocol_error()
+            await edge.outbox.refuse(CLOSE_TOO_BIG, "too_large",
+                                     f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
             return
         if not data or data[0] != TAG_AUDIO:
             continue  # unknown or server-only tags are ignored
         try:
             pcm = await edge.codec.decode(data[1:])
         except OpusError as exc:
-            manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-            await edge.close_socket(CLOSE_INVALID_PAYLOAD, str(exc))
+            edge.counters.protocol_error()
+            await edge.outbox.close_socket(CLOSE_INVALID_PAYLOAD, str(exc))
             return
         except CodecUnavailable as exc:
             await _codec_lost(edge, exc)
             return
         if pcm.size:
-            edge.engine_session.push_audio(pcm, received)
+            edge.slot.session.push_audio(pcm, received)
 
 
 async def _send_frames(edge: EdgeSession) -> None:
     """Engine -> client: every frame leaves as soon as it is encoded (one message per page,
     no batching), text right after its frame's audio."""
-    session = edge.engine_session
+    session = edge.slot.session
     assert session is not None and edge.codec is not None
     async for event in session.events:
         if isinstance(event, Terminal):
             if event.status is Status.FAILED:
-                await edge.close_socket(CLOSE_INTERNAL, f"session failed: {event.reason}")
+                await edge.outbox.close_socket(CLOSE_INTERNAL, f"session failed: {event.reason}")
             elif event.status is Status.COMPLETED:
-                await edge.close_socket(CLOSE_NORMAL, event.reason)
+                await edge.outbox.close_socket(CLOSE_NORMAL, event.reason)
             return
         assert isinstance(event, FrameOut)
-        start = now()
-        lagging = edge.drop_if_lagging(event.produced_at)  # the client is behind: skip this (oldest) audio
+        start = time.perf_counter()
+        lagging = edge.outbox.drop_if_lagging(event.produced_at)  # the client is behind: skip this (oldest) audio
         try:
             page = b"" if lagging else await edge.codec.encode(event.pcm)
         except CodecUnavailable as exc:
@@ -241,16 +243,16 @@ async def _send_frames(edge: EdgeSession) -> None:
             return
         try:
             if page:
-                await edge.send_bytes(bytes([TAG_AUDIO]) + page)
+                await edge.outbox.send_bytes(bytes([TAG_AUDIO]) + page)
             if event.text:  # the text goes out even when the audio was dropped: it is tiny
-                await edge.send_bytes(bytes([TAG_TEXT]) + event.text.encode())
+                await edge.outbox.send_bytes(bytes([TAG_TEXT]) + event.text.encode())
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client left; the receive side sees the disconnect
         if lagging:
             continue
-        edge.lag.sent(len(page) + 1 if page else 0)  # a frame's audio may finish a page only later
-        edge.observe_frame_delay(now() - start)
-        edge.observe_frame_sent(event.produced_at)
+        edge.outbox.lag.sent(len(page) + 1 if page else 0)  # a frame's audio may finish a page only later
+        edge.counters.frame_handled(time.perf_counter() - start)
+        edge.counters.frame_sent(event.produced_at)
 
 
 async def _send_user_text(edge: EdgeSession, transcript) -> None:
@@ -260,16 +262,16 @@ async def _send_user_text(edge: EdgeSession, transcript) -> None:
             return
         if event.text:
             try:
-                await edge.send_bytes(bytes([TAG_USER_TEXT]) + event.text.encode())
+                await edge.outbox.send_bytes(bytes([TAG_USER_TEXT]) + event.text.encode())
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return
-            edge.observe_transcript_sent("paired", event.input_at)
+            edge.counters.transcript_sent("paired", event.input_at)
 
 
 async def _codec_lost(edge: EdgeSession, exc: CodecUnavailable) -> None:
     """This connection's Ogg streams are gone (worker crash / hang / shutdown): end it clearly."""
     if edge.closed:
         return
-    edge.manager.metrics.codec_failures.labels(PROTOCOL).inc()
+    edge.counters.codec_failure()
     log.warning("chat session %d: %s", edge.number, exc)
-    await edge.close_socket(CLOSE_INTERNAL, f"audio codec lost: {exc}")
+    await edge.outbox.close_socket(CLOSE_INTERNAL, f"audio codec lost: {exc}")

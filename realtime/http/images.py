@@ -28,19 +28,19 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 from PIL import Image
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from parley.engine import (
-    IMAGE_STALLED, MAX_PARTIAL_IMAGES, Engine, ImagePartial, ImageQueue, ImageQueueFull, ImageRefused, ImageRequest,
-    ImageResult, ImageSpec, Status, Terminal,
+from ..engine_client import (
+    IMAGE_STALLED, MAX_PARTIAL_IMAGES, EngineClient, ImageFacts, ImagePartial, ImageQueueFull, ImageRefused,
+    ImageResult, ImageSpec, Job, Status, Terminal,
 )
-
 from ..server.served_models import ModelNotFound
+from ..server.state import app_state
 
 log = logging.getLogger("parley.images")
 
@@ -76,10 +76,11 @@ def _invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
 
 @dataclass(frozen=True)
 class ImageService:
-    """What the route needs: the queue, the engine it runs on, and the model's facts."""
+    """The image modality as server/ built it: its queue and engine (which only the engine client
+    and the app's lifetime and /metrics use; the route submits through the client) and its name."""
 
-    queue: ImageQueue
-    engine: Engine
+    queue: Any  # the engine's ImageQueue
+    engine: Any  # the Engine it runs on
     model: str
 
     def close(self) -> None:
@@ -125,7 +126,7 @@ def _choice(body: dict, name: str, default: str, allowed) -> str:
     return value
 
 
-def parse_request(body: object, service: ImageService) -> Parsed:
+def parse_request(body: object, client: EngineClient) -> Parsed:
     """The request body -> a validated ImageSpec, or an ApiError naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object.")
@@ -133,7 +134,7 @@ def parse_request(body: object, service: ImageService) -> Parsed:
     if unknown:
         raise _invalid(unknown[0], f"unknown parameter {unknown[0]!r} (not supported by this server).",
                        "unknown_parameter")
-    stepper = service.queue.stepper
+    facts = client.image_facts()
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise _invalid("prompt", "prompt is required and must be non-empty text.")
@@ -142,8 +143,8 @@ def parse_request(body: object, service: ImageService) -> Parsed:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise _invalid("model", "model must be a model name (GET /v1/models lists them), or left out.")
-    n = _int(body, "n", 1, 1, min(MAX_N, service.queue.capacity))
-    width, height, size = _size(body.get("size"), stepper.latent_stride, stepper.default_size)
+    n = _int(body, "n", 1, 1, min(MAX_N, facts.capacity))
+    width, height, size = _size(body.get("size"), facts.latent_stride, facts.default_size)
     quality = _choice(body, "quality", "auto", list(QUALITY_STEPS))
     steps = _int(body, "num_inference_steps", None, 1, MAX_STEPS) or QUALITY_STEPS[quality]
     if body.get("response_format", "b64_json") not in (None, "b64_json"):
@@ -166,7 +167,7 @@ def parse_request(body: object, service: ImageService) -> Parsed:
     if partial and not stream:
         raise _invalid("partial_images", "partial_images needs stream: true.")
     seed = _int(body, "seed", None, 0, 2**31 - 1 - MAX_N)
-    guidance = body.get("guidance_scale", default_guidance(stepper))
+    guidance = body.get("guidance_scale", default_guidance(facts))
     if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= 50:
         raise _invalid("guidance_scale", f"guidance_scale must be a number from 0 to 50, got {guidance!r}.")
     negative = body.get("negative_prompt")
@@ -174,7 +175,7 @@ def parse_request(body: object, service: ImageService) -> Parsed:
         raise _invalid("negative_prompt", "negative_prompt must be text.")
     if body.get("user") is not None and not isinstance(body.get("user"), str):
         raise _invalid("user", "user must be text.")
-    refused = service.queue.refusal(width, height, stepper.cfg_for(guidance))
+    refused = client.image_refusal(width, height, guidance)
     if refused:
         raise _invalid("size", refused, "size_too_large")
     spec = ImageSpec(prompt, width, height, steps, float(guidance), n=n, negative=negative, seed=seed,
@@ -182,8 +183,8 @@ def parse_request(body: object, service: ImageService) -> Parsed:
     return Parsed(spec, stream, output_format, compression, quality, size)
 
 
-def default_guidance(stepper) -> float:
-    return 7.0 if stepper.family == "flow" else 7.5  # the pipelines' own __call__ defaults
+def default_guidance(facts: ImageFacts) -> float:
+    return 7.0 if facts.family == "flow" else 7.5  # the pipelines' own __call__ defaults
 
 
 SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -210,7 +211,7 @@ def encode_image(pixels, output_format: str, compression: int | None) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-async def _events(request: ImageRequest, engine: Engine) -> AsyncIterator[object]:
+async def _events(request: Job, client: EngineClient) -> AsyncIterator[object]:
     """The request's events, ending with its Terminal (a FAILED one if the engine stops)."""
     iterator = request.events.__aiter__()
     pending: asyncio.Future | None = None
@@ -220,7 +221,7 @@ async def _events(request: ImageRequest, engine: Engine) -> AsyncIterator[object
                 pending = asyncio.ensure_future(iterator.__anext__())
             done, _ = await asyncio.wait({pending}, timeout=HEALTH_POLL_S)
             if not done:
-                if not engine.healthy:
+                if not client.healthy:
                     request.cancel()
                     yield Terminal(Status.FAILED, "the engine stopped (see the server log)")
                     return
@@ -250,19 +251,19 @@ def _terminal_error(terminal: Terminal) -> ApiError:
 
 
 async def images_generations(http: Request) -> Response:
-    service: ImageService = http.app.state.images  # mounted only with an image model (server/doors.py)
+    state = app_state(http)  # mounted only with an image model (server/doors.py)
     try:
         body = json.loads(await http.body())
     except (ValueError, UnicodeDecodeError):
         return ApiError(400, "the request body is not valid JSON.").response()
     try:
-        parsed = parse_request(body, service)
-        http.app.state.models.resolve("image", body.get("model"))
-        if not service.engine.healthy:
+        parsed = parse_request(body, state.client)
+        state.models.resolve("image", body.get("model"))
+        if not state.client.healthy:
             raise ApiError(503, "the engine is not serving (see the server log).", kind="server_error")
-        request = service.queue.submit(parsed.spec)
+        request = state.client.submit_image(parsed.spec)
     except ImageQueueFull as exc:
-        http.app.state.refusals.record(http.scope, "full", str(exc))
+        state.refusals.record(http.scope, "full", str(exc))
         return ApiError(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error",
                         headers={"Retry-After": str(exc.retry_after_s)}).response()
     except ImageRefused as exc:
@@ -274,9 +275,9 @@ async def images_generations(http: Request) -> Response:
     log.info("image request %s: %dx%d, n=%d, %d steps, stream=%s", request.request_id, parsed.spec.width,
              parsed.spec.height, parsed.spec.n, parsed.spec.steps, parsed.stream)
     if parsed.stream:
-        return StreamingResponse(_sse(request, parsed, service), media_type="text/event-stream",
+        return StreamingResponse(_sse(request, parsed, state.client), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _collect(http, request, parsed, service)
+    return await _collect(http, request, parsed, state.client)
 
 
 def _fields(parsed: Parsed) -> dict:
@@ -284,7 +285,7 @@ def _fields(parsed: Parsed) -> dict:
             "output_format": parsed.output_format}
 
 
-async def _collect(http: Request, request: ImageRequest, parsed: Parsed, service: ImageService) -> Response:
+async def _collect(http: Request, request: Job, parsed: Parsed, client: EngineClient) -> Response:
     async def watch_disconnect() -> None:
         while (await http.receive())["type"] != "http.disconnect":
             pass
@@ -293,7 +294,7 @@ async def _collect(http: Request, request: ImageRequest, parsed: Parsed, service
     watcher = asyncio.create_task(watch_disconnect())
     images: dict[int, str] = {}
     try:
-        async for event in _events(request, service.engine):
+        async for event in _events(request, client):
             if isinstance(event, ImageResult):
                 images[event.image_index] = await asyncio.to_thread(encode_image, event.pixels,
                                                                     parsed.output_format, parsed.compression)
@@ -309,10 +310,10 @@ def _sse_event(kind: str, data: dict) -> bytes:
     return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-async def _sse(request: ImageRequest, parsed: Parsed, service: ImageService) -> AsyncIterator[bytes]:
+async def _sse(request: Job, parsed: Parsed, client: EngineClient) -> AsyncIterator[bytes]:
     multi = parsed.spec.n > 1
     try:
-        async for event in _events(request, service.engine):
+        async for event in _events(request, client):
             if isinstance(event, (ImagePartial, ImageResult)):
                 b64 = await asyncio.to_thread(encode_image, event.pixels, parsed.output_format, parsed.compression)
                 data = {"b64_json": b64, "created_at": int(time.time()), **_fields(parsed)}

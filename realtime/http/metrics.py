@@ -17,10 +17,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from parley.engine import FULL_COLLECTIONS, SLACK_COLLECTIONS, TICK_PHASES
-
+from ..engine_client import FULL_COLLECTIONS, SLACK_COLLECTIONS, TICK_PHASES
 from ..sessions.refusals import Refusals
 from ..server.workers import thread_cpu_seconds
+from ..server.state import app_state
 
 # Frame send delay buckets (seconds): a frame is due every 80 ms, so anything near that
 # means a client hears a gap.
@@ -205,4 +205,4 @@ class EdgeMetrics:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.sessions.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(app_state(request).sessions.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -14,6 +14,7 @@ from starlette.websockets import WebSocket
 from ..sessions.capacity import deny_upgrade
 from .not_found import openai_error
 from ..server.served_models import ModelNotFound, ServedModels
+from ..server.state import app_state
 
 
 def model_not_found(exc: ModelNotFound, param: str | None = "model") -> JSONResponse:
@@ -23,14 +24,14 @@ def model_not_found(exc: ModelNotFound, param: str | None = "model") -> JSONResp
 
 async def models_endpoint(request: Request) -> Response:
     """GET /v1/models."""
-    models: ServedModels = request.app.state.models
+    models: ServedModels = app_state(request).models
     return JSONResponse(models.listing())
 
 
 async def model_endpoint(request: Request) -> Response:
     """GET /v1/models/{id}: one model, or 404 model_not_found."""
     name = request.path_params["model"]
-    card = request.app.state.models.card(name)
+    card = app_state(request).models.card(name)
     if card is None:
         return openai_error(404, f"The model {name!r:.100} does not exist on this server (GET /v1/models lists "
                                  "every model).", param="model", code="model_not_found")
@@ -41,7 +42,7 @@ async def deny_unserved_model(websocket: WebSocket, modality: str) -> bool:
     """`?model=` in a WebSocket door's URL: a name `modality` is not served as gets the 404
     model_not_found before the upgrade (True: denied). Not given, or a modality this server
     lacks (its door then refuses the session itself, saying why): nothing to check."""
-    models: ServedModels = websocket.app.state.models
+    models: ServedModels = app_state(websocket).models
     asked = websocket.query_params.get("model")
     if asked is None or modality not in models.names:
         return False

@@ -20,6 +20,7 @@ from starlette.websockets import WebSocket
 
 from ..server import doors
 from ..sessions.capacity import deny_upgrade
+from ..server.state import app_state
 
 OPENAI_PREFIX = "/v1/"
 
@@ -60,7 +61,7 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
         return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
-    served = {door.path: door for door in request.app.state.doors}
+    served = {door.path: door for door in app_state(request).doors}
     door = served.get(path)
     if door is None:
         known = doors.BY_PATH.get(path)

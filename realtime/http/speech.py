@@ -34,17 +34,18 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from parley.engine import (SpeechFrontEnd, SpeechInputError, Status, Terminal, TtsAudio, TtsJob, TtsPool, TtsPoolFull,
-                           UnknownVoice)
+from ..engine_client import (Job, SpeechFrontEnd, SpeechInputError, Status, Terminal, TtsAudio, TtsPoolFull,
+                             UnknownVoice)
 
 from ..server.served_models import ModelNotFound
 from ..media.speech_formats import CONTENT_TYPES, FORMATS, make_encoder
 from .speech_options import SPEED_MAX, SPEED_MIN
+from ..server.state import app_state
 
 log = logging.getLogger("parley.speech")
 
@@ -56,10 +57,10 @@ FIELDS = {"model", "input", "voice", "instructions", "response_format", "speed",
 
 @dataclass
 class SpeechService:
-    """What the endpoint needs: the pool, the engine's text front end (voices, tokenizer,
-    conditions, sampling) and model facts."""
+    """What the endpoint needs: the engine's text front end (voices, tokenizer, conditions,
+    sampling) and model facts; and the TTS pool server/ built, which only the engine client calls."""
 
-    pool: TtsPool
+    pool: Any  # the engine's TtsPool: server/app.py hands it to the engine client; this door submits there
     front_end: SpeechFrontEnd
     codebooks: int  # audio codebooks per frame (usage's output tokens)
     model: str = "tts"  # the checkpoint's name (server/served_models.py adds the operator's aliases)
@@ -144,19 +145,21 @@ def parse_request(body: object, front_end: SpeechFrontEnd) -> SpeechParams:
 
 async def speech_endpoint(request: Request) -> Response:
     """POST /v1/audio/speech (mounted only with a TTS model: server/doors.py)."""
-    service: SpeechService = request.app.state.speech
+    state = app_state(request)
+    service = state.speech
+    assert service is not None  # mounted only with a TTS model
     try:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise SpeechError(400, "the request body is not valid JSON") from None
         params = parse_request(body, service.front_end)
-        request.app.state.models.resolve("tts", body.get("model"))
+        state.models.resolve("tts", body.get("model"))
         tts_request, input_tokens = service.front_end.request(params.text, params.voice, params.speed)
         try:
-            job = service.pool.submit(tts_request, asyncio.get_running_loop())
+            job = state.client.submit_speech(tts_request)
         except TtsPoolFull as exc:
-            request.app.state.refusals.record(request.scope, "full", str(exc))
+            state.refusals.record(request.scope, "full", str(exc))
             raise SpeechError(429, f"{exc}; retry shortly", code="tts_pool_full",
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except SpeechError as err:
@@ -187,16 +190,18 @@ async def speech_endpoint(request: Request) -> Response:
 
 async def voices_endpoint(request: Request) -> Response:
     """GET /v1/audio/voices."""
-    names = request.app.state.speech.voices.names()
+    speech = app_state(request).speech
+    assert speech is not None  # mounted only with a TTS model
+    names = speech.voices.names()
     return JSONResponse({"object": "list", "data": [{"id": n, "object": "voice", "name": n} for n in names]})
 
 
-async def _first_audio(job: TtsJob, request: Request) -> TtsAudio | Terminal | None:
+async def _first_audio(job: Job, request: Request) -> TtsAudio | Terminal | None:
     """Wait for the first audio frame (words are not sent on this API), watching for a client
     that disconnects meanwhile (None: it did; its row is cancelled)."""
 
     async def first() -> TtsAudio | Terminal:
-        async for event in job.stream:
+        async for event in job.events:
             if isinstance(event, (TtsAudio, Terminal)):
                 return event
         return Terminal(Status.FAILED, "the stream ended without a terminal")
@@ -216,12 +221,12 @@ async def _first_audio(job: TtsJob, request: Request) -> TtsAudio | Terminal | N
             job.cancel()
 
 
-async def _frames(job: TtsJob, first: TtsAudio | None) -> AsyncIterator[TtsAudio]:
+async def _frames(job: Job, first: TtsAudio | None) -> AsyncIterator[TtsAudio]:
     """The job's audio frames; a disconnect (the response task is cancelled) cancels the row."""
     try:
         if first is not None:
             yield first
-        async for event in job.stream:
+        async for event in job.events:
             if isinstance(event, TtsAudio):
                 yield event
             elif isinstance(event, Terminal) and event.status is not Status.COMPLETED:
@@ -230,7 +235,7 @@ async def _frames(job: TtsJob, first: TtsAudio | None) -> AsyncIterator[TtsAudio
         job.cancel()  # no-op once the row finished; frees it at the next tick otherwise
 
 
-async def _audio(job: TtsJob, first: TtsAudio | None, fmt: str) -> AsyncIterator[bytes]:
+async def _audio(job: Job, first: TtsAudio | None, fmt: str) -> AsyncIterator[bytes]:
     encoder = make_encoder(fmt)
     async for frame in _frames(job, first):
         chunk = encoder.push(frame.pcm)
@@ -241,7 +246,7 @@ async def _audio(job: TtsJob, first: TtsAudio | None, fmt: str) -> AsyncIterator
         yield tail
 
 
-async def _sse(job: TtsJob, first: TtsAudio | None, fmt: str, input_tokens: int,
+async def _sse(job: Job, first: TtsAudio | None, fmt: str, input_tokens: int,
                codebooks: int) -> AsyncIterator[bytes]:
     encoder = make_encoder(fmt)
     frames = 0

@@ -28,10 +28,12 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from parley.engine import Status, SttBusy, SttFailed, SttInputError, SttPartial, SttPool, Terminal, collect_transcript
 from parley.models import AudioFileError, read_audio_bytes
 
+from ..engine_client import (EngineClient, Status, SttBusy, SttFailed, SttInputError, SttPartial, Terminal,
+                             collect_transcript)
 from ..server.served_models import ModelNotFound
+from ..server.state import app_state
 
 log = logging.getLogger("parley.transcriptions")
 
@@ -119,8 +121,8 @@ def parse_options(fields: dict) -> TranscriptionOptions:
     return TranscriptionOptions(language, fmt, tuple(granularities), stream, temperature)
 
 
-async def _submit(pool: SttPool, upload: UploadFile, temperature: float):
-    """The upload decoded and fed to a new job on the pool, its input ended: (job, pcm)."""
+async def _submit(client: EngineClient, upload: UploadFile, temperature: float):
+    """The upload decoded and fed to a new transcription job, its input ended: (job, pcm)."""
     data = await upload.read(MAX_UPLOAD_BYTES + 1)
     if len(data) > MAX_UPLOAD_BYTES:
         raise RequestError(f"file is larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MB.", "file", 413)
@@ -129,7 +131,7 @@ async def _submit(pool: SttPool, upload: UploadFile, temperature: float):
     except AudioFileError as exc:
         raise RequestError(str(exc), "file") from exc
     try:
-        job = pool.submit(temperature=temperature)
+        job = client.submit_transcription(temperature=temperature)
     except SttInputError as exc:
         raise RequestError(str(exc), "temperature") from exc
     try:
@@ -142,21 +144,21 @@ async def _submit(pool: SttPool, upload: UploadFile, temperature: float):
 
 
 async def transcriptions_endpoint(request: Request) -> Response:
-    pool: SttPool = request.app.state.stt_pool  # mounted only with an STT model (server/doors.py)
+    state = app_state(request)  # mounted only with an STT model (server/doors.py)
     try:
         fields = await _form(request)
         upload = (fields.get("file") or [None])[0]
         if not isinstance(upload, UploadFile):
             raise RequestError("file is required (the audio to transcribe).", "file")
-        request.app.state.models.resolve("stt", _one(fields, "model") or None)
+        state.models.resolve("stt", _one(fields, "model") or None)
         options = parse_options(fields)
-        job, pcm = await _submit(pool, upload, options.temperature)
+        job, pcm = await _submit(state.client, upload, options.temperature)
     except RequestError as exc:
         return error_response(str(exc), exc.param, exc.status, exc.code)
     except ModelNotFound as exc:
         return error_response(str(exc), "model", 404, "model_not_found")
     except SttBusy as exc:
-        request.app.state.refusals.record(request.scope, "full", str(exc))
+        state.refusals.record(request.scope, "full", str(exc))
         return error_response(str(exc), None, 503, "server_busy")
 
     if options.stream:

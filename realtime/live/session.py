@@ -33,9 +33,9 @@ from typing import Awaitable, Callable
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from parley.engine import FrameOut, OptionsError, SessionRejected, Status
 from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
+from ..engine_client import FrameOut, OptionsError, OptionsRejected, Status
 from . import events as ev
 from ..media.audio_formats import InputDecoder, OutputEncoder
 from ..calls.engine_slot import open_or_refuse, reopen_or_lose
@@ -54,6 +54,7 @@ from ..realtime_api.turns import FRAME_MS
 from ..server.security import choose_subprotocol
 from ..calls.transcript_follower import TranscriptFollower
 from ..sessions.session import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, EdgeSession
+from ..server.state import app_state
 
 log = logging.getLogger("parley.live")
 
@@ -75,10 +76,9 @@ class LiveConnection:
     def __init__(self, edge: EdgeSession, served: tuple[str, ...]) -> None:
         # served: the names session.start's model may take (the duplex model's, server/served_models.py)
         self.edge = edge
-        self.manager = edge.manager
-        defaults = self.manager.defaults
+        defaults = self.edge.defaults
         self.channel = EventChannel(edge, PROTOCOL, ev.error)
-        self.caps = ModelCaps(prompts=defaults.prompts, transcribe=self.manager.engine.can_transcribe,
+        self.caps = ModelCaps(prompts=defaults.prompts, transcribe=self.edge.slot.can_transcribe,
                               models=served)
         self.policy = defaults.live_delegation
         self.backend = defaults.live_delegate  # None: Responses delegation is refused at start
@@ -109,7 +109,7 @@ class LiveConnection:
     @property
     def resource(self) -> dict:
         """The session resource, its blank instructions resolved to the server's persona."""
-        return self.config.resource(self.manager.defaults.options.persona)
+        return self.config.resource(self.edge.defaults.options.persona)
 
     @property
     def clock_ms(self) -> int:
@@ -127,7 +127,7 @@ class LiveConnection:
         if start is None and not await self._start():
             return
         if start is not None and not await self._open(start):
-            await self.edge.close_socket(CLOSE_POLICY, "the session could not start")
+            await self.edge.outbox.close_socket(CLOSE_POLICY, "the session could not start")
             return
         config = self.config
         fmt = self.resource["audio"]["format"]
@@ -159,7 +159,7 @@ class LiveConnection:
             except TimeoutError:
                 await self.send(ev.error(f"no session.start was accepted within {START_TIMEOUT_S:.0f} s",
                                          "session_start_timeout"))
-                await self.edge.close_socket(CLOSE_POLICY, "no session.start")
+                await self.edge.outbox.close_socket(CLOSE_POLICY, "no session.start")
                 return False
             if data is None:
                 return False
@@ -180,13 +180,13 @@ class LiveConnection:
 
     async def _open(self, config: LiveConfig) -> bool:
         """The engine session for `config`; False (and an error) if it cannot open."""
-        defaults = self.manager.defaults.options
+        defaults = self.edge.defaults.options
         options = dataclasses.replace(defaults, persona=config.persona(defaults.persona),
                                       voice=config.voice_prompt or defaults.voice)
         try:
             if not await open_or_refuse(self.channel, options):
                 return False
-        except (OptionsError, SessionRejected) as exc:  # the session may start again with other settings
+        except (OptionsError, OptionsRejected) as exc:  # the session may start again with other settings
             voice = config.voice_prompt is not None and "voice" in str(exc).lower()
             param = "session.audio.output.voice" if voice else "session.instructions"
             await self.error(ClientError(f"the model cannot use these settings: {exc}", "invalid_value", param))
@@ -261,7 +261,7 @@ class LiveConnection:
         """The session closes at once; a Responses run still in flight is cancelled (run's finally)."""
         await self.send(ev.session_closed(self.resource, "close_requested", self.seconds,
                                           self._client_event_id))
-        await self.edge.close_socket(CLOSE_NORMAL, "session closed")
+        await self.edge.outbox.close_socket(CLOSE_NORMAL, "session closed")
         raise SessionLost("closed by the client")
 
     @property
@@ -288,14 +288,14 @@ class LiveConnection:
         content = self._content(event)
         start = self.clock_ms
         try:
-            tokens = await self.manager.engine.force_text(self.edge.engine_session, content)
+            tokens = await self.edge.slot.force_text(content)
         except OptionsError as exc:
             raise ClientError(f"the commentary was not placed: {exc}", "invalid_value", "content") from None
         await self.send(ev.appended("commentary", start, start + tokens * FRAME_MS, self._client_event_id))
 
     async def _speak(self, text: str) -> int:
         """The Responses backend's commentary (live/responses.py), forced as a client's is."""
-        return await self.manager.engine.force_text(self.edge.engine_session, text[:MAX_APPEND_CHARS])
+        return await self.edge.slot.force_text(text[:MAX_APPEND_CHARS])
 
     async def _on_context(self, event: dict) -> None:
         """Instructions and thinking join the persona (PersonaPlex), by a re-prefill."""
@@ -309,24 +309,24 @@ class LiveConnection:
         await self.send(ev.appended(channel, start, self.clock_ms, self._client_event_id))
 
     async def _reprefill(self, context: tuple[str, ...]) -> None:
-        """Hand the slot to a session prefilled with the longer persona (EdgeSession.reopen)."""
-        persona = self.config.persona(self.manager.defaults.options.persona, context)
+        """Hand the slot to a session prefilled with the longer persona (Slot.reopen)."""
+        persona = self.config.persona(self.edge.defaults.options.persona, context)
         options = dataclasses.replace(self.options, persona=persona)
         async with self._reprefill_lock:
             try:
                 await reopen_or_lose(self.channel, options)
-            except SessionRejected as exc:  # the previous persona is back
+            except OptionsRejected as exc:  # the previous persona is back
                 raise ClientError(f"the model cannot take it: {exc}", "invalid_value", "content") from None
         self.context, self.options = context, options
 
     # ---- engine -> client ----
 
     async def _send_loop(self) -> None:
-        terminal = await self.edge.follow_frames(self._on_frame)
+        terminal = await self.edge.slot.follow_frames(self._on_frame)
         if terminal is not None and terminal.status is Status.FAILED:
             await self.channel.server_error(f"the session failed: {terminal.reason}", "session_failed")
             await self.send(ev.session_closed(self.resource, "connection_lost", self.seconds))
-            await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
+            await self.edge.outbox.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
 
     async def _on_frame(self, frame: FrameOut) -> None:
         start = self.clock_ms
@@ -365,7 +365,7 @@ class LiveConnection:
 async def live_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware); a full or
     draining server answers the upgrade with 503 (sessions/capacity.py)."""
-    manager = websocket.app.state.sessions
+    manager = app_state(websocket).sessions
     if await deny_unserved_model(websocket, "duplex"):  # a `?model=` in the URL: as on every door
         return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=True)
@@ -374,7 +374,7 @@ async def live_endpoint(websocket: WebSocket) -> None:
     edge = manager.attach(websocket, PROTOCOL, reservation)
     try:
         await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
-        connection = LiveConnection(edge, served=websocket.app.state.models.of("duplex"))
+        connection = LiveConnection(edge, served=app_state(websocket).models.of("duplex"))
         edge.notice = lambda reason: connection.send(ev.error(reason, "server_shutting_down", kind="server_error"))
         await connection.run()
     except (WebSocketDisconnect, OSError):

@@ -9,7 +9,7 @@ dialect are `realtime_api/endpoint.py`'s; transcription-only sessions are `realt
   events out;
 - `instructions` is the persona and `voice` the voice prompt: changing either (or the
   temperature) re-prefills the session (the slot is handed over without a gap, see
-  `EdgeSession.reopen`), then `session.updated` is sent;
+  `Slot.reopen`), then `session.updated` is sent;
 - audio items are fed to the model at real-time pace (the input buffer holds only 2 s), and
   live audio appended meanwhile queues behind them;
 - input transcription and semantic_vad read the session's paired STT row
@@ -30,11 +30,9 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from parley.engine import (
-    FrameOut, OptionsError, SamplingOptions, SessionOptions, SessionRejected, Status,
-)
 from parley.models import SAMPLE_RATE
 
+from ..engine_client import FrameOut, OptionsError, OptionsRejected, SamplingOptions, SessionOptions, Status
 from .events import Dialect, Event, Events, SessionConfig, new_id
 from .settings import (
     NO_STT, OPENAI_VOICES, TRANSCRIPTION_INTENT, ClientError, ModelCaps, apply_session_update, parse_item,
@@ -65,19 +63,18 @@ class RealtimeConnection:
         # transcription_sessions: the server has standalone STT rows (?intent=transcription works).
         # opening_error: told to the client right after session.created (a refused URL setting).
         self.edge = edge
-        self.manager = edge.manager
         self.events = Events(dialect)
         self.channel = EventChannel(edge, PROTOCOL, self.events.error)
-        self.caps = ModelCaps(prompts=self.manager.defaults.prompts, transcribe=self.manager.engine.can_transcribe,
+        self.caps = ModelCaps(prompts=self.edge.defaults.prompts, transcribe=self.edge.slot.can_transcribe,
                               transcribe_sessions=transcription_sessions, models=served,
-                              transcription_models=self.manager.models.of("stt"))
+                              transcription_models=self.edge.models.of("stt"))
         self._opening_error = opening_error
-        defaults = self.manager.defaults.options
+        defaults = self.edge.defaults.options
         config = SessionConfig(id=new_id("sess"), model=model, instructions=defaults.persona, voice=defaults.voice,
                                temperature=(defaults.sampling or SamplingOptions()).audio_temperature)
         self.turns = Turns(self.events, config,
-                           ConversationBudget(self.manager.defaults.limits.max_conversation_bytes))
-        self.options = self.manager.defaults.client_options(defaults)
+                           ConversationBudget(self.edge.defaults.limits.max_conversation_bytes))
+        self.options = self.edge.defaults.client_options(defaults)
         # reads the paired STT stream while a setting needs it
         self.transcript = TranscriptFollower(edge, self._transcript_heard, self._transcript_failed)
         self._reprefill_lock = asyncio.Lock()
@@ -111,9 +108,9 @@ class RealtimeConnection:
         try:
             if not await open_or_refuse(self.channel, self.options):
                 return
-        except (OptionsError, SessionRejected) as exc:
+        except (OptionsError, OptionsRejected) as exc:
             await self.channel.server_error(f"cannot start the session: {exc}", "session_failed")
-            await edge.refuse(CLOSE_INTERNAL, "options", str(exc))
+            await edge.outbox.refuse(CLOSE_INTERNAL, "options", str(exc))
             return
         await self.send(self.events.session_created(self.config))
         if self.config.needs_stt:  # configured before the session opened (a WebRTC call's settings)
@@ -199,7 +196,7 @@ class RealtimeConnection:
 
     def _session_options(self, config: SessionConfig) -> SessionOptions:
         """The engine options `config` asks for (OptionsError: SamplingOptions refused a value)."""
-        return self.manager.defaults.client_options(SessionOptions(
+        return self.edge.defaults.client_options(SessionOptions(
             persona=config.instructions, voice=None if config.voice in OPENAI_VOICES else config.voice,
             sampling=self._sampling(config.temperature)))
 
@@ -215,7 +212,7 @@ class RealtimeConnection:
                                                                          "reason": "client_cancelled"}))
             try:
                 await reopen_or_lose(self.channel, options)
-            except SessionRejected as exc:
+            except OptionsRejected as exc:
                 param = "session.voice" if options.voice != self.options.voice else "session.instructions"
                 raise ClientError(f"the model cannot use these settings: {exc}", "invalid_value", param) from None
             self.options = options
@@ -294,12 +291,12 @@ class RealtimeConnection:
     # ---- engine -> client ----
 
     async def _send_loop(self) -> None:
-        terminal = await self.edge.follow_frames(self._on_frame)  # re-prefills followed
+        terminal = await self.edge.slot.follow_frames(self._on_frame)  # re-prefills followed
         failed = terminal is not None and terminal.status is Status.FAILED
         await self.send_all(self.turns.finish_response("failed" if failed else "incomplete", None))
         if failed:
             await self.channel.server_error(f"the session failed: {terminal.reason}", "session_failed")
-            await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
+            await self.edge.outbox.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
 
     async def _on_frame(self, frame: FrameOut) -> None:
         events = self.turns.output_frame(frame.pcm, frame.text)

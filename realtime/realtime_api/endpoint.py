@@ -26,7 +26,7 @@ from .settings import NO_STT, ClientError
 from .transcription import TranscriptionConnection
 from .attach import realtime_attach
 from ..server.security import choose_subprotocol
-from ..sessions.session import SessionManager
+from ..server.state import app_state
 
 log = logging.getLogger("parley.realtime")
 
@@ -43,10 +43,10 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
     if "call_id" in websocket.query_params:
         await realtime_attach(websocket)
         return
-    manager: SessionManager = websocket.app.state.sessions
-    pool = websocket.app.state.stt_pool
+    state = app_state(websocket)
+    manager, stt_model = state.sessions, state.stt_model
     intent = websocket.query_params.get("intent")
-    transcription = intent == "transcription" and pool is not None
+    transcription = intent == "transcription" and stt_model is not None
     modality = "stt" if transcription else "duplex"  # what `?model=` must name (server/served_models.py)
     if await deny_unserved_model(websocket, modality):
         return
@@ -60,7 +60,7 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
         dialect = select_dialect(websocket)
         model = websocket.query_params.get("model")
         if transcription:
-            connection: RealtimeConnection = TranscriptionConnection(edge, dialect, model or pool.name, pool)
+            connection: RealtimeConnection = TranscriptionConnection(edge, dialect, model or stt_model, state.client)
         else:
             refused = None
             if intent is not None:
@@ -68,8 +68,8 @@ async def realtime_endpoint(websocket: WebSocket) -> None:
                 refused = ClientError(f"intent={intent!r:.40}: {why}; this is a realtime conversation",
                                       "unsupported_parameter", "intent")
             connection = RealtimeConnection(edge, dialect, model or manager.defaults.model_name,
-                                            served=websocket.app.state.models.of("duplex"),
-                                            transcription_sessions=pool is not None, opening_error=refused)
+                                            served=state.models.of("duplex"),
+                                            transcription_sessions=stt_model is not None, opening_error=refused)
         edge.notice = lambda reason: connection.send(connection.events.error(
             reason, "server_shutting_down", kind="server_error"))
         await connection.run()

@@ -21,13 +21,11 @@ STT request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import numpy as np
 
-from parley.engine import Status, SttBusy, SttInputError, SttPool, SttRequest, Terminal
-
+from ..engine_client import EngineClient, Status, SttBusy, SttInputError, Terminal, TranscriptionJob
 from .events import Dialect, Event, SessionConfig, TurnDetection, new_id
 from .connection import RealtimeConnection
 from .settings import ClientError, ModelCaps, apply_session_update
@@ -39,17 +37,17 @@ NO_RESPONSES = "a transcription session has no responses or conversation items: 
 
 
 class TranscriptionConnection(RealtimeConnection):
-    def __init__(self, edge: EdgeSession, dialect: Dialect, model: str, pool: SttPool) -> None:
+    def __init__(self, edge: EdgeSession, dialect: Dialect, model: str, client: EngineClient) -> None:
         super().__init__(edge, dialect, model, served=(), transcription_sessions=True)  # no session.model
-        self.pool = pool
+        self.client = client
         self.caps = ModelCaps(prompts=False, transcribe=True, transcribe_sessions=True,
-                              transcription_models=self.manager.models.of("stt"))
+                              transcription_models=self.edge.models.of("stt"))
         # Transcription off until an update turns it on (OpenAI's default); no responses to create
         # or interrupt.
         self.turns.set_config(SessionConfig(id=new_id("sess"), model=model, type="transcription",
                                             turn_detection=TurnDetection(create_response=False,
                                                                          interrupt_response=False)))
-        self.request: SttRequest | None = None
+        self.request: TranscriptionJob | None = None
         refuse = self._refuse_conversation
         self._handlers.update({
             "session.update": self._on_transcription_update,
@@ -62,10 +60,10 @@ class TranscriptionConnection(RealtimeConnection):
     async def run(self) -> None:
         edge = self.edge
         try:
-            self.request = self.pool.submit(asyncio.get_running_loop(), live=True)
+            self.request = self.client.submit_transcription(live=True)
         except SttBusy as exc:
             await self.send(self.events.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
-            await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every transcription row is taken")
+            await edge.outbox.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every transcription row is taken")
             return
         await self.send(self.events.session_created(self.config))
         try:
@@ -96,7 +94,7 @@ class TranscriptionConnection(RealtimeConnection):
         except SttInputError as exc:
             raise ClientError(str(exc), "invalid_value", "audio") from None
 
-    async def _follow_transcript(self, request: SttRequest) -> None:
+    async def _follow_transcript(self, request: TranscriptionJob) -> None:
         """Transcript pieces and end-of-turn probabilities to Turns, until the row ends."""
         async for event in request.events:
             if isinstance(event, Terminal):
@@ -107,8 +105,8 @@ class TranscriptionConnection(RealtimeConnection):
                 elif event.status is Status.CANCELLED and not request.cancelled:  # the server is stopping
                     await self.send(self.events.error(f"transcription ended: {event.reason}",
                                                       "server_shutting_down", kind="server_error"))
-                    await self.edge.close_socket(CLOSE_GOING_AWAY, event.reason)
+                    await self.edge.outbox.close_socket(CLOSE_GOING_AWAY, event.reason)
                 log.info("realtime transcription session %d ended: %s", self.edge.number, event.status.value)
                 return
             if await self.send_all(self.turns.transcript(event.text, event.end_of_turn)):
-                self.edge.observe_transcript_sent("standalone", event.input_at)
+                self.edge.counters.transcript_sent("standalone", event.input_at)

@@ -48,6 +48,8 @@ from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInf
 from ..sessions.session import SessionManager
 from ..media.speech_formats import warm_up_encoders
 from ..calls.sideband import LiveCalls
+from ..engine_client import InProcessClient
+from .state import AppState, app_state
 from ..webrtc.pool import WebRTCPool, default_workers
 
 log = logging.getLogger("parley.app")
@@ -73,6 +75,7 @@ def create_app(services: Services) -> Starlette:
     the engine). With `services.start_engine`, the lifespan starts the engine (if it is not
     running); it always shuts it down at exit."""
     engine = services.engine
+    client = engine_client(services)  # the doors' one way to the engine
     metrics: metrics_api.EdgeMetrics | None = None
 
     def count_restart() -> None:
@@ -84,14 +87,14 @@ def create_app(services: Services) -> Starlette:
                         on_restart=lambda: metrics.webrtc_restarts.inc(),
                         on_silent=lambda packets: metrics.webrtc_silent.inc(packets))
     loop_thread: dict[str, int] = {}  # the event loop's OS thread id, taken when the lifespan starts on it
-    metrics = metrics_api.EdgeMetrics(engine.counters, codec.worker_cpu_seconds
+    metrics = metrics_api.EdgeMetrics(client.counters, codec.worker_cpu_seconds
                                       if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds,
                                       threads=lambda: {"loop": loop_thread.get("id"), "engine": engine.thread_id})
     for modality in MODALITIES:  # each modality's own metrics (its record's collector)
         if modality.collector is not None and (service := services.service(modality)) is not None:
             metrics.registry.register(modality.collector(service))
-    manager = SessionManager(engine, services.defaults, codec, metrics,
-                             Admission(engine, metrics.registry, ready_min_free=services.ready_min_free,
+    manager = SessionManager(client, services.defaults, codec, metrics,
+                             Admission(client, metrics.registry, ready_min_free=services.ready_min_free,
                                        refusals=metrics.refusals), models=services.served_models())
     has_page = services.web_dir is not None and (services.web_dir / "index.html").is_file()  # public: server/security.py
     served = doors.mounted({"page": has_page, **services.available()})
@@ -104,20 +107,17 @@ def create_app(services: Services) -> Starlette:
     app = Starlette(routes=[_route(door, services.web_dir) for door in served],
                     lifespan=_lifespan(services, manager, codec, webrtc, loop_thread), middleware=[access, unknown_ws],
                     exception_handlers={HTTPException: http_error})
-    app.state.doors = served
-    app.state.sessions = manager
-    app.state.calls = set()  # the WebRTC calls' tasks (webrtc/doors.py), held until each ends
-    app.state.live_calls = LiveCalls()  # the calls a sideband may attach to, by id (calls/sideband.py)
-    app.state.webrtc = webrtc  # the calls' worker processes (webrtc/pool.py)
-    app.state.drainer = Drainer(manager, services.drain_timeout)
-    app.state.codec = codec
-    app.state.info = services.info
-    app.state.stt_pool = services.stt_pool
-    app.state.images = services.images
-    app.state.speech = services.speech
-    app.state.models = manager.models  # what `model` may name on each door (server/served_models.py)
-    app.state.refusals = metrics.refusals  # for the HTTP doors' own refusals (a full pool or queue)
+    app.state = AppState(  # type: ignore[assignment]  # the typed state (server/state.py) replaces starlette's bag
+        client, manager, manager.models, metrics.refusals, services.info, tuple(served),
+        Drainer(manager, services.drain_timeout), codec, webrtc, speech=services.speech, images=services.images,
+        stt_model=services.stt_pool and services.stt_pool.name, live_calls=LiveCalls())
     return app
+
+
+def engine_client(services: Services) -> InProcessClient:
+    """The doors' one way to the engine (realtime/engine_client.py), over what `services` built."""
+    return InProcessClient(services.engine, tts=services.speech and services.speech.pool, stt=services.stt_pool,
+                           images=services.images and services.images.queue)
 
 
 def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTCPool, loop_thread: dict[str, int]):
@@ -132,8 +132,9 @@ def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTC
             yield
         finally:
             await manager.shutdown()
-            if app.state.calls:  # closed by the shutdown above; let them finish hanging up
-                await asyncio.wait(set(app.state.calls), timeout=CALLS_CLOSE_TIMEOUT_S)
+            calls = app_state(app).calls
+            if calls:  # closed by the shutdown above; let them finish hanging up
+                await asyncio.wait(set(calls), timeout=CALLS_CLOSE_TIMEOUT_S)
             await asyncio.to_thread(services.engine.shutdown)
             for modality in MODALITIES:  # the engine thread is gone: each ends what it will never finish
                 if modality.close is not None and (service := services.service(modality)) is not None:
@@ -145,24 +146,23 @@ def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTC
 
 
 async def api_voices(request: Request) -> Response:
-    info: ServerInfo = request.app.state.info
+    info = app_state(request).info
     return JSONResponse({"voices": list(info.voices), "default": info.default_voice})
 
 
 async def api_info(request: Request) -> Response:
-    info: ServerInfo = request.app.state.info
-    manager: SessionManager = request.app.state.sessions
-    stt_pool = request.app.state.stt_pool
-    body = {"model": info.model, "demo": info.demo, "max_sessions": manager.engine.max_sessions,
+    state = app_state(request)
+    info, manager, client = state.info, state.sessions, state.client
+    body = {"model": info.model, "demo": info.demo, "max_sessions": client.max_sessions,
             "prompts": manager.defaults.prompts,  # whether a persona / voice prompt can be given
             "mimi_dtypes": info.mimi_dtypes}  # each served codec's dtype (--mimi-dtype auto picks per codec)
     if info.demo:
         body["notice"] = DEMO_NOTICE
-    body["transcription"] = stt_pool is not None  # POST /v1/audio/transcriptions
-    body["session_transcript"] = manager.engine.can_transcribe  # /api/chat?transcript=1, realtime input transcription
+    body["transcription"] = state.stt_model is not None  # POST /v1/audio/transcriptions
+    body["session_transcript"] = client.can_transcribe  # /api/chat?transcript=1, realtime input transcription
     body["webrtc"] = True  # POST /v1/realtime/calls and /v1/live/sessions (the page calls over WebRTC)
     body["ice_servers"] = [server.for_browser() for server in manager.defaults.ice_servers]
-    if info.demo and stt_pool is not None:
+    if info.demo and state.stt_model is not None:
         body["transcription_notice"] = STT_NOTICE
     return JSONResponse(body)
 

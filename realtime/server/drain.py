@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from .security import key_matches
 from ..sessions.session import SessionManager
+from .state import app_state
 
 log = logging.getLogger("parley.drain")
 
@@ -122,7 +123,7 @@ def _bearer(request: Request) -> str | None:
 
 async def drain_endpoint(request: Request) -> Response:
     """POST /admin/drain: 202 and the drain starts (or is already under way)."""
-    manager: SessionManager = request.app.state.sessions
+    manager: SessionManager = app_state(request).sessions
     keys = manager.defaults.api_keys
     if keys:  # security.AccessMiddleware has checked it already; kept so this door stands alone
         if not key_matches(_bearer(request), keys):
@@ -131,7 +132,7 @@ async def drain_endpoint(request: Request) -> Response:
     elif request.client is None or request.client.host not in LOOPBACK:
         return JSONResponse({"error": "no --api-key is set, so /admin/drain is accepted from this machine only"},
                             status_code=403)
-    drainer: Drainer = request.app.state.drainer
+    drainer: Drainer = app_state(request).drainer
     started = drainer.start("POST /admin/drain")
     return JSONResponse({"draining": True, "started": started, "live": manager.live_count,
                          "drain_timeout": drainer.timeout_s}, status_code=202)

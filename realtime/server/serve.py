@@ -45,6 +45,7 @@ from ..calls.transport import IceServer
 # resolve_device / resolve_dtype / DTYPES / MIMI_DTYPES: the offline CLIs import them from here
 from .services import DTYPES, MIMI_DTYPES, ServeError, build_services, resolve_device, resolve_dtype  # noqa: F401
 from .ws_protocol import ParleyWebSocketProtocol
+from .state import app_state
 
 log = logging.getLogger("parley.server")
 
@@ -150,14 +151,15 @@ def run_app(app, uv_config: uvicorn.Config, sockets: list[socket.socket] | None 
         logger = logging.getLogger(name)
         if not any(isinstance(f, RedactKeys) for f in logger.filters):
             logger.addFilter(RedactKeys())
-    server = DrainingServer(uv_config, app.state.drainer)
+    state = app_state(app)
+    server = DrainingServer(uv_config, state.drainer)
     fatal: list[BaseException] = []
 
     def on_fatal(exc: BaseException) -> None:  # engine thread: ask uvicorn to stop (it polls the flag)
         fatal.append(exc)
         server.should_exit = True
 
-    app.state.sessions.engine.on_fatal = on_fatal
+    state.sessions.engine.on_fatal = on_fatal  # server/ built the engine; its fatal error stops the server
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises the signal it stopped for once shut down; a no-op handler turns that
         # into a clean exit (no KeyboardInterrupt traceback, no death by SIGTERM).

@@ -40,7 +40,7 @@ from .modalities import DUPLEX, MODALITIES, SPEECH, TRANSCRIPTION, Modality, res
 from .served_models import ServedModels
 from ..sessions.session import ServerDefaults
 from ..http.speech import SpeechService
-from ..http.speech_setup import load_speech_service
+from .speech_setup import load_speech_service
 
 if TYPE_CHECKING:
     from .serve import ServeConfig

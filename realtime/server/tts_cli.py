@@ -43,7 +43,7 @@ def run_tts_command(args: argparse.Namespace) -> int:
     from parley.models import CheckpointError, write_wav
 
     from .serve import MIMI_DTYPES, resolve_dtype
-    from ..http.speech_setup import load_speech_service
+    from .speech_setup import load_speech_service
 
     if args.seed is not None:
         torch.manual_seed(args.seed)

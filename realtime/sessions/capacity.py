@@ -36,9 +36,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket
 
 from .refusals import Refusals
+from ..server.state import app_state
 
 if TYPE_CHECKING:  # server/security.py imports this module: `parley serve` must not load torch through it
-    from parley.engine import Engine
+    from ..engine_client import EngineClient
 
 log = logging.getLogger("parley.capacity")
 
@@ -121,11 +122,11 @@ class Reservation:
 class Admission:
     """The edge's admission gate and the capacity signals read from the engine's slot table."""
 
-    def __init__(self, engine: Engine, registry: CollectorRegistry, ready_min_free: int = 1, *,
+    def __init__(self, client: "EngineClient", registry: CollectorRegistry, ready_min_free: int = 1, *,
                  refusals: Refusals) -> None:
         if ready_min_free < 0:
             raise ValueError("ready_min_free must be 0 or more")
-        self.engine = engine
+        self.client = client
         self.refusals = refusals
         self.ready_min_free = ready_min_free
         self.draining = False  # set by the drainer (server/drain.py); never cleared
@@ -138,8 +139,8 @@ class Admission:
         registry.register(_CapacityCollector(self))
 
     def load(self) -> Load:
-        c = self.engine.counters()
-        total = self.engine.max_sessions
+        c = self.client.counters()
+        total = self.client.max_sessions
         slots_free = max(0, int(c["free_slots"]) - self._pending)
         free = slots_free
         if "kv_sessions_admittable" in c:  # memory for the reserved sessions is not promised yet
@@ -148,7 +149,7 @@ class Admission:
                     prefill=self._pending + self._prefilling, free=free, draining=self.draining,
                     tick_ms_p50=c.get("tick_ms_p50"), tick_ms_p99=c.get("tick_ms_p99"),
                     healthy=bool(c["healthy"]), warmed=int(c["ticks"]) > 0,
-                    seconds_since_tick=c.get("seconds_since_tick"), running=self.engine.running,
+                    seconds_since_tick=c.get("seconds_since_tick"), running=self.client.running,
                     slots_free=slots_free, kv_blocks_total=c.get("kv_blocks_total"),
                     kv_blocks_used=c.get("kv_blocks_used"), kv_blocks_free=c.get("kv_blocks_free"))
 
@@ -223,7 +224,7 @@ class _CapacityCollector:
 
 
 def _admission(request: Request) -> Admission:
-    return request.app.state.sessions.admission
+    return app_state(request).sessions.admission
 
 
 async def livez(request: Request) -> Response:
@@ -241,7 +242,7 @@ async def readyz(request: Request) -> Response:
     body = {"ready": ready, "free": load.free, "total": load.slots_total, "draining": load.draining,
             "warmed": load.warmed, "healthy": load.healthy,
             # the names /ready answered with before /readyz existed
-            "free_slots": load.free, "live_sessions": request.app.state.sessions.live_count}
+            "free_slots": load.free, "live_sessions": app_state(request).sessions.live_count}
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

@@ -1,7 +1,7 @@
 """Refused sessions and requests: one INFO line and one counter step each, from one place.
 
 Every door that turns a client away calls `Refusals.record` (server/security.py for keys and
-Origins, sessions/capacity.py for the 503s before an upgrade, `EdgeSession.refuse` for closes after
+Origins, sessions/capacity.py for the 503s before an upgrade, `Outbox.refuse` for closes after
 it, the HTTP doors for a full TTS pool, STT queue or image queue), so a refusal never shows
 only as uvicorn's `connection open`. The line names the door
 (the path, never the query string: keys ride there), the reason and the client address;

@@ -42,6 +42,7 @@ from ..realtime_api.settings import ClientError
 from ..server.served_models import ModelNotFound
 from ..sessions.session import EdgeSession, SessionManager
 from .transport import CONNECT_TIMEOUT_S, CallUnavailable, OfferError, WebRTCCall
+from ..server.state import app_state
 
 log = logging.getLogger("parley.webrtc")
 
@@ -73,7 +74,7 @@ def _status(exc: ClientError) -> int:
 
 def _check_model(request: Request) -> None:
     """`?model=`, if given, must be a served duplex name (server/served_models.py): else 404 model_not_found."""
-    models = request.app.state.models
+    models = app_state(request).models
     asked = request.query_params.get("model")
     if asked is not None and "duplex" in models.names:
         try:
@@ -87,7 +88,7 @@ def _check_model(request: Request) -> None:
 async def realtime_calls(request: Request) -> Response:
     """The Realtime WebRTC door: the body is the SDP offer (`application/sdp`), or multipart with
     `sdp` and an optional `session` (JSON, as the SDK's `client.realtime.calls.create` sends)."""
-    manager: SessionManager = request.app.state.sessions
+    manager: SessionManager = app_state(request).sessions
     try:
         _check_model(request)
         offer, session = await _realtime_body(request)
@@ -95,7 +96,7 @@ async def realtime_calls(request: Request) -> Response:
         def connect(edge: EdgeSession) -> RealtimeConnection:
             connection = RealtimeConnection(edge, Dialect.GA, request.query_params.get("model")
                                             or manager.defaults.model_name,
-                                            served=request.app.state.models.of("duplex"))
+                                            served=app_state(request).models.of("duplex"))
             refused = connection.configure(session) if session is not None else []
             if refused:
                 raise Refused(_joined(refused))
@@ -130,7 +131,7 @@ async def call_action(request: Request) -> Response:
     if action != "hangup":
         return openai_error(404, f"no call action {action!r:.40}: hangup is served", code="not_found")
     name = call_task_name(call_id)
-    task = next((t for t in request.app.state.calls if t.get_name() == name), None)
+    task = next((t for t in app_state(request).calls if t.get_name() == name), None)
     if task is None:
         return openai_error(404, f"no call {call_id!r:.60} is live on this server", param="call_id",
                             code="call_not_found")
@@ -178,7 +179,7 @@ async def _text(part: Any) -> str | None:
 async def live_calls(request: Request) -> Response:
     """GPT-Live's WebRTC door: `{"session": {...}, "transport": {"type": "webrtc", "sdp"}}` (the SDK's
     `client.live.create`); the request starts the session, no `session.start` follows."""
-    manager: SessionManager = request.app.state.sessions
+    manager: SessionManager = app_state(request).sessions
     defaults = manager.defaults
     try:
         body = await _json_body(request)
@@ -190,7 +191,7 @@ async def live_calls(request: Request) -> Response:
                                        code="unsupported_parameter"))
 
         def connect(edge: EdgeSession) -> tuple[LiveConnection, Any]:
-            connection = LiveConnection(edge, served=request.app.state.models.of("duplex"))
+            connection = LiveConnection(edge, served=app_state(request).models.of("duplex"))
             config, refused = parse_start(session, connection.caps, backend=defaults.live_delegate is not None)
             if config is None:
                 raise Refused(_joined(refused))
@@ -251,7 +252,7 @@ async def _body(request: Request) -> bytes:
 def _admit(request: Request, protocol: str) -> tuple[EdgeSession, WebRTCCall]:
     """Reserve a slot (no await since the check: as atomic as an upgrade's, sessions/capacity.py) and attach
     a call to it; Refused with 503 + Retry-After when the server cannot take a session now."""
-    manager: SessionManager = request.app.state.sessions
+    manager: SessionManager = app_state(request).sessions
     admission = manager.admission
     load = admission.load()
     reason = admission.refusal(load)
@@ -264,7 +265,7 @@ def _admit(request: Request, protocol: str) -> tuple[EdgeSession, WebRTCCall]:
         raise Refused(openai_error(503, message, code=DENIALS.get(reason, reason),
                                    headers={"Retry-After": str(RETRY_AFTER_S)}))
     reservation = Reservation(admission)  # no await since load(): atomic on the event loop
-    call = WebRTCCall(request.scope, request.app.state.webrtc, manager.defaults.ice_servers,
+    call = WebRTCCall(request.scope, app_state(request).webrtc, manager.defaults.ice_servers,
                       manager.defaults.limits.max_lag_s)  # its peer runs in a worker (webrtc/pool.py)
     return manager.attach(call, protocol, reservation), call
 
@@ -296,7 +297,7 @@ def _joined(refused: list[ClientError]) -> Response:
 
 def _refusal(manager: SessionManager, protocol: str, exc: Refused) -> Response:
     if exc.response.status_code < 500:
-        manager.metrics.protocol_errors.labels(protocol).inc()
+        manager.counters(protocol).protocol_error()
     return exc.response
 
 
@@ -309,8 +310,8 @@ def _start(request: Request, edge: EdgeSession, call: WebRTCCall, run: Callable[
            name: str, attachable: AttachedCall) -> None:
     """Run the call's session on a task of its own (held by the app until it ends); sidebands may
     attach to it by id meanwhile (calls/sideband.py), and are ended with it."""
-    calls: set[asyncio.Task] = request.app.state.calls
-    registry = request.app.state.live_calls
+    calls: set[asyncio.Task] = app_state(request).calls
+    registry = app_state(request).live_calls
     registry.hold(attachable)
     task = asyncio.get_running_loop().create_task(_run_call(edge, call, run, name), name=name)
     calls.add(task)
@@ -325,8 +326,8 @@ async def _run_call(edge: EdgeSession, call: WebRTCCall, run: Callable[[], Await
             return
         await run()
         if call.overflowed:
-            edge.manager.metrics.rate_limited.labels(edge.protocol).inc()
-            edge.manager.metrics.refusals.record(call.scope, "rate_limit", "events arrived faster than the session "
+            edge.counters.rate_limited()
+            edge.counters.refusal(call.scope, "rate_limit", "events arrived faster than the session "
                                                  "reads them, or one was over the size limit")
     except Exception:
         log.exception("%s (%d) failed", name, edge.number)

@@ -16,8 +16,8 @@ import torch
 from parley.engine import SpeechFrontEnd, TtsPool
 from parley.models import CheckpointError, Mimi, VoiceStore, load_tts_checkpoint, share_equal_tensors
 
-from .speech import SpeechService
-from .speech_options import DEFAULT_VOICES
+from ..http.speech import SpeechService
+from ..http.speech_options import DEFAULT_VOICES
 
 log = logging.getLogger("parley.speech")
 
