@@ -111,6 +111,15 @@ class DuplexSession:
     def closed(self) -> bool:
         return self._client.is_closed(self)
 
+    def input_backlog(self) -> tuple[int, int]:
+        """(frames buffered, frames the input buffer holds before it drops its oldest)."""
+        return self._client.input_backlog(self)
+
+    def end_input(self, tail_frames: int | None = None) -> None:
+        """The source has ended (a translating model): its translation finishes, then the session
+        ends with Terminal(completed). OptionsError when the model does not translate."""
+        self._client.end_input(self, tail_frames)
+
     def close(self) -> None:
         """End the session; its slot is free at once. Idempotent."""
         self._client.close(self)
@@ -172,6 +181,8 @@ class EngineClient(Protocol):
     def transcription(self, session: DuplexSession) -> AsyncIterator[SttPartial | Terminal]: ...
     async def force_text(self, session: DuplexSession, text: str) -> int: ...
     def is_closed(self, session: DuplexSession) -> bool: ...
+    def input_backlog(self, session: DuplexSession) -> tuple[int, int]: ...
+    def end_input(self, session: DuplexSession, tail_frames: int | None = None) -> None: ...
     def close(self, session: DuplexSession) -> None: ...
 
     # requests
@@ -286,6 +297,17 @@ class InProcessClient:
     def is_closed(self, session: DuplexSession) -> bool:
         engine_session = self._sessions.get(session.id)
         return engine_session is None or engine_session.closed
+
+    def input_backlog(self, session: DuplexSession) -> tuple[int, int]:
+        engine_session = self._sessions.get(session.id)
+        if engine_session is None:
+            return 0, 0
+        return len(engine_session.input), engine_session.input.max_frames
+
+    def end_input(self, session: DuplexSession, tail_frames: int | None = None) -> None:
+        engine_session = self._sessions.get(session.id)
+        if engine_session is not None:  # an ended session's source has nothing left to end
+            engine_session.end_input(tail_frames)
 
     def close(self, session: DuplexSession) -> None:
         engine_session = self._sessions.pop(session.id, None)

@@ -13,7 +13,7 @@ from delay_backend import DelayBackend
 from parley.engine import Engine, EngineConfig
 from parley.models.config import FRAME_SAMPLES
 from parley.realtime.engine_client import (
-    DuplexSession, FrameOut, InProcessClient, OptionsRejected, SessionClosed, SessionFull, SessionOptions, Status,
+    DuplexSession, FrameOut, InProcessClient, OptionsError, OptionsRejected, SessionClosed, SessionFull, SessionOptions, Status,
     Terminal,
 )
 
@@ -92,6 +92,25 @@ def test_reopen_hands_the_slot_to_the_new_session():
         engine.run_ticks(3)
         frames = await take(new.events, 2)
         assert [float(f.pcm[0]) for f in frames] == [0.25, 0.25]
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_input_backlog_is_told_and_a_model_that_does_not_translate_refuses_an_input_end():
+    async def main():
+        client, engine = make_client()
+        session = await admitted(client, engine)
+        assert session.input_backlog() == (0, 64)
+        session.push_audio(np.zeros(3 * N, np.float32))
+        assert session.input_backlog() == (3, 64)
+        engine.run_ticks(1)
+        assert session.input_backlog() == (2, 64)
+        with pytest.raises(OptionsError, match="does not translate"):
+            session.end_input()
+        session.close()
+        assert session.input_backlog() == (0, 0)
+        session.end_input()  # an ended session's source has nothing left to end
         engine.shutdown()
 
     asyncio.run(main())

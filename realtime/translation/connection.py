@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from parley.engine import FrameOut, OptionsError, SessionRejected, Status, Terminal
+from ..engine_client import FrameOut, OptionsError, OptionsRejected, Status, Terminal
 from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from . import events as ev
@@ -67,13 +67,12 @@ class TranslationConnection:
     def __init__(self, edge: EdgeSession, translator: Translator, model: str) -> None:
         # model: the session's label, one of `translator.modality`'s served names
         self.edge = edge
-        self.manager = manager = edge.manager
         self.translator = translator
         self.channel = EventChannel(edge, PROTOCOL, ev.error)
-        stt = manager.models.of("stt") if manager.engine.can_transcribe else ()  # paired rows only
+        stt = edge.models.of("stt") if edge.slot.can_transcribe else ()  # paired rows only
         self.caps = TranslationCaps(languages=translator.languages, transcription_models=stt)
         self.config = TranslationConfig(id=new_id("sess"), model=model, language=translator.languages[0])
-        self.options = manager.defaults.client_options(manager.defaults.options)
+        self.options = edge.defaults.client_options(edge.defaults.options)
         self.decoder = InputDecoder(AudioFormat())  # 24 kHz PCM16 only, as the API says
         self.encoder = OutputEncoder(AudioFormat())
         self.source = SourceFeed(edge)  # the source, every sample of it, into the engine session
@@ -97,9 +96,9 @@ class TranslationConnection:
         try:
             if not await open_or_refuse(self.channel, self.options):
                 return
-        except (OptionsError, SessionRejected) as exc:
+        except (OptionsError, OptionsRejected) as exc:
             await self.channel.server_error(f"cannot start the session: {exc}", "session_failed")
-            await edge.refuse(CLOSE_INTERNAL, "options", str(exc))
+            await edge.outbox.refuse(CLOSE_INTERNAL, "options", str(exc))
             return
         await self.channel.send(ev.session_created(self.config.resource()))
         feeder = asyncio.create_task(self.source.run(), name=f"translation-feed-{edge.number}")
@@ -167,15 +166,15 @@ class TranslationConnection:
 
     async def _send_loop(self) -> None:
         try:
-            terminal = await self.edge.follow_frames(self._on_frame)
+            terminal = await self.edge.slot.follow_frames(self._on_frame)
         except _Translated:
             terminal = None
         if isinstance(terminal, Terminal) and terminal.status is Status.FAILED:
             await self.channel.server_error(f"the session failed: {terminal.reason}", "session_failed")
-            await self.edge.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
+            await self.edge.outbox.close_socket(CLOSE_INTERNAL, f"session failed: {terminal.reason}")
         elif self.source_ended:  # the owed frames are out, or the model ended its stream
             await self.channel.send(ev.session_closed())
-            await self.edge.close_socket(CLOSE_NORMAL, "session closed")
+            await self.edge.outbox.close_socket(CLOSE_NORMAL, "session closed")
 
     async def _on_frame(self, frame: FrameOut) -> None:
         self.frames += 1

@@ -18,13 +18,13 @@ from .connection import PROTOCOL, TranslationConnection
 from .model import served_translator
 from ..http.models import deny_unserved_model
 from ..server.security import choose_subprotocol
-from ..sessions.session import SessionManager
+from ..server.state import app_state
 
 log = logging.getLogger("parley.translation")
 
 
 async def translation_endpoint(websocket: WebSocket) -> None:
-    manager: SessionManager = websocket.app.state.sessions
+    manager = app_state(websocket).sessions
     translator = served_translator()
     if await deny_unserved_model(websocket, translator.modality):
         return

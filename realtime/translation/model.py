@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parley.engine import Session
+from ..engine_client import DuplexSession
 
 # The duplex stand-in's output after the source's last frame: one second of model frames (its
 # reply to the last words lags them; Hibiki's end of translation ends its stream instead).
@@ -29,7 +29,7 @@ class Translator:
     languages: tuple[str, ...]  # ISO 639-1 codes of the output speech; the first is the session's default
     owed_frames: int | None  # frames followed after the source's last; None: the engine ends the stream
 
-    def end_source(self, session: Session) -> None:
+    def end_source(self, session: DuplexSession) -> None:
         """Tell the engine `session`'s source has ended (its last frame has been consumed). The
         duplex stand-in has nothing to be told."""
 

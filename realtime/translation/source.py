@@ -16,7 +16,7 @@ import collections
 
 import numpy as np
 
-from parley.engine import TICK_SECONDS
+from ..engine_client import TICK_SECONDS
 from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from ..sessions.session import EdgeSession
@@ -46,7 +46,7 @@ class SourceFeed:
     def heard_to_the_end(self) -> bool:
         """Whether the model has consumed every whole frame of the source received so far."""
         session = self.edge.engine_session
-        return not self._samples and (session is None or not len(session.input))
+        return not self._samples and (session is None or not session.input_backlog()[0])
 
     async def run(self) -> None:
         while True:
@@ -62,8 +62,10 @@ class SourceFeed:
         session = self.edge.engine_session
         if session is None:
             return
-        room = session.input.max_frames // 2
-        while self._waiting and len(session.input) < room:
+        buffered, capacity = session.input_backlog()
+        room = capacity // 2 - buffered  # frames it takes now (a partial chunk counts as one)
+        while self._waiting and room > 0:
+            room -= 1
             chunk = self._waiting[0]
             frame, rest = chunk[:FRAME_SAMPLES], chunk[FRAME_SAMPLES:]
             if rest.size:
