@@ -168,3 +168,18 @@ def test_the_checker_sees_a_broken_link_and_a_broken_anchor(tmp_path: Path) -> N
     found = {target: broken(page, target) for _, target in links(page)}
     assert found == {"#a-code-heading": None, "#nope": "no heading #nope in page.md", "missing.md": "no file missing.md",
                      "shot.png": "no file shot.png"}
+
+
+def test_the_architecture_picture_is_what_its_source_draws():
+    """docs/figures/architecture.svg is generated (docs/figures/architecture.py): rendering the source
+    must give the committed picture byte for byte, so the two cannot drift apart."""
+    import importlib.util
+
+    source = ROOT / "docs" / "figures" / "architecture.py"
+    spec = importlib.util.spec_from_file_location("architecture_figure", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    drawn = module.render()
+    assert drawn.startswith("<svg") and "engine client" in drawn
+    assert drawn == (ROOT / "docs" / "figures" / "architecture.svg").read_text(), \
+        "run `python docs/figures/architecture.py` and commit the SVG"
