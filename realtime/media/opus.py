@@ -2,8 +2,8 @@
 
 Each `/api/chat` connection opens one `CodecStream` (an Ogg reader and an Ogg writer: Ogg
 streams are stateful) from the server's codec runner and awaits its `decode` / `encode`.
-The codec calls are blocking and, in sphn 0.2.1, hold the GIL (2-core dev machine: encode
-~0.25-0.8 ms per 80 ms frame, decode ~0.05-0.07 ms). Two runners:
+The codec calls are blocking and, in sphn 0.2.1, hold the GIL (encode costs several times what
+decode does, benchmarks/edge_cpu.py). Two runners:
 
 - `CodecProcessPool` (`--codec-workers N`, N >= 1): N worker *processes*
   (`realtime/media/codec_worker.py`). A session is pinned to one worker for its lifetime, and that

@@ -59,8 +59,8 @@ CALLS_CLOSE_TIMEOUT_S = 5.0  # at shutdown, WebRTC calls get this long to hang u
 async def load_lazy_modules() -> None:
     """Import now what the first requests would import on the server's thread while the engine
     ticks: an import holds the GIL while it runs (tens of ms, more where no .pyc was written) and
-    the engine thread waits for it, so on the H200 the first /v1/audio/speech request made a
-    duplex frame 20-50 ms late. Starlette's anyio loads its asyncio backend and stream modules on
+    the engine thread waits for it, so the first request of a kind would make a duplex frame late
+    (benchmarks/tts_load.py measured it). Starlette's anyio loads its asyncio backend and stream modules on
     the first request, and the static page reads files through anyio; Pillow registers its image
     formats on the first save; PyAV's encoders set themselves up on their first container.
     tests/test_lazy_imports.py fails if a request still imports a module."""

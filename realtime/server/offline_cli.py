@@ -47,10 +47,9 @@ def add_mimi_dtype_flag(p: argparse.ArgumentParser, whose: str) -> None:
     p.add_argument("--mimi-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
                    help=f"dtype of the audio codec (Mimi) {whose}. auto (default): float16 on CUDA "
                         "when the loaded codec, run in float16 on a loud probe at load, stays finite and near "
-                        "float32 (else float32, logged), float32 on the CPU. On an H200 float16 makes the codec "
-                        "about a third faster (2.5 ms a frame at 128 sessions) and changes ~1.5 %% of the "
-                        "semantic codes the model hears, where float32 on a GPU (the reference's) changes ~1 %% "
-                        "and bfloat16 ~11 %% (docs/benchmarks.md, benchmarks/mimi_quality.py)")
+                        "float32 (else float32, logged), float32 on the CPU. float16 makes the codec faster and "
+                        "changes few of the semantic codes the model hears, about as many as float32 on a GPU "
+                        "does; bfloat16 changes many more (docs/benchmarks.md, \"Mimi in float16\")")
 
 
 def add_device_flags(p: argparse.ArgumentParser, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:

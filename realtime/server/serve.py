@@ -76,8 +76,8 @@ class ServeConfig:
     codec_workers: int | None = None
     webrtc_workers: int | None = None  # WebRTC calls' worker processes; None: one per 6 sessions (webrtc/pool.py)
     # torch intra-op threads. 1 by default: OpenMP workers busy-wait between ops and starve the
-    # event loop and the codec threads; on the 2-core dev box the tiny model's tick went from
-    # ~30 ms to ~300 ms (most ticks skipped) with torch's default of one thread per core.
+    # event loop and the codec threads: with torch's default of one thread per core a small box's
+    # ticks ran many times over their 80 ms and were skipped.
     torch_threads: int | None = 1
     # Speech-to-text (Kyutai STT) for /v1/audio/transcriptions: checkpoint dir or HF repo id;
     # None: none, except for the demo server, which includes a tiny random one.

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from .serve import ServeConfig
 
 log = logging.getLogger("parley.server")
-# Paired STT rows run in the frame, on a side stream inside its graph: +9.8 % on the B=64 frame on an
-# H200 against +20 % after it (docs/benchmarks.md); graphed equals eager on CUDA
+# Paired STT rows run in the frame, on a side stream inside its graph: it costs the frame less than
+# stepping them after it (docs/benchmarks.md, "Transcription"); graphed equals eager on CUDA
 # (tests/test_stt_graphs.py). False steps them after the frame in a graph of their own.
 PAIRED_IN_FRAME = True
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"

@@ -27,9 +27,8 @@ from ..server.workers import Supervisor, spawn
 from .transport import CallUnavailable, WebRTCCall
 
 
-# The automatic size: one worker per this many sessions. A call costs its worker ~0.12 cores (H200
-# host, 64 calls: 7.4 cores over 12 workers); at 16 a worker (4.5 cores over 4) saturated and
-# the calls lost half their frames (docs/benchmarks.md, "64 WebRTC calls on the H200 host").
+# The automatic size: one worker per this many sessions, well under what saturates one worker's core
+# (docs/benchmarks.md#64-webrtc-calls-on-the-h200-host: at 16 a worker the calls lost frames).
 CALLS_PER_WORKER = 6
 
 
