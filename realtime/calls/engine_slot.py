@@ -5,7 +5,7 @@ told as an `error`, then the connection refused) and re-prefilled (the slot hand
 
 from __future__ import annotations
 
-from ..engine_client import SessionClosed, SessionFull, SessionOptions
+from ..engine_client import OptionsError, OptionsRejected, SessionClosed, SessionFull, SessionOptions
 from ..sessions.session import CLOSE_INTERNAL, CLOSE_TRY_AGAIN_LATER
 from .event_channel import EventChannel, SessionLost
 
@@ -26,6 +26,17 @@ async def open_or_refuse(channel: EventChannel, options: SessionOptions) -> bool
         await edge.outbox.refuse(CLOSE_INTERNAL, "unavailable", str(exc))
         return False
     return True
+
+
+async def open_once(channel: EventChannel, options: SessionOptions) -> bool:
+    """`open_or_refuse` for a door whose session cannot start again with other settings: options
+    the model will not take are told too, then the connection refused."""
+    try:
+        return await open_or_refuse(channel, options)
+    except (OptionsError, OptionsRejected) as exc:
+        await channel.server_error(f"cannot start the session: {exc}", "session_failed")
+        await channel.edge.outbox.refuse(CLOSE_INTERNAL, "options", str(exc))
+        return False
 
 
 async def reopen_or_lose(channel: EventChannel, options: SessionOptions) -> None:

@@ -31,7 +31,7 @@ import logging
 from typing import Awaitable, Callable
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
@@ -51,7 +51,6 @@ from ..http.models import deny_unserved_model
 from ..realtime_api.events import new_id
 from ..realtime_api.settings import ClientError, ModelCaps
 from ..realtime_api.turns import FRAME_MS
-from ..server.security import choose_subprotocol
 from ..calls.transcript_follower import TranscriptFollower
 from ..sessions.session import CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, EdgeSession
 from ..server.state import app_state
@@ -371,13 +370,9 @@ async def live_endpoint(websocket: WebSocket) -> None:
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=True)
     if reservation is None:
         return
-    edge = manager.attach(websocket, PROTOCOL, reservation)
-    try:
-        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
-        connection = LiveConnection(edge, served=app_state(websocket).models.of("duplex"))
+
+    async def run(edge: EdgeSession) -> None:
+        connection = LiveConnection(edge, served=manager.models.of("duplex"))
         edge.notice = lambda reason: connection.send(ev.error(reason, "server_shutting_down", kind="server_error"))
         await connection.run()
-    except (WebSocketDisconnect, OSError):
-        log.info("live session %d: the client left", edge.number)
-    finally:
-        edge.close()
+    await manager.serve_websocket(websocket, PROTOCOL, reservation, run)

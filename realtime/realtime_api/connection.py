@@ -38,7 +38,7 @@ from .settings import (
     NO_STT, OPENAI_VOICES, TRANSCRIPTION_INTENT, ClientError, ModelCaps, apply_session_update, parse_item,
     parse_response_options,
 )
-from ..calls.engine_slot import open_or_refuse, reopen_or_lose
+from ..calls.engine_slot import open_once, reopen_or_lose
 from ..calls.event_channel import EventChannel
 from ..calls.frame_output import FrameSender, PlayingResponse
 from ..calls.input_audio import appended_audio, hear_track
@@ -105,12 +105,7 @@ class RealtimeConnection:
 
     async def run(self) -> None:
         edge = self.edge
-        try:
-            if not await open_or_refuse(self.channel, self.options):
-                return
-        except (OptionsError, OptionsRejected) as exc:
-            await self.channel.server_error(f"cannot start the session: {exc}", "session_failed")
-            await edge.outbox.refuse(CLOSE_INTERNAL, "options", str(exc))
+        if not await open_once(self.channel, self.options):
             return
         await self.send(self.events.session_created(self.config))
         if self.config.needs_stt:  # configured before the session opened (a WebRTC call's settings)

@@ -35,6 +35,7 @@ from .outbox import (  # noqa: F401 (the close codes: re-exported for the doors)
 from .slot import Slot
 from ..live.policy import DelegateBackend, DelegationPolicy
 from ..media.opus import CodecRunner, CodecStream
+from ..server.security import choose_subprotocol
 from ..server.served_models import ServedModels
 from ..calls.transport import SEND_BACKLOG_EXTENSION, IceServer, Transport, WebSocketTransport  # noqa: F401 (re-export)
 
@@ -121,6 +122,19 @@ class SessionManager:
         self.metrics.connections.labels(protocol).inc()
         self.metrics.live_sessions.labels(protocol).inc()
         return edge
+
+    async def serve_websocket(self, websocket: WebSocket, protocol: str, reservation: Reservation,
+                              run: Callable[["EdgeSession"], Awaitable[None]]) -> None:
+        """Accept `websocket`'s upgrade and run `protocol`'s
+        connection on it; a client that leaves is logged, and the connection is closed either way."""
+        edge = self.attach(websocket, protocol, reservation)
+        try:
+            await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
+            await run(edge)
+        except (WebSocketDisconnect, OSError):
+            log.info("%s session %d: the client left", protocol, edge.number)
+        finally:
+            edge.close()
 
     def detach(self, edge: "EdgeSession") -> None:
         """Forget a closed connection (its `close()` calls this). Idempotent."""

@@ -28,14 +28,14 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from ..engine_client import FrameOut, OptionsError, OptionsRejected, Status, Terminal
+from ..engine_client import FrameOut, Status, Terminal
 from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from . import events as ev
 from .model import Translator
 from .settings import TranslationCaps, TranslationConfig, apply_update
 from .source import MAX_WAITING_SAMPLES, SourceFeed
-from ..calls.engine_slot import open_or_refuse
+from ..calls.engine_slot import open_once
 from ..calls.event_channel import EventChannel
 from ..calls.frame_output import FrameSender
 from ..calls.input_audio import appended_audio
@@ -93,12 +93,7 @@ class TranslationConnection:
 
     async def run(self) -> None:
         edge = self.edge
-        try:
-            if not await open_or_refuse(self.channel, self.options):
-                return
-        except (OptionsError, OptionsRejected) as exc:
-            await self.channel.server_error(f"cannot start the session: {exc}", "session_failed")
-            await edge.outbox.refuse(CLOSE_INTERNAL, "options", str(exc))
+        if not await open_once(self.channel, self.options):
             return
         await self.channel.send(ev.session_created(self.config.resource()))
         feeder = asyncio.create_task(self.source.run(), name=f"translation-feed-{edge.number}")

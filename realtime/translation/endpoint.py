@@ -10,17 +10,14 @@
 
 from __future__ import annotations
 
-import logging
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from .connection import PROTOCOL, TranslationConnection
 from .model import served_translator
 from ..http.models import deny_unserved_model
-from ..server.security import choose_subprotocol
 from ..server.state import app_state
 
-log = logging.getLogger("parley.translation")
 
 
 async def translation_endpoint(websocket: WebSocket) -> None:
@@ -31,15 +28,11 @@ async def translation_endpoint(websocket: WebSocket) -> None:
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=True)
     if reservation is None:
         return
-    edge = manager.attach(websocket, PROTOCOL, reservation)
-    try:
-        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
-        served = manager.models.of(translator.modality)
-        model = websocket.query_params.get("model") or (served[0] if served else manager.defaults.model_name)
+    served = manager.models.of(translator.modality)
+    model = websocket.query_params.get("model") or (served[0] if served else manager.defaults.model_name)
+
+    async def run(edge) -> None:
         connection = TranslationConnection(edge, translator, model)
         edge.notice = connection.notice
         await connection.run()
-    except (WebSocketDisconnect, OSError):
-        log.info("translation session %d: the client left", edge.number)
-    finally:
-        edge.close()
+    await manager.serve_websocket(websocket, PROTOCOL, reservation, run)
