@@ -10,14 +10,12 @@
 
 from __future__ import annotations
 
-
 from starlette.websockets import WebSocket
 
 from .connection import PROTOCOL, TranslationConnection
 from .model import served_translator
 from ..http.models import deny_unserved_model
 from ..server.state import app_state
-
 
 
 async def translation_endpoint(websocket: WebSocket) -> None:
