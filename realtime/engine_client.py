@@ -1,7 +1,7 @@
 """The engine client: the one interface through which every door reaches the engine.
 
 Rules this module keeps:
-1. Doors (chat/, realtime_api/, live/, calls/, webrtc/, http/, sessions/) import engine names from
+1. Doors (chat/, realtime_api/, live/, calls/, webrtc/, http/, kyutai/, sessions/) import engine names from
    here and from nowhere else (tests/test_layering.py). server/ builds the engine and its pools and
    hands them to `InProcessClient`; a door is given the client, never the engine.
 2. What crosses is plain data, designed as messages: the options, frames, transcript pieces, audio
@@ -10,7 +10,8 @@ Rules this module keeps:
    out: a door holds a handle (`DuplexSession`, `Job`) that names its work by id and goes back
    through the client for everything. One exception: `SpeechFrontEnd`, the speech requests' text
    front end (tokenizer, voices), runs on the edge's side of the seam, as vLLM's tokenizer runs in
-   its API server; what it makes, a `TtsRequest`, is plain data.
+   its API server; what it makes, a `TtsRequest` or the word entries a `SpeechJob` appends, is
+   plain data.
 3. Admission answers with the client's own exceptions: `SessionFull` (no slot, or no KV memory),
    `OptionsRejected` (the model will not take these options), `SessionClosed` (the engine is not
    serving). Settings refused before admission raise `OptionsError`.

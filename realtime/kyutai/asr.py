@@ -3,7 +3,8 @@
 Messages (messages.py): in `Init`, `Audio{pcm}` (24 kHz mono float32), `OggOpus{data}`, `Marker{id}`;
 out `Ready`, `Word{text, start_time}`, `EndWord{stop_time}`, `Step{step_idx, prs, buffered_pcm}`,
 `Marker{id}`, `Error{message}`. The rules, moshi-server's (`batched_asr.rs`) unless said:
-1. A connection takes a live row of the STT pool (engine/stt_pool.py: never queued). None free:
+1. A connection takes a live row of the STT pool (the engine client's `submit_transcription(live=True)`:
+   never queued; its partials carry the words and extra heads). None free:
    `Error{"no free channels"}`, then close 1013 (moshi-server closes without a code).
 2. `Ready` is the first message. `Init` before any audio is answered with `Ready` again; after
    audio it is refused with an `Error` (moshi-server resets the row; here open a new connection).

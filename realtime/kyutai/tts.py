@@ -17,8 +17,8 @@ formats carry audio only, as moshi-server's do.
 Rules:
 1. At connect a TTS slot must be free, else `Error{"no free channels"}` (raw formats: nothing) and
    close 1013. Then `Ready`.
-2. The first words take a pool row (engine/tts_pool.py, `text_open`); later text joins its
-   script as it arrives, and `Eos` ends it. The row speaks as the words come, holding the DSM's
+2. The first words take a pool row (a `text_open` request: the engine client's `SpeechJob`); later
+   text joins its script as it arrives (`SpeechJob.append`), and `Eos` ends it (`end_text`). The row speaks as the words come, holding the DSM's
    lookahead (2 words) + 1 ahead of what it has said, as moshi-server's `tts.py` waits for words.
    Audio and word times stream out as synthesised; after `Eos` the last word is flushed, then
    close 1000 (the `Eos` flush). `Eos` with no words: close 1000 at once, as moshi-server does.
