@@ -1,7 +1,7 @@
 """The engine client: the one interface through which every door reaches the engine.
 
 Rules this module keeps:
-1. Doors (chat/, realtime_api/, live/, calls/, webrtc/, http/, sessions/) import engine names from
+1. Doors (chat/, realtime_api/, live/, calls/, webrtc/, http/, kyutai/, sessions/) import engine names from
    here and from nowhere else (tests/test_layering.py). server/ builds the engine and its pools and
    hands them to `InProcessClient`; a door is given the client, never the engine.
 2. What crosses is plain data, designed as messages: the options, frames, transcript pieces, audio
@@ -10,7 +10,8 @@ Rules this module keeps:
    out: a door holds a handle (`DuplexSession`, `Job`) that names its work by id and goes back
    through the client for everything. One exception: `SpeechFrontEnd`, the speech requests' text
    front end (tokenizer, voices), runs on the edge's side of the seam, as vLLM's tokenizer runs in
-   its API server; what it makes, a `TtsRequest`, is plain data.
+   its API server; what it makes, a `TtsRequest` or the word entries a `SpeechJob` appends, is
+   plain data.
 3. Admission answers with the client's own exceptions: `SessionFull` (no slot, or no KV memory),
    `OptionsRejected` (the model will not take these options), `SessionClosed` (the engine is not
    serving). Settings refused before admission raise `OptionsError`.
@@ -24,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
 
 from parley.engine import (  # plain data and plain errors, re-exported for the doors (rule 2)
     FULL_COLLECTIONS, IMAGE_STALLED, MAX_PARTIAL_IMAGES, SLACK_COLLECTIONS, TICK_PHASES, TICK_SECONDS, EngineClosed,
     EngineFull, FrameOut, ImagePartial, ImageQueueFull, ImageRefused, ImageResult, ImageSpec, OptionsError,
     SamplingOptions, SessionOptions, SessionRejected, SpeechFrontEnd, SpeechInputError, Status, SttBusy, SttFailed,
-    SttInputError, SttPartial, Terminal, TtsAudio, TtsPoolFull, TtsRequest, UnknownVoice, collect_transcript,
+    SttInputError, SttPartial, Terminal, TtsAudio, TtsPoolFull, TtsRequest, TtsWord, UnknownVoice, WordEnded,
+    WordHeard, collect_transcript,
 )
 
 if TYPE_CHECKING:
@@ -39,10 +41,11 @@ if TYPE_CHECKING:
 __all__ = [
     "FULL_COLLECTIONS", "IMAGE_STALLED", "MAX_PARTIAL_IMAGES", "SLACK_COLLECTIONS", "TICK_PHASES", "TICK_SECONDS",
     "DuplexSession", "EngineClient", "FrameOut", "ImageFacts", "ImagePartial", "ImageQueueFull", "ImageRefused",
-    "ImageResult", "ImageSpec", "InProcessClient", "Job", "OptionsError", "OptionsRejected", "SamplingOptions",
-    "SessionClosed", "SessionFull", "SessionOptions", "SpeechFrontEnd", "SpeechInputError", "Status", "SttBusy",
-    "SttFailed", "SttInputError", "SttPartial", "Terminal", "TranscriptionJob", "TtsAudio", "TtsPoolFull",
-    "TtsRequest", "UnknownVoice", "collect_transcript",
+    "ImageResult", "ImageSpec", "InProcessClient", "Job", "OptionsError", "OptionsRejected", "PoolSlots",
+    "SamplingOptions", "SessionClosed", "SessionFull", "SessionOptions", "SpeechFrontEnd", "SpeechInputError",
+    "SpeechJob", "Status", "SttBusy", "SttFacts", "SttFailed", "SttInputError", "SttPartial", "Terminal",
+    "TranscriptionJob", "TtsAudio", "TtsPoolFull", "TtsRequest", "TtsWord", "UnknownVoice", "WordEnded", "WordHeard",
+    "collect_transcript",
 ]
 
 
@@ -66,6 +69,27 @@ class ImageFacts:
     latent_stride: int  # sizes are multiples of this
     default_size: int
     capacity: int  # images outstanding at most (bounds a request's n)
+
+
+@dataclass(frozen=True)
+class SttFacts:
+    """What a transcription door reads of the STT model, as plain data."""
+
+    model: str  # the STT model's name (its checkpoint folder)
+    text_delay: int  # frames between an audio frame and the text the model gives for it
+
+
+@dataclass(frozen=True)
+class PoolSlots:
+    """A request pool's rows now: in all, and free (neither live nor promised to a waiting request).
+    A snapshot: another door on the same pool may take a row the next moment."""
+
+    total: int
+    free: int
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
 
 
 class _Messages:
@@ -158,6 +182,19 @@ class TranscriptionJob(Job):
         self._work.end_input()
 
 
+class SpeechJob(Job):
+    """A speech request; one submitted with `text_open` takes its later words as they stream in
+    (entries made by `SpeechFrontEnd.more_words`), until `end_text`."""
+
+    def append(self, entries: Sequence[Any]) -> None:
+        """More words for the row's script; the row speaks them after those it holds."""
+        self._work.append(entries)
+
+    def end_text(self) -> None:
+        """No more words: the row flushes its last word and ends. Idempotent."""
+        self._work.end_text()
+
+
 class EngineClient(Protocol):
     """The calls a door makes (rule 1). `InProcessClient` is today's only form."""
 
@@ -186,8 +223,11 @@ class EngineClient(Protocol):
     def close(self, session: DuplexSession) -> None: ...
 
     # requests
-    def submit_speech(self, request: TtsRequest) -> Job: ...
+    def submit_speech(self, request: TtsRequest) -> SpeechJob: ...
+    def speech_slots(self) -> PoolSlots: ...
     def submit_transcription(self, *, live: bool = False, temperature: float = 0.0) -> TranscriptionJob: ...
+    def stt_facts(self) -> SttFacts: ...
+    def stt_slots(self) -> PoolSlots: ...
     def submit_image(self, spec: ImageSpec) -> Job: ...
     def image_facts(self) -> ImageFacts: ...
     def image_refusal(self, width: int, height: int, guidance: float) -> str | None: ...
@@ -316,17 +356,30 @@ class InProcessClient:
 
     # ---- requests ----
 
-    def submit_speech(self, request: TtsRequest) -> Job:
-        """A speech request; TtsPoolFull when the pool's queue is full."""
+    def submit_speech(self, request: TtsRequest) -> SpeechJob:
+        """A speech request (its text may stay open: `SpeechJob`); TtsPoolFull when the pool's
+        queue is full."""
         assert self._tts is not None, "no TTS model is loaded"
         job = self._tts.submit(request, asyncio.get_running_loop())
-        return Job(job.request_id, job, job.stream)
+        return SpeechJob(job.request_id, job, job.stream)
+
+    def speech_slots(self) -> PoolSlots:
+        assert self._tts is not None, "no TTS model is loaded"
+        return PoolSlots(self._tts.slots, self._tts.free)
 
     def submit_transcription(self, *, live: bool = False, temperature: float = 0.0) -> TranscriptionJob:
         """A transcription request; SttBusy when no row or queue place is left, SttInputError."""
         assert self._stt is not None, "no STT model is loaded"
         request = self._stt.submit(asyncio.get_running_loop(), live=live, temperature=temperature)
         return TranscriptionJob(request.request_id, request, request.events)
+
+    def stt_facts(self) -> SttFacts:
+        assert self._stt is not None, "no STT model is loaded"
+        return SttFacts(self._stt.name, self._stt.gen.text_delay)
+
+    def stt_slots(self) -> PoolSlots:
+        assert self._stt is not None, "no STT model is loaded"
+        return PoolSlots(self._stt.slots, self._stt.free)
 
     def submit_image(self, spec: ImageSpec) -> Job:
         """An image request; ImageQueueFull, ImageRefused."""

@@ -1,21 +1,33 @@
 """The engine client (realtime/engine_client.py) in its in-process form, over the echo backend on the
 manual clock: the doors' calls give the engine's behaviour back as plain messages and the client's
-own admission errors, and a re-prefill hands the slot over with nothing able to take it between."""
+own admission errors, and a re-prefill hands the slot over with nothing able to take it between.
+The pools' calls (a live transcription row, speech whose text streams in, their slots) run on the
+tiny STT and TTS checkpoints, their pools stepped by hand; the model stepped directly is the oracle."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from delay_backend import DelayBackend
 from parley.engine import Engine, EngineConfig
-from parley.models.config import FRAME_SAMPLES
+from parley.engine.slack import CostModel
+from parley.engine.stt_pool import SttPool
+from parley.engine.tts_offline import synthesize
+from parley.models.checkpoint import load_stt_checkpoint
+from parley.models.config import FRAME_RATE, FRAME_SAMPLES
+from parley.models.stt import SttGen
+from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_stt_checkpoint
 from parley.realtime.engine_client import (
-    DuplexSession, FrameOut, InProcessClient, OptionsError, OptionsRejected, SessionClosed, SessionFull, SessionOptions, Status,
-    Terminal,
+    DuplexSession, FrameOut, InProcessClient, OptionsError, OptionsRejected, PoolSlots, SessionClosed, SessionFull,
+    SessionOptions, SpeechJob, Status, SttBusy, SttFacts, SttPartial, Terminal, TtsAudio, TtsWord,
 )
+from parley.realtime.server.speech_setup import load_speech_service
+from test_kyutai_doors import CLIP, close_words, direct_transcript
 
 N = FRAME_SAMPLES
 
@@ -111,6 +123,102 @@ def test_the_input_backlog_is_told_and_a_model_that_does_not_translate_refuses_a
         session.close()
         assert session.input_backlog() == (0, 0)
         session.end_input()  # an ended session's source has nothing left to end
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def stt(tmp_path_factory):
+    torch.set_num_threads(1)
+    checkpoint = load_stt_checkpoint(write_tiny_stt_checkpoint(tmp_path_factory.mktemp("stt")), dtype=torch.float32)
+    close_words(checkpoint)  # the tiny random STT taught to close words, so its rows report some
+    return checkpoint
+
+
+async def until_terminal(events) -> list:
+    got = []
+    while not (got and isinstance(got[-1], Terminal)):
+        got.append(await asyncio.wait_for(events.__anext__(), 5))
+    return got
+
+
+def test_a_live_transcription_row_gives_the_models_words_and_heads_and_counts_its_slots(stt):
+    """`submit_transcription(live=True)`: each step's partial carries the words as moshi-server's
+    ASR reports them and every extra head, equal to the model stepped directly; `stt_facts` is the
+    model's name and text delay; `stt_slots` counts the row from submit until the pool frees it."""
+    async def main():
+        engine = Engine(DelayBackend(1), EngineConfig())
+        pool = SttPool(stt, slots=2)
+        client = InProcessClient(engine, stt=pool)
+        assert client.stt_facts() == SttFacts(stt.path.name, SttGen(stt.lm).text_delay)
+        assert client.stt_slots() == PoolSlots(total=2, free=2)
+        job = client.submit_transcription(live=True)
+        other = client.submit_transcription(live=True)
+        assert client.stt_slots() == PoolSlots(total=2, free=0) and client.stt_slots().used == 2
+        with pytest.raises(SttBusy):
+            client.submit_transcription(live=True)
+        other.cancel()
+        frames = CLIP.size // FRAME_SAMPLES
+        clip = CLIP[:frames * FRAME_SAMPLES]  # whole frames: the row steps them all, with no flush after
+        for start in range(0, clip.size, 8 * FRAME_SAMPLES):  # at most 1.6 s ahead of the row, as live rows take
+            job.feed(clip[start:start + 8 * FRAME_SAMPLES])
+            pool.run_until_idle()
+        job.cancel()  # the client leaves: the stream ends, cancelled
+        pool.run_until_idle()
+        *partials, terminal = await until_terminal(job.events)
+        assert terminal.status is Status.CANCELLED and all(isinstance(p, SttPartial) for p in partials)
+        words, heads, _ = direct_transcript(stt, clip, stt.settings.prefix_frames + frames)
+        assert words and [e for p in partials for e in p.heard] == words
+        stepped, got_heads = 0, []
+        for p in partials:  # the steps that read the client's audio, as the ASR door counts them
+            if round(p.audio_s * FRAME_RATE) > stepped:
+                stepped = round(p.audio_s * FRAME_RATE)
+                got_heads.append(list(p.heads))
+        assert heads[0] and np.allclose(got_heads, heads, atol=1e-6)
+        assert client.stt_slots() == PoolSlots(total=2, free=2)
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_speech_whose_text_streams_in_speaks_the_whole_script_and_counts_its_slot(tiny_tts_dir):
+    """`submit_speech` with the text left open: words appended as they come and `end_text` give
+    the frames and word times of the whole script synthesised at once; `speech_slots` counts the
+    row from submit until the pool frees it."""
+    service = load_speech_service(tiny_tts_dir, slots=1, voices=tiny_tts_dir / "voices", voice_map=None,
+                                  device="cpu", dtype=torch.float32)
+    front_end = service.front_end
+    front_end.sampling = {"text_temperature": 0.0, "audio_temperature": 0.0}  # greedy: no draw to line up
+    want = synthesize(service.pool, front_end.request("Hello there, how are you?", TINY_TTS_VOICES[0])[0])
+    assert want.terminal.status is Status.COMPLETED and want.words
+
+    async def main():
+        engine = Engine(DelayBackend(1), EngineConfig())
+        client = InProcessClient(engine, tts=service.pool)
+        assert client.speech_slots() == PoolSlots(total=1, free=1)
+        first, _ = front_end.request("Hello", TINY_TTS_VOICES[0])
+        job = client.submit_speech(dataclasses.replace(first, text_open=True))
+        assert isinstance(job, SpeechJob) and client.speech_slots() == PoolSlots(total=1, free=0)
+        events = asyncio.create_task(until_terminal(job.events))
+        steps = 0
+        while not events.done():
+            item = service.pool.offer(None, CostModel())
+            if item is not None:
+                item.run()
+                steps += 1
+            elif steps and job is not None:  # the row waits for words: the rest of the text, then its end
+                job.append(front_end.more_words("there, how are you?"))
+                job.end_text()
+                job = None
+            await asyncio.sleep(0)
+        got = events.result()
+        assert got[-1].status is Status.COMPLETED
+        assert [(w.text, w.start_s, w.stop_s) for w in got if isinstance(w, TtsWord)] == \
+            [(w.text, w.start_s, w.stop_s) for w in want.words]
+        np.testing.assert_array_equal(np.concatenate([e.pcm for e in got if isinstance(e, TtsAudio)]), want.pcm)
+        service.pool.offer(None, CostModel())  # the ended row is freed at the pool's next offer
+        assert client.speech_slots() == PoolSlots(total=1, free=1)
         engine.shutdown()
 
     asyncio.run(main())

@@ -38,7 +38,7 @@ from parley.models.config import FRAME_SAMPLES
 from parley.models.stt import SttGen
 from parley.models.stt_text import TranscriptDecoder, WordEnded, WordHeard
 from parley.models.synthetic import TINY_TTS_VOICES, write_tiny_stt_checkpoint
-from parley.realtime.http.speech_setup import load_speech_service
+from parley.realtime.server.speech_setup import load_speech_service
 from parley.realtime.server.app import ServerInfo, create_app
 from parley.realtime.server.served_models import ServedModels
 from parley.realtime.server.services import Services
@@ -413,14 +413,14 @@ def wav_file(pcm: np.ndarray) -> io.BytesIO:
 def demo_url(tmp_path_factory):
     """The default demo server (tests/test_demo_model.py's), its cache in a temporary folder; its
     STT taught to close words (close_words: the demo's random one never would)."""
-    from parley.realtime.server.serve import ServeConfig, build_app
+    from parley.realtime.server.serve import ServeConfig, build_services
 
     mp = pytest.MonkeyPatch()
     mp.setenv("PARLEY_CACHE", str(tmp_path_factory.mktemp("parley-cache")))
     try:
-        app = build_app(ServeConfig(model=None, max_sessions=2, device="cpu", codec_workers=0))
-        close_words(app.state.stt_pool.checkpoint)
-        with serve(app) as url:
+        services = build_services(ServeConfig(model=None, max_sessions=2, device="cpu", codec_workers=0))
+        close_words(services.stt_pool.checkpoint)  # before the app hands the pool to the engine client
+        with serve(create_app(services)) as url:
             yield url
     finally:
         mp.undo()

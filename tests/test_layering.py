@@ -142,7 +142,7 @@ def test_the_room_checks_catch_what_they_forbid():
     assert [w.split(":")[1] for w in private_crossings(found)] == ["6", "7"]
 
 
-DOORS = ("chat", "realtime_api", "live", "calls", "webrtc", "http")
+DOORS = ("chat", "realtime_api", "live", "calls", "webrtc", "http", "kyutai")
 REACHES = {"engine": "the engine (use the engine client)", "manager": "the session manager (use the edge's parts)"}
 
 

@@ -34,6 +34,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..http.not_found import openai_error
 from ..realtime_api.settings import ClientError
 from ..server.security import choose_subprotocol, offered_key
+from ..server.state import app_state
 from ..sessions.capacity import deny_upgrade
 from ..sessions.limits import EdgeLimits, RateLimiter
 from ..sessions.session import CLOSE_NORMAL, CLOSE_POLICY, close_reason
@@ -50,7 +51,7 @@ class AttachedCall:
     """What a sideband reaches: a live call's event channel and how its door ends a sideband."""
 
     id: str  # the session id (GPT-Live) or call id (Realtime) its client was answered
-    protocol: str  # its door's metrics label
+    protocol: str  # its door's metrics label (its channel's connection counts under it)
     channel: EventChannel
     key: str | None  # the key the call's request carried (None: none)
     refused: Mapping[str, str]  # client event types a sideband may not send -> why
@@ -174,10 +175,10 @@ class Sideband:
             data = message.get("text")
             data = data if data is not None else (message.get("bytes") or b"")
             why = self._rate.admit(len(data))
-            if why is not None:  # counted and logged as every door's flood is
-                metrics = self.call.channel.edge.manager.metrics
-                metrics.rate_limited.labels(self.call.protocol).inc()
-                metrics.refusals.record(self.websocket.scope, "rate_limit", f"a sideband's rate limit: {why}")
+            if why is not None:  # counted and logged as every door's flood is, on the call's counters
+                counters = self.call.channel.edge.counters
+                counters.rate_limited()
+                counters.refusal(self.websocket.scope, "rate_limit", f"a sideband's rate limit: {why}")
                 self.finish(CLOSE_POLICY, f"rate limit: {why}")
                 return
             try:
@@ -199,7 +200,7 @@ class Sideband:
                 raise ClientError("the session has not started yet: wait for its first event",
                                   "session_not_started", "type")
         except ClientError as exc:
-            channel.edge.manager.metrics.protocol_errors.labels(self.call.protocol).inc()
+            channel.edge.counters.protocol_error()
             self.post(channel.error_event(str(exc), exc.code, param=exc.param,
                                           client_event_id=client_event_id(event) if event else None))
             return
@@ -215,14 +216,15 @@ def refuse(status: int, message: str, code: str, param: str | None = None) -> Re
 def find_for(websocket: WebSocket, registry: LiveCalls, call_id: str, param: str) -> AttachedCall | Response:
     """The call `call_id` names, if this connection may attach to it; else the HTTP refusal."""
     call = registry.find(call_id)
-    keys = websocket.app.state.sessions.defaults.api_keys
+    defaults = app_state(websocket).sessions.defaults
+    keys = defaults.api_keys
     if call is not None and keys and not hmac.compare_digest((offered_key(websocket.scope) or "").encode(),
                                                              (call.key or "").encode()):
         call = None  # another key's call: as unknown as one that never was
     if call is None:
         return refuse(404, f"no live session {call_id!r:.60} on this server (unknown, ended, or another key's)",
                       "session_not_found", param)
-    limit = websocket.app.state.sessions.defaults.limits.max_sidebands
+    limit = defaults.limits.max_sidebands
     if len(call.sidebands) >= limit:
         return refuse(429, f"session {call_id:.60} already has {limit} attached connections (--max-sidebands)",
                       "sideband_limit_reached")
@@ -232,15 +234,17 @@ def find_for(websocket: WebSocket, registry: LiveCalls, call_id: str, param: str
 async def attach(websocket: WebSocket, call_id: str, param: str, subprotocol: str | None = None) -> None:
     """Answer an attach upgrade: refused before it (404, 429, 503: draining), or joined to the call
     until either ends. `param`: how the door's URL names the id (its 404 names it)."""
-    manager = websocket.app.state.sessions
+    state = app_state(websocket)
+    manager = state.sessions
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=False)  # draining, unhealthy
     if reservation is None:
         return
     reservation.release()  # a sideband takes no slot
-    found = find_for(websocket, websocket.app.state.live_calls, call_id, param)
+    assert state.live_calls is not None  # create_app always builds the registry
+    found = find_for(websocket, state.live_calls, call_id, param)
     if isinstance(found, Response):
         reason = "session_not_found" if found.status_code == 404 else "sidebands"
-        manager.metrics.refusals.record(websocket.scope, reason, json.loads(found.body)["error"]["message"])
+        state.refusals.record(websocket.scope, reason, json.loads(found.body)["error"]["message"])
         await deny_upgrade(websocket, found, "sideband refused")
         return
     sideband = Sideband(websocket, found, manager.defaults.limits)

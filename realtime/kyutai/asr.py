@@ -3,7 +3,8 @@
 Messages (messages.py): in `Init`, `Audio{pcm}` (24 kHz mono float32), `OggOpus{data}`, `Marker{id}`;
 out `Ready`, `Word{text, start_time}`, `EndWord{stop_time}`, `Step{step_idx, prs, buffered_pcm}`,
 `Marker{id}`, `Error{message}`. The rules, moshi-server's (`batched_asr.rs`) unless said:
-1. A connection takes a live row of the STT pool (engine/stt_pool.py: never queued). None free:
+1. A connection takes a live row of the STT pool (the engine client's `submit_transcription(live=True)`:
+   never queued; its partials carry the words and extra heads). None free:
    `Error{"no free channels"}`, then close 1013 (moshi-server closes without a code).
 2. `Ready` is the first message. `Init` before any audio is answered with `Ready` again; after
    audio it is refused with an `Error` (moshi-server resets the row; here open a new connection).
@@ -29,7 +30,6 @@ out `Ready`, `Word{text, start_time}`, `EndWord{stop_time}`, `Step{step_idx, prs
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -38,11 +38,13 @@ import numpy as np
 from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from parley.engine import SttBusy, SttInputError, SttPartial, SttPool, SttRequest, Status, Terminal, WordHeard
 from parley.models import FRAME_RATE, FRAME_SAMPLES
 
+from ..engine_client import (EngineClient, Status, SttBusy, SttInputError, SttPartial, Terminal, TranscriptionJob,
+                             WordHeard)
 from ..media.opus import CodecUnavailable, OpusError
 from ..server.security import choose_subprotocol
+from ..server.state import app_state
 from ..sessions.capacity import deny_upgrade
 from ..sessions.session import (CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_TOO_BIG, CLOSE_TRY_AGAIN_LATER,
                                 EdgeSession, SessionManager)
@@ -87,63 +89,63 @@ class AsrStream:
 async def asr_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (server/security.py); mounted only with an
     STT model (server/doors.py)."""
-    manager: SessionManager = websocket.app.state.sessions
-    pool: SttPool = websocket.app.state.stt_pool
+    state = app_state(websocket)
+    manager: SessionManager = state.sessions
     unknown = sorted(set(websocket.query_params) - QUERY)
     if unknown:
         why = f"unknown query parameter {unknown[0][:40]!r}; this door takes only a key (auth_id)"
-        manager.metrics.refusals.record(websocket.scope, "options", why)
+        state.refusals.record(websocket.scope, "options", why)
         await deny_upgrade(websocket, PlainTextResponse(why, status_code=400), why)
         return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=False)  # draining: 503
     if reservation is None:
         return
     edge = manager.attach(websocket, PROTOCOL, reservation)
-    edge.notice = lambda reason: edge.send_bytes(msg.error(reason))
+    edge.notice = lambda reason: edge.outbox.send_bytes(msg.error(reason))
     try:
         await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
-        await _serve(edge, pool)
+        await _serve(edge, state.client, manager)
     except (WebSocketDisconnect, OSError):
         log.info("kyutai asr session %d: the client left", edge.number)
     finally:
         edge.close()
 
 
-async def _serve(edge: EdgeSession, pool: SttPool) -> None:
+async def _serve(edge: EdgeSession, client: EngineClient, manager: SessionManager) -> None:
     try:
-        request = pool.submit(asyncio.get_running_loop(), live=True)
+        request = client.submit_transcription(live=True)
     except SttBusy as exc:
-        await edge.send_bytes(msg.error(NO_FREE_CHANNELS))
-        await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"{NO_FREE_CHANNELS}: {exc}")
+        await edge.outbox.send_bytes(msg.error(NO_FREE_CHANNELS))
+        await edge.outbox.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"{NO_FREE_CHANNELS}: {exc}")
         return
-    stream = AsrStream(pool.gen.text_delay)
+    stream = AsrStream(client.stt_facts().text_delay)
     try:
-        await edge.send_bytes(msg.ready())
-        await edge.run_duplex(_follow(edge, request, stream), _receive(edge, request, stream))
+        await edge.outbox.send_bytes(msg.ready())
+        await edge.run_duplex(_follow(edge, request, stream), _receive(edge, manager, request, stream))
     finally:
         request.cancel()  # frees the row at the pool's next offer
 
 
-async def _follow(edge: EdgeSession, request: SttRequest, stream: AsrStream) -> None:
+async def _follow(edge: EdgeSession, request: TranscriptionJob, stream: AsrStream) -> None:
     """Pool -> client: each step's messages, in moshi-server's order (Step, words, markers)."""
     async for event in request.events:
         if isinstance(event, Terminal):
             if event.status is Status.FAILED:
-                await edge.send_bytes(msg.error(event.reason))
-                await edge.close_socket(CLOSE_INTERNAL, event.reason)
+                await edge.outbox.send_bytes(msg.error(event.reason))
+                await edge.outbox.close_socket(CLOSE_INTERNAL, event.reason)
             return
         sent = False
         try:
             for message in stream.on_partial(event):
-                await edge.send_bytes(message)
+                await edge.outbox.send_bytes(message)
                 sent = True
         except (WebSocketDisconnect, RuntimeError, OSError):
             return  # the client left; the receive side sees the disconnect
         if sent and event.heard:
-            edge.observe_transcript_sent("standalone", event.input_at)
+            edge.counters.transcript_sent("standalone", event.input_at)
 
 
-async def _receive(edge: EdgeSession, request: SttRequest, stream: AsrStream) -> None:
+async def _receive(edge: EdgeSession, manager: SessionManager, request: TranscriptionJob, stream: AsrStream) -> None:
     """Client -> pool. Returns when the client leaves or after closing the socket for bad input."""
     websocket = edge.websocket
     while True:
@@ -152,32 +154,33 @@ async def _receive(edge: EdgeSession, request: SttRequest, stream: AsrStream) ->
         if frame["type"] == "websocket.disconnect":
             return
         data = frame.get("bytes")
-        if not await edge.admit_message(len(data) if data is not None else len(frame.get("text") or "")):
+        if not await edge.outbox.admit_message(len(data) if data is not None else len(frame.get("text") or "")):
             return
         if data is None:
             continue  # a text frame: moshi-server ignores them too
         if len(data) > MAX_MESSAGE_BYTES:
-            await edge.send_bytes(msg.error(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}"))
-            await edge.refuse(CLOSE_TOO_BIG, "too_large", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+            await edge.outbox.send_bytes(msg.error(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}"))
+            await edge.outbox.refuse(CLOSE_TOO_BIG, "too_large", f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
             return
         try:
             message = msg.parse(data, msg.ASR_IN)
         except msg.ProtocolError as exc:
             await _invalid(edge, str(exc))
             return
-        if not await _handle(edge, request, stream, message, received):
+        if not await _handle(edge, manager, request, stream, message, received):
             return
 
 
-async def _handle(edge: EdgeSession, request: SttRequest, stream: AsrStream, message, received: float) -> bool:
+async def _handle(edge: EdgeSession, manager: SessionManager, request: TranscriptionJob, stream: AsrStream, message,
+                  received: float) -> bool:
     """One input message; False once the connection is closed."""
     if isinstance(message, msg.Marker):
         stream.add_marker(message.id)
     elif isinstance(message, msg.Init):
-        await edge.send_bytes(msg.ready() if stream.fed == 0 else msg.error(
+        await edge.outbox.send_bytes(msg.ready() if stream.fed == 0 else msg.error(
             "Init after audio is not supported (moshi-server resets the stream): open a new connection"))
     elif isinstance(message, msg.OggOpus):
-        pcm = await _decode(edge, message.data)
+        pcm = await _decode(edge, manager, message.data)
         if pcm is None:
             return False
         await _feed(edge, request, stream, pcm, received)
@@ -186,34 +189,34 @@ async def _handle(edge: EdgeSession, request: SttRequest, stream: AsrStream, mes
     return True
 
 
-async def _feed(edge: EdgeSession, request: SttRequest, stream: AsrStream, pcm: np.ndarray, received: float) -> None:
+async def _feed(edge: EdgeSession, request: TranscriptionJob, stream: AsrStream, pcm: np.ndarray, received: float) -> None:
     if not pcm.size:
         return
     try:
         request.feed(pcm, received)
     except SttInputError as exc:  # this chunk only: the stream goes on
-        await edge.send_bytes(msg.error(str(exc)))
+        await edge.outbox.send_bytes(msg.error(str(exc)))
         return
     stream.fed += pcm.size
 
 
-async def _decode(edge: EdgeSession, data: bytes) -> np.ndarray | None:
+async def _decode(edge: EdgeSession, manager: SessionManager, data: bytes) -> np.ndarray | None:
     """Ogg-Opus bytes -> 24 kHz PCM on this connection's codec stream (opened at its first use);
     None once the connection is closed for bytes that are not Ogg-Opus or a lost codec."""
     try:
         if edge.codec is None:
-            edge.codec = edge.manager.codec.open()
+            edge.codec = manager.codec.open()
         return await edge.codec.decode(data)
     except OpusError as exc:
         await _invalid(edge, f"OggOpus.data is not an Ogg-Opus stream: {exc}")
     except CodecUnavailable as exc:
-        edge.manager.metrics.codec_failures.labels(PROTOCOL).inc()
-        await edge.send_bytes(msg.error(f"audio codec unavailable: {exc}"))
-        await edge.close_socket(CLOSE_INTERNAL, f"audio codec unavailable: {exc}")
+        edge.counters.codec_failure()
+        await edge.outbox.send_bytes(msg.error(f"audio codec unavailable: {exc}"))
+        await edge.outbox.close_socket(CLOSE_INTERNAL, f"audio codec unavailable: {exc}")
     return None
 
 
 async def _invalid(edge: EdgeSession, reason: str) -> None:
-    edge.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
-    await edge.send_bytes(msg.error(reason))
-    await edge.close_socket(CLOSE_INVALID_PAYLOAD, reason)
+    edge.counters.protocol_error()
+    await edge.outbox.send_bytes(msg.error(reason))
+    await edge.outbox.close_socket(CLOSE_INVALID_PAYLOAD, reason)

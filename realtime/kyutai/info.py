@@ -18,6 +18,9 @@ from importlib import metadata
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..engine_client import PoolSlots
+from ..server.state import app_state
+
 ASR_PATH = "/api/asr-streaming"
 TTS_PATH = "/api/tts_streaming"
 
@@ -39,16 +42,14 @@ async def build_info(request: Request) -> Response:
 
 
 async def modules_info(request: Request) -> Response:
+    state = app_state(request)
     modules = []
-    stt = request.app.state.stt_pool
-    if stt is not None:
-        modules.append(_module("batched_asr", ASR_PATH, stt.name, stt))
-    speech = request.app.state.speech
-    if speech is not None:
-        modules.append(_module("py", TTS_PATH, speech.model, speech.pool))
+    if state.stt_model is not None:
+        modules.append(_module("batched_asr", ASR_PATH, state.stt_model, state.client.stt_slots()))
+    if state.speech is not None:
+        modules.append(_module("py", TTS_PATH, state.speech.model, state.client.speech_slots()))
     return JSONResponse(modules)
 
 
-def _module(kind: str, path: str, model: str, pool) -> dict[str, str]:
-    return {"type": kind, "path": path, "lm": model, "used_slots": str(pool.slots - pool.free),
-            "total_slots": str(pool.slots)}
+def _module(kind: str, path: str, model: str, slots: PoolSlots) -> dict[str, str]:
+    return {"type": kind, "path": path, "lm": model, "used_slots": str(slots.used), "total_slots": str(slots.total)}

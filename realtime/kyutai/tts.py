@@ -17,8 +17,8 @@ formats carry audio only, as moshi-server's do.
 Rules:
 1. At connect a TTS slot must be free, else `Error{"no free channels"}` (raw formats: nothing) and
    close 1013. Then `Ready`.
-2. The first words take a pool row (engine/tts_pool.py, `text_open`); later text joins its
-   script as it arrives, and `Eos` ends it. The row speaks as the words come, holding the DSM's
+2. The first words take a pool row (a `text_open` request: the engine client's `SpeechJob`); later
+   text joins its script as it arrives (`SpeechJob.append`), and `Eos` ends it (`end_text`). The row speaks as the words come, holding the DSM's
    lookahead (2 words) + 1 ahead of what it has said, as moshi-server's `tts.py` waits for words.
    Audio and word times stream out as synthesised; after `Eos` the last word is flushed, then
    close 1000 (the `Eos` flush). `Eos` with no words: close 1000 at once, as moshi-server does.
@@ -33,7 +33,6 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import math
@@ -45,11 +44,12 @@ import torch
 from starlette.responses import PlainTextResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from parley.engine import SpeechInputError, Status, Terminal, TtsAudio, TtsJob, TtsPoolFull, TtsRequest, TtsWord
-
+from ..engine_client import (EngineClient, SpeechInputError, SpeechJob, Status, Terminal, TtsAudio, TtsPoolFull,
+                             TtsRequest, TtsWord)
 from ..http.speech import SpeechService
 from ..media.speech_formats import make_encoder
 from ..server.security import choose_subprotocol
+from ..server.state import app_state
 from ..sessions.capacity import deny_upgrade
 from ..sessions.session import (CLOSE_INTERNAL, CLOSE_INVALID_PAYLOAD, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG,
                                 CLOSE_TRY_AGAIN_LATER, EdgeSession, SessionManager)
@@ -180,12 +180,14 @@ class Script:
 async def tts_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (server/security.py); mounted only with a
     TTS model (server/doors.py)."""
-    manager: SessionManager = websocket.app.state.sessions
-    service: SpeechService = websocket.app.state.speech
+    state = app_state(websocket)
+    manager: SessionManager = state.sessions
+    service = state.speech
+    assert service is not None  # mounted only with a TTS model
     try:
         query = parse_query(websocket.query_params, service)
     except QueryError as exc:
-        manager.metrics.refusals.record(websocket.scope, "options", str(exc))
+        state.refusals.record(websocket.scope, "options", str(exc))
         await deny_upgrade(websocket, PlainTextResponse(str(exc), status_code=400), str(exc))
         return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=False)  # draining: 503
@@ -196,7 +198,7 @@ async def tts_endpoint(websocket: WebSocket) -> None:
     edge.notice = lambda reason: _send(edge, output.message(msg.error(reason)))
     try:
         await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", [])))
-        await _serve(edge, service, query, output)
+        await _serve(edge, state.client, service, query, output)
     except (WebSocketDisconnect, OSError):
         log.info("kyutai tts session %d: the client left", edge.number)
     finally:
@@ -205,12 +207,14 @@ async def tts_endpoint(websocket: WebSocket) -> None:
 
 async def _send(edge: EdgeSession, data: bytes | None) -> None:
     if data:
-        await edge.send_bytes(data)
+        await edge.outbox.send_bytes(data)
 
 
-async def _serve(edge: EdgeSession, service: SpeechService, query: TtsQuery, output: Output) -> None:
-    if service.pool.free <= 0:
-        await _full(edge, output, f"all {service.pool.slots} TTS slots are busy")
+async def _serve(edge: EdgeSession, client: EngineClient, service: SpeechService, query: TtsQuery,
+                 output: Output) -> None:
+    slots = client.speech_slots()
+    if slots.free <= 0:
+        await _full(edge, output, f"all {slots.total} TTS slots are busy")
         return
     await _send(edge, output.message(msg.ready()))
     script = Script(tuple(service.front_end.voices.load(query.voice).shape))
@@ -218,7 +222,7 @@ async def _serve(edge: EdgeSession, service: SpeechService, query: TtsQuery, out
     if request is None:
         return
     try:
-        job = service.pool.submit(request, asyncio.get_running_loop())
+        job = client.submit_speech(request)
     except TtsPoolFull as exc:
         await _full(edge, output, str(exc))
         return
@@ -235,7 +239,7 @@ async def _next_message(edge: EdgeSession, output: Output) -> object | None:
     if frame["type"] == "websocket.disconnect":
         return None
     data, text = frame.get("bytes"), frame.get("text")
-    if not await edge.admit_message(len(data) if data is not None else len(text or "")):
+    if not await edge.outbox.admit_message(len(data) if data is not None else len(text or "")):
         return None
     if data is None:
         return msg.Text(text or "")
@@ -248,7 +252,7 @@ async def _next_message(edge: EdgeSession, output: Output) -> object | None:
     try:
         return msg.parse(data, msg.TTS_IN)
     except msg.ProtocolError as exc:
-        edge.manager.metrics.protocol_errors.labels(PROTOCOL).inc()
+        edge.counters.protocol_error()
         await _close(edge, output, CLOSE_INVALID_PAYLOAD, None, str(exc))
         return None
 
@@ -259,7 +263,7 @@ async def _first_words(edge: EdgeSession, output: Output, service: SpeechService
     once the connection is closed (`Eos` with no words closes 1000, as moshi-server does)."""
     while (message := await _next_message(edge, output)) is not None:
         if isinstance(message, msg.Eos):
-            await edge.close_socket(CLOSE_NORMAL, "end of stream")
+            await edge.outbox.close_socket(CLOSE_NORMAL, "end of stream")
             return None
         if isinstance(message, msg.Voice):
             if (why := script.set_voice(message)) is not None:
@@ -282,7 +286,7 @@ async def _first_words(edge: EdgeSession, output: Output, service: SpeechService
     return None
 
 
-async def _more_words(edge: EdgeSession, output: Output, service: SpeechService, job: TtsJob,
+async def _more_words(edge: EdgeSession, output: Output, service: SpeechService, job: SpeechJob,
                       script: Script) -> None:
     """After the first words: more text onto the job's row, then `Eos`; after it the client may
     still send (moshi-server reads on): counted against the limits and dropped. Returns when the
@@ -304,20 +308,20 @@ async def _more_words(edge: EdgeSession, output: Output, service: SpeechService,
             job.append(entries)
 
 
-async def _speak(edge: EdgeSession, job: TtsJob, output: Output) -> None:
+async def _speak(edge: EdgeSession, job: SpeechJob, output: Output) -> None:
     """Pool -> client: audio and words as synthesised, then the close that ends the stream."""
     try:
-        async for event in job.stream:
+        async for event in job.events:
             if isinstance(event, TtsAudio):
                 await _send(edge, output.audio(event.pcm))
             elif isinstance(event, TtsWord):
                 await _send(edge, output.word(event))
             elif isinstance(event, Terminal):
                 if event.status is Status.COMPLETED:
-                    await edge.close_socket(CLOSE_NORMAL, "end of stream")
+                    await edge.outbox.close_socket(CLOSE_NORMAL, "end of stream")
                 else:
                     await _send(edge, output.message(msg.error(f"synthesis failed: {event.reason}")))
-                    await edge.close_socket(CLOSE_INTERNAL, f"synthesis failed: {event.reason}")
+                    await edge.outbox.close_socket(CLOSE_INTERNAL, f"synthesis failed: {event.reason}")
                 return
     except (WebSocketDisconnect, RuntimeError, OSError):
         return  # the client left
@@ -325,7 +329,7 @@ async def _speak(edge: EdgeSession, job: TtsJob, output: Output) -> None:
 
 async def _full(edge: EdgeSession, output: Output, detail: str) -> None:
     await _send(edge, output.message(msg.error(NO_FREE_CHANNELS)))
-    await edge.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"{NO_FREE_CHANNELS}: {detail}")
+    await edge.outbox.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"{NO_FREE_CHANNELS}: {detail}")
 
 
 async def _close(edge: EdgeSession, output: Output, code: int, reason: str | None, text: str) -> None:
@@ -333,6 +337,6 @@ async def _close(edge: EdgeSession, output: Output, code: int, reason: str | Non
     `code`; a refusal `reason` (refusals.py) is logged and counted."""
     await _send(edge, output.message(msg.error(text)))
     if reason is None:
-        await edge.close_socket(code, text)
+        await edge.outbox.close_socket(code, text)
     else:
-        await edge.refuse(code, reason, text)
+        await edge.outbox.refuse(code, reason, text)
