@@ -101,6 +101,11 @@ class RowPool(Generic[J, R]):
         return self._table.free
 
     @property
+    def takeable(self) -> int:
+        """Rows a new job could take now: neither live nor promised to a waiting job."""
+        return max(0, self.slots - self.live - self.pending)
+
+    @property
     def stopped(self) -> Terminal | None:
         return self._stopped
 

@@ -439,9 +439,8 @@ class SttPool(SlackSource):
         return self._pool.live
 
     @property
-    def free(self) -> int:
-        """Rows a live request could take now (neither running nor promised to a waiting request)."""
-        return max(0, self.slots - self._pool.live - self._pool.pending)
+    def free(self) -> int:  # rows a live request could take now
+        return self._pool.takeable
 
     def slack_counters(self) -> dict:
         return {**self.counters, "stt_live": self.live, "stt_slots": self.slots, "stt_queued": self._pool.pending,

@@ -325,9 +325,8 @@ class TtsPool(SlackSource):
         return self._pool.live
 
     @property
-    def free(self) -> int:
-        """Requests the pool would take now (slots neither live nor promised to a waiting request)."""
-        return max(0, self.slots - self._pool.live - self._pool.pending)
+    def free(self) -> int:  # requests the pool would take now
+        return self._pool.takeable
 
     def slack_counters(self) -> dict:
         return {"tts_live": self.live, "tts_slots": self.slots, "tts_steps_text": self.steps["text"],
