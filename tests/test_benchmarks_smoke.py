@@ -157,6 +157,13 @@ CPU_CASES = {
          r"^\| tts \| first audio p50 ms \| ", r"^\| transcription \| delay p99 ms \| ",
          r"^\| image \| images/min \| \d+\.\d \| \d+\.\d \|$",
          r"^late ticks: duplex alone \d+, tts alone \d+, transcription alone \d+, image alone \d+, together \d+$"]),
+    "kyutai_load": (  # Kyutai's doors on the demo server: ASR and TTS streams beside a duplex session
+        "kyutai_load.py", ["--asr", "2", "--tts", "1", "--duplex", "1", "--duration", "3"],
+        [r"^\| kind \| figure \| value \|$", r"^\| asr \| served \| 2 \|$", r"^\| asr \| refused \| 0 \|$",
+         r"^\| asr \| held in real time \(<= 500 ms\) \| \d+ \|$", r"^\| asr \| step delay p99 ms \| \d+\.\d \|$",
+         r"^\| asr \| server transcript delay p99 ms \| ", r"^\| tts \| requests done \| [1-9]\d* \|$",
+         r"^\| tts \| first audio p50 ms \| \d+\.\d \|$", r"^\| duplex \| sessions \| 1 \|$",
+         r"^\| engine \| late ticks \| \d+\.\d \|$"]),
     "paged_attention": (  # "ours only" (FlashInfer is a GPU comparison): tiny shapes in Triton's interpreter
         "paged_attention.py", ["--device", "cpu", "--launches", "default,16x4x1x4"],
         [r"^launch: default$", r"^launch: 16x4x1x4$", r"^\| B \| KV \| block \| ours dense ms \| ours paged ms \|",
@@ -176,7 +183,8 @@ CPU_CASES = {
 
 # s (the others: 120): the demo server's start, then a drain, on a loaded box
 CPU_NEEDS = {"mimi_quality": "moshi"}  # the reference package it compares against (tests/run.sh installs it)
-CPU_TIMEOUTS = {"mixed_load": 240, "mixed_soak": 240, "mixed_soak_in_process": 240, "mixed_soak_trace": 240}
+CPU_TIMEOUTS = {"kyutai_load": 240, "mixed_load": 240, "mixed_soak": 240, "mixed_soak_in_process": 240,
+                "mixed_soak_trace": 240}
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
