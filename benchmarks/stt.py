@@ -31,7 +31,7 @@ from parley.engine.scheduler import TickPlan  # noqa: E402
 from parley.engine.slack import CostModel  # noqa: E402
 from parley.engine.stt_paired import PairedTranscription  # noqa: E402
 from parley.engine.stt_pool import SttPool  # noqa: E402
-from parley.models.checkpoint import Checkpoint, SttCheckpoint, mimi_config_dict  # noqa: E402
+from parley.models.checkpoint import Checkpoint, SttCheckpoint, lm_config_dict, mimi_config_dict  # noqa: E402
 from parley.models.config import (FRAME_SAMPLES, LMConfig, MimiConfig, QuantizerConfig, SamplingDefaults,  # noqa: E402
                                   tiny_lm_config, tiny_mimi_config)
 from parley.models.lm import LMModel  # noqa: E402
@@ -178,7 +178,7 @@ def bench_reference(stt, streams: int, frames: int, warmup: int, device) -> tupl
         from moshi.models.lm import LMGen
     except ImportError:
         return None
-    kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(stt.lm_config).items()}
+    kwargs = lm_config_dict(stt.lm_config)  # config.json's LMModel kwargs, as the reference reads them
     ref = loaders.get_moshi_lm(None, lm_kwargs=kwargs, device=device, dtype=next(stt.lm.parameters()).dtype)
     ref.load_state_dict(stt.lm.state_dict(), strict=True)
     ref_mimi = loaders.get_mimi(None, mimi_config_dict(stt.mimi_config), device=device, num_codebooks=stt.lm_config.n_q)
