@@ -347,6 +347,11 @@ def test_stall_watch_names_what_held_the_gil(monkeypatch) -> None:
 GPU_CASES = {
     "frame_latency": ("frame_latency.py", ["--batches", "1", "--frames", "2", "--warmup", "1", "--windows", "empty"],
                       [r"\| B \| window \| Parley p50", r"\| 1 \| empty \| \d+\.\d\d"]),
+    "frame_latency_hibiki": ("frame_latency.py", ["--shapes", "hibiki-zero-3b", "--batches", "1,2", "--frames", "2",
+                                                  "--warmup", "1", "--windows", "full", "--reference-batches", "1",
+                                                  "--kv-dtype", "fp8", "--kv-blocks", "fit"],
+                             [r"weights: Hibiki-Zero 3B shapes, random bfloat16", r"^Parley attention: temporal: general",
+                              r"^\| 1 \| full \| \d+\.\d\d .* \| \d+\.\d\dx \|", r"^  B=2 full: Parley p50"]),
     "profile_frame": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1"], [r"GPU: "]),
     "profile_tts": ("profile_tts.py", ["--rows", "2", "--replays", "2", "--warmup", "1"],
                     [r"rows 2: text \d+\.\d\d ms, full \d+\.\d\d ms", r"weight matmuls\s+\d+\.\d\d ms"]),
