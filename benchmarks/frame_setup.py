@@ -1,6 +1,13 @@
 """Shared pieces of the frame benchmarks (frame_latency.py, profile_frame.py, tts_load.py): random
-Moshi-7B shaped models (or tiny ones for CPU smoke runs) and their checkpoint, placing rows in a
-window, timing, and the memory-bandwidth floor of a frame.
+Moshi-7B shaped models (or Hibiki-Zero 3B ones, or tiny ones for CPU smoke runs) and their
+checkpoint, placing rows in a window, timing, and the memory-bandwidth floor of a frame.
+
+Hibiki-Zero 3B shapes (`hibiki_zero_3b_config`) are those of `kyutai/hibiki-zero-3b-pytorch-bf16`
+as public ports of it describe them (its config.json is not read here): temporal dim 2048, 28
+layers, 16 heads over 8 KV heads (kv_repeat 2), FFN hidden scale 6, rope_concat with period 20000,
+context 3000, text vocabulary 48000, 32 audio streams (16 source, 16 translated), a 16-step
+depformer (dim 1024, 6 layers, 16 heads, one KV head per query head) over 9 weight slices, and
+the `description` LUT conditioner. Parameters differ from the real model's only in value.
 
 The floor: a frame must read every weight once (the LM's and Mimi's) and every live row's filled
 KV window once (keys and values of every layer, plus the fp8 scales), at the GPU's copy
@@ -11,6 +18,7 @@ floor / measured (1.0 = at the floor).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -19,6 +27,7 @@ import torch
 
 from parley.models.checkpoint import Checkpoint
 from parley.models.config import LMConfig, MimiConfig, SamplingDefaults, tiny_lm_config, tiny_mimi_config
+from parley.models.synthetic import tiny_hibiki_config
 from parley.models.lm import LMModel
 from parley.models.lm_gen import LMGenState
 from parley.models.mimi.codec import Mimi
@@ -35,15 +44,29 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-MODEL_KINDS = ("moshi", "personaplex", "tiny")
+MODEL_KINDS = ("moshi", "personaplex", "tiny", "hibiki-zero-3b", "tiny-hibiki-zero")
+HIBIKI_KINDS = ("hibiki-zero-3b", "tiny-hibiki-zero")  # model_type hibiki: conditioned on description very_good
+
+
+def hibiki_zero_3b_config() -> LMConfig:
+    """Hibiki-Zero 3B's LM shapes (see the module doc), on the tiny Hibiki-Zero's structure."""
+    return dataclasses.replace(
+        tiny_hibiki_config("hibiki-zero", context=3000), dim=2048, text_card=48000, num_heads=16, num_layers=28,
+        hidden_scale=6.0, depformer_dim=1024, depformer_dim_feedforward=4096, depformer_num_heads=16,
+        depformer_num_layers=6, depformer_kv_repeat=1)
 
 
 def model_configs(kind: str) -> tuple[LMConfig, MimiConfig]:
-    """Moshi-7B (dep_q 8), PersonaPlex-7B (dep_q 16) or the tiny CPU test shapes (Moshi's structure)."""
+    """Moshi-7B (dep_q 8), PersonaPlex-7B (dep_q 16), Hibiki-Zero 3B (16 codebooks a stream), or
+    the tiny CPU test shapes of Moshi's or Hibiki-Zero's structure."""
     if kind == "tiny":
         return tiny_lm_config(), tiny_mimi_config()
     if kind in ("moshi", "personaplex"):
         return LMConfig(dep_q=16 if kind == "personaplex" else 8), MimiConfig()
+    if kind == "hibiki-zero-3b":
+        return hibiki_zero_3b_config(), MimiConfig(num_codebooks=16)
+    if kind == "tiny-hibiki-zero":
+        return tiny_hibiki_config("hibiki-zero"), tiny_mimi_config(num_codebooks=16, levels=32)
     raise ValueError(f"model kind {kind!r}: expected one of {', '.join(MODEL_KINDS)}")
 
 
@@ -165,13 +188,15 @@ def page_list_planner(backend, window: str, context: int, live: torch.Tensor):
 
 
 def time_frames(run_frame, frames: int, warmup: int) -> list[float]:
-    """Wall time of each call in ms, synchronized before and after (so it includes the host side)."""
+    """Wall time of each call in ms, synchronized before and after (so it includes the host side;
+    without CUDA, as on a CPU smoke run, there is nothing to wait for)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for i in range(warmup + frames):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         run_frame()
-        torch.cuda.synchronize()
+        sync()
         if i >= warmup:
             times.append((time.perf_counter() - start) * 1000)
     return times
@@ -183,10 +208,12 @@ def weight_bytes(lm: torch.nn.Module, mimi: torch.nn.Module) -> int:
 
 def kv_bytes(cfg: LMConfig, positions: torch.Tensor, kv_dtype: torch.dtype | None) -> int:
     """Bytes of filled KV window the temporal transformer reads in one frame, over the live rows
-    at `positions` (see `window_positions`)."""
+    at `positions` (see `window_positions`). Grouped heads (kv_repeat r) keep num_heads / r KV heads."""
     filled = positions.clamp(max=cfg.context).sum().item()
     fp8 = kv_dtype == torch.float8_e4m3fn
-    per_slot = 2 * cfg.dim * (1 if fp8 else 2) + (2 * cfg.num_heads * 4 if fp8 else 0)  # K + V (+ scales)
+    kv_heads = cfg.num_heads // cfg.kv_repeat
+    kv_dim = kv_heads * (cfg.dim // cfg.num_heads)
+    per_slot = 2 * kv_dim * (1 if fp8 else 2) + (2 * kv_heads * 4 if fp8 else 0)  # K + V (+ scales)
     return int(filled * per_slot * cfg.num_layers)
 
 

@@ -174,6 +174,15 @@ CPU_CASES = {
         [r"^\| variant \| semantic codes equal \| all codes equal \| decode SNR vs exact reference \|$",
          r"^\| parley float32, TF32 off \| 100\.00% \| 100\.00% \| exact \|$",
          r"^\| parley bfloat16 \| \d+\.\d\d% \| \d+\.\d\d% \| (\d+\.\d dB|exact) \|$"]),
+    "frame_latency_hibiki": (  # the Hibiki-Zero frame (paged KV) beside the reference's B = 1, at tiny shapes
+        "frame_latency.py", ["--shapes", "tiny-hibiki-zero", "--device", "cpu", "--batches", "1,2", "--frames", "2",
+                             "--warmup", "1", "--windows", "full", "--reference-batches", "1", "--kv-blocks", "fit"],
+        [r"weights: tiny-hibiki-zero shapes, random float32  Parley KV cache: bf16, paged fit, read by the general path",
+         r"^Parley attention: temporal: general path \(grouped KV heads, rope_concat\); depformer: general path",
+         r"^Conditioning: description very_good \(both sides\), cfg_coef 1$",
+         r"^\| 1 \| full \| \d+\.\d\d \| \d+\.\d\d \| .* \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\dx \|",
+         r"^\| 2 \| full \| \d+\.\d\d \| \d+\.\d\d \| .* \| - \|  \|  \|",  # no reference at B = 2
+         r"^  B=2 full: Parley p50 \d+\.\d\d ms = \d+\.\d\dx the reference's one-session frame, for 2 sessions$"]),
     "cli_startup": (
         "cli_startup.py", ["--runs", "1"],
         [r"^\| command \| median \(s\) \| slowest \(s\) \| heavy imports \|$",
@@ -182,9 +191,10 @@ CPU_CASES = {
 }
 
 # s (the others: 120): the demo server's start, then a drain, on a loaded box
-CPU_NEEDS = {"mimi_quality": "moshi"}  # the reference package it compares against (tests/run.sh installs it)
-CPU_TIMEOUTS = {"kyutai_load": 240, "mixed_load": 240, "mixed_soak": 240, "mixed_soak_in_process": 240,
-                "mixed_soak_trace": 240}
+# the reference package each compares against (tests/run.sh installs it)
+CPU_NEEDS = {"mimi_quality": "moshi", "frame_latency_hibiki": "moshi"}
+CPU_TIMEOUTS = {"frame_latency_hibiki": 240, "kyutai_load": 240, "mixed_load": 240, "mixed_soak": 240,
+                "mixed_soak_in_process": 240, "mixed_soak_trace": 240}
 
 
 @pytest.mark.parametrize("case", list(CPU_CASES))
@@ -259,7 +269,7 @@ OWN_TESTS = ("write_models.py", "tick_timeline.py")
 # and CPU ones too slow for this file (attacks.py, edge_cpu.py: a server per run and seconds per
 # attack or session; plot_frames.py draws a GPU run's JSON). Their module level (imports, shared
 # helpers, the benchmarks-folder imports) still runs here.
-IMPORT_ONLY = ("frame_latency.py", "profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
+IMPORT_ONLY = ("profile_frame.py", "load_7b.py", "seeded_sampling.py", "attention_kernel.py",
                "attacks.py", "edge_cpu.py", "plot_frames.py", "profile_tts.py", "fp8_attention_variants.py",
                "mimi_steps.py", "frame_gpu_time.py", "flashinfer_decode.py", "fp8_weights.py")
 
@@ -346,6 +356,11 @@ def test_stall_watch_names_what_held_the_gil(monkeypatch) -> None:
 GPU_CASES = {
     "frame_latency": ("frame_latency.py", ["--batches", "1", "--frames", "2", "--warmup", "1", "--windows", "empty"],
                       [r"\| B \| window \| Parley p50", r"\| 1 \| empty \| \d+\.\d\d"]),
+    "frame_latency_hibiki": ("frame_latency.py", ["--shapes", "hibiki-zero-3b", "--batches", "1,2", "--frames", "2",
+                                                  "--warmup", "1", "--windows", "full", "--reference-batches", "1",
+                                                  "--kv-dtype", "fp8", "--kv-blocks", "fit"],
+                             [r"weights: Hibiki-Zero 3B shapes, random bfloat16", r"^Parley attention: temporal: general",
+                              r"^\| 1 \| full \| \d+\.\d\d .* \| \d+\.\d\dx \|", r"^  B=2 full: Parley p50"]),
     "profile_frame": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1"], [r"GPU: "]),
     "profile_tts": ("profile_tts.py", ["--rows", "2", "--replays", "2", "--warmup", "1"],
                     [r"rows 2: text \d+\.\d\d ms, full \d+\.\d\d ms", r"weight matmuls\s+\d+\.\d\d ms"]),
