@@ -25,7 +25,7 @@ log = logging.getLogger("parley.translation")
 
 async def translation_endpoint(websocket: WebSocket) -> None:
     manager: SessionManager = websocket.app.state.sessions
-    translator = served_translator()
+    translator = served_translator(websocket.app.state)
     if await deny_unserved_model(websocket, translator.modality):
         return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=True)
