@@ -153,3 +153,25 @@ def test_the_hibiki_zero_web_client_protocol_on_api_chat(hibiki_url):
     assert audio.size >= SR and np.abs(audio).max() > 0
     assert words and all(isinstance(w, str) and w for w in words)
     assert close_code == 1000
+
+
+def test_a_hibiki_checkpoint_given_as_model_serves_the_translation_door(tmp_path):
+    from parley.models import write_tiny_hibiki_checkpoint
+
+    directory = write_tiny_hibiki_checkpoint(tmp_path / "hibiki-zero-tiny", kind="hibiki-zero")
+    app = build_app(ServeConfig(model=str(directory), max_sessions=1, device="cpu", codec_workers=0))
+
+    async def scenario(base):
+        async with client(base).realtime.translations.connect(model="hibiki-zero-tiny") as conn:
+            rec = Recorder(conn)
+            created = await rec.wait_type("session.created")
+            await send_paced(conn, speech_like(1.0), chunk=SR // 5)
+            await conn.session.close()
+            await rec.wait_type("session.closed", timeout=60)
+            return created
+
+    with serve(app) as base:
+        listed = {m["id"]: m["modality"] for m in _get(f"http://{base}/v1/models")["data"]}
+        created = run(scenario(base))
+    assert listed == {"hibiki-zero-tiny": "translation"}
+    assert created["session"]["model"] == "hibiki-zero-tiny"

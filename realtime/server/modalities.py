@@ -174,7 +174,7 @@ def add_session_default_flags(p: argparse.ArgumentParser) -> None:
 DUPLEX = Modality(
     "duplex", "speech-to-speech model", "/api/chat, /v1/realtime, /v1/live/sessions", "--model",
     doors=(
-        Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol", "chat.protocol:chat_endpoint"),
+        Door("/api/chat", WS, "Moshi / PersonaPlex / Hibiki binary protocol", "chat.protocol:chat_endpoint"),
         Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, ?intent=transcription, or a sideband "
              "joining a WebRTC call: ?call_id=)", "realtime_api.endpoint:realtime_endpoint", converses=True),
         Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation",
