@@ -93,8 +93,9 @@ def test_an_unserved_model_is_404_and_conversation_doors_refuse_by_name(hibiki_u
                 pass
         return exc.value.response
 
-    unserved = run(denied(f"ws://{hibiki_url}/v1/realtime/translations?model=parley-demo"))
-    assert unserved.status_code == 404 and json.loads(unserved.body)["error"]["code"] == "model_not_found"
+    for path in ("/v1/realtime/translations?model=parley-demo", "/api/chat?model=parley-demo"):
+        unserved = run(denied(f"ws://{hibiki_url}{path}"))
+        assert unserved.status_code == 404 and json.loads(unserved.body)["error"]["code"] == "model_not_found"
     for path in ("/v1/realtime?model=gpt-realtime", "/v1/live/sessions"):
         response = run(denied(f"ws://{hibiki_url}{path}"))
         error = json.loads(response.body)["error"]
@@ -105,6 +106,12 @@ def test_an_unserved_model_is_404_and_conversation_doors_refuse_by_name(hibiki_u
     with pytest.raises(urllib.error.HTTPError) as call:
         urllib.request.urlopen(request, timeout=10)
     assert call.value.code == 400 and "translation" in json.loads(call.value.read())["error"]["message"]
+
+    async def transcription_session():  # the STT rows' sessions need no conversation
+        async with connect(f"ws://{hibiki_url}/v1/realtime?intent=transcription", open_timeout=10) as ws:
+            return json.loads(await asyncio.wait_for(ws.recv(), 10))
+
+    assert run(transcription_session())["type"] in ("session.created", "transcription_session.created")
 
 
 def test_persona_is_refused_naming_hibiki(tmp_path, monkeypatch):

@@ -128,7 +128,9 @@ def _number(param: str, raw: str, parse: type) -> float | int:
 async def chat_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = websocket.app.state.sessions
-    if await deny_unserved_model(websocket, "duplex"):  # ?model=, if given: server/served_models.py
+    # ?model=, if given (server/served_models.py): the duplex model's names, a Hibiki's on a translating server
+    modality = "translation" if getattr(websocket.app.state, "translator", None) is not None else "duplex"
+    if await deny_unserved_model(websocket, modality):
         return
     reservation = await manager.admission.reserve_or_deny(websocket)
     if reservation is None:

@@ -173,24 +173,26 @@ def _route(door: doors.Door, web_dir: Path | None, translating: str | None = Non
     """`door`'s route; a conversation's door refuses when the served model (`translating`) translates."""
     if door.path == "/":  # the page: its files under every path no other door takes
         return Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web")
+    endpoint = resolve(door.endpoint)  # the door's handler, in its room (server/modalities.py names it)
     if door.converses and translating is not None:
-        endpoint = _refuses_conversations(door, translating)
-    else:
-        endpoint = resolve(door.endpoint)  # the door's handler, in its room (server/modalities.py names it)
+        endpoint = _refuses_conversations(door, translating, endpoint)
     if door.method == doors.WS:
         return WebSocketRoute(door.path, endpoint)
     return Route(door.path, endpoint, methods=[door.method])
 
 
-def _refuses_conversations(door: doors.Door, model: str):
+def _refuses_conversations(door: doors.Door, model: str, endpoint):
     """A conversation door's endpoint on a server whose model translates (Hibiki): HTTP 400 before
     any session, naming the model and the doors that serve it, rather than a translation session
-    misread as a conversation."""
+    misread as a conversation. A transcription session (`?intent=transcription`, on the STT rows)
+    needs no conversation: it goes to `endpoint`."""
     message = (f"{door.method} {door.path} holds a conversation, and this server's model {model!r:.100} is a "
                "speech translation model (Hibiki): it serves /v1/realtime/translations and /api/chat only. "
                "Start `parley serve --model` with a conversational checkpoint (Moshi, PersonaPlex) for this door.")
 
     async def refuse(connection) -> Response | None:
+        if door.method == doors.WS and connection.query_params.get("intent") == "transcription":
+            return await endpoint(connection)
         response = openai_error(400, message, param="model", code="model_not_supported")
         if door.method == doors.WS:
             await deny_upgrade(connection, response, "the served model translates")
