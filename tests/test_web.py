@@ -891,7 +891,7 @@ def test_page_shows_no_sections_for_a_server_without_them(tmp_path):
             browser.close()
 
 
-def test_page_translates_with_parley_serve_demo_hibiki(tmp_path):
+def test_page_translation_section_with_parley_serve_demo_hibiki(tmp_path):
     """`parley serve --demo hibiki` (a tiny Hibiki-Zero): /v1/models lists a translation model and no
     conversational one, so the page hides the conversation and shows the translation section, which
     streams a file, then the (fake) microphone, through WS /v1/realtime/translations as the openai

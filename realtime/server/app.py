@@ -6,8 +6,10 @@ protocol (chat/protocol.py), the OpenAI Realtime API (realtime_api/endpoint.py),
 (live/session.py), both over WebRTC too (webrtc/doors.py), speech (http/speech.py), transcription
 (http/transcriptions.py), images (http/images.py), Kyutai moshi-server's doors (kyutai/), the probes
 and /load (sessions/capacity.py), /metrics (http/metrics.py), /admin/drain (server/drain.py), and the
-page (web/). What no door serves is answered by http/not_found.py. Each modality's metrics collector is registered, and its service
-closed at shutdown, as its record says.
+page (web/). On a server whose model translates (Hibiki) a conversation's door (`Door.converses`)
+refuses with HTTP 400 naming the model. What no door serves is answered by http/not_found.py.
+Each modality's metrics collector is registered, and its service closed at shutdown, as its
+record says.
 
 The app builds nothing: `create_app(services)` maps routes and middleware from what
 services.build_services built (tests hand in Services around a fabricated backend). It starts
