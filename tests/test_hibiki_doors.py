@@ -1,7 +1,8 @@
 """`parley serve --demo hibiki` (a tiny random Hibiki-Zero) behind its doors, over a real uvicorn
 server on 127.0.0.1:
 - /v1/realtime/translations driven by the openai SDK's `client.realtime.translations.connect()`,
-  unmodified: ten seconds of speech in, translated audio and the model's transcript out; French
+  unmodified: ten seconds of speech in, translated audio and the model's transcript out (and the
+  source's, from the demo's paired STT); French
   output refused naming `session.audio.output.language`; `session.close` ends the source (Hibiki's
   input end code), the translation runs to the model's end of text, then `session.closed`;
 - /api/chat as the Hibiki-Zero web client (kyutai-labs/hibiki-zero frontend/app/page.tsx) speaks
@@ -63,9 +64,12 @@ def test_ten_seconds_of_speech_come_out_translated_then_the_session_closes_clean
             rec = Recorder(conn)
             created = await rec.wait_type("session.created")
             assert created["session"]["audio"]["output"]["language"] == "en"
-            await conn.session.update(session={"audio": {"output": {"language": "fr"}}}, event_id="evt_fr")
+            await conn.session.update(session={"audio": {"output": {"language": "fr"}, "input": {
+                "transcription": {"model": "gpt-4o-transcribe"}}}}, event_id="evt_fr")
             refused = await rec.wait_type("error")
-            await rec.wait_type("session.updated")
+            updated = await rec.wait_type("session.updated")
+            assert updated["session"]["audio"]["input"]["transcription"] == {"model": "gpt-4o-transcribe"}
+            assert updated["session"]["audio"]["output"]["language"] == "en"
             await send_paced(conn, source, chunk=SR // 5)
             await conn.session.close()
             closed = await rec.wait_type("session.closed", timeout=60)
@@ -81,6 +85,7 @@ def test_ten_seconds_of_speech_come_out_translated_then_the_session_closes_clean
     audio = audio_of(events)
     assert audio.size >= 10 * SR and np.abs(audio).max() > 0  # the translation's audio, as long as its source
     assert [e["delta"] for e in events if e["type"] == "session.output_transcript.delta"]
+    assert [e["delta"] for e in events if e["type"] == "session.input_transcript.delta"]  # the paired STT's
 
 
 def test_an_unserved_model_is_404_and_conversation_doors_refuse_by_name(hibiki_url):
