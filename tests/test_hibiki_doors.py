@@ -23,7 +23,7 @@ import pytest
 from parley.engine import SessionOptions
 from parley.realtime.server.demo_model import DEMO_TRANSLATION_MODEL
 from parley.realtime.server.serve import ServeConfig, ServeError, build_app
-from server_harness import SR, serve
+from server_harness import SR, chat_session, serve
 from test_server_realtime import Recorder, client, run
 from test_server_translation import audio_of, sdk_events, send_paced, speech_like
 
@@ -165,6 +165,9 @@ def test_the_hibiki_zero_web_client_protocol_on_api_chat(hibiki_url):
     assert audio.size >= SR and np.abs(audio).max() > 0
     assert words and all(isinstance(w, str) and w for w in words)
     assert close_code == 1000
+    for query, named in (("voice_prompt=NATF2.pt", "voice prompt"), ("text_prompt=be%20nice", "persona")):
+        refused = run(chat_session(hibiki_url, None, query=query))  # a conversation's options, refused by name
+        assert refused.close_code == 1008 and named in refused.close_reason, refused.close_reason
 
 
 def test_a_hibiki_checkpoint_given_as_model_serves_the_translation_door(tmp_path):
