@@ -52,7 +52,7 @@ def test_one_key_per_modality_everywhere():
     assert [d.path for d in doors.mounted({"page": False, "duplex": True, "tts": False, "stt": False,
                                            "image": True}) if d.needs] == ["/v1/images/generations"]
     text = serve_parser().format_help()
-    assert "(modalities: duplex, tts, stt, image; repeatable)" in " ".join(text.split())
+    assert "(modalities: duplex, tts, stt, image, translation; repeatable)" in " ".join(text.split())
 
 
 # A fresh interpreter adds one record, a door set of its own with a service, a flag, a served

@@ -889,3 +889,49 @@ def test_page_shows_no_sections_for_a_server_without_them(tmp_path):
                 assert page.locator(section).is_hidden(), section
         finally:
             browser.close()
+
+
+def test_page_translation_section_with_parley_serve_demo_hibiki(tmp_path):
+    """`parley serve --demo hibiki` (a tiny Hibiki-Zero): /v1/models lists a translation model and no
+    conversational one, so the page hides the conversation and shows the translation section, which
+    streams a file, then the (fake) microphone, through WS /v1/realtime/translations as the openai
+    SDK would: 200 ms appends, session.close, the translated audio and its transcript back, and
+    session.closed once the translation is complete."""
+    _need_browser()
+    _need_server()
+    from playwright.sync_api import sync_playwright
+
+    shots = _screenshot_dir(tmp_path)
+    wav = tmp_path / "source.wav"
+    write_speechlike_wav(wav, seconds=5.0)
+    with parley_serve(tmp_path, None, max_sessions=1, extra=("--demo", "hibiki")) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=CHROME_FLAGS + [f"--use-file-for-fake-audio-capture={wav}"])
+        try:
+            context = browser.new_context(viewport={"width": 900, "height": 700})
+            context.grant_permissions(["microphone"], origin=url.rstrip("/"))
+            console: list[str] = []
+            page = context.new_page()
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
+            page.goto(url)
+            page.wait_for_function("() => window.parleyDoors && window.parleyDoors.ready", timeout=10000)
+            assert "translation" in page.evaluate("() => window.parleyDoors.modalities")
+            assert page.locator("#translate-section").is_visible() and page.locator("#chat").is_hidden()
+            page.set_input_files("#translate-file", str(wav))
+            page.click("#translate-go")
+            done = _wait_door(page, "translation")
+            assert done["state"] == "done" and done["closed"] and not done["errors"], done
+            assert done["sentMs"] >= 4900 and done["audioMs"] >= done["sentMs"], done
+            assert done["text"] and page.locator("#translate-text").inner_text() == done["text"].strip()
+            assert page.locator("#translate-audio").is_visible()
+            page.locator("#translate-section").screenshot(path=str(shots / "translation.png"))
+            page.click("#translate-mic")
+            page.wait_for_function("() => window.parleyDoors.translation.sentMs >= 2000", timeout=15000)
+            page.click("#translate-mic")  # Stop: session.close, then the translation still owed
+            done = _wait_door(page, "translation")
+            assert done["state"] == "done" and done["closed"] and done["audioMs"] >= 2000, done
+            errors = [line for line in console if line.startswith(("error", "pageerror"))]
+            assert not errors, errors
+        finally:
+            browser.close()

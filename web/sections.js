@@ -6,8 +6,9 @@
 // modality, and it names that modality's first model (the checkpoint's own name). Nothing here
 // knows how the server works inside.
 //
-// Adding a section (translation, once its door exists): its markup in index.html, hidden, and an
-// entry in SECTIONS naming the modality /v1/models lists for it and the function that wires it.
+// Adding a section: its markup in index.html, hidden, and an entry in SECTIONS naming the modality
+// /v1/models lists for it and the function that wires it. A server whose model translates (Hibiki)
+// lists no conversational (duplex) model: the conversation's cards are hidden, its doors refuse.
 
 import { Recording } from './recorder.js';
 
@@ -21,6 +22,7 @@ const doors = {
   speech: { state: 'idle', message: '', bytes: 0, ms: 0 },
   transcription: { state: 'idle', message: '', text: '', clipBytes: 0, recordingMs: 0, recordedMs: 0 },
   image: { state: 'idle', message: '', partials: 0, width: 0, height: 0, ms: 0 },
+  translation: { state: 'idle', message: '', sentMs: 0, audioMs: 0, text: '', errors: [], closed: false, ms: 0 },
 };
 window.parleyDoors = doors;
 
@@ -28,14 +30,14 @@ const SECTIONS = [
   { modality: 'tts', id: 'speech-section', init: initSpeech },
   { modality: 'stt', id: 'transcribe-section', init: initTranscription },
   { modality: 'image', id: 'image-section', init: initImage },
-  // { modality: 'translation', id: 'translate-section', init: initTranslation }: once it is served.
+  { modality: 'translation', id: 'translate-section', init: initTranslation },
 ];
 
 const $ = (id) => document.getElementById(id);
 
 // `base`: the server's address (URL); `key`: its API key or null.
 export async function initSections({ base, key }) {
-  const api = { url: (path) => new URL(path, base), auth: key ? { Authorization: `Bearer ${key}` } : {} };
+  const api = { url: (path) => new URL(path, base), auth: key ? { Authorization: `Bearer ${key}` } : {}, key };
   let listing;
   try {
     const r = await fetch(api.url('/v1/models'), { headers: { ...api.auth, Accept: 'application/json' } });
@@ -48,6 +50,7 @@ export async function initSections({ base, key }) {
   const names = {};
   for (const m of listing.data || []) if (m.modality) (names[m.modality] ||= []).push(m.id);
   doors.modalities = Object.keys(names);
+  if (names.translation && !names.duplex) $('chat').hidden = true; // a translating model converses with no one
   for (const s of SECTIONS) {
     if (!names[s.modality]) continue;
     $(s.id).hidden = false;
@@ -277,6 +280,156 @@ async function generate(api, ui) {
     }
   }
   if (!completed) throw new Error('The stream ended before the image was complete.');
+}
+
+// ---- translate speech: WS /v1/realtime/translations, as the openai SDK speaks it ----------------
+
+const TRANSLATE_RATE = 24000; // the door's PCM16 rate, both ways
+const TRANSLATE_CHUNK = TRANSLATE_RATE / 5; // 200 ms appends, as the SDK documents
+const TRANSLATE_AHEAD = 3; // chunks of a file sent before pacing in real time (the network's jitter)
+
+function initTranslation(api) {
+  const ui = { file: $('translate-file'), go: $('translate-go'), mic: $('translate-mic'),
+    status: $('translate-status'), text: $('translate-text'), audio: $('translate-audio') };
+  const state = { file: null, mic: null };
+  ui.file.addEventListener('change', () => {
+    state.file = (ui.file.files && ui.file.files[0]) || null;
+    ui.go.disabled = !state.file;
+  });
+  ui.go.addEventListener('click', () => run(ui.go, ui.status, doors.translation,
+    () => translateFile(api, ui, state.file)));
+  ui.mic.addEventListener('click', () => toggleMicTranslation(api, ui, state));
+}
+
+// One session: its source in, its translation played as it comes and kept for the player, its
+// transcript shown. `done` settles when the server sends session.closed (or the socket closes).
+class Translation {
+  constructor(api, ui) {
+    this.ui = ui;
+    this.ctx = new AudioContext({ sampleRate: TRANSLATE_RATE });
+    this.playAt = 0;
+    this.out = new Recording(TRANSLATE_RATE, RECORD_MAX_SECONDS * 10, 1);
+    this.outSamples = 0;
+    Object.assign(doors.translation, { sentMs: 0, audioMs: 0, text: '', errors: [], closed: false });
+    ui.text.textContent = '';
+    const url = api.url('/v1/realtime/translations');
+    url.protocol = url.protocol === 'https:' ? 'wss:' : 'ws:';
+    url.searchParams.set('model', api.model);
+    this.ws = new WebSocket(url, api.key ? ['realtime', `openai-insecure-api-key.${api.key}`] : []);
+    this.ready = new Promise((resolve, reject) => { this.onReady = resolve; this.onFail = reject; });
+    this.done = new Promise((resolve, reject) => { this.onDone = resolve; this.onLost = reject; });
+    this.ws.onmessage = (e) => this.onEvent(JSON.parse(e.data));
+    this.ws.onclose = (e) => {
+      const why = new Error(`The connection closed (${e.code}${e.reason ? `: ${e.reason}` : ''}).`);
+      this.onFail(why);
+      if (doors.translation.closed) this.onDone(); else this.onLost(why);
+    };
+  }
+
+  onEvent(event) {
+    if (event.type === 'session.created') this.onReady();
+    else if (event.type === 'session.output_audio.delta') this.play(event.delta);
+    else if (event.type === 'session.output_transcript.delta') {
+      doors.translation.text += event.delta;
+      this.ui.text.textContent = doors.translation.text;
+    } else if (event.type === 'error') {
+      doors.translation.errors.push(event.error.message);
+      say(this.ui.status, event.error.message, true);
+    } else if (event.type === 'session.closed') doors.translation.closed = true;
+  }
+
+  play(b64) {
+    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+    const s16 = new Int16Array(bytes.buffer, 0, bytes.length >> 1);
+    const pcm = Float32Array.from(s16, (v) => v / 32768);
+    this.out.add(0, pcm, this.outSamples / TRANSLATE_RATE);
+    this.outSamples += pcm.length;
+    doors.translation.audioMs = (this.outSamples / TRANSLATE_RATE) * 1000;
+    const buffer = this.ctx.createBuffer(1, pcm.length, TRANSLATE_RATE);
+    buffer.copyToChannel(pcm, 0);
+    const source = this.ctx.createBufferSource();
+    source.buffer = buffer;
+    source.connect(this.ctx.destination);
+    this.playAt = Math.max(this.playAt, this.ctx.currentTime + 0.1); // a short hold-off after a gap
+    source.start(this.playAt);
+    this.playAt += buffer.duration;
+  }
+
+  send(pcm) {
+    const s16 = Int16Array.from(pcm, (v) => Math.max(-32768, Math.min(32767, Math.round(v * 32767))));
+    const bytes = new Uint8Array(s16.buffer);
+    let text = '';
+    for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+    this.ws.send(JSON.stringify({ type: 'session.input_audio_buffer.append', audio: btoa(text) }));
+    doors.translation.sentMs += (pcm.length / TRANSLATE_RATE) * 1000;
+  }
+
+  // session.close: the server translates what it still owes, then session.closed and close 1000.
+  async finish() {
+    this.ws.send(JSON.stringify({ type: 'session.close' }));
+    await this.done;
+    const wav = this.out.wav();
+    if (this.ui.audio.src) URL.revokeObjectURL(this.ui.audio.src);
+    this.ui.audio.src = URL.createObjectURL(wav);
+    this.ui.audio.hidden = false;
+  }
+}
+
+// A file, decoded and resampled to 24 kHz mono by the browser, streamed in real time.
+async function translateFile(api, ui, file) {
+  const decoder = new OfflineAudioContext(1, 1, TRANSLATE_RATE);
+  const decoded = await decoder.decodeAudioData(await file.arrayBuffer());
+  const pcm = decoded.getChannelData(0); // resampled to the context's rate; the first channel
+  const session = new Translation(api, ui);
+  await session.ready;
+  const t0 = performance.now();
+  for (let i = 0, n = 0; i < pcm.length; i += TRANSLATE_CHUNK, n++) {
+    session.send(pcm.subarray(i, i + TRANSLATE_CHUNK));
+    say(ui.status, `Translating… ${seconds(doors.translation.sentMs)} of ${seconds(decoded.duration * 1000)} sent.`);
+    const due = t0 + Math.max(0, n + 1 - TRANSLATE_AHEAD) * 200;
+    await new Promise((resolve) => setTimeout(resolve, Math.max(0, due - performance.now())));
+  }
+  say(ui.status, 'Finishing the translation…');
+  await session.finish();
+  say(ui.status, `${seconds(doors.translation.audioMs)} of translation by ${api.model}.`);
+}
+
+// The microphone, captured at 24 kHz (the context resamples it), until Stop.
+async function toggleMicTranslation(api, ui, state) {
+  const live = state.mic;
+  if (live) {
+    state.mic = null;
+    for (const t of live.stream.getTracks()) t.stop();
+    ui.mic.textContent = 'Translate the microphone';
+    ui.mic.setAttribute('aria-pressed', 'false');
+    say(ui.status, 'Finishing the translation…');
+    await run(ui.mic, ui.status, doors.translation, async () => {
+      await live.session.finish();
+      say(ui.status, `${seconds(doors.translation.audioMs)} of translation by ${api.model}.`);
+    });
+    return;
+  }
+  try {
+    const session = new Translation(api, ui);
+    const stream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1 } });
+    await session.ctx.audioWorklet.addModule(new URL('audio-worklet.js', import.meta.url));
+    const capture = new AudioWorkletNode(session.ctx, 'parley-capture',
+      { numberOfInputs: 1, numberOfOutputs: 1, outputChannelCount: [1] });
+    await session.ready;
+    capture.port.onmessage = (e) => { if (state.mic) session.send(e.data.pcm); };
+    const sink = session.ctx.createGain(); // keeps the capture node pulled; it outputs silence
+    sink.gain.value = 0;
+    session.ctx.createMediaStreamSource(stream).connect(capture);
+    capture.connect(sink).connect(session.ctx.destination);
+    state.mic = { session, stream };
+    Object.assign(doors.translation, { state: 'busy', message: '' });
+    ui.mic.textContent = 'Stop';
+    ui.mic.setAttribute('aria-pressed', 'true');
+    say(ui.status, 'Translating the microphone… (press Stop to finish)');
+  } catch (e) {
+    Object.assign(doors.translation, { state: 'error', message: e && e.message ? e.message : String(e) });
+    say(ui.status, `Could not translate the microphone: ${doors.translation.message}`, true);
+  }
 }
 
 // The JSON `data:` of each event of a text/event-stream body.

@@ -1,4 +1,5 @@
-"""`/api/chat`: the Moshi / PersonaPlex binary WebSocket protocol.
+"""`/api/chat`: the Moshi / PersonaPlex binary WebSocket protocol, which Hibiki's reference server
+(`hibiki-zero serve`) and web client speak too: on a Hibiki server the same door translates.
 
 Every message is binary; byte 0 is a tag:
     0x00 handshake  server -> client, once, after the session is prefilled
@@ -9,6 +10,8 @@ Every message is binary; byte 0 is a tag:
     0x05 error      server -> client: UTF-8 message (sent before close 1001 when the server goes away)
     other tags      ignored (0x03 control .. 0x06 ping are not needed for full duplex)
 Text frames are not part of the protocol: they are ignored (but count against the rate limits).
+A session ends when its client closes the socket: Hibiki's too (its reference server ends a
+translation no other way; the end of a source is /v1/realtime/translations' `session.close`).
 
 Query parameters: `text_prompt` (persona), `voice_prompt` (voice file name), and the
 Moshi web client's sampling parameters (`text_temperature`, `text_topk`,
@@ -126,7 +129,9 @@ def _number(param: str, raw: str, parse: type) -> float | int:
 async def chat_endpoint(websocket: WebSocket) -> None:
     """Keys and Origins are checked before this runs (security.AccessMiddleware)."""
     manager: SessionManager = app_state(websocket).sessions
-    if await deny_unserved_model(websocket, "duplex"):  # ?model=, if given: server/served_models.py
+    # ?model=, if given (server/served_models.py): the duplex model's names, a Hibiki's on a translating server
+    modality = "translation" if app_state(websocket).translator is not None else "duplex"
+    if await deny_unserved_model(websocket, modality):
         return
     reservation = await manager.admission.reserve_or_deny(websocket)
     if reservation is None:

@@ -6,8 +6,10 @@ protocol (chat/protocol.py), the OpenAI Realtime API (realtime_api/endpoint.py),
 (live/session.py), both over WebRTC too (webrtc/doors.py), speech (http/speech.py), transcription
 (http/transcriptions.py), images (http/images.py), Kyutai moshi-server's doors (kyutai/), the probes
 and /load (sessions/capacity.py), /metrics (http/metrics.py), /admin/drain (server/drain.py), and the
-page (web/). What no door serves is answered by http/not_found.py. Each modality's metrics collector is registered, and its service
-closed at shutdown, as its record says.
+page (web/). On a server whose model translates (Hibiki) a conversation's door (`Door.converses`)
+refuses with HTTP 400 naming the model. What no door serves is answered by http/not_found.py.
+Each modality's metrics collector is registered, and its service closed at shutdown, as its
+record says.
 
 The app builds nothing: `create_app(services)` maps routes and middleware from what
 services.build_services built (tests hand in Services around a fabricated backend). It starts
@@ -39,9 +41,9 @@ from ..http import metrics as metrics_api
 from . import doors
 from .modalities import MODALITIES, resolve
 from .demo_model import STT_NOTICE
-from ..sessions.capacity import Admission
+from ..sessions.capacity import Admission, deny_upgrade
 from .drain import Drainer
-from ..http.not_found import UnknownWebSocket, http_error
+from ..http.not_found import UnknownWebSocket, http_error, openai_error
 from ..media.opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
 from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
@@ -104,13 +106,15 @@ def create_app(services: Services) -> Starlette:
                         static_paths=static_paths(services.web_dir) if has_page else (),
                         session_paths=doors.WEBRTC_PATHS, refusals=metrics.refusals)
     unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
-    app = Starlette(routes=[_route(door, services.web_dir) for door in served],
+    translating = services.info.model if services.translator is not None else None
+    app = Starlette(routes=[_route(door, services.web_dir, translating) for door in served],
                     lifespan=_lifespan(services, manager, codec, webrtc, loop_thread), middleware=[access, unknown_ws],
                     exception_handlers={HTTPException: http_error})
     app.state = AppState(  # type: ignore[assignment]  # the typed state (server/state.py) replaces starlette's bag
         client, manager, manager.models, metrics.refusals, services.info, tuple(served),
         Drainer(manager, services.drain_timeout), codec, webrtc, speech=services.speech, images=services.images,
-        stt_model=services.stt_pool and services.stt_pool.name, live_calls=LiveCalls())
+        stt_model=services.stt_pool and services.stt_pool.name, live_calls=LiveCalls(),
+        translator=services.translator)
     return app
 
 
@@ -167,13 +171,36 @@ async def api_info(request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _route(door: doors.Door, web_dir: Path | None) -> BaseRoute:
+def _route(door: doors.Door, web_dir: Path | None, translating: str | None = None) -> BaseRoute:
+    """`door`'s route; a conversation's door refuses when the served model (`translating`) translates."""
     if door.path == "/":  # the page: its files under every path no other door takes
         return Mount("/", app=StaticFiles(directory=str(web_dir), html=True), name="web")
     endpoint = resolve(door.endpoint)  # the door's handler, in its room (server/modalities.py names it)
+    if door.converses and translating is not None:
+        endpoint = _refuses_conversations(door, translating, endpoint)
     if door.method == doors.WS:
         return WebSocketRoute(door.path, endpoint)
     return Route(door.path, endpoint, methods=[door.method])
+
+
+def _refuses_conversations(door: doors.Door, model: str, endpoint):
+    """A conversation door's endpoint on a server whose model translates (Hibiki): HTTP 400 before
+    any session, naming the model and the doors that serve it, rather than a translation session
+    misread as a conversation. A transcription session (`?intent=transcription`, on the STT rows)
+    needs no conversation: it goes to `endpoint`."""
+    message = (f"{door.method} {door.path} holds a conversation, and this server's model {model!r:.100} is a "
+               "speech translation model (Hibiki): it serves /v1/realtime/translations and /api/chat only. "
+               "Start `parley serve --model` with a conversational checkpoint (Moshi, PersonaPlex) for this door.")
+
+    async def refuse(connection) -> Response | None:
+        if door.method == doors.WS and connection.query_params.get("intent") == "transcription":
+            return await endpoint(connection)
+        response = openai_error(400, message, param="model", code="model_not_supported")
+        if door.method == doors.WS:
+            await deny_upgrade(connection, response, "the served model translates")
+            return None
+        return response
+    return refuse
 
 
 def served_paths(app: Starlette) -> list[str]:

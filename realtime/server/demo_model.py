@@ -4,7 +4,9 @@ It is Parley's tiny random checkpoint (`models.synthetic.write_tiny_checkpoint`)
 kind by default: PersonaPlex's 18 published voice names (NATF0-3, NATM0-3, VARF0-4, VARM0-4)
 and a context long enough for an ordinary persona, so the page's persona box and voice list
 and unmodified PersonaPlex clients (which always send a voice and a persona) work against it.
-`parley serve --demo moshi` serves the Moshi kind instead (no persona, one voice). A few
+`parley serve --demo moshi` serves the Moshi kind instead (no persona, one voice), and
+`parley serve --demo hibiki` a tiny Hibiki-Zero: it translates (the translation door and
+/api/chat serve it; the conversation doors refuse, naming the model). A few
 megabytes, generated on first use into `$PARLEY_CACHE/demo-<kind>` (default
 `~/.cache/parley/demo-<kind>`) and reused afterwards. Its weights are random, so it babbles:
 it exercises every part of the server (protocols, codec, engine, metrics) but says nothing
@@ -23,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from parley.models import TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_stt_checkpoint, write_tiny_tts_checkpoint
+from parley.models import (TINY_TTS_VOICES, write_tiny_checkpoint, write_tiny_hibiki_checkpoint, write_tiny_stt_checkpoint,
+                           write_tiny_tts_checkpoint)
 
 if TYPE_CHECKING:
     from parley.models import ImageStepper
@@ -38,7 +41,7 @@ DONE_MARKER = ".parley-demo-complete"  # written last, so a half-written cache i
 
 
 # `parley serve --demo KIND`; the first is the default.
-DEMO_KINDS = ("personaplex", "moshi")
+DEMO_KINDS = ("personaplex", "moshi", "hibiki")
 # PersonaPlex's published voice names (LiveKit's plugin defaults to NATF2): the demo ships all 18.
 PERSONAPLEX_VOICES = (*(f"NAT{g}{i}" for g in "FM" for i in range(4)), *(f"VAR{g}{i}" for g in "FM" for i in range(5)))
 # Frames of temporal context (80 ms each): the prompt (voice, silences and persona: about four
@@ -46,6 +49,8 @@ PERSONAPLEX_VOICES = (*(f"NAT{g}{i}" for g in "FM" for i in range(4)), *(f"VAR{g
 # beside them. At this width attention over it costs little beside Mimi: on 2 shared cores a
 # 4-session tick measured within noise of the 40-frame context's (well inside 80 ms).
 DEMO_CONTEXT = 1500
+# The Hibiki demo's context: 20 s, so a demo translation of a few sentences does not slide.
+DEMO_HIBIKI_CONTEXT = 250
 
 
 def cache_root() -> Path:
@@ -66,9 +71,12 @@ STT_NOTICE = ("the demo's speech-to-text model is tiny and random: it transcribe
 
 
 def write_demo_checkpoint(directory: Path, kind: str = DEMO_KINDS[0]) -> Path:
-    """The `kind` demo's files in `directory` (PersonaPlex: the 18 voices and DEMO_CONTEXT)."""
+    """The `kind` demo's files in `directory` (PersonaPlex: the 18 voices and DEMO_CONTEXT; hibiki:
+    a Hibiki-Zero-shaped one)."""
     if kind == "moshi":
         return write_tiny_checkpoint(directory, kind="moshi")
+    if kind == "hibiki":
+        return write_tiny_hibiki_checkpoint(directory, kind="hibiki-zero", context=DEMO_HIBIKI_CONTEXT)
     return write_tiny_checkpoint(directory, kind="personaplex", voices=PERSONAPLEX_VOICES, context=DEMO_CONTEXT)
 
 
@@ -138,6 +146,7 @@ def _ensure(target: Path, write, message: str) -> Path:
 
 # The demo's served names (its STT's is its directory's).
 DEMO_DUPLEX_MODEL = "parley-demo"
+DEMO_TRANSLATION_MODEL = "parley-demo-hibiki"  # --demo hibiki's
 DEMO_TTS_MODEL = "parley-demo-tts"
 DEMO_IMAGE_MODEL = "parley-demo-image"
 

@@ -21,8 +21,7 @@ Rules it keeps:
   ServeConfig field of the flag's name, its service a Services field (its doors read it typed).
   tests/test_modalities.py checks both against the records.
 - A door needs one modality key (or "page", or nothing: always mounted). A door set served by
-  another modality's service (Kyutai's doors on the STT or TTS pool, the translation door on the
-  duplex model) is a record whose doors need that key and which builds nothing of its own: no
+  another modality's service (Kyutai's doors on the STT or TTS pool) is a record whose doors need that key and which builds nothing of its own: no
   field, no served names of its own (`--served-model-name` takes only the keys of records with a
   service).
 - Torch-free (the standard library and parley.engine's torch-free names): `parley --help` reads the
@@ -53,6 +52,9 @@ class Door:
     what: str
     endpoint: str  # "module:function" under parley.realtime: the handler, imported when the app is built
     needs: str | None = None  # a modality key (or "page") whose service it serves; None: always mounted
+    # A conversation's door: on a server whose duplex model translates (Hibiki) it is mounted but
+    # refuses, naming the model and the doors that serve it (server/app.py), rather than misbehave.
+    converses: bool = False
 
 
 def resolve(ref: str) -> Callable:
@@ -111,9 +113,10 @@ def add_duplex_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face repo id (e.g. kyutai/moshiko-pytorch-bf16, "
                         "nvidia/personaplex-7b-v1); omitted: the built-in demo model, which babbles")
-    p.add_argument("--demo", choices=("personaplex", "moshi"), default=None,
+    p.add_argument("--demo", choices=("personaplex", "moshi", "hibiki"), default=None,
                    help="which built-in demo model to serve when --model is omitted: personaplex (the default: "
-                        "persona prompts and PersonaPlex's 18 voice names) or moshi (no persona, one voice); "
+                        "persona prompts and PersonaPlex's 18 voice names), moshi (no persona, one voice) or "
+                        "hibiki (a tiny Hibiki-Zero: it translates, on /v1/realtime/translations and /api/chat); "
                         "refused together with --model or --tts-model")
     add_kv_flags(p)
     add_session_default_flags(p)
@@ -171,19 +174,19 @@ def add_session_default_flags(p: argparse.ArgumentParser) -> None:
 DUPLEX = Modality(
     "duplex", "speech-to-speech model", "/api/chat, /v1/realtime, /v1/live/sessions", "--model",
     doors=(
-        Door("/api/chat", WS, "Moshi / PersonaPlex binary protocol", "chat.protocol:chat_endpoint"),
+        Door("/api/chat", WS, "Moshi / PersonaPlex / Hibiki binary protocol", "chat.protocol:chat_endpoint"),
         Door("/v1/realtime", WS, "OpenAI Realtime API (a conversation, ?intent=transcription, or a sideband "
-             "joining a WebRTC call: ?call_id=)", "realtime_api.endpoint:realtime_endpoint"),
+             "joining a WebRTC call: ?call_id=)", "realtime_api.endpoint:realtime_endpoint", converses=True),
         Door("/v1/live/sessions", WS, "OpenAI GPT-Live: full duplex, with client delegation",
-             "live.session:live_endpoint"),
+             "live.session:live_endpoint", converses=True),
         Door("/v1/live/sessions/{session_id}/attach", WS, "GPT-Live sideband: a server joins a WebRTC call's "
-             "session (its events out, control events in)", "live.attach:live_attach_endpoint"),
+             "session (its events out, control events in)", "live.attach:live_attach_endpoint", converses=True),
         Door("/v1/realtime/calls", "POST", "OpenAI Realtime over WebRTC: an SDP offer in, the answer out",
-             "webrtc.doors:realtime_calls"),
+             "webrtc.doors:realtime_calls", converses=True),
         Door("/v1/live/sessions", "POST", "OpenAI GPT-Live over WebRTC: session and SDP offer in, id and answer out",
-             "webrtc.doors:live_calls"),
+             "webrtc.doors:live_calls", converses=True),
         Door("/v1/realtime/calls/{call_id}/{action}", "POST", "a Realtime WebRTC call's hangup (accept, reject, "
-             "refer: SIP only, refused)", "webrtc.doors:call_action"),
+             "refer: SIP only, refused)", "webrtc.doors:call_action", converses=True),
     ),
     add_flags=add_duplex_flags, settings=("model", "demo", "kv_dtype"),
     # The engine is built around it (services._build_engine); on a server without it the engine's
@@ -300,14 +303,18 @@ IMAGES = Modality(
 
 # ---- translation: /v1/realtime/translations (realtime/translation/) ----
 
-# A door set with no service of its own: until the Hibiki model is served, the duplex model
-# translates (translation/model.py `served_translator`), so its door is always mounted and answers
-# to the duplex model's served names. Serving Hibiki gives this record its flags, load, start,
-# field and served name.
+# Its model is the engine's: --model (or --demo hibiki) loads a Hibiki checkpoint as the duplex
+# model, and `start` makes it this record's service (translation/model.py's Translator, None when
+# the duplex model does not translate). The door is always mounted: without Hibiki the duplex
+# model stands in (translation/model.py `served_translator`), under the duplex model's names.
+# With it, the model's name is this modality's (and the duplex record has none).
 TRANSLATION = Modality(
-    "translation", "speech-to-speech translation model", "/v1/realtime/translations", "--model",
+    "translation", "speech-to-speech translation model", "/v1/realtime/translations, /api/chat",
+    "--model with a Hibiki checkpoint, or --demo hibiki",
     doors=(Door("/v1/realtime/translations", WS, "OpenAI Realtime translation: speech in, translated speech and "
                 "text out", "translation.endpoint:translation_endpoint"),),
+    start="server.services:start_translator", field="translator", served_name=lambda translator: translator.name,
+    demo_aliases=("gpt-realtime-translate",),  # the openai SDK's translation model
 )
 
 

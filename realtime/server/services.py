@@ -32,12 +32,13 @@ from parley.models import (
     Checkpoint, Mimi, SttCheckpoint, load_checkpoint, load_stt_checkpoint, share_equal_tensors,
 )
 
-from .demo_model import (DEMO_DUPLEX_MODEL, DEMO_KINDS, DEMO_TTS_MODEL, DEMO_TTS_VOICE_MAP, STT_NOTICE,
-                         demo_image_stepper, ensure_demo_checkpoint, ensure_demo_stt_checkpoint, ensure_demo_tts)
+from .demo_model import (DEMO_DUPLEX_MODEL, DEMO_KINDS, DEMO_TRANSLATION_MODEL, DEMO_TTS_MODEL, DEMO_TTS_VOICE_MAP,
+                         STT_NOTICE, demo_image_stepper, ensure_demo_checkpoint, ensure_demo_stt_checkpoint, ensure_demo_tts)
 from ..http.images import ImageService
 from .load_progress import LoadProgress
 from .modalities import DUPLEX, MODALITIES, SPEECH, TRANSCRIPTION, Modality, resolve
 from .served_models import ServedModels
+from ..translation.model import HIBIKI_LANGUAGES, Translator
 from ..sessions.session import ServerDefaults
 from ..http.speech import SpeechService
 from .speech_setup import load_speech_service
@@ -102,6 +103,7 @@ class Services:
     images: ImageService | None = None
     speech: SpeechService | None = None
     models: ServedModels | None = None  # None: each service's own name, no aliases
+    translator: Translator | None = None  # the served Hibiki (translation/model.py); None: the duplex model stands in
 
     def service(self, modality: Modality):
         """`modality`'s built service (its record's field), None where it is not served or has none
@@ -202,10 +204,11 @@ def build_services(config: "ServeConfig") -> Services:
     engine = _build_engine(build)
     built = {m.key: resolve(m.start)(build, engine) for m in MODALITIES if m.start is not None}
     info, defaults = _info_and_defaults(build)
-    built[DUPLEX.key] = info if build.checkpoint is not None else None  # the engine serves it
+    # the engine serves it; a translating model's name is the translation record's (its service)
+    built[DUPLEX.key] = info if build.checkpoint is not None and not engine.translates else None
+    names = served_names(lambda m: built.get(m.key))
     try:
-        models = ServedModels.build(served_names(lambda m: built.get(m.key)), _aliases(config, demo),
-                                    created=int(time.time()))
+        models = ServedModels.build(names, _aliases(config, demo, names), created=int(time.time()))
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     fields = {m.field: built.get(m.key) for m in MODALITIES if m.field is not None}
@@ -245,7 +248,8 @@ def load_duplex(loaded: Build) -> Checkpoint | None:
     finally:
         progress.close()
     if checkpoint.model_type != "personaplex" and (config.defaults.persona or config.defaults.voice):
-        raise ServeError(f"{source} is a Moshi checkpoint, which takes no persona or voice prompt; "
+        kind = "Hibiki (translation)" if checkpoint.model_type == "hibiki" else "Moshi"
+        raise ServeError(f"{source} is a {kind} checkpoint, which takes no persona or voice prompt; "
                          "drop --persona / --voice (they are for PersonaPlex checkpoints).")
     return checkpoint
 
@@ -324,7 +328,8 @@ def _info_and_defaults(loaded: Build) -> tuple[ServerInfo, ServerDefaults]:
         info = ServerInfo(model=Path(str(config.tts_model)).name, notes=[NO_DUPLEX_REASON], mimi_dtypes=mimi_dtypes)
         options, prompts = config.defaults, False
     else:
-        info = ServerInfo(model=DEMO_DUPLEX_MODEL if loaded.demo else Path(str(config.model)).name,
+        demo_name = DEMO_TRANSLATION_MODEL if checkpoint.model_type == "hibiki" else DEMO_DUPLEX_MODEL
+        info = ServerInfo(model=demo_name if loaded.demo else Path(str(config.model)).name,
                           demo=loaded.demo is not None, voices=loaded.voices,
                           default_voice=config.defaults.voice, mimi_dtypes=mimi_dtypes)
         options = dataclasses.replace(config.defaults, sampling=default_sampling(checkpoint, config.sampling))
@@ -336,9 +341,9 @@ def _info_and_defaults(loaded: Build) -> tuple[ServerInfo, ServerDefaults]:
     return info, defaults
 
 
-def _aliases(config: "ServeConfig", demo: str | None) -> dict[str, tuple[str, ...]]:
-    """--served-model-name's aliases, after the demo's own."""
-    aliases = dict(DEMO_ALIASES) if demo else {}
+def _aliases(config: "ServeConfig", demo: str | None, names: dict[str, str | None]) -> dict[str, tuple[str, ...]]:
+    """--served-model-name's aliases, after the demo's own (those of the modalities it serves)."""
+    aliases = {key: listed for key, listed in DEMO_ALIASES.items() if names.get(key)} if demo else {}
     for modality, names in config.served_model_names.items():
         aliases[modality] = aliases.get(modality, ()) + tuple(names)
     return aliases
@@ -437,6 +442,15 @@ def build_images(config: "ServeConfig", engine: Engine, device: torch.device, dt
              ", ".join(f"{k[1]}{'x' + str(k[-1]) if k[1] == 'denoise' else ''} {v * 1e3:.1f} ms"
                        for k, v in measured.items()))
     return ImageService(queue, engine, stepper.name)
+
+
+def start_translator(build: Build, engine: Engine) -> Translator | None:
+    """The translation record's service: the served Hibiki, when the engine's duplex model
+    translates; None otherwise (the duplex model stands in, translation/model.py)."""
+    if not engine.translates:
+        return None
+    name = DEMO_TRANSLATION_MODEL if build.demo is not None else Path(str(build.config.model)).name
+    return Translator(modality="translation", languages=HIBIKI_LANGUAGES, owed_frames=None, name=name)
 
 
 def start_images(build: Build, engine: Engine) -> ImageService | None:

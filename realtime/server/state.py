@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from ..calls.sideband import LiveCalls
     from ..engine_client import EngineClient
+    from ..translation.model import Translator
     from ..http.images import ImageService
     from ..http.speech import SpeechService
     from ..sessions.refusals import Refusals
@@ -52,6 +53,7 @@ class AppState:
     stt_model: str | None = None  # the standalone transcription model's name; None: no STT served
     calls: "set[asyncio.Task]" = field(default_factory=set)  # the WebRTC calls' tasks, held until each ends
     live_calls: "LiveCalls | None" = None  # the calls a sideband may attach to, by id (calls/sideband.py)
+    translator: "Translator | None" = None  # the served Hibiki (translation/model.py); None: the duplex model stands in
 
 
 def app_state(where: "HTTPConnection | Starlette") -> AppState:

@@ -20,7 +20,7 @@ from ..server.state import app_state
 
 async def translation_endpoint(websocket: WebSocket) -> None:
     manager = app_state(websocket).sessions
-    translator = served_translator()
+    translator = served_translator(app_state(websocket))
     if await deny_unserved_model(websocket, translator.modality):
         return
     reservation = await manager.admission.reserve_or_deny(websocket, needs_slot=True)
