@@ -86,6 +86,14 @@ class PageListKv(PagedKv):
         self._decode: FlashInferDecode | None = None
         self._positions: tuple[np.ndarray, np.ndarray] | None = None  # the next step's (plan_step)
 
+    def init_state(self, gen: LMGen, rows: int) -> LMGenState:
+        # Page lists are read only by the fused decode, which grouped KV heads and rope_concat
+        # (Hibiki) never take: refused, not silently ignored.
+        if gen.cfg.kv_repeat != 1 or gen.cfg.positional_embedding != "rope":
+            raise OptionsError("paged_attention flashinfer: this model's grouped KV heads or rope_concat "
+                               "positions run the general attention path, which reads no page lists; use parley.")
+        return super().init_state(gen, rows)
+
     def attach(self, buckets: list[int], device: torch.device) -> None:
         tr = self.state.transformer
         why = ("it runs on CUDA" if device.type != "cuda" else

@@ -193,3 +193,15 @@ def test_ending_the_input_of_a_model_that_does_not_translate_is_refused(tiny_mos
             s.end_input()
     assert not engine.translates
     asyncio.run(main())
+
+
+def test_flashinfer_page_lists_are_refused_for_a_model_that_would_not_read_them(hibiki_dir):
+    """FlashInfer's page lists feed only the fused decode, which grouped KV heads and rope_concat
+    never take: asking for them is refused by name, not accepted and ignored."""
+    checkpoint = load_checkpoint(hibiki_dir, "cpu", torch.float32)
+    layout = kv_layout(checkpoint, None, BLOCK)
+    general = checkpoint.lm_config.kv_repeat != 1 or checkpoint.lm_config.positional_embedding != "rope"
+    why = "general attention path" if general else "it runs on CUDA"  # Hibiki 2B's shapes take the fused path
+    with pytest.raises(OptionsError, match=f"paged_attention flashinfer: .*{why}"):
+        ModelBackend(checkpoint, 2, seed=0, kv_blocks=2 * layout.window_blocks, kv_block_frames=layout.block_frames,
+                     paged_attention="flashinfer")
