@@ -61,6 +61,16 @@ def frames_of(pcm: np.ndarray, tail_seconds: float) -> list[np.ndarray]:
     return [pcm[i:i + FRAME] for i in range(0, pcm.size, FRAME)]
 
 
+def to_pcm16_b64(frame: np.ndarray) -> str:
+    """A float32 frame as the OpenAI doors take audio: base64 of little-endian PCM16."""
+    return base64.b64encode((np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+
+
+def from_pcm16_b64(delta: str) -> np.ndarray:
+    """An OpenAI audio delta (base64 PCM16) as float32."""
+    return np.frombuffer(base64.b64decode(delta), "<i2").astype(np.float32) / 32768.0
+
+
 async def paced(frames: list[np.ndarray]):
     """Yield frames on an 80 ms grid (no drift: each is due at start + i * 80 ms)."""
     start = time.monotonic()
@@ -133,8 +143,7 @@ async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[
                     event = json.loads(raw)
                     kind = event.get("type", "")
                     if kind in ("response.output_audio.delta", "response.audio.delta"):
-                        pcm16 = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
-                        audio.append(pcm16.astype(np.float32) / 32768.0)
+                        audio.append(from_pcm16_b64(event["delta"]))
                     elif kind in ("response.output_audio_transcript.delta", "response.audio_transcript.delta"):
                         text.append(event["delta"])
                         print(event["delta"], end="", flush=True)
@@ -148,8 +157,7 @@ async def realtime(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[
 
         receiver = asyncio.create_task(receive())
         async for frame in paced(frames):
-            pcm16 = (np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()
-            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode()}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": to_pcm16_b64(frame)}))
         await asyncio.sleep(0.5)
         await ws.close()
         await receiver
@@ -190,8 +198,7 @@ async def live(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.n
                     event = json.loads(raw)
                     kind = event.get("type", "")
                     if kind == "session.output_audio.delta":
-                        pcm16 = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
-                        audio.append(pcm16.astype(np.float32) / 32768.0)
+                        audio.append(from_pcm16_b64(event["delta"]))
                     elif kind == "session.output_transcript.delta":
                         text.append(event["delta"])
                         print(event["delta"], end="", flush=True)
@@ -207,8 +214,7 @@ async def live(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple[np.n
 
         receiver = asyncio.create_task(receive())
         async for frame in paced(frames):
-            pcm16 = (np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()
-            await ws.send(json.dumps({"type": "session.input_audio.append", "audio": base64.b64encode(pcm16).decode()}))
+            await ws.send(json.dumps({"type": "session.input_audio.append", "audio": to_pcm16_b64(frame)}))
         await ws.send(json.dumps({"type": "session.close"}))
         await asyncio.wait_for(receiver, 30)
     return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
@@ -234,8 +240,7 @@ async def translate(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple
                     event = json.loads(raw)
                     kind = event.get("type", "")
                     if kind == "session.output_audio.delta":
-                        pcm16 = np.frombuffer(base64.b64decode(event["delta"]), "<i2")
-                        audio.append(pcm16.astype(np.float32) / 32768.0)
+                        audio.append(from_pcm16_b64(event["delta"]))
                     elif kind == "session.output_transcript.delta":
                         text.append(event["delta"])
                         print(event["delta"], end="", flush=True)
@@ -248,9 +253,8 @@ async def translate(args: argparse.Namespace, frames: list[np.ndarray]) -> tuple
 
         receiver = asyncio.create_task(receive())
         async for frame in paced(frames):
-            pcm16 = (np.clip(frame, -1, 1) * 32767).astype("<i2").tobytes()
             await ws.send(json.dumps({"type": "session.input_audio_buffer.append",
-                                      "audio": base64.b64encode(pcm16).decode()}))
+                                      "audio": to_pcm16_b64(frame)}))
         await ws.send(json.dumps({"type": "session.close"}))  # the server flushes what it owes, then closes
         await asyncio.wait_for(receiver, 60)
     return (np.concatenate(audio) if audio else np.zeros(0, np.float32)), "".join(text)
