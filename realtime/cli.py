@@ -73,6 +73,12 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                    help="worker processes for WebRTC calls (aiortc's Opus, SRTP, DTLS and SCTP, off the server's "
                         "event loop and GIL; each call pinned to the least loaded; started by the first call). "
                         "Default: one per 6 sessions (at most CPU cores - 1)")
+    p.add_argument("--edge-workers", type=int, default=None,
+                   help="edge worker processes: each serves its connections end to end (protocol, codec) on the "
+                        "shared port, while the models and the engine's tick run in an engine process of their "
+                        "own; a worker or engine process that dies is restarted. 0: one process does everything "
+                        "(the engine thread shares the event loop's GIL). Default: one per CPU core but one, "
+                        "at most 8")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
@@ -198,6 +204,11 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return "--codec-workers must be 0 (threads) or more (processes)"
     if args.webrtc_workers is not None and args.webrtc_workers < 1:
         return f"--webrtc-workers must be at least 1 (got {args.webrtc_workers}); WebRTC calls always run in workers"
+    if args.edge_workers is not None and args.edge_workers < 0:
+        return f"--edge-workers must be 0 (one process) or more (got {args.edge_workers})"
+    if args.codec_workers and args.edge_workers != 0:
+        return ("--codec-workers applies with --edge-workers 0: each edge worker runs its connections' codec "
+                "on its own threads")
     if args.max_sessions < 1:
         return "--max-sessions must be at least 1"
     if args.ready_min_free < 0 or args.drain_timeout < 0:
@@ -243,22 +254,28 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"parley serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    from .server.serve import serve  # torch and the models: only once serving
+    config = _serve_config(args, defaults, {k: v for k, v in given.items() if v is not None}, kv, reliability)
+    if config.edge_workers:
+        from .server.processes import serve_processes  # torch and the models: only once serving
 
-    return serve(_serve_config(args, defaults, {k: v for k, v in given.items() if v is not None}, kv, reliability),
-                 sockets)
+        return serve_processes(config, sockets, config.edge_workers)
+    from .server.serve import serve
+
+    return serve(config, sockets)
 
 
 def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: dict, kv: KvSettings,
                   reliability: dict):
     """`parley serve`'s checked flags as the server's ServeConfig (imports the server: once serving)."""
-    from .server.serve import ServeConfig
+    from .server.processes import default_edge_workers
+    from .server.serve import ServeConfig  # torch and the models: only once serving
 
     return ServeConfig(host=args.host, port=args.port, max_sessions=args.max_sessions,
                        device=args.device, dtype=args.dtype, kv=kv,
                        mimi_dtype=args.mimi_dtype, defaults=defaults, sampling=sampling,
                        log_level=args.log_level, codec_workers=args.codec_workers,
                        webrtc_workers=args.webrtc_workers, torch_threads=args.torch_threads,
+                       edge_workers=default_edge_workers() if args.edge_workers is None else args.edge_workers,
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
                        tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
                        **{name: getattr(args, name) for modality in MODALITIES for name in modality.settings},

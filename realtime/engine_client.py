@@ -15,9 +15,10 @@ Rules this module keeps:
 3. Admission answers with the client's own exceptions: `SessionFull` (no slot, or no KV memory),
    `OptionsRejected` (the model will not take these options), `SessionClosed` (the engine is not
    serving). Settings refused before admission raise `OptionsError`.
-4. `InProcessClient` is the in-process form (tests, `parley serve` today): it wraps the Engine,
-   TtsPool, SttPool and ImageQueue of this process. The engine-process issue carries the same calls
-   over a channel, with audio through shared memory.
+4. `InProcessClient` is the in-process form (tests, `parley offline`, `parley serve --edge-workers 0`,
+   and the engine process itself): it wraps the Engine, TtsPool, SttPool and ImageQueue of this
+   process. `engine_process/client.py`'s `RemoteClient` is the edge workers' form: the same calls
+   over a channel to the engine process, with audio through shared memory.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class SpeechJob(Job):
 
 
 class EngineClient(Protocol):
-    """The calls a door makes (rule 1). `InProcessClient` is today's only form."""
+    """The calls a door makes (rule 1): `InProcessClient` here, `RemoteClient` in an edge worker."""
 
     max_sessions: int
 
@@ -223,14 +224,14 @@ class EngineClient(Protocol):
     def close(self, session: DuplexSession) -> None: ...
 
     # requests
-    def submit_speech(self, request: TtsRequest) -> SpeechJob: ...
+    async def submit_speech(self, request: TtsRequest) -> SpeechJob: ...
     def speech_slots(self) -> PoolSlots: ...
-    def submit_transcription(self, *, live: bool = False, temperature: float = 0.0) -> TranscriptionJob: ...
+    async def submit_transcription(self, *, live: bool = False, temperature: float = 0.0) -> TranscriptionJob: ...
     def stt_facts(self) -> SttFacts: ...
     def stt_slots(self) -> PoolSlots: ...
-    def submit_image(self, spec: ImageSpec) -> Job: ...
+    async def submit_image(self, spec: ImageSpec) -> Job: ...
     def image_facts(self) -> ImageFacts: ...
-    def image_refusal(self, width: int, height: int, guidance: float) -> str | None: ...
+    async def image_refusal(self, width: int, height: int, guidance: float) -> str | None: ...
 
 
 class InProcessClient:
@@ -356,7 +357,7 @@ class InProcessClient:
 
     # ---- requests ----
 
-    def submit_speech(self, request: TtsRequest) -> SpeechJob:
+    async def submit_speech(self, request: TtsRequest) -> SpeechJob:
         """A speech request (its text may stay open: `SpeechJob`); TtsPoolFull when the pool's
         queue is full."""
         assert self._tts is not None, "no TTS model is loaded"
@@ -367,7 +368,7 @@ class InProcessClient:
         assert self._tts is not None, "no TTS model is loaded"
         return PoolSlots(self._tts.slots, self._tts.free)
 
-    def submit_transcription(self, *, live: bool = False, temperature: float = 0.0) -> TranscriptionJob:
+    async def submit_transcription(self, *, live: bool = False, temperature: float = 0.0) -> TranscriptionJob:
         """A transcription request; SttBusy when no row or queue place is left, SttInputError."""
         assert self._stt is not None, "no STT model is loaded"
         request = self._stt.submit(asyncio.get_running_loop(), live=live, temperature=temperature)
@@ -381,7 +382,7 @@ class InProcessClient:
         assert self._stt is not None, "no STT model is loaded"
         return PoolSlots(self._stt.slots, self._stt.free)
 
-    def submit_image(self, spec: ImageSpec) -> Job:
+    async def submit_image(self, spec: ImageSpec) -> Job:
         """An image request; ImageQueueFull, ImageRefused."""
         assert self._images is not None, "no image model is loaded"
         request = self._images.submit(spec)
@@ -392,7 +393,7 @@ class InProcessClient:
         stepper = self._images.stepper
         return ImageFacts(stepper.family, stepper.latent_stride, stepper.default_size, self._images.capacity)
 
-    def image_refusal(self, width: int, height: int, guidance: float) -> str | None:
+    async def image_refusal(self, width: int, height: int, guidance: float) -> str | None:
         """Why images of this size can never be served here (at this guidance), or None."""
         assert self._images is not None, "no image model is loaded"
         return self._images.refusal(width, height, self._images.stepper.cfg_for(guidance))

@@ -153,11 +153,11 @@ def test_a_live_transcription_row_gives_the_models_words_and_heads_and_counts_it
         client = InProcessClient(engine, stt=pool)
         assert client.stt_facts() == SttFacts(stt.path.name, SttGen(stt.lm).text_delay)
         assert client.stt_slots() == PoolSlots(total=2, free=2)
-        job = client.submit_transcription(live=True)
-        other = client.submit_transcription(live=True)
+        job = await client.submit_transcription(live=True)
+        other = await client.submit_transcription(live=True)
         assert client.stt_slots() == PoolSlots(total=2, free=0) and client.stt_slots().used == 2
         with pytest.raises(SttBusy):
-            client.submit_transcription(live=True)
+            await client.submit_transcription(live=True)
         other.cancel()
         frames = CLIP.size // FRAME_SAMPLES
         clip = CLIP[:frames * FRAME_SAMPLES]  # whole frames: the row steps them all, with no flush after
@@ -198,7 +198,7 @@ def test_speech_whose_text_streams_in_speaks_the_whole_script_and_counts_its_slo
         client = InProcessClient(engine, tts=service.pool)
         assert client.speech_slots() == PoolSlots(total=1, free=1)
         first, _ = front_end.request("Hello", TINY_TTS_VOICES[0])
-        job = client.submit_speech(dataclasses.replace(first, text_open=True))
+        job = await client.submit_speech(dataclasses.replace(first, text_open=True))
         assert isinstance(job, SpeechJob) and client.speech_slots() == PoolSlots(total=1, free=0)
         events = asyncio.create_task(until_terminal(job.events))
         steps = 0

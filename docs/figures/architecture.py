@@ -20,18 +20,18 @@ LAYERS = [
         ("OpenAI SDKs", ["Realtime, GPT-Live,", "translations, audio, images"]),
         ("Kyutai clients", ["/api/asr-streaming,", "/api/tts_streaming"]),
     ]),
-    ("edge (realtime/)", "the server process, and its worker processes", [
-        ("server/", ["CLI, config, app,", "launch, drain, workers"]),
+    ("edge (realtime/)", "edge worker processes (--edge-workers) on one port", [
+        ("server/", ["CLI, supervisor, app,", "launch, drain, workers"]),
         ("doors", ["chat/  realtime_api/  live/", "translation/  kyutai/  http/"]),
         ("session parts", ["sessions/  calls/"]),
-        ("worker processes", ["webrtc/ peers,", "media/ Ogg-Opus codec"]),
+        ("per worker", ["webrtc/ peers,", "media/ Ogg-Opus codec"]),
     ]),
-    ("engine client", "realtime/engine_client.py: plain messages, the one way in", [
+    ("engine client", "engine_client.py: plain messages; across processes: socket + rings", [
         ("duplex sessions", ["open, audio in,", "frames + text out, close"]),
         ("requests", ["speech, transcription,", "images: submit, events, cancel"]),
         ("counters", ["/metrics, /load"]),
     ]),
-    ("engine (engine/)", "one thread owns the GPU; a tick every 80 ms", [
+    ("engine (engine/)", "the engine process: one thread owns the GPU; a tick every 80 ms", [
         ("tick", ["plan -> step -> route", "every live session, one graph"]),
         ("slack after the tick", ["prefill, TTS, STT,", "images: one row pool"]),
         ("output streams", ["bounded, per session", "and per request"]),

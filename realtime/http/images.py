@@ -126,7 +126,7 @@ def _choice(body: dict, name: str, default: str, allowed) -> str:
     return value
 
 
-def parse_request(body: object, client: EngineClient) -> Parsed:
+async def parse_request(body: object, client: EngineClient) -> Parsed:
     """The request body -> a validated ImageSpec, or an ApiError naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object.")
@@ -175,7 +175,7 @@ def parse_request(body: object, client: EngineClient) -> Parsed:
         raise _invalid("negative_prompt", "negative_prompt must be text.")
     if body.get("user") is not None and not isinstance(body.get("user"), str):
         raise _invalid("user", "user must be text.")
-    refused = client.image_refusal(width, height, guidance)
+    refused = await client.image_refusal(width, height, guidance)
     if refused:
         raise _invalid("size", refused, "size_too_large")
     spec = ImageSpec(prompt, width, height, steps, float(guidance), n=n, negative=negative, seed=seed,
@@ -257,11 +257,11 @@ async def images_generations(http: Request) -> Response:
     except (ValueError, UnicodeDecodeError):
         return ApiError(400, "the request body is not valid JSON.").response()
     try:
-        parsed = parse_request(body, state.client)
+        parsed = await parse_request(body, state.client)
         state.models.resolve("image", body.get("model"))
         if not state.client.healthy:
             raise ApiError(503, "the engine is not serving (see the server log).", kind="server_error")
-        request = state.client.submit_image(parsed.spec)
+        request = await state.client.submit_image(parsed.spec)
     except ImageQueueFull as exc:
         state.refusals.record(http.scope, "full", str(exc))
         return ApiError(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
@@ -141,13 +141,84 @@ class _FullCollectionsCollector:
         yield from (count, pause, longest, forced)
 
 
+def labelled(families: Iterable[Metric], process: str) -> list[Metric]:
+    """`families` with every sample labelled by the process it came from (`process="engine"`, `"edge-0"`)."""
+    out = []
+    for family in families:
+        copy = Metric(family.name, family.documentation, family.type, family.unit)
+        copy.samples = [sample._replace(labels={**sample.labels, "process": process}) for sample in family.samples]
+        out.append(copy)
+    return out
+
+
+class _Merged:
+    """One scrape of several processes, shaped as one process's scrape: the families of each, their
+    samples (told apart by `process` on the way) combined into the series a one-process server shows,
+    so dashboards and alerts read the same names either way. Counters and histograms add up; gauges
+    add up (sessions, bytes) except maxima (`_max_`) and start times, which take the largest and the
+    earliest. `parley_process_cpu_seconds_total{process}` keeps each process's own CPU."""
+
+    def __init__(self, families: Callable[[], Iterable[Metric]]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        joined: dict[str, Metric] = {}
+        values: dict[str, dict[tuple, float]] = {}
+        per_process = CounterMetricFamily("parley_process_cpu_seconds", "CPU seconds of each of the server's processes",
+                                          labels=["process"])
+        for family in self._families():
+            if family.name not in joined:
+                joined[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                values[family.name] = {}
+            combine = _combiner(family)
+            series = values[family.name]
+            for sample in family.samples:
+                if sample.name == "process_cpu_seconds_total":
+                    per_process.add_metric([sample.labels.get("process", "")], sample.value)
+                labels = tuple((k, v) for k, v in sample.labels.items() if k != "process")  # in their order
+                key = (sample.name, labels)
+                series[key] = sample.value if key not in series else combine(series[key], sample.value)
+        for name, family in joined.items():
+            for (sample_name, labels), value in values[name].items():
+                family.add_sample(sample_name, dict(labels), value)
+            yield family
+        if per_process.samples:
+            yield per_process
+
+
+def _combiner(family: Metric) -> Callable[[float, float], float]:
+    """How two processes' values of one series make the scrape's (`_Merged`)."""
+    if family.type in ("counter", "histogram", "summary"):
+        return lambda a, b: a + b
+    if family.type == "gauge":
+        if family.name.endswith("start_time_seconds"):
+            return min
+        return max if "_max_" in family.name else (lambda a, b: a + b)
+    return lambda a, b: a  # info, stateset: each process says the same
+
+
+def engine_registry(engine_counters: Callable[[], dict], engine_thread: Callable[[], int | None],
+                    collectors: Iterable = ()) -> CollectorRegistry:
+    """The engine process's metrics (server/engine_core.py): its counters, its modalities' collectors,
+    its own CPU, engine thread and garbage collections. Edge workers show them on their /metrics."""
+    r = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=r)
+    r.register(_ThreadCPUCollector(lambda: {"engine": engine_thread()}))
+    r.register(_FullCollectionsCollector())
+    r.register(EngineCollector(engine_counters))
+    for collector in collectors:
+        r.register(collector)
+    return r
+
+
 class EdgeMetrics:
     """The network edge's metrics, in a registry of its own (one per app)."""
 
     def __init__(self, engine_counters: Callable[[], dict] | None = None,
                  codec_cpu_seconds: Callable[[], float] | None = None,
                  webrtc_cpu_seconds: Callable[[], float] | None = None,
-                 threads: Callable[[], dict[str, int | None]] | None = None) -> None:
+                 threads: Callable[[], dict[str, int | None]] | None = None,
+                 process: str | None = None, others: Callable[[], Iterable[Metric]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
@@ -199,9 +270,15 @@ class EdgeMetrics:
         r.register(_FullCollectionsCollector())
         if engine_counters is not None:
             r.register(EngineCollector(engine_counters))
+        self.process, self._others = process, others  # an edge worker: its scrape shows every process
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._others is None:
+            return generate_latest(self.registry)
+        assert self.process is not None, "an edge worker's metrics name its process"
+        merged = CollectorRegistry(auto_describe=False)
+        merged.register(_Merged(lambda: [*labelled(self.registry.collect(), self.process), *self._others()]))
+        return generate_latest(merged)
 
 
 async def metrics(request: Request) -> Response:

@@ -157,7 +157,7 @@ async def speech_endpoint(request: Request) -> Response:
         state.models.resolve("tts", body.get("model"))
         tts_request, input_tokens = service.front_end.request(params.text, params.voice, params.speed)
         try:
-            job = state.client.submit_speech(tts_request)
+            job = await state.client.submit_speech(tts_request)
         except TtsPoolFull as exc:
             state.refusals.record(request.scope, "full", str(exc))
             raise SpeechError(429, f"{exc}; retry shortly", code="tts_pool_full",

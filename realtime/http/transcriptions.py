@@ -131,7 +131,7 @@ async def _submit(client: EngineClient, upload: UploadFile, temperature: float):
     except AudioFileError as exc:
         raise RequestError(str(exc), "file") from exc
     try:
-        job = client.submit_transcription(temperature=temperature)
+        job = await client.submit_transcription(temperature=temperature)
     except SttInputError as exc:
         raise RequestError(str(exc), "temperature") from exc
     try:

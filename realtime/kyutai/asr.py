@@ -113,7 +113,7 @@ async def asr_endpoint(websocket: WebSocket) -> None:
 
 async def _serve(edge: EdgeSession, client: EngineClient, manager: SessionManager) -> None:
     try:
-        request = client.submit_transcription(live=True)
+        request = await client.submit_transcription(live=True)
     except SttBusy as exc:
         await edge.outbox.send_bytes(msg.error(NO_FREE_CHANNELS))
         await edge.outbox.refuse(CLOSE_TRY_AGAIN_LATER, "full", f"{NO_FREE_CHANNELS}: {exc}")

@@ -222,7 +222,7 @@ async def _serve(edge: EdgeSession, client: EngineClient, service: SpeechService
     if request is None:
         return
     try:
-        job = client.submit_speech(request)
+        job = await client.submit_speech(request)
     except TtsPoolFull as exc:
         await _full(edge, output, str(exc))
         return

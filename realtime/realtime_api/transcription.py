@@ -60,7 +60,7 @@ class TranscriptionConnection(RealtimeConnection):
     async def run(self) -> None:
         edge = self.edge
         try:
-            self.request = self.client.submit_transcription(live=True)
+            self.request = await self.client.submit_transcription(live=True)
         except SttBusy as exc:
             await self.send(self.events.error(f"server full: {exc}", "session_limit_reached", kind="server_error"))
             await edge.outbox.refuse(CLOSE_TRY_AGAIN_LATER, "full", "server full: every transcription row is taken")

@@ -24,7 +24,8 @@ import contextlib
 import logging
 import threading
 from pathlib import Path
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -46,11 +47,11 @@ from .drain import Drainer
 from ..http.not_found import UnknownWebSocket, http_error, openai_error
 from ..media.opus import CodecProcessPool, make_codec_runner
 from .security import AccessMiddleware, static_paths
-from .services import DEMO_NOTICE, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
+from .services import DEMO_NOTICE, EdgeSpec, ServerInfo, Services  # noqa: F401 (ServerInfo: tests' import)
 from ..sessions.session import SessionManager
 from ..media.speech_formats import warm_up_encoders
 from ..calls.sideband import LiveCalls
-from ..engine_client import InProcessClient
+from ..engine_client import EngineClient, InProcessClient
 from .state import AppState, app_state
 from ..webrtc.pool import WebRTCPool, default_workers
 
@@ -73,48 +74,80 @@ async def load_lazy_modules() -> None:
 
 
 def create_app(services: Services) -> Starlette:
-    """Map routes and middleware from `services` (server/services.py: built, warmed and registered on
-    the engine). With `services.start_engine`, the lifespan starts the engine (if it is not
-    running); it always shuts it down at exit."""
+    """The one-process app: `services`' engine and pools behind an in-process engine client. With
+    `services.start_engine`, the lifespan starts the engine (if it is not running); it always shuts
+    it down at exit, then closes each modality's service."""
     engine = services.engine
-    client = engine_client(services)  # the doors' one way to the engine
+
+    async def start() -> None:
+        if services.start_engine:
+            services.engine.start()
+
+    async def stop() -> None:
+        await asyncio.to_thread(services.engine.shutdown)
+        for modality in MODALITIES:  # the engine thread is gone: each ends what it will never finish
+            if modality.close is not None and (service := services.service(modality)) is not None:
+                modality.close(service)
+
+    collectors = [modality.collector(service) for modality in MODALITIES  # each modality's own metrics
+                  if modality.collector is not None and (service := services.service(modality)) is not None]
+    return assemble_app(engine_client(services), services.edge_spec(), EngineLifetime(start, stop),
+                        engine_thread=lambda: engine.thread_id, collectors=collectors)
+
+
+@dataclass(frozen=True)
+class EngineLifetime:
+    """What the app's lifespan does with its engine: start it before the first request, stop it after
+    every connection has closed (the one-process app: the engine itself; an edge worker: its link)."""
+
+    start: Callable[[], Awaitable[None]]
+    stop: Callable[[], Awaitable[None]]
+
+
+def assemble_app(client: EngineClient, spec: EdgeSpec, lifetime: EngineLifetime, *,
+                 engine_thread: Callable[[], int | None] = lambda: None, collectors: Sequence = (),
+                 process: str | None = None, others: Callable[[], Sequence] | None = None,
+                 middleware: Sequence[Middleware] = ()) -> Starlette:
+    """Map routes and middleware over `client` from `spec` (server/services.py's EdgeSpec): the same
+    app in a one-process server and in each edge worker. An edge worker names its `process` and
+    gives the `others`' metric families: its /metrics shows every process, the engine's counters
+    among them, and its own `middleware` after the access checks (server/edge_worker.py)."""
     metrics: metrics_api.EdgeMetrics | None = None
 
     def count_restart() -> None:
         if metrics is not None:
             metrics.codec_restarts.inc()
 
-    codec = make_codec_runner(services.codec_workers, max_sessions=engine.max_sessions, on_restart=count_restart)
-    webrtc = WebRTCPool(services.webrtc_workers or default_workers(engine.max_sessions),  # started by the first call
+    codec = make_codec_runner(spec.codec_workers, max_sessions=client.max_sessions, on_restart=count_restart)
+    webrtc = WebRTCPool(spec.webrtc_workers or default_workers(client.max_sessions),  # started by the first call
                         on_restart=lambda: metrics.webrtc_restarts.inc(),
                         on_silent=lambda packets: metrics.webrtc_silent.inc(packets))
     loop_thread: dict[str, int] = {}  # the event loop's OS thread id, taken when the lifespan starts on it
-    metrics = metrics_api.EdgeMetrics(client.counters, codec.worker_cpu_seconds
+    metrics = metrics_api.EdgeMetrics(client.counters if others is None else None, codec.worker_cpu_seconds
                                       if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds,
-                                      threads=lambda: {"loop": loop_thread.get("id"), "engine": engine.thread_id})
-    for modality in MODALITIES:  # each modality's own metrics (its record's collector)
-        if modality.collector is not None and (service := services.service(modality)) is not None:
-            metrics.registry.register(modality.collector(service))
-    manager = SessionManager(client, services.defaults, codec, metrics,
-                             Admission(client, metrics.registry, ready_min_free=services.ready_min_free,
-                                       refusals=metrics.refusals), models=services.served_models())
-    has_page = services.web_dir is not None and (services.web_dir / "index.html").is_file()  # public: server/security.py
-    served = doors.mounted({"page": has_page, **services.available()})
-    access = Middleware(AccessMiddleware, keys=services.defaults.api_keys,
-                        protect_metrics=services.defaults.protect_metrics,
-                        allowed_origins=services.defaults.allowed_origins,
-                        static_paths=static_paths(services.web_dir) if has_page else (),
+                                      threads=lambda: {"loop": loop_thread.get("id"), "engine": engine_thread()},
+                                      process=process, others=others)
+    for collector in collectors:
+        metrics.registry.register(collector)
+    manager = SessionManager(client, spec.defaults, codec, metrics,
+                             Admission(client, metrics.registry, ready_min_free=spec.ready_min_free,
+                                       refusals=metrics.refusals), models=spec.models)
+    has_page = spec.web_dir is not None and (spec.web_dir / "index.html").is_file()  # public: server/security.py
+    served = doors.mounted({"page": has_page, **spec.available})
+    access = Middleware(AccessMiddleware, keys=spec.defaults.api_keys,
+                        protect_metrics=spec.defaults.protect_metrics,
+                        allowed_origins=spec.defaults.allowed_origins,
+                        static_paths=static_paths(spec.web_dir) if has_page else (),
                         session_paths=doors.WEBRTC_PATHS, refusals=metrics.refusals)
     unknown_ws = Middleware(UnknownWebSocket, paths=frozenset(d.path for d in served if d.method == doors.WS))
-    translating = services.info.model if services.translator is not None else None
-    app = Starlette(routes=[_route(door, services.web_dir, translating) for door in served],
-                    lifespan=_lifespan(services, manager, codec, webrtc, loop_thread), middleware=[access, unknown_ws],
-                    exception_handlers={HTTPException: http_error})
+    translating = spec.info.model if spec.translator is not None else None
+    app = Starlette(routes=[_route(door, spec.web_dir, translating) for door in served],
+                    lifespan=_lifespan(lifetime, manager, codec, webrtc, loop_thread),
+                    middleware=[access, *middleware, unknown_ws], exception_handlers={HTTPException: http_error})
     app.state = AppState(  # type: ignore[assignment]  # the typed state (server/state.py) replaces starlette's bag
-        client, manager, manager.models, metrics.refusals, services.info, tuple(served),
-        Drainer(manager, services.drain_timeout), codec, webrtc, speech=services.speech, images=services.images,
-        stt_model=services.stt_pool and services.stt_pool.name, live_calls=LiveCalls(),
-        translator=services.translator)
+        client, manager, manager.models, metrics.refusals, spec.info, tuple(served),
+        Drainer(manager, spec.drain_timeout), codec, webrtc, speech=spec.speech, stt_model=spec.stt_model,
+        live_calls=LiveCalls(), translator=spec.translator)
     return app
 
 
@@ -124,14 +157,14 @@ def engine_client(services: Services) -> InProcessClient:
                            images=services.images and services.images.queue)
 
 
-def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTCPool, loop_thread: dict[str, int]):
+def _lifespan(lifetime: EngineLifetime, manager: SessionManager, codec, webrtc: WebRTCPool,
+              loop_thread: dict[str, int]):
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         loop_thread["id"] = threading.get_native_id()
         await codec.start()  # worker processes start on the server's loop, before any session
         await load_lazy_modules()
-        if services.start_engine:
-            services.engine.start()
+        await lifetime.start()
         try:
             yield
         finally:
@@ -139,10 +172,7 @@ def _lifespan(services: Services, manager: SessionManager, codec, webrtc: WebRTC
             calls = app_state(app).calls
             if calls:  # closed by the shutdown above; let them finish hanging up
                 await asyncio.wait(set(calls), timeout=CALLS_CLOSE_TIMEOUT_S)
-            await asyncio.to_thread(services.engine.shutdown)
-            for modality in MODALITIES:  # the engine thread is gone: each ends what it will never finish
-                if modality.close is not None and (service := services.service(modality)) is not None:
-                    modality.close(service)
+            await lifetime.stop()
             await codec.aclose()
             await webrtc.aclose()
 

@@ -22,6 +22,7 @@ WebSocket settings, and why:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import logging
@@ -75,6 +76,7 @@ class ServeConfig:
     log_level: str = "info"
     codec_workers: int | None = None
     webrtc_workers: int | None = None  # WebRTC calls' worker processes; None: one per 6 sessions (webrtc/pool.py)
+    edge_workers: int = 0  # edge worker processes beside an engine process (server/processes.py); 0: one process
     # torch intra-op threads. 1 by default: OpenMP workers busy-wait between ops and starve the
     # event loop and the codec threads: with torch's default of one thread per core a small box's
     # ticks ran many times over their 80 ms and were skipped.
@@ -104,9 +106,19 @@ class ServeConfig:
     tick_trace_ticks: int = TICK_TRACE_TICKS  # tick lines it writes at most
 
 
+def loop_name() -> str:
+    """The event loop every process of the server runs: uvloop where installed."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
+def runner() -> asyncio.Runner:
+    """An asyncio runner on `loop_name`'s loop (the edge workers' and the engine process's mains)."""
+    return asyncio.Runner(loop_factory=uvicorn.Config(None, loop=loop_name(), log_config=None).get_loop_factory())
+
+
 def uvicorn_config(app, host: str, port: int, log_level: str = "info", *, ssl_certfile: str | None = None,
                    ssl_keyfile: str | None = None) -> uvicorn.Config:
-    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    loop = loop_name()
     # log_config=None: uvicorn installs no handlers; its lines go through the root handler
     # (log_format.configure_logging), in the same format as Parley's.
     return uvicorn.Config(app, host=host, port=port, loop=loop, ws=ParleyWebSocketProtocol,
@@ -122,7 +134,8 @@ def build_app(config: ServeConfig):
 
 
 def serve(config: ServeConfig, sockets: list[socket.socket]) -> int:
-    """Load and serve on `sockets`, already bound to config's address (server/sockets.py)."""
+    """Load and serve on `sockets`, already bound to config's address (server/sockets.py), in this
+    process (`config.edge_workers` 0; otherwise the CLI runs server/processes.py's supervisor)."""
     try:
         app = build_app(config)
     except (ServeError, CheckpointError) as exc:
@@ -147,10 +160,6 @@ def log_serving(app, config: ServeConfig) -> None:
 def run_app(app, uv_config: uvicorn.Config, sockets: list[socket.socket] | None = None) -> int:
     """Run uvicorn (SIGTERM drains, server/drain.py) on `sockets` (None: it binds the config's address)
     until it stops: exit 0 with no traceback, or 1 after a fatal engine error."""
-    for name in ("uvicorn.access", "uvicorn.error"):  # they log request paths, query strings included
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactKeys) for f in logger.filters):
-            logger.addFilter(RedactKeys())
     state = app_state(app)
     server = DrainingServer(uv_config, state.drainer)
     fatal: list[BaseException] = []
@@ -160,13 +169,23 @@ def run_app(app, uv_config: uvicorn.Config, sockets: list[socket.socket] | None 
         server.should_exit = True
 
     state.sessions.engine.on_fatal = on_fatal  # server/ built the engine; its fatal error stops the server
+    with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:  # uvloop where installed
+        runner.run(run_server(server, sockets))
+    if fatal:
+        log.error("exiting with status 1 after a fatal engine error, so a supervisor can restart the server")
+        return 1
+    return 0 if server.started else 1
+
+
+async def run_server(server: uvicorn.Server, sockets: list[socket.socket] | None) -> None:
+    """Run `server` on `sockets` until it stops, as a one-process server and each edge worker do."""
+    for name in ("uvicorn.access", "uvicorn.error"):  # they log request paths, query strings included
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactKeys) for f in logger.filters):
+            logger.addFilter(RedactKeys())
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises the signal it stopped for once shut down; a no-op handler turns that
         # into a clean exit (no KeyboardInterrupt traceback, no death by SIGTERM).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-    server.run(sockets=sockets)
-    if fatal:
-        log.error("exiting with status 1 after a fatal engine error, so a supervisor can restart the server")
-        return 1
-    return 0 if server.started else 1
+    await server.serve(sockets=sockets)

@@ -119,6 +119,33 @@ class Services:
             return self.models
         return ServedModels.build(served_names(self.service), {})
 
+    def edge_spec(self) -> "EdgeSpec":
+        """What the app is built from, without an engine object: in this process, or sent to each edge
+        worker by the engine process (realtime/engine_process/core.py)."""
+        speech = self.speech and dataclasses.replace(self.speech, pool=None)  # the pool stays with the engine
+        return EdgeSpec(self.defaults, self.info, self.served_models(), self.available(), self.web_dir,
+                        self.codec_workers, self.webrtc_workers, self.ready_min_free, self.drain_timeout, speech,
+                        self.stt_pool and self.stt_pool.name, self.translator)
+
+
+@dataclass(frozen=True)
+class EdgeSpec:
+    """Everything the app (server/app.py) is built from besides its engine client: plain data and the
+    speech front end, picklable, so an edge worker builds the same app as a one-process server."""
+
+    defaults: ServerDefaults
+    info: ServerInfo
+    models: ServedModels
+    available: dict[str, bool]  # which modalities are served, by key (Services.available)
+    web_dir: Path | None
+    codec_workers: int | None
+    webrtc_workers: int | None
+    ready_min_free: int
+    drain_timeout: float
+    speech: SpeechService | None  # its pool None: only the engine client submits there
+    stt_model: str | None  # the standalone transcription model's name
+    translator: Translator | None
+
 
 def served_names(service_of: Callable[[Modality], Any]) -> dict[str, str | None]:
     """Each modality's checkpoint name (its record's served_name of its service), in the registry's

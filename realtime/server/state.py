@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from ..calls.sideband import LiveCalls
     from ..engine_client import EngineClient
     from ..translation.model import Translator
-    from ..http.images import ImageService
     from ..http.speech import SpeechService
     from ..sessions.refusals import Refusals
     from ..sessions.session import SessionManager
@@ -49,7 +48,6 @@ class AppState:
     codec: Any  # the Opus codec runner (media/opus.py): in-process or worker processes
     webrtc: "WebRTCPool"  # the WebRTC calls' worker processes (webrtc/pool.py)
     speech: "SpeechService | None" = None  # /v1/audio/speech (http/speech.py)
-    images: "ImageService | None" = None  # /v1/images/generations (http/images.py)
     stt_model: str | None = None  # the standalone transcription model's name; None: no STT served
     calls: "set[asyncio.Task]" = field(default_factory=set)  # the WebRTC calls' tasks, held until each ends
     live_calls: "LiveCalls | None" = None  # the calls a sideband may attach to, by id (calls/sideband.py)

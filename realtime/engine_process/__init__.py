@@ -1,0 +1,1 @@
+"""The engine process and the edge workers' link to it (docs/architecture.md, "Processes")."""

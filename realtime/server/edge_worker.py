@@ -1,0 +1,100 @@
+"""An edge worker process: connections end to end (protocol, codec, WebRTC peers) on the port all
+workers share, and the engine through its link (realtime/engine_process/client.py).
+
+`edge_worker` is the target the supervisor (server/processes.py) starts, with the listening
+sockets `parley serve` bound. Top to bottom: link to the engine process (waiting while it loads),
+build the same app a one-process server builds (server/app.py `assemble_app`) from the engine's
+`EdgeSpec`, with the Opus codec on this worker's own threads, then run uvicorn on the shared
+sockets until SIGINT, or SIGTERM, which drains this worker's sessions first (server/drain.py).
+While the engine process is gone (the supervisor restarts it), HTTP requests other than the
+probes and /metrics get 503 + Retry-After (`EngineGate`); WebSocket upgrades get admission's
+503 ("unhealthy"), as the link's counters say (engine_process/client.py rule 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..engine_process.client import ENGINE_GONE, RemoteClient
+from ..http.metrics import labelled
+from ..sessions.capacity import RETRY_AFTER_S
+from .app import EngineLifetime, assemble_app
+from .drain import DrainingServer
+from .log_format import configure_logging
+from .serve import run_server, runner, uvicorn_config
+from .state import app_state
+
+log = logging.getLogger("parley.edge")
+LINK_RETRY_S = 0.2  # how often a worker tries the engine's socket while the engine process loads
+METRICS_INTERVAL_S = 1.0  # how stale another worker's scrape of this worker's metrics may be
+ENGINE_FREE_PATHS = frozenset({"/livez", "/health", "/readyz", "/ready", "/load", "/metrics"})  # answer unlinked
+
+
+class EngineGate:
+    """503 for HTTP requests while the engine process is gone (module docstring)."""
+
+    def __init__(self, app: ASGIApp, *, client: RemoteClient) -> None:
+        self.app, self.client = app, client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.client.linked and scope["path"] not in ENGINE_FREE_PATHS:
+            body = {"error": {"message": ENGINE_GONE, "type": "server_error", "code": "engine_unavailable"}}
+            await JSONResponse(body, 503, headers={"Retry-After": str(RETRY_AFTER_S)})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def edge_worker(config, sockets: list[socket.socket], path: str, index: int, log_format: str) -> None:
+    """The worker's main (module docstring)."""
+    configure_logging(config.log_level, log_format)
+    with runner() as run:
+        run.run(_serve(config, sockets, path, index))
+
+
+async def link(path: str, index: int) -> RemoteClient:
+    """A client linked to the engine process, once its socket answers."""
+    client = RemoteClient(path, index)
+    while True:
+        try:
+            await client.connect()
+            return client
+        except (OSError, EOFError):
+            await asyncio.sleep(LINK_RETRY_S)
+
+
+async def _serve(config, sockets: list[socket.socket], path: str, index: int) -> None:
+    client = await link(path, index)
+    spec = dataclasses.replace(client.edge_spec, codec_workers=0)  # the codec runs on this worker's threads
+    reading: list[asyncio.Task] = []
+
+    async def start() -> None:
+        reading.append(asyncio.create_task(client.run()))
+        reading.append(asyncio.create_task(_send_metrics(client, app_state(app).sessions.metrics, process)))
+
+    async def stop() -> None:
+        for task in reading:
+            task.cancel()
+        client.close_link()
+
+    process = f"edge-{index}"
+    app = assemble_app(client, spec, EngineLifetime(start, stop), process=process, others=lambda: client.others,
+                       middleware=[Middleware(EngineGate, client=client)])
+    log.info("edge worker %d serving", index)
+    server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level,
+                                           ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile),
+                            app_state(app).drainer)
+    await run_server(server, sockets)
+
+
+async def _send_metrics(client: RemoteClient, metrics, process: str) -> None:
+    """This worker's metric families to the engine process, for the other workers' scrapes."""
+    while True:
+        client.cast("metrics", labelled(metrics.registry.collect(), process))
+        await asyncio.sleep(METRICS_INTERVAL_S)

@@ -1,0 +1,267 @@
+"""`parley serve --edge-workers N`: the engine in its own process, the edge in worker processes.
+
+The rings and the wire's records in one process, then the demo server with two edge workers over
+real sockets: every kind of door through a worker, /metrics from every process, a killed worker
+(only its sessions end; its slots free; it is restarted), a killed engine process (503 and a
+failing /readyz until it is back; sessions end with 1011), and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parley.realtime.engine_client import FrameOut, Status, Terminal, TtsAudio
+from parley.realtime.engine_process.rings import ByteRing
+from parley.realtime.engine_process.wire import event_parts, input_parts, read_event, read_input
+from server_harness import free_port, tone
+from test_launch import Holder, grows, hold, http, until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the rings and the records ----
+
+def test_ring_records_round_trip_across_the_wrap_and_a_full_ring_refuses():
+    ring = ByteRing.create(256)
+    peer = ByteRing.attach(ring.name)  # the other side (here: this process) removes the name at once
+    try:
+        assert peer.read() is None
+        records = [bytes([i]) * (30 + i) for i in range(40)]
+        pending = []
+        for record in records:  # far more bytes than the ring holds: writes wrap around it
+            while not ring.write(record[:10], record[10:]):
+                assert pending, "an empty ring refused a record that fits"
+                assert peer.read() == pending.pop(0)
+            pending.append(record)
+        while pending:
+            assert peer.read() == pending.pop(0)
+        assert peer.read() is None and ring.used() == 0
+    finally:
+        peer.close()
+        ring.close()
+    ring = ByteRing.create(256)
+    peer = ByteRing.attach(ring.name)
+    try:
+        assert ring.write(b"x" * 200) and not ring.write(b"y" * 100)  # full: refused, nothing written
+        assert ring.used() == 204 and peer.read() == b"x" * 200 and peer.read() is None
+    finally:
+        peer.close()
+        ring.close()
+
+
+def test_events_and_audio_cross_the_ring_unchanged():
+    pcm = np.random.default_rng(0).standard_normal(1920).astype(np.float32)
+    frame = FrameOut(pcm=pcm, text=" héllo", text_token=7, tick=41, produced_at=12.5)
+    stream, got, backlog = read_event(b"".join(bytes(p) for p in event_parts(3, frame, backlog=2)))
+    assert (stream, backlog, got.text, got.text_token, got.tick, got.produced_at) == (3, 2, " héllo", 7, 41, 12.5)
+    assert np.array_equal(got.pcm, pcm)
+    stream, got, backlog = read_event(b"".join(bytes(p) for p in event_parts(4, TtsAudio(pcm))))
+    assert (stream, backlog) == (4, None) and np.array_equal(got.pcm, pcm)
+    stream, got, _ = read_event(b"".join(bytes(p) for p in event_parts(5, Terminal(Status.FAILED, "why"))))
+    assert (stream, got.status, got.reason) == (5, Status.FAILED, "why")
+    for at in (None, 3.25):
+        stream, audio, received_at = read_input(b"".join(bytes(p) for p in input_parts(9, pcm, at)))
+        assert (stream, received_at) == (9, at) and np.array_equal(audio, pcm)
+
+
+def test_one_scrape_of_every_process_reads_as_one_process():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+    from parley.realtime.http.metrics import EdgeMetrics, labelled
+
+    def process(live: int, late: int, pause: float, delays: list[float]) -> CollectorRegistry:
+        r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        Gauge("parley_test_things", "live", registry=r).set(live)
+        Counter("parley_test_late_ticks", "late", registry=r).inc(late)
+        Gauge("parley_test_pause_max_seconds", "longest", registry=r).set(pause)
+        h = Histogram("parley_transcript_delay_seconds", "delay", ["path"], buckets=(0.1, 1.0), registry=r)
+        for d in delays:
+            h.labels(path="paired").observe(d)
+        return r
+
+    engine = labelled(process(0, 3, 0.5, [0.05]).collect(), "engine")
+    other = labelled(process(2, 0, 0.2, [0.5, 2.0]).collect(), "edge-1")
+    mine = EdgeMetrics(process="edge-0", others=lambda: [*engine, *other])
+    Gauge("parley_test_things", "live", registry=mine.registry).set(5)
+    text = mine.render().decode()
+    assert "parley_test_things 7.0" in text.splitlines()  # summed over the processes that have it
+    assert "parley_test_late_ticks_total 3.0" in text.splitlines()
+    assert "parley_test_pause_max_seconds 0.5" in text.splitlines()  # the longest, not a sum
+    assert 'parley_transcript_delay_seconds_bucket{le="0.1",path="paired"} 1.0' in text
+    assert 'parley_transcript_delay_seconds_bucket{le="1.0",path="paired"} 2.0' in text
+    assert 'parley_transcript_delay_seconds_count{path="paired"} 3.0' in text
+    assert 'process="' not in text.replace("parley_process_cpu_seconds_total{process=", "")
+    for name in ("engine", "edge-0", "edge-1"):  # each process's own CPU stays its own
+        assert f'parley_process_cpu_seconds_total{{process="{name}"}}' in text
+
+
+# ---- the demo server with two edge workers ----
+
+def owner_pid(port: int, client_port: int, pids: list[int]) -> int:
+    """Which of `pids` holds the server end of the TCP connection from 127.0.0.1:client_port."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == client_port:
+            inode = fields[9]
+    assert inode is not None, f"no server socket for the client port {client_port}"
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                if os.readlink(fd) == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                continue
+    raise AssertionError(f"no worker in {pids} holds the connection from port {client_port}")
+
+
+def post(url: str, body: bytes, content_type: str) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def multipart(fields: dict[str, str], name: str, filename: str, data: bytes) -> tuple[bytes, str]:
+    boundary = "parleyboundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                 f'Content-Type: audio/wav\r\n\r\n'.encode() + data + b"\r\n")
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+class Server:
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.log = tmp / "serve.log"
+        self.out = open(self.log, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "parley.realtime.cli", "serve", "--edge-workers", "2", "--port", str(self.port),
+             "--max-sessions", "6", "--drain-timeout", "5", "--device", "cpu"],
+            cwd=ROOT, stdout=self.out, stderr=subprocess.STDOUT)
+        self.base = f"127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return f"http://{self.base}{path}"
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def worker_pids(self) -> dict[int, int]:
+        """Each worker index's newest pid."""
+        return {int(i): int(pid) for i, pid in re.findall(r"edge worker (\d+) started \(pid (\d+)\)", self.text())}
+
+    def engine_pids(self) -> list[int]:
+        return [int(p) for p in re.findall(r"engine process (\d+) ready", self.text())]
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while http(self.url("/readyz"))[0] != 200:
+            assert self.proc.poll() is None, self.text()[-3000:]
+            assert time.monotonic() < deadline, "not ready:\n" + self.text()[-3000:]
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+
+
+def test_edge_workers_serve_every_door_and_keep_faults_local(tmp_path):
+    server = Server(tmp_path)
+    try:
+        server.wait_ready()
+        asyncio.run(_scenario(server))
+        server.proc.send_signal(signal.SIGTERM)  # drains (no session is left), then every process exits
+        assert server.proc.wait(60) == 0, server.text()[-3000:]
+        assert "SIGTERM: stopping the edge workers, then the engine process" in server.text()
+    finally:
+        server.stop()
+
+
+async def _scenario(server: Server) -> None:
+    # /metrics is one scrape of every process (each worker's arrive within a second)
+    def every_process() -> bool:
+        status, body = http(server.url("/metrics"))
+        return status == 200 and all(f'parley_process_cpu_seconds_total{{process="{p}"}}' in body
+                                     for p in ("engine", "edge-0", "edge-1"))
+    await until(every_process, 10, "metrics from the engine and both workers")
+
+    # the HTTP doors, through whichever worker takes the request
+    status, body = post(server.url("/v1/audio/speech"), json.dumps({"input": "hello there", "voice": "alloy",
+                                                                    "response_format": "pcm"}).encode(),
+                        "application/json")
+    assert status == 200 and len(body) > 4800, body[:300]
+    import io
+
+    import soundfile as sf
+    wav = io.BytesIO()
+    sf.write(wav, tone(220, 2.0), 24000, format="WAV")
+    status, body = post(server.url("/v1/audio/transcriptions"),
+                        *multipart({"model": "whisper-1"}, "file", "a.wav", wav.getvalue()))
+    assert status == 200 and json.loads(body)["usage"]["seconds"] == pytest.approx(2.0), body[:300]
+
+    # sessions on both workers (the kernel picks the worker for each connection)
+    workers = server.worker_pids()
+    assert sorted(workers) == [0, 1]
+    holders: list[Holder] = []
+    owners: list[int] = []
+    while len(holders) < 6 and len(set(owners)) < 2:
+        holder = await hold(server.base)
+        assert isinstance(holder, Holder), holder
+        holders.append(holder)
+        owners.append(owner_pid(server.port, holder.ws.local_address[1], list(workers.values())))
+    assert await grows(holders)
+
+    # a worker dies: only its sessions end, their slots free, the others go on, and it is restarted
+    victim = owners[0]
+    index = next(i for i, pid in workers.items() if pid == victim)
+    os.kill(victim, signal.SIGKILL)
+    mine = [h for h, o in zip(holders, owners) if o == victim]
+    others = [h for h, o in zip(holders, owners) if o != victim]
+    await until(lambda: all(h.task.done() for h in mine), 10, "the dead worker's sessions to end")
+    assert await grows(others)
+    await until(lambda: server.worker_pids().get(index, victim) != victim, 20, "the worker to be restarted")
+    await until(lambda: json.loads(http(server.url("/load"))[1] or "{}").get("live") == len(others), 10,
+                "the dead worker's slots to free")
+    fresh = await hold(server.base)
+    assert isinstance(fresh, Holder) and await grows([fresh, *others])
+
+    # the engine process dies: sessions end with 1011, every door answers 503, then it comes back
+    os.kill(server.engine_pids()[-1], signal.SIGKILL)
+    live = [fresh, *others]
+    await until(lambda: all(h.task.done() for h in live), 10, "the sessions to end")
+    assert {h.ws.close_code for h in live} == {1011}, [h.ws.close_code for h in live]
+    status, body = http(server.url("/readyz"))
+    assert status == 503, body
+    status, body = post(server.url("/v1/audio/speech"), b'{"input": "hi", "voice": "alloy"}', "application/json")
+    assert status == 503 and json.loads(body)["error"]["code"] == "engine_unavailable", body
+    assert hold_refused(await hold(server.base)) == 503
+    await until(lambda: http(server.url("/readyz"))[0] == 200, 120, "the engine process to be back")
+    assert len(server.engine_pids()) == 2
+    again = await hold(server.base)
+    assert isinstance(again, Holder) and await grows([again])
+    await again.close()
+
+
+def hold_refused(result) -> int:
+    assert not isinstance(result, Holder), "a session was admitted while the engine process was gone"
+    return result[0]
