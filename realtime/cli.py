@@ -78,7 +78,7 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                         "shared port, while the models and the engine's tick run in an engine process of their "
                         "own; a worker or engine process that dies is restarted. 0: one process does everything "
                         "(the engine thread shares the event loop's GIL). Default: one per CPU core but one, "
-                        "at most 8")
+                        "at most 8; 0 on two cores or fewer")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
@@ -197,6 +197,15 @@ def served_names(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return parse_served_names([values] if isinstance(values, str) else values or [])
 
 
+def edge_workers(args: argparse.Namespace) -> int:
+    """`--edge-workers`, or by default one per core but one, at most eight; none (one process) on two
+    cores or fewer, where a worker would have no core of its own to run on."""
+    if args.edge_workers is not None:
+        return args.edge_workers
+    cores = os.cpu_count() or 2
+    return 0 if cores <= 2 else min(8, cores - 1)
+
+
 def serve_flag_error(args: argparse.Namespace) -> str | None:
     """What is wrong with `parley serve`'s numeric flags and each modality's (None: nothing), before
     anything loads."""
@@ -206,7 +215,7 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return f"--webrtc-workers must be at least 1 (got {args.webrtc_workers}); WebRTC calls always run in workers"
     if args.edge_workers is not None and args.edge_workers < 0:
         return f"--edge-workers must be 0 (one process) or more (got {args.edge_workers})"
-    if args.codec_workers and args.edge_workers != 0:
+    if args.codec_workers and edge_workers(args) != 0:
         return ("--codec-workers applies with --edge-workers 0: each edge worker runs its connections' codec "
                 "on its own threads")
     if args.max_sessions < 1:
@@ -267,7 +276,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: dict, kv: KvSettings,
                   reliability: dict):
     """`parley serve`'s checked flags as the server's ServeConfig (imports the server: once serving)."""
-    from .server.processes import default_edge_workers
     from .server.serve import ServeConfig  # torch and the models: only once serving
 
     return ServeConfig(host=args.host, port=args.port, max_sessions=args.max_sessions,
@@ -275,7 +283,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        mimi_dtype=args.mimi_dtype, defaults=defaults, sampling=sampling,
                        log_level=args.log_level, codec_workers=args.codec_workers,
                        webrtc_workers=args.webrtc_workers, torch_threads=args.torch_threads,
-                       edge_workers=default_edge_workers() if args.edge_workers is None else args.edge_workers,
+                       edge_workers=edge_workers(args),
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
                        tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
                        **{name: getattr(args, name) for modality in MODALITIES for name in modality.settings},

@@ -79,7 +79,7 @@ def test_events_and_audio_cross_the_ring_unchanged():
 def test_one_scrape_of_every_process_reads_as_one_process():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-    from parley.realtime.http.metrics import EdgeMetrics, labelled
+    from parley.realtime.http.metrics import EdgeMetrics, exposition
 
     def process(live: int, late: int, pause: float, delays: list[float]) -> CollectorRegistry:
         r = CollectorRegistry()
@@ -92,9 +92,9 @@ def test_one_scrape_of_every_process_reads_as_one_process():
             h.labels(path="paired").observe(d)
         return r
 
-    engine = labelled(process(0, 3, 0.5, [0.05]).collect(), "engine")
-    other = labelled(process(2, 0, 0.2, [0.5, 2.0]).collect(), "edge-1")
-    mine = EdgeMetrics(process="edge-0", others=lambda: [*engine, *other])
+    engine = exposition(process(0, 3, 0.5, [0.05]).collect(), "engine")
+    other = exposition(process(2, 0, 0.2, [0.5, 2.0]).collect(), "edge-1")
+    mine = EdgeMetrics(process="edge-0", others=lambda: [engine, other])
     Gauge("parley_test_things", "live", registry=mine.registry).set(5)
     text = mine.render().decode()
     assert "parley_test_things 7.0" in text.splitlines()  # summed over the processes that have it
@@ -190,7 +190,8 @@ def test_edge_workers_serve_every_door_and_keep_faults_local(tmp_path):
     try:
         server.wait_ready()
         asyncio.run(_scenario(server))
-        server.proc.send_signal(signal.SIGTERM)  # drains (no session is left), then every process exits
+        # POST /admin/drain on whichever worker takes it drains the whole server: every process exits
+        assert http(server.url("/admin/drain"), "POST")[0] == 202
         assert server.proc.wait(60) == 0, server.text()[-3000:]
         assert "SIGTERM: stopping the edge workers, then the engine process" in server.text()
     finally:

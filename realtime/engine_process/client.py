@@ -114,7 +114,7 @@ class RemoteClient:
         self.edge_spec: Any = None
         self._facts: dict = {}
         self._linked = asyncio.Event()
-        self.others: list = []  # the other processes' metric families (engine_process/core.py rule 5)
+        self.others: list[bytes] = []  # the other processes' metrics, exposition text (engine_process/core.py rule 5)
 
     # ---- the link ----
 

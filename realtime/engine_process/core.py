@@ -16,7 +16,8 @@ Rules this module keeps:
    a worker's copy of it.
 5. /metrics is one scrape of every process: each worker sends its metric families here, and each
    gets back this process's and the other workers', so the worker a scrape lands on shows them all
-   (labelled by process on the way; http/metrics.py `_Merged` joins them into one scrape).
+   (exposition text labelled by process, forwarded untouched; http/metrics.py `_Merged` joins
+   them into one scrape).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ..engine_client import DuplexSession, FrameOut, InProcessClient, Job, Status, Terminal, TtsAudio
-from ..http.metrics import labelled
+from ..http.metrics import exposition
 from .rings import ByteRing
 from .wire import Channel, ChannelClosed, event_parts, read_input
 
@@ -59,7 +60,7 @@ class WorkerLink:
         self._tasks: set[asyncio.Task] = set()
         self._bell = False
         self.frames_dropped = 0
-        self.families: list = []  # the worker's metric families, as it last sent them (rule 5)
+        self.families = b""  # the worker's metrics (exposition text), as it last sent them (rule 5)
 
     # ---- events out (rule 3) ----
 
@@ -173,7 +174,7 @@ class WorkerLink:
     async def image_refusal(self, width: int, height: int, guidance: float) -> str | None:
         return await self.client.image_refusal(width, height, guidance)
 
-    def metrics(self, families: list) -> None:
+    def metrics(self, families: bytes) -> None:
         self.families = families
 
     CALLS = frozenset({"admit", "ready", "close", "reopen", "transcribe", "force_text", "end_input", "submit_speech",
@@ -249,13 +250,13 @@ class CoreServer:
         for push in itertools.count():
             await asyncio.sleep(STATUS_INTERVAL_S)
             status = status_of(self.client, self._has_tts, self._has_stt)
-            own = labelled(self.registry.collect(), "engine") if push % METRICS_EVERY == 0 else None
+            own = exposition(self.registry.collect(), "engine") if push % METRICS_EVERY == 0 else None
             for link in list(self.links.values()):
                 try:
                     link.channel.send(status)
                     if own is not None:  # rule 5: this process's families and the other workers'
-                        others = [f for other in self.links.values() if other is not link for f in other.families]
-                        link.channel.send(("metrics", [*own, *others]))
+                        others = [other.families for other in self.links.values() if other is not link]
+                        link.channel.send(("metrics", [own, *others]))
                 except ChannelClosed:
                     pass
 
@@ -273,6 +274,7 @@ class CoreServer:
         channel.send(("hello", self.edge_spec, self.client.max_sessions, self.client.can_transcribe,
                       self._facts()))
         channel.send(status_of(self.client, self._has_tts, self._has_stt))
+        channel.send(("metrics", [exposition(self.registry.collect(), "engine")]))  # a scrape right away has them
         log.info("edge worker %d linked", worker)
         try:
             while True:

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -141,14 +142,31 @@ class _FullCollectionsCollector:
         yield from (count, pause, longest, forced)
 
 
-def labelled(families: Iterable[Metric], process: str) -> list[Metric]:
-    """`families` with every sample labelled by the process it came from (`process="engine"`, `"edge-0"`)."""
+def exposition(families: Iterable[Metric], process: str) -> bytes:
+    """`families` as exposition text, every sample labelled by the process it came from
+    (`process="engine"`, `"edge-0"`): how one process's metrics travel to the others' scrapes as
+    bytes, forwarded as they are (rendered once a second, parsed only when a scrape asks)."""
     out = []
     for family in families:
         copy = Metric(family.name, family.documentation, family.type, family.unit)
         copy.samples = [sample._replace(labels={**sample.labels, "process": process}) for sample in family.samples]
         out.append(copy)
-    return out
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(out))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def parsed(texts: Iterable[bytes]) -> list[Metric]:
+    """The families of other processes' `exposition` texts."""
+    return [family for text in texts for family in text_string_to_metric_families(text.decode())]
 
 
 class _Merged:
@@ -218,7 +236,7 @@ class EdgeMetrics:
                  codec_cpu_seconds: Callable[[], float] | None = None,
                  webrtc_cpu_seconds: Callable[[], float] | None = None,
                  threads: Callable[[], dict[str, int | None]] | None = None,
-                 process: str | None = None, others: Callable[[], Iterable[Metric]] | None = None) -> None:
+                 process: str | None = None, others: Callable[[], Iterable[bytes]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Counter("parley_connections", "WebSocket connections accepted", ["protocol"], registry=r)
@@ -277,7 +295,7 @@ class EdgeMetrics:
             return generate_latest(self.registry)
         assert self.process is not None, "an edge worker's metrics name its process"
         merged = CollectorRegistry(auto_describe=False)
-        merged.register(_Merged(lambda: [*labelled(self.registry.collect(), self.process), *self._others()]))
+        merged.register(_Merged(lambda: parsed([exposition(self.registry.collect(), self.process), *self._others()])))
         return generate_latest(merged)
 
 

@@ -106,12 +106,13 @@ class EngineLifetime:
 
 def assemble_app(client: EngineClient, spec: EdgeSpec, lifetime: EngineLifetime, *,
                  engine_thread: Callable[[], int | None] = lambda: None, collectors: Sequence = (),
-                 process: str | None = None, others: Callable[[], Sequence] | None = None,
+                 process: str | None = None, others: Callable[[], Sequence[bytes]] | None = None,
                  middleware: Sequence[Middleware] = ()) -> Starlette:
     """Map routes and middleware over `client` from `spec` (server/services.py's EdgeSpec): the same
     app in a one-process server and in each edge worker. An edge worker names its `process` and
-    gives the `others`' metric families: its /metrics shows every process, the engine's counters
-    among them, and its own `middleware` after the access checks (server/edge_worker.py)."""
+    gives the other processes' metrics (`others`, exposition text): its /metrics shows every
+    process, the engine's counters among them, and its own `middleware` after the access checks
+    (server/edge_worker.py)."""
     metrics: metrics_api.EdgeMetrics | None = None
 
     def count_restart() -> None:

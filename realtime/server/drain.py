@@ -1,7 +1,8 @@
 """Drain: stop taking sessions, let the live ones finish, then go.
 
 Triggers: SIGTERM (`DrainingServer`, what Kubernetes and `parley launch` send) and
-`POST /admin/drain` (behind the API key; with no key set, from this machine only).
+`POST /admin/drain` (behind the API key; with no key set, from this machine only). In an edge
+worker the POST also asks the supervisor to drain the whole server (server/processes.py rule 4).
 
 1. `draining` is set: /readyz answers 503 at once and new upgrades get 503 + Retry-After
    (sessions/capacity.py), so a proxy places them on another worker.
@@ -46,6 +47,8 @@ class Drainer:
         self.timeout_s = timeout_s
         self._task: asyncio.Task | None = None
         self._exit: Callable[[], None] | None = None
+        # An edge worker's: asks its supervisor to drain the whole server (server/edge_worker.py)
+        self.whole_server: Callable[[], None] | None = None
 
     @property
     def draining(self) -> bool:
@@ -134,5 +137,7 @@ async def drain_endpoint(request: Request) -> Response:
                             status_code=403)
     drainer: Drainer = app_state(request).drainer
     started = drainer.start("POST /admin/drain")
+    if started and drainer.whole_server is not None:  # every edge worker drains, not only this one
+        drainer.whole_server()
     return JSONResponse({"draining": True, "started": started, "live": manager.live_count,
                          "drain_timeout": drainer.timeout_s}, status_code=202)

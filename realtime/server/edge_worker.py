@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 import socket
 
 from starlette.middleware import Middleware
@@ -23,7 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine_process.client import ENGINE_GONE, RemoteClient
-from ..http.metrics import labelled
+from ..http.metrics import exposition
 from ..sessions.capacity import RETRY_AFTER_S
 from .app import EngineLifetime, assemble_app
 from .drain import DrainingServer
@@ -86,6 +88,8 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int) ->
     process = f"edge-{index}"
     app = assemble_app(client, spec, EngineLifetime(start, stop), process=process, others=lambda: client.others,
                        middleware=[Middleware(EngineGate, client=client)])
+    # POST /admin/drain drains the whole server: the supervisor relays SIGTERM to every worker
+    app_state(app).drainer.whole_server = lambda: os.kill(os.getppid(), signal.SIGTERM)
     log.info("edge worker %d serving", index)
     server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level,
                                            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile),
@@ -96,5 +100,5 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int) ->
 async def _send_metrics(client: RemoteClient, metrics, process: str) -> None:
     """This worker's metric families to the engine process, for the other workers' scrapes."""
     while True:
-        client.cast("metrics", labelled(metrics.registry.collect(), process))
+        client.cast("metrics", exposition(metrics.registry.collect(), process))
         await asyncio.sleep(METRICS_INTERVAL_S)

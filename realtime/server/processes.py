@@ -11,7 +11,8 @@ The process `parley serve` started stays the supervisor: it loads nothing. Rules
    one is ready (engine_process/client.py rule 4). An engine that cannot serve its configuration
    (exit 2, before it is ready) stops the server with status 2, as a one-process server would.
 4. SIGTERM drains: each worker drains its own sessions (server/drain.py) and exits, then the engine
-   process is stopped. SIGINT stops every process at once.
+   process is stopped. `POST /admin/drain` on any worker sends this process SIGTERM, so the whole
+   server drains. SIGINT stops every process at once.
 """
 
 from __future__ import annotations
@@ -34,11 +35,6 @@ log = logging.getLogger("parley.server")
 SPAWN = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
 RESTART_PAUSE_S = 1.0  # between a process's exit and its replacement: a crash loop costs little
 STOP_GRACE_S = 10.0  # after the drain (or at once for SIGINT), how long a process gets before SIGKILL
-
-
-def default_edge_workers() -> int:
-    """Edge workers by default: one per core but one (left to the engine), at least one, at most eight."""
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
 class ProcessSupervisor:
