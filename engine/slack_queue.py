@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from .slack import SlackSource, WorkItem
 
 
@@ -81,6 +83,18 @@ def device_timeline(device: object) -> CudaTimeline | None:
     except (TypeError, RuntimeError):
         return None
     return CudaTimeline() if kind == "cuda" else None
+
+
+def host_copy(tensor: "torch.Tensor") -> "torch.Tensor":
+    """`tensor` copied to the host on the device's stream without waiting (pinned memory on CUDA):
+    read it only once the item's end event is done (rule 4). Off CUDA, the copy itself."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu()
+    import torch
+
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 @dataclass
