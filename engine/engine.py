@@ -57,7 +57,6 @@ from .output import OutputProcessor
 from .scheduler import Scheduler
 from .session import Session
 from .slack import SlackRunner, SlackSource
-from .slack_queue import device_timeline
 from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
@@ -105,9 +104,7 @@ class Engine:
         self._frame = FrameStep(backend, rows, self._find_session, self.fail_session)
         # Called once on the engine thread after a fatal error: `parley serve` exits non-zero on it.
         self.on_fatal: Callable[[BaseException], None] | None = None
-        # On CUDA, slack items queue back to back on the device (slack.py rule 8, engine/slack_queue.py).
-        self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s,
-                                  config.slack_queue_depth, device_timeline(getattr(backend, "device", None)))
+        self._slack = SlackRunner.for_backend(backend, self._clock.now, config)
         # The KV block pool (engine/kv_blocks.py): admission by memory, the blocks each row holds, mapped into
         # the paged backend before each step (kv_binding.py). None: dense rows, no bound beyond the slots.
         self.kv = kv

@@ -92,11 +92,12 @@ from typing import TYPE_CHECKING, Callable, Collection, Hashable, TypeVar
 
 import torch
 
-from .slack_queue import Completed, DeviceTimeline, InFlight, SlackQueue
+from .slack_queue import Completed, DeviceTimeline, InFlight, SlackQueue, device_timeline
 from .slack_share import FairShares
 from .stream import Terminal
 
 if TYPE_CHECKING:
+    from .config import EngineConfig
     from .tick_trace import TickTrace
 
 T = TypeVar("T")
@@ -322,6 +323,13 @@ class SlackRunner:
         # Seconds of work per source, one ledger per class (True: realtime), for rule 1's order.
         self.shares = {True: FairShares(), False: FairShares()}
         self.trace: "TickTrace | None" = None  # the tick timeline's items (rule 7), set by engine/tick.py
+
+    @classmethod
+    def for_backend(cls, backend: object, now: Callable[[], float], config: "EngineConfig") -> "SlackRunner":
+        """The engine's runner: the backend's device waited for (`backend.synchronize`), and on CUDA
+        items queued up to `config.slack_queue_depth` (rule 8)."""
+        return cls(now, backend.synchronize, config.slack_guard_s, config.slack_queue_depth,  # type: ignore[attr-defined]
+                   device_timeline(backend))
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with

@@ -73,11 +73,12 @@ class CudaTimeline:
         self._free.extend(events)
 
 
-def device_timeline(device: object) -> CudaTimeline | None:
-    """The timeline slack items are queued on for a backend on `device` (None off CUDA: the CPU runs
-    each item to its end before `run` returns, so there is nothing to queue)."""
+def device_timeline(backend: object) -> CudaTimeline | None:
+    """The timeline slack items are queued on beside `backend` (its `device`; None off CUDA: the CPU
+    runs each item to its end before `run` returns, so there is nothing to queue)."""
     import torch
 
+    device = getattr(backend, "device", None)
     try:
         kind = torch.device(device).type if device is not None else None
     except (TypeError, RuntimeError):

@@ -450,8 +450,10 @@ class SttPool(SlackSource):
         pool's staging buffers may still be read by a step queued before it), the outputs copied into
         pinned memory on the stream, to be read once the device is done (engine/slack_queue.py)."""
         n = self.bucket(i for i, flag in enumerate(run) if flag)
-        pcm = torch.from_numpy(frames[:n]).pin_memory().to(self.device, non_blocking=True)
-        mask = torch.tensor(run[:n]).pin_memory().to(self.device, non_blocking=True)
+        pcm, mask = torch.from_numpy(frames[:n]), torch.tensor(run[:n])
+        if self._pinned:
+            pcm, mask = pcm.pin_memory(), mask.pin_memory()
+        pcm, mask = pcm.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
         (out,) = self._steps(n, pcm, mask)
         return host_copy(out)
 
