@@ -54,8 +54,8 @@ boundary (minus a guard). The rules, one per concern:
    and the TTS pool's liveness step (a pool whose rows had no step for `force_after_ticks`
    ticks); everything else waits.
 4. Every item is measured after a device synchronisation (its cost is real, not launch
-   time), or queued on CUDA by its device time (rule 8). An item that took longer than its estimate is an overrun, and one that ended
-   after the boundary is counted too (`/metrics`).
+   time), or when queued on CUDA by its device time (rule 8). An item that took longer than its
+   estimate is an overrun, and one that ended after the boundary is counted too (`/metrics`).
 5. A stale estimate heals: when a key's items were offered and declined (not fitting) for
    `STALE_TICKS` ticks in a row and the observation setting its estimate is an outlier (more
    than twice the next largest), the key goes on trial: its next item may run on that next cost,
@@ -88,7 +88,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Hashable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Hashable, TypeVar
 
 import torch
 
@@ -325,11 +325,10 @@ class SlackRunner:
         self.trace: "TickTrace | None" = None  # the tick timeline's items (rule 7), set by engine/tick.py
 
     @classmethod
-    def for_backend(cls, backend: object, now: Callable[[], float], config: "EngineConfig") -> "SlackRunner":
+    def for_backend(cls, backend: Any, now: Callable[[], float], config: "EngineConfig") -> "SlackRunner":
         """The engine's runner: the backend's device waited for (`backend.synchronize`), and on CUDA
         items queued up to `config.slack_queue_depth` (rule 8)."""
-        return cls(now, backend.synchronize, config.slack_guard_s, config.slack_queue_depth,  # type: ignore[attr-defined]
-                   device_timeline(backend))
+        return cls(now, backend.synchronize, config.slack_guard_s, config.slack_queue_depth, device_timeline(backend))
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with
