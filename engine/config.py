@@ -104,9 +104,13 @@ class EngineConfig:
     # Slack work must end this long before the next boundary: room for the host to launch the
     # next frame and for estimate noise (engine/slack.py).
     slack_guard_s: float = 0.003
+    # Slack items in flight on the device at once, queued back to back without a host round trip
+    # (engine/slack_queue.py; CUDA only: on CPU each item has ended when it returns). 1: each item is
+    # waited for before the next is chosen.
+    slack_queue_depth: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("input_frames", "output_events"):
+        for name in ("input_frames", "output_events", "slack_queue_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")

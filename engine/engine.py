@@ -104,7 +104,7 @@ class Engine:
         self._frame = FrameStep(backend, rows, self._find_session, self.fail_session)
         # Called once on the engine thread after a fatal error: `parley serve` exits non-zero on it.
         self.on_fatal: Callable[[BaseException], None] | None = None
-        self._slack = SlackRunner(self._clock.now, backend.synchronize, config.slack_guard_s)
+        self._slack = SlackRunner.for_backend(backend, self._clock.now, config)
         # The KV block pool (engine/kv_blocks.py): admission by memory, the blocks each row holds, mapped into
         # the paged backend before each step (kv_binding.py). None: dense rows, no bound beyond the slots.
         self.kv = kv

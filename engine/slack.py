@@ -54,8 +54,8 @@ boundary (minus a guard). The rules, one per concern:
    and the TTS pool's liveness step (a pool whose rows had no step for `force_after_ticks`
    ticks); everything else waits.
 4. Every item is measured after a device synchronisation (its cost is real, not launch
-   time). An item that took longer than its estimate is an overrun, and one that ended
-   after the boundary is counted too (`/metrics`).
+   time), or when queued on CUDA by its device time (rule 8). An item that took longer than its
+   estimate is an overrun, and one that ended after the boundary is counted too (`/metrics`).
 5. A stale estimate heals: when a key's items were offered and declined (not fitting) for
    `STALE_TICKS` ticks in a row and the observation setting its estimate is an outlier (more
    than twice the next largest), the key goes on trial: its next item may run on that next cost,
@@ -70,6 +70,15 @@ boundary (minus a guard). The rules, one per concern:
    is fatal and propagates to the engine.
 7. With a tick trace (engine/tick_trace.py, opt-in: `trace`), each item's start, end of `run` and end
    after the sync are marked in it, with its source's kind; without one (None) no trace call is made.
+   Items queued (rule 8) end when their launch returned; their device spans are the trace's events.
+8. On CUDA with `EngineConfig.slack_queue_depth` over 1, items are queued on the device back to back,
+   without a host round trip between them (engine/slack_queue.py): up to that many in flight, each
+   costed by the device time between two CUDA events read once they are done (never a wait for a
+   cost), and fitted after the estimated end of the work already queued (the queued end), not after
+   the host's clock. An item's `WorkItem.launch` queues its device work and returns its host half,
+   run once that work is done, items in launch order; a source with a host half pending is not
+   asked again until it has run. Every item is done and handed out before the slack ends. Depth 1,
+   and the CPU, run each item and wait for the device (rule 4) as before.
 """
 
 from __future__ import annotations
@@ -79,14 +88,16 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Hashable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Collection, Hashable, TypeVar
 
 import torch
 
+from .slack_queue import Completed, DeviceTimeline, InFlight, SlackQueue, device_timeline
 from .slack_share import FairShares
 from .stream import Terminal
 
 if TYPE_CHECKING:
+    from .config import EngineConfig
     from .tick_trace import TickTrace
 
 T = TypeVar("T")
@@ -122,6 +133,10 @@ class WorkItem:
     predicted_s: float | None = None  # the source's cost bound while `key` has no estimate (rule 2)
     realtime: bool = False  # realtime work (goes first) or throughput work (after it): rule 1
     due_s: float = 0.0  # a realtime item: seconds before anyone waits on it (0: now); earliest first (rule 1)
+    # Queued on the device (rule 8): queues the device work, reads nothing back, and returns the host
+    # half (the outputs read and handed out), which the runner calls once the work is done. None: `run`
+    # does it all (a device read inside it waits for the device, correct but not overlapped).
+    launch: Callable[[], Callable[[], None]] | None = None
 
 
 class SlackSource:
@@ -294,9 +309,12 @@ class SlackRunner:
     """Runs sources' items after each tick until nothing more fits before the deadline."""
 
     def __init__(self, now: Callable[[], float], synchronize: Callable[[], None],
-                 guard_s: float) -> None:
+                 guard_s: float, queue_depth: int = 1, timeline: "DeviceTimeline | None" = None) -> None:
         self._now = now
         self._synchronize = synchronize
+        # Items queued back to back on the device (rule 8): only with a device timeline (CUDA) and a
+        # depth over 1; otherwise each item is waited for (the CPU's own calls end before they return).
+        self._queue = SlackQueue(timeline, queue_depth, now) if timeline is not None and queue_depth > 1 else None
         self.guard_s = guard_s
         self.costs = CostModel()
         self.stats = SlackStats()
@@ -305,6 +323,12 @@ class SlackRunner:
         # Seconds of work per source, one ledger per class (True: realtime), for rule 1's order.
         self.shares = {True: FairShares(), False: FairShares()}
         self.trace: "TickTrace | None" = None  # the tick timeline's items (rule 7), set by engine/tick.py
+
+    @classmethod
+    def for_backend(cls, backend: Any, now: Callable[[], float], config: "EngineConfig") -> "SlackRunner":
+        """The engine's runner: the backend's device waited for (`backend.synchronize`), and on CUDA
+        items queued up to `config.slack_queue_depth` (rule 8)."""
+        return cls(now, backend.synchronize, config.slack_guard_s, config.slack_queue_depth, device_timeline(backend))
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with
@@ -348,11 +372,20 @@ class SlackRunner:
         interrupt: asked before each item; True stops the run there (the engine has a tick to plan)."""
         for source in self._sources:  # sources that account per tick (e.g. TTS starvation) hear of it
             source.slack_started(deadline)
-        first = True
         declined: set[Hashable] = set()  # keys offered this tick whose estimate did not fit
         ran: set[Hashable] = set()
+        if self._queue is None:
+            self._run_each(deadline, interrupt, declined, ran)
+        else:
+            self._run_queued(deadline, interrupt, declined, ran)
+        self._age_declined(declined - ran)
+
+    def _run_each(self, deadline: float | None, interrupt: Callable[[], bool] | None, declined: set[Hashable],
+                  ran: set[Hashable]) -> None:
+        """Each item run, then the device waited for, before the next is chosen (CPU; depth 1)."""
+        first = True
         while interrupt is None or not interrupt():
-            picked = self._next_fitting(deadline, first, declined)
+            picked = self._next_fitting(deadline, first, declined, self._now())
             if picked is None:
                 break
             source, item = picked
@@ -365,7 +398,29 @@ class SlackRunner:
                 self.shares[item.realtime].charge(source, spent)
             ran.add(item.key)
             first = False
-        self._age_declined(declined - ran)
+
+    def _run_queued(self, deadline: float | None, interrupt: Callable[[], bool] | None, declined: set[Hashable],
+                    ran: set[Hashable]) -> None:
+        """Items launched back to back, up to the queue's depth in flight, each fitted after the end
+        of the work already queued (rule 8, engine/slack_queue.py); every one completed and its
+        outputs handed out before this returns."""
+        queue = self._queue
+        assert queue is not None
+        queue.begin()
+        first = True
+        while interrupt is None or not interrupt():
+            self._complete(queue.completed(wait=queue.full), deadline)
+            picked = self._next_fitting(deadline, first, declined, queue.queued_end(), queue.busy_sources())
+            if picked is None:
+                if queue.empty:
+                    break
+                self._complete(queue.completed(wait=True), deadline)  # it may free a source or end early
+                continue
+            self._launch(*picked)
+            ran.add(picked[1].key)
+            first = False
+        while not queue.empty:
+            self._complete(queue.completed(wait=True), deadline)
 
     def _age_declined(self, declined: set[Hashable]) -> None:
         """Rule 5: count the ticks in a row each key was declined; at STALE_TICKS a key whose
@@ -376,14 +431,18 @@ class SlackRunner:
                 del self._declined[key]
                 self.costs.start_trial(key)
 
-    def _next_fitting(self, deadline: float | None, first: bool,
-                      declined: set[Hashable]) -> tuple[SlackSource, WorkItem] | None:
-        """(source, item) to run next: a forced item first in a tick (rule 3), else the first that
-        fits of the realtime items due now (least served first), of those due later (earliest
-        first), then of the throughput items (least served first): rule 1. None if nothing fits."""
-        left = None if deadline is None else deadline - self.guard_s - self._now()
+    def _next_fitting(self, deadline: float | None, first: bool, declined: set[Hashable], start: float,
+                      busy: Collection[Hashable] = ()) -> tuple[SlackSource, WorkItem] | None:
+        """(source, item) to run next, starting at `start` (host clock: now, or the queued end, rule 8):
+        a forced item first in a tick (rule 3), else the first that fits of the realtime items due now
+        (least served first), of those due later (earliest first), then of the throughput items (least
+        served first): rule 1. Sources in `busy` (a host half pending, rule 8) are not asked. None if
+        nothing fits."""
+        left = None if deadline is None else deadline - self.guard_s - start
         offers: dict[bool, list[tuple[SlackSource, WorkItem]]] = {True: [], False: []}
         for source in self._sources:
+            if source in busy:
+                continue
             item = source.offer(left, self.costs)
             if item is None:
                 continue
@@ -392,7 +451,8 @@ class SlackRunner:
             offers[item.realtime].append((source, item))
         due_now = [offer for offer in offers[True] if offer[1].due_s <= 0]
         due_later = sorted((offer for offer in offers[True] if offer[1].due_s > 0), key=lambda o: o[1].due_s)
-        for source, item in [*self.shares[True].order(due_now), *due_later, *self.shares[False].order(offers[False])]:
+        ordered = [*self.shares[True].order(due_now, busy), *due_later, *self.shares[False].order(offers[False], busy)]
+        for source, item in ordered:
             if self._fits(item, left, first, declined):
                 return source, item
         return None
@@ -427,14 +487,71 @@ class SlackRunner:
                 self.trace.item_queued()
             self._synchronize()
         except Exception as exc:
-            if fatal_for_device(exc):
-                raise
-            self.stats.failed += 1
-            log.warning("slack item %r failed; ending its request: %s: %s", item.key, type(exc).__name__, exc)
-            item.fail(exc)
+            self._failed(item, exc)
             return None
         end = self._now()
-        spent = end - start
+        self._account(item, end - start, estimate, trial, end, deadline)
+        return end - start
+
+    def _launch(self, source: SlackSource, item: WorkItem) -> None:
+        """Queue `item` on the device between two events (rule 8): its launch half when it has one,
+        else its whole `run`; its share is charged its estimate now, corrected at completion."""
+        queue = self._queue
+        assert queue is not None
+        estimate, trial = self._estimate(item), self.costs.on_trial(item.key)
+        if self.trace is not None:
+            self.trace.item_started(source.priority.name.lower(), item.key, item.realtime)
+        launched_at = self._now()
+        start = queue.start()
+        finish = None
+        try:
+            if item.launch is not None:
+                finish = item.launch()
+            else:
+                item.run()
+        except Exception as exc:
+            queue.timeline.release([start])
+            if self.trace is not None:
+                self.trace.item_ended(failed=True)
+            self._failed(item, exc)
+            return
+        end = queue.end()
+        if self.trace is not None:
+            self.trace.item_queued()
+            self.trace.item_ended(failed=False)
+        charged = estimate or 0.0
+        self.shares[item.realtime].charge(source, charged)
+        queue.push(InFlight(source, item, (start, end), launched_at, self._now(), estimate, charged, trial, finish))
+        while estimate is None and not queue.empty:  # nothing queued behind an unknown cost (rule 8)
+            self._complete(queue.completed(wait=True), None)
+
+    def _complete(self, done: list[Completed], deadline: float | None) -> None:
+        """Completed items, oldest first: the host half (outputs handed out), then the device cost
+        into the cost model and the shares (rule 8)."""
+        for completed in done:
+            flight = completed.flight
+            item = flight.item
+            try:
+                if flight.finish is not None:
+                    flight.finish()
+            except Exception as exc:
+                self.shares[item.realtime].charge(flight.source, -flight.charged)
+                self._failed(item, exc)
+                continue
+            self.shares[item.realtime].charge(flight.source, completed.seconds - flight.charged)
+            self._account(item, completed.seconds, flight.estimate, flight.trial, completed.end, deadline)
+
+    def _failed(self, item: WorkItem, exc: Exception) -> None:
+        """An item raised: its request fails (rule 6), unless the device's state is unknown."""
+        if fatal_for_device(exc):
+            raise exc
+        self.stats.failed += 1
+        log.warning("slack item %r failed; ending its request: %s: %s", item.key, type(exc).__name__, exc)
+        item.fail(exc)
+
+    def _account(self, item: WorkItem, spent: float, estimate: float | None, trial: bool, end: float,
+                 deadline: float | None) -> None:
+        """An item's measured cost into the cost model (rules 2 and 5) and the counters (rule 4)."""
         stats = self.stats
         if trial:
             stats.stale_trials += 1
@@ -452,4 +569,3 @@ class SlackRunner:
             stats.overruns += 1
         if deadline is not None and end > deadline:
             stats.past_boundary += 1
-        return spent

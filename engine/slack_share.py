@@ -13,12 +13,14 @@ slack left then.
 A source with no item of the class on offer is lifted to the least served of those that have one:
 time a source did not use is not owed to it (a source back from idle would otherwise take every
 tick until its count caught up with the others'). Shares are equal; ties go to the source asked
-first (slack.py's `Priority`).
+first (slack.py's `Priority`). With items queued on the device (engine/slack_queue.py), a source is
+charged an item's estimate at launch and the difference to its device cost at completion, and a
+source not asked because an item of its own is in flight is not lifted.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence, TypeVar
+from typing import Collection, Hashable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -29,9 +31,10 @@ class FairShares:
     def __init__(self) -> None:
         self._served: dict[Hashable, float] = {}
 
-    def order(self, offers: Sequence[tuple[Hashable, T]]) -> list[tuple[Hashable, T]]:
+    def order(self, offers: Sequence[tuple[Hashable, T]], busy: Collection[Hashable] = ()) -> list[tuple[Hashable, T]]:
         """`offers` ((source, item), in the order asked), least served first. Sources not among
-        them are lifted to the least served of them; a source never seen starts there too."""
+        them are lifted to the least served of them, except those in `busy` (not asked: an item of
+        theirs is still on the device, engine/slack_queue.py); a source never seen starts there too."""
         if not offers:
             return []
         served = self._served
@@ -42,7 +45,7 @@ class FairShares:
         floor = min(served[s] for s, _ in offers)
         offering = {s for s, _ in offers}
         for source in served:
-            if source not in offering and served[source] < floor:
+            if source not in offering and source not in busy and served[source] < floor:
                 served[source] = floor
         return sorted(offers, key=lambda offer: served[offer[0]])  # stable: ties keep the order asked
 

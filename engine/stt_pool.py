@@ -31,6 +31,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -44,6 +46,7 @@ from .bucketed_step import BucketedStep, bucket_sizes
 from .host_rows import join_rows
 from .row_pool import PoolStopped, RowPool
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
+from .slack_queue import host_copy
 from .stream import OutputStream, Status, Terminal
 
 def step_key(rows: int) -> tuple:
@@ -229,6 +232,38 @@ class _Row:
                                                 input_at, tuple(float(v) for v in values[3:]), heard))
 
 
+class _Launch:
+    """One item's steps (`SttPool.launch_steps`): queued, the host work each step leaves (its outputs
+    published, rows completed) waits in order for the host half, and a row steps at most as often as
+    its stream has room (each step counted as one event: its events are not known yet)."""
+
+    def __init__(self, queued: bool) -> None:
+        self.queued = queued
+        self.actions: list[Callable[[], None]] = []
+        self.completing: set[int] = set()  # rows whose completion is done or waits in `actions`
+        self.room: dict[int, int] = {}  # queued: events each row's stream may still take
+
+    def may_step(self, i: int, row: "_Row") -> bool:
+        if i in self.completing:
+            return False
+        return not self.queued or self.room.setdefault(i, row.request.events.room()) > 0
+
+    def stepped(self, run: list[bool]) -> None:
+        if self.queued:
+            for i in np.flatnonzero(run):
+                self.room[int(i)] -= 1
+
+    def do(self, action: Callable[[], None]) -> None:
+        if self.queued:
+            self.actions.append(action)
+        else:
+            action()
+
+    def finish(self) -> None:
+        for action in self.actions:
+            action()
+
+
 class SttPool(SlackSource):
     priority = Priority.TRANSCRIPTION
 
@@ -322,7 +357,7 @@ class SttPool(SlackSource):
         steps = min(steps, ready)
         only = frozenset(rows) if live else None
         return WorkItem(key=key, units=steps, run=lambda: self.run_steps(steps, only), fail=self._fail_all,
-                        realtime=bool(live))
+                        realtime=bool(live), launch=lambda: self.launch_steps(steps, only)[1])
 
     def bucket(self, rows) -> int:
         """The rows a step over `rows` (indices) runs: the smallest bucket holding every one."""
@@ -362,19 +397,29 @@ class SttPool(SlackSource):
     def run_steps(self, steps: int, only: frozenset[int] | None = None) -> int:
         """Up to `steps` batched steps (of the rows in `only`, if given; the others wait); stops
         early when no row can advance. Returns steps run."""
-        for done in range(steps):
-            if not self._step_once(only):
-                return done
-        return steps
+        done, _ = self.launch_steps(steps, only, queued=False)
+        return done
 
-    def _step_once(self, only: frozenset[int] | None = None) -> bool:
+    def launch_steps(self, steps: int, only: frozenset[int] | None = None,
+                     queued: bool = True) -> tuple[int, Callable[[], None]]:
+        """`run_steps`, and its host half: (steps run, the host half). Queued (engine/slack_queue.py),
+        the steps' device work is queued with nothing read back, and the host half publishes each
+        step's outputs and completes the rows that flushed, in step order, once the device is done;
+        otherwise each step's are published at once and the host half does nothing."""
+        launch = _Launch(queued)
+        for done in range(steps):
+            if not self._step_once(only, launch):
+                return done, launch.finish
+        return steps, launch.finish
+
+    def _step_once(self, only: frozenset[int] | None, launch: "_Launch") -> bool:
         inputs: list[bytes | None] = [None] * self.slots  # silence where None
         made_at = time.monotonic()  # when this step's made-up frames (prefix, flush) were made
         arrivals = [made_at] * self.slots
         run = [False] * self.slots
         finishing: set[int] = set()
         for i, row in enumerate(self._rows):
-            if not self._runnable(row) or (only is not None and i not in only):
+            if not self._runnable(row) or (only is not None and i not in only) or not launch.may_step(i, row):
                 continue
             run[i], frame, at = row.next_input(self.checkpoint.settings.suffix_frames)
             if frame is not None:
@@ -382,15 +427,35 @@ class SttPool(SlackSource):
             elif not run[i] and row.suffix_left == 0:
                 finishing.add(i)
         for i in finishing:
-            self._complete(i)
+            launch.completing.add(i)
+            launch.do(partial(self._complete, i))
         if not any(run):
             return False
-        host = self.run_device(join_rows(inputs, FRAME_SAMPLES), run)
+        frames = join_rows(inputs, FRAME_SAMPLES)
+        host = self._queue_device(frames, run) if launch.queued else self.run_device(frames, run)
         self.counters["stt_steps"] += 1
         self._stepped.update(i for i, flag in enumerate(run) if flag)
-        for i in np.flatnonzero(run):
-            self._rows[i].publish(host[i], arrivals[i])
+        launch.stepped(run)
+        launch.do(partial(self._publish, host, run, arrivals))
         return True
+
+    def _publish(self, host: np.ndarray | torch.Tensor, run: list[bool], arrivals: list[float]) -> None:
+        """One step's outputs to its rows' streams."""
+        values = host.numpy() if isinstance(host, torch.Tensor) else host
+        for i in np.flatnonzero(run):
+            self._rows[i].publish(values[i], arrivals[i])
+
+    def _queue_device(self, frames: np.ndarray, run: list[bool]) -> torch.Tensor:
+        """`run_device` with nothing waited for: the inputs in pinned memory of this step's own (the
+        pool's staging buffers may still be read by a step queued before it), the outputs copied into
+        pinned memory on the stream, to be read once the device is done (engine/slack_queue.py)."""
+        n = self.bucket(i for i, flag in enumerate(run) if flag)
+        pcm, mask = torch.from_numpy(frames[:n]), torch.tensor(run[:n])
+        if self._pinned:
+            pcm, mask = pcm.pin_memory(), mask.pin_memory()
+        pcm, mask = pcm.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
+        (out,) = self._steps(n, pcm, mask)
+        return host_copy(out)
 
     def run_device(self, frames: np.ndarray, run: list[bool]) -> np.ndarray:
         """One step of the rows flagged in `run` (frames [slots, FRAME_SAMPLES]): the lowest

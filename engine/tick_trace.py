@@ -10,8 +10,8 @@ times in ms from the tick's start on the host's perf_counter:
   due GC pass); slack (the slack runner, its items included). A tick without a step has no launch,
   beside, wait or route.
 - `slack`: each item run, in order: kind (its source's `Priority`), key, realtime, start, queued (its
-  `run` returned), end (after the runner's device sync), cpu_run, cpu_sync, failed, and on CUDA
-  gpu [start, end].
+  `run` returned), end (after the runner's device sync; an item queued on the device, slack.py rule 8:
+  when its launch returned), cpu_run, cpu_sync, failed, and on CUDA gpu [start, end].
 - `gpu` (CUDA): {"frame": [start, end], "end": the tick's end} on the device's timeline; null when
   the tick's events were never done (see rule 2) or off CUDA.
 - `tick`, `wall` (time.time() at the tick's start, to cut a benchmark phase out of a trace) and

@@ -78,6 +78,7 @@ from .cuda_graph import CUDAGraphRunner, sync_device
 from .host_rows import row_copy
 from .row_pool import PoolStopped, RowPool
 from .slack import CostModel, Priority, SlackSource, WorkItem, second_call_cost
+from .slack_queue import host_copy
 from .stream import OutputStream, Status, Terminal
 
 log = logging.getLogger("parley.engine.tts")
@@ -413,7 +414,8 @@ class TtsPool(SlackSource):
         lead = min(leads[b] for b in rows)
         return WorkItem(key=step_key(kind, self.bucket(rows)), run=lambda: self._step(rows, kind),
                         fail=lambda exc: self._fail_rows(rows, exc), forced=forced,
-                        realtime=lead < self.realtime_lead_frames / FRAME_RATE, due_s=max(lead, 0.0))
+                        realtime=lead < self.realtime_lead_frames / FRAME_RATE, due_s=max(lead, 0.0),
+                        launch=lambda: self._launch_step(rows, kind))
 
     def _lead_s(self, row: _Row) -> float:
         """Seconds of audio `row` has ahead of a listener playing it in real time since its first
@@ -507,21 +509,34 @@ class TtsPool(SlackSource):
         return pcm, info
 
     def _step(self, rows: list[int], kind: str) -> None:
+        self._launch_step(rows, kind, queued=False)()
+
+    def _launch_step(self, rows: list[int], kind: str, queued: bool = True) -> Callable[[], None]:
+        """One step over `rows` queued, and its host half (the rows' words and audio pushed). Queued
+        (engine/slack_queue.py) its results are copied to the host without a wait, for the host half
+        to read once the device is done; otherwise they are on the host when this returns."""
         active = torch.zeros(self.bucket(rows), dtype=torch.bool)
         active[rows] = True
         pcm, info = self._steps[kind](len(active), active.to(self.device, non_blocking=True))
-        # One device -> host copy of the small per-row results, as Python ints at once: the loop
-        # below then makes no torch call per row (each would release and retake the GIL, and
+        # One device -> host copy of the small per-row results, read as Python ints at once: the loop
+        # in `_advance` then makes no torch call per row (each would release and retake the GIL, and
         # with the edge's threads busy every retake can wait).
-        info = info.cpu().tolist()
-        pcm_host = pcm.float().cpu().numpy() if kind == "full" else None
+        copy = host_copy if queued else torch.Tensor.cpu
+        info_host = copy(info)
+        pcm_host = copy(pcm.float()) if kind == "full" else None
         self.steps[kind] += 1
         self._stepped.update(rows)
+        return partial(self._advance, rows, info_host, pcm_host)
+
+    def _advance(self, rows: list[int], info: torch.Tensor, pcm: torch.Tensor | None) -> None:
+        """A step's results (on the host) to its rows: words and audio pushed, finished rows released."""
+        info_rows = info.tolist()
+        pcm_host = pcm.numpy() if pcm is not None else None
         first = self.delay + FRAME_DROP
         for b in rows:
             row = self._rows[b]
             frames = row.job.frames
-            end = row.advance(info[b], None if pcm_host is None else pcm_host[b], first)
+            end = row.advance(info_rows[b], None if pcm_host is None else pcm_host[b], first)
             self.frames_out += row.job.frames - frames
             if row.first_audio_at is None and row.job.frames:
                 row.first_audio_at = self._now()

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 # Only torch-free modules here: `parley --help` must not wait for torch (tests/test_lazy_imports.py).
 # Each handler imports what its command needs when it runs.
-from parley.engine import TICK_TRACE_TICKS, KvSettings, OptionsError, SamplingOptions, SessionOptions
+from parley.engine import TICK_TRACE_TICKS, EngineConfig, KvSettings, OptionsError, SamplingOptions, SessionOptions
 
 from .server import cli_sources, doors
 from .server.modalities import MODALITIES
@@ -89,6 +89,11 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
                         "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
+    p.add_argument("--slack-queue-depth", type=int, default=EngineConfig.slack_queue_depth, metavar="N",
+                   help="on CUDA, slack work items (TTS, transcription, prompt prefill and image steps between "
+                        "ticks) queued on the GPU back to back, up to N in flight, without the host waiting for "
+                        "each; each is fitted before the next tick by the estimated end of the work queued. "
+                        "1: wait for each item before choosing the next (default %(default)s)")
     p.add_argument("--tick-trace", default=None, metavar="PATH",
                    help="write the engine's tick timeline to PATH, one JSON line per tick: host phases, slack "
                         "items and, on CUDA, device times (benchmarks/tick_timeline.py reads it); off by default")
@@ -222,6 +227,8 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return "--max-sessions must be at least 1"
     if args.ready_min_free < 0 or args.drain_timeout < 0:
         return "--ready-min-free and --drain-timeout must be 0 or more"
+    if args.slack_queue_depth < 1:
+        return f"--slack-queue-depth must be at least 1 (got {args.slack_queue_depth})"
     if (wrong := tick_trace_error(args)) is not None:
         return wrong
     return next(filter(None, (modality.flag_error(args) for modality in MODALITIES)), None)
@@ -286,6 +293,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        edge_workers=edge_workers(args),
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
                        tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
+                       slack_queue_depth=args.slack_queue_depth,
                        **{name: getattr(args, name) for modality in MODALITIES for name in modality.settings},
                        **reliability)
 

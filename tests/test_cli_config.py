@@ -212,3 +212,32 @@ def test_the_server_answers_on_the_sockets_bound_before_loading():
         app.state.sessions.engine.on_fatal(RuntimeError("stop the test server"))  # run_app's stop hook
         thread.join(30)
     assert status == 200 and result == [1]
+
+
+@pytest.mark.parametrize(("argv", "environ", "depth"), [([], {}, 2), (["--slack-queue-depth", "1"], {}, 1),
+                                                       ([], {"PARLEY_SLACK_QUEUE_DEPTH": "3"}, 3)])
+def test_slack_queue_depth_reaches_the_engine_config(argv, environ, depth):
+    """--slack-queue-depth (or its environment variable) is the EngineConfig the engine is built with."""
+    from parley.engine import EngineConfig, KvSettings, SessionOptions
+    from parley.realtime.cli import _serve_config, serve_flag_error
+    from parley.realtime.server.services import _engine_config
+
+    args = cli_sources.parse_args(build_parser(), ["serve", *argv], environ)
+    assert serve_flag_error(args) is None
+    config = _serve_config(args, SessionOptions(), {}, KvSettings(), {})
+    assert _engine_config(config) == EngineConfig(slack_queue_depth=depth)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_slack_queue_depth_below_one_is_refused_naming_the_flag(value):
+    from parley.realtime.cli import serve_flag_error
+
+    args = cli_sources.parse_args(build_parser(), ["serve", "--slack-queue-depth", value], {})
+    assert serve_flag_error(args) == f"--slack-queue-depth must be at least 1 (got {value})"
+
+
+def test_slack_queue_depth_has_a_help_line(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--slack-queue-depth N" in help_text and "1: wait for each item before choosing the next" in help_text

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from parley.engine import (
-    NO_DUPLEX_REASON, Engine, ImageQueue, KvBlockPool, ModelBackend, NoDuplexBackend, OptionsError,
+    NO_DUPLEX_REASON, Engine, EngineConfig, ImageQueue, KvBlockPool, ModelBackend, NoDuplexBackend, OptionsError,
     PairedTranscription, SamplingOptions, SlackSource, SttPool, TickTrace, default_dtype, kv_layout,
 )
 from parley.models import (
@@ -292,7 +292,7 @@ def _build_engine(loaded: Build) -> Engine:
         raise ServeError(f"--live-delegation {config.live_delegation} matches the user's words, which need a paired "
                          "speech-to-text model (--stt-model, sharing the duplex model's Mimi); use every_turn or never")
     if checkpoint is None:
-        return Engine(NoDuplexBackend(str(loaded.device)), trace=_tick_trace(loaded))
+        return Engine(NoDuplexBackend(str(loaded.device)), _engine_config(config), trace=_tick_trace(loaded))
     if stt is not None and not paired:
         log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
                     "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
@@ -310,10 +310,18 @@ def _build_engine(loaded: Build) -> Engine:
     except OptionsError as exc:
         raise ServeError(f"parley serve --kv-attention: {exc}") from exc
     loaded.voices = backend.voice_names()
-    engine = Engine(backend, kv=kv, trace=_tick_trace(loaded))
+    engine = Engine(backend, _engine_config(config), kv=kv, trace=_tick_trace(loaded))
     if transcription is not None:
         engine.set_paired_transcription(transcription)
     return engine
+
+
+def _engine_config(config: "ServeConfig") -> EngineConfig:
+    """The engine's settings that `parley serve` takes (the rest keep EngineConfig's defaults)."""
+    try:
+        return EngineConfig(slack_queue_depth=config.slack_queue_depth)
+    except OptionsError as exc:
+        raise ServeError(f"parley serve --slack-queue-depth: {exc}") from exc
 
 
 def _tick_trace(loaded: Build) -> TickTrace | None:
