@@ -379,6 +379,135 @@ def check_page_list_decode() -> None:
     print("ok page_list_decode")
 
 
+# ---------------------------------------------------------------------------------------------
+# Grouped KV heads (kv_repeat r: query head h reads KV head h // r) and rope_concat (Hibiki-Zero)
+
+
+def grouped(*tensors: torch.Tensor, rep: int) -> list[torch.Tensor]:
+    """KV tensors [B, H / r, ...] expanded to every query head [B, H, ...] (expand_kv's grouping)."""
+    return [t.repeat_interleave(rep, dim=1) for t in tensors]
+
+
+def check_grouped_attention() -> None:
+    """decode_attention over H / r KV heads (r = 2, 4) against SDPA over the ring expanded to the
+    H query heads: fp32 and fp8, one split and split + reduce, a context, dense and paged, and
+    write= (each KV head stored once, the idle row's ring kept)."""
+    from parley.models.transformer import dequantize_kv, quantize_kv
+    B, H, S, D, bs = 4, 4, 40, 16, 12
+    pos = torch.tensor([0, 5, 39, 97])
+    sp = ring_slot_positions(pos, S)
+    table, blocks = paged_layout(pos, S, bs)
+    launches = (None, kernels.AttentionLaunch(16, 1, 1, 4))
+    for rep in (2, 4):
+        ck, cv = torch.randn(B, H // rep, S, D), torch.randn(B, H // rep, S, D)
+        q, kn, vn = torch.randn(B, H, D), torch.randn(B, H // rep, D), torch.randn(B, H // rep, D)
+        pk, pv = paged_copy(ck, table, blocks, bs), paged_copy(cv, table, blocks, bs)
+        for context, launch in ((None, launches[0]), (30, launches[1])):
+            expected = _sdpa_reference(q, *grouped(kn, vn, ck, cv, rep=rep), sp, pos, context)
+            close(kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, context, launch=launch), expected)
+            close(kernels.decode_attention(q, kn, vn, pk, pv, sp, pos, context, launch=launch, block_table=table),
+                  expected)
+        live = torch.tensor([True, False, True, True])
+        for launch in launches:
+            k2, v2 = ck.clone(), cv.clone()
+            out = kernels.decode_attention(q, kn, vn, k2, v2, sp, pos, None, launch=launch, write=True, exec_mask=live)
+            close(out, _sdpa_reference(q, *grouped(kn, vn, ck, cv, rep=rep), sp, pos, None))
+            for b in range(B):
+                slot = int(pos[b]) % S
+                assert torch.equal(k2[b, :, slot], kn[b] if live[b] else ck[b, :, slot])
+                assert torch.equal(v2[b, :, slot], vn[b] if live[b] else cv[b, :, slot])
+        (k8, ks), (v8, vs) = quantize_kv(ck), quantize_kv(cv * 0.1)
+        paged = [paged_copy(t, table, blocks, bs) for t in (k8, v8, ks, vs)]
+        expected = _sdpa_reference(q, *grouped(kn, vn, dequantize_kv(k8, ks, torch.float32),
+                                               dequantize_kv(v8, vs, torch.float32), rep=rep), sp, pos, 30)
+        for launch in (None, kernels.AttentionLaunch(16, 1, 4, 2)):
+            close(kernels.decode_attention(q, kn, vn, k8, v8, sp, pos, 30, ks, vs, launch=launch), expected)
+            close(kernels.decode_attention(q, kn, vn, *paged[:2], sp, pos, 30, *paged[2:], launch=launch,
+                                           block_table=table), expected)
+    print("ok grouped_attention")
+
+
+def check_grouped_rope_write() -> None:
+    """rope_write of H query and H / r KV heads (r = 1, 2, 4), RoPE on pairs and on halves
+    (rope_concat): q, k as apply_rope's, each KV head written once to executing rows' slots; a
+    paged ring gets the same bytes (fp8: and scales), one step and two."""
+    B, H, D, S, bs = 4, 4, 16, 10, 4
+    pos = torch.tensor([0, 4, 23, 9])
+    live = torch.tensor([True, False, True, True])
+    for rep, interleave, steps, kv_fp8 in ((2, False, 1, False), (4, True, 2, False), (2, True, 1, True),
+                                           (1, False, 2, False), (4, False, 1, True)):
+        kvh = H // rep
+        qkv = torch.randn(B * steps, (H + 2 * kvh) * D)
+        positions = pos[:, None] + torch.arange(steps)
+        cos_sin = tuple(c.reshape(B * steps, -1) for c in rope_cos_sin(positions, D, 1e4))
+        table, blocks = paged_layout(pos + steps - 1, S, bs)
+        rings = [torch.randn(B, kvh, S, D), torch.randn(B, kvh, S, D)]
+        if kv_fp8:
+            from parley.models.transformer import quantize_kv
+            (k8, ks), (v8, vs) = quantize_kv(rings[0]), quantize_kv(rings[1])
+            rings = [k8, v8, ks, vs]
+        before = [r.clone() for r in rings]
+        pools = [paged_copy(r, table, blocks, bs) for r in rings]
+        q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *rings, steps=steps, interleave=interleave)
+        qp, kp, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *pools, steps=steps, block_table=table,
+                                       capacity=S, interleave=interleave)
+        x = qkv.view(B, steps, -1)
+        q0 = x[..., :H * D].reshape(B, steps, H, D).transpose(1, 2)
+        k0, v0 = x[..., H * D:].reshape(B, steps, 2, kvh, D).permute(2, 0, 3, 1, 4)
+        rq, rk = apply_rope(q0, k0, rope_cos_sin(positions, D, 1e4), interleave)
+        close(q.view(B, steps, H, D), rq.transpose(1, 2))
+        close(k.view(B, steps, kvh, D), rk.transpose(1, 2))
+        close(v.view(B, steps, kvh, D), v0.transpose(1, 2))
+        close(qp, q)
+        close(kp, k)
+        if not kv_fp8:  # (fp8: the stored values are the GPU tests'; see check_fp8)
+            for b in range(B):
+                for t in range(steps):
+                    slot = int(pos[b] + t) % S
+                    close(rings[0][b, :, slot], rk[b, :, t] if live[b] else before[0][b, :, slot])
+                    close(rings[1][b, :, slot], v0[b, :, t] if live[b] else before[1][b, :, slot])
+        for pool, ring in zip(pools, rings):
+            same_assigned(pool, ring, table)
+    print("ok grouped_rope_write")
+
+
+def check_grouped_transformer_decode() -> None:
+    """The fused one-step decode of Hibiki-Zero's attention (grouped KV heads r = 2 and 4,
+    rope_concat; and grouped without RoPE, the ring written by the attention kernel) against
+    the general path, float32 within 1e-5 of the largest output: dense and paged rings, rows
+    pausing, the window wrapping, the same states. fp8 KV: paged against dense, both fused (the
+    interpreter's fp8 casts are off, the same in both)."""
+    from parley.models.transformer import StreamingTransformer
+    B, bs = 3, 3  # (3: the 8-slot ring's last block holds 2 slots)
+    for rep, pe in ((2, "rope_concat"), (4, "rope"), (2, "none")):
+        torch.manual_seed(0)
+        tr = StreamingTransformer(64, 4, 1, 128, context=8, norm="rms_norm_f32", gating="silu", kv_repeat=rep,
+                                  positional_embedding=pe).eval()
+        assert tr._can_fuse(torch.empty(1)), (rep, pe)
+        for kv_dtype in (None, torch.float8_e4m3fn) if pe == "rope_concat" else (None,):
+            general, dense = tr.init_state(B, kv_dtype=kv_dtype), tr.init_state(B, kv_dtype=kv_dtype)
+            paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * -(-tr.capacity // bs), block_size=bs)
+            free = list(range(1, paged.num_blocks))
+            with torch.no_grad():
+                for t in range(12):
+                    live = torch.tensor([True, t % 3 != 1, t >= 2])
+                    for row in live.nonzero().flatten().tolist():
+                        j = (int(paged.pos[row]) % tr.capacity) // bs
+                        if int(paged.block_table[row, j]) == 0:
+                            paged.assign_blocks(row, [j], [free.pop()])
+                    x = torch.randn(B, 1, tr.d_model)
+                    y = tr(x, dense, live)
+                    close(tr(x, paged, live), y)
+                    if kv_dtype is None:
+                        with kernels.enabled(False):
+                            close(y, tr(x, general, live))
+                        assert torch.equal(dense.pos, general.pos) and torch.equal(dense.slot_pos, general.slot_pos)
+                        for a, b in zip(dense.keys + dense.values, general.keys + general.values):
+                            close(a, b)
+                    assert torch.equal(paged.pos, dense.pos) and torch.equal(paged.slot_pos, dense.slot_pos)
+    print("ok grouped_transformer_decode")
+
+
 if __name__ == "__main__":
     check_decode_attention()
     check_rope_write()
@@ -391,3 +520,6 @@ if __name__ == "__main__":
     check_paged_rope_write()
     check_paged_transformer_decode()
     check_page_list_decode()
+    check_grouped_attention()
+    check_grouped_rope_write()
+    check_grouped_transformer_decode()
