@@ -188,7 +188,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     paged = _paging(block_table, cache_k, B, S)
     _check_attention_strides(q, k_new, v_new, cache_k, cache_v, slot_pos)
     kv_rep = _kv_repeat(H, cache_k)
-    assert k_new.shape[1] == v_new.shape[1] == cache_v.shape[1] == cache_k.shape[1], "k_new, v_new: the caches' KV heads"
+    assert k_new.shape[1] == v_new.shape[1] == cache_v.shape[1] == cache_k.shape[1], "k_new, v_new: the caches' heads"
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     block_n, blocks, stages, warps = launch or attention_launch(B, H, S, k_scale is not None)
     split = block_n * blocks
