@@ -183,12 +183,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     attention kernel when one program covers a row's ring (the depformer's), else after it.
     `block_table`: paged caches (see the module doc)."""
     jit = triton_kernels()
-    B, H, D = q.shape
-    S = slot_pos.shape[1]
+    (B, H, D), S = q.shape, slot_pos.shape[1]
     paged = _paging(block_table, cache_k, B, S)
     _check_attention_strides(q, k_new, v_new, cache_k, cache_v, slot_pos)
     kv_rep = _kv_repeat(H, cache_k)
-    assert k_new.shape[1] == v_new.shape[1] == cache_v.shape[1] == cache_k.shape[1], "k_new, v_new: the caches' heads"
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     block_n, blocks, stages, warps = launch or attention_launch(B, H, S, k_scale is not None)
     split = block_n * blocks
@@ -233,8 +231,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 
 def _check_attention_strides(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
                              cache_v: torch.Tensor, slot_pos: torch.Tensor) -> None:
-    """`decode_attention`'s layout: unit stride along the head dim (and slots), a power-of-two head dim."""
+    """`decode_attention`'s layout: unit stride along the head dim (and slots), a power-of-two head dim,
+    the new key and value with the caches' (KV) heads."""
     D = q.shape[2]
+    assert k_new.shape[1] == v_new.shape[1] == cache_v.shape[1] == cache_k.shape[1], "k_new, v_new: the caches' heads"
     assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
     assert D == _pow2(D), f"head dim {D} must be a power of two"

@@ -2,8 +2,9 @@
 kernels, then the transformer decode, LM frames and Mimi steps that use them (with
 TRITON_INTERPRET=1, `kernels.available` is true for CPU tensors).
 
-Run by tests/test_kernels_interpreted.py as `TRITON_INTERPRET=1 python tests/interpreted_kernels.py`
-(the interpreter is chosen when the kernels are defined, so it needs a process of its own).
+Run by tests/test_kernels_interpreted.py as `TRITON_INTERPRET=1 python tests/interpreted_kernels.py [GROUP]`
+(the interpreter is chosen when the kernels are defined, so it needs a process of its own; GROUP
+`moshi`, the default, or `grouped`: grouped KV heads and rope_concat).
 Each check prints "ok <name>"; a failed one raises. float32 only: the interpreter's bf16 casts
 truncate and its bf16 dots are wrong (Triton 3.9), so bf16 and fp8 stay with tests/test_kernels.py
 on a GPU. Small shapes: the interpreter runs every program in numpy.
@@ -508,18 +509,16 @@ def check_grouped_transformer_decode() -> None:
     print("ok grouped_transformer_decode")
 
 
+
+# Two groups, each a process of its own (tests/test_kernels_interpreted.py runs them as two tests).
+GROUPS = {
+    "moshi": (check_decode_attention, check_rope_write, check_norms_and_activation, check_sample, check_fp8,
+              check_transformer_decode, check_frame, check_paged_attention, check_paged_rope_write,
+              check_paged_transformer_decode, check_page_list_decode),
+    "grouped": (check_grouped_attention, check_grouped_rope_write, check_grouped_transformer_decode),
+}
+
 if __name__ == "__main__":
-    check_decode_attention()
-    check_rope_write()
-    check_norms_and_activation()
-    check_sample()
-    check_fp8()
-    check_transformer_decode()
-    check_frame()
-    check_paged_attention()
-    check_paged_rope_write()
-    check_paged_transformer_decode()
-    check_page_list_decode()
-    check_grouped_attention()
-    check_grouped_rope_write()
-    check_grouped_transformer_decode()
+    import sys
+    for check in GROUPS[sys.argv[1] if len(sys.argv) > 1 else "moshi"]:
+        check()
