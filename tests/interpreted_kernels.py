@@ -343,29 +343,30 @@ def check_paged_transformer_decode() -> None:
     print("ok paged_transformer_decode")
 
 
-def check_page_list_decode() -> None:
+def check_page_list_decode(heads: int = 2, kv_repeat: int = 1, pe: str = "rope", steps: int = 40) -> None:
     """The fused decode reading the paged ring through page lists (`TransformerState.page_decode`,
     here `TorchPagedDecode`, FlashInfer's meaning in PyTorch) against the Triton paged kernel on a
     copy of the same state: the engine's KV pool under the shrink policy plans each step (rows
-    pausing, blocks taken from the longest row, the ring wrapping)."""
-    import numpy as np
+    pausing, blocks taken from the longest row, the ring wrapping). `heads` of 16 over
+    heads / `kv_repeat` KV heads, `pe`: grouped heads and rope_concat read through page lists."""
     from parley.engine.kv_blocks import KvBlockPool, KvLayout
     from parley.models import paged_kv
     from parley.models.paged_decode import TorchPagedDecode
     from parley.models.transformer import StreamingTransformer
     torch.manual_seed(0)
-    tr = StreamingTransformer(32, 2, 1, 64, context=16, norm="rms_norm_f32", gating="silu").eval()
+    tr = StreamingTransformer(16 * heads, heads, 1, 64, context=16, norm="rms_norm_f32", gating="silu",
+                              kv_repeat=kv_repeat, positional_embedding=pe).eval()
     B, bs = 3, 4
     pool = KvBlockPool(KvLayout(window_frames=tr.capacity, block_frames=bs, block_bytes=1), B, 7, "shrink")
     lists = tr.init_state(B, kv_blocks=8, block_size=bs)
     kernel = tr.init_state(B, kv_blocks=8, block_size=bs)
-    lists.page_decode = TorchPagedDecode(2, 16, bs)
+    lists.page_decode = TorchPagedDecode(heads, 16, bs, kv_heads=heads // kv_repeat)
     for row in range(B):
         pool.admit(row, f"s{row}")
         for state in (lists, kernel):
             state.map_blocks(assigned=pool.start(row, f"s{row}", 0).assigned)
     with torch.no_grad():
-        for t in range(40):
+        for t in range(steps):
             ids = ["s0", "s1" if t % 3 != 1 else None, "s2" if t >= 5 else None]
             changes = pool.step(ids)
             for state in (lists, kernel):
@@ -377,7 +378,7 @@ def check_page_list_decode() -> None:
             got, want = tr(x, lists, live), tr(x, kernel, live)
             close(got[live], want[live])  # (a row that does not step reads the null block: its output is unused)
     assert pool.counters().shrinks > 0
-    print("ok page_list_decode")
+    print("ok page_list_decode" if kv_repeat == 1 and pe == "rope" else "ok grouped_page_list_decode")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,7 +516,8 @@ GROUPS = {
     "moshi": (check_decode_attention, check_rope_write, check_norms_and_activation, check_sample, check_fp8,
               check_transformer_decode, check_frame, check_paged_attention, check_paged_rope_write,
               check_paged_transformer_decode, check_page_list_decode),
-    "grouped": (check_grouped_attention, check_grouped_rope_write, check_grouped_transformer_decode),
+    "grouped": (check_grouped_attention, check_grouped_rope_write, check_grouped_transformer_decode,
+                lambda: check_page_list_decode(heads=4, kv_repeat=2, pe="rope_concat", steps=24)),
 }
 
 if __name__ == "__main__":

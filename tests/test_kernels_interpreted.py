@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = {
     "moshi": ["decode_attention", "rope_write", "norms", "sample", "fp8", "transformer_decode", "frame",
               "paged_attention", "paged_rope_write", "paged_transformer_decode", "page_list_decode"],
-    "grouped": ["grouped_attention", "grouped_rope_write", "grouped_transformer_decode"],
+    "grouped": ["grouped_attention", "grouped_rope_write", "grouped_transformer_decode", "grouped_page_list_decode"],
 }
 
 
