@@ -477,8 +477,9 @@ def check_grouped_transformer_decode() -> None:
     """The fused one-step decode of Hibiki-Zero's attention (grouped KV heads r = 2 and 4,
     rope_concat; and grouped without RoPE, the ring written by the attention kernel) against
     the general path, float32 within 1e-5 of the largest output: dense and paged rings, rows
-    pausing, the window wrapping, the same states. fp8 KV: paged against dense, both fused (the
-    interpreter's fp8 casts are off, the same in both)."""
+    pausing, the window wrapping, the same states; then calls of 2 steps (the fused RoPE + ring
+    write). fp8 KV: paged against dense, both fused (the interpreter's fp8 casts are off, the same
+    in both)."""
     from parley.models.transformer import StreamingTransformer
     B, bs = 3, 3  # (3: the 8-slot ring's last block holds 2 slots)
     for rep, pe in ((2, "rope_concat"), (4, "rope"), (2, "none")):
@@ -507,6 +508,15 @@ def check_grouped_transformer_decode() -> None:
                         for a, b in zip(dense.keys + dense.values, general.keys + general.values):
                             close(a, b)
                     assert torch.equal(paged.pos, dense.pos) and torch.equal(paged.slot_pos, dense.slot_pos)
+                if kv_dtype is None:  # calls of 2 steps: the fused RoPE + ring write, then attention over the ring
+                    live = torch.tensor([True, False, True])
+                    for _ in range(3):
+                        x = torch.randn(B, 2, tr.d_model)
+                        y = tr(x, dense, live)
+                        with kernels.enabled(False):
+                            close(y[live], tr(x, general, live)[live])
+                        for a, b in zip(dense.keys + dense.values, general.keys + general.values):
+                            close(a, b)
     print("ok grouped_transformer_decode")
 
 
