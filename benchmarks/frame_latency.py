@@ -9,11 +9,11 @@ its server runs it: streaming, its own CUDA graphs) and Parley share the very sa
 a translation frame: Mimi encodes 16 source codebooks, the depformer writes 16, Mimi decodes them;
 both sides conditioned on `description: very_good` (the reference through its own
 `get_condition_tensors`, as its inference does), the end-of-text embedding set to padding's as both
-loaders do. The header names the attention path each transformer runs: the fused Triton decode
-kernels need one KV head per query head and interleaved RoPE, so Hibiki-Zero's grouped,
-rope_concat temporal transformer steps on the general path (a paged ring is then gathered into a
-dense copy per layer; `--kv-attention flashinfer`, whose page lists only the fused decode reads, is
-refused for these shapes). `--reference-batches 1` runs the reference at B = 1 only; the table's
+loaders do. The header names the attention path each transformer runs: on CUDA the fused Triton
+decode kernels, grouped KV heads and rope_concat included (the general path only where they cannot
+run, e.g. the CPU; a paged ring is then gathered into a dense copy per layer). `--kv-attention
+flashinfer` reads Hibiki-Zero's paged bf16 ring too (its GQA decode over the keys our kernel
+rotated). `--reference-batches 1` runs the reference at B = 1 only; the table's
 last lines compare every Parley B with it. `--shapes tiny` / `tiny-hibiki-zero`
 with `--device cpu` is the CPU smoke run (eager, no CUDA graphs; its times mean nothing).
 
@@ -107,9 +107,9 @@ def attention_paths(lm: LMModel) -> str:
         if tr._can_fuse(probe):
             paths.append(f"{name}: fused Triton decode kernels")
             continue
-        why = [w for w, bad in (("grouped KV heads", tr.kv_heads != tr.num_heads),
-                                ("rope_concat", not tr.rope_interleave)) if bad]
-        paths.append(f"{name}: general path ({', '.join(why) or 'no CUDA Triton kernels here'})")
+        head_dim = tr.d_model // tr.num_heads
+        why = "no CUDA Triton kernels here" if head_dim & (head_dim - 1) == 0 else f"head dim {head_dim}"
+        paths.append(f"{name}: general path ({why})")
     return "; ".join(paths)
 
 
@@ -224,9 +224,6 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--kv-blocks {args.kv_blocks}: a number of blocks, or one of {', '.join(KV_POOLS)}")
     if args.device == "cpu" and not args.shapes.startswith("tiny"):
         parser.error(f"--device cpu runs the tiny shapes only, not --shapes {args.shapes}")
-    if args.shapes in HIBIKI_KINDS and args.kv_attention == "flashinfer":
-        parser.error(f"--kv-attention flashinfer with --shapes {args.shapes}: page lists are read by the fused "
-                     "decode, which grouped KV heads and rope_concat do not take")
     if args.device == "cpu" and args.kv_dtype == "fp8":
         parser.error("--kv-dtype fp8 needs --device cuda")
     if args.kv_attention != "parley" and args.kv_blocks is None:

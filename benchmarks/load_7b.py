@@ -5,8 +5,13 @@ The loader must not materialise the weights twice: it reads one tensor at a time
 peak host memory (VmHWM, reset before loading) stays far below one copy of the LM (15.4 GB).
 With `--kind personaplex` it also writes a voice prompt (`--voice-frames` frames, .pt form)
 and times a session's prefill (voice, silence, persona, silence) next to the others' frame.
+`--kind hibiki-zero-3b`: a Hibiki-Zero 3B shaped translation checkpoint instead (frame_setup.py's
+`hibiki_zero_3b_config`: grouped KV heads, rope_concat; config.json with model_type hibiki, its
+`description` conditioner and the 48k tokenizer's file name), served as `parley serve` loads it
+(conditioned on `description: very_good`); the line after the load names each transformer's
+attention path.
 
-    python benchmarks/load_7b.py --dir /tmp/moshi7b [--kind moshi|personaplex] [--batches 1,32]
+    python benchmarks/load_7b.py --dir /tmp/moshi7b [--kind moshi|personaplex|hibiki-zero-3b] [--batches 1,32]
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import torch
 from parley.engine.backend import ModelBackend
 from parley.engine.config import SessionOptions
 from parley.models.checkpoint import load_checkpoint, lm_config_dict, write_checkpoint
-from parley.models.config import FRAME_SAMPLES, LMConfig, MimiConfig
+from parley.models.config import FRAME_SAMPLES, TOKENIZER_FILE, LMConfig, MimiConfig, SamplingDefaults
 from parley.models.lm import LMModel
 from parley.models.mimi.codec import Mimi
 from parley.models.persona_prompt import voice_to_pt
+from parley.models.synthetic import HIBIKI_TOKENIZER_FILE
 from parley.models.voices import VoicePrompt, save_voice_pt
 from parley.models.tokenizer import train_tiny_tokenizer
+
+from frame_latency import attention_paths  # (this script's folder) which attention each transformer runs
 
 
 def host_peak_gib() -> float:
@@ -47,7 +55,11 @@ PERSONA = ("You are a wise and friendly teacher. Answer questions or provide adv
 @torch.no_grad()
 def write_random_7b(directory: Path, kind: str, voice_frames: int, device: str = "cuda") -> None:
     """`device` meta: the layout with sparse zero weights (benchmarks/write_models.py's config check)."""
-    cfg = LMConfig(dep_q=16 if kind == "personaplex" else 8)
+    if kind == "hibiki-zero-3b":
+        from frame_setup import hibiki_zero_3b_config  # (this script's folder: the frame benchmarks' shapes)
+        cfg = hibiki_zero_3b_config()
+    else:
+        cfg = LMConfig(dep_q=16 if kind == "personaplex" else 8)
     lm = LMModel(cfg, device=device, dtype=torch.bfloat16)  # default init, on the GPU: seconds
     voices = {}
     if kind == "personaplex":
@@ -60,17 +72,22 @@ def write_random_7b(directory: Path, kind: str, voice_frames: int, device: str =
     del lm
     tokenizer = train_tiny_tokenizer(directory / ".spm.model", 200)
     config = lm_config_dict(cfg) if kind == "personaplex" else None
+    if kind == "hibiki-zero-3b":  # the published translation layout: its model type, sampling and tokenizer name
+        config = {**lm_config_dict(cfg), "model_type": "hibiki", "tokenizer_name": HIBIKI_TOKENIZER_FILE,
+                  "lm_gen_config": SamplingDefaults().to_lm_gen_config()}
     with torch.device("meta" if device == "meta" else "cpu"):
-        mimi = Mimi(MimiConfig())
+        mimi = Mimi(MimiConfig())  # the published Mimi's 32 levels (a Hibiki reads 16)
     write_checkpoint(directory, state, mimi.state_dict(), tokenizer, config, voices)
     tokenizer.unlink()  # scratch: copied into the layout's file
+    if kind == "hibiki-zero-3b":
+        (directory / TOKENIZER_FILE).rename(directory / HIBIKI_TOKENIZER_FILE)
 
 
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, required=True, help="where to write the checkpoint")
-    parser.add_argument("--kind", choices=("moshi", "personaplex"), default="moshi")
+    parser.add_argument("--kind", choices=("moshi", "personaplex", "hibiki-zero-3b"), default="moshi")
     parser.add_argument("--batches", default="1,32", help="batch sizes to step")
     parser.add_argument("--frames", type=int, default=30)
     parser.add_argument("--voice-frames", type=int, default=100, help="personaplex: voice prompt length")
@@ -91,6 +108,7 @@ def main() -> None:
     print(f"loaded {params / 1e9:.2f} B LM parameters ({ckpt.model_type}, dep_q {ckpt.lm_config.dep_q}) in "
           f"{seconds:.1f} s; host peak {host_peak_gib():.2f} GiB (RSS before {rss_before:.2f} GiB); "
           f"GPU {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    print(f"attention: {attention_paths(ckpt.lm)}")
     for batch in (int(b) for b in args.batches.split(",")):
         backend = ModelBackend(ckpt, batch, cuda_graphs=True, seed=0)
         pcm = torch.randn(batch, FRAME_SAMPLES) * 0.1

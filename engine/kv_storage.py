@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from parley.models.lm_gen import LMGen, LMGenState
-from parley.models.paged_decode import FlashInferDecode, flashinfer_module
+from parley.models.paged_decode import GROUP_SIZES, FlashInferDecode, flashinfer_module
 from parley.models.paged_kv import decode_pages, ring_blocks
 
 from .config import OptionsError
@@ -85,13 +85,16 @@ class PageListKv(PagedKv):
         super().__init__(dtype, blocks, block_frames)
         self._decode: FlashInferDecode | None = None
         self._positions: tuple[np.ndarray, np.ndarray] | None = None  # the next step's (plan_step)
+        self._heads = 0  # the LM's query heads (init_state)
 
     def init_state(self, gen: LMGen, rows: int) -> LMGenState:
-        # Page lists are read only by the fused decode, which grouped KV heads and rope_concat
-        # (Hibiki) never take: refused, not silently ignored.
-        if gen.cfg.kv_repeat != 1 or gen.cfg.positional_embedding != "rope":
-            raise OptionsError("paged_attention flashinfer: this model's grouped KV heads or rope_concat "
-                               "positions run the general attention path, which reads no page lists; use parley.")
+        # Our rope_write rotates keys (pairs or rope_concat's halves alike) before FlashInfer reads the
+        # pages; grouped KV heads are its GQA decode, for the group sizes it dispatches.
+        if gen.cfg.kv_repeat not in GROUP_SIZES:
+            raise OptionsError(f"paged_attention flashinfer: this model's kv_repeat {gen.cfg.kv_repeat} (query heads "
+                               f"per KV head) is not one FlashInfer's decode takes "
+                               f"({', '.join(map(str, GROUP_SIZES))}); use parley.")
+        self._heads = gen.cfg.num_heads
         return super().init_state(gen, rows)
 
     def attach(self, buckets: list[int], device: torch.device) -> None:
@@ -104,8 +107,8 @@ class PageListKv(PagedKv):
                else None)
         if why is not None:
             raise OptionsError(f"paged_attention flashinfer: {why}.")
-        self._decode = FlashInferDecode(buckets, tr.keys[0].shape[1], tr.keys[0].shape[-1], tr.block_size,
-                                        ring_blocks(tr.capacity, tr.block_size), device)
+        self._decode = FlashInferDecode(buckets, self._heads, tr.keys[0].shape[-1], tr.block_size,
+                                        ring_blocks(tr.capacity, tr.block_size), device, kv_heads=tr.keys[0].shape[1])
         tr.page_decode = self._decode
 
     def plan_step(self, positions: np.ndarray, taken_at: np.ndarray) -> None:

@@ -7,10 +7,11 @@ first fused path taken: a CPU server never imports Triton).
 
     available(x) -> bool                      # CUDA tensor (or TRITON_INTERPRET=1), Triton importable, switched on
     set_enabled(flag) -> previous flag;  with enabled(flag): ...    # the one switch
-    q, k, v = rope_write(qkv[B, 3*H*D], H, D, cos_sin | None, pos[B], exec_mask[B] | None, cache_k, cache_v)
-    q, k, v = rope_write(qkv[B*T, 3*H*D], ..., steps=T)   # T steps of each row, row-major
-    out = decode_attention(q[B,H,D], k_new[B,H,D], v_new[B,H,D], cache_k[B,H,S,D], cache_v, slot_pos[B,S],
-                           pos[B], context | None)        # [B, H, D]
+    q, k, v = rope_write(qkv[B, (H+2*Hkv)*D], H, D, cos_sin | None, pos[B], exec_mask[B] | None,
+                         cache_k[B,Hkv,S,D], cache_v, interleave=True)
+    q, k, v = rope_write(qkv[B*T, (H+2*Hkv)*D], ..., steps=T)   # T steps of each row, row-major
+    out = decode_attention(q[B,H,D], k_new[B,Hkv,D], v_new[B,Hkv,D], cache_k[B,Hkv,S,D], cache_v,
+                           slot_pos[B,S], pos[B], context | None)   # [B, H, D]
     order = row_order(pos[B], H, S, fp8) -> [B] | None     # rows longest window first, for decode_attention(order=)
     y = rms_norm(x[B, N], alpha[N], eps)                  # RMSNorm computed in fp32
     res, y = add_rms_norm(res[B, N], upd[B, N], scale[N] | None, alpha[N], eps)
@@ -22,6 +23,11 @@ position `pos[b]` attends to the new key/value (`k_new`, `v_new`, position pos[b
 slot n != pos[b] % S whose `slot_pos[b, n]` is >= 0, <= pos[b] and, with a context, > pos[b] - context.
 `slot_pos` is the state *before* this step: the kernel never reads the slot being overwritten, so
 rows that do not execute (their cache is left unwritten) get the same output as rows that do.
+
+Grouped KV heads (Hkv = H / r, r = kv_repeat, taken from the caches' head count): query head h
+attends with KV head h // r (transformer.expand_kv's grouping); rope_write rotates and writes the
+Hkv key and value heads once each. `interleave=False` (rope_concat): RoPE rotates the halves
+(x[i], x[i + D/2]) of each head instead of the pairs (x[2i], x[2i + 1]).
 
 bf16 / fp32 caches run tensor-core dots (the query row repeated 16 times); fp8 caches run fp32
 products on CUDA cores (a tensor-core fp8 loop needed too many registers and was issue-bound).
@@ -177,10 +183,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     attention kernel when one program covers a row's ring (the depformer's), else after it.
     `block_table`: paged caches (see the module doc)."""
     jit = triton_kernels()
-    B, H, D = q.shape
-    S = slot_pos.shape[1]
+    (B, H, D), S = q.shape, slot_pos.shape[1]
     paged = _paging(block_table, cache_k, B, S)
     _check_attention_strides(q, k_new, v_new, cache_k, cache_v, slot_pos)
+    kv_rep = _kv_repeat(H, cache_k)
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     block_n, blocks, stages, warps = launch or attention_launch(B, H, S, k_scale is not None)
     split = block_n * blocks
@@ -201,7 +207,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     table = (block_table, block_table.stride(0)) if paged else (pos, 0)
     shape = dict(D=D, BLOCK_N=block_n, SPLIT=split, NUM_SPLITS=num_splits, HAS_CONTEXT=context is not None,
                  FINAL=final, STAGES=stages, HAS_ORDER=order is not None, num_warps=warps,
-                 PAGED=paged, BS=cache_k.shape[2] if paged else 1)
+                 PAGED=paged, BS=cache_k.shape[2] if paged else 1, KV_REP=kv_rep)
     if fp8:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
         jit.attn_fp8_kernel[(B * H, num_splits)](
@@ -217,7 +223,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         return out
     jit.attn_reduce_kernel[(B * H,)](
         q, k_new, v_new, pos, out, m_tmp, l_tmp, acc_tmp, H, S, qk_scale, *common, out.stride(0), out.stride(1),
-        D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4)
+        D=D, SPLIT=split, NUM_SPLITS=num_splits, NS_P2=_pow2(num_splits), num_warps=4, KV_REP=kv_rep)
     if write:  # after every split has read the ring
         _write_kv(k_new, v_new, pos, exec_mask, cache_k, cache_v, block_table, S)
     return out
@@ -225,11 +231,20 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 
 def _check_attention_strides(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache_k: torch.Tensor,
                              cache_v: torch.Tensor, slot_pos: torch.Tensor) -> None:
-    """`decode_attention`'s layout: unit stride along the head dim (and slots), a power-of-two head dim."""
+    """`decode_attention`'s layout: unit stride along the head dim (and slots), a power-of-two head dim,
+    the new key and value with the caches' (KV) heads."""
     D = q.shape[2]
+    assert k_new.shape[1] == v_new.shape[1] == cache_v.shape[1] == cache_k.shape[1], "k_new, v_new: the caches' heads"
     assert cache_k.stride(3) == 1 and cache_v.stride(3) == 1 and q.stride(2) == 1
     assert k_new.stride(2) == 1 and v_new.stride(2) == 1 and slot_pos.stride(1) == 1
     assert D == _pow2(D), f"head dim {D} must be a power of two"
+
+
+def _kv_repeat(H: int, cache_k: torch.Tensor) -> int:
+    """Query heads per KV head: the caches hold H / r heads (dense and paged alike: dim 1)."""
+    kv_heads = cache_k.shape[1]
+    assert H % kv_heads == 0, f"{H} query heads over {kv_heads} KV heads"
+    return H // kv_heads
 
 
 def _split_scratch(programs: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -274,11 +289,13 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
                pos: torch.Tensor, exec_mask: torch.Tensor | None, cache_k: torch.Tensor,
                cache_v: torch.Tensor, k_scale: torch.Tensor | None = None,
                v_scale: torch.Tensor | None = None, steps: int = 1,
-               block_table: torch.Tensor | None = None,
-               capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [B, 3*H*D] -> q, k (rotated, [B, H, D]), v (a view); k, v written to slot pos % S of
-    executing rows' caches (fp8 caches: quantized with a per-(row, head, slot) scale, written to
-    `k_scale` / `v_scale` [B, H, S]; see `quantize_kv`).
+               block_table: torch.Tensor | None = None, capacity: int | None = None,
+               interleave: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, (H + 2*Hkv)*D] -> q (rotated, [B, H, D]), k (rotated, [B, Hkv, D]), v (a view,
+    [B, Hkv, D]); k, v written to slot pos % S of executing rows' caches (fp8 caches: quantized
+    with a per-(row, head, slot) scale, written to `k_scale` / `v_scale` [B, Hkv, S]; see
+    `quantize_kv`). Hkv: the caches' heads (H without grouped KV heads). `interleave`: RoPE on
+    pairs (`rope`), else on halves (`rope_concat`).
 
     `steps` T > 1: qkv [R * T, 3*H*D] holds T consecutive steps of each of R rows (row-major), step
     t of row r at position pos[r] + t (written to slot (pos[r] + t) % S), with cos_sin per step
@@ -294,8 +311,11 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
     paged = _paging(block_table, cache_k, pos.shape[0], S)
     assert B % steps == 0 and pos.shape[0] * steps == B, "qkv must hold `steps` steps of every row"
     assert qkv.stride(1) == 1 and cache_k.stride(3) == 1 and cache_v.stride(3) == 1
+    kv_rep = _kv_repeat(H, cache_k)
+    kv_heads = H // kv_rep
+    assert qkv.shape[1] == (H + 2 * kv_heads) * D, f"qkv rows of {H} query and 2 x {kv_heads} KV heads"
     q_out = torch.empty(B, H, D, dtype=qkv.dtype, device=qkv.device)
-    k_out = torch.empty_like(q_out)
+    k_out = torch.empty(B, kv_heads, D, dtype=qkv.dtype, device=qkv.device)
     cos, sin = cos_sin if cos_sin is not None else (qkv, qkv)
     ex = exec_mask.view(torch.uint8) if exec_mask is not None else qkv
     fp8 = k_scale is not None
@@ -309,8 +329,8 @@ def rope_write(qkv: torch.Tensor, H: int, D: int, cos_sin: tuple[torch.Tensor, t
         k_scale.stride(0) if fp8 else 0, k_scale.stride(1) if fp8 else 0,
         *((block_table, block_table.stride(0)) if paged else (pos, 0)),
         D=D, HAS_ROPE=cos_sin is not None, HAS_EXEC=exec_mask is not None, KV_FP8=fp8, num_warps=1,
-        PAGED=paged, BS=cache_k.shape[2] if paged else 1)
-    v = qkv[:, 2 * H * D:].view(B, H, D)
+        PAGED=paged, BS=cache_k.shape[2] if paged else 1, KV_REP=kv_rep, INTERLEAVE=interleave)
+    v = qkv[:, (H + kv_heads) * D:].view(B, kv_heads, D)
     return q_out, k_out, v
 
 

@@ -35,11 +35,11 @@ Semantics (equal to moshi 0.2.13 `RingKVCache` + `StreamingMultiheadAttention`):
   changes. The caller (the engine) assigns a row's blocks before the step that writes them.
 - `kv_repeat` r > 1 (Hibiki): grouped KV heads, as the reference's `kv_repeat`. `in_proj_weight`
   holds dim query rows then dim / r key and dim / r value rows a weight step; the ring stores
-  H / r heads, each expanded to its r query heads when attended (`expand_kv`). The fused decode
-  kernels read one KV head per query head, so a grouped transformer steps on the general path
-  (still free of host syncs: CUDA graphs capture it). `positional_embedding="rope_concat"`
+  H / r heads, each serving its r query heads (query head h reads KV head h // r: `expand_kv` on
+  the general path, the fused kernels' KV_REP on the fused one). `positional_embedding="rope_concat"`
   (Hibiki-Zero): RoPE rotating the two halves of each head instead of interleaved pairs, as the
-  reference's; the general path too.
+  reference's (the fused kernels' INTERLEAVE=False). Both take the fused decode where any
+  transformer does (CUDA, T == 1, a power-of-two head dim), with the general path's semantics.
 
 Parameter names are the published checkpoint keys: `layers.{i}.self_attn.in_proj_weight`
 (fused QKV, per-step weights stacked on dim 0), `layers.{i}.self_attn.out_proj.weight`,
@@ -446,8 +446,8 @@ class StreamingAttention(nn.Module):
             # outputs, which nobody reads, attend over the old slot contents.
             cache_k, cache_v = kv.keys, kv.values
             cos_sin = None if rope is None else tuple(c.reshape(B * T, -1) for c in rope)
-            q, _, _ = kernels.rope_write(qkv.view(B * T, 3 * self.dim), H, D, cos_sin, pos, exec_mask,
-                                         cache_k, cache_v, steps=T)
+            q, _, _ = kernels.rope_write(qkv.view(B * T, self.rows), H, D, cos_sin, pos, exec_mask,
+                                         cache_k, cache_v, steps=T, interleave=self.rope_interleave)
             out = _attention(q.view(B, T, H, D).transpose(1, 2), cache_k, cache_v, attn_mask)
             return F.linear(out.transpose(1, 2).reshape(B, T, self.dim), w_out)
         if self.kv_repeat == 1:
@@ -651,7 +651,7 @@ class StreamingTransformer(nn.Module):
         self.context = context
         self.capacity = capacity if capacity is not None else (context or weights_per_step or None)
         self.rope_max_period = max_period if positional_embedding != "none" else None
-        # rope_concat (Hibiki-Zero): halves rotate, not interleaved pairs; the fused kernels rotate pairs.
+        # rope_concat (Hibiki-Zero): halves rotate, not interleaved pairs (the fused kernels take either).
         self.rope_interleave = positional_embedding != "rope_concat"
         self.weights_per_step = weights_per_step
         self.schedule = list(weights_per_step_schedule) if weights_per_step_schedule else None
@@ -775,9 +775,9 @@ class StreamingTransformer(nn.Module):
     # -- fused one-step decode (CUDA only) ----------------------------------------------------
 
     def _can_fuse(self, x: torch.Tensor) -> bool:
-        """CUDA + Triton, a power-of-two head dim, no grouped KV heads (the kernels read one KV
-        head per query head), interleaved RoPE: T == 1 steps take `_forward_decode`."""
-        if not kernels.available(x) or self.kv_heads != self.num_heads or not self.rope_interleave:
+        """CUDA + Triton, a power-of-two head dim: T == 1 steps take `_forward_decode` (grouped KV
+        heads and rope_concat too: the kernels take both)."""
+        if not kernels.available(x):
             return False
         head_dim = self.d_model // self.num_heads
         return head_dim == 1 << (head_dim.bit_length() - 1)
@@ -847,12 +847,16 @@ class StreamingTransformer(nn.Module):
         if cos_sin is None and scales[0] is None:
             # No RoPE (the depformer): q, k, v are views of qkv, and the attention kernel
             # itself writes k and v to the ring (one kernel a layer instead of two).
-            q, k, v = qkv.view(B, 3, H, D).unbind(1)
+            kv_dim = self.kv_heads * D
+            q = qkv[:, :dim].view(B, H, D)
+            k = qkv[:, dim:dim + kv_dim].view(B, self.kv_heads, D)
+            v = qkv[:, dim + kv_dim:].view(B, self.kv_heads, D)
             out = kernels.decode_attention(q, k, v, state.keys[i], state.values[i], state.slot_pos, pos,
                                            self.context, write=True, exec_mask=exec_mask, block_table=table)
         else:
             q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, exec_mask, state.keys[i], state.values[i],
-                                         *scales, block_table=table, capacity=self.capacity)
+                                         *scales, block_table=table, capacity=self.capacity,
+                                         interleave=self.rope_interleave)
             if state.page_decode is not None:  # the step's key is in the pool now: the lists include it
                 out = state.page_decode.run(q, state.keys[i], state.values[i])
             else:

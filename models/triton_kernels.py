@@ -69,21 +69,23 @@ def attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, 
                        NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
                        IEEE: tl.constexpr, STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
                        WRITE: tl.constexpr = False, HAS_EXEC: tl.constexpr = False,
-                       PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
+                       PAGED: tl.constexpr = False, BS: tl.constexpr = 1, KV_REP: tl.constexpr = 1):
     # bf16 / fp32 caches. The one query row is repeated over M = 16 rows so that both
     # products run as tensor-core dots (whose operand loads Triton pipelines); only row 0 is
     # stored. (fp8 caches: attn_fp8_kernel.) PAGED: K, V are pools [blocks, H, BS, D] and
     # slot n of row b is at block TABLE[b, n // BS], slot n % BS (sk_b, sv_b: block strides);
-    # the loop walks block by block (_page_bounds), one table read a tile.
+    # the loop walks block by block (_page_bounds), one table read a tile. KV_REP r > 1: grouped
+    # KV heads, query head h reads KV head h // r (the caches, KN and VN hold H / r heads).
     M: tl.constexpr = 16
     PP: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
+    hk = h // KV_REP
     d = tl.arange(0, D)
     rows = tl.arange(0, M)
     q = tl.load(Q + b * sq_b + h * sq_h + d[None, :] + 0 * rows[:, None])  # [M, D]
     offs_n = tl.arange(0, BLOCK_N)
-    k_base = K + b * sk_b + h * sk_h
-    v_base = V + b * sv_b + h * sv_h
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
     sp_base = SP + b * ssp_b
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, n_valid)
@@ -97,8 +99,8 @@ def attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, 
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         if PAGED:
             n, inb, blk, w = _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS, PP)
-            k = tl.load(K + blk * sk_b + h * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
-            v = tl.load(V + blk * sv_b + h * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
+            k = tl.load(K + blk * sk_b + hk * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            v = tl.load(V + blk * sv_b + hk * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
         else:
             n = n0 + offs_n
             inb = n < end
@@ -125,7 +127,7 @@ def attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, 
     row0 = rows == 0
     if FINAL:
         qf = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
-        s_new, vn = _new_key(qf, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
+        s_new, vn = _new_key(qf, KN, VN, b, hk, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
         m_new = tl.maximum(m_i, s_new)
         alpha = tl.exp2(m_i - m_new)
         p_new = tl.exp2(s_new - m_new)
@@ -136,20 +138,21 @@ def attn_split_kernel(Q, KN, VN, K, V, SP, POS, EXEC, ORDER, OUT, M_TMP, L_TMP, 
                  mask=row0[:, None])
         if WRITE:
             # The new key and value go to slot `cur` (executing rows only) after the loop,
-            # which never used that slot: no other program touches this (row, head).
-            w = d >= 0
+            # which never used that slot: no other program touches this (row, KV head) (grouped:
+            # the group's first query head writes it; the others' loops skip that slot too).
+            w = (d >= 0) & (h % KV_REP + 0 * d == 0)
             if HAS_EXEC:  # (the flag compared as a [D] tensor: the interpreter takes no scalar in a mask)
                 w = w & (tl.load(EXEC + b) + 0 * d != 0)
             if PAGED:  # (never into the null block)
                 blk, off = _page(TABLE, b, stb, cur + 0 * d, w, BS)
                 w = w & (blk != 0)
-                k_at = K + blk * sk_b + h * sk_h + off * sk_s + d
-                v_at = V + blk * sv_b + h * sv_h + off * sv_s + d
+                k_at = K + blk * sk_b + hk * sk_h + off * sk_s + d
+                v_at = V + blk * sv_b + hk * sv_h + off * sv_s + d
             else:
-                k_at = K + b * sk_b + h * sk_h + cur * sk_s + d
-                v_at = V + b * sv_b + h * sv_h + cur * sv_s + d
-            tl.store(k_at, tl.load(KN + b * skn_b + h * skn_h + d), mask=w)
-            tl.store(v_at, tl.load(VN + b * svn_b + h * svn_h + d), mask=w)
+                k_at = K + b * sk_b + hk * sk_h + cur * sk_s + d
+                v_at = V + b * sv_b + hk * sv_h + cur * sv_s + d
+            tl.store(k_at, tl.load(KN + b * skn_b + hk * skn_h + d), mask=w)
+            tl.store(v_at, tl.load(VN + b * svn_b + hk * svn_h + d), mask=w)
     else:
         # Splits past the filled window store nothing: the reduce reads only filled splits.
         idx = bh * NUM_SPLITS + split
@@ -167,7 +170,7 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
                      D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                      NUM_SPLITS: tl.constexpr, HAS_CONTEXT: tl.constexpr, FINAL: tl.constexpr,
                      STAGES: tl.constexpr, HAS_ORDER: tl.constexpr,
-                     PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
+                     PAGED: tl.constexpr = False, BS: tl.constexpr = 1, KV_REP: tl.constexpr = 1):
     # fp8 caches on CUDA cores: with one query row, tensor-core dots need the row repeated 16
     # times and a converted 128 x 128 tile in registers (so few programs an SM that the kernel
     # is issue-bound); elementwise fp32 products over small blocks keep far fewer registers and
@@ -176,16 +179,18 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
     # end), and the running max moves only when a block's max exceeds it by more than 2^8, so
     # most blocks skip the rescale (p stays <= 256: no fp32 overflow). PAGED: as in
     # attn_split_kernel, the scales pools [blocks, H, BS] too (sks_b: their block stride).
+    # KV_REP: grouped KV heads, as in attn_split_kernel (the scales per KV head too).
     PP: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     bh, split, b, h, qpos, n_valid, cur = _attn_program(ORDER, POS, H, S, HAS_ORDER)
+    hk = h // KV_REP
     d = tl.arange(0, D)
     q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    k_base = K + b * sk_b + h * sk_h
-    v_base = V + b * sv_b + h * sv_h
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
     sp_base = SP + b * ssp_b
-    ks_base = KS + b * sks_b + h * sks_h
-    vs_base = VS + b * sks_b + h * sks_h
+    ks_base = KS + b * sks_b + hk * sks_h
+    vs_base = VS + b * sks_b + hk * sks_h
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, n_valid)
     acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
@@ -199,8 +204,8 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
         if PAGED:
             n, inb, blk, w = _page_tile(TABLE, b, stb, n0, offs_n, start, end, BS, PP)
             sp = tl.load(sp_base + n, mask=inb, other=-1)
-            k_sc = tl.load(KS + blk * sks_b + h * sks_h + w, mask=inb, other=0.0)
-            v_sc = tl.load(VS + blk * sks_b + h * sks_h + w, mask=inb, other=0.0)
+            k_sc = tl.load(KS + blk * sks_b + hk * sks_h + w, mask=inb, other=0.0)
+            v_sc = tl.load(VS + blk * sks_b + hk * sks_h + w, mask=inb, other=0.0)
         else:
             n = n0 + offs_n
             inb = n < end
@@ -211,7 +216,7 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
         if HAS_CONTEXT:
             valid = valid & (qpos - sp < context)
         if PAGED:
-            k = tl.load(K + blk * sk_b + h * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
+            k = tl.load(K + blk * sk_b + hk * sk_h + w[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
         else:
             k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=inb[:, None], other=0.0)
         s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * (k_sc * qk_scale)
@@ -224,7 +229,7 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
             m_i = m_blk
         p = tl.exp2(s - m_i)
         if PAGED:
-            v = tl.load(V + blk * sv_b + h * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
+            v = tl.load(V + blk * sv_b + hk * sv_h + w[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
         else:
             v = tl.load(v_base + n[:, None] * sv_s + d[None, :], mask=inb[:, None], other=0.0)
         acc += (p * v_sc)[:, None] * v.to(tl.float32)
@@ -232,7 +237,7 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
     acc_d = tl.sum(acc, axis=0)
     l_s = tl.sum(l_i, axis=0)
     if FINAL:
-        s_new, vn = _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
+        s_new, vn = _new_key(q, KN, VN, b, hk, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
         m_new = tl.maximum(m_i, s_new)
         alpha = tl.exp2(m_i - m_new)
         p_new = tl.exp2(s_new - m_new)
@@ -251,7 +256,7 @@ def attn_fp8_kernel(Q, KN, VN, K, V, KS, VS, SP, POS, ORDER, OUT, M_TMP, L_TMP, 
 def attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scale,
                         sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, so_b, so_h,
                         D: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        NS_P2: tl.constexpr):
+                        NS_P2: tl.constexpr, KV_REP: tl.constexpr = 1):
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -263,7 +268,7 @@ def attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scal
     l = tl.load(L_TMP + bh * NUM_SPLITS + sidx, mask=smask, other=0.0)
     acc = tl.load(ACC_TMP + (bh * NUM_SPLITS + sidx)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
     q = tl.load(Q + b * sq_b + h * sq_h + d).to(tl.float32)
-    s_new, vn = _new_key(q, KN, VN, b, h, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
+    s_new, vn = _new_key(q, KN, VN, b, h // KV_REP, d, skn_b, skn_h, svn_b, svn_h, qk_scale)
     m_all = tl.maximum(tl.max(m, axis=0), s_new)
     w = tl.exp2(m - m_all)
     p_new = tl.exp2(s_new - m_all)
@@ -276,72 +281,89 @@ def attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scal
 def rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
                        H, S, T, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, TABLE, stb,
                        D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr,
-                       KV_FP8: tl.constexpr, PAGED: tl.constexpr = False, BS: tl.constexpr = 1):
-    # One program per (row step bt = b * T + t, head): step t of row b is at position POS[b] + t.
-    # PAGED: the slot is written through the block table (never into the null block 0).
+                       KV_FP8: tl.constexpr, PAGED: tl.constexpr = False, BS: tl.constexpr = 1,
+                       KV_REP: tl.constexpr = 1, INTERLEAVE: tl.constexpr = True):
+    # One program per (row step bt = b * T + t, query head h): step t of row b is at position
+    # POS[b] + t. A row step of qkv holds H query heads, then H / KV_REP key and as many value
+    # heads; the program of query head h also rotates and writes KV head h / KV_REP when h is
+    # the first of its group. INTERLEAVE: RoPE rotates pairs (x[2i], x[2i + 1]); else the
+    # halves (x[i], x[i + D / 2]) (rope_concat). PAGED: the slot is written through the block
+    # table (never into the null block 0).
     bh = tl.program_id(0)
     bt = bh // H
     h = bh % H
     b = bt // T
     HALF: tl.constexpr = D // 2
-    HD = H * D
-    base = QKV + bt * s_qkv_b + h * D
+    HKV = H // KV_REP
+    hk = h // KV_REP
+    base = QKV + bt * s_qkv_b
     i = tl.arange(0, HALF)
-    qpos = tl.load(POS + b) + bt % T
-    slot = qpos % S
-    write = i >= 0
-    if HAS_EXEC:  # (the flag compared as a tensor: the interpreter takes no scalar in a mask)
-        write = write & (tl.load(EXEC + b) + 0 * i != 0)
+    if INTERLEAVE:
+        lo = 2 * i
+        hi = 2 * i + 1
+    else:
+        lo = i
+        hi = i + HALF
     out_ty = QO.dtype.element_ty
-    qr = tl.load(base + 2 * i)
-    qi = tl.load(base + 2 * i + 1)
-    kr = tl.load(base + HD + 2 * i)
-    ki = tl.load(base + HD + 2 * i + 1)
+    qr = tl.load(base + h * D + lo)
+    qi = tl.load(base + h * D + hi)
     if HAS_ROPE:
         c = tl.load(COS + bt * HALF + i)
         s = tl.load(SIN + bt * HALF + i)
         qr32, qi32 = qr.to(tl.float32), qi.to(tl.float32)
-        kr32, ki32 = kr.to(tl.float32), ki.to(tl.float32)
         qr = (qr32 * c - qi32 * s).to(out_ty)
         qi = (qr32 * s + qi32 * c).to(out_ty)
-        kr = (kr32 * c - ki32 * s).to(out_ty)
-        ki = (kr32 * s + ki32 * c).to(out_ty)
     o = (bt * H + h) * D
-    tl.store(QO + o + 2 * i, qr)
-    tl.store(QO + o + 2 * i + 1, qi)
-    tl.store(KO + o + 2 * i, kr)
-    tl.store(KO + o + 2 * i + 1, ki)
-    if PAGED:
-        blk, off = _page(TABLE, b, stb, slot + 0 * i, write, BS)
-        write = write & (blk != 0)
-        kc = K + blk * sk_b + h * sk_h + off * sk_s
-        vc = V + blk * sv_b + h * sv_h + off * sv_s
-        so = blk * sks_b + h * sks_h + off
-    else:
-        kc = K + b * sk_b + h * sk_h + slot * sk_s
-        vc = V + b * sv_b + h * sv_h + slot * sv_s
-        so = b * sks_b + h * sks_h + slot
-    vr = tl.load(base + 2 * HD + 2 * i)
-    vi = tl.load(base + 2 * HD + 2 * i + 1)
-    if KV_FP8:
-        # Per (row, head, slot) scale: the vector's max |x| maps to e4m3's largest value 448.
-        cache_ty = K.dtype.element_ty
-        k_sc = tl.maximum(tl.maximum(tl.max(tl.abs(kr.to(tl.float32)), axis=0),
-                                     tl.max(tl.abs(ki.to(tl.float32)), axis=0)) / 448.0, 1e-30)
-        v_sc = tl.maximum(tl.maximum(tl.max(tl.abs(vr.to(tl.float32)), axis=0),
-                                     tl.max(tl.abs(vi.to(tl.float32)), axis=0)) / 448.0, 1e-30)
-        tl.store(kc + 2 * i, tl.clamp(kr.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
-        tl.store(kc + 2 * i + 1, tl.clamp(ki.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
-        tl.store(vc + 2 * i, tl.clamp(vr.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
-        tl.store(vc + 2 * i + 1, tl.clamp(vi.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
-        row0 = i == 0
-        tl.store(KS + so + 0 * i, k_sc + 0.0 * i, mask=write & row0)
-        tl.store(VS + so + 0 * i, v_sc + 0.0 * i, mask=write & row0)
-    else:
-        tl.store(kc + 2 * i, kr, mask=write)
-        tl.store(kc + 2 * i + 1, ki, mask=write)
-        tl.store(vc + 2 * i, vr, mask=write)
-        tl.store(vc + 2 * i + 1, vi, mask=write)
+    tl.store(QO + o + lo, qr)
+    tl.store(QO + o + hi, qi)
+    if h % KV_REP == 0:
+        kb = base + H * D + hk * D
+        vb = base + (H + HKV) * D + hk * D
+        kr = tl.load(kb + lo)
+        ki = tl.load(kb + hi)
+        if HAS_ROPE:
+            kr32, ki32 = kr.to(tl.float32), ki.to(tl.float32)
+            kr = (kr32 * c - ki32 * s).to(out_ty)
+            ki = (kr32 * s + ki32 * c).to(out_ty)
+        ok = (bt * HKV + hk) * D
+        tl.store(KO + ok + lo, kr)
+        tl.store(KO + ok + hi, ki)
+        qpos = tl.load(POS + b) + bt % T
+        slot = qpos % S
+        write = i >= 0
+        if HAS_EXEC:  # (the flag compared as a tensor: the interpreter takes no scalar in a mask)
+            write = write & (tl.load(EXEC + b) + 0 * i != 0)
+        if PAGED:
+            blk, off = _page(TABLE, b, stb, slot + 0 * i, write, BS)
+            write = write & (blk != 0)
+            kc = K + blk * sk_b + hk * sk_h + off * sk_s
+            vc = V + blk * sv_b + hk * sv_h + off * sv_s
+            so = blk * sks_b + hk * sks_h + off
+        else:
+            kc = K + b * sk_b + hk * sk_h + slot * sk_s
+            vc = V + b * sv_b + hk * sv_h + slot * sv_s
+            so = b * sks_b + hk * sks_h + slot
+        vr = tl.load(vb + lo)
+        vi = tl.load(vb + hi)
+        if KV_FP8:
+            # Per (row, head, slot) scale: the vector's max |x| maps to e4m3's largest value 448.
+            cache_ty = K.dtype.element_ty
+            k_sc = tl.maximum(tl.maximum(tl.max(tl.abs(kr.to(tl.float32)), axis=0),
+                                         tl.max(tl.abs(ki.to(tl.float32)), axis=0)) / 448.0, 1e-30)
+            v_sc = tl.maximum(tl.maximum(tl.max(tl.abs(vr.to(tl.float32)), axis=0),
+                                         tl.max(tl.abs(vi.to(tl.float32)), axis=0)) / 448.0, 1e-30)
+            tl.store(kc + lo, tl.clamp(kr.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            tl.store(kc + hi, tl.clamp(ki.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            tl.store(vc + lo, tl.clamp(vr.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            tl.store(vc + hi, tl.clamp(vi.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            row0 = i == 0
+            tl.store(KS + so + 0 * i, k_sc + 0.0 * i, mask=write & row0)
+            tl.store(VS + so + 0 * i, v_sc + 0.0 * i, mask=write & row0)
+        else:
+            tl.store(kc + lo, kr, mask=write)
+            tl.store(kc + hi, ki, mask=write)
+            tl.store(vc + lo, vr, mask=write)
+            tl.store(vc + hi, vi, mask=write)
 
 
 @triton.jit

@@ -2,8 +2,9 @@
 kernels, then the transformer decode, LM frames and Mimi steps that use them (with
 TRITON_INTERPRET=1, `kernels.available` is true for CPU tensors).
 
-Run by tests/test_kernels_interpreted.py as `TRITON_INTERPRET=1 python tests/interpreted_kernels.py`
-(the interpreter is chosen when the kernels are defined, so it needs a process of its own).
+Run by tests/test_kernels_interpreted.py as `TRITON_INTERPRET=1 python tests/interpreted_kernels.py [GROUP]`
+(the interpreter is chosen when the kernels are defined, so it needs a process of its own; GROUP
+`moshi`, the default, or `grouped`: grouped KV heads and rope_concat).
 Each check prints "ok <name>"; a failed one raises. float32 only: the interpreter's bf16 casts
 truncate and its bf16 dots are wrong (Triton 3.9), so bf16 and fp8 stay with tests/test_kernels.py
 on a GPU. Small shapes: the interpreter runs every program in numpy.
@@ -342,29 +343,30 @@ def check_paged_transformer_decode() -> None:
     print("ok paged_transformer_decode")
 
 
-def check_page_list_decode() -> None:
+def check_page_list_decode(heads: int = 2, kv_repeat: int = 1, pe: str = "rope", steps: int = 40) -> None:
     """The fused decode reading the paged ring through page lists (`TransformerState.page_decode`,
     here `TorchPagedDecode`, FlashInfer's meaning in PyTorch) against the Triton paged kernel on a
     copy of the same state: the engine's KV pool under the shrink policy plans each step (rows
-    pausing, blocks taken from the longest row, the ring wrapping)."""
-    import numpy as np
+    pausing, blocks taken from the longest row, the ring wrapping). `heads` of 16 over
+    heads / `kv_repeat` KV heads, `pe`: grouped heads and rope_concat read through page lists."""
     from parley.engine.kv_blocks import KvBlockPool, KvLayout
     from parley.models import paged_kv
     from parley.models.paged_decode import TorchPagedDecode
     from parley.models.transformer import StreamingTransformer
     torch.manual_seed(0)
-    tr = StreamingTransformer(32, 2, 1, 64, context=16, norm="rms_norm_f32", gating="silu").eval()
+    tr = StreamingTransformer(16 * heads, heads, 1, 64, context=16, norm="rms_norm_f32", gating="silu",
+                              kv_repeat=kv_repeat, positional_embedding=pe).eval()
     B, bs = 3, 4
     pool = KvBlockPool(KvLayout(window_frames=tr.capacity, block_frames=bs, block_bytes=1), B, 7, "shrink")
     lists = tr.init_state(B, kv_blocks=8, block_size=bs)
     kernel = tr.init_state(B, kv_blocks=8, block_size=bs)
-    lists.page_decode = TorchPagedDecode(2, 16, bs)
+    lists.page_decode = TorchPagedDecode(heads, 16, bs, kv_heads=heads // kv_repeat)
     for row in range(B):
         pool.admit(row, f"s{row}")
         for state in (lists, kernel):
             state.map_blocks(assigned=pool.start(row, f"s{row}", 0).assigned)
     with torch.no_grad():
-        for t in range(40):
+        for t in range(steps):
             ids = ["s0", "s1" if t % 3 != 1 else None, "s2" if t >= 5 else None]
             changes = pool.step(ids)
             for state in (lists, kernel):
@@ -376,18 +378,159 @@ def check_page_list_decode() -> None:
             got, want = tr(x, lists, live), tr(x, kernel, live)
             close(got[live], want[live])  # (a row that does not step reads the null block: its output is unused)
     assert pool.counters().shrinks > 0
-    print("ok page_list_decode")
+    print("ok page_list_decode" if kv_repeat == 1 and pe == "rope" else "ok grouped_page_list_decode")
 
+
+# ---------------------------------------------------------------------------------------------
+# Grouped KV heads (kv_repeat r: query head h reads KV head h // r) and rope_concat (Hibiki-Zero)
+
+
+def grouped(*tensors: torch.Tensor, rep: int) -> list[torch.Tensor]:
+    """KV tensors [B, H / r, ...] expanded to every query head [B, H, ...] (expand_kv's grouping)."""
+    return [t.repeat_interleave(rep, dim=1) for t in tensors]
+
+
+def check_grouped_attention() -> None:
+    """decode_attention over H / r KV heads (r = 2, 4) against SDPA over the ring expanded to the
+    H query heads: fp32 and fp8, one split and split + reduce, a context, dense and paged, and
+    write= (each KV head stored once, the idle row's ring kept)."""
+    from parley.models.transformer import dequantize_kv, quantize_kv
+    B, H, S, D, bs = 4, 4, 40, 16, 12
+    pos = torch.tensor([0, 5, 39, 97])
+    sp = ring_slot_positions(pos, S)
+    table, blocks = paged_layout(pos, S, bs)
+    launches = (None, kernels.AttentionLaunch(16, 1, 1, 4))
+    for rep in (2, 4):
+        ck, cv = torch.randn(B, H // rep, S, D), torch.randn(B, H // rep, S, D)
+        q, kn, vn = torch.randn(B, H, D), torch.randn(B, H // rep, D), torch.randn(B, H // rep, D)
+        pk, pv = paged_copy(ck, table, blocks, bs), paged_copy(cv, table, blocks, bs)
+        for context, launch in ((None, launches[0]), (30, launches[1])):
+            expected = _sdpa_reference(q, *grouped(kn, vn, ck, cv, rep=rep), sp, pos, context)
+            close(kernels.decode_attention(q, kn, vn, ck, cv, sp, pos, context, launch=launch), expected)
+            close(kernels.decode_attention(q, kn, vn, pk, pv, sp, pos, context, launch=launch, block_table=table),
+                  expected)
+        live = torch.tensor([True, False, True, True])
+        for launch in launches:
+            k2, v2 = ck.clone(), cv.clone()
+            out = kernels.decode_attention(q, kn, vn, k2, v2, sp, pos, None, launch=launch, write=True, exec_mask=live)
+            close(out, _sdpa_reference(q, *grouped(kn, vn, ck, cv, rep=rep), sp, pos, None))
+            for b in range(B):
+                slot = int(pos[b]) % S
+                assert torch.equal(k2[b, :, slot], kn[b] if live[b] else ck[b, :, slot])
+                assert torch.equal(v2[b, :, slot], vn[b] if live[b] else cv[b, :, slot])
+        (k8, ks), (v8, vs) = quantize_kv(ck), quantize_kv(cv * 0.1)
+        paged = [paged_copy(t, table, blocks, bs) for t in (k8, v8, ks, vs)]
+        expected = _sdpa_reference(q, *grouped(kn, vn, dequantize_kv(k8, ks, torch.float32),
+                                               dequantize_kv(v8, vs, torch.float32), rep=rep), sp, pos, 30)
+        for launch in (None, kernels.AttentionLaunch(16, 1, 4, 2)):
+            close(kernels.decode_attention(q, kn, vn, k8, v8, sp, pos, 30, ks, vs, launch=launch), expected)
+            close(kernels.decode_attention(q, kn, vn, *paged[:2], sp, pos, 30, *paged[2:], launch=launch,
+                                           block_table=table), expected)
+    print("ok grouped_attention")
+
+
+def check_grouped_rope_write() -> None:
+    """rope_write of H query and H / r KV heads (r = 1, 2, 4), RoPE on pairs and on halves
+    (rope_concat): q, k as apply_rope's, each KV head written once to executing rows' slots; a
+    paged ring gets the same bytes (fp8: and scales), one step and two."""
+    B, H, D, S, bs = 4, 4, 16, 10, 4
+    pos = torch.tensor([0, 4, 23, 9])
+    live = torch.tensor([True, False, True, True])
+    for rep, interleave, steps, kv_fp8 in ((2, False, 1, False), (4, True, 2, False), (2, True, 1, True),
+                                           (1, False, 2, False), (4, False, 1, True)):
+        kvh = H // rep
+        qkv = torch.randn(B * steps, (H + 2 * kvh) * D)
+        positions = pos[:, None] + torch.arange(steps)
+        cos_sin = tuple(c.reshape(B * steps, -1) for c in rope_cos_sin(positions, D, 1e4))
+        table, blocks = paged_layout(pos + steps - 1, S, bs)
+        rings = [torch.randn(B, kvh, S, D), torch.randn(B, kvh, S, D)]
+        if kv_fp8:
+            from parley.models.transformer import quantize_kv
+            (k8, ks), (v8, vs) = quantize_kv(rings[0]), quantize_kv(rings[1])
+            rings = [k8, v8, ks, vs]
+        before = [r.clone() for r in rings]
+        pools = [paged_copy(r, table, blocks, bs) for r in rings]
+        q, k, v = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *rings, steps=steps, interleave=interleave)
+        qp, kp, _ = kernels.rope_write(qkv, H, D, cos_sin, pos, live, *pools, steps=steps, block_table=table,
+                                       capacity=S, interleave=interleave)
+        x = qkv.view(B, steps, -1)
+        q0 = x[..., :H * D].reshape(B, steps, H, D).transpose(1, 2)
+        k0, v0 = x[..., H * D:].reshape(B, steps, 2, kvh, D).permute(2, 0, 3, 1, 4)
+        rq, rk = apply_rope(q0, k0, rope_cos_sin(positions, D, 1e4), interleave)
+        close(q.view(B, steps, H, D), rq.transpose(1, 2))
+        close(k.view(B, steps, kvh, D), rk.transpose(1, 2))
+        close(v.view(B, steps, kvh, D), v0.transpose(1, 2))
+        close(qp, q)
+        close(kp, k)
+        if not kv_fp8:  # (fp8: the stored values are the GPU tests'; see check_fp8)
+            for b in range(B):
+                for t in range(steps):
+                    slot = int(pos[b] + t) % S
+                    close(rings[0][b, :, slot], rk[b, :, t] if live[b] else before[0][b, :, slot])
+                    close(rings[1][b, :, slot], v0[b, :, t] if live[b] else before[1][b, :, slot])
+        for pool, ring in zip(pools, rings):
+            same_assigned(pool, ring, table)
+    print("ok grouped_rope_write")
+
+
+def check_grouped_transformer_decode() -> None:
+    """The fused one-step decode of Hibiki-Zero's attention (grouped KV heads r = 2 and 4,
+    rope_concat; and grouped without RoPE, the ring written by the attention kernel) against
+    the general path, float32 within 1e-5 of the largest output: dense and paged rings, rows
+    pausing, the window wrapping, the same states; then calls of 2 steps (the fused RoPE + ring
+    write). fp8 KV: paged against dense, both fused (the interpreter's fp8 casts are off, the same
+    in both)."""
+    from parley.models.transformer import StreamingTransformer
+    B, bs = 3, 3  # (3: the 8-slot ring's last block holds 2 slots)
+    for rep, pe in ((2, "rope_concat"), (4, "rope"), (2, "none")):
+        torch.manual_seed(0)
+        tr = StreamingTransformer(64, 4, 1, 128, context=8, norm="rms_norm_f32", gating="silu", kv_repeat=rep,
+                                  positional_embedding=pe).eval()
+        assert tr._can_fuse(torch.empty(1)), (rep, pe)
+        for kv_dtype in (None, torch.float8_e4m3fn) if pe == "rope_concat" else (None,):
+            general, dense = tr.init_state(B, kv_dtype=kv_dtype), tr.init_state(B, kv_dtype=kv_dtype)
+            paged = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * -(-tr.capacity // bs), block_size=bs)
+            free = list(range(1, paged.num_blocks))
+            with torch.no_grad():
+                for t in range(12):
+                    live = torch.tensor([True, t % 3 != 1, t >= 2])
+                    for row in live.nonzero().flatten().tolist():
+                        j = (int(paged.pos[row]) % tr.capacity) // bs
+                        if int(paged.block_table[row, j]) == 0:
+                            paged.assign_blocks(row, [j], [free.pop()])
+                    x = torch.randn(B, 1, tr.d_model)
+                    y = tr(x, dense, live)
+                    close(tr(x, paged, live), y)
+                    if kv_dtype is None:
+                        with kernels.enabled(False):
+                            close(y, tr(x, general, live))
+                        assert torch.equal(dense.pos, general.pos) and torch.equal(dense.slot_pos, general.slot_pos)
+                        for a, b in zip(dense.keys + dense.values, general.keys + general.values):
+                            close(a, b)
+                    assert torch.equal(paged.pos, dense.pos) and torch.equal(paged.slot_pos, dense.slot_pos)
+                if kv_dtype is None:  # calls of 2 steps: the fused RoPE + ring write, then attention over the ring
+                    live = torch.tensor([True, False, True])
+                    for _ in range(3):
+                        x = torch.randn(B, 2, tr.d_model)
+                        y = tr(x, dense, live)
+                        with kernels.enabled(False):
+                            close(y[live], tr(x, general, live)[live])
+                        for a, b in zip(dense.keys + dense.values, general.keys + general.values):
+                            close(a, b)
+    print("ok grouped_transformer_decode")
+
+
+
+# Two groups, each a process of its own (tests/test_kernels_interpreted.py runs them as two tests).
+GROUPS = {
+    "moshi": (check_decode_attention, check_rope_write, check_norms_and_activation, check_sample, check_fp8,
+              check_transformer_decode, check_frame, check_paged_attention, check_paged_rope_write,
+              check_paged_transformer_decode, check_page_list_decode),
+    "grouped": (check_grouped_attention, check_grouped_rope_write, check_grouped_transformer_decode,
+                lambda: check_page_list_decode(heads=4, kv_repeat=2, pe="rope_concat", steps=24)),
+}
 
 if __name__ == "__main__":
-    check_decode_attention()
-    check_rope_write()
-    check_norms_and_activation()
-    check_sample()
-    check_fp8()
-    check_transformer_decode()
-    check_frame()
-    check_paged_attention()
-    check_paged_rope_write()
-    check_paged_transformer_decode()
-    check_page_list_decode()
+    import sys
+    for check in GROUPS[sys.argv[1] if len(sys.argv) > 1 else "moshi"]:
+        check()

@@ -178,7 +178,7 @@ CPU_CASES = {
         "frame_latency.py", ["--shapes", "tiny-hibiki-zero", "--device", "cpu", "--batches", "1,2", "--frames", "2",
                              "--warmup", "1", "--windows", "full", "--reference-batches", "1", "--kv-blocks", "fit"],
         [r"weights: tiny-hibiki-zero shapes, random float32  Parley KV cache: bf16, paged fit, read by the general path",
-         r"^Parley attention: temporal: general path \(grouped KV heads, rope_concat\); depformer: general path",
+         r"^Parley attention: temporal: general path \(no CUDA Triton kernels here\); depformer: general path",
          r"^Conditioning: description very_good \(both sides\), cfg_coef 1$",
          r"^\| 1 \| full \| \d+\.\d\d \| \d+\.\d\d \| .* \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d\dx \|",
          r"^\| 2 \| full \| \d+\.\d\d \| \d+\.\d\d \| .* \| - \|  \|  \|",  # no reference at B = 2
@@ -359,7 +359,8 @@ GPU_CASES = {
     "frame_latency_hibiki": ("frame_latency.py", ["--shapes", "hibiki-zero-3b", "--batches", "1,2", "--frames", "2",
                                                   "--warmup", "1", "--windows", "full", "--reference-batches", "1",
                                                   "--kv-dtype", "fp8", "--kv-blocks", "fit"],
-                             [r"weights: Hibiki-Zero 3B shapes, random bfloat16", r"^Parley attention: temporal: general",
+                             [r"weights: Hibiki-Zero 3B shapes, random bfloat16",
+                              r"^Parley attention: temporal: fused Triton decode kernels; depformer: fused Triton",
                               r"^\| 1 \| full \| \d+\.\d\d .* \| \d+\.\d\dx \|", r"^  B=2 full: Parley p50"]),
     "profile_frame": ("profile_frame.py", ["--batch", "1", "--frames", "2", "--warmup", "1"], [r"GPU: "]),
     "profile_tts": ("profile_tts.py", ["--rows", "2", "--replays", "2", "--warmup", "1"],

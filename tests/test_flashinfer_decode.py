@@ -30,10 +30,11 @@ B, HEADS, HEAD_DIM, CONTEXT, BLOCK = 3, 2, 128, 40, 8
 IDS = [lambda t: "s0", lambda t: "s1" if t % 3 != 1 else None, lambda t: "s2" if t >= 5 else None]
 
 
-def setup(states: int):
+def setup(states: int, heads: int = HEADS, kv_repeat: int = 1, pe: str = "rope"):
     torch.manual_seed(0)
-    tr = StreamingTransformer(HEADS * HEAD_DIM, HEADS, 2, 512, context=CONTEXT, norm="rms_norm_f32",
-                              gating="silu", device="cuda", dtype=torch.bfloat16).eval()
+    tr = StreamingTransformer(heads * HEAD_DIM, heads, 2, 512, context=CONTEXT, norm="rms_norm_f32",
+                              gating="silu", kv_repeat=kv_repeat, positional_embedding=pe, device="cuda",
+                              dtype=torch.bfloat16).eval()
     pool = KvBlockPool(KvLayout(window_frames=CONTEXT, block_frames=BLOCK, block_bytes=1), B, 12, "shrink")
     made = [tr.init_state(B, kv_blocks=13, block_size=BLOCK) for _ in range(states)]
     for row in range(B):
@@ -55,14 +56,17 @@ def lists(state, pos, taken_at):
     return paged_kv.decode_pages(state.table_host, pos, taken_at, CONTEXT, BLOCK)
 
 
-def flashinfer(buckets=(B,)) -> FlashInferDecode:
-    return FlashInferDecode(list(buckets), HEADS, HEAD_DIM, BLOCK, paged_kv.ring_blocks(CONTEXT, BLOCK),
-                            torch.device("cuda"))
+def flashinfer(buckets=(B,), heads: int = HEADS, kv_heads: int = HEADS) -> FlashInferDecode:
+    return FlashInferDecode(list(buckets), heads, HEAD_DIM, BLOCK, paged_kv.ring_blocks(CONTEXT, BLOCK),
+                            torch.device("cuda"), kv_heads=kv_heads)
 
 
-def test_flashinfer_reads_what_the_triton_kernel_reads():
-    tr, pool, (fi_state, kernel_state) = setup(2)
-    fi_state.page_decode = flashinfer()
+@pytest.mark.parametrize("heads,kv_repeat,pe", [(HEADS, 1, "rope"), (8, 2, "rope_concat"), (8, 4, "rope_concat")])
+def test_flashinfer_reads_what_the_triton_kernel_reads(heads, kv_repeat, pe):
+    """Moshi's attention, and Hibiki-Zero's (grouped KV heads through FlashInfer's GQA decode,
+    keys rotated on head halves by our kernel before FlashInfer reads the pages)."""
+    tr, pool, (fi_state, kernel_state) = setup(2, heads, kv_repeat, pe)
+    fi_state.page_decode = flashinfer(heads=heads, kv_heads=heads // kv_repeat)
     with torch.no_grad():
         for t in range(3 * CONTEXT):
             pos, taken_at = step_pool(pool, (fi_state, kernel_state), t)

@@ -5,6 +5,7 @@ with tiny random Hibiki-Zero- and Hibiki-shaped checkpoints (models/synthetic.py
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from parley.engine import Status, Terminal, kv_layout
 from parley.engine.backend import BackendOutput, ModelBackend
 from parley.models.checkpoint import load_checkpoint
 from parley.models.config import FRAME_SAMPLES, TEXT_EOS
+from parley.models.lm import LMModel
 from parley.models.synthetic import HIBIKI_KINDS, write_tiny_hibiki_checkpoint
 
 GREEDY = SessionOptions(sampling=SamplingOptions.greedy())
@@ -195,13 +197,19 @@ def test_ending_the_input_of_a_model_that_does_not_translate_is_refused(tiny_mos
     asyncio.run(main())
 
 
-def test_flashinfer_page_lists_are_refused_for_a_model_that_would_not_read_them(hibiki_dir):
-    """FlashInfer's page lists feed only the fused decode, which grouped KV heads and rope_concat
-    never take: asking for them is refused by name, not accepted and ignored."""
+def test_flashinfer_page_lists_take_grouped_heads_and_rope_concat_and_refuse_other_group_sizes(hibiki_dir):
+    """Grouped KV heads and rope_concat take the fused decode, whose page lists FlashInfer reads
+    (keys rotated by our kernel first; grouped heads as FlashInfer's GQA): on the CPU the refusal
+    is FlashInfer's own device, not the model's attention. A kv_repeat FlashInfer's decode does
+    not dispatch (3) is refused by name before anything is built."""
     checkpoint = load_checkpoint(hibiki_dir, "cpu", torch.float32)
     layout = kv_layout(checkpoint, None, BLOCK)
-    general = checkpoint.lm_config.kv_repeat != 1 or checkpoint.lm_config.positional_embedding != "rope"
-    why = "general attention path" if general else "it runs on CUDA"  # Hibiki 2B's shapes take the fused path
-    with pytest.raises(OptionsError, match=f"paged_attention flashinfer: .*{why}"):
+    with pytest.raises(OptionsError, match="paged_attention flashinfer: it runs on CUDA"):
+        ModelBackend(checkpoint, 2, seed=0, kv_blocks=2 * layout.window_blocks, kv_block_frames=layout.block_frames,
+                     paged_attention="flashinfer")
+    cfg = dataclasses.replace(checkpoint.lm_config, dim=96, num_heads=3, kv_repeat=3, depformer_kv_repeat=1)
+    torch.manual_seed(0)
+    checkpoint = dataclasses.replace(checkpoint, lm=LMModel(cfg).eval(), lm_config=cfg)
+    with pytest.raises(OptionsError, match="paged_attention flashinfer: this model's kv_repeat 3"):
         ModelBackend(checkpoint, 2, seed=0, kv_blocks=2 * layout.window_blocks, kv_block_frames=layout.block_frames,
                      paged_attention="flashinfer")

@@ -231,26 +231,35 @@ def test_sample_matches_sort_path(V):
     assert torch.equal(out, ref)
 
 
-def _fused_and_general(kv_dtype=None, cross=False, rope=True):
+def _fused_and_general(kv_dtype=None, cross=False, rope=True, heads=2, kv_repeat=1, pe="rope", paged=False):
     """The same 15 decode steps (after a 30-frame prefix) through the fused T == 1 path and the
     general SDPA path, with row 1 not executing: ((y, state) fused, (y, state) general). `cross`:
     layers with a cross-attention block (DSM TTS) over a fixed per-row source; `rope=False`: no
-    positional embedding (the depformer's case: the attention kernel writes the ring)."""
+    positional embedding (the depformer's case: the attention kernel writes the ring). `heads`
+    (head dim 128), `kv_repeat`, `pe` ("rope" or "rope_concat"): Hibiki-Zero's attention. `paged`:
+    the fused path steps a paged state (every row given its whole ring), the general one a dense one."""
     _need_cuda()
     torch.manual_seed(0)
-    tr = StreamingTransformer(256, 2, 3, 1024, context=40, norm="rms_norm_f32", gating="silu",
+    dim = 128 * heads
+    tr = StreamingTransformer(dim, heads, 3, 4 * dim, context=40, norm="rms_norm_f32", gating="silu",
                               layer_scale=0.1, cross_attention=cross, device="cuda", dtype=torch.bfloat16,
-                              positional_embedding="rope" if rope else "none")
+                              positional_embedding=pe if rope else "none", kv_repeat=kv_repeat,
+                              max_period=20_000.0 if pe == "rope_concat" else 10_000.0)
     B = 4
     states = [tr.init_state(B, kv_dtype=kv_dtype) for _ in range(2)]
+    if paged:
+        bs = 16  # (the 40-frame ring in 3 blocks, the last holding 8 slots)
+        nb = -(-tr.capacity // bs)
+        states[0] = tr.init_state(B, kv_dtype=kv_dtype, kv_blocks=1 + B * nb, block_size=bs)
+        states[0].map_blocks(assigned=[(b, j, 1 + b * nb + j) for b in range(B) for j in range(nb)])
     exec_mask = torch.tensor([True, False, True, True], device="cuda")
     with torch.no_grad():
         for layer in tr.layers:  # a LayerNorm that is not the identity, so the test sees it
             if layer.cross_attention is not None:
                 layer.norm_cross.weight.normal_(1.0, 0.2)
                 layer.norm_cross.bias.normal_(0.0, 0.2)
-        kv = tr.cross_kv(torch.randn(B, 20, 256, device="cuda", dtype=torch.bfloat16)) if cross else None
-        warm = torch.randn(B, 45, 256, device="cuda", dtype=torch.bfloat16)
+        kv = tr.cross_kv(torch.randn(B, 20, dim, device="cuda", dtype=torch.bfloat16)) if cross else None
+        warm = torch.randn(B, 45, dim, device="cuda", dtype=torch.bfloat16)
         for st in states:  # fill part of the ring with a prefix pass (T > 1, general path)
             tr(warm[:, :30], st, cross_kv=kv)
         outs = []
@@ -342,3 +351,93 @@ def test_transformer_fused_step_fp8_matches_general_path():
     torch.testing.assert_close(dequantize_kv(s_f.keys[2], s_f.key_scales[2], torch.float32),
                                dequantize_kv(s_g.keys[2], s_g.key_scales[2], torch.float32), atol=8e-2, rtol=8e-2)
     assert torch.equal(s_f.keys[0][1].view(torch.uint8), s_g.keys[0][1].view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped KV heads (query head h reads KV head h // r) and rope_concat: Hibiki-Zero 3B's attention
+# (16 heads over 8 KV heads, head dim 128, a 3000-frame context)
+
+
+@pytest.mark.parametrize("rep", [2, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("launch", [None, (64, 47, 3, 4), (16, 188, 4, 2)])
+def test_decode_attention_grouped_matches_sdpa(rep, fp8, launch):
+    """H / r KV heads: equal (bf16 tolerance) to SDPA over the ring expanded to every query head,
+    for split + reduce (the default at small B) and one program a ring; dense and paged."""
+    _need_cuda()
+    g = torch.Generator("cuda").manual_seed(11)
+    B, H, S, D, dt = 5, 16, 3000, 128, torch.bfloat16
+    ck, cv, pos, sp, q, kn, vn = _random_ring(B, H // rep, S, D, g)
+    q = torch.randn(B, H, D, device="cuda", generator=g).to(dt)
+    scales = ()
+    if fp8:
+        (ck, ks), (cv, vs) = quantize_kv(ck), quantize_kv(cv)
+        scales = (ks, vs)
+    blocks = launch and fa.AttentionLaunch(*launch)
+    out = fa.decode_attention(q, kn, vn, ck, cv, sp, pos, S, *scales, launch=blocks)
+    full_k, full_v = (dequantize_kv(ck, ks, dt), dequantize_kv(cv, vs, dt)) if fp8 else (ck, cv)
+    expanded = [t.repeat_interleave(rep, 1) for t in (kn, vn, full_k, full_v)]
+    torch.testing.assert_close(out.float(), _sdpa_reference(q, *expanded, sp, pos, S), atol=2e-2, rtol=2e-2)
+    bs = 64
+    nb = -(-S // bs)
+    table = (1 + torch.arange(B * nb, device="cuda", dtype=torch.int32).view(B, nb).flip(1)).contiguous()
+    pools = []
+    for ring in (ck, cv, *scales):  # each row's ring in blocks of 64 slots, in reverse pool order
+        raw = ring.view(torch.uint8) if ring.dtype == FP8 else ring  # (index ops on fp8's bytes)
+        padded = torch.zeros(B, raw.shape[1], nb * bs, *raw.shape[3:], device="cuda", dtype=raw.dtype)
+        padded[:, :, :S] = raw
+        pool = torch.zeros(1 + B * nb, raw.shape[1], bs, *raw.shape[3:], device="cuda", dtype=raw.dtype)
+        blocks_of = padded.view(B, raw.shape[1], nb, bs, *raw.shape[3:]).transpose(1, 2).flatten(0, 1)
+        pool[table.flatten().long()] = blocks_of
+        pools.append(pool.view(ring.dtype))
+    paged = fa.decode_attention(q, kn, vn, *pools[:2], sp, pos, S, *pools[2:], launch=blocks, block_table=table)
+    torch.testing.assert_close(paged, out, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rope_write_grouped_heads(interleave, fp8):
+    """rope_write of 16 query and 8 KV heads, RoPE on pairs or halves (rope_concat): q and k as
+    apply_rope's, each KV head written once to executing rows' slots (fp8: quantize_kv's scales)."""
+    _need_cuda()
+    B, H, KVH, D, S = 3, 16, 8, 128, 10
+    qkv = (torch.randn(B, (H + 2 * KVH) * D, device="cuda") * 3).to(torch.bfloat16)
+    pos = torch.tensor([0, 7, 23], device="cuda")
+    dt = FP8 if fp8 else torch.bfloat16
+    ck, cv = torch.zeros(B, KVH, S, D, device="cuda", dtype=dt), torch.zeros(B, KVH, S, D, device="cuda", dtype=dt)
+    scales = (torch.zeros(B, KVH, S, device="cuda"), torch.zeros(B, KVH, S, device="cuda")) if fp8 else ()
+    ex = torch.tensor([True, False, True], device="cuda")
+    q, k, v = fa.rope_write(qkv, H, D, rope_cos_sin(pos, D, 2e4), pos, ex, ck, cv, *scales, interleave=interleave)
+    q0 = qkv[:, :H * D].view(B, H, 1, D)
+    k0, v0 = qkv[:, H * D:].view(B, 2, KVH, 1, D).unbind(1)
+    qr, kr = apply_rope(q0, k0, rope_cos_sin(pos[:, None], D, 2e4), interleave)
+    torch.testing.assert_close(q, qr[:, :, 0], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(k, kr[:, :, 0], atol=1e-2, rtol=1e-2)
+    assert torch.equal(v, v0[:, :, 0])
+    rows, slot = torch.arange(B, device="cuda"), pos % S
+    for cache, src, i in ((ck, k, 0), (cv, v, 1)):
+        if fp8:
+            got = dequantize_kv(cache[rows, :, slot], scales[i][rows, :, slot], torch.float32)
+            want = dequantize_kv(*quantize_kv(src), torch.float32)
+            torch.testing.assert_close(got[ex], want[ex], rtol=0.07, atol=1e-6)  # at most one fp8 step apart
+        else:
+            assert torch.equal(cache[rows, :, slot][ex], src[ex])
+        assert not cache[1].view(torch.uint8).any()  # the idle row's ring untouched
+
+
+@pytest.mark.parametrize("kv_repeat,pe", [(2, "rope_concat"), (4, "rope_concat"), (2, "rope")])
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+@pytest.mark.parametrize("paged", [False, True])
+def test_transformer_fused_step_grouped_matches_general_path(kv_repeat, pe, kv_dtype, paged):
+    """Hibiki-Zero's attention (8 heads of 128 over 8 / r KV heads, rope_concat with period 20000)
+    takes the fused T == 1 decode, equal to the general path: outputs within bf16 tolerance, the same
+    positions, the rings within it, the idle row's ring untouched; dense and paged rings, bf16 and fp8."""
+    (y_f, s_f), (y_g, s_g) = _fused_and_general(kv_dtype=kv_dtype, heads=8, kv_repeat=kv_repeat, pe=pe, paged=paged)
+    assert s_f.keys[0].shape[1] == 8 // kv_repeat
+    torch.testing.assert_close(y_f.float(), y_g.float(), atol=5e-2, rtol=5e-2)
+    assert torch.equal(s_f.pos, s_g.pos) and torch.equal(s_f.slot_pos, s_g.slot_pos)
+    if not paged:
+        ring = (lambda s, i: dequantize_kv(s.keys[i], s.key_scales[i], torch.float32)) if kv_dtype else \
+            (lambda s, i: s.keys[i].float())
+        torch.testing.assert_close(ring(s_f, 2), ring(s_g, 2), atol=8e-2, rtol=8e-2)
+        assert torch.equal(s_f.keys[0][1].view(torch.uint8), s_g.keys[0][1].view(torch.uint8))
