@@ -30,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol
 
+from .tick_trace import CudaEvents
+
 if TYPE_CHECKING:
     import torch
 
@@ -46,31 +48,14 @@ class DeviceTimeline(Protocol):
     def release(self, events: list) -> None: ...
 
 
-class CudaTimeline:
-    """CUDA timing events on the current stream, pooled (every slack item records two)."""
-
-    def __init__(self) -> None:
-        import torch  # only on CUDA
-
-        self._event = lambda: torch.cuda.Event(enable_timing=True)
-        self._free: list = []
-
-    def record(self) -> Any:
-        event = self._free.pop() if self._free else self._event()
-        event.record()
-        return event
-
-    def done(self, event: Any) -> bool:
-        return event.query()
+class CudaTimeline(CudaEvents):
+    """The tick trace's pooled CUDA events, waited on and read in seconds (every slack item records two)."""
 
     def wait(self, event: Any) -> None:
         event.synchronize()
 
     def elapsed_s(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1000.0
-
-    def release(self, events: list) -> None:
-        self._free.extend(events)
+        return self.elapsed_ms(start, end) / 1000.0
 
 
 def device_timeline(backend: object) -> CudaTimeline | None:

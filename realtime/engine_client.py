@@ -196,6 +196,20 @@ class SpeechJob(Job):
         self._work.end_text()
 
 
+class OpensSessions:
+    """`open` for both clients, from their own `admit`, `ready` and `close`."""
+
+    async def open(self, options: SessionOptions) -> DuplexSession:
+        """`admit`, then `ready`; a caller that goes away meanwhile gives the slot back."""
+        session = self.admit(options)  # type: ignore[attr-defined]
+        try:
+            await self.ready(session)  # type: ignore[attr-defined]
+        except asyncio.CancelledError:
+            self.close(session)  # type: ignore[attr-defined]
+            raise
+        return session
+
+
 class EngineClient(Protocol):
     """The calls a door makes (rule 1): `InProcessClient` here, `RemoteClient` in an edge worker."""
 
@@ -234,7 +248,7 @@ class EngineClient(Protocol):
     async def image_refusal(self, width: int, height: int, guidance: float) -> str | None: ...
 
 
-class InProcessClient:
+class InProcessClient(OpensSessions):
     """The engine client over this process's Engine and pools (rule 4). Engine errors are turned
     into the client's own at admission (rule 3); each open duplex session is kept by id."""
 
@@ -293,16 +307,6 @@ class InProcessClient:
         except EngineClosed as exc:
             self._sessions.pop(session.id, None)
             raise SessionClosed(str(exc)) from exc
-
-    async def open(self, options: SessionOptions) -> DuplexSession:
-        """`admit`, then `ready`; a caller that goes away meanwhile gives the slot back."""
-        session = self.admit(options)
-        try:
-            await self.ready(session)
-        except asyncio.CancelledError:
-            self.close(session)
-            raise
-        return session
 
     def reopen(self, old: DuplexSession, options: SessionOptions) -> DuplexSession:
         """Re-prefill: end `old` and admit `options` in its slot, with no await in between, so no

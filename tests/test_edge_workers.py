@@ -222,6 +222,9 @@ async def _scenario(server: Server) -> None:
 
     # sessions on both workers (the kernel picks the worker for each connection)
     workers = server.worker_pids()
+    # a sideband reaches its call whichever worker takes the attach (calls/sideband_relay.py)
+    await _sideband_on_every_worker(server, list(workers.values()))
+    await until(lambda: json.loads(http(server.url("/load"))[1] or "{}").get("live") == 0, 10, "the call's slot")
     assert sorted(workers) == [0, 1]
     holders: list[Holder] = []
     owners: list[int] = []
@@ -266,3 +269,36 @@ async def _scenario(server: Server) -> None:
 def hold_refused(result) -> int:
     assert not isinstance(result, Holder), "a session was admitted while the engine process was gone"
     return result[0]
+
+
+async def _sideband_on_every_worker(server: Server, pids: list[int]) -> None:
+    """A Realtime WebRTC call on one worker; attaches (`?call_id=`) until both workers have taken
+    one: each gets the session's answer to its own `session.update`, so the worker not holding the
+    call relayed it to the one that does."""
+    from test_sideband import sdk, upgrade_status
+    from test_webrtc import ECHO_SETTINGS, Client
+    from websockets.asyncio.client import connect
+
+    caller, client = Client(), sdk(server.base)
+    answer = await client.realtime.calls.create(sdp=await caller.offer(), session=ECHO_SETTINGS)
+    call_id = answer.response.headers["location"].rsplit("/", 1)[1]
+    await caller.answer(answer.text)
+    await caller.wait(lambda: "session.created" in caller.types(), "the call's session")
+    takers: set[int] = set()
+    for attempt in range(40):  # the kernel picks the worker: both take some within a few attaches
+        async with connect(f"ws://{server.base}/v1/realtime?call_id={call_id}") as side:
+            takers.add(owner_pid(server.port, side.local_address[1], pids))
+            update = {"type": "session.update", "event_id": f"side-{attempt}",
+                      "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}}
+            await side.send(json.dumps(update))
+            while (event := json.loads(await asyncio.wait_for(side.recv(), 20)))["type"] != "session.updated":
+                assert event["type"] != "error", event
+        if len(takers) == 2:
+            break
+    assert len(takers) == 2, "every attach landed on one worker"
+    for _ in range(4):  # an id no worker holds: 404 from whichever takes it, the other asked once
+        status, body = await upgrade_status(f"ws://{server.base}/v1/realtime?call_id=nope")
+        assert status == 404 and body["error"]["code"] == "session_not_found", body
+    await client.realtime.calls.hangup(call_id)
+    await caller.close()
+    await client.close()

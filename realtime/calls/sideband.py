@@ -40,6 +40,7 @@ from ..sessions.limits import EdgeLimits, RateLimiter
 from ..sessions.session import CLOSE_NORMAL, CLOSE_POLICY, close_reason
 from .event_channel import EventChannel, SessionLost
 from .event_reader import Event, client_event_id, event_type, parse_client_event
+from .sideband_relay import SidebandRelay, relay
 
 log = logging.getLogger("parley.sideband")
 
@@ -80,16 +81,14 @@ class AttachedCall:
 class LiveCalls:
     """The registry of live sessions a sideband may attach to, by id.
 
-    Today every session runs in the server process, so this is a dict. With the edge in worker
-    processes, a multi-worker form must (1) publish `hold` / `release` to where every worker (or
-    the front that routes upgrades) can read it, mapping an id to the worker that holds the call
-    and a digest of its key; (2) route, or proxy, an attach upgrade to that worker, whose own
-    registry then finds the call (fan-out and control stay in the worker holding the session);
-    (3) drop a dead worker's ids. `find` is the only lookup the attach doors make.
+    One per app: with the edge in worker processes each worker holds its own calls, and an attach
+    for a call another worker holds is relayed there (calls/sideband_relay.py), where fan-out and
+    control stay. `find` is the only lookup the attach doors make.
     """
 
     def __init__(self) -> None:
         self._calls: dict[str, AttachedCall] = {}
+        self.relay: SidebandRelay | None = None  # an edge worker's: the other workers' calls
 
     def hold(self, call: AttachedCall) -> None:
         self._calls[call.id] = call
@@ -242,6 +241,16 @@ async def attach(websocket: WebSocket, call_id: str, param: str, subprotocol: st
     reservation.release()  # a sideband takes no slot
     assert state.live_calls is not None  # create_app always builds the registry
     found = find_for(websocket, state.live_calls, call_id, param)
+    relay_to = state.live_calls.relay
+    if isinstance(found, Response) and found.status_code == 404 and relay_to is not None \
+            and not relay_to.relayed(websocket):  # another edge worker may hold the call
+        opened = await relay_to.open(websocket)
+        if isinstance(opened, Response):
+            found = opened
+        elif opened is not None:
+            log.info("sideband for %s relayed to the edge worker holding the call", call_id)
+            await relay(websocket, opened)
+            return
     if isinstance(found, Response):
         reason = "session_not_found" if found.status_code == 404 else "sidebands"
         state.refusals.record(websocket.scope, reason, json.loads(found.body)["error"]["message"])

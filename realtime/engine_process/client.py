@@ -25,8 +25,8 @@ import logging
 from typing import Any, AsyncIterator
 
 from ..engine_client import (
-    DuplexSession, FrameOut, ImageFacts, ImageSpec, Job, OptionsError, PoolSlots, SessionClosed, SessionOptions,
-    SpeechJob, Status, SttFacts, SttPartial, Terminal, TranscriptionJob, TtsRequest,
+    DuplexSession, FrameOut, ImageFacts, ImageSpec, Job, OptionsError, PoolSlots, SessionClosed,
+    OpensSessions, SessionOptions, SpeechJob, Status, SttFacts, SttPartial, Terminal, TranscriptionJob, TtsRequest,
 )
 from .rings import ByteRing
 from .wire import Channel, ChannelClosed, input_parts, read_event
@@ -95,7 +95,7 @@ class _RemoteWork:
         self._client.cast("job", self._stream, "end_text")
 
 
-class RemoteClient:
+class RemoteClient(OpensSessions):
     """The engine client over the link to the engine process (module docstring)."""
 
     def __init__(self, path: str, worker: int) -> None:
@@ -297,15 +297,6 @@ class RemoteClient:
         except BaseException:
             self._inboxes.pop(session.id, None)
             raise
-
-    async def open(self, options: SessionOptions) -> DuplexSession:
-        session = self.admit(options)
-        try:
-            await self.ready(session)
-        except asyncio.CancelledError:
-            self.close(session)
-            raise
-        return session
 
     def reopen(self, old: DuplexSession, options: SessionOptions) -> DuplexSession:
         if self._channel is None:

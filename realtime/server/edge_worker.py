@@ -5,7 +5,7 @@ workers share, and the engine through its link (realtime/engine_process/client.p
 sockets `parley serve` bound. Top to bottom: link to the engine process (waiting while it loads),
 build the same app a one-process server builds (server/app.py `assemble_app`) from the engine's
 `EdgeSpec`, with the Opus codec on this worker's own threads, then run uvicorn on the shared
-sockets until SIGINT, or SIGTERM, which drains this worker's sessions first (server/drain.py).
+sockets and a private one (sidebands for this worker's calls: calls/sideband_relay.py) until SIGINT, or SIGTERM, which drains this worker's sessions first (server/drain.py).
 While the engine process is gone (the supervisor restarts it), HTTP requests other than the
 probes and /metrics get 503 + Retry-After (`EngineGate`); WebSocket upgrades get admission's
 503 ("unhealthy"), as the link's counters say (engine_process/client.py rule 4).
@@ -19,11 +19,13 @@ import logging
 import os
 import signal
 import socket
+from pathlib import Path
 
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..calls.sideband_relay import SidebandRelay
 from ..engine_process.client import ENGINE_GONE, RemoteClient
 from ..http.metrics import exposition
 from ..sessions.capacity import RETRY_AFTER_S
@@ -53,11 +55,25 @@ class EngineGate:
         await self.app(scope, receive, send)
 
 
-def edge_worker(config, sockets: list[socket.socket], path: str, index: int, log_format: str) -> None:
-    """The worker's main (module docstring)."""
+def edge_worker(config, sockets: list[socket.socket], path: str, index: int, count: int, log_format: str) -> None:
+    """The worker's main (module docstring); `count` workers in all, this one `index`."""
     configure_logging(config.log_level, log_format)
     with runner() as run:
-        run.run(_serve(config, sockets, path, index))
+        run.run(_serve(config, sockets, path, index, count))
+
+
+def worker_socket(engine_path: str, index: int) -> str:
+    """Worker `index`'s private socket, beside the engine's in the supervisor's directory."""
+    return str(Path(engine_path).with_name(f"edge-{index}.sock"))
+
+
+def _bind_private(path: str) -> socket.socket:
+    """This worker's private socket (calls/sideband_relay.py rule 1); a dead predecessor's file goes first."""
+    Path(path).unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(64)
+    return sock
 
 
 async def link(path: str, index: int) -> RemoteClient:
@@ -71,7 +87,7 @@ async def link(path: str, index: int) -> RemoteClient:
             await asyncio.sleep(LINK_RETRY_S)
 
 
-async def _serve(config, sockets: list[socket.socket], path: str, index: int) -> None:
+async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int) -> None:
     client = await link(path, index)
     spec = dataclasses.replace(client.edge_spec, codec_workers=0)  # the codec runs on this worker's threads
     reading: list[asyncio.Task] = []
@@ -88,13 +104,18 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int) ->
     process = f"edge-{index}"
     app = assemble_app(client, spec, EngineLifetime(start, stop), process=process, others=lambda: client.others,
                        middleware=[Middleware(EngineGate, client=client)])
+    # an attach for a call another worker holds goes there, over that worker's private socket
+    calls = app_state(app).live_calls
+    assert calls is not None  # assemble_app always builds the registry
+    calls.relay = SidebandRelay([worker_socket(path, i) for i in range(count) if i != index])
+    private = _bind_private(worker_socket(path, index))
     # POST /admin/drain drains the whole server: the supervisor relays SIGTERM to every worker
     app_state(app).drainer.whole_server = lambda: os.kill(os.getppid(), signal.SIGTERM)
     log.info("edge worker %d serving", index)
     server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level,
                                            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile),
                             app_state(app).drainer)
-    await run_server(server, sockets)
+    await run_server(server, [*sockets, private])
 
 
 async def _send_metrics(client: RemoteClient, metrics, process: str) -> None:

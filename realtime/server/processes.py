@@ -71,7 +71,7 @@ class ProcessSupervisor:
 
     def _start_worker(self, index: int) -> None:
         worker = SPAWN.Process(target=edge_worker, name=f"parley-edge-{index}", daemon=False,
-                               args=(self.config, self.sockets, self.path, index, current_kind()))
+                               args=(self.config, self.sockets, self.path, index, self.count, current_kind()))
         worker.start()
         log.info("edge worker %d started (pid %d)", index, worker.pid)
         self.workers[index] = worker
