@@ -10,6 +10,7 @@ skips, saying which is missing, otherwise."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -25,7 +26,7 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from parley.engine import Engine, EngineConfig
+from parley.engine import Engine
 from parley.realtime.server import services
 from parley.realtime.server.serve import ServeConfig, build_app
 from server_harness import serve
@@ -71,7 +72,8 @@ def test_openai_node_sdk_over_tls(tmp_path, monkeypatch):
     cert, key = self_signed_certificate(tmp_path)
     monkeypatch.setenv("PARLEY_CACHE", str(tmp_path / "cache"))  # the demo checkpoints
     pinned = json.loads((NODE_DIR / "package.json").read_text())["dependencies"]["openai"]
-    monkeypatch.setattr(services, "Engine", lambda backend, **kw: Engine(backend, EngineConfig(tick_seconds=TICK), **kw))
+    monkeypatch.setattr(services, "Engine",
+                        lambda backend, config, **kw: Engine(backend, dataclasses.replace(config, tick_seconds=TICK), **kw))
     app = build_app(ServeConfig(model=None, codec_workers=0, torch_threads=1, tts_slots=1, stt_slots=1))
     with serve(app, ssl_certfile=str(cert), ssl_keyfile=str(key)) as base:
         port = base.rsplit(":", 1)[1]
