@@ -73,12 +73,12 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                    help="worker processes for WebRTC calls (aiortc's Opus, SRTP, DTLS and SCTP, off the server's "
                         "event loop and GIL; each call pinned to the least loaded; started by the first call). "
                         "Default: one per 6 sessions (at most CPU cores - 1)")
-    p.add_argument("--edge-workers", type=int, default=None,
+    p.add_argument("--edge-workers", type=int, default=0,
                    help="edge worker processes: each serves its connections end to end (protocol, codec) on the "
                         "shared port, while the models and the engine's tick run in an engine process of their "
                         "own; a worker or engine process that dies is restarted. 0: one process does everything "
-                        "(the engine thread shares the event loop's GIL). Default: one per CPU core but one, "
-                        "at most 8; 0 on two cores or fewer")
+                        "(the engine thread shares the event loop's GIL), the default until the split is measured "
+                        "to hold the frame on a GPU (docs/benchmarks.md); try one per CPU core but one, at most 8")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
@@ -202,15 +202,6 @@ def served_names(args: argparse.Namespace) -> dict[str, tuple[str, ...]]:
     return parse_served_names([values] if isinstance(values, str) else values or [])
 
 
-def edge_workers(args: argparse.Namespace) -> int:
-    """`--edge-workers`, or by default one per core but one, at most eight; none (one process) on two
-    cores or fewer, where a worker would have no core of its own to run on."""
-    if args.edge_workers is not None:
-        return args.edge_workers
-    cores = os.cpu_count() or 2
-    return 0 if cores <= 2 else min(8, cores - 1)
-
-
 def serve_flag_error(args: argparse.Namespace) -> str | None:
     """What is wrong with `parley serve`'s numeric flags and each modality's (None: nothing), before
     anything loads."""
@@ -218,9 +209,9 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return "--codec-workers must be 0 (threads) or more (processes)"
     if args.webrtc_workers is not None and args.webrtc_workers < 1:
         return f"--webrtc-workers must be at least 1 (got {args.webrtc_workers}); WebRTC calls always run in workers"
-    if args.edge_workers is not None and args.edge_workers < 0:
+    if args.edge_workers < 0:
         return f"--edge-workers must be 0 (one process) or more (got {args.edge_workers})"
-    if args.codec_workers and edge_workers(args) != 0:
+    if args.codec_workers and args.edge_workers != 0:
         return ("--codec-workers applies with --edge-workers 0: each edge worker runs its connections' codec "
                 "on its own threads")
     if args.max_sessions < 1:
@@ -290,7 +281,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        mimi_dtype=args.mimi_dtype, defaults=defaults, sampling=sampling,
                        log_level=args.log_level, codec_workers=args.codec_workers,
                        webrtc_workers=args.webrtc_workers, torch_threads=args.torch_threads,
-                       edge_workers=edge_workers(args),
+                       edge_workers=args.edge_workers,
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
                        tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
                        slack_queue_depth=args.slack_queue_depth,

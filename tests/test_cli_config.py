@@ -241,3 +241,17 @@ def test_slack_queue_depth_has_a_help_line(capsys):
         build_parser().parse_args(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--slack-queue-depth N" in help_text and "1: wait for each item before choosing the next" in help_text
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--edge-workers", "-1"], "--edge-workers must be 0 (one process) or more (got -1)"),
+    (["--edge-workers", "2", "--codec-workers", "2"], "--codec-workers applies with --edge-workers 0"),
+    (["--codec-workers", "2"], None),  # one process (the default): the codec's own workers
+    (["--edge-workers", "2"], None),
+])
+def test_edge_workers_and_the_codec_workers_they_replace(argv, error):
+    from parley.realtime.cli import serve_flag_error
+
+    args = cli_sources.parse_args(build_parser(), ["serve", *argv], {})
+    found = serve_flag_error(args)
+    assert (found is None) if error is None else (found is not None and found.startswith(error)), found

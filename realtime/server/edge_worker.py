@@ -29,6 +29,7 @@ from ..calls.sideband_relay import SidebandRelay
 from ..engine_process.client import ENGINE_GONE, RemoteClient
 from ..http.metrics import exposition
 from ..sessions.capacity import RETRY_AFTER_S
+from ..webrtc.pool import default_workers
 from .app import EngineLifetime, assemble_app
 from .drain import DrainingServer
 from .log_format import configure_logging
@@ -89,7 +90,10 @@ async def link(path: str, index: int) -> RemoteClient:
 
 async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int) -> None:
     client = await link(path, index)
-    spec = dataclasses.replace(client.edge_spec, codec_workers=0)  # the codec runs on this worker's threads
+    # The codec runs on this worker's threads; the server's WebRTC workers are shared out among the
+    # edge workers (`--webrtc-workers` is the server's total), at least one each.
+    webrtc = client.edge_spec.webrtc_workers or default_workers(client.max_sessions)
+    spec = dataclasses.replace(client.edge_spec, codec_workers=0, webrtc_workers=max(1, -(-webrtc // count)))
     reading: list[asyncio.Task] = []
 
     async def start() -> None:
