@@ -378,8 +378,8 @@ def test_tts_pool_queued_gives_the_audio_and_words_of_each_item_waited_for(tiny_
     import numpy as np
     import torch
 
-    from parley.engine.stream import Status, Terminal
     from parley.engine.tts_pool import TtsAudio, TtsPool, TtsRequest, TtsWord
+    from test_tts_pool import speak_to_the_end
     from parley.models.dsm import split_words
     from parley.models.synthetic import TINY_TTS_VOICES
     from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
@@ -395,16 +395,7 @@ def test_tts_pool_queued_gives_the_audio_and_words_of_each_item_waited_for(tiny_
         pool = TtsPool(ck.lm, ck.mimi, 4, voice_frames=10)
         runner = SlackRunner(lambda: 0.0, sync_for(device), 0.0, queue_depth=depth, timeline=timeline_for(device))
         pool.warm_up(runner.costs)
-        runner.add_source(pool)
-        jobs = [pool.submit(r, asyncio.get_running_loop()) for r in reqs]
-        events = [[] for _ in jobs]
-        for _ in range(300):
-            runner.run_until(None)
-            for job, got in zip(jobs, events):
-                got += job.stream.drain()
-            if all(job.stream.finished for job in jobs):
-                break
-        assert all(got and got[-1] == Terminal(Status.COMPLETED) for got in events)
+        events = speak_to_the_end(runner, pool, reqs)
         return runner, [([(e.text, e.start_s) for e in got if isinstance(e, TtsWord)],
                          np.concatenate([e.pcm for e in got if isinstance(e, TtsAudio)])) for got in events]
 

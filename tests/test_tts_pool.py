@@ -239,16 +239,7 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_tts_dir):
         runner = SlackRunner(lambda: 0.0, torch.cuda.synchronize, guard_s=0.0)
         pool.warm_up(runner.costs)
         assert pool.graphed == graphs
-        runner.add_source(pool)
-        jobs = [pool.submit(r, asyncio.get_running_loop()) for r in reqs]
-        events = [[] for _ in jobs]
-        for _ in range(300):
-            runner.run_until(None)
-            for job, got in zip(jobs, events):
-                got += job.stream.drain()
-            if all(job.stream.finished for job in jobs):
-                break
-        assert all(got and got[-1] == Terminal(Status.COMPLETED) for got in events)
+        events = speak_to_the_end(runner, pool, reqs)
         return [([e.text for e in got if isinstance(e, TtsWord)],
                  np.concatenate([e.pcm for e in got if isinstance(e, TtsAudio)])) for got in events]
 
@@ -479,3 +470,18 @@ def test_text_that_streams_in_waits_for_words_and_gives_the_whole_scripts_frames
                                       np.concatenate([e.pcm for e in want if isinstance(e, TtsAudio)]))
         assert got[-1].status is Status.COMPLETED
     asyncio.run(main())
+
+
+def speak_to_the_end(runner, pool, reqs) -> list[list]:
+    """Each request's events, the runner driving `pool` (added to it here) until every one completed."""
+    runner.add_source(pool)
+    jobs = [pool.submit(r, asyncio.get_running_loop()) for r in reqs]
+    events: list[list] = [[] for _ in jobs]
+    for _ in range(300):
+        runner.run_until(None)
+        for job, got in zip(jobs, events):
+            got += job.stream.drain()
+        if all(job.stream.finished for job in jobs):
+            break
+    assert all(got and got[-1] == Terminal(Status.COMPLETED) for got in events)
+    return events
