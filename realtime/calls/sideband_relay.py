@@ -23,7 +23,7 @@ import logging
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, unix_connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 log = logging.getLogger("parley.sideband")
 
@@ -61,7 +61,7 @@ class SidebandRelay:
                     refusal = Response(exc.response.body, exc.response.status_code,
                                        headers={k: v for k, v in exc.response.headers.items()
                                                 if k.lower() in ("content-type", "retry-after")})
-            except (OSError, TimeoutError, ConnectionClosed) as exc:
+            except (OSError, TimeoutError, ConnectionClosed, InvalidHandshake) as exc:  # (a bad answer too)
                 log.warning("sideband relay: worker socket %s did not answer (%s)", peer, exc)
         return refusal
 
