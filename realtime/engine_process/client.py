@@ -29,7 +29,7 @@ from ..engine_client import (
     OpensSessions, SessionOptions, SpeechJob, Status, SttFacts, SttPartial, Terminal, TranscriptionJob, TtsRequest,
 )
 from .rings import ByteRing
-from .wire import Channel, ChannelClosed, input_parts, read_event
+from .wire import Channel, ChannelClosed, Doorbell, input_parts, read_event
 
 log = logging.getLogger("parley.edge")
 RING_BYTES = 16 << 20  # each direction; a full events ring drops frames (engine_process/core.py rule 3)
@@ -106,14 +106,13 @@ class RemoteClient(OpensSessions):
         self._channel: Channel | None = None
         self._audio_in: ByteRing | None = None
         self._events_out: ByteRing | None = None
-        self._bell = False
+        self._bell = Doorbell(lambda: self._channel)
         self._status: tuple = ({}, False, False, None, None)
         self.audio_dropped = 0  # input frames the full audio ring refused
         self.max_sessions = 0
         self.can_transcribe = False
         self.edge_spec: Any = None
         self._facts: dict = {}
-        self._linked = asyncio.Event()
         self.others: list[bytes] = []  # the other processes' metrics, exposition text (engine_process/core.py rule 5)
 
     # ---- the link ----
@@ -137,7 +136,6 @@ class RemoteClient(OpensSessions):
         assert kind == "status", f"the engine process sent {kind!r} where its status belongs"
         self._status = tuple(status)
         self._channel = channel
-        self._linked.set()
 
     async def run(self) -> None:
         """Read the link until it ends (rule 4), then link again; runs for the worker's life."""
@@ -186,7 +184,6 @@ class RemoteClient(OpensSessions):
                 del self._inboxes[stream]
 
     def _unlink(self) -> None:
-        self._linked.clear()
         self.others = []
         self._status = ({}, False, False, None, None)
         for inbox in self._inboxes.values():
@@ -234,17 +231,7 @@ class RemoteClient(OpensSessions):
         if not self._audio_in.write(*input_parts(stream, pcm, received_at)):
             self.audio_dropped += 1
             return
-        if not self._bell:
-            self._bell = True
-            asyncio.get_running_loop().call_soon(self._send_bell)
-
-    def _send_bell(self) -> None:
-        self._bell = False
-        if self._channel is not None:
-            try:
-                self._channel.send(("bell",))
-            except ChannelClosed:
-                pass
+        self._bell.ring()
 
     def _open_stream(self) -> tuple[int, _Inbox]:
         stream = next(self._ids)

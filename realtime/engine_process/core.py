@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from ..engine_client import DuplexSession, FrameOut, InProcessClient, Job, Status, Terminal, TtsAudio
 from ..http.metrics import exposition
 from .rings import ByteRing
-from .wire import Channel, ChannelClosed, event_parts, read_input
+from .wire import Channel, ChannelClosed, Doorbell, event_parts, read_input
 
 log = logging.getLogger("parley.engine_process")
 STATUS_INTERVAL_S = 0.05  # how stale a worker's view of the engine's counters may be
@@ -58,23 +58,11 @@ class WorkerLink:
         self._jobs: dict[int, Job] = {}
         self._refused: dict[int, BaseException] = {}  # a reopen's admission error, for its `ready`
         self._tasks: set[asyncio.Task] = set()
-        self._bell = False
+        self._bell = Doorbell(lambda: self.channel)
         self.frames_dropped = 0
         self.families = b""  # the worker's metrics (exposition text), as it last sent them (rule 5)
 
     # ---- events out (rule 3) ----
-
-    def _ring_bell(self) -> None:
-        if not self._bell:
-            self._bell = True
-            asyncio.get_running_loop().call_soon(self._send_bell)
-
-    def _send_bell(self) -> None:
-        self._bell = False
-        try:
-            self.channel.send(("bell",))
-        except ChannelClosed:
-            pass
 
     async def _forward(self, stream: int, events: Any, session: DuplexSession | None = None) -> None:
         async for event in events:
@@ -85,14 +73,18 @@ class WorkerLink:
                     self.frames_dropped += 1
                     break
                 await asyncio.sleep(FULL_RING_RETRY_S)
-            self._ring_bell()
+            self._bell.ring()
             if isinstance(event, Terminal):
                 break
         self._sessions.pop(stream, None)
         self._jobs.pop(stream, None)
 
     def _follow(self, stream: int, events: Any, session: DuplexSession | None = None) -> None:
-        task = asyncio.create_task(self._forward(stream, events, session))
+        self._spawn(self._forward(stream, events, session))
+
+    def _spawn(self, work: Any) -> None:
+        """Run `work` as a task of this link's (cancelled when the link ends)."""
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -116,7 +108,7 @@ class WorkerLink:
         if (job := self._jobs.pop(stream, None)) is not None:
             job.cancel()
         self._out.write(*event_parts(stream, Terminal(Status.FAILED, str(exc))))
-        self._ring_bell()
+        self._bell.ring()
 
     # ---- calls (rule 2) ----
 
@@ -203,9 +195,7 @@ class WorkerLink:
             if method not in self.CALLS:
                 raise ChannelClosed(f"worker {self.worker} called {method!r}, which the engine process does not serve")
             # each its own task (rule 2): the ones that do not wait finish in arrival order
-            task = asyncio.create_task(self._answer(call_id, method, args))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._answer(call_id, method, args))
         elif kind == "cast":
             _, method, args = message
             if method not in self.CALLS:

@@ -18,7 +18,7 @@ import asyncio
 import math
 import pickle
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -67,6 +67,28 @@ class Channel:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class Doorbell:
+    """Tells the other side that its incoming ring has records: one `("bell",)` a loop turn, however
+    many records were written in it. `channel` gives the channel, None while there is none."""
+
+    def __init__(self, channel: Callable[[], Channel | None]) -> None:
+        self._channel = channel
+        self._pending = False
+
+    def ring(self) -> None:
+        if not self._pending:
+            self._pending = True
+            asyncio.get_running_loop().call_soon(self._send)
+
+    def _send(self) -> None:
+        self._pending = False
+        if (channel := self._channel()) is not None:
+            try:
+                channel.send(("bell",))
+            except ChannelClosed:
+                pass
 
 
 def _pcm_bytes(pcm: np.ndarray) -> memoryview:

@@ -85,14 +85,10 @@ def create_app(services: Services) -> Starlette:
 
     async def stop() -> None:
         await asyncio.to_thread(services.engine.shutdown)
-        for modality in MODALITIES:  # the engine thread is gone: each ends what it will never finish
-            if modality.close is not None and (service := services.service(modality)) is not None:
-                modality.close(service)
+        services.close_modalities()
 
-    collectors = [modality.collector(service) for modality in MODALITIES  # each modality's own metrics
-                  if modality.collector is not None and (service := services.service(modality)) is not None]
     return assemble_app(engine_client(services), services.edge_spec(), EngineLifetime(start, stop),
-                        engine_thread=lambda: engine.thread_id, collectors=collectors)
+                        engine_thread=lambda: engine.thread_id, collectors=services.collectors())
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from ..engine_process.core import CoreServer
 from ..http.metrics import engine_registry
 from .app import engine_client
 from .log_format import configure_logging
-from .modalities import MODALITIES
 from .serve import runner
 from .services import ServeError, Services, build_services
 
@@ -58,9 +57,7 @@ async def _serve(services: Services, path: str, ready: Connection) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     client = engine_client(services)
-    collectors = [modality.collector(service) for modality in MODALITIES  # each modality's own metrics
-                  if modality.collector is not None and (service := services.service(modality)) is not None]
-    registry = engine_registry(client.counters, lambda: services.engine.thread_id, collectors)
+    registry = engine_registry(client.counters, lambda: services.engine.thread_id, services.collectors())
     core = CoreServer(client, services.edge_spec(), has_tts=services.speech is not None,
                       has_stt=services.stt_pool is not None, has_images=services.images is not None,
                       registry=registry)
@@ -73,9 +70,7 @@ async def _serve(services: Services, path: str, ready: Connection) -> int:
     await stop.wait()
     server.close()
     await asyncio.to_thread(services.engine.shutdown)
-    for modality in (m for m in MODALITIES if m.close is not None):
-        if (service := services.service(modality)) is not None:
-            modality.close(service)
+    services.close_modalities()
     if fatal:
         log.error("the engine failed (%s): exiting with status 1; the supervisor starts another", fatal[0])
         return 1

@@ -170,8 +170,8 @@ def run_app(app, uv_config: uvicorn.Config, sockets: list[socket.socket] | None 
         server.should_exit = True
 
     state.sessions.engine.on_fatal = on_fatal  # server/ built the engine; its fatal error stops the server
-    with asyncio.Runner(loop_factory=uv_config.get_loop_factory()) as runner:  # uvloop where installed
-        runner.run(run_server(server, sockets))
+    with runner() as run:  # uvloop where installed
+        run.run(run_server(server, sockets))
     if fatal:
         log.error("exiting with status 1 after a fatal engine error, so a supervisor can restart the server")
         return 1

@@ -110,6 +110,17 @@ class Services:
         of its own. The duplex model's is the server's info: the engine serves it."""
         return getattr(self, modality.field) if modality.field is not None else None
 
+    def collectors(self) -> list:
+        """Each served modality's own metrics collector (its record's `collector`)."""
+        return [modality.collector(service) for modality in MODALITIES
+                if modality.collector is not None and (service := self.service(modality)) is not None]
+
+    def close_modalities(self) -> None:
+        """Once the engine thread is gone: each modality ends what it will never finish."""
+        for modality in MODALITIES:
+            if modality.close is not None and (service := self.service(modality)) is not None:
+                modality.close(service)
+
     def available(self) -> dict[str, bool]:
         """Which modalities are served, by key (server/doors.py's `needs`, less the page)."""
         return {m.key: self.service(m) is not None for m in MODALITIES}
