@@ -89,11 +89,12 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or POST /admin/drain: refuse new sessions, let live ones run up to this "
                         "many seconds, then close them (1001) and exit; 0: close at once on SIGTERM")
-    p.add_argument("--slack-queue-depth", type=int, default=EngineConfig.slack_queue_depth, metavar="N",
+    p.add_argument("--slack-queue-depth", type=int, default=None, metavar="N",
                    help="on CUDA, slack work items (TTS, transcription, prompt prefill and image steps between "
                         "ticks) queued on the GPU back to back, up to N in flight, without the host waiting for "
                         "each; each is fitted before the next tick by the estimated end of the work queued. "
-                        "1: wait for each item before choosing the next (default %(default)s)")
+                        f"1: wait for each item before choosing the next (default {EngineConfig.slack_queue_depth}; "
+                        "more than 1 is refused off CUDA, where each item ends before the next)")
     p.add_argument("--tick-trace", default=None, metavar="PATH",
                    help="write the engine's tick timeline to PATH, one JSON line per tick: host phases, slack "
                         "items and, on CUDA, device times (benchmarks/tick_timeline.py reads it); off by default")
@@ -218,7 +219,7 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return "--max-sessions must be at least 1"
     if args.ready_min_free < 0 or args.drain_timeout < 0:
         return "--ready-min-free and --drain-timeout must be 0 or more"
-    if args.slack_queue_depth < 1:
+    if args.slack_queue_depth is not None and args.slack_queue_depth < 1:
         return f"--slack-queue-depth must be at least 1 (got {args.slack_queue_depth})"
     if (wrong := tick_trace_error(args)) is not None:
         return wrong

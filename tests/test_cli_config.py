@@ -225,7 +225,22 @@ def test_slack_queue_depth_reaches_the_engine_config(argv, environ, depth):
     args = cli_sources.parse_args(build_parser(), ["serve", *argv], environ)
     assert serve_flag_error(args) is None
     config = _serve_config(args, SessionOptions(), {}, KvSettings(), {})
-    assert _engine_config(config) == EngineConfig(slack_queue_depth=depth)
+    assert _engine_config(config, cuda=True) == EngineConfig(slack_queue_depth=depth)
+
+
+def test_slack_queue_depth_past_one_is_refused_off_cuda_naming_the_flag():
+    from parley.engine import EngineConfig, KvSettings, SessionOptions
+    from parley.realtime.cli import _serve_config
+    from parley.realtime.server.services import ServeError, _engine_config
+
+    def config(argv):
+        args = cli_sources.parse_args(build_parser(), ["serve", *argv], {})
+        return _serve_config(args, SessionOptions(), {}, KvSettings(), {})
+
+    with pytest.raises(ServeError, match="--slack-queue-depth 3: slack items queue on CUDA only"):
+        _engine_config(config(["--slack-queue-depth", "3"]), cuda=False)
+    assert _engine_config(config(["--slack-queue-depth", "1"]), cuda=False) == EngineConfig(slack_queue_depth=1)
+    assert _engine_config(config([]), cuda=False) == EngineConfig()  # the default: nothing to refuse
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])

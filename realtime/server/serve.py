@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from parley.engine import (DEFAULT_STALL_TIMEOUT_S, TICK_TRACE_TICKS, EngineConfig, KvSettings, SessionOptions,
+from parley.engine import (DEFAULT_STALL_TIMEOUT_S, TICK_TRACE_TICKS, KvSettings, SessionOptions,
                            freeze_loaded_objects)
 from parley.models import CheckpointError
 
@@ -104,7 +104,7 @@ class ServeConfig:
     served_model_names: dict = dataclasses.field(default_factory=dict)
     tick_trace: str | None = None  # --tick-trace: the engine's tick timeline to this file (engine/tick_trace.py)
     tick_trace_ticks: int = TICK_TRACE_TICKS  # tick lines it writes at most
-    slack_queue_depth: int = EngineConfig.slack_queue_depth  # --slack-queue-depth (engine/slack_queue.py)
+    slack_queue_depth: int | None = None  # --slack-queue-depth (engine/slack_queue.py); None: EngineConfig's
 
 
 def loop_name() -> str:

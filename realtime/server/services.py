@@ -303,7 +303,8 @@ def _build_engine(loaded: Build) -> Engine:
         raise ServeError(f"--live-delegation {config.live_delegation} matches the user's words, which need a paired "
                          "speech-to-text model (--stt-model, sharing the duplex model's Mimi); use every_turn or never")
     if checkpoint is None:
-        return Engine(NoDuplexBackend(str(loaded.device)), _engine_config(config), trace=_tick_trace(loaded))
+        return Engine(NoDuplexBackend(str(loaded.device)), _engine_config(config, loaded.device.type == "cuda"),
+                      trace=_tick_trace(loaded))
     if stt is not None and not paired:
         log.warning("the STT model's Mimi differs from the duplex model's: /v1/audio/transcriptions works, "
                     "but sessions cannot be transcribed from the frame's codes (no paired transcription)")
@@ -321,16 +322,22 @@ def _build_engine(loaded: Build) -> Engine:
     except OptionsError as exc:
         raise ServeError(f"parley serve --kv-attention: {exc}") from exc
     loaded.voices = backend.voice_names()
-    engine = Engine(backend, _engine_config(config), kv=kv, trace=_tick_trace(loaded))
+    engine = Engine(backend, _engine_config(config, loaded.device.type == "cuda"), kv=kv, trace=_tick_trace(loaded))
     if transcription is not None:
         engine.set_paired_transcription(transcription)
     return engine
 
 
-def _engine_config(config: "ServeConfig") -> EngineConfig:
+def _engine_config(config: "ServeConfig", cuda: bool) -> EngineConfig:
     """The engine's settings that `parley serve` takes (the rest keep EngineConfig's defaults)."""
+    depth = config.slack_queue_depth
+    if depth is None:
+        return EngineConfig()
+    if depth > 1 and not cuda:  # off CUDA each item ends before the next: there is no queue to deepen
+        raise ServeError(f"parley serve --slack-queue-depth {depth}: slack items queue on CUDA only; this server "
+                         "runs on the CPU (leave it unset, or 1)")
     try:
-        return EngineConfig(slack_queue_depth=config.slack_queue_depth)
+        return EngineConfig(slack_queue_depth=depth)
     except OptionsError as exc:
         raise ServeError(f"parley serve --slack-queue-depth: {exc}") from exc
 
