@@ -278,6 +278,24 @@ def attn_reduce_kernel(Q, KN, VN, POS, OUT, M_TMP, L_TMP, ACC_TMP, H, S, qk_scal
 
 
 @triton.jit
+def _rotate(xr, xi, c, s, out_ty: tl.constexpr):
+    # RoPE on one (real, imaginary) half pair, in float32, back to out_ty
+    xr32, xi32 = xr.to(tl.float32), xi.to(tl.float32)
+    return (xr32 * c - xi32 * s).to(out_ty), (xr32 * s + xi32 * c).to(out_ty)
+
+
+@triton.jit
+def _fp8_store_pair(P, lo, hi, xr, xi, mask, cache_ty: tl.constexpr):
+    # One (row, head, slot) vector as e4m3: its max |x| maps to e4m3's largest value 448; the
+    # scale is returned for the caller to store.
+    sc = tl.maximum(tl.maximum(tl.max(tl.abs(xr.to(tl.float32)), axis=0),
+                               tl.max(tl.abs(xi.to(tl.float32)), axis=0)) / 448.0, 1e-30)
+    tl.store(P + lo, tl.clamp(xr.to(tl.float32) / sc, -448.0, 448.0).to(cache_ty), mask=mask)
+    tl.store(P + hi, tl.clamp(xi.to(tl.float32) / sc, -448.0, 448.0).to(cache_ty), mask=mask)
+    return sc
+
+
+@triton.jit
 def rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
                        H, S, T, s_qkv_b, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sks_b, sks_h, TABLE, stb,
                        D: tl.constexpr, HAS_ROPE: tl.constexpr, HAS_EXEC: tl.constexpr,
@@ -310,9 +328,7 @@ def rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
     if HAS_ROPE:
         c = tl.load(COS + bt * HALF + i)
         s = tl.load(SIN + bt * HALF + i)
-        qr32, qi32 = qr.to(tl.float32), qi.to(tl.float32)
-        qr = (qr32 * c - qi32 * s).to(out_ty)
-        qi = (qr32 * s + qi32 * c).to(out_ty)
+        qr, qi = _rotate(qr, qi, c, s, out_ty)
     o = (bt * H + h) * D
     tl.store(QO + o + lo, qr)
     tl.store(QO + o + hi, qi)
@@ -322,9 +338,7 @@ def rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
         kr = tl.load(kb + lo)
         ki = tl.load(kb + hi)
         if HAS_ROPE:
-            kr32, ki32 = kr.to(tl.float32), ki.to(tl.float32)
-            kr = (kr32 * c - ki32 * s).to(out_ty)
-            ki = (kr32 * s + ki32 * c).to(out_ty)
+            kr, ki = _rotate(kr, ki, c, s, out_ty)
         ok = (bt * HKV + hk) * D
         tl.store(KO + ok + lo, kr)
         tl.store(KO + ok + hi, ki)
@@ -346,16 +360,9 @@ def rope_write_kernel(QKV, COS, SIN, POS, EXEC, QO, KO, K, V, KS, VS,
         vr = tl.load(vb + lo)
         vi = tl.load(vb + hi)
         if KV_FP8:
-            # Per (row, head, slot) scale: the vector's max |x| maps to e4m3's largest value 448.
             cache_ty = K.dtype.element_ty
-            k_sc = tl.maximum(tl.maximum(tl.max(tl.abs(kr.to(tl.float32)), axis=0),
-                                         tl.max(tl.abs(ki.to(tl.float32)), axis=0)) / 448.0, 1e-30)
-            v_sc = tl.maximum(tl.maximum(tl.max(tl.abs(vr.to(tl.float32)), axis=0),
-                                         tl.max(tl.abs(vi.to(tl.float32)), axis=0)) / 448.0, 1e-30)
-            tl.store(kc + lo, tl.clamp(kr.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            tl.store(kc + hi, tl.clamp(ki.to(tl.float32) / k_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            tl.store(vc + lo, tl.clamp(vr.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
-            tl.store(vc + hi, tl.clamp(vi.to(tl.float32) / v_sc, -448.0, 448.0).to(cache_ty), mask=write)
+            k_sc = _fp8_store_pair(kc, lo, hi, kr, ki, write, cache_ty)
+            v_sc = _fp8_store_pair(vc, lo, hi, vr, vi, write, cache_ty)
             row0 = i == 0
             tl.store(KS + so + 0 * i, k_sc + 0.0 * i, mask=write & row0)
             tl.store(VS + so + 0 * i, v_sc + 0.0 * i, mask=write & row0)
