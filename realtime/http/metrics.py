@@ -215,15 +215,25 @@ def _combiner(family: Metric) -> Callable[[float, float], float]:
     return lambda a, b: a  # info, stateset: each process says the same
 
 
+def _process_collectors(r: CollectorRegistry, threads: Callable[[], dict[str, int | None]] | None,
+                        engine_counters: Callable[[], dict] | None) -> None:
+    """What every process's registry shows of itself: process_cpu_seconds_total etc. (benchmarks/load.py
+    reads CPU there), parley_thread_cpu_seconds_total{thread} (benchmarks/capacity.py), full garbage
+    collections, and the engine's counters where it has them."""
+    ProcessCollector(registry=r)
+    if threads is not None:
+        r.register(_ThreadCPUCollector(threads))
+    r.register(_FullCollectionsCollector())
+    if engine_counters is not None:
+        r.register(EngineCollector(engine_counters))
+
+
 def engine_registry(engine_counters: Callable[[], dict], engine_thread: Callable[[], int | None],
                     collectors: Iterable = ()) -> CollectorRegistry:
     """The engine process's metrics (server/engine_core.py): its counters, its modalities' collectors,
     its own CPU, engine thread and garbage collections. Edge workers show them on their /metrics."""
     r = CollectorRegistry(auto_describe=True)
-    ProcessCollector(registry=r)
-    r.register(_ThreadCPUCollector(lambda: {"engine": engine_thread()}))
-    r.register(_FullCollectionsCollector())
-    r.register(EngineCollector(engine_counters))
+    _process_collectors(r, lambda: {"engine": engine_thread()}, engine_counters)
     for collector in collectors:
         r.register(collector)
     return r
@@ -282,12 +292,7 @@ class EdgeMetrics:
         self.lag_dropped = Counter("parley_lag_dropped_frames", "output frames dropped because their client was "
                                    "more than the lag limit behind", ["protocol"], registry=r)
         self.refusals = Refusals(r)  # parley_refusals_total{door, reason}: every refusal (sessions/refusals.py)
-        ProcessCollector(registry=r)  # process_cpu_seconds_total etc.: benchmarks/load.py reads CPU here
-        if threads is not None:  # parley_thread_cpu_seconds_total{thread="loop"|"engine"}: benchmarks/capacity.py
-            r.register(_ThreadCPUCollector(threads))
-        r.register(_FullCollectionsCollector())
-        if engine_counters is not None:
-            r.register(EngineCollector(engine_counters))
+        _process_collectors(r, threads, engine_counters)
         self.process, self._others = process, others  # an edge worker: its scrape shows every process
 
     def render(self) -> bytes:
