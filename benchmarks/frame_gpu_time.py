@@ -41,7 +41,7 @@ def main() -> None:
         parser.error("--batch and --frames must be at least 1, --warmup at least 0")
     if not torch.cuda.is_available():
         sys.exit("frame_gpu_time needs a CUDA GPU")
-    _, _, lm, mimi, lm_cfg, mimi_cfg = build_models("cuda", torch.bfloat16)
+    _, _, lm, mimi, lm_cfg, mimi_cfg = build_models("moshi", "cuda", torch.bfloat16)
     if args.mimi_dtype == "bfloat16":
         mimi = copy.deepcopy(mimi).compute_in(torch.bfloat16)
     kv = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
