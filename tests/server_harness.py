@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import socket
 import threading
@@ -22,7 +23,7 @@ import uvicorn
 
 from parley.engine import Engine
 from delay_backend import DelayBackend
-from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.app import EngineLifetime, ServerInfo, assemble_app, create_app, engine_client
 from parley.realtime.server.served_models import ServedModels
 from parley.realtime.server.services import Services
 from parley.realtime.server.serve import uvicorn_config
@@ -67,11 +68,24 @@ def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefault
               **backend_kwargs):
     """An app over the fabricated echo backend: output frame t == input frame t - 1,
     text piece '<n>' on every frame (n counts the row's frames since its reset). WebRTC calls run
-    in `webrtc_workers` worker processes (started by the first call)."""
+    in `webrtc_workers` worker processes (started by the first call); 0: the app is built as an
+    edge worker builds its own (server/edge_worker.py): the codec on its threads, the calls' peers
+    on its loop (webrtc/local.py), the engine in this process all the same."""
     backend = DelayBackend(max_sessions, **backend_kwargs)
     engine = Engine(backend)
-    # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     models = ServedModels.build({"duplex": "delay"}, OPENAI_ALIASES)
+    if webrtc_workers == 0:
+        services = Services(engine, defaults, ServerInfo(model="delay"), codec_workers=0, models=models)
+
+        async def start() -> None:
+            engine.start()
+
+        async def stop() -> None:
+            await asyncio.to_thread(engine.shutdown)
+
+        spec = dataclasses.replace(services.edge_spec(), webrtc_workers=0)
+        return assemble_app(engine_client(services), spec, EngineLifetime(start, stop)), backend
+    # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     return create_app(Services(engine, defaults, ServerInfo(model="delay"), codec_workers=2, models=models,
                                webrtc_workers=webrtc_workers)), backend
 

@@ -143,8 +143,8 @@ class FakePool:
     def unpin(self, call: WebRTCCall) -> None:
         self.unpinned.append(call)
 
-    def lose(self, worker, reason: str) -> None:
-        self.lost.append(reason)
+    def stuck(self, call: WebRTCCall, what: str) -> None:
+        self.lost.append(what)
 
     def count_silent(self, packets: int) -> None:
         self.silent.append(packets)
