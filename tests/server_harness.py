@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -248,3 +249,32 @@ async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", fr
         await ws.close()
         await asyncio.wait_for(receiver, 5)
     return result
+
+
+def webrtc_worker_pids(root: int) -> list[int]:
+    """The WebRTC worker processes (python -m parley.realtime.webrtc.worker) among `root`'s
+    descendants, read from /proc (Linux)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        parents[int(stat.parent.name)] = int(fields[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    found = []
+    for pid in parents:
+        try:
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"parley.realtime.webrtc.worker" in argv and descends(pid):
+            found.append(pid)
+    return found

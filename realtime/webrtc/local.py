@@ -94,8 +94,8 @@ class LocalPeers:
         if self.on_silent is not None:
             self.on_silent(packets)
 
-    def calls(self) -> int:
-        """Calls whose peers run here now."""
+    def peers(self) -> int:
+        """Peers running here now (each until it has closed)."""
         return len(self._worker.calls) if self._worker is not None else 0
 
     async def aclose(self) -> None:

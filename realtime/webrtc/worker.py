@@ -45,7 +45,7 @@ class WorkerCall:
         self.reported_backlog = 0
         self.dropped_in = 0  # audio chunks dropped here since the last report
         self.reported_silent = 0  # the track's silent packets already reported
-        self.closing: asyncio.Task | None = None
+        self.answering: asyncio.Task | None = None  # answering its offer (Worker.offer)
 
     def ready(self) -> None:
         self.worker.send(wire.READY, self.id)
@@ -104,7 +104,7 @@ class Worker:
                 request = json.loads(payload)
                 call = WorkerCall(self, call_id, request.get("ice_servers", []), float(request["max_lag_s"]))
                 self.calls[call_id] = call  # now: a CLOSE that comes while it answers ends it
-                self._spawn(self.offer(call, request["sdp"]))
+                call.answering = self._spawn(self.offer(call, request["sdp"]))
         elif call is None:
             return  # an ended call's late audio or events
         elif op == wire.PLAY:
@@ -135,12 +135,15 @@ class Worker:
     def forget(self, call: WorkerCall) -> None:
         if self.calls.get(call.id) is call:
             del self.calls[call.id]
+        if call.answering is not None and call.answering is not asyncio.current_task():
+            call.answering.cancel()  # ended while its peer still answers (a stuck one would hold on)
         self._spawn(call.peer.close())
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self.closing.add(task)
         task.add_done_callback(self.closing.discard)
+        return task
 
     def on_lost(self, why: str) -> None:
         for call in list(self.calls.values()):
