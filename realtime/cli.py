@@ -70,15 +70,17 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                         "0: a thread pool in the server process (fine for a few sessions). Default: 0 up to 8 "
                         "sessions, else one process per 32 sessions (at most CPU cores - 1)")
     p.add_argument("--webrtc-workers", type=int, default=None,
-                   help="worker processes for WebRTC calls (aiortc's Opus, SRTP, DTLS and SCTP, off the server's "
-                        "event loop and GIL; each call pinned to the least loaded; started by the first call). "
-                        "Default: one per 6 sessions (at most CPU cores - 1)")
+                   help="with --edge-workers 0: worker processes for WebRTC calls (aiortc's Opus, SRTP, DTLS "
+                        "and SCTP, off the event loop whose GIL the engine thread shares; each call pinned to the "
+                        "least loaded; started by the first call). Default: one per 6 sessions (at most CPU "
+                        "cores - 1). Edge workers run their calls' peers themselves")
     p.add_argument("--edge-workers", type=int, default=0,
-                   help="edge worker processes: each serves its connections end to end (protocol, codec) on the "
-                        "shared port, while the models and the engine's tick run in an engine process of their "
-                        "own; a worker or engine process that dies is restarted. 0: one process does everything "
-                        "(the engine thread shares the event loop's GIL), the default until the split is measured "
-                        "to hold the frame on a GPU (docs/benchmarks.md); try one per CPU core but one, at most 8")
+                   help="edge worker processes: each serves its connections end to end (protocol, codec, WebRTC "
+                        "peers) on the shared port, while the models and the engine's tick run in an engine "
+                        "process of their own; a worker or engine process that dies is restarted. 0: one process "
+                        "does everything (the engine thread shares the event loop's GIL), the default until the "
+                        "split is measured to hold the frame on a GPU (docs/benchmarks.md); try one per CPU core "
+                        "but one, at most 8")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
@@ -215,6 +217,9 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
     if args.codec_workers and args.edge_workers != 0:
         return ("--codec-workers applies with --edge-workers 0: each edge worker runs its connections' codec "
                 "on its own threads")
+    if args.webrtc_workers is not None and args.edge_workers != 0:
+        return ("--webrtc-workers applies with --edge-workers 0: each edge worker runs its WebRTC calls' peers "
+                "on its own event loop")
     if args.max_sessions < 1:
         return "--max-sessions must be at least 1"
     if args.ready_min_free < 0 or args.drain_timeout < 0:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -22,7 +24,7 @@ import uvicorn
 
 from parley.engine import Engine
 from delay_backend import DelayBackend
-from parley.realtime.server.app import ServerInfo, create_app
+from parley.realtime.server.app import EngineLifetime, ServerInfo, assemble_app, create_app, engine_client
 from parley.realtime.server.served_models import ServedModels
 from parley.realtime.server.services import Services
 from parley.realtime.server.serve import uvicorn_config
@@ -67,11 +69,24 @@ def delay_app(max_sessions: int = 8, *, defaults: ServerDefaults = ServerDefault
               **backend_kwargs):
     """An app over the fabricated echo backend: output frame t == input frame t - 1,
     text piece '<n>' on every frame (n counts the row's frames since its reset). WebRTC calls run
-    in `webrtc_workers` worker processes (started by the first call)."""
+    in `webrtc_workers` worker processes (started by the first call); 0: the app is built as an
+    edge worker builds its own (server/edge_worker.py): the codec on its threads, the calls' peers
+    on its loop (webrtc/local.py), the engine in this process all the same."""
     backend = DelayBackend(max_sessions, **backend_kwargs)
     engine = Engine(backend)
-    # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     models = ServedModels.build({"duplex": "delay"}, OPENAI_ALIASES)
+    if webrtc_workers == 0:
+        services = Services(engine, defaults, ServerInfo(model="delay"), codec_workers=0, models=models)
+
+        async def start() -> None:
+            engine.start()
+
+        async def stop() -> None:
+            await asyncio.to_thread(engine.shutdown)
+
+        spec = dataclasses.replace(services.edge_spec(), webrtc_workers=0)
+        return assemble_app(engine_client(services), spec, EngineLifetime(start, stop)), backend
+    # codec_workers=2: two codec worker processes, so the protocol tests run the production path
     return create_app(Services(engine, defaults, ServerInfo(model="delay"), codec_workers=2, models=models,
                                webrtc_workers=webrtc_workers)), backend
 
@@ -234,3 +249,32 @@ async def chat_session(base: str, pcm: np.ndarray | None, *, query: str = "", fr
         await ws.close()
         await asyncio.wait_for(receiver, 5)
     return result
+
+
+def webrtc_worker_pids(root: int) -> list[int]:
+    """The WebRTC worker processes (python -m parley.realtime.webrtc.worker) among `root`'s
+    descendants, read from /proc (Linux)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        parents[int(stat.parent.name)] = int(fields[1])
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    found = []
+    for pid in parents:
+        try:
+            argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"parley.realtime.webrtc.worker" in argv and descends(pid):
+            found.append(pid)
+    return found

@@ -263,8 +263,11 @@ def test_slack_queue_depth_has_a_help_line(capsys):
     (["--edge-workers", "2", "--codec-workers", "2"], "--codec-workers applies with --edge-workers 0"),
     (["--codec-workers", "2"], None),  # one process (the default): the codec's own workers
     (["--edge-workers", "2"], None),
+    (["--edge-workers", "2", "--webrtc-workers", "3"], "--webrtc-workers applies with --edge-workers 0"),
+    (["--edge-workers", "1", "--webrtc-workers", "1"], "--webrtc-workers applies with --edge-workers 0"),
+    (["--webrtc-workers", "3"], None),  # one process (the default): the WebRTC worker processes
 ])
-def test_edge_workers_and_the_codec_workers_they_replace(argv, error):
+def test_edge_workers_and_the_worker_pools_they_replace(argv, error):
     from parley.realtime.cli import serve_flag_error
 
     args = cli_sources.parse_args(build_parser(), ["serve", *argv], {})

@@ -1,7 +1,8 @@
 """`parley serve --edge-workers N`: the engine in its own process, the edge in worker processes.
 
 The rings and the wire's records in one process, then the demo server with two edge workers over
-real sockets: every kind of door through a worker, /metrics from every process, a killed worker
+real sockets: every kind of door through a worker (a WebRTC call's peer in the worker itself, no
+WebRTC worker process), /metrics from every process, a killed worker
 (only its sessions end; its slots free; it is restarted), a killed engine process (503 and a
 failing /readyz until it is back; sessions end with 1011), and SIGTERM.
 """
@@ -25,7 +26,7 @@ import pytest
 from parley.realtime.engine_client import FrameOut, Status, Terminal, TtsAudio
 from parley.realtime.engine_process.rings import ByteRing
 from parley.realtime.engine_process.wire import event_parts, input_parts, read_event, read_input
-from server_harness import free_port, tone
+from server_harness import free_port, tone, webrtc_worker_pids
 from test_launch import Holder, grows, hold, http, until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,6 +285,17 @@ async def _sideband_on_every_worker(server: Server, pids: list[int]) -> None:
     call_id = answer.response.headers["location"].rsplit("/", 1)[1]
     await caller.answer(answer.text)
     await caller.wait(lambda: "session.created" in caller.types(), "the call's session")
+    # the call end to end: the tone on its track is heard as speech, the model's audio comes back on
+    # the server's track, and its peer runs in the edge worker itself (webrtc/local.py)
+    await caller.wait(lambda: "input_audio_buffer.speech_started" in caller.types(), "the tone heard as speech")
+    await caller.wait(lambda: "output_audio_buffer.started" in caller.types(), "a response's audio on the track")
+
+    def played() -> bool:  # the frames the call's track played (the only session of the door now)
+        sent = re.search(r'^parley_frames_out_total\{protocol="openai"\} (\S+)$', http(server.url("/metrics"))[1], re.M)
+        return sent is not None and float(sent.group(1)) > 0
+    await until(played, 10, "the response's frames counted as played on the call's track")
+    await caller.wait(lambda: sum(map(np.size, caller.audio)) > 48000, "a second of the server's track")
+    assert webrtc_worker_pids(server.proc.pid) == [], "a WebRTC worker process was started"
     takers: set[int] = set()
     for attempt in range(40):  # the kernel picks the worker: both take some within a few attaches
         async with connect(f"ws://{server.base}/v1/realtime?call_id={call_id}") as side:

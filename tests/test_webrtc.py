@@ -7,6 +7,8 @@
 - GPT-Live: the openai SDK's `client.live.create(session=..., transport={"type": "webrtc", "sdp"})`.
 - Bad input: a malformed SDP, an offer with no audio, and a peer that vanishes mid-call each end only
   that call.
+- The first Realtime flow and the hang-up run twice: with the peers in a WebRTC worker process,
+  and on the app's own loop as an edge worker runs them (webrtc/local.py).
 
 The server is the fabricated echo backend (output frame t = input frame t - 1), so the audio the
 client hears back is the tone it sent. No assertion reads the wall clock: each wait is for a
@@ -148,8 +150,14 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
 
 
-def test_realtime_call_as_openais_guide_does_it_hears_the_echo_and_speaks_events_on_the_channel():
-    app, _ = delay_app(2)
+# Where the calls' peers run: a WebRTC worker process (the one-process server), or the app's own loop
+# (an edge worker's: webrtc/local.py). The same call logic either way, so the same tests.
+HOSTS = pytest.mark.parametrize("webrtc_workers", [1, 0], ids=["worker-process", "edge-worker-loop"])
+
+
+@HOSTS
+def test_realtime_call_as_openais_guide_does_it_hears_the_echo_and_speaks_events_on_the_channel(webrtc_workers):
+    app, _ = delay_app(2, webrtc_workers=webrtc_workers)
     with serve(app) as base:
         async def scenario():
             client = Client()
@@ -220,8 +228,9 @@ def test_the_sdk_calls_create_sends_multipart_with_session_settings():
         run(scenario())
 
 
-def test_the_sdk_hangs_up_a_call_and_sip_actions_are_refused_by_name():
-    app, _ = delay_app(2)
+@HOSTS
+def test_the_sdk_hangs_up_a_call_and_sip_actions_are_refused_by_name(webrtc_workers):
+    app, _ = delay_app(2, webrtc_workers=webrtc_workers)
     with serve(app) as base:
         async def scenario():
             client = Client()

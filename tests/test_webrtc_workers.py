@@ -8,7 +8,9 @@
   counted; a peer that outruns the event queue ends its call), the model's audio on the worker's
   track (the lag bound), and the wire toward a process that stopped reading;
 - the outgoing track keeps a fixed 20 ms grid of its clock (a fake one here), restarting the grid
-  after a stall rather than bursting.
+  after a stall rather than bursting;
+- an edge worker's calls (webrtc/local.py): their peers on the app's own loop, no worker process;
+  a call whose peer fails or hangs while answering ends alone (503) and the other call goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pytest
 
 from parley.realtime.webrtc import wire
 from parley.realtime.webrtc.transport import CallUnavailable, WebRTCCall
-from server_harness import delay_app, serve
+from server_harness import delay_app, serve, webrtc_worker_pids
 from test_webrtc import ECHO_SETTINGS, Client, run, wait_live
 
 
@@ -48,6 +50,7 @@ def test_a_killed_worker_ends_only_its_call_and_is_replaced():
             doomed_pid = next(pid for pid, n in pool.calls().items() if n == 1)
             steady = await _call(sdk)  # pinned to the least-loaded worker: the other one
             assert sorted(pool.calls().values()) == [1, 1]
+            assert sorted(webrtc_worker_pids(os.getpid())) == sorted(pool.worker_pids())  # (what the edge tests count)
             await steady.wait(steady.heard_tone, "the steady call hearing its echo")
             os.kill(doomed_pid, signal.SIGKILL)
             await wait_live(base, 1)  # the killed worker's call ended; its slot is free
@@ -106,6 +109,66 @@ def test_the_webrtc_workers_flag_is_honoured_and_bad_values_are_refused(monkeypa
     assert webrtc_pool.default_workers(64) == 1
     app, _ = delay_app(2, webrtc_workers=3)
     assert app.state.webrtc.workers == 3 and app.state.webrtc.worker_pids() == []  # none until a call
+    # in one process the peers never run on the loop whose GIL the engine thread shares: refused by name
+    from parley.engine import Engine
+    from delay_backend import DelayBackend
+    from parley.realtime.server.app import create_app
+    from parley.realtime.server.services import Services
+    with pytest.raises(ValueError, match="webrtc_workers must be at least 1"):
+        create_app(Services(Engine(DelayBackend(1)), codec_workers=0, webrtc_workers=0))
+
+
+# ---- an edge worker's calls: the peers on its own loop (webrtc/local.py) ----
+
+def test_an_edge_workers_calls_run_here_and_a_failing_one_ends_alone(monkeypatch):
+    from parley.realtime.webrtc import transport
+    from parley.realtime.webrtc.local import LocalPeers
+    from parley.realtime.webrtc.peer import Peer
+
+    app, _ = delay_app(3, webrtc_workers=0)
+    peers = app.state.webrtc
+    assert isinstance(peers, LocalPeers)
+    answer = Peer.answer
+    failing: list[str] = []  # what the next offers' answering does: "raise", or "hang"
+
+    async def faulty_answer(self, offer: str) -> str:
+        if failing:
+            if failing.pop(0) == "raise":
+                raise RuntimeError("aiortc failed under this call")
+            await asyncio.Event().wait()  # never answers
+        return await answer(self, offer)
+
+    monkeypatch.setattr(Peer, "answer", faulty_answer)
+    monkeypatch.setattr(transport, "ANSWER_TIMEOUT_S", 0.5)
+    with serve(app) as base:
+        async def scenario():
+            sdk = openai.AsyncOpenAI(api_key="x", base_url=f"http://{base}/v1")
+            steady = await _call(sdk)
+            await steady.wait(steady.heard_tone, "the steady call hearing its echo")
+            assert peers.peers() == 1 and webrtc_worker_pids(os.getpid()) == []  # its peer runs here
+            async with httpx.AsyncClient() as http:
+                for fault, said in (("raise", "ended before it answered"), ("hang", "did not answer within 0.5 s")):
+                    failing.append(fault)
+                    caller = Client()
+                    reply = await http.post(f"http://{base}/v1/realtime/calls", content=await caller.offer(),
+                                            headers={"Content-Type": "application/sdp"})
+                    assert reply.status_code == 503 and reply.json()["error"]["code"] == "server_unavailable"
+                    assert said in reply.json()["error"]["message"], reply.text
+                    await caller.close()
+            await wait_live(base, 1)  # the failed calls' slots are free
+            await steady.wait(lambda: peers.peers() == 1, "the failed calls' peers closed")
+            steady.audio.clear()
+            await steady.wait(steady.heard_tone, "the steady call still hearing its echo")
+            metrics = httpx.get(f"http://{base}/metrics").text
+            assert re.search(r"^parley_webrtc_silent_packets_total \d+\.0$", metrics, re.M)
+            assert "parley_webrtc_worker_cpu_seconds" not in metrics  # there are none
+            await steady.close()
+            await sdk.close()
+            await wait_live(base, 0)
+            await steady.wait(lambda: peers.peers() == 0, "the hung-up call's peer closed")
+
+        run(scenario())
+    assert webrtc_worker_pids(os.getpid()) == []
 
 
 # ---- bounded queues, without processes: a call over a fake pool and link ----
@@ -143,8 +206,8 @@ class FakePool:
     def unpin(self, call: WebRTCCall) -> None:
         self.unpinned.append(call)
 
-    def lose(self, worker, reason: str) -> None:
-        self.lost.append(reason)
+    def stuck(self, call: WebRTCCall, what: str) -> None:
+        self.lost.append(what)
 
     def count_silent(self, packets: int) -> None:
         self.silent.append(packets)

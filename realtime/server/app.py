@@ -54,6 +54,7 @@ from ..calls.sideband import LiveCalls
 from ..engine_client import EngineClient, InProcessClient
 from .state import AppState, app_state
 from ..webrtc.pool import WebRTCPool, default_workers
+from ..webrtc.transport import PeerHost
 
 log = logging.getLogger("parley.app")
 CALLS_CLOSE_TIMEOUT_S = 5.0  # at shutdown, WebRTC calls get this long to hang up
@@ -78,6 +79,10 @@ def create_app(services: Services) -> Starlette:
     `services.start_engine`, the lifespan starts the engine (if it is not running); it always shuts
     it down at exit, then closes each modality's service."""
     engine = services.engine
+    if services.webrtc_workers is not None and services.webrtc_workers < 1:
+        raise ValueError(f"webrtc_workers must be at least 1 (got {services.webrtc_workers}): in one process "
+                         "the calls' peers run in worker processes, off the loop whose GIL the engine thread "
+                         "shares (only an edge worker runs them itself)")
 
     async def start() -> None:
         if services.start_engine:
@@ -116,12 +121,12 @@ def assemble_app(client: EngineClient, spec: EdgeSpec, lifetime: EngineLifetime,
             metrics.codec_restarts.inc()
 
     codec = make_codec_runner(spec.codec_workers, max_sessions=client.max_sessions, on_restart=count_restart)
-    webrtc = WebRTCPool(spec.webrtc_workers or default_workers(client.max_sessions),  # started by the first call
-                        on_restart=lambda: metrics.webrtc_restarts.inc(),
-                        on_silent=lambda packets: metrics.webrtc_silent.inc(packets))
+    webrtc = peer_host(spec.webrtc_workers, client.max_sessions, on_restart=lambda: metrics.webrtc_restarts.inc(),
+                       on_silent=lambda packets: metrics.webrtc_silent.inc(packets))
     loop_thread: dict[str, int] = {}  # the event loop's OS thread id, taken when the lifespan starts on it
     metrics = metrics_api.EdgeMetrics(client.counters if others is None else None, codec.worker_cpu_seconds
-                                      if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds,
+                                      if isinstance(codec, CodecProcessPool) else None, webrtc.worker_cpu_seconds
+                                      if isinstance(webrtc, WebRTCPool) else None,
                                       threads=lambda: {"loop": loop_thread.get("id"), "engine": engine_thread()},
                                       process=process, others=others)
     for collector in collectors:
@@ -148,13 +153,26 @@ def assemble_app(client: EngineClient, spec: EdgeSpec, lifetime: EngineLifetime,
     return app
 
 
+def peer_host(workers: int | None, max_sessions: int, *, on_restart: Callable[[], None],
+              on_silent: Callable[[int], None]) -> PeerHost:
+    """Where the app's WebRTC calls run their aiortc peers (webrtc/transport.py): `workers` None, one
+    worker process per 6 sessions; N, N worker processes (webrtc/pool.py, started by the first call);
+    0, this process's own loop (webrtc/local.py): an edge worker's choice (server/edge_worker.py),
+    never the one-process server's, whose loop shares the engine thread's GIL (create_app refuses it)."""
+    if workers == 0:
+        from ..webrtc.local import LocalPeers  # aiortc: only a process that runs peers imports it
+
+        return LocalPeers(on_silent=on_silent)
+    return WebRTCPool(workers or default_workers(max_sessions), on_restart=on_restart, on_silent=on_silent)
+
+
 def engine_client(services: Services) -> InProcessClient:
     """The doors' one way to the engine (realtime/engine_client.py), over what `services` built."""
     return InProcessClient(services.engine, tts=services.speech and services.speech.pool, stt=services.stt_pool,
                            images=services.images and services.images.queue)
 
 
-def _lifespan(lifetime: EngineLifetime, manager: SessionManager, codec, webrtc: WebRTCPool,
+def _lifespan(lifetime: EngineLifetime, manager: SessionManager, codec, webrtc: PeerHost,
               loop_thread: dict[str, int]):
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

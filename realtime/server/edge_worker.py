@@ -4,7 +4,8 @@ workers share, and the engine through its link (realtime/engine_process/client.p
 `edge_worker` is the target the supervisor (server/processes.py) starts, with the listening
 sockets `parley serve` bound. Top to bottom: link to the engine process (waiting while it loads),
 build the same app a one-process server builds (server/app.py `assemble_app`) from the engine's
-`EdgeSpec`, with the Opus codec on this worker's own threads, then run uvicorn on the shared
+`EdgeSpec`, with the Opus codec on this worker's own threads and its WebRTC calls' aiortc peers on
+its own loop (webrtc/local.py: no WebRTC worker processes), then run uvicorn on the shared
 sockets and a private one (sidebands for this worker's calls: calls/sideband_relay.py) until SIGINT, or SIGTERM, which drains this worker's sessions first (server/drain.py).
 While the engine process is gone (the supervisor restarts it), HTTP requests other than the
 probes and /metrics get 503 + Retry-After (`EngineGate`); WebSocket upgrades get admission's
@@ -29,7 +30,6 @@ from ..calls.sideband_relay import SidebandRelay
 from ..engine_process.client import ENGINE_GONE, RemoteClient
 from ..http.metrics import exposition
 from ..sessions.capacity import RETRY_AFTER_S
-from ..webrtc.pool import default_workers
 from .app import EngineLifetime, assemble_app
 from .drain import DrainingServer
 from .log_format import configure_logging
@@ -90,10 +90,10 @@ async def link(path: str, index: int) -> RemoteClient:
 
 async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int) -> None:
     client = await link(path, index)
-    # The codec runs on this worker's threads; the server's WebRTC workers are shared out among the
-    # edge workers (`--webrtc-workers` is the server's total), at least one each.
-    webrtc = client.edge_spec.webrtc_workers or default_workers(client.max_sessions)
-    spec = dataclasses.replace(client.edge_spec, codec_workers=0, webrtc_workers=max(1, -(-webrtc // count)))
+    # This worker owns its connections end to end: the codec on its threads (codec_workers 0), the
+    # WebRTC calls' peers on its loop (webrtc_workers 0: server/app.py peer_host). The CLI refuses
+    # either flag beside --edge-workers, so neither is set here and ignored.
+    spec = dataclasses.replace(client.edge_spec, codec_workers=0, webrtc_workers=0)
     reading: list[asyncio.Task] = []
 
     async def start() -> None:

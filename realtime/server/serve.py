@@ -75,7 +75,7 @@ class ServeConfig:
     limits: EdgeLimits = EdgeLimits()
     log_level: str = "info"
     codec_workers: int | None = None
-    webrtc_workers: int | None = None  # WebRTC calls' worker processes; None: one per 6 sessions (webrtc/pool.py)
+    webrtc_workers: int | None = None  # edge_workers 0: WebRTC calls' worker processes; None: one per 6 sessions
     edge_workers: int = 0  # edge worker processes beside an engine process (server/processes.py); 0: one process
     # torch intra-op threads. 1 by default: OpenMP workers busy-wait between ops and starve the
     # event loop and the codec threads: with torch's default of one thread per core a small box's

@@ -150,7 +150,7 @@ class EdgeSpec:
     available: dict[str, bool]  # which modalities are served, by key (Services.available)
     web_dir: Path | None
     codec_workers: int | None
-    webrtc_workers: int | None
+    webrtc_workers: int | None  # 0 (an edge worker's only): the calls' peers on its loop (server/app.py peer_host)
     ready_min_free: int
     drain_timeout: float
     speech: SpeechService | None  # its pool None: only the engine client submits there

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..http.speech import SpeechService
     from ..sessions.refusals import Refusals
     from ..sessions.session import SessionManager
-    from ..webrtc.pool import WebRTCPool
+    from ..webrtc.transport import PeerHost
     from .doors import Door
     from .drain import Drainer
     from .served_models import ServedModels
@@ -46,7 +46,7 @@ class AppState:
     doors: tuple["Door", ...]  # the doors this app serves (server/doors.py)
     drainer: "Drainer"  # POST /admin/drain and SIGTERM (server/drain.py)
     codec: Any  # the Opus codec runner (media/opus.py): in-process or worker processes
-    webrtc: "WebRTCPool"  # the WebRTC calls' worker processes (webrtc/pool.py)
+    webrtc: "PeerHost"  # where the WebRTC calls' peers run: worker processes, or this one (webrtc/transport.py)
     speech: "SpeechService | None" = None  # /v1/audio/speech (http/speech.py)
     stt_model: str | None = None  # the standalone transcription model's name; None: no STT served
     calls: "set[asyncio.Task]" = field(default_factory=set)  # the WebRTC calls' tasks, held until each ends

@@ -266,14 +266,14 @@ def _admit(request: Request, protocol: str) -> tuple[EdgeSession, WebRTCCall]:
                                    headers={"Retry-After": str(RETRY_AFTER_S)}))
     reservation = Reservation(admission)  # no await since load(): atomic on the event loop
     call = WebRTCCall(request.scope, app_state(request).webrtc, manager.defaults.ice_servers,
-                      manager.defaults.limits.max_lag_s)  # its peer runs in a worker (webrtc/pool.py)
+                      manager.defaults.limits.max_lag_s)  # its peer runs where the app's PeerHost puts it
     return manager.attach(call, protocol, reservation), call
 
 
 async def _answer(request: Request, protocol: str, offer: str, connect: Callable[[EdgeSession], Any]):
     """Admit the call, open its connection (`connect(edge)`: the door's connection, its settings
     judged; Refused to refuse them) and answer the offer; any failure hangs up what was reserved.
-    (edge, call, what connect returned, the SDP answer). No worker for the call: 503."""
+    (edge, call, what connect returned, the SDP answer). No peer for the call: 503."""
     edge, call = _admit(request, protocol)
     try:
         connected = connect(edge)

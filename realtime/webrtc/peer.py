@@ -1,7 +1,8 @@
-"""One call's aiortc peer, inside a WebRTC worker process (webrtc/worker.py): RTCPeerConnection,
-DTLS/SRTP, the `oai-events` data channel and the audio tracks, resampled between Opus's 48 kHz
-and the model's 24 kHz with soxr. It hands what it gets to its `CallSink` (the worker frames it
-for the server) and takes model audio and events from the worker.
+"""One call's aiortc peer, held by webrtc/worker.py's Worker (in a WebRTC worker process, or in an
+edge worker: webrtc/local.py): RTCPeerConnection, DTLS/SRTP, the `oai-events` data channel and the
+audio tracks, resampled between Opus's 48 kHz and the model's 24 kHz with soxr. It hands what it
+gets to its `CallSink` (the worker frames it for the call) and takes model audio and events from
+the worker.
 
 Rules (webrtc/transport.py keeps the server's half):
 1. The offer must hold an audio m-line; anything aiortc cannot parse or answer is an `OfferError`,
@@ -42,7 +43,7 @@ from parley.models import FRAME_SAMPLES, SAMPLE_RATE
 
 from .wire import CONNECT_TIMEOUT_S, EVENTS_LABEL, MAX_MESSAGE_BYTES, OfferError
 
-log = logging.getLogger("parley.webrtc.worker")  # (in a worker process)
+log = logging.getLogger("parley.webrtc.worker")  # (in a worker process, or an edge worker's calls)
 
 OPUS_RATE = 48000  # WebRTC's Opus clock rate
 PACKET_SAMPLES = OPUS_RATE * 20 // 1000  # 960: one 20 ms packet at 48 kHz

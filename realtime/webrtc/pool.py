@@ -1,5 +1,7 @@
-"""The server's WebRTC worker processes (`--webrtc-workers N`): every call's aiortc peer runs in one
-of them (webrtc/worker.py), never on the server's event loop or engine thread.
+"""The one-process server's WebRTC worker processes (`--webrtc-workers N`), one of the two peer
+hosts (webrtc/transport.py `PeerHost`; an edge worker runs its calls' peers itself: webrtc/local.py):
+every call's aiortc peer runs in one of them (webrtc/worker.py), never on the server's event loop,
+whose GIL the engine thread shares.
 
 - Started on the first call (a server that takes no WebRTC call starts none), all N at once;
   then each call is pinned for its life to the live worker holding the fewest calls.
@@ -105,8 +107,15 @@ class WebRTCPool:
         return worker
 
     def unpin(self, call: WebRTCCall) -> None:
-        if call.worker is not None and call.worker.calls.get(call.id) is call:
-            del call.worker.calls[call.id]
+        worker = call.lane
+        if isinstance(worker, WorkerProcess) and worker.calls.get(call.id) is call:
+            del worker.calls[call.id]
+
+    def stuck(self, call: WebRTCCall, what: str) -> None:
+        """The call's worker is stuck: it is restarted, ending every call it holds."""
+        worker = call.lane
+        if isinstance(worker, WorkerProcess):
+            self.lose(worker, f"webrtc worker {worker.index} (pid {worker.pid}) {what} and was restarted")
 
     def on_frame(self, worker: WorkerProcess, op: int, call_id: int, payload: bytes) -> None:
         if op == wire.HELLO:

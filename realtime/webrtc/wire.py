@@ -1,5 +1,6 @@
 """The wire between the server and its WebRTC worker processes (webrtc/pool.py <-> webrtc/worker.py),
-and the limits both ends keep. Imports no aiortc: the server process never loads it.
+and the limits both ends keep. Imports no aiortc: the server process never loads it. An edge
+worker speaks the same frames to the peers it runs itself, over an in-process link (webrtc/local.py).
 
 One Unix socketpair per worker carries frames for many calls, multiplexed by call id:
 
@@ -13,14 +14,14 @@ worker -> server: HELLO (call 0: the worker is up), ANSWER (the SDP answer), REF
   (a data channel message), BACKLOG (u64: the channel's bufferedAmount, sent when it changes),
   DROPPED (u32 input chunks, u32 output 80 ms frames: dropped in the worker; u32 20 ms packets the
   track sent as silence, no model audio being ready: each since the last report),
-  ENDED (u8 overflowed: the call is over; its id is free).
+  ENDED (u8 overflowed: the call is over; its id is free; before an ANSWER: the peer failed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Callable
+from typing import Callable, Protocol
 
 HEADER = struct.Struct("<BII")
 BACKLOG = struct.Struct("<Q")
@@ -45,6 +46,14 @@ HARD_OUTBOX_BYTES = 64 * 1024 * 1024
 
 class OfferError(ValueError):
     """An SDP offer this server cannot answer; the message says why (it becomes the door's 400)."""
+
+
+class Link(Protocol):
+    """One end of the wire: a socket's (FrameProtocol), or an in-process one (webrtc/local.py)."""
+
+    def send(self, op: int, call: int, payload: bytes = b"") -> None: ...
+
+    def queued(self) -> int: ...  # bytes sent and not yet taken by the other end
 
 
 def frame(op: int, call: int, payload: bytes = b"") -> bytes:

@@ -9,6 +9,9 @@ the kernel closes its fds), hanging up every call first, so it never outlives it
 
 Bounded: audio for a server that stopped reading is dropped past SOFT_OUTBOX_BYTES (counted);
 a call whose events would push the queue past HARD_OUTBOX_BYTES ends (`overflowed`).
+
+`Worker` holds the calls whatever carries its frames: an edge worker runs one in its own process,
+over an in-process link (webrtc/local.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from . import wire
 from .peer import Peer
 from ..server.log_format import configure_logging
-from .wire import OfferError
+from .wire import Link, OfferError
 
 log = logging.getLogger("parley.webrtc.worker")  # (in a worker process)
 
@@ -42,7 +45,7 @@ class WorkerCall:
         self.reported_backlog = 0
         self.dropped_in = 0  # audio chunks dropped here since the last report
         self.reported_silent = 0  # the track's silent packets already reported
-        self.closing: asyncio.Task | None = None
+        self.answering: asyncio.Task | None = None  # answering its offer (Worker.offer)
 
     def ready(self) -> None:
         self.worker.send(wire.READY, self.id)
@@ -83,12 +86,13 @@ class WorkerCall:
 
 
 class Worker:
-    """The calls of this process, by the server's call id."""
+    """The calls of this process, by the server's call id; their frames go out on `link` (the
+    socket's end: a wire.FrameProtocol calling `on_frame` and `on_lost`, unless one is given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, link: Link | None = None) -> None:
         self.calls: dict[int, WorkerCall] = {}
         self.closing: set[asyncio.Task] = set()
-        self.link = wire.FrameProtocol(self.on_frame, self.on_lost)
+        self.link = link if link is not None else wire.FrameProtocol(self.on_frame, self.on_lost)
 
     def send(self, op: int, call: int, payload: bytes = b"") -> None:
         self.link.send(op, call, payload)
@@ -97,7 +101,10 @@ class Worker:
         call = self.calls.get(call_id)
         if op == wire.OFFER:
             if call is None:
-                self._spawn(self.offer(call_id, json.loads(payload)))
+                request = json.loads(payload)
+                call = WorkerCall(self, call_id, request.get("ice_servers", []), float(request["max_lag_s"]))
+                self.calls[call_id] = call  # now: a CLOSE that comes while it answers ends it
+                call.answering = self._spawn(self.offer(call, request["sdp"]))
         elif call is None:
             return  # an ended call's late audio or events
         elif op == wire.PLAY:
@@ -107,29 +114,36 @@ class Worker:
         elif op == wire.CLOSE:
             call.peer.end()  # forgets it; the peer closes below
 
-    async def offer(self, call_id: int, request: dict) -> None:
-        call = WorkerCall(self, call_id, request.get("ice_servers", []), float(request["max_lag_s"]))
-        self.calls[call_id] = call
+    async def offer(self, call: WorkerCall, sdp: str) -> None:
         try:
-            answer = await call.peer.answer(request["sdp"])
+            answer = await call.peer.answer(sdp)
         except OfferError as exc:
-            self.send(wire.REFUSED, call_id, str(exc).encode())
-            self.calls.pop(call_id, None)
+            if not call.peer.ended:
+                self.send(wire.REFUSED, call.id, str(exc).encode())
+                self.calls.pop(call.id, None)
             await call.peer.close()
+            return
+        except Exception:  # aiortc failed under this call: it ends alone (the server's answer is a 503)
+            if not call.peer.ended:
+                log.exception("webrtc call %d: answering its offer failed", call.id)
+            await call.peer.close()  # ENDED: the server settles the answer as unavailable
             return
         if call.peer.ended:  # closed by the server while answering
             return
-        self.send(wire.ANSWER, call_id, answer.encode())
+        self.send(wire.ANSWER, call.id, answer.encode())
 
     def forget(self, call: WorkerCall) -> None:
         if self.calls.get(call.id) is call:
             del self.calls[call.id]
+        if call.answering is not None and call.answering is not asyncio.current_task():
+            call.answering.cancel()  # ended while its peer still answers (a stuck one would hold on)
         self._spawn(call.peer.close())
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self.closing.add(task)
         task.add_done_callback(self.closing.discard)
+        return task
 
     def on_lost(self, why: str) -> None:
         for call in list(self.calls.values()):
