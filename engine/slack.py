@@ -77,7 +77,8 @@ boundary (minus a guard). The rules, one per concern:
    cost), and fitted after the estimated end of the work already queued (the queued end), not after
    the host's clock. An item's `WorkItem.launch` queues its device work and returns its host half,
    run once that work is done, items in launch order; a source with a host half pending is not
-   asked again until it has run. Every item is done and handed out before the slack ends. Depth 1,
+   asked again until it has run, and no throughput item is queued behind a realtime one whose host
+   half is pending (that source's next realtime step would wait it out). Every item is done and handed out before the slack ends. Depth 1,
    and the CPU, run each item and wait for the device (rule 4) as before.
 """
 
@@ -411,7 +412,7 @@ class SlackRunner:
         while interrupt is None or not interrupt():
             self._complete(queue.completed(wait=queue.full), deadline)
             picked = self._next_fitting(deadline, first, declined, queue.queued_end(), queue.busy_sources())
-            if picked is None:
+            if picked is None or (not picked[1].realtime and queue.realtime_pending()):
                 if queue.empty:
                     break
                 self._complete(queue.completed(wait=True), deadline)  # it may free a source or end early

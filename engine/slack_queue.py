@@ -17,7 +17,9 @@ On CUDA the runner launches up to `depth` items without waiting for the device b
 4. An item's host half (`WorkItem.launch`'s returned call: its outputs read and handed out) runs
    only once its end event is done, items in the order they were launched; a source with a host half
    pending is not asked for more (its rows' host state is one step behind), so no session's outputs
-   are lost or reordered.
+   are lost or reordered. While a realtime item's host half is pending, no throughput item is
+   queued behind it: its source's next realtime step (a TTS row's next step before its first audio)
+   would otherwise wait out the throughput item (an image's denoise steps) once the host half ran.
 5. The host waits on the device in two places only: the oldest item's end event when `depth` items
    are in flight (the device still has the others queued), and at the end of the slack, for all
    of them (the tick's slack ends with every output handed out, as before).
@@ -132,6 +134,10 @@ class SlackQueue:
     def busy_sources(self) -> set[Hashable]:
         """Sources with a host half pending (rule 4: not asked until it has run)."""
         return {f.source for f in self._flights if f.finish is not None}
+
+    def realtime_pending(self) -> bool:
+        """A realtime item in flight whose host half is pending (rule 4: nothing throughput behind it)."""
+        return any(f.finish is not None and f.item.realtime for f in self._flights)
 
     def queued_end(self) -> float:
         """When the work queued should end (rule 2), at the earliest now."""

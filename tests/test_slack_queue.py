@@ -154,6 +154,22 @@ def test_sources_with_host_halves_queue_beside_each_other():
     assert tts.offers_while_pending == stt.offers_while_pending == 0
 
 
+def test_no_throughput_item_is_queued_behind_a_realtime_one_whose_host_half_is_pending():
+    """A TTS row before its first audio steps on host halves; an image denoise item queued behind its
+    step would hold its next step for the image's whole length. So the image waits until the realtime
+    source offers nothing, and the steps run without an image between them."""
+    device = FakeDevice()
+    tts = DeviceSource(device, "tts", device_s=0.010, items=3, realtime=True)
+    images = DeviceSource(device, "images", device_s=0.030, items=1, host_half=False, priority=Priority.IMAGES)
+    runner = seeded(queued_runner(device, depth=2), tts, images)
+    runner.run_until(0.200)
+    assert tts.outputs[0] == [0, 1, 2] and images.sent == 1
+    tts_ends = [end for _, end in tts.launched]
+    image_start = images.launched[0][1] - 0.030
+    assert image_start >= tts_ends[-1]  # the image only after the last realtime step
+    assert all(launch_at >= previous_end for (launch_at, _), previous_end in zip(tts.launched[1:], tts_ends))
+
+
 def test_depth_one_waits_for_each_item():
     device = FakeDevice()
     source = DeviceSource(device, "tts", device_s=0.010, items=3)
