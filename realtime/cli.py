@@ -74,13 +74,13 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                         "and SCTP, off the event loop whose GIL the engine thread shares; each call pinned to the "
                         "least loaded; started by the first call). Default: one per 6 sessions (at most CPU "
                         "cores - 1). Edge workers run their calls' peers themselves")
-    p.add_argument("--edge-workers", type=int, default=0,
+    p.add_argument("--edge-workers", type=int, default=None,
                    help="edge worker processes: each serves its connections end to end (protocol, codec, WebRTC "
                         "peers) on the shared port, while the models and the engine's tick run in an engine "
                         "process of their own; a worker or engine process that dies is restarted. 0: one process "
-                        "does everything (the engine thread shares the event loop's GIL), the default until the "
-                        "split is measured to hold the frame on a GPU (docs/benchmarks.md); try one per CPU core "
-                        "but one, at most 8")
+                        "does everything (the engine thread shares the event loop's GIL). Default: on CUDA one "
+                        "per CPU core but one, at most 8; on the CPU, or with --codec-workers or "
+                        "--webrtc-workers, 0")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op CPU threads; more than 1 only pays off for CPU inference of large "
                         "models on a machine with cores to spare (OpenMP workers spin and starve the "
@@ -212,12 +212,12 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
         return "--codec-workers must be 0 (threads) or more (processes)"
     if args.webrtc_workers is not None and args.webrtc_workers < 1:
         return f"--webrtc-workers must be at least 1 (got {args.webrtc_workers}); WebRTC calls always run in workers"
-    if args.edge_workers < 0:
+    if args.edge_workers is not None and args.edge_workers < 0:
         return f"--edge-workers must be 0 (one process) or more (got {args.edge_workers})"
-    if args.codec_workers and args.edge_workers != 0:
+    if args.codec_workers and args.edge_workers:
         return ("--codec-workers applies with --edge-workers 0: each edge worker runs its connections' codec "
                 "on its own threads")
-    if args.webrtc_workers is not None and args.edge_workers != 0:
+    if args.webrtc_workers is not None and args.edge_workers:
         return ("--webrtc-workers applies with --edge-workers 0: each edge worker runs its WebRTC calls' peers "
                 "on its own event loop")
     if args.max_sessions < 1:
@@ -229,6 +229,28 @@ def serve_flag_error(args: argparse.Namespace) -> str | None:
     if (wrong := tick_trace_error(args)) is not None:
         return wrong
     return next(filter(None, (modality.flag_error(args) for modality in MODALITIES)), None)
+
+
+MAX_DEFAULT_EDGE_WORKERS = 8  # past this many, the engine process's relaying grows and the cores are the clients'
+
+
+def edge_workers(args: argparse.Namespace, cuda_available: Callable[[], bool]) -> int:
+    """--edge-workers, or its default. On CUDA the engine process keeps a core and the tick to itself
+    (docs/benchmarks.md: the split held duplex jitter far better under every kind of work at once);
+    on the CPU the engine's own inference needs the cores, and --codec-workers or --webrtc-workers
+    name the one-process server's pools, so those default to one process."""
+    if args.edge_workers is not None:
+        return args.edge_workers
+    if args.codec_workers is not None or args.webrtc_workers is not None:
+        return 0
+    on_cuda = args.device.startswith("cuda") or (args.device == "auto" and cuda_available())
+    return min(MAX_DEFAULT_EDGE_WORKERS, max(0, (os.cpu_count() or 1) - 1)) if on_cuda else 0
+
+
+def _cuda_available() -> bool:
+    import torch  # only to choose the default process layout for --device auto
+
+    return torch.cuda.is_available()
 
 
 def tick_trace_error(args: argparse.Namespace) -> str | None:
@@ -267,6 +289,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"parley serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    args.edge_workers = edge_workers(args, _cuda_available)
     config = _serve_config(args, defaults, {k: v for k, v in given.items() if v is not None}, kv, reliability)
     if config.edge_workers:
         from .server.processes import serve_processes  # torch and the models: only once serving

@@ -261,11 +261,11 @@ def test_slack_queue_depth_has_a_help_line(capsys):
 @pytest.mark.parametrize(("argv", "error"), [
     (["--edge-workers", "-1"], "--edge-workers must be 0 (one process) or more (got -1)"),
     (["--edge-workers", "2", "--codec-workers", "2"], "--codec-workers applies with --edge-workers 0"),
-    (["--codec-workers", "2"], None),  # one process (the default): the codec's own workers
+    (["--codec-workers", "2"], None),  # one process (their default): the codec's own workers
     (["--edge-workers", "2"], None),
     (["--edge-workers", "2", "--webrtc-workers", "3"], "--webrtc-workers applies with --edge-workers 0"),
     (["--edge-workers", "1", "--webrtc-workers", "1"], "--webrtc-workers applies with --edge-workers 0"),
-    (["--webrtc-workers", "3"], None),  # one process (the default): the WebRTC worker processes
+    (["--webrtc-workers", "3"], None),  # one process (their default): the WebRTC worker processes
 ])
 def test_edge_workers_and_the_worker_pools_they_replace(argv, error):
     from parley.realtime.cli import serve_flag_error
@@ -273,3 +273,24 @@ def test_edge_workers_and_the_worker_pools_they_replace(argv, error):
     args = cli_sources.parse_args(build_parser(), ["serve", *argv], {})
     found = serve_flag_error(args)
     assert (found is None) if error is None else (found is not None and found.startswith(error)), found
+
+
+@pytest.mark.parametrize(("argv", "cuda", "cores", "workers"), [
+    ([], True, 16, 8),  # on CUDA: one per core but the engine's, at most 8
+    ([], True, 4, 3),
+    ([], True, 1, 0),
+    (["--device", "cuda:1"], False, 16, 8),  # named, not probed
+    ([], False, 16, 0),  # the CPU's own inference needs the cores
+    (["--device", "cpu"], True, 16, 0),
+    (["--codec-workers", "2"], True, 16, 0),  # the one-process server's pools chosen
+    (["--webrtc-workers", "3"], True, 16, 0),
+    (["--edge-workers", "2"], False, 16, 2),  # given: as given
+    (["--edge-workers", "0"], True, 16, 0),
+])
+def test_edge_workers_default_follows_the_cores_on_cuda(argv, cuda, cores, workers, monkeypatch):
+    from parley.realtime import cli
+
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: cores)
+    args = cli_sources.parse_args(build_parser(), ["serve", *argv], {})
+    assert cli.serve_flag_error(args) is None
+    assert cli.edge_workers(args, lambda: cuda) == workers
