@@ -92,9 +92,16 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)
 
-    # Per-row top-k without a host-side k: sort once, read each row's k-th largest value.
+    # Per-row top-k: each row's k-th largest value. On the CPU the largest k of any row is read to
+    # the host and only that many values are sorted (a fraction of a full sort's time); on a device
+    # that read would be a sync (and break graph capture), so the whole row is sorted there. Both
+    # read the same value.
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
-    kth_largest = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    if logits.device.type == "cpu":
+        largest = logits.topk(int(k.max()) if k.numel() else vocab, dim=-1).values
+    else:
+        largest = logits.sort(dim=-1, descending=True).values
+    kth_largest = largest.gather(-1, (k - 1)[:, None])
     logits = logits.masked_fill(logits < kth_largest, float("-inf"))
 
     # Greedy rows get temperature 1 here (any positive value): their draw is discarded below.

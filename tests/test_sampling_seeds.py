@@ -81,3 +81,24 @@ def test_seeded_session_reproduces_its_output_whatever_its_neighbours_do(tiny_mo
     second.set_sampling(1, HOT)
     c = run_rows(second, [other, speech, other], 12)
     assert c[1] != a[0]
+
+
+def test_cpu_top_k_keeps_each_rows_k_largest_as_a_full_sort_does():
+    """The CPU reads each row's k-th largest value from a partial sort of the largest k any row
+    asks for: every row keeps exactly the values a full sort would keep (ties included), so the
+    same generator draws the same tokens."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 300, generator=gen).round(decimals=1)  # many ties at the cut
+    top_k = torch.tensor([1, 7, 0, 300, 40])  # 0 and the vocabulary size: no cut
+    temp = torch.tensor([1.0, 0.7, 1.0, 1.3, 0.0])
+    k = torch.where((top_k > 0) & (top_k < 300), top_k, torch.full_like(top_k, 300))
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    kept = logits >= kth
+    for seed in range(20):
+        tokens = sample_tokens(logits, temp, top_k, torch.Generator().manual_seed(seed))
+        assert kept.gather(-1, tokens[:, None]).all()
+        probs = torch.softmax(logits.masked_fill(~kept, float("-inf")) / torch.where(temp > 0, temp, 1.0)[:, None], -1)
+        noise = torch.empty_like(probs).exponential_(1.0, generator=torch.Generator().manual_seed(seed))
+        expected = torch.where(temp > 0, (probs / noise).argmax(-1), logits.argmax(-1))
+        assert torch.equal(tokens, expected)
+    assert sample_tokens(logits[:0], temp[:0], top_k[:0]).shape == (0,)
