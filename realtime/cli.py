@@ -31,6 +31,7 @@ from .server.log_format import LOG_FORMATS, configure_logging
 from .server.offline_cli import add_mimi_dtype_flag, add_offline
 from .server.served_models import parse_served_names
 from .server.sockets import bind
+from .server.workers import usable_cpus
 from .server.transcribe_cli import add_transcribe
 from .server.tts_cli import add_tts
 
@@ -244,7 +245,7 @@ def edge_workers(args: argparse.Namespace, cuda_available: Callable[[], bool]) -
     if args.codec_workers is not None or args.webrtc_workers is not None:
         return 0
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and cuda_available())
-    return min(MAX_DEFAULT_EDGE_WORKERS, max(0, (os.cpu_count() or 1) - 1)) if on_cuda else 0
+    return min(MAX_DEFAULT_EDGE_WORKERS, usable_cpus() - 1) if on_cuda else 0
 
 
 def _cuda_available() -> bool:

@@ -290,7 +290,27 @@ def test_edge_workers_and_the_worker_pools_they_replace(argv, error):
 def test_edge_workers_default_follows_the_cores_on_cuda(argv, cuda, cores, workers, monkeypatch):
     from parley.realtime import cli
 
-    monkeypatch.setattr(cli.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(cli, "usable_cpus", lambda: cores)
     args = cli_sources.parse_args(build_parser(), ["serve", *argv], {})
     assert cli.serve_flag_error(args) is None
     assert cli.edge_workers(args, lambda: cuda) == workers
+
+
+@pytest.mark.parametrize(("cpu_max", "affinity", "cpus"), [
+    (None, 16, 16),  # no cgroup v2 file: the affinity
+    ("max 100000\n", 16, 16),  # no quota
+    ("200000 100000\n", 16, 2),  # a 2-CPU container on a 16-core host
+    ("150000 100000\n", 16, 2),  # a part CPU counts whole
+    ("50000 100000\n", 16, 1),
+    ("800000 100000\n", 4, 4),  # taskset to 4 under a larger quota
+    ("garbled\n", 16, 16),
+])
+def test_usable_cpus_follows_the_affinity_and_a_containers_cpu_quota(cpu_max, affinity, cpus, tmp_path,
+                                                                      monkeypatch):
+    from parley.realtime.server import workers
+
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    assert workers.usable_cpus(str(path)) == cpus

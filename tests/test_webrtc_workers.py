@@ -103,9 +103,9 @@ def test_the_webrtc_workers_flag_is_honoured_and_bad_values_are_refused(monkeypa
         assert wrong == f"--webrtc-workers must be at least 1 (got {bad}); WebRTC calls always run in workers"
     with pytest.raises(ValueError, match="at least 1"):
         webrtc_pool.WebRTCPool(0)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(webrtc_pool, "usable_cpus", lambda: 16)
     assert [webrtc_pool.default_workers(n) for n in (1, 6, 7, 64, 1000)] == [1, 1, 2, 11, 15]
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(webrtc_pool, "usable_cpus", lambda: 2)
     assert webrtc_pool.default_workers(64) == 1
     app, _ = delay_app(2, webrtc_workers=3)
     assert app.state.webrtc.workers == 3 and app.state.webrtc.worker_pids() == []  # none until a call

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import os
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from . import codec_worker as wire
-from ..server.workers import Supervisor, spawn
+from ..server.workers import Supervisor, spawn, usable_cpus
 from .opus_codec import OpusCodec, OpusError, check_frame
 
 
@@ -69,7 +68,7 @@ class CodecThreadRunner:
     workers = 0
 
     def __init__(self, threads: int | None = None) -> None:
-        self.threads = max(1, threads if threads is not None else min(4, os.cpu_count() or 1))
+        self.threads = max(1, threads if threads is not None else min(4, usable_cpus()))
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="opus")
 
     async def start(self) -> None:
@@ -315,7 +314,7 @@ def make_codec_runner(workers: int | None, *, max_sessions: int = 8,
     """`workers` None: automatic (threads up to 8 sessions, else one process per 32 sessions,
     at most one per CPU core); 0: threads; N: N worker processes."""
     if workers is None:
-        workers = 0 if max_sessions <= 8 else min(max(1, (os.cpu_count() or 2) - 1), -(-max_sessions // 32))
+        workers = 0 if max_sessions <= 8 else min(max(1, usable_cpus() - 1), -(-max_sessions // 32))
     if workers == 0:
         return CodecThreadRunner()
     return CodecProcessPool(workers, on_restart=on_restart)

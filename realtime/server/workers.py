@@ -16,6 +16,7 @@ the `Supervisor` owns the rest, the same way for every pool:
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import logging
 import socket
@@ -23,10 +24,29 @@ import subprocess
 import time
 from typing import Awaitable, Callable, Generic, Iterable, Protocol, TypeVar
 
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "QUOTA PERIOD" in microseconds, or "max PERIOD"
 EXIT_GRACE_S = 3.0  # a worker told to exit (EOF on its socket) that has not by then is killed
 FLUKE_AFTER_S = 5.0  # a worker that dies later than this after its start is replaced at once
 
 log = logging.getLogger("parley.workers")
+
+
+def usable_cpus(cpu_max: str = CGROUP_CPU_MAX) -> int:
+    """The CPUs this process may use, for sizing the default worker counts: its affinity (taskset,
+    cpusets), capped by a cgroup v2 CPU quota (a container's limit, as a Kubernetes pod's), where
+    os.cpu_count() would count every core of the host; at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit readable: the affinity stands
+    return max(1, cpus)
 
 
 class Worker(Protocol):

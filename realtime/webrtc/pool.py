@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Callable
 
 from . import wire
 from ..server.log_format import current_kind
-from ..server.workers import Supervisor, spawn
+from ..server.workers import Supervisor, spawn, usable_cpus
 from .transport import CallUnavailable, WebRTCCall
 
 
@@ -36,7 +35,7 @@ CALLS_PER_WORKER = 6
 
 def default_workers(max_sessions: int) -> int:
     """One worker per CALLS_PER_WORKER sessions, at most one per CPU core but one (for the engine)."""
-    return max(1, min((os.cpu_count() or 2) - 1, -(-max_sessions // CALLS_PER_WORKER)))
+    return max(1, min(usable_cpus() - 1, -(-max_sessions // CALLS_PER_WORKER)))
 
 
 class WorkerProcess:
