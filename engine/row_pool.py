@@ -12,7 +12,8 @@ here, once:
 - Rows follow SlotTable's rules (engine/slots.py): fixed at start, the lowest free row first (runs
   are reproducible and a bucketed step over the lowest rows stays small), each owned by one job,
   released idempotently by its owner.
-- Pending jobs wait in one FIFO queue, bounded: `max_pending` jobs waiting at most, and with
+- Pending jobs wait in one FIFO queue, bounded: `max_pending` jobs waiting at most (a job that
+  needs a row now, `need_row`, only by the rows free for it), and with
   `reserve_rows` the waiting and the live together at most `slots` (a request is refused unless
   a row is left for it). A full pool raises the pool's own `full(why)` error at once ("pending": the
   queue is at its bound; "rows": no row is left), never waits.
@@ -76,7 +77,9 @@ class RowPool(Generic[J, R]):
         with self._lock:
             if self._stopped is not None:
                 raise PoolStopped(self._stopped)
-            if self.max_pending is not None and len(self._pending) >= self.max_pending:
+            # The bound is on jobs that wait for a row; one that needs a row now is bounded by the
+            # free rows below (a burst of live streams into free rows is not refused as a queue).
+            if not need_row and self.max_pending is not None and len(self._pending) >= self.max_pending:
                 raise self._full("pending")
             if self._reserve_rows and len(self._pending) + self._table.live >= self.slots:
                 raise self._full("rows")

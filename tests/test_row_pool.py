@@ -154,3 +154,16 @@ def test_stop_ends_every_live_and_pending_job_then_refuses(loop):
     with pytest.raises(PoolStopped) as stopped:
         enqueue(pool, loop, "e")
     assert stopped.value.terminal is STOPPED
+
+
+def test_jobs_that_need_a_row_are_bounded_by_the_free_rows_not_the_pending_bound(loop):
+    """A burst of live streams (need_row) arriving before the engine thread admits any fills the
+    free rows: the pending bound is for jobs that wait, so it does not refuse them."""
+    pool = pool_of(6, max_pending=2)
+    live = [enqueue(pool, loop, f"live{i}", need_row=True) for i in range(6)]
+    with pytest.raises(Full, match="rows"):
+        enqueue(pool, loop, "one more", need_row=True)
+    with pytest.raises(Full, match="pending"):
+        enqueue(pool, loop, "upload")  # one that would wait: the pending bound
+    assert pool.admit(lambda row, job: job.request_id, CANCELLED) == 0
+    assert pool.rows == [job.request_id for job in live] and pool.pending == 0
