@@ -25,7 +25,10 @@ tick_ms_p99 read in the period) and the share of frames over 60 ms (its tick his
 that bound), late ticks, frames lost (sessions that ended in the period: input frames sent minus
 output frames received, plus frames the engine dropped), KV blocks used (the most read), and the
 CPU of the server's event loop and engine threads in cores (`parley_thread_cpu_seconds_total`):
-they share one GIL, so a sum near 1 means the ticks wait for the loop's Python. Then where the
+they share one GIL, so a sum near 1 means the ticks wait for the loop's Python (with `--edge-workers`,
+"loop" adds up every worker's loop). With `--edge-workers`, also the edge workers' CPU per live session
+(ms of CPU a second, every worker process together over the mean live) and the engine process's CPU
+per tick (`parley_process_cpu_seconds_total{process}`). Then where the
 ticks' time went, mean ms per tick (`parley_engine_tick_*_seconds_total`): the plan (rows and
 their input frames), the rows' changes before the step (resets, KV blocks), launching the step,
 waiting for the device (and the output copy), and routing the outputs to the sessions' streams.
@@ -156,6 +159,10 @@ class Sample:
     phases: tuple[float, ...] = ()  # seconds the ticks spent in each of TICK_PHASES so far (nan: not exported)
     # full collections so far, their seconds, and those forced with no slack to hold them
     gc_full: tuple[float, float, float] = (float("nan"),) * 3
+    # CPU seconds so far of the edge worker processes together and of the engine process (`--edge-workers`;
+    # nan in one process, whose loop and engine share it)
+    edge_cpu: float = float("nan")
+    engine_process_cpu: float = float("nan")
 
 
 def phase_ms(later: Sample, earlier: Sample) -> str:
@@ -171,6 +178,16 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
+def process_cpu(text: str) -> tuple[float, float]:
+    """(the edge workers' CPU seconds together, the engine process's) from a split server's
+    `parley_process_cpu_seconds_total{process}`; nan for both from one process."""
+    found = dict(re.findall(r'^parley_process_cpu_seconds_total\{process="([^"]+)"\} ([0-9.eE+-]+)$', text, re.M))
+    edges = [float(v) for name, v in found.items() if name.startswith("edge")]
+    if not edges or "engine" not in found:
+        return float("nan"), float("nan")
+    return sum(edges), float(found["engine"])
+
+
 def sample(http: str, start_at: float) -> Sample:
     load = json.loads(urllib.request.urlopen(f"{http}/load", timeout=10).read())
     text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
@@ -182,7 +199,8 @@ def sample(http: str, start_at: float) -> Sample:
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="loop"}'),
                   _metric(text, 'parley_thread_cpu_seconds_total{thread="engine"}'),
                   tuple(_metric(text, f"parley_engine_tick_{phase}_seconds_total") for phase in TICK_PHASES),
-                  tuple(_metric(text, f"parley_gc_full_{name}_total") for name in ("collections", "pause_seconds", "forced")))
+                  tuple(_metric(text, f"parley_gc_full_{name}_total") for name in ("collections", "pause_seconds", "forced")),
+                  *process_cpu(text))
 
 
 @dataclass
@@ -199,6 +217,8 @@ class Period:
     loop_cores: float = float("nan")  # the event loop's and the engine thread's CPU, in cores (one GIL: their
     engine_cores: float = float("nan")  # sum near 1 means the engine waits for the loop's Python)
     phases: str = "-"  # mean ms per tick: plan/rows/launch/device/route
+    edge_ms_per_session: float = float("nan")  # the edge workers' CPU per second, per live session (split only)
+    engine_ms_per_tick: float = float("nan")  # the engine process's CPU per tick (split only)
     samples: list[Sample] = field(default_factory=list)
 
     @property
@@ -209,7 +229,8 @@ class Period:
         kv = "-" if self.kv_used is None else str(self.kv_used)
         return (f"| {self.index} | {self.arrived} | {self.refused} | {self.live_max} | "
                 f"{self.tick_p99_ms:.1f} | {100 * self.over_share:.2f} | {self.late:.0f} | {self.lost:.0f} | {kv} | "
-                f"{self.loop_cores:.2f} | {self.engine_cores:.2f} | {self.phases} | {'yes' if self.held else 'no'} |")
+                f"{self.loop_cores:.2f} | {self.engine_cores:.2f} | {_ms(self.edge_ms_per_session)} | "
+                f"{_ms(self.engine_ms_per_tick)} | {self.phases} | {'yes' if self.held else 'no'} |")
 
     def server_line(self) -> str:
         """The period's server-side figures, printed when it ends: a run whose final table is lost
@@ -217,7 +238,12 @@ class Period:
         return (f"minute {self.index} done: live max {self.live_max}, frame p99 {self.tick_p99_ms:.1f} ms, "
                 f"{100 * self.over_share:.2f} % of frames over 60 ms, late {self.late:.0f}, engine drops "
                 f"{self.lost:.0f}, KV blocks {'-' if self.kv_used is None else self.kv_used}, loop / engine cores "
-                f"{self.loop_cores:.2f} / {self.engine_cores:.2f}, tick ms {self.phases}")
+                f"{self.loop_cores:.2f} / {self.engine_cores:.2f}, edge CPU per session {_ms(self.edge_ms_per_session)} "
+                f"ms/s, engine process CPU {_ms(self.engine_ms_per_tick)} ms per tick, tick ms {self.phases}")
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
 
 
 def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration: float) -> list[Period]:
@@ -248,6 +274,11 @@ def periods(samples: list[Sample], ended: list[Ended], period_s: float, duration
         if last.t > previous.t:
             p.loop_cores = (last.loop_cpu - previous.loop_cpu) / (last.t - previous.t)
             p.engine_cores = (last.engine_cpu - previous.engine_cpu) / (last.t - previous.t)
+            live = sum(s.live for s in p.samples) / len(p.samples)
+            if live > 0:
+                p.edge_ms_per_session = 1000 * (last.edge_cpu - previous.edge_cpu) / (last.t - previous.t) / live
+        if ticks > 0:
+            p.engine_ms_per_tick = 1000 * (last.engine_process_cpu - previous.engine_process_cpu) / ticks
         p.phases = phase_ms(last, previous)
         previous = last
     return out
@@ -349,8 +380,9 @@ def report(found: list[Period], refusals: dict[str, int], time_scale: float, tar
           f"{WINDOW_S:.0f} s, mean {MEAN_S:.0f} s), Poisson arrivals for {target:g} live on average"
           f"{', started in the steady state' if steady else ''}; time scale {time_scale:g}")
     print("| minute (traffic time) | arrived | refused | live max | frame p99 ms | % frames > 60 ms | late ticks | frames lost "
-          f"| KV blocks used | loop CPU, cores | engine CPU, cores | tick ms: {'/'.join(TICK_PHASES)} | held |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          f"| KV blocks used | loop CPU, cores | engine CPU, cores | edge CPU per session, ms/s "
+          f"| engine process CPU, ms per tick | tick ms: {'/'.join(TICK_PHASES)} | held |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for p in found:
         print(p.row())
     held = [p.live_max for p in found if p.held and p.samples]

@@ -7,6 +7,7 @@ and no session may outlast the run (the run's end closes it).
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -66,5 +67,20 @@ def test_a_period_ends_with_its_server_side_line():
     end = capacity.Sample(59.0, 250, 52.5, 4934, 1, 0, 750, 3, 25.0, 30.0, (0.9, 0.6, 0.7, 29.0, 2.4), (6.0, 0.2, 0.0))
     p = capacity.periods([start, end], [], 60.0, 120.0)[0]
     assert p.server_line() == ("minute 0 done: live max 250, frame p99 52.5 ms, 0.40 % of frames over 60 ms, late 1, "
-                               "engine drops 0, KV blocks 4934, loop / engine cores 0.42 / 0.51, "
-                               "tick ms 1.2/0.8/0.9/38.7/3.2")
+                               "engine drops 0, KV blocks 4934, loop / engine cores 0.42 / 0.51, edge CPU per session "
+                               "- ms/s, engine process CPU - ms per tick, tick ms 1.2/0.8/0.9/38.7/3.2")
+
+
+def test_a_split_servers_process_cpu_per_session_and_per_tick():
+    """With edge workers the scrape names each process's CPU: the edges' per live session, the engine's per tick."""
+    text = ('parley_process_cpu_seconds_total{process="edge-0"} 10.0\n'
+            'parley_process_cpu_seconds_total{process="edge-1"} 2.0\n'
+            'parley_process_cpu_seconds_total{process="engine"} 40.0\n')
+    assert capacity.process_cpu(text) == (12.0, 40.0)
+    assert [math.isnan(v) for v in capacity.process_cpu("process_cpu_seconds_total 3.0\n")] == [True, True]
+    start = capacity.Sample(0.0, 100, None, 0, 0, 0, 0, 0, 0.0, 0.0, (0.0,) * 5, (0.0,) * 3, 0.0, 0.0)
+    mid = capacity.Sample(10.0, 100, 40.0, 0, 0, 0, 125, 0, 1.0, 1.0, (0.0,) * 5, (0.0,) * 3, 3.0, 5.0)
+    end = capacity.Sample(20.0, 100, 40.0, 0, 0, 0, 250, 0, 2.0, 2.0, (0.0,) * 5, (0.0,) * 3, 6.0, 10.0)
+    p = capacity.periods([start, mid, end], [], 60.0, 60.0)[0]
+    assert p.edge_ms_per_session == pytest.approx(1000 * 6.0 / 20.0 / 100)  # 0.3 cores over 100 live
+    assert p.engine_ms_per_tick == pytest.approx(1000 * 10.0 / 250)
