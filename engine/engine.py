@@ -61,19 +61,26 @@ from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
+from .throughput_stream import throughput_stream
 from .tick import TickRunner
 from .translation import SourceEnds
 from .tick_trace import TickTrace
 
 log = logging.getLogger("parley.engine")
 
-# In one process the engine thread shares the GIL with the event loop, and every torch call in a tick
-# gives it up and takes it back. While the loop runs Python without a pause (hundreds of sessions'
-# socket work), each take-back can wait out Python's switch interval, 5 ms by default, and a tick of
-# a few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
-# traffic"). A short interval bounds each wait, at a small cost in switches to the loop. The engine
-# process of `--edge-workers` has no sockets: it keeps Python's interval (`start(beside_sockets=False)`).
 GIL_SWITCH_S = 0.0005
+
+
+def bound_gil_switch(shared: bool) -> None:
+    """In one process the engine thread shares the GIL with the event loop, and every torch call in a
+    tick gives it up and takes it back. While the loop runs Python without a pause (hundreds of sessions'
+    socket work), each take-back can wait out Python's switch interval, 5 ms by default, and a tick of a
+    few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
+    traffic"). So when the engine thread shares the GIL with the clients' sockets, or with a throughput
+    stream's thread (engine/throughput_stream.py), the interval is bounded to GIL_SWITCH_S (never raised).
+    The engine process of `--edge-workers` alone keeps Python's (`Engine.start(beside_sockets=False)`)."""
+    if shared:
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
 
 class EngineClosed(RuntimeError):
@@ -114,6 +121,7 @@ class Engine:
                                       ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed,
                                       now=self._clock.now, started=self._kv.start if kv is not None else None)
         self._slack.add_source(self._prefill)
+        self._slack.beside = throughput_stream(backend, config, self._stop, self._fatal)  # images beside the frame
         self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
@@ -129,18 +137,17 @@ class Engine:
     # ---- lifecycle ----
 
     def start(self, beside_sockets: bool = True) -> None:
-        """Start the engine thread and its clock. beside_sockets: this process's event loop also serves
-        the clients' sockets (one process), so the GIL switch interval is bounded (GIL_SWITCH_S)."""
+        """Start the engine thread, its clock and any throughput stream's thread (`bound_gil_switch`)."""
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine was shut down; build a new one.")
             if self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._serve, name="parley-engine", daemon=True)
-        if beside_sockets:
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        bound_gil_switch(beside_sockets or self._slack.beside is not None)
         self.collections.take_over()  # full GC passes in the ticks' slack (engine/gc_pauses.py)
         self._thread.start()
+        self._slack.start_beside()
 
     healthy = property(lambda self: self._healthy)  # False once a fatal error stopped the engine
 
@@ -149,10 +156,8 @@ class Engine:
         """The engine thread's OS thread id once started (its CPU time: /proc/<id>/stat), else None."""
         return self._thread.native_id if self._thread is not None else None
 
-    @property
-    def running(self) -> bool:
-        """The engine thread is alive: started and not stopped (it may still be warming up)."""
-        return self._thread is not None and self._thread.is_alive()
+    # The engine thread is alive: started and not stopped (it may still be warming up).
+    running = property(lambda self: self._thread is not None and self._thread.is_alive())
 
     def counters(self) -> dict:
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
@@ -161,7 +166,7 @@ class Engine:
                 **self._kv.snapshot()}
 
     def add_slack_source(self, source: SlackSource) -> None:
-        """Register slack work, asked after every tick (slack.py's rule 1). Call before `start`."""
+        """Register slack work (slack.py's rule 1; beside the frame where it may: `beside_frame`). Before `start`."""
         if self._thread is not None:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)
@@ -222,10 +227,10 @@ class Engine:
         self._stop.set()
         if self._thread is not None:
             self.collections.give_back()
-        joined = True
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.config.shutdown_timeout_s if timeout is None else timeout)
-            joined = not self._thread.is_alive()
+        wait, me = self.config.shutdown_timeout_s if timeout is None else timeout, threading.current_thread()
+        if self._thread not in (None, me):  # (a fatal error's hook may shut down from the engine thread)
+            self._thread.join(wait)
+        joined = (self._thread in (None, me) or not self._thread.is_alive()) and self._slack.join_beside(wait)
         for session in self._open_sessions():
             self._end_session(session, Terminal(Status.CANCELLED, "the engine is shutting down"),
                               EngineClosed("the engine is shutting down"))
