@@ -71,16 +71,15 @@ log = logging.getLogger("parley.engine")
 GIL_SWITCH_S = 0.0005
 
 
-def bound_gil_switch(shared: bool) -> None:
-    """In one process the engine thread shares the GIL with the event loop, and every torch call in a
-    tick gives it up and takes it back. While the loop runs Python without a pause (hundreds of sessions'
-    socket work), each take-back can wait out Python's switch interval, 5 ms by default, and a tick of a
-    few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
-    traffic"). So when the engine thread shares the GIL with the clients' sockets, or with a throughput
-    stream's thread (engine/throughput_stream.py), the interval is bounded to GIL_SWITCH_S (never raised).
-    The engine process of `--edge-workers` alone keeps Python's (`Engine.start(beside_sockets=False)`)."""
-    if shared:
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+def bound_gil_switch() -> None:
+    """The engine thread shares the GIL with the process's other threads (in one process the event loop,
+    in the engine process of `--edge-workers` its control channels' loop, a throughput stream's thread),
+    and every torch call in a tick gives it up and takes it back. While another thread runs Python
+    without a pause (hundreds of sessions' socket work), each take-back can wait out Python's switch
+    interval, 5 ms by default, and a tick of a few dozen torch calls runs late (benchmarks/gil_tick.py;
+    docs/benchmarks.md, "Capacity under real traffic"). So the interval is bounded to GIL_SWITCH_S (never
+    raised). Whether the engine process of `--edge-workers` still needs it waits for its capacity run."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
 
 class EngineClosed(RuntimeError):
@@ -136,7 +135,7 @@ class Engine:
 
     # ---- lifecycle ----
 
-    def start(self, beside_sockets: bool = True) -> None:
+    def start(self) -> None:
         """Start the engine thread, its clock and any throughput stream's thread (`bound_gil_switch`)."""
         with self._lock:
             if self._closed:
@@ -144,7 +143,7 @@ class Engine:
             if self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._serve, name="parley-engine", daemon=True)
-        bound_gil_switch(beside_sockets or self._slack.beside is not None)
+        bound_gil_switch()
         self.collections.take_over()  # full GC passes in the ticks' slack (engine/gc_pauses.py)
         self._thread.start()
         self._slack.start_beside()

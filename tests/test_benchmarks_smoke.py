@@ -117,13 +117,15 @@ CPU_CASES = {
         "capacity.py", ["--spawn", "tiny", "--target", "2", "--minutes", "2", "--time-scale", "0.02"],
         [r"sigma 0\.541 \(10 % past 240 s, mean 139 s\)",
          r"^server: model ckpt, 3 sessions at most, Mimi: duplex float32$",  # the codec auto chose, on record
-         r"^\| minute \(traffic time\) \| arrived \| refused \|.* \| loop CPU, cores \| engine CPU, cores \| tick ms: plan/rows/launch/device/route \| held \|$",
-         r"^\| 0 \| \d+ \| \d+ \| \d+ \| \d+\.\d \| \d+\.\d\d \| \d+ \| \d+ \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| "
+         r"^\| minute \(traffic time\) \| arrived \| refused \|.* \| loop CPU, cores \| engine CPU, cores \| edge CPU per "
+         r"session, ms/s \| engine process CPU, ms per tick \| tick ms: plan/rows/launch/device/route \| held \|$",
+         r"^\| 0 \| \d+ \| \d+ \| \d+ \| \d+\.\d \| \d+\.\d\d \| \d+ \| \d+ \| \d+ \| \d+\.\d\d \| \d+\.\d\d \| - \| - \| "
          r"\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d/\d+\.\d \| (yes|no) \|$",
          r"^most concurrent sessions held \(frame p99 <= 60 ms, 0 late ticks, 0 frames lost\): \d+$",
          r"^the server's refusals by reason \(docs/protocols.md\): (none|[a-z_]+ \d+(, [a-z_]+ \d+)*)$",
          r"^minute 0 done: live max \d+, frame p99 \d+\.\d ms, \d+\.\d\d % of frames over 60 ms, late \d+, "
-         r"engine drops \d+, KV blocks \d+, loop / engine cores \d+\.\d\d / \d+\.\d\d, tick ms "]),
+         r"engine drops \d+, KV blocks \d+, loop / engine cores \d+\.\d\d / \d+\.\d\d, edge CPU per session - ms/s, "
+         r"engine process CPU - ms per tick, tick ms "]),
     "transcript_delay": (
         "transcript_delay.py", ["--spawn", "tiny", "--paired", "1", "--standalone", "1", "--duration", "2"],
         [r"path\s+deltas\s+mean ms\s+p50 ms", r"^paired\s+\d+", r"^standalone\s+\d+",
