@@ -108,17 +108,12 @@ class EngineConfig:
     # (engine/slack_queue.py; CUDA only: on CPU each item has ended when it returns). 1: each item is
     # waited for before the next is chosen.
     slack_queue_depth: int = 2
-    # CUDA only: sources whose items may run beside the frame (images) run on a thread and a
-    # low-priority stream of their own instead of in the slack (engine/throughput_stream.py).
-    throughput_stream: bool = False
 
     def __post_init__(self) -> None:
         for name in ("input_frames", "output_events", "slack_queue_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
-        if not isinstance(self.throughput_stream, bool):
-            raise OptionsError(f"throughput_stream must be True or False, got {self.throughput_stream!r}.")
         if not isinstance(self.slack_guard_s, (int, float)) or not 0 <= self.slack_guard_s < self.tick_seconds:
             raise OptionsError(f"slack_guard_s must be at least 0 and less than a tick, got {self.slack_guard_s!r}.")
         for name in ("tick_seconds", "shutdown_timeout_s"):

@@ -23,12 +23,10 @@ DISABLE_HINT = "build the backend with cuda_graphs=False to run eagerly and see 
 
 
 def sync_device(device: torch.device) -> None:
-    """Wait for the work this thread queued on `device` (nothing to wait for off CUDA): what a cost
-    measured on the host must include. Its current stream, which every side stream's work joins, not
-    the whole device: a throughput stream's work beside it (engine/throughput_stream.py) is not this
-    thread's to wait for."""
+    """Wait for `device`'s queued work (nothing to wait for off CUDA): what a cost measured on
+    the host must include."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.synchronize(device)
 
 
 class GraphError(RuntimeError):

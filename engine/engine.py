@@ -61,25 +61,18 @@ from .slots import SlotTable
 from .stream import OutputStream, Status, Terminal
 from .stt_paired import PairedTranscription
 from .text_forcing import TextForcing
-from .throughput_stream import throughput_stream
 from .tick import TickRunner
 from .translation import SourceEnds
 from .tick_trace import TickTrace
 
 log = logging.getLogger("parley.engine")
 
+# The engine thread shares the process's GIL with the event loop, and every torch call in a tick
+# gives it up and takes it back. While the loop runs Python without a pause (hundreds of sessions'
+# socket work), each take-back can wait out Python's switch interval, 5 ms by default, and a tick of
+# a few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
+# traffic"). A short interval bounds each wait, at a small cost in switches to the loop.
 GIL_SWITCH_S = 0.0005
-
-
-def bound_gil_switch() -> None:
-    """The engine thread shares the GIL with the process's other threads (in one process the event loop,
-    in the engine process of `--edge-workers` its control channels' loop, a throughput stream's thread),
-    and every torch call in a tick gives it up and takes it back. While another thread runs Python
-    without a pause (hundreds of sessions' socket work), each take-back can wait out Python's switch
-    interval, 5 ms by default, and a tick of a few dozen torch calls runs late (benchmarks/gil_tick.py;
-    docs/benchmarks.md, "Capacity under real traffic"). So the interval is bounded to GIL_SWITCH_S (never
-    raised). Whether the engine process of `--edge-workers` still needs it waits for its capacity run."""
-    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
 
 
 class EngineClosed(RuntimeError):
@@ -120,7 +113,6 @@ class Engine:
                                       ready=lambda s: _settle(s.ready, result=s), failed=self._prefill_failed,
                                       now=self._clock.now, started=self._kv.start if kv is not None else None)
         self._slack.add_source(self._prefill)
-        self._slack.beside = throughput_stream(backend, config, self._stop, self._fatal)  # images beside the frame
         self.collections = SLACK_COLLECTIONS  # full GC passes, run between ticks once start()ed
         force = getattr(backend, "force_text", None)  # optional (FrameBackend): text a session's model says
         self._forcing = TextForcing(force, _settle) if force is not None else None
@@ -136,17 +128,16 @@ class Engine:
     # ---- lifecycle ----
 
     def start(self) -> None:
-        """Start the engine thread, its clock and any throughput stream's thread (`bound_gil_switch`)."""
+        """Start the engine thread and its clock."""
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine was shut down; build a new one.")
             if self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._serve, name="parley-engine", daemon=True)
-        bound_gil_switch()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self.collections.take_over()  # full GC passes in the ticks' slack (engine/gc_pauses.py)
         self._thread.start()
-        self._slack.start_beside()
 
     healthy = property(lambda self: self._healthy)  # False once a fatal error stopped the engine
 
@@ -155,8 +146,10 @@ class Engine:
         """The engine thread's OS thread id once started (its CPU time: /proc/<id>/stat), else None."""
         return self._thread.native_id if self._thread is not None else None
 
-    # The engine thread is alive: started and not stopped (it may still be warming up).
-    running = property(lambda self: self._thread is not None and self._thread.is_alive())
+    @property
+    def running(self) -> bool:
+        """The engine thread is alive: started and not stopped (it may still be warming up)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def counters(self) -> dict:
         return {**self.metrics.snapshot(self._slots.live, self._slots.free, self._healthy),
@@ -165,7 +158,7 @@ class Engine:
                 **self._kv.snapshot()}
 
     def add_slack_source(self, source: SlackSource) -> None:
-        """Register slack work (slack.py's rule 1; beside the frame where it may: `beside_frame`). Before `start`."""
+        """Register slack work, asked after every tick (slack.py's rule 1). Call before `start`."""
         if self._thread is not None:
             raise RuntimeError("add slack sources before the engine starts.")
         self._slack.add_source(source)
@@ -226,10 +219,10 @@ class Engine:
         self._stop.set()
         if self._thread is not None:
             self.collections.give_back()
-        wait, me = self.config.shutdown_timeout_s if timeout is None else timeout, threading.current_thread()
-        if self._thread not in (None, me):  # (a fatal error's hook may shut down from the engine thread)
-            self._thread.join(wait)
-        joined = (self._thread in (None, me) or not self._thread.is_alive()) and self._slack.join_beside(wait)
+        joined = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.config.shutdown_timeout_s if timeout is None else timeout)
+            joined = not self._thread.is_alive()
         for session in self._open_sessions():
             self._end_session(session, Terminal(Status.CANCELLED, "the engine is shutting down"),
                               EngineClosed("the engine is shutting down"))

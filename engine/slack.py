@@ -99,7 +99,6 @@ from .stream import Terminal
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-    from .throughput_stream import ThroughputStream
     from .tick_trace import TickTrace
 
 T = TypeVar("T")
@@ -157,9 +156,6 @@ class SlackSource:
     once more on the engine thread."""
 
     priority: Priority
-    # Every item is throughput work on state no other source touches, so it may run beside the frame on
-    # a stream of its own when the engine has one (engine/throughput_stream.py), asked with no deadline.
-    beside_frame: bool = False
 
     def warm_up(self, costs: "CostModel") -> dict:
         """Before the engine starts: capture this source's graphs, measure its keys, seed them in
@@ -328,8 +324,6 @@ class SlackRunner:
         # Seconds of work per source, one ledger per class (True: realtime), for rule 1's order.
         self.shares = {True: FairShares(), False: FairShares()}
         self.trace: "TickTrace | None" = None  # the tick timeline's items (rule 7), set by engine/tick.py
-        # Where `beside_frame` sources go instead, when the engine has one (engine/throughput_stream.py).
-        self.beside: "ThroughputStream | None" = None
 
     @classmethod
     def for_backend(cls, backend: Any, now: Callable[[], float], config: "EngineConfig") -> "SlackRunner":
@@ -342,8 +336,6 @@ class SlackRunner:
         `terminal`, so no client waits on work that will never run."""
         for source in self._sources:
             source.slack_stop(terminal)
-        if self.beside is not None:
-            self.beside.stop_sources(terminal)
 
     def counters(self) -> dict:
         """The runner's totals, then every source's counters, for /metrics (Engine.counters)."""
@@ -351,7 +343,7 @@ class SlackRunner:
         return {"slack_items": stats.items, "slack_seconds": stats.seconds, "slack_overruns": stats.overruns,
                 "slack_past_boundary": stats.past_boundary, "slack_failed": stats.failed,
                 "slack_stale_drops": stats.stale_drops, "slack_stale_trials": stats.stale_trials,
-                **self.source_counters(), **(self.beside.counters() if self.beside is not None else {})}
+                **self.source_counters()}
 
     def source_counters(self) -> dict:
         """Every source's counters, for /metrics."""
@@ -362,10 +354,7 @@ class SlackRunner:
 
     def prepare_sources(self) -> None:
         """On the engine thread before its first clocked tick: each source measures its keys
-        (rule 2). A source whose warm-up raises keeps its earlier estimates (a CUDA error is fatal).
-        Beside a throughput stream, this thread's work first goes on a stream that goes first."""
-        if self.beside is not None:
-            self.beside.put_this_thread_first()
+        (rule 2). A source whose warm-up raises keeps its earlier estimates (a CUDA error is fatal)."""
         for source in self._sources:
             try:
                 source.slack_prepare(self.costs)
@@ -375,19 +364,7 @@ class SlackRunner:
                 log.warning("slack source %s could not measure its work on the engine thread: %s: %s",
                             type(source).__name__, type(exc).__name__, exc)
 
-    def start_beside(self) -> None:
-        """Start the throughput stream's thread (when there is one and a source for it)."""
-        if self.beside is not None:
-            self.beside.start()
-
-    def join_beside(self, timeout: float | None) -> bool:
-        """After the engine's stop: wait for the throughput stream's thread; False if it still runs."""
-        return self.beside is None or self.beside.join(timeout)
-
     def add_source(self, source: SlackSource) -> None:
-        if self.beside is not None and source.beside_frame:
-            self.beside.add_source(source)
-            return
         self._sources.append(source)
         self._sources.sort(key=lambda s: s.priority)  # stable: equal priorities keep their order
 

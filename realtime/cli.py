@@ -98,11 +98,6 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                         "each; each is fitted before the next tick by the estimated end of the work queued. "
                         f"1: wait for each item before choosing the next (default {EngineConfig.slack_queue_depth}; "
                         "more than 1 is refused off CUDA, where each item ends before the next)")
-    p.add_argument("--throughput-stream", action="store_true",
-                   help="on CUDA, run image work on a thread and a low-priority GPU stream of its own, beside the "
-                        "ticks, instead of in the slack each tick leaves: the GPU serves the frame and the realtime "
-                        "slack (TTS, transcription, prompts) first and images with what is left, with no wait for "
-                        "a tick's slack to fit an image step (refused off CUDA)")
     p.add_argument("--tick-trace", default=None, metavar="PATH",
                    help="write the engine's tick timeline to PATH, one JSON line per tick: host phases, slack "
                         "items and, on CUDA, device times (benchmarks/tick_timeline.py reads it); off by default")
@@ -319,7 +314,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        edge_workers=args.edge_workers,
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
                        tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
-                       slack_queue_depth=args.slack_queue_depth, throughput_stream=args.throughput_stream,
+                       slack_queue_depth=args.slack_queue_depth,
                        **{name: getattr(args, name) for modality in MODALITIES for name in modality.settings},
                        **reliability)
 

@@ -314,20 +314,3 @@ def test_usable_cpus_follows_the_affinity_and_a_containers_cpu_quota(cpu_max, af
     if cpu_max is not None:
         path.write_text(cpu_max)
     assert workers.usable_cpus(str(path)) == cpus
-
-
-def test_throughput_stream_reaches_the_engine_config_and_is_refused_off_cuda_naming_the_flag():
-    from parley.engine import EngineConfig, KvSettings, SessionOptions
-    from parley.realtime.cli import _serve_config
-    from parley.realtime.server.services import ServeError, _engine_config
-
-    def config(argv):
-        args = cli_sources.parse_args(build_parser(), ["serve", *argv], {})
-        return _serve_config(args, SessionOptions(), {}, KvSettings(), {})
-
-    assert _engine_config(config(["--throughput-stream"]), cuda=True) == EngineConfig(throughput_stream=True)
-    assert _engine_config(config(["--throughput-stream", "--slack-queue-depth", "1"]), cuda=True) == \
-        EngineConfig(throughput_stream=True, slack_queue_depth=1)
-    assert _engine_config(config([]), cuda=True) == EngineConfig()  # off unless asked
-    with pytest.raises(ServeError, match="--throughput-stream: work beside the frame runs on a CUDA stream"):
-        _engine_config(config(["--throughput-stream"]), cuda=False)

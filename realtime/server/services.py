@@ -331,16 +331,13 @@ def _build_engine(loaded: Build) -> Engine:
 def _engine_config(config: "ServeConfig", cuda: bool) -> EngineConfig:
     """The engine's settings that `parley serve` takes (the rest keep EngineConfig's defaults)."""
     depth = config.slack_queue_depth
-    if config.throughput_stream and not cuda:
-        raise ServeError("parley serve --throughput-stream: work beside the frame runs on a CUDA stream; this "
-                         "server runs on the CPU (leave it out)")
     if depth is None:
-        return EngineConfig(throughput_stream=config.throughput_stream)
+        return EngineConfig()
     if depth > 1 and not cuda:  # off CUDA each item ends before the next: there is no queue to deepen
         raise ServeError(f"parley serve --slack-queue-depth {depth}: slack items queue on CUDA only; this server "
                          "runs on the CPU (leave it unset, or 1)")
     try:
-        return EngineConfig(slack_queue_depth=depth, throughput_stream=config.throughput_stream)
+        return EngineConfig(slack_queue_depth=depth)
     except OptionsError as exc:
         raise ServeError(f"parley serve --slack-queue-depth: {exc}") from exc
 
