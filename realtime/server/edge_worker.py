@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from starlette.middleware import Middleware
@@ -56,11 +57,13 @@ class EngineGate:
         await self.app(scope, receive, send)
 
 
-def edge_worker(config, sockets: list[socket.socket], path: str, index: int, count: int, log_format: str) -> None:
-    """The worker's main (module docstring); `count` workers in all, this one `index`."""
+def edge_worker(config, sockets: list[socket.socket], path: str, index: int, count: int, log_format: str,
+                ready: Connection) -> None:
+    """The worker's main (module docstring); `count` workers in all, this one `index`. It says on `ready`
+    once its app is built and it is about to serve (server/processes.py rule 2)."""
     configure_logging(config.log_level, log_format)
     with runner() as run:
-        run.run(_serve(config, sockets, path, index, count))
+        run.run(_serve(config, sockets, path, index, count, ready))
 
 
 def worker_socket(engine_path: str, index: int) -> str:
@@ -88,7 +91,7 @@ async def link(path: str, index: int) -> RemoteClient:
             await asyncio.sleep(LINK_RETRY_S)
 
 
-async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int) -> None:
+async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int, ready: Connection) -> None:
     client = await link(path, index)
     # This worker owns its connections end to end: the codec on its threads (codec_workers 0), the
     # WebRTC calls' peers on its loop (webrtc_workers 0: server/app.py peer_host). The CLI refuses
@@ -116,6 +119,8 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int, co
     # POST /admin/drain drains the whole server: the supervisor relays SIGTERM to every worker
     app_state(app).drainer.whole_server = lambda: os.kill(os.getppid(), signal.SIGTERM)
     log.info("edge worker %d serving", index)
+    ready.send(index)
+    ready.close()
     server = DrainingServer(uvicorn_config(app, config.host, config.port, config.log_level,
                                            ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile),
                             app_state(app).drainer)

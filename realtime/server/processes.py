@@ -6,6 +6,10 @@ The process `parley serve` started stays the supervisor: it loads nothing. Rules
    one of the workers, which owns it to the end.
 2. A worker that exits unasked is started again in its place; its sessions ended with it (the
    engine freed their slots when its link closed: engine_process/core.py), no other worker's did.
+   A worker that exits before it was ever ready (its app built, about to serve) stops the server
+   with status 1 instead: what failed its start (a missing package, a bad setting) fails every
+   replacement too, and a supervisor restarting it forever would hold the port with nobody
+   accepting on it.
 3. An engine process that exits unasked is started again; meanwhile every worker answers 503 and
    fails /readyz, its open sessions ended with a failed terminal, and links again once the new
    one is ready (engine_process/client.py rule 4). An engine that cannot serve its configuration
@@ -24,7 +28,7 @@ import signal
 import socket
 import tempfile
 import time
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from .edge_worker import edge_worker
@@ -46,6 +50,8 @@ class ProcessSupervisor:
         self.path = str(Path(self._dir.name) / "engine.sock")
         self.engine: multiprocessing.process.BaseProcess | None = None
         self.workers: dict[int, multiprocessing.process.BaseProcess] = {}
+        self._unready: dict[int, Connection] = {}  # workers not yet ready: the pipe each says so on
+        self._failed = False  # a worker could not start (rule 2): exit 1
         self._stopping: int | None = None  # the signal that asked the server to stop
 
     def _start_engine(self) -> int | None:
@@ -70,11 +76,29 @@ class ProcessSupervisor:
         return self.engine.exitcode
 
     def _start_worker(self, index: int) -> None:
+        receive, send = SPAWN.Pipe(duplex=False)
         worker = SPAWN.Process(target=edge_worker, name=f"parley-edge-{index}", daemon=False,
-                               args=(self.config, self.sockets, self.path, index, self.count, current_kind()))
+                               args=(self.config, self.sockets, self.path, index, self.count, current_kind(), send))
         worker.start()
+        send.close()
         log.info("edge worker %d started (pid %d)", index, worker.pid)
         self.workers[index] = worker
+        self._unready[index] = receive
+
+    def _heard_ready(self, index: int) -> bool:
+        """Whether worker `index` has said it is ready (its pipe's end without a word: not)."""
+        receive = self._unready.get(index)
+        if receive is None:
+            return True
+        if not receive.poll():
+            return False
+        try:
+            receive.recv()
+        except EOFError:  # it exited without a word
+            return False
+        receive.close()
+        del self._unready[index]
+        return True
 
     def run(self) -> int:
         """Serve until stopped (rule 4); the exit status of `parley serve`."""
@@ -90,7 +114,8 @@ class ProcessSupervisor:
                  self.config.port, self.count, self.engine.pid)
         while self._stopping is None:
             self._watch()
-        return self._stop()
+        status = self._stop()
+        return 1 if self._failed else status
 
     def _watch(self) -> None:
         """Wait for a process to exit or a signal, and replace what exited unasked (rules 2, 3)."""
@@ -99,11 +124,18 @@ class ProcessSupervisor:
         if self._stopping is not None:
             return
         for index, worker in list(self.workers.items()):
-            if not worker.is_alive():
-                log.error("edge worker %d exited with status %s: starting another (its sessions ended)",
-                          index, worker.exitcode)
-                time.sleep(RESTART_PAUSE_S)
-                self._start_worker(index)
+            ready = self._heard_ready(index)
+            if worker.is_alive():
+                continue
+            if not ready:  # rule 2: its start fails, and would fail again
+                log.error("edge worker %d exited with status %s before it was ready (its error is above): "
+                          "stopping the server", index, worker.exitcode)
+                self._failed, self._stopping = True, signal.SIGINT
+                return
+            log.error("edge worker %d exited with status %s: starting another (its sessions ended)",
+                      index, worker.exitcode)
+            time.sleep(RESTART_PAUSE_S)
+            self._start_worker(index)
         if self.engine is not None and not self.engine.is_alive():
             log.error("the engine process exited with status %s: starting another; the workers answer 503 "
                       "until it is ready", self.engine.exitcode)
