@@ -4,12 +4,19 @@ Starts `parley serve` (the tiny demo model by default, so it runs on a CPU box),
 transport holds N GPT-Live sessions at once for --seconds, each sending a 440 Hz tone at real-time
 pace and reading what comes back, and reads the CPU time (user + system, all threads) before and
 after of the server process (the engine, the event loop) and, apart, of its WebRTC worker
-processes (`--webrtc-workers`: each call's aiortc peer: Opus, SRTP, DTLS, SCTP). Prints both per
+processes (`--webrtc-workers`: each call's aiortc peer: Opus, SRTP, DTLS, SCTP; the server's
+`parley_webrtc_worker_cpu_seconds`). Prints both per
 session-second for each transport, their total, and the ratios.
 
 - websocket: `/v1/live/sessions` over a WebSocket, base64 PCM16 at 24 kHz in JSON events.
 - webrtc: `POST /v1/live/sessions` with transport webrtc, aiortc as the client (Opus at 48 kHz,
   SRTP, DTLS, SCTP for the events), as tests/test_webrtc.py drives it.
+
+With `--serve-args "--edge-workers N"` the server is an engine process and N edge workers, each
+running its calls' peers on its own loop (no WebRTC worker processes): the figures are then the
+engine process's and the edge workers' together, from the server's one scrape
+(`parley_process_cpu_seconds_total{process}`), so a WebRTC call's edge CPU stands beside a
+WebSocket session's (which also runs in an edge worker).
 
 The engine's own work (the model's frames) is in both server figures; the difference is the
 transport's. The clients run in this process, on their own cores where there are any. For many
@@ -25,6 +32,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -47,30 +55,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def worker_pids(server: int) -> list[int]:
-    """The server's WebRTC worker processes (its children running parley.realtime.webrtc.worker)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == server and b"webrtc_worker" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return pids
+def scrape(base: str) -> str:
+    with urllib.request.urlopen(f"http://{base}/metrics", timeout=5) as r:
+        return r.read().decode()
 
 
-def cpu_of(pid: int, workers: list[int]) -> tuple[float, float]:
-    """(the server's CPU seconds, its WebRTC workers')."""
-    total = 0.0
-    for worker in workers:
-        try:
-            total += cpu_seconds(worker)
-        except OSError:  # gone (a restart): its seconds are lost to the figure
-            continue
-    return cpu_seconds(pid), total
+def server_cpu(base: str, pid: int) -> tuple[float, float]:
+    """(server, workers) CPU seconds so far. One process: its own and its WebRTC worker processes'
+    (`parley_webrtc_worker_cpu_seconds`). Split (`--edge-workers`): the engine process's and the edge
+    workers' together (`parley_process_cpu_seconds_total{process}`)."""
+    text = scrape(base)
+    found = dict(re.findall(r'^parley_process_cpu_seconds_total\{process="([^"]+)"\} ([0-9.eE+-]+)$', text, re.M))
+    if "engine" in found:
+        return float(found["engine"]), sum(float(v) for name, v in found.items() if name.startswith("edge"))
+    workers = re.search(r"^parley_webrtc_worker_cpu_seconds ([0-9.eE+-]+)$", text, re.M)
+    return cpu_seconds(pid), float(workers.group(1)) if workers else 0.0
+
+
+def split(base: str) -> bool:
+    return "parley_process_cpu_seconds_total{" in scrape(base)
 
 
 def model_name(base: str) -> str:
@@ -141,10 +144,9 @@ async def measure(base: str, pid: int, kind: str, sessions: int, seconds: float)
     tasks = [asyncio.create_task(run(base, model, gate)) for _ in range(sessions)]
     await asyncio.wait_for(gate.all_in.wait(), 120)
     await asyncio.sleep(0.5)  # past the sessions' setup
-    workers = worker_pids(pid)  # started by the first call
-    (server0, workers0), t0 = cpu_of(pid, workers), time.monotonic()
+    (server0, workers0), t0 = server_cpu(base, pid), time.monotonic()
     await asyncio.sleep(seconds)
-    (server1, workers1), t1 = cpu_of(pid, workers), time.monotonic()
+    (server1, workers1), t1 = server_cpu(base, pid), time.monotonic()
     gate.stop.set()
     await asyncio.gather(*tasks)
     per = (t1 - t0) * sessions
@@ -173,9 +175,10 @@ def main() -> int:
                 break
             except OSError:
                 time.sleep(0.2)
-        idle = cpu_seconds(proc.pid)
+        layout_split = split(base)
+        idle = sum(server_cpu(base, proc.pid))
         time.sleep(2.0)
-        idle = (cpu_seconds(proc.pid) - idle) / 2.0
+        idle = (sum(server_cpu(base, proc.pid)) - idle) / 2.0
         results = {kind: asyncio.run(measure(base, proc.pid, kind, args.sessions, args.seconds))
                    for kind in ("websocket", "webrtc")}
     finally:
@@ -183,7 +186,8 @@ def main() -> int:
         proc.wait(15)
     print(f"server idle: {idle:.3f} CPU s/s; {args.sessions} sessions for {args.seconds:g} s each; "
           "CPU s per session-second:")
-    print(f"  {'':<9} {'server':>7} {'webrtc workers':>15} {'total':>7}   (the server's engine included)")
+    server_label, workers_label = ("engine", "edge workers") if layout_split else ("server", "webrtc workers")
+    print(f"  {'':<9} {server_label:>7} {workers_label:>15} {'total':>7}   (the server's engine included)")
     for kind, (server, workers) in results.items():
         print(f"  {kind:<9} {server:>7.3f} {workers:>15.3f} {server + workers:>7.3f}")
     (ws, _), (rtc_server, rtc_workers) = results["websocket"], results["webrtc"]
