@@ -78,7 +78,9 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--edge-workers", type=int, default=None,
                    help="edge worker processes: each serves its connections end to end (protocol, codec, WebRTC "
                         "peers) on the shared port, while the models and the engine's tick run in an engine "
-                        "process of their own; a worker or engine process that dies is restarted. 0: one process "
+                        "process of their own; a worker or engine process that dies is restarted. A WebRTC call's "
+                        "peer runs on its worker's loop: for many calls, about one worker per 7 "
+                        "(docs/benchmarks.md). 0: one process "
                         "does everything (the engine thread shares the event loop's GIL). Default: on CUDA one "
                         "per CPU core but one, at most 8; on the CPU, or with --codec-workers or "
                         "--webrtc-workers, 0")
