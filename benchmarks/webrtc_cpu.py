@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import base64
 import json
+import math
 import os
 import re
 import socket
@@ -43,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from capacity import process_cpu  # noqa: E402  (this folder: a split server's per-process CPU series)
 
 ROOT = Path(__file__).resolve().parents[1]
 SR = 24000
@@ -63,17 +65,17 @@ def scrape(base: str) -> str:
 def server_cpu(base: str, pid: int) -> tuple[float, float]:
     """(server, workers) CPU seconds so far. One process: its own and its WebRTC worker processes'
     (`parley_webrtc_worker_cpu_seconds`). Split (`--edge-workers`): the engine process's and the edge
-    workers' together (`parley_process_cpu_seconds_total{process}`)."""
+    workers' together (capacity.py's `process_cpu`)."""
     text = scrape(base)
-    found = dict(re.findall(r'^parley_process_cpu_seconds_total\{process="([^"]+)"\} ([0-9.eE+-]+)$', text, re.M))
-    if "engine" in found:
-        return float(found["engine"]), sum(float(v) for name, v in found.items() if name.startswith("edge"))
+    edges, engine = process_cpu(text)
+    if not math.isnan(engine):
+        return engine, edges
     workers = re.search(r"^parley_webrtc_worker_cpu_seconds ([0-9.eE+-]+)$", text, re.M)
     return cpu_seconds(pid), float(workers.group(1)) if workers else 0.0
 
 
 def split(base: str) -> bool:
-    return "parley_process_cpu_seconds_total{" in scrape(base)
+    return not math.isnan(process_cpu(scrape(base))[1])
 
 
 def model_name(base: str) -> str:
