@@ -67,11 +67,13 @@ from .tick_trace import TickTrace
 
 log = logging.getLogger("parley.engine")
 
-# The engine thread shares the process's GIL with the event loop, and every torch call in a tick
+# In one process the engine thread shares the GIL with the event loop, and every torch call in a tick
 # gives it up and takes it back. While the loop runs Python without a pause (hundreds of sessions'
 # socket work), each take-back can wait out Python's switch interval, 5 ms by default, and a tick of
 # a few dozen torch calls runs late (benchmarks/gil_tick.py; docs/benchmarks.md, "Capacity under real
-# traffic"). A short interval bounds each wait, at a small cost in switches to the loop.
+# traffic"). A short interval bounds each wait, at a small cost in switches to the loop. The engine
+# process of `--edge-workers` has no sockets beside the engine thread and keeps Python's interval
+# (`start(beside_sockets=False)`): its capacity run held without the bound.
 GIL_SWITCH_S = 0.0005
 
 
@@ -127,15 +129,17 @@ class Engine:
 
     # ---- lifecycle ----
 
-    def start(self) -> None:
-        """Start the engine thread and its clock."""
+    def start(self, beside_sockets: bool = True) -> None:
+        """Start the engine thread and its clock. beside_sockets: this process's event loop also serves
+        the clients' sockets (one process), so the GIL switch interval is bounded (GIL_SWITCH_S)."""
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine was shut down; build a new one.")
             if self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._serve, name="parley-engine", daemon=True)
-        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        if beside_sockets:
+            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
         self.collections.take_over()  # full GC passes in the ticks' slack (engine/gc_pauses.py)
         self._thread.start()
 

@@ -696,6 +696,11 @@ def test_a_started_engine_bounds_the_gil_switch_interval():
         engine.start()
         assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.02)  # kept in whole microseconds
         engine.shutdown()
+        sys.setswitchinterval(0.005)
+        engine = Engine(DelayBackend(1))
+        engine.start(beside_sockets=False)  # the engine process of --edge-workers: no sockets beside it
+        assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.02)
+        engine.shutdown()
     finally:
         sys.setswitchinterval(before)
 

@@ -62,7 +62,7 @@ async def _serve(services: Services, path: str, ready: Connection) -> int:
                       has_stt=services.stt_pool is not None, has_images=services.images is not None,
                       registry=registry)
     services.engine.on_fatal = on_fatal
-    services.engine.start()
+    services.engine.start(beside_sockets=False)  # the clients' sockets are the edge workers'
     server = await core.serve(path)
     ready.send(os.getpid())
     log.info("engine process %d ready: %d sessions; edge workers link at %s", os.getpid(),
