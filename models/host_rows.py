@@ -1,6 +1,7 @@
-"""Host values written into a slice of per-row device state in one copy.
+"""Host values sent to the device without waiting for it.
 
     copy_from_host(state[row], values)   # values: a numpy array shaped like the slice
+    to_device(tensor, device)            # a host tensor, as a new tensor on `device`
 
 Admissions write a fresh row of state from the host between steps. Each eager op costs a
 launch and a pageable host -> device copy waits for the stream, so the row is built on the host
@@ -22,3 +23,12 @@ def copy_from_host(dst: torch.Tensor, values: np.ndarray) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
+
+
+def to_device(src: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`src` (a host tensor) on `device`. On CUDA from pinned memory, queued on the stream without
+    a sync: a pageable copy would first wait for everything queued before it."""
+    device = torch.device(device)
+    if device.type == "cuda" and src.device.type == "cpu":
+        return src.pin_memory().to(device, non_blocking=True)
+    return src.to(device)

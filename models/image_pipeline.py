@@ -54,6 +54,12 @@ from diffusers import (DiffusionPipeline, SD3Transformer2DModel, StableDiffusion
 from diffusers.models.attention_processor import Attention  # noqa: E402
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift  # noqa: E402
 
+from .host_rows import to_device  # noqa: E402
+
+
+# A job's timesteps stay on the host: a scheduler's step reads its timestep on the host (DDIM indexes
+# its host table with it), which with a device timestep is a sync; the denoiser gets them as one copy.
+HOST = torch.device("cpu")
 
 # (latents, per-row timesteps, text embeddings, pooled embeddings or None) -> noise prediction
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -171,7 +177,7 @@ class ImageStepper:
         raise NotImplementedError
 
     def _text(self, text: str, embed: TextEmbed | None) -> tuple[torch.Tensor, ...]:
-        tokens = [t.to(self.device) for t in self.text_tokens(text)]
+        tokens = [to_device(t, self.device) for t in self.text_tokens(text)]
         return tuple((embed or self.embed_text)(*tokens))
 
     def _negative(self, text: str, embed: TextEmbed | None) -> tuple[torch.Tensor, ...]:
@@ -193,8 +199,10 @@ class ImageStepper:
             raise ImagePipelineError(f"size {width}x{height} is not a multiple of {self.latent_stride}.")
         generator = torch.Generator("cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
         scheduler = copy.deepcopy(self.pipe.scheduler)
-        latents = self.pipe.prepare_latents(1, self.denoiser.config.in_channels, height, width, cond.embeds.dtype,
-                                            self.device, generator, None)
+        # Drawn on the host (the CPU generator), then queued to the device without a sync.
+        latents = to_device(self.pipe.prepare_latents(1, self.denoiser.config.in_channels, height, width,
+                                                      cond.embeds.dtype, torch.device("cpu"), generator, None),
+                            self.device)
         self._set_timesteps(scheduler, steps, latents)
         accepts = set(inspect.signature(scheduler.step).parameters)
         step_kwargs = {"generator": generator} if "generator" in accepts else {}
@@ -204,7 +212,7 @@ class ImageStepper:
                         step_kwargs=step_kwargs)
 
     def _set_timesteps(self, scheduler, steps: int, latents: torch.Tensor) -> None:
-        scheduler.set_timesteps(steps, device=self.device)
+        scheduler.set_timesteps(steps, device=HOST)
 
     @torch.no_grad()
     def denoise(self, jobs: list[ImageJob], predict: Predict | None = None) -> None:
@@ -218,7 +226,7 @@ class ImageStepper:
         rows = 2 if cfg else 1
         ts = [j.timesteps[j.step] for j in jobs]
         x = torch.cat([self._model_input(j, torch.cat([j.latents] * rows), t) for j, t in zip(jobs, ts)])
-        t_vec = torch.cat([t.expand(rows) for t in ts])
+        t_vec = to_device(torch.cat([t.expand(rows) for t in ts]), self.device)
         emb = torch.cat([j.cond.embeds for j in jobs])
         pooled = torch.cat([j.cond.pooled for j in jobs]) if jobs[0].cond.pooled is not None else None
         pred = (predict or self.predict)(x, t_vec, emb, pooled)
@@ -432,14 +440,14 @@ class FlowStepper(ImageStepper):
     def _set_timesteps(self, scheduler, steps, latents):
         config = scheduler.config
         if not config.get("use_dynamic_shifting", None):
-            scheduler.set_timesteps(steps, device=self.device)
+            scheduler.set_timesteps(steps, device=HOST)
             return
         _, _, h, w = latents.shape
         p = self.patch_size
         mu = calculate_shift((h // p) * (w // p), config.get("base_image_seq_len", 256),
                              config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
                              config.get("max_shift", 1.16))
-        scheduler.set_timesteps(steps, device=self.device, mu=mu)
+        scheduler.set_timesteps(steps, device=HOST, mu=mu)
 
     def predict(self, x, t, emb, pooled):
         return self.pipe.transformer(hidden_states=x, timestep=t, encoder_hidden_states=emb,

@@ -454,7 +454,7 @@ def test_graphed_steps_with_speed_up_equal_eager_plain_ones_in_bf16_on_the_gpu(f
     jobs = {st: [st.start(st.encode(prompt, None, True), size, size, 4, 5.0, seed)
                  for prompt, seed in (("a red cat", 1), ("a dog", 2))] for st in (plain, fast)}
     x = torch.cat([j.latents for j in jobs[plain] for _ in range(2)])  # the rows one CFG batch-2 step takes
-    t = torch.cat([j.timesteps[:1].expand(2) for j in jobs[plain]])
+    t = torch.cat([j.timesteps[:1].expand(2) for j in jobs[plain]]).to("cuda")  # (a job's timesteps are the host's)
     emb = torch.cat([j.cond.embeds for j in jobs[plain]])
     pooled = None if family == "sd" else torch.cat([j.cond.pooled for j in jobs[plain]])
     assert_close_bf16(predict(x, t, emb, pooled), plain.predict(x, t, emb, pooled), "noise prediction")
@@ -468,6 +468,32 @@ def test_graphed_steps_with_speed_up_equal_eager_plain_ones_in_bf16_on_the_gpu(f
         replay = queue.graphed(key)
         assert replay is not None, key
         assert_close_bf16(replay(latents), eager(latents), key[1])
+    queue.close_graphs()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["sd", "sd3"])
+def test_image_encodes_and_graphed_denoise_steps_queue_without_a_device_sync(family):
+    """The engine queues slack items on the device back to back (engine/slack_queue.py): a prompt's
+    encode, its jobs' start and a graphed denoise step must not wait for the device, or the engine
+    thread sits through every item queued before them and queues nothing behind them."""
+    gpu = stepper_for(tiny_pipeline(family).to("cuda"))
+    size = gpu.default_size
+    queue = ImageQueue(gpu, max_slack_s=1.0, max_batch=2)
+    queue.warm_up(CostModel())
+    embed, predict = queue.graphed_embed(), queue.graphed_predict(size, size, True, 2)
+    assert embed is not None and predict is not None
+    gpu.start(gpu.encode("warm", None, True, embed=embed), size, size, 4, 5.0, 1)  # the negative "" cached
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        jobs = [gpu.start(gpu.encode(prompt, None, True, embed=embed), size, size, 4, 5.0, seed)
+                for prompt, seed in (("a red cat", 1), ("a dog", 2))]
+        while not jobs[0].done:
+            gpu.denoise(jobs, predict=predict)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(job.done for job in jobs)
     queue.close_graphs()
 
 
