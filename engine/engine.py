@@ -107,8 +107,7 @@ class Engine:
         # Called once on the engine thread after a fatal error: `parley serve` exits non-zero on it.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._slack = SlackRunner.for_backend(backend, self._clock.now, config)
-        # The KV block pool (engine/kv_blocks.py): admission by memory, the blocks each row holds, mapped into
-        # the paged backend before each step (kv_binding.py). None: dense rows, no bound beyond the slots.
+        # The KV block pool (engine/kv_blocks.py; None: dense rows), mapped into the backend each step (kv_binding.py).
         self.kv = kv
         self._kv = KvBinding(kv, backend)
         self._prefill = PrefillSource(backend, self._scheduler, self.metrics,
@@ -130,8 +129,7 @@ class Engine:
     # ---- lifecycle ----
 
     def start(self, beside_sockets: bool = True) -> None:
-        """Start the engine thread and its clock. beside_sockets: this process's event loop also serves
-        the clients' sockets (one process), so the GIL switch interval is bounded (GIL_SWITCH_S)."""
+        """Start the engine thread and its clock; `beside_sockets` (one process): GIL_SWITCH_S."""
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine was shut down; build a new one.")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .image_book import ImageBook
 from .image_costs import DECODE, DENOISE, ENCODE, PREVIEW, blend_key, decode_key, denoise_key, encode_key
@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # diffusers loads only with an image model (models/image_pipe
     from parley.models.image_pipeline import ImageStepper
 
 log = logging.getLogger("parley.engine.images")
+
+T = TypeVar("T")
 
 LOOK_AGAIN = object()  # `pick` refused a size (its jobs are gone): look again
 
@@ -116,12 +118,16 @@ class ImageSchedule:
     def _output_item(self, job: Job) -> WorkItem:
         spec, items = job.request.spec, self._items
         if job.phase == PREVIEW:
-            return self._item(preview_key(spec.width, spec.height), [job], lambda: items.preview(job))
+            return self._output(preview_key(spec.width, spec.height), job, items.preview)
         if not self.stepper.tiled(spec.width, spec.height):
-            return self._item(decode_key(spec.width, spec.height), [job], lambda: items.decode(job))
+            return self._output(decode_key(spec.width, spec.height), job, items.decode)
         if job.tiles is None or not job.tiles.done:
             return self._item(tile_key(spec.width, spec.height), [job], lambda: items.tile(job))
-        return self._item(blend_key(spec.width, spec.height), [job], lambda: items.blend(job))
+        return self._output(blend_key(spec.width, spec.height), job, items.blend)
+
+    def _output(self, key: tuple, job: Job, hand_out: Callable[..., Callable[[], None]]) -> WorkItem:
+        """An item that hands out an image: run whole, or queued with its host half (slack.py rule 8)."""
+        return self._item(key, [job], lambda: hand_out(job)(), launch=lambda: hand_out(job, queued=True))
 
     def _denoise_item(self, peers: list[Job], left_s: float | None, costs: CostModel) -> WorkItem:
         """One step for the first of a bucket's jobs (in `denoise_order`), as many as fit."""
@@ -141,15 +147,21 @@ class ImageSchedule:
                 best = b
         return best
 
-    def _item(self, key: tuple, jobs: list[Job], run: Callable[[], None], units: int = 1) -> WorkItem:
-        """A work item for `jobs`: once it has run, their requests' stall clocks start again."""
-        def run_and_note() -> None:
-            self._tick_fresh = False
-            run()
-            now = self._now()
-            for job in jobs:
-                job.request.progress_at = now
-        return WorkItem(key, run_and_note, self._failer(jobs), units=units)
+    def _item(self, key: tuple, jobs: list[Job], run: Callable[[], None], units: int = 1,
+              launch: Callable[[], Callable[[], None]] | None = None) -> WorkItem:
+        """A work item for `jobs`: once it has run (or been queued: `launch`), their requests' stall
+        clocks start again."""
+        def noted(body: Callable[[], T]) -> Callable[[], T]:
+            def call() -> T:
+                self._tick_fresh = False
+                result = body()
+                now = self._now()
+                for job in jobs:
+                    job.request.progress_at = now
+                return result
+            return call
+        return WorkItem(key, noted(run), self._failer(jobs), units=units,
+                        launch=None if launch is None else noted(launch))
 
     def _failer(self, jobs: list[Job]):
         def fail(exc: Exception) -> None:

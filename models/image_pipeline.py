@@ -286,10 +286,14 @@ class ImageStepper:
         return self.pipe.image_processor.postprocess(image, output_type="np")
 
     def to_uint8(self, image: torch.Tensor) -> np.ndarray:
-        """NHWC uint8, rounded like `pipe(output_type="pil")`; the rounding runs on the image's
-        device (the same float32 arithmetic), so only uint8 pixels cross to the host."""
+        """NHWC uint8 on the host, rounded like `pipe(output_type="pil")`."""
+        return self.uint8_pixels(image).cpu().numpy()
+
+    def uint8_pixels(self, image: torch.Tensor) -> torch.Tensor:
+        """`to_uint8`'s pixels, still on the image's device: the rounding runs there (the same float32
+        arithmetic), so only uint8 pixels cross to the host, and the caller chooses when."""
         pixels = self.pipe.image_processor.postprocess(image, output_type="pt")
-        return (pixels.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        return (pixels.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
 
 
 class TiledDecode:

@@ -477,3 +477,40 @@ def test_the_engine_queues_only_on_cuda_and_above_depth_one(device, depth, queue
     assert (runner._queue is not None) == queued
     if queued:
         assert runner._queue.depth == depth
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_image_queue_queued_hands_out_the_images_of_each_item_waited_for(device):
+    """Queued (depth 2), previews and final images reach their requests by the items' host halves (a
+    tiled size too: its blend): the same pixels, in the same order, as items run and waited for one
+    by one."""
+    import asyncio
+
+    import numpy as np
+
+    from parley.engine.image_queue import ImageQueue, ImageSpec
+    from parley.models.image_pipeline import stepper_for
+    from parley.models.tiny_diffusion import tiny_pipeline
+
+    stepper = stepper_for(tiny_pipeline("sd").to(device))
+    size = stepper.default_size
+    tiled = next(s for s in range(size, 8 * size, stepper.latent_stride) if stepper.tiled(s, s))
+
+    async def run(depth: int):
+        queue = ImageQueue(stepper, max_slack_s=1.0, stream_events=4)
+        runner = SlackRunner(lambda: 0.0, sync_for(device), 0.0, queue_depth=depth, timeline=timeline_for(device))
+        runner.add_source(queue)
+        requests = [queue.submit(ImageSpec(f"p{i}", s, s, steps=3, guidance=5.0, seed=i, partial_images=1))
+                    for i, s in enumerate((size, size, tiled))]
+        runner.run_until(None)
+        return [[(type(e).__name__, getattr(e, "pixels", None)) for e in r.events.drain()] for r in requests]
+
+    waited = asyncio.run(run(1))
+    queued = asyncio.run(run(2))
+    assert [[name for name, _ in events] for events in waited] == [["ImagePartial", "ImageResult", "Terminal"]] * 3
+    for ours, reference in zip(queued, waited):
+        assert [name for name, _ in ours] == [name for name, _ in reference]
+        for (_, pixels), (_, expected) in zip(ours, reference):
+            assert (pixels is None) == (expected is None)
+            if pixels is not None:
+                np.testing.assert_array_equal(pixels, expected)
