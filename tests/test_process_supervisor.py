@@ -1,6 +1,8 @@
-"""server/processes.py rule 2, on fake processes: a worker that exits after it said it was ready is
-started again; one that exits before it was ever ready (its start fails, and would fail again) stops
-the server with status 1 instead of being restarted forever while nobody accepts on the port."""
+"""server/processes.py rules 2 and 3, on fake processes: a worker that exits after it said it was ready
+is started again; one that exits before it was ever ready (its start fails, and would fail again) stops
+the server with status 1 instead of being restarted forever while nobody accepts on the port. A dead
+engine is started again; replacements that exit before ready stop the server after ENGINE_START_TRIES
+in a row (status 1), or at once with status 2 when they cannot serve the configuration."""
 
 from __future__ import annotations
 
@@ -49,14 +51,14 @@ def test_a_worker_that_dies_after_it_was_ready_is_started_again(supervisor, monk
     worker(supervisor, 0, FakeProcess(alive=False, exitcode=-9), said_ready=True)
     monkeypatch.setattr(supervisor, "_start_worker", supervisor.started.append)
     supervisor._watch()
-    assert supervisor.started == [0] and supervisor._stopping is None and not supervisor._failed
+    assert supervisor.started == [0] and supervisor._stopping is None and supervisor._failed is None
 
 
 def test_a_worker_that_dies_before_it_was_ready_stops_the_server_with_status_1(supervisor, monkeypatch):
     worker(supervisor, 0, FakeProcess(alive=False, exitcode=1), said_ready=False)
     monkeypatch.setattr(supervisor, "_start_worker", supervisor.started.append)
     supervisor._watch()
-    assert supervisor.started == [] and supervisor._stopping == signal.SIGINT and supervisor._failed
+    assert supervisor.started == [] and supervisor._stopping == signal.SIGINT and supervisor._failed == 1
 
 
 def test_a_live_worker_not_yet_ready_is_left_alone_and_heard_once_it_is(supervisor):
@@ -80,3 +82,63 @@ def test_run_exits_1_when_a_worker_cannot_start(supervisor, monkeypatch):
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def engine_starts(supervisor, monkeypatch, statuses: list) -> list:
+    """The engine dies before each `_watch`; each replacement's start ends with the next of `statuses`
+    (None: ready). Returns the statuses not yet used."""
+    left = list(statuses)
+
+    def start():
+        status = left.pop(0)
+        supervisor.engine = FakeProcess(alive=status is None, exitcode=status)
+        return status
+    monkeypatch.setattr(supervisor, "_start_engine", start)
+    return left
+
+
+def test_a_dead_engine_is_started_again_and_a_ready_one_clears_the_count(supervisor, monkeypatch):
+    left = engine_starts(supervisor, monkeypatch, [1, 1, None, 1, 1, None])
+    for _ in range(6):
+        supervisor.engine = FakeProcess(alive=False, exitcode=-9)
+        supervisor._watch()
+        assert supervisor._stopping is None
+    assert left == [] and supervisor._failed is None and supervisor._engine_failures == 0
+
+
+def test_engine_replacements_that_never_get_ready_stop_the_server_with_status_1(supervisor, monkeypatch):
+    left = engine_starts(supervisor, monkeypatch, [1] * (processes.ENGINE_START_TRIES + 2))
+    supervisor.engine = FakeProcess(alive=False, exitcode=-9)
+    while supervisor._stopping is None:
+        supervisor._watch()
+    assert len(left) == 2 and supervisor._failed == 1 and supervisor._stopping == signal.SIGINT
+
+
+def test_an_engine_replacement_that_cannot_serve_the_configuration_stops_the_server_with_status_2(
+        supervisor, monkeypatch):
+    engine_starts(supervisor, monkeypatch, [processes.EXIT_CONFIG])
+    supervisor.engine = FakeProcess(alive=False, exitcode=-9)
+    supervisor._watch()
+    assert supervisor._failed == processes.EXIT_CONFIG == 2 and supervisor._stopping == signal.SIGINT
+
+
+class SilentPipe:
+    def poll(self, timeout: float = 0.0) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_signal_while_the_engine_loads_returns_without_waiting_for_it_to_exit(supervisor, monkeypatch):
+    """SIGTERM during the engine's start: `_stop` ends it; waiting for a loading engine to exit would hang."""
+    loading = FakeProcess(alive=True)
+    loading.join = lambda timeout=None: pytest.fail("joined a live engine")
+    loading.start = lambda: supervisor._on_signal(signal.SIGTERM, None)  # the signal arrives as it starts
+
+    class Spawn:
+        Pipe = staticmethod(lambda duplex=False: (SilentPipe(), SilentPipe()))
+        Process = staticmethod(lambda **kwargs: loading)
+    monkeypatch.setattr(processes, "SPAWN", Spawn)
+    assert supervisor._start_engine() is None and supervisor.engine is loading
+    assert supervisor._stopping == signal.SIGTERM

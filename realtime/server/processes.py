@@ -14,6 +14,9 @@ The process `parley serve` started stays the supervisor: it loads nothing. Rules
    fails /readyz, its open sessions ended with a failed terminal, and links again once the new
    one is ready (engine_process/client.py rule 4). An engine that cannot serve its configuration
    (exit 2, before it is ready) stops the server with status 2, as a one-process server would.
+   A replacement that exits before it is ready is tried again, ENGINE_START_TRIES times in a row at
+   most, then the server stops with status 1: a device that fails every load is the operator's
+   (or the orchestrator's) to see, not a reload loop's to hide behind 503s.
 4. SIGTERM drains: each worker drains its own sessions (server/drain.py) and exits, then the engine
    process is stopped. `POST /admin/drain` on any worker sends this process SIGTERM, so the whole
    server drains. SIGINT stops every process at once.
@@ -39,6 +42,7 @@ log = logging.getLogger("parley.server")
 SPAWN = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
 RESTART_PAUSE_S = 1.0  # between a process's exit and its replacement: a crash loop costs little
 STOP_GRACE_S = 10.0  # after the drain (or at once for SIGINT), how long a process gets before SIGKILL
+ENGINE_START_TRIES = 3  # replacements in a row that may exit before ready (rule 3)
 
 
 class ProcessSupervisor:
@@ -51,11 +55,13 @@ class ProcessSupervisor:
         self.engine: multiprocessing.process.BaseProcess | None = None
         self.workers: dict[int, multiprocessing.process.BaseProcess] = {}
         self._unready: dict[int, Connection] = {}  # workers not yet ready: the pipe each says so on
-        self._failed = False  # a worker could not start (rule 2): exit 1
+        self._failed: int | None = None  # the exit status a failed start sets (rules 2 and 3)
+        self._engine_failures = 0  # replacement engines in a row that exited before ready (rule 3)
         self._stopping: int | None = None  # the signal that asked the server to stop
 
     def _start_engine(self) -> int | None:
-        """Start the engine process and wait for it to be ready: None, or the status it exited with."""
+        """Start the engine process and wait for it to be ready: None (also when a signal came first:
+        `_stop` ends it), or the status it exited with."""
         receive, send = SPAWN.Pipe(duplex=False)
         if os.path.exists(self.path):
             os.unlink(self.path)
@@ -72,6 +78,8 @@ class ProcessSupervisor:
                     break
             if not self.engine.is_alive():
                 break
+        else:
+            return None
         self.engine.join()
         return self.engine.exitcode
 
@@ -108,14 +116,15 @@ class ProcessSupervisor:
         if status is not None:
             log.error("the engine process exited with status %s before it was ready", status)
             return status if status == EXIT_CONFIG else 1
-        for index in range(self.count):
-            self._start_worker(index)
-        log.info("serving on %s:%d with %d edge workers and the engine process %d", self.config.host,
-                 self.config.port, self.count, self.engine.pid)
+        if self._stopping is None:  # (a signal during the engine's start: nothing more to start)
+            for index in range(self.count):
+                self._start_worker(index)
+            log.info("serving on %s:%d with %d edge workers and the engine process %d", self.config.host,
+                     self.config.port, self.count, self.engine.pid)
         while self._stopping is None:
             self._watch()
         status = self._stop()
-        return 1 if self._failed else status
+        return status if self._failed is None else self._failed
 
     def _watch(self) -> None:
         """Wait for a process to exit or a signal, and replace what exited unasked (rules 2, 3)."""
@@ -130,7 +139,7 @@ class ProcessSupervisor:
             if not ready:  # rule 2: its start fails, and would fail again
                 log.error("edge worker %d exited with status %s before it was ready (its error is above): "
                           "stopping the server", index, worker.exitcode)
-                self._failed, self._stopping = True, signal.SIGINT
+                self._fail(1)
                 return
             log.error("edge worker %d exited with status %s: starting another (its sessions ended)",
                       index, worker.exitcode)
@@ -140,8 +149,25 @@ class ProcessSupervisor:
             log.error("the engine process exited with status %s: starting another; the workers answer 503 "
                       "until it is ready", self.engine.exitcode)
             time.sleep(RESTART_PAUSE_S)
-            if (status := self._start_engine()) == EXIT_CONFIG:
-                self._stopping = signal.SIGINT
+            self._engine_started(self._start_engine())
+
+    def _engine_started(self, status: int | None) -> None:
+        """A replacement engine's start (rule 3): ready (None), or the status it exited with."""
+        if status is None:
+            self._engine_failures = 0
+            return
+        self._engine_failures += 1
+        if status == EXIT_CONFIG:
+            log.error("the engine process cannot serve this configuration (its error is above): stopping the server")
+            self._fail(EXIT_CONFIG)
+        elif self._engine_failures >= ENGINE_START_TRIES:
+            log.error("the engine process exited before it was ready %d times in a row (status %s; its error is "
+                      "above): stopping the server", self._engine_failures, status)
+            self._fail(1)
+
+    def _fail(self, status: int) -> None:
+        """Stop every process at once; `parley serve` exits with `status`."""
+        self._failed, self._stopping = status, signal.SIGINT
 
     def _on_signal(self, sig: int, _frame) -> None:
         if self._stopping is None:
