@@ -62,7 +62,7 @@ import numpy as np
 from parley.engine import TICK_PHASES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import FRAME_S, ClientStats, client, spawned_server  # noqa: E402
+from load import FRAME_S, ClientStats, client, process_cpu, spawned_server  # noqa: E402
 
 MEDIAN_S = 120.0  # median session length
 PAST_WINDOW = 0.10  # the share of sessions longer than WINDOW_S
@@ -176,16 +176,6 @@ def phase_ms(later: Sample, earlier: Sample) -> str:
 def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", text, re.M)
     return float(m.group(1)) if m else float("nan")
-
-
-def process_cpu(text: str) -> tuple[float, float]:
-    """(the edge workers' CPU seconds together, the engine process's) from a split server's
-    `parley_process_cpu_seconds_total{process}`; nan for both from one process."""
-    found = dict(re.findall(r'^parley_process_cpu_seconds_total\{process="([^"]+)"\} ([0-9.eE+-]+)$', text, re.M))
-    edges = [float(v) for name, v in found.items() if name.startswith("edge")]
-    if not edges or "engine" not in found:
-        return float("nan"), float("nan")
-    return sum(edges), float(found["engine"])
 
 
 def sample(http: str, start_at: float) -> Sample:

@@ -250,6 +250,16 @@ def webrtc_client(url: str, index: int, duration: float, start_gate: asyncio.Eve
 DOORS = {"chat": client, "live": live_client, "webrtc": webrtc_client}
 
 
+def process_cpu(text: str) -> tuple[float, float]:
+    """(the edge workers' CPU seconds together, the engine process's) from a split server's
+    `parley_process_cpu_seconds_total{process}`; nan for both from one process."""
+    found = dict(re.findall(r'^parley_process_cpu_seconds_total\{process="([^"]+)"\} ([0-9.eE+-]+)$', text, re.M))
+    edges = [float(v) for name, v in found.items() if name.startswith("edge")]
+    if not edges or "engine" not in found:
+        return float("nan"), float("nan")
+    return sum(edges), float(found["engine"])
+
+
 def scrape(http: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"{http}/metrics", timeout=10).read().decode()
     out = {}
@@ -260,6 +270,7 @@ def scrape(http: str) -> dict[str, float]:
                  "parley_webrtc_worker_cpu_seconds"):
         m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else float("nan")
+    out["edge_cpu_seconds"], out["engine_cpu_seconds"] = process_cpu(text)
     return out
 
 
@@ -386,6 +397,10 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
             "server_cpu_cores": cpu, "server_cpu_per_session_pct": 100 * cpu / max(1, len(served)),
             "webrtc_workers_cpu_cores": worker_cpu,
             "webrtc_workers_cpu_per_session_pct": 100 * worker_cpu / max(1, len(served)),
+            # a split server's edge workers together and its engine process (nan from one process)
+            "edge_cpu_cores": d["edge_cpu_seconds"] / (t_after - t_before),
+            "edge_cpu_per_session_pct": 100 * d["edge_cpu_seconds"] / (t_after - t_before) / max(1, len(served)),
+            "engine_cpu_cores": d["engine_cpu_seconds"] / (t_after - t_before),
             # Python's full GC passes in the server (each stalls the engine thread; engine/gc_pauses.py)
             "server_full_gcs": d["parley_gc_full_collections_total"],
             "server_full_gc_max_ms": 1000 * after["parley_gc_full_pause_max_seconds"]}

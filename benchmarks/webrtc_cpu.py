@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from capacity import process_cpu  # noqa: E402  (this folder: a split server's per-process CPU series)
+from load import process_cpu  # noqa: E402  (this folder: a split server's per-process CPU series)
 
 ROOT = Path(__file__).resolve().parents[1]
 SR = 24000
@@ -65,7 +65,7 @@ def scrape(base: str) -> str:
 def server_cpu(base: str, pid: int) -> tuple[float, float]:
     """(server, workers) CPU seconds so far. One process: its own and its WebRTC worker processes'
     (`parley_webrtc_worker_cpu_seconds`). Split (`--edge-workers`): the engine process's and the edge
-    workers' together (capacity.py's `process_cpu`)."""
+    workers' together (load.py's `process_cpu`)."""
     text = scrape(base)
     edges, engine = process_cpu(text)
     if not math.isnan(engine):
