@@ -385,6 +385,7 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
     # the calls' worker processes (their gauge is 0 before the first call; a server without them: nan)
     worker_cpu = (after["parley_webrtc_worker_cpu_seconds"] - np.nan_to_num(before["parley_webrtc_worker_cpu_seconds"])
                   ) / (t_after - t_before)
+    edge_cpu = d["edge_cpu_seconds"] / (t_after - t_before)  # a split server's (nan from one process)
     return {"door": door, "clients": clients, "served": len(served), "refused": sum(r.refused for r in results),
             "timed_out": sum(r.timed_out for r in results), "refusals": "; ".join(reasons) or "-",
             "frames_sent": sent, "ready_p50_ms": pct(ready, 50), "ready_max_ms": pct(ready, 100), "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
@@ -397,9 +398,7 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
             "server_cpu_cores": cpu, "server_cpu_per_session_pct": 100 * cpu / max(1, len(served)),
             "webrtc_workers_cpu_cores": worker_cpu,
             "webrtc_workers_cpu_per_session_pct": 100 * worker_cpu / max(1, len(served)),
-            # a split server's edge workers together and its engine process (nan from one process)
-            "edge_cpu_cores": d["edge_cpu_seconds"] / (t_after - t_before),
-            "edge_cpu_per_session_pct": 100 * d["edge_cpu_seconds"] / (t_after - t_before) / max(1, len(served)),
+            "edge_cpu_cores": edge_cpu, "edge_cpu_per_session_pct": 100 * edge_cpu / max(1, len(served)),
             "engine_cpu_cores": d["engine_cpu_seconds"] / (t_after - t_before),
             # Python's full GC passes in the server (each stalls the engine thread; engine/gc_pauses.py)
             "server_full_gcs": d["parley_gc_full_collections_total"],

@@ -59,6 +59,7 @@ from .host_rows import to_device  # noqa: E402
 
 # A job's timesteps stay on the host: a scheduler's step reads its timestep on the host (DDIM indexes
 # its host table with it), which with a device timestep is a sync; the denoiser gets them as one copy.
+# Its first latents are drawn here too (the CPU generator), then sent without a sync.
 HOST = torch.device("cpu")
 
 # (latents, per-row timesteps, text embeddings, pooled embeddings or None) -> noise prediction
@@ -199,10 +200,8 @@ class ImageStepper:
             raise ImagePipelineError(f"size {width}x{height} is not a multiple of {self.latent_stride}.")
         generator = torch.Generator("cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
         scheduler = copy.deepcopy(self.pipe.scheduler)
-        # Drawn on the host (the CPU generator), then queued to the device without a sync.
         latents = to_device(self.pipe.prepare_latents(1, self.denoiser.config.in_channels, height, width,
-                                                      cond.embeds.dtype, torch.device("cpu"), generator, None),
-                            self.device)
+                                                      cond.embeds.dtype, HOST, generator, None), self.device)
         self._set_timesteps(scheduler, steps, latents)
         accepts = set(inspect.signature(scheduler.step).parameters)
         step_kwargs = {"generator": generator} if "generator" in accepts else {}
