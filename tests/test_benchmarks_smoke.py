@@ -265,7 +265,7 @@ def test_mixed_load_keeps_the_together_phases_tick_trace(tmp_path: Path) -> None
 
 
 # Scripts with a test of their own (above, or tests/test_tick_timeline.py; each writes in a directory of the test's).
-OWN_TESTS = ("write_models.py", "tick_timeline.py")
+OWN_TESTS = ("write_models.py", "tick_timeline.py", "offline_site.py")
 
 # Scripts only imported here: those whose every path needs CUDA (run small under `gpu` below),
 # and CPU ones too slow for this file (attacks.py, edge_cpu.py: a server per run and seconds per
