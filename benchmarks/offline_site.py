@@ -3,7 +3,7 @@
 A stock CUDA PyTorch image already holds torch, numpy, transformers, huggingface_hub and a few more;
 what it lacks (PyAV, sphn, aiortc, uvicorn, the benchmark clients' httpx2, ...) is downloaded here as
 wheels for the host's Python and platform, unpacked into one folder and packed as a .tar.xz (about
-half the size of the wheels, so it travels where they would not fit).
+two thirds the size of the wheels, so it travels where they would not fit).
 
     python benchmarks/offline_site.py --out site.tar.xz                     # for a Python 3.12 x86-64 host
     # on the host, from a checkout (the benchmarks import the installed package's three folders):
@@ -52,10 +52,11 @@ def requirements(pyproject: Path, have: set[str], python: str) -> list[str]:
     """`name==version` for every pinned runtime dependency of `pyproject` that applies on `python`
     (markers evaluated) and is not in `have`, then `UNPINNED`; a dependency left unpinned is refused."""
     declared = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    have = {normal(n) for n in have}
     wanted = []
     for line in declared:
         req = Requirement(line)
-        name = req.name.lower().replace("_", "-")
+        name = normal(req.name)
         if name in have or (req.marker is not None and not req.marker.evaluate({"python_version": python})):
             continue
         pins = [s.version for s in req.specifier if s.operator == "=="]
@@ -63,6 +64,11 @@ def requirements(pyproject: Path, have: set[str], python: str) -> list[str]:
             raise SystemExit(f"offline_site.py: {line!r} is not pinned in {pyproject}: name it in --have")
         wanted.append(f"{name}=={pins[0]}")
     return wanted + list(UNPINNED)
+
+
+def normal(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503, as far as these names need)."""
+    return name.lower().replace("_", "-")
 
 
 def download(wanted: list[str], into: Path, python: str) -> list[Path]:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.out.name.endswith(".tar.xz"):
         p.error(f"--out {args.out}: the archive is written as .tar.xz; name it so")
-    have = {n.strip().lower().replace("_", "-") for n in args.have.split(",") if n.strip()}
+    have = {n.strip() for n in args.have.split(",") if n.strip()}
     wanted = requirements(ROOT / "pyproject.toml", have, args.python)
     with tempfile.TemporaryDirectory() as tmp:
         wheels = download(wanted, Path(tmp), args.python)

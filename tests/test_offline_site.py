@@ -18,11 +18,14 @@ def offline_site(monkeypatch):
 
 
 def test_every_pin_but_the_hosts_own_is_asked_for_at_its_pin(offline_site):
-    wanted = offline_site.requirements(ROOT / "pyproject.toml", {"torch", "numpy", "pillow"}, "3.12")
+    wanted = offline_site.requirements(ROOT / "pyproject.toml", {"torch", "numpy", "Pillow"}, "3.12")
     assert "av==18.1.0" in wanted and "sphn==0.2.1" in wanted and "aiortc==1.16.0" in wanted
     names = [w.split("==")[0] for w in wanted]
     assert not {"torch", "numpy", "pillow", "tomli"} & set(names)  # the host's, and tomli only before 3.11
     assert len(names) == len(set(names)) and all("==" in w for w in wanted)
+    default = offline_site.requirements(ROOT / "pyproject.toml", set(offline_site.HAVE), "3.12")
+    hosts = [w.split("==")[0] for w in default]
+    assert "huggingface-hub" not in hosts and "diffusers" in hosts  # names compare as pip compares them
     assert "tomli==2.5.0" in offline_site.requirements(ROOT / "pyproject.toml", {"torch", "numpy"}, "3.10")
 
 
