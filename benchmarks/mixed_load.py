@@ -4,7 +4,7 @@
     # H200 (3.3 minutes with --duration 15 once written; benchmarks/NOTES.md): Moshi-7B, TTS 1.6B, STT 1B and SD-1.5 shapes, random weights
     python benchmarks/write_models.py --dir /tmp/models --device cuda && \\
     python benchmarks/mixed_load.py --models /tmp/models --duplex 64 --tts 16 --transcription 64 --images 4 \\
-        --image-size 512x512 --image-steps 20 --duration 20 --procs 4 --serve-arg=--device=cuda
+        --image-size 512x512 --image-steps 20 --duration 20 --procs 4 --serve-arg=--device=cuda --gpu-busy
 
     # where the together phase's ticks go (docs/benchmarks.md): the server traces its ticks
     # (`parley serve --tick-trace`), the together phase's are kept in PATH and read into one table
@@ -26,8 +26,9 @@ image), then all of them at once. Real clients over real sockets:
   benchmarks/transcript_delay.py reads it) and deltas;
 - image: `--images` concurrent loops of /v1/images/generations (K images in flight, `--image-size`,
   `--image-steps`): images per minute and errors.
-Every phase also reports the engine's late ticks (from /metrics). `--tick-trace PATH`: the server writes
-its tick timeline to PATH.all (engine/tick_trace.py); once it has stopped, the ticks that started during
+Every phase also reports the engine's late ticks (from /metrics), and with `--gpu-busy` the GPU's busy
+share (NVML's utilization: the share of time some kernel ran, read every 0.5 s over the phase, as
+nvidia-smi reports it). `--tick-trace PATH`: the server writes its tick timeline to PATH.all (engine/tick_trace.py); once it has stopped, the ticks that started during
 the together phase go to PATH (the rest is removed) and benchmarks/tick_timeline.py's table follows. The design's promise is that the
 "together" column stays near the "alone" one: the duplex frame on time, the slack kinds slowed only
 by what the ticks leave them.
@@ -39,8 +40,10 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx2 as httpx  # the HTTP client the pinned openai SDK ships on
 
@@ -128,16 +131,57 @@ async def image_load(base: str, args) -> dict:
     return {"images": done, "errors": errors, "images/min": 60 * done / (time.monotonic() - started)}
 
 
+class GpuBusy:
+    """A GPU's busy share over a stretch of time: `read()` (a utilization percentage) every `period`
+    seconds on a thread, from `start()` to `stop()`, which returns the mean of the readings."""
+
+    def __init__(self, read: Callable[[], float], period: float = 0.5) -> None:
+        self._read, self._period = read, period
+        self._readings: list[float] = []
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def nvml(cls, index: int) -> "GpuBusy":
+        import pynvml  # nvidia-ml-py: only with --gpu-busy
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return cls(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+
+    def start(self) -> None:
+        self._readings, self._stopped = [], threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="gpu-busy", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while True:
+            self._readings.append(self._read())
+            if self._stopped.wait(self._period):
+                return
+
+    def stop(self) -> float:
+        self._stopped.set()
+        self._thread.join()
+        return sum(self._readings) / len(self._readings)
+
+
 async def phase(kinds: list[str], base: str, args) -> dict:
-    """The given kinds at once; {kind: figures} plus the engine's late ticks over the phase."""
+    """The given kinds at once; {kind: figures} plus the engine's late ticks (and with --gpu-busy the
+    GPU's busy share) over the phase."""
     http, ws = f"http://{base}", f"ws://{base}"
     jobs = {"duplex": lambda: duplex_load(ws, args), "tts": lambda: tts_load(http, args),
             "transcription": lambda: transcription_load(ws, http, args), "image": lambda: image_load(base, args)}
     before = await asyncio.to_thread(scrape, http)
+    if args.busy is not None:
+        args.busy.start()
     results = await asyncio.gather(*(jobs[k]() for k in kinds))
+    busy = args.busy.stop() if args.busy is not None else None
     after = await asyncio.to_thread(scrape, http)
     figures = dict(zip(kinds, results))
     figures["engine"] = {"late ticks": after["parley_engine_late_ticks_total"] - before["parley_engine_late_ticks_total"]}
+    if busy is not None:
+        figures["engine"]["GPU busy %"] = busy
     return figures
 
 
@@ -162,10 +206,12 @@ async def run(base: str, args, kinds: list[str]) -> tuple[float, float]:
     together = await phase(kinds, base, args)
     window = (started, time.time())
     print(f"together: {json.dumps(together)}", flush=True)
-    late = together.pop("engine")["late ticks"]
+    engine = together.pop("engine")
     print("\n".join(table({k: alone[k][k] for k in kinds}, together)))
-    print("late ticks: " + ", ".join(f"{k} alone {alone[k]['engine']['late ticks']:.0f}" for k in kinds)
-          + f", together {late:.0f}")
+    for figure, form in (("late ticks", "{:.0f}"), ("GPU busy %", "{:.1f}")):
+        if figure in engine:
+            print(f"{figure}: " + ", ".join(f"{k} alone {form.format(alone[k]['engine'][figure])}" for k in kinds)
+                  + f", together {form.format(engine[figure])}")
     return window
 
 
@@ -222,7 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="an extra `parley serve` argument (repeat); none: the demo server (every modality, tiny)")
     p.add_argument("--tick-trace", type=Path, default=None, metavar="PATH",
                    help="keep the server's tick timeline of the together phase in PATH and print its table")
+    p.add_argument("--gpu-busy", type=int, nargs="?", const=0, default=None, metavar="INDEX",
+                   help="also report each phase's GPU busy share, NVML's utilization of GPU INDEX (default 0, "
+                        "as NVML numbers them) read every 0.5 s; needs nvidia-ml-py and an NVIDIA driver")
     args = p.parse_args(argv)
+    args.busy = None
+    if args.gpu_busy is not None:
+        try:
+            args.busy = GpuBusy.nvml(args.gpu_busy)
+        except Exception as exc:  # no module, no driver, no such index: say which
+            p.error(f"--gpu-busy {args.gpu_busy}: NVML cannot read that GPU ({type(exc).__name__}: {exc})")
     kinds = [k for k in KINDS if getattr(args, "images" if k == "image" else k) > 0]
     if not kinds:
         p.error("nothing to run: every kind's count is 0")

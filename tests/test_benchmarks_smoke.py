@@ -264,6 +264,36 @@ def test_mixed_load_keeps_the_together_phases_tick_trace(tmp_path: Path) -> None
     assert not (tmp_path / "together.jsonl.all").exists()
 
 
+def test_mixed_loads_gpu_busy_is_the_mean_of_the_readings_over_the_phase(monkeypatch, capsys) -> None:
+    """--gpu-busy's sampler reads on its own thread from start to stop (at least once, even when the phase
+    is shorter than a period) and gives their mean; a machine NVML cannot read is an argument error."""
+    import itertools
+    import threading
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = importlib.import_module("mixed_load")
+    values, read, third = itertools.cycle([10.0, 20.0, 60.0, 90.0]), [], threading.Event()
+
+    def reading() -> float:
+        read.append(next(values))
+        if len(read) == 3:
+            third.set()
+        return read[-1]
+
+    busy = module.GpuBusy(reading, period=0.0)
+    busy.start()
+    assert third.wait(30)
+    assert busy.stop() == sum(read) / len(read) and len(read) >= 3
+    busy = module.GpuBusy(lambda: 55.0, period=3600.0)  # stopped before its second reading
+    busy.start()
+    assert busy.stop() == 55.0
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # as on a machine without nvidia-ml-py
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--gpu-busy", "1"])
+    assert exit_.value.code == 2
+    assert "--gpu-busy 1: NVML cannot read that GPU (ModuleNotFoundError" in capsys.readouterr().err
+
+
 # Scripts with a test of their own (above, or tests/test_tick_timeline.py; each writes in a directory of the test's).
 OWN_TESTS = ("write_models.py", "tick_timeline.py", "offline_site.py")
 
