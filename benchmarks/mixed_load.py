@@ -28,10 +28,11 @@ image), then all of them at once. Real clients over real sockets:
   `--image-steps`): images per minute and errors.
 Every phase also reports the engine's late ticks (from /metrics), and with `--gpu-busy` the GPU's busy
 share (NVML's utilization: the share of time some kernel ran, read every 0.5 s over the phase, as
-nvidia-smi reports it). `--tick-trace PATH`: the server writes its tick timeline to PATH.all (engine/tick_trace.py); once it has stopped, the ticks that started during
-the together phase go to PATH (the rest is removed) and benchmarks/tick_timeline.py's table follows. The design's promise is that the
-"together" column stays near the "alone" one: the duplex frame on time, the slack kinds slowed only
-by what the ticks leave them.
+nvidia-smi reports it). `--tick-trace PATH`: the server writes its tick timeline to PATH.all
+(engine/tick_trace.py); once it has stopped, the ticks that started during the together phase go to
+PATH (the rest is removed) and benchmarks/tick_timeline.py's table follows. The design's promise is
+that the "together" column stays near the "alone" one: the duplex frame on time, the slack kinds
+slowed only by what the ticks leave them.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ async def phase(kinds: list[str], base: str, args) -> dict:
     busy = args.busy.stop() if args.busy is not None else None
     after = await asyncio.to_thread(scrape, http)
     figures = dict(zip(kinds, results))
-    figures["engine"] = {"late ticks": after["parley_engine_late_ticks_total"] - before["parley_engine_late_ticks_total"]}
+    late = after["parley_engine_late_ticks_total"] - before["parley_engine_late_ticks_total"]
+    figures["engine"] = {"late ticks": late}
     if busy is not None:
         figures["engine"]["GPU busy %"] = busy
     return figures
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the server's tick timeline of the together phase in PATH and print its table")
     p.add_argument("--gpu-busy", type=int, nargs="?", const=0, default=None, metavar="INDEX",
                    help="also report each phase's GPU busy share, NVML's utilization of GPU INDEX (default 0, "
-                        "as NVML numbers them) read every 0.5 s; needs nvidia-ml-py and an NVIDIA driver")
+                        "as NVML numbers them) read every 0.5 s; needs nvidia-ml-py (the bench extra) and an "
+                        "NVIDIA driver")
     args = p.parse_args(argv)
     args.busy = None
     if args.gpu_busy is not None:
