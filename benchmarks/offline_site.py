@@ -27,6 +27,7 @@ import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 try:
     import tomllib
@@ -52,11 +53,11 @@ def requirements(pyproject: Path, have: set[str], python: str) -> list[str]:
     """`name==version` for every pinned runtime dependency of `pyproject` that applies on `python`
     (markers evaluated) and is not in `have`, then `UNPINNED`; a dependency left unpinned is refused."""
     declared = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    have = {normal(n) for n in have}
+    have = {canonicalize_name(n) for n in have}
     wanted = []
     for line in declared:
         req = Requirement(line)
-        name = normal(req.name)
+        name = canonicalize_name(req.name)
         if name in have or (req.marker is not None and not req.marker.evaluate({"python_version": python})):
             continue
         pins = [s.version for s in req.specifier if s.operator == "=="]
@@ -64,11 +65,6 @@ def requirements(pyproject: Path, have: set[str], python: str) -> list[str]:
             raise SystemExit(f"offline_site.py: {line!r} is not pinned in {pyproject}: name it in --have")
         wanted.append(f"{name}=={pins[0]}")
     return wanted + list(UNPINNED)
-
-
-def normal(name: str) -> str:
-    """A distribution name as pip compares them (PEP 503, as far as these names need)."""
-    return name.lower().replace("_", "-")
 
 
 def download(wanted: list[str], into: Path, python: str) -> list[Path]:
