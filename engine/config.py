@@ -108,20 +108,12 @@ class EngineConfig:
     # (engine/slack_queue.py; CUDA only: on CPU each item has ended when it returns). 1: each item is
     # waited for before the next is chosen.
     slack_queue_depth: int = 2
-    # Image work on a second, lowest-priority CUDA stream beside the frame instead of in the ticks'
-    # slack (engine/slack_lane.py); needs items queued (a depth over 1).
-    overlap_images: bool = False
 
     def __post_init__(self) -> None:
         for name in ("input_frames", "output_events", "slack_queue_depth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionsError(f"{name} must be a whole number of at least 1, got {value!r}.")
-        if not isinstance(self.overlap_images, bool):
-            raise OptionsError(f"overlap_images must be True or False, got {self.overlap_images!r}.")
-        if self.overlap_images and self.slack_queue_depth < 2:
-            raise OptionsError("overlap_images needs slack items queued on the device (slack_queue_depth over 1), "
-                               "since waiting for each item would wait for the image stream too.")
         if not isinstance(self.slack_guard_s, (int, float)) or not 0 <= self.slack_guard_s < self.tick_seconds:
             raise OptionsError(f"slack_guard_s must be at least 0 and less than a tick, got {self.slack_guard_s!r}.")
         for name in ("tick_seconds", "shutdown_timeout_s"):

@@ -335,10 +335,10 @@ class Engine:
     def _serve(self, max_ticks: int | None = None) -> None:
         # Sources measure their work on this thread before the first tick (slack.py rule 2), once:
         # serve_ticks may resume a clock already running, whose next boundary would not wait.
-        self._guarded(self._slack.bind_thread)  # (the CUDA stream is the thread's: every thread that serves)
         if self._clock.next_boundary() is None:
             self._guarded(self._slack.prepare_sources)
-        ticks, late = 0, self._clock.late_ticks
+        ticks = 0
+        late = self._clock.late_ticks
         while (max_ticks is None or ticks < max_ticks) and self._healthy and \
                 self._clock.wait(self._stop, idle=self._ticks.idle_slack):
             self.metrics.observe_start_lag(self._clock.start_lag)

@@ -105,7 +105,6 @@ class ImageQueue(SlackSource):
     """A slack source for one image pipeline (register with `engine.add_slack_source`)."""
 
     priority = Priority.IMAGES
-    overlaps = True  # throughput work only: with EngineConfig.overlap_images it runs beside the frame
 
     # the cost keys (engine/image_costs.py), here for callers that hold the queue
     denoise_key = staticmethod(image_costs.denoise_key)

@@ -80,9 +80,6 @@ boundary (minus a guard). The rules, one per concern:
    asked again until it has run, and no throughput item is queued behind a realtime one whose host
    half is pending (that source's next realtime step would wait it out). Every item is done and handed out before the slack ends. Depth 1,
    and the CPU, run each item and wait for the device (rule 4) as before.
-9. With `EngineConfig.overlap_images`, the sources marked `overlaps` (images) are not asked here:
-   their items run on the overlap lane beside the frame (engine/slack_lane.py), topped up at the
-   start of each tick's slack, after each item queued here, and at its end.
 """
 
 from __future__ import annotations
@@ -96,8 +93,6 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Hashable, TypeVar
 
 import torch
 
-from .config import OptionsError
-from .slack_lane import HORIZON_PERIODS, OverlapLane
 from .slack_queue import Completed, DeviceTimeline, InFlight, SlackQueue, device_timeline
 from .slack_share import FairShares
 from .stream import Terminal
@@ -161,7 +156,6 @@ class SlackSource:
     once more on the engine thread."""
 
     priority: Priority
-    overlaps = False  # its items may run on the overlap lane beside the frame (rule 9): throughput work only
 
     def warm_up(self, costs: "CostModel") -> dict:
         """Before the engine starts: capture this source's graphs, measure its keys, seed them in
@@ -316,16 +310,12 @@ class SlackRunner:
     """Runs sources' items after each tick until nothing more fits before the deadline."""
 
     def __init__(self, now: Callable[[], float], synchronize: Callable[[], None],
-                 guard_s: float, queue_depth: int = 1, timeline: "DeviceTimeline | None" = None,
-                 lane: OverlapLane | None = None) -> None:
+                 guard_s: float, queue_depth: int = 1, timeline: "DeviceTimeline | None" = None) -> None:
         self._now = now
         self._synchronize = synchronize
         # Items queued back to back on the device (rule 8): only with a device timeline (CUDA) and a
         # depth over 1; otherwise each item is waited for (the CPU's own calls end before they return).
         self._queue = SlackQueue(timeline, queue_depth, now) if timeline is not None and queue_depth > 1 else None
-        if lane is not None and self._queue is None:  # a whole-device wait per item would wait out the lane too
-            raise ValueError("the overlap lane needs items queued on a device timeline (a depth over 1).")
-        self._lane = lane  # rule 9
         self.guard_s = guard_s
         self.costs = CostModel()
         self.stats = SlackStats()
@@ -339,18 +329,7 @@ class SlackRunner:
     def for_backend(cls, backend: Any, now: Callable[[], float], config: "EngineConfig") -> "SlackRunner":
         """The engine's runner: the backend's device waited for (`backend.synchronize`), and on CUDA
         items queued up to `config.slack_queue_depth` (rule 8)."""
-        timeline = device_timeline(backend)
-        lane = None
-        if config.overlap_images:
-            if timeline is None:
-                raise OptionsError("overlap_images runs image work on a second CUDA stream; this engine is not on CUDA.")
-            lane = OverlapLane.for_device(backend.device, now, HORIZON_PERIODS * config.tick_seconds)
-        return cls(now, backend.synchronize, config.slack_guard_s, config.slack_queue_depth, timeline, lane)
-
-    def bind_thread(self) -> None:
-        """On the engine thread before its first tick: its stream, with an overlap lane (rule 9)."""
-        if self._lane is not None:
-            self._lane.bind_thread()
+        return cls(now, backend.synchronize, config.slack_guard_s, config.slack_queue_depth, device_timeline(backend))
 
     def stop_sources(self, terminal: Terminal) -> None:
         """The engine stopped (shutdown or a fatal error): sources end their requests with
@@ -388,8 +367,6 @@ class SlackRunner:
     def add_source(self, source: SlackSource) -> None:
         self._sources.append(source)
         self._sources.sort(key=lambda s: s.priority)  # stable: equal priorities keep their order
-        if self._lane is not None and source.overlaps:
-            self._lane.sources.append(source)
 
     def run_until(self, deadline: float | None, interrupt: Callable[[], bool] | None = None) -> None:
         """deadline: the next tick's boundary (None: run everything offered, manual mode).
@@ -398,30 +375,11 @@ class SlackRunner:
             source.slack_started(deadline)
         declined: set[Hashable] = set()  # keys offered this tick whose estimate did not fit
         ran: set[Hashable] = set()
-        self._top_up_lane()
         if self._queue is None:
             self._run_each(deadline, interrupt, declined, ran)
         else:
             self._run_queued(deadline, interrupt, declined, ran)
-        self._top_up_lane()
         self._age_declined(declined - ran)
-
-    def _top_up_lane(self) -> None:
-        """The lane's completed items handed out, then its sources asked until it is full (rule 9,
-        engine/slack_lane.py rule 2)."""
-        lane = self._lane
-        if lane is None:
-            return
-        self._complete(lane.queue.completed(), None, shared=False)
-        for source in lane.sources:
-            while lane.room() and source not in lane.queue.busy_sources():
-                item = source.offer(None, self.costs)
-                if item is None:
-                    break
-                with lane.on_lane():
-                    self._launch(source, item, lane.queue)
-                if self._estimate(item) is None:  # nothing known of the queued end after it (lane rule 3)
-                    return
 
     def _run_each(self, deadline: float | None, interrupt: Callable[[], bool] | None, declined: set[Hashable],
                   ran: set[Hashable]) -> None:
@@ -459,9 +417,8 @@ class SlackRunner:
                     break
                 self._complete(queue.completed(wait=True), deadline)  # it may free a source or end early
                 continue
-            self._launch(*picked, queue)
+            self._launch(*picked)
             ran.add(picked[1].key)
-            self._top_up_lane()
             first = False
         while not queue.empty:
             self._complete(queue.completed(wait=True), deadline)
@@ -485,7 +442,7 @@ class SlackRunner:
         left = None if deadline is None else deadline - self.guard_s - start
         offers: dict[bool, list[tuple[SlackSource, WorkItem]]] = {True: [], False: []}
         for source in self._sources:
-            if source in busy or (self._lane is not None and source in self._lane.sources):
+            if source in busy:
                 continue
             item = source.offer(left, self.costs)
             if item is None:
@@ -537,15 +494,14 @@ class SlackRunner:
         self._account(item, end - start, estimate, trial, end, deadline)
         return end - start
 
-    def _launch(self, source: SlackSource, item: WorkItem, queue: SlackQueue) -> None:
+    def _launch(self, source: SlackSource, item: WorkItem) -> None:
         """Queue `item` on the device between two events (rule 8): its launch half when it has one,
-        else its whole `run`; its share is charged its estimate now, corrected at completion. On the
-        overlap lane (rule 9) no share is charged, nothing is traced and nothing waited for."""
-        tick = queue is self._queue
-        trace = self.trace if tick else None
+        else its whole `run`; its share is charged its estimate now, corrected at completion."""
+        queue = self._queue
+        assert queue is not None
         estimate, trial = self._estimate(item), self.costs.on_trial(item.key)
-        if trace is not None:
-            trace.item_started(source.priority.name.lower(), item.key, item.realtime)
+        if self.trace is not None:
+            self.trace.item_started(source.priority.name.lower(), item.key, item.realtime)
         launched_at = self._now()
         start = queue.start()
         finish = None
@@ -556,23 +512,23 @@ class SlackRunner:
                 item.run()
         except Exception as exc:
             queue.timeline.release([start])
-            if trace is not None:
-                trace.item_ended(failed=True)
+            if self.trace is not None:
+                self.trace.item_ended(failed=True)
             self._failed(item, exc)
             return
         end = queue.end()
-        if trace is not None:
-            trace.item_queued()
-            trace.item_ended(failed=False)
-        charged = (estimate or 0.0) if tick else 0.0
+        if self.trace is not None:
+            self.trace.item_queued()
+            self.trace.item_ended(failed=False)
+        charged = estimate or 0.0
         self.shares[item.realtime].charge(source, charged)
         queue.push(InFlight(source, item, (start, end), launched_at, self._now(), estimate, charged, trial, finish))
-        while tick and estimate is None and not queue.empty:  # nothing queued behind an unknown cost (rule 8)
+        while estimate is None and not queue.empty:  # nothing queued behind an unknown cost (rule 8)
             self._complete(queue.completed(wait=True), None)
 
-    def _complete(self, done: list[Completed], deadline: float | None, shared: bool = True) -> None:
+    def _complete(self, done: list[Completed], deadline: float | None) -> None:
         """Completed items, oldest first: the host half (outputs handed out), then the device cost
-        into the cost model and, unless on the overlap lane (`shared` False), the shares (rule 8)."""
+        into the cost model and the shares (rule 8)."""
         for completed in done:
             flight = completed.flight
             item = flight.item
@@ -583,8 +539,7 @@ class SlackRunner:
                 self.shares[item.realtime].charge(flight.source, -flight.charged)
                 self._failed(item, exc)
                 continue
-            if shared:
-                self.shares[item.realtime].charge(flight.source, completed.seconds - flight.charged)
+            self.shares[item.realtime].charge(flight.source, completed.seconds - flight.charged)
             self._account(item, completed.seconds, flight.estimate, flight.trial, completed.end, deadline)
 
     def _failed(self, item: WorkItem, exc: Exception) -> None:

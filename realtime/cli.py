@@ -100,10 +100,6 @@ def add_process_flags(p: argparse.ArgumentParser) -> None:
                         "each; each is fitted before the next tick by the estimated end of the work queued. "
                         f"1: wait for each item before choosing the next (default {EngineConfig.slack_queue_depth}; "
                         "more than 1 is refused off CUDA, where each item ends before the next)")
-    p.add_argument("--overlap-images", action="store_true",
-                   help="on CUDA, run image work on a second, lowest-priority GPU stream beside the frame instead "
-                        "of fitting it into each tick's slack, with the engine's own stream at the highest "
-                        "priority (docs/benchmarks.md measures it); refused off CUDA and with --slack-queue-depth 1")
     p.add_argument("--tick-trace", default=None, metavar="PATH",
                    help="write the engine's tick timeline to PATH, one JSON line per tick: host phases, slack "
                         "items and, on CUDA, device times (benchmarks/tick_timeline.py reads it); off by default")
@@ -320,7 +316,7 @@ def _serve_config(args: argparse.Namespace, defaults: SessionOptions, sampling: 
                        edge_workers=args.edge_workers,
                        ready_min_free=args.ready_min_free, drain_timeout=args.drain_timeout,
                        tick_trace=args.tick_trace, tick_trace_ticks=args.tick_trace_ticks or TICK_TRACE_TICKS,
-                       slack_queue_depth=args.slack_queue_depth, overlap_images=args.overlap_images,
+                       slack_queue_depth=args.slack_queue_depth,
                        **{name: getattr(args, name) for modality in MODALITIES for name in modality.settings},
                        **reliability)
 

@@ -105,7 +105,6 @@ class ServeConfig:
     tick_trace: str | None = None  # --tick-trace: the engine's tick timeline to this file (engine/tick_trace.py)
     tick_trace_ticks: int = TICK_TRACE_TICKS  # tick lines it writes at most
     slack_queue_depth: int | None = None  # --slack-queue-depth (engine/slack_queue.py); None: EngineConfig's
-    overlap_images: bool = False  # --overlap-images (engine/slack_lane.py)
 
 
 def loop_name() -> str:

@@ -331,17 +331,15 @@ def _build_engine(loaded: Build) -> Engine:
 def _engine_config(config: "ServeConfig", cuda: bool) -> EngineConfig:
     """The engine's settings that `parley serve` takes (the rest keep EngineConfig's defaults)."""
     depth = config.slack_queue_depth
-    if depth is not None and depth > 1 and not cuda:  # off CUDA each item ends before the next: no queue to deepen
+    if depth is None:
+        return EngineConfig()
+    if depth > 1 and not cuda:  # off CUDA each item ends before the next: there is no queue to deepen
         raise ServeError(f"parley serve --slack-queue-depth {depth}: slack items queue on CUDA only; this server "
                          "runs on the CPU (leave it unset, or 1)")
-    if config.overlap_images and not cuda:
-        raise ServeError("parley serve --overlap-images: the image stream is a CUDA stream; this server runs on the CPU")
     try:
-        return EngineConfig(**({} if depth is None else {"slack_queue_depth": depth}),
-                            overlap_images=config.overlap_images)
+        return EngineConfig(slack_queue_depth=depth)
     except OptionsError as exc:
-        flag = "--overlap-images" if config.overlap_images else "--slack-queue-depth"
-        raise ServeError(f"parley serve {flag}: {exc}") from exc
+        raise ServeError(f"parley serve --slack-queue-depth: {exc}") from exc
 
 
 def _tick_trace(loaded: Build) -> TickTrace | None:
