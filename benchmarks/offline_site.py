@@ -41,7 +41,7 @@ HAVE = ("torch", "numpy", "transformers", "huggingface_hub", "sentencepiece", "t
 UNPINNED = ("aioice==0.13.0", "pyee==13.0.1", "pylibsrtp==1.0.0", "pyopenssl==26.4.0", "cryptography==50.0.2",
             "google-crc32c==1.9.0", "dnspython==2.9.2", "ifaddr==0.2.0", "cffi==2.1.1", "pycparser==3.12",
             "importlib-metadata==10.2.0", "lazy-importer==0.1.0", "httptools==0.9.0", "websockets==16.1.1",
-            "watchfiles==1.3.0", "httpx2==2.17.0", "httpcore2==2.17.0", "truststore==0.10.5", "sniffio==1.3.1",
+            "watchfiles==1.3.0", "httpcore2==2.17.0", "truststore==0.10.5", "sniffio==1.3.1",
             "pydantic==2.14.4", "pydantic-core==2.50.5", "jiter==0.19.0", "annotated-types==0.8.0",
             "typing-inspection==0.4.5")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",

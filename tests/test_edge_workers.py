@@ -130,6 +130,45 @@ def owner_pid(port: int, client_port: int, pids: list[int]) -> int:
     raise AssertionError(f"no worker in {pids} holds the connection from port {client_port}")
 
 
+def udp_holder(pids: list[int]) -> int:
+    """Which of `pids` holds UDP sockets: the worker whose aiortc peer holds the one live call."""
+    inodes = {line.split()[9] for path in ("/proc/net/udp", "/proc/net/udp6")
+              for line in Path(path).read_text().splitlines()[1:]}
+    holders = [pid for pid in pids
+               if any(os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes
+                      for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:["))]
+    assert len(holders) == 1, f"UDP sockets in {holders} of {pids}"
+    return holders[0]
+
+
+def accepted_by(port: int, client_port: int, pids: list[int]) -> int:
+    """owner_pid once a worker has accepted the connection (until then it waits in the backlog)."""
+    for _ in range(200):
+        try:
+            return owner_pid(port, client_port, pids)
+        except AssertionError:
+            time.sleep(0.01)
+    return owner_pid(port, client_port, pids)
+
+
+def post_through_other(port: int, pids: list[int], holder: int, path: str) -> tuple[int, bytes]:
+    """POST `path` (no body) on a connection the kernel gave a worker other than `holder`."""
+    import http.client
+    for _ in range(200):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.connect()
+        if accepted_by(port, conn.sock.getsockname()[1], pids) == holder:
+            conn.close()
+            continue
+        conn.request("POST", path)
+        answer = conn.getresponse()
+        try:
+            return answer.status, answer.read()
+        finally:
+            conn.close()
+    raise AssertionError(f"200 connections all reached worker {holder}")
+
+
 def post(url: str, body: bytes, content_type: str) -> tuple[int, bytes]:
     request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": content_type})
     try:
@@ -223,7 +262,7 @@ async def _scenario(server: Server) -> None:
 
     # sessions on both workers (the kernel picks the worker for each connection)
     workers = server.worker_pids()
-    # a sideband reaches its call whichever worker takes the attach (calls/sideband_relay.py)
+    # a sideband reaches its call whichever worker takes the attach (calls/call_relay.py)
     await _sideband_on_every_worker(server, list(workers.values()))
     await until(lambda: json.loads(http(server.url("/load"))[1] or "{}").get("live") == 0, 10, "the call's slot")
     assert sorted(workers) == [0, 1]
@@ -311,6 +350,14 @@ async def _sideband_on_every_worker(server: Server, pids: list[int]) -> None:
     for _ in range(4):  # an id no worker holds: 404 from whichever takes it, the other asked once
         status, body = await upgrade_status(f"ws://{server.base}/v1/realtime?call_id=nope")
         assert status == 404 and body["error"]["code"] == "session_not_found", body
-    await client.realtime.calls.hangup(call_id)
+    # a hangup that lands on the worker not holding the call is relayed to the one that does
+    holder = udp_holder(pids)
+    status, body = await asyncio.to_thread(post_through_other, server.port, pids, holder,
+                                           f"/v1/realtime/calls/{call_id}/hangup")
+    assert status == 200, body
+    await until(lambda: json.loads(http(server.url("/load"))[1] or "{}").get("live") == 0, 10, "the call to end")
+    status, body = await asyncio.to_thread(post_through_other, server.port, pids, holder,
+                                           f"/v1/realtime/calls/{call_id}/hangup")
+    assert status == 404 and json.loads(body)["error"]["code"] == "call_not_found", body
     await caller.close()
     await client.close()

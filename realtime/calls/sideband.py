@@ -40,7 +40,7 @@ from ..sessions.limits import EdgeLimits, RateLimiter
 from ..sessions.session import CLOSE_NORMAL, CLOSE_POLICY, close_reason
 from .event_channel import EventChannel, SessionLost
 from .event_reader import Event, client_event_id, event_type, parse_client_event
-from .sideband_relay import SidebandRelay, relay
+from .call_relay import CallRelay, relay
 
 log = logging.getLogger("parley.sideband")
 
@@ -82,13 +82,13 @@ class LiveCalls:
     """The registry of live sessions a sideband may attach to, by id.
 
     One per app: with the edge in worker processes each worker holds its own calls, and an attach
-    for a call another worker holds is relayed there (calls/sideband_relay.py), where fan-out and
+    for a call another worker holds is relayed there (calls/call_relay.py), where fan-out and
     control stay. `find` is the only lookup the attach doors make.
     """
 
     def __init__(self) -> None:
         self._calls: dict[str, AttachedCall] = {}
-        self.relay: SidebandRelay | None = None  # an edge worker's: the other workers' calls
+        self.relay: CallRelay | None = None  # an edge worker's: the other workers' calls
 
     def hold(self, call: AttachedCall) -> None:
         self._calls[call.id] = call

@@ -6,7 +6,7 @@ sockets `parley serve` bound. Top to bottom: link to the engine process (waiting
 build the same app a one-process server builds (server/app.py `assemble_app`) from the engine's
 `EdgeSpec`, with the Opus codec on this worker's own threads and its WebRTC calls' aiortc peers on
 its own loop (webrtc/local.py: no WebRTC worker processes), then run uvicorn on the shared
-sockets and a private one (sidebands for this worker's calls: calls/sideband_relay.py) until SIGINT, or SIGTERM, which drains this worker's sessions first (server/drain.py).
+sockets and a private one (sidebands for this worker's calls: calls/call_relay.py) until SIGINT, or SIGTERM, which drains this worker's sessions first (server/drain.py).
 While the engine process is gone (the supervisor restarts it), HTTP requests other than the
 probes and /metrics get 503 + Retry-After (`EngineGate`); WebSocket upgrades get admission's
 503 ("unhealthy"), as the link's counters say (engine_process/client.py rule 4).
@@ -27,7 +27,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..calls.sideband_relay import SidebandRelay
+from ..calls.call_relay import CallRelay
 from ..engine_process.client import ENGINE_GONE, RemoteClient
 from ..http.metrics import exposition
 from ..sessions.capacity import RETRY_AFTER_S
@@ -72,7 +72,7 @@ def worker_socket(engine_path: str, index: int) -> str:
 
 
 def _bind_private(path: str) -> socket.socket:
-    """This worker's private socket (calls/sideband_relay.py rule 1); a dead predecessor's file goes first."""
+    """This worker's private socket (calls/call_relay.py rule 1); a dead predecessor's file goes first."""
     Path(path).unlink(missing_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
@@ -114,7 +114,7 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int, co
     # an attach for a call another worker holds goes there, over that worker's private socket
     calls = app_state(app).live_calls
     assert calls is not None  # assemble_app always builds the registry
-    calls.relay = SidebandRelay([worker_socket(path, i) for i in range(count) if i != index])
+    calls.relay = CallRelay([worker_socket(path, i) for i in range(count) if i != index])
     private = _bind_private(worker_socket(path, index))
     # POST /admin/drain drains the whole server: the supervisor relays SIGTERM to every worker
     app_state(app).drainer.whole_server = lambda: os.kill(os.getppid(), signal.SIGTERM)

@@ -122,7 +122,7 @@ def call_task_name(call_id: str) -> str:
 
 async def call_action(request: Request) -> Response:
     """`POST /v1/realtime/calls/{call_id}/hangup` ends that call: its session and peer connection
-    close as when the peer leaves. `accept`, `reject` and `refer` act on SIP calls, which this
+    close as when the peer leaves (on an edge worker not holding it: relayed, calls/call_relay.py). `accept`, `reject` and `refer` act on SIP calls, which this
     server does not take: refused by name."""
     call_id, action = request.path_params["call_id"], request.path_params["action"]
     if action in ("accept", "reject", "refer"):
@@ -133,6 +133,12 @@ async def call_action(request: Request) -> Response:
     name = call_task_name(call_id)
     task = next((t for t in app_state(request).calls if t.get_name() == name), None)
     if task is None:
+        calls = app_state(request).live_calls
+        relay = calls.relay if calls is not None else None  # an edge worker's: another worker may hold it
+        if relay is not None and not relay.relayed(request):
+            answer = await relay.post(request)
+            if answer is not None:
+                return answer
         return openai_error(404, f"no call {call_id!r:.60} is live on this server", param="call_id",
                             code="call_not_found")
     log.info("%s: hung up by the client", name)

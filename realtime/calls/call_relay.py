@@ -1,4 +1,5 @@
-"""An attach that lands on an edge worker which does not hold the call: relayed to the one that does.
+"""An attach or a hangup that lands on an edge worker which does not hold the call: relayed to the one
+that does.
 
 With the edge in worker processes (server/edge_worker.py) the kernel hands each connection to any
 worker, but a call, and its fan-out to sidebands, lives in the worker that answered it
@@ -6,13 +7,15 @@ worker, but a call, and its fan-out to sidebands, lives in the worker that answe
 1. Each worker also listens on a private Unix socket of its own (in the supervisor's directory,
    reachable from this machine only). An attach whose call this worker does not hold is offered
    to the other workers there, one after the other, as the same upgrade: same path and query, the
-   headers that carry the key and the origin, the subprotocols, plus `FORWARDED`.
-2. A worker never relays an upgrade that carries `FORWARDED`: one hop at most, so an id no worker
+   headers that carry the key and the origin, the subprotocols, plus `FORWARDED`. A hangup
+   (`POST /v1/realtime/calls/{id}/hangup`) for a call this worker does not hold goes the same way,
+   as the same POST.
+2. A worker never relays a request that carries `FORWARDED`: one hop at most, so an id no worker
    holds ends with its 404 after the others have each said 404 once.
-3. The worker holding the call decides everything as for a direct attach (keys, origin, the bound,
-   draining); its refusal other than 404 is this attach's answer, status and body.
-4. Once accepted, messages pass both ways unchanged until either side closes; the other side is
-   then closed with the same code and reason.
+3. The worker holding the call decides everything as for a direct request (keys, origin, the bound,
+   draining); its refusal other than 404 is the answer, status and body.
+4. Once accepted, an attach's messages pass both ways unchanged until either side closes; the other
+   side is then closed with the same code and reason.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import httpx2
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, unix_connect
@@ -29,18 +34,40 @@ log = logging.getLogger("parley.sideband")
 
 FORWARDED = "x-parley-sideband-relayed"  # rule 2
 PASSED_HEADERS = ("authorization", "origin", "openai-beta", "user-agent")  # rule 1 (keys also ride subprotocols)
-OPEN_TIMEOUT_S = 5.0  # a peer that does not answer its upgrade in time is skipped (it may be restarting)
+OPEN_TIMEOUT_S = 5.0  # a peer that does not answer an upgrade or a POST in time is skipped (it may be restarting)
 
 
-class SidebandRelay:
+class CallRelay:
     """This worker's way to the other workers' calls (module docstring)."""
 
     def __init__(self, peers: list[str]) -> None:
         self.peers = peers  # the other workers' private sockets
 
     @staticmethod
-    def relayed(websocket: WebSocket) -> bool:
-        return FORWARDED in websocket.headers
+    def relayed(connection: WebSocket | Request) -> bool:
+        return FORWARDED in connection.headers
+
+    async def post(self, request: Request) -> Response | None:
+        """`request` (a bodiless POST: a call's hangup) answered by the worker holding the call, its
+        refusal (rule 3), or None: every other worker said 404 (or could not be reached)."""
+        headers = {k: v for k, v in request.headers.items() if k in PASSED_HEADERS} | {FORWARDED: "1"}
+        refusal: Response | None = None
+        for peer in self.peers:
+            try:
+                async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=peer),
+                                              timeout=OPEN_TIMEOUT_S) as client:
+                    answer = await client.post(f"http://localhost{request.url.path}", headers=headers)
+            except httpx2.HTTPError as exc:
+                log.warning("call relay: worker socket %s did not answer (%s)", peer, exc)
+                continue
+            if answer.status_code != 404:
+                response = Response(answer.content, answer.status_code,
+                                    headers={k: v for k, v in answer.headers.items()
+                                             if k.lower() in ("content-type", "retry-after")})
+                if answer.status_code < 300:
+                    return response
+                refusal = response
+        return refusal
 
     async def open(self, websocket: WebSocket) -> ClientConnection | Response | None:
         """The upgrade accepted by the worker holding the call, its refusal (rule 3), or None:
