@@ -28,7 +28,8 @@ what comes back. Printed, over all clients:
   if any, has been prefilled by then), p50 / max;
 - server CPU per session: the server process's CPU seconds (its /metrics
   process_cpu_seconds_total) over the run, per session, as a share of one core; and apart, its
-  WebRTC worker processes' (parley_webrtc_worker_cpu_seconds: the calls' aiortc stacks);
+  WebRTC worker processes' (parley_webrtc_worker_cpu_seconds: the calls' aiortc stacks); with
+  edge workers, theirs together, and the busiest one's in cores (how evenly they share the load);
 - the server's full garbage collections during the run and the longest since it started (each
   one stalls the engine thread; `parley serve` freezes its loaded objects out of them).
 
@@ -49,6 +50,7 @@ import base64
 import concurrent.futures
 import contextlib
 import json
+import math
 import re
 import signal
 import socket
@@ -271,6 +273,8 @@ def scrape(http: str) -> dict[str, float]:
         m = re.search(rf"^{name} ([0-9.eE+-]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else float("nan")
     out["edge_cpu_seconds"], out["engine_cpu_seconds"] = process_cpu(text)
+    for name, value in re.findall(r'^parley_process_cpu_seconds_total\{process="(edge[^"]*)"\} ([0-9.eE+-]+)$', text, re.M):
+        out[f"cpu {name}"] = float(value)  # each edge worker's own: how evenly the connections spread
     return out
 
 
@@ -380,12 +384,14 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
         lost += max(0, len(r.sent_at) - len(arrivals))
         sent += len(r.sent_at)
     ready = [r.ready_s for r in served if r.ready_s is not None]
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before.get(k, float("nan")) for k in after}
     cpu = d["process_cpu_seconds_total"] / (t_after - t_before)
     # the calls' worker processes (their gauge is 0 before the first call; a server without them: nan)
     worker_cpu = (after["parley_webrtc_worker_cpu_seconds"] - np.nan_to_num(before["parley_webrtc_worker_cpu_seconds"])
                   ) / (t_after - t_before)
     edge_cpu = d["edge_cpu_seconds"] / (t_after - t_before)  # a split server's (nan from one process)
+    busiest = max((d[k] for k in d if k.startswith("cpu edge") and not math.isnan(d[k])), default=float("nan")) \
+        / (t_after - t_before)  # the edge worker that took the most: the spread's worst
     return {"door": door, "clients": clients, "served": len(served), "refused": sum(r.refused for r in results),
             "timed_out": sum(r.timed_out for r in results), "refusals": "; ".join(reasons) or "-",
             "frames_sent": sent, "ready_p50_ms": pct(ready, 50), "ready_max_ms": pct(ready, 100), "jitter_p50_ms": pct(jitter, 50), "jitter_p99_ms": pct(jitter, 99),
@@ -399,6 +405,7 @@ async def run_load(url: str, clients: int, duration: float, echo: bool = False, 
             "webrtc_workers_cpu_cores": worker_cpu,
             "webrtc_workers_cpu_per_session_pct": 100 * worker_cpu / max(1, len(served)),
             "edge_cpu_cores": edge_cpu, "edge_cpu_per_session_pct": 100 * edge_cpu / max(1, len(served)),
+            "edge_cpu_busiest_worker_cores": busiest,
             "engine_cpu_cores": d["engine_cpu_seconds"] / (t_after - t_before),
             # Python's full GC passes in the server (each stalls the engine thread; engine/gc_pauses.py)
             "server_full_gcs": d["parley_gc_full_collections_total"],

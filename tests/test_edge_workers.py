@@ -77,6 +77,44 @@ def test_events_and_audio_cross_the_ring_unchanged():
         assert (stream, received_at) == (9, at) and np.array_equal(audio, pcm)
 
 
+def test_a_burst_of_offers_goes_to_the_workers_holding_fewer_calls_counting_those_already_sent(monkeypatch):
+    """calls/call_relay.py rule 5: worker 0 holds 4 calls, the others none; 4 offers arriving at
+    once (each relayed answer still pending) go 2 to each other worker, not all to the first
+    that looked lightest; once worker 0 holds no more than any other, it answers itself."""
+    from parley.realtime.calls.call_relay import CallRelay
+
+    counts = [4, 7, 7]  # a predecessor's count in this worker's slot is cleared
+    relay = CallRelay(["w0", "w1", "w2"], 0, counts)
+    assert counts[0] == 0 and relay.lighter() is None and relay.peers == ["w1", "w2"]
+    releases = [relay.hold_call() for _ in range(4)]
+    counts[1:] = [0, 0]
+    assert counts[0] == 4
+    gate, sent_to = asyncio.Event(), []
+
+    async def post(peer, request, body, timeout):
+        sent_to.append(peer)
+        await gate.wait()
+        return "answer"
+    monkeypatch.setattr(CallRelay, "_post", staticmethod(post))
+
+    async def burst():
+        targets = []
+        tasks = []
+        for _ in range(4):
+            target = relay.lighter()
+            targets.append(target)
+            tasks.append(asyncio.create_task(relay.place(None, b"offer", target)))
+            await asyncio.sleep(0)  # each relay under way before the next offer is judged
+        gate.set()
+        return targets, await asyncio.gather(*tasks)
+    targets, answers = asyncio.run(burst())
+    assert sorted(targets) == [1, 1, 2, 2] and answers == ["answer"] * 4 and sorted(sent_to) == ["w1", "w1", "w2", "w2"]
+    counts[1:] = [2, 2]  # the other workers now hold them, and this one still its 4
+    assert relay.lighter() == 1
+    releases[0](), releases[0](), releases[1]()  # a release counts once
+    assert counts[0] == 2 and relay.lighter() is None  # as many as the others: answered here
+
+
 def test_one_scrape_of_every_process_reads_as_one_process():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -130,13 +168,25 @@ def owner_pid(port: int, client_port: int, pids: list[int]) -> int:
     raise AssertionError(f"no worker in {pids} holds the connection from port {client_port}")
 
 
-def udp_holder(pids: list[int]) -> int:
-    """Which of `pids` holds UDP sockets: the worker whose aiortc peer holds the one live call."""
+def udp_sockets(pids: list[int]) -> dict[int, int]:
+    """How many UDP sockets each of `pids` holds: its calls' aiortc peers' (the same number a call)."""
     inodes = {line.split()[9] for path in ("/proc/net/udp", "/proc/net/udp6")
               for line in Path(path).read_text().splitlines()[1:]}
-    holders = [pid for pid in pids
-               if any(os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes
-                      for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:["))]
+    counts = {}
+    for pid in pids:
+        links = []
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                links.append(os.readlink(fd))
+            except OSError:
+                continue  # closed meanwhile
+        counts[pid] = sum(link.removeprefix("socket:[").removesuffix("]") in inodes for link in links)
+    return counts
+
+
+def udp_holder(pids: list[int]) -> int:
+    """Which of `pids` holds UDP sockets: the worker whose aiortc peer holds the one live call."""
+    holders = [pid for pid, count in udp_sockets(pids).items() if count]
     assert len(holders) == 1, f"UDP sockets in {holders} of {pids}"
     return holders[0]
 
@@ -265,6 +315,8 @@ async def _scenario(server: Server) -> None:
     # a sideband reaches its call whichever worker takes the attach (calls/call_relay.py)
     await _sideband_on_every_worker(server, list(workers.values()))
     await until(lambda: json.loads(http(server.url("/load"))[1] or "{}").get("live") == 0, 10, "the call's slot")
+    await _calls_spread(server, list(workers.values()))
+    await until(lambda: json.loads(http(server.url("/load"))[1] or "{}").get("live") == 0, 10, "the calls' slots")
     assert sorted(workers) == [0, 1]
     holders: list[Holder] = []
     owners: list[int] = []
@@ -309,6 +361,31 @@ async def _scenario(server: Server) -> None:
 def hold_refused(result) -> int:
     assert not isinstance(result, Holder), "a session was admitted while the engine process was gone"
     return result[0]
+
+
+async def _calls_spread(server: Server, pids: list[int]) -> None:
+    """Four calls through one SDK client (one kept-alive connection: one worker takes every offer)
+    end up two on each worker: an offer reaching the worker holding more calls is answered by the
+    other (calls/call_relay.py rule 5)."""
+    from test_sideband import sdk
+    from test_webrtc import ECHO_SETTINGS, Client
+
+    client, callers, ids = sdk(server.base), [], []
+    for _ in range(4):
+        caller = Client()
+        answer = await client.realtime.calls.create(sdp=await caller.offer(), session=ECHO_SETTINGS)
+        await caller.answer(answer.text)
+        callers.append(caller)
+        ids.append(answer.response.headers["location"].rsplit("/", 1)[1])
+    for caller in callers:
+        await caller.wait(lambda c=caller: "session.created" in c.types(), "each call's session")
+    counts = udp_sockets(pids)
+    assert len(set(counts.values())) == 1 and min(counts.values()) > 0, counts
+    for call_id in ids:  # whichever worker holds it (relayed hangups)
+        await client.realtime.calls.hangup(call_id)
+    for caller in callers:
+        await caller.close()
+    await client.close()
 
 
 async def _sideband_on_every_worker(server: Server, pids: list[int]) -> None:

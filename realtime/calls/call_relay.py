@@ -16,12 +16,19 @@ worker, but a call, and its fan-out to sidebands, lives in the worker that answe
    draining); its refusal other than 404 is the answer, status and body.
 4. Once accepted, an attach's messages pass both ways unchanged until either side closes; the other
    side is then closed with the same code and reason.
+5. A new call goes to the worker holding the fewest (each call's peer costs its worker far more CPU
+   than a WebSocket session, and the kernel spreads a burst of connections unevenly): each worker
+   counts its calls, from the offer to the call's end, in one shared array. An offer that reaches a
+   worker holding more calls than another (that one's count plus the offers sent it and not yet
+   answered) is relayed there as the same POST, and its answer (status, body, `Location`) is the
+   client's. A worker that cannot be reached leaves the offer to this one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable, MutableSequence
 
 import httpx2
 from starlette.requests import Request
@@ -34,40 +41,78 @@ log = logging.getLogger("parley.sideband")
 
 FORWARDED = "x-parley-sideband-relayed"  # rule 2
 PASSED_HEADERS = ("authorization", "origin", "openai-beta", "user-agent")  # rule 1 (keys also ride subprotocols)
-OPEN_TIMEOUT_S = 5.0  # a peer that does not answer an upgrade or a POST in time is skipped (it may be restarting)
+OPEN_TIMEOUT_S = 5.0  # a peer that does not answer an upgrade or a hangup in time is skipped (it may be restarting)
+OFFER_TIMEOUT_S = 30.0  # a relayed offer waits for the other worker's SDP answer (its ICE gathering)
+ANSWER_HEADERS = ("content-type", "retry-after", "location")  # what a relayed POST's answer keeps
 
 
 class CallRelay:
-    """This worker's way to the other workers' calls (module docstring)."""
+    """This worker's way to the other workers' calls (module docstring): worker `index` of those
+    whose private sockets `sockets` lists (this one's included); `calls[i]`: worker i's calls (rule 5)."""
 
-    def __init__(self, peers: list[str]) -> None:
-        self.peers = peers  # the other workers' private sockets
+    def __init__(self, sockets: list[str], index: int, calls: MutableSequence[int]) -> None:
+        self.index, self._sockets, self._calls = index, sockets, calls
+        self.peers = [path for i, path in enumerate(sockets) if i != index]  # the other workers' private sockets
+        self._sent = [0] * len(sockets)  # offers relayed to each worker, not yet answered
+        calls[index] = 0  # a restarted worker's predecessor's calls ended with it
 
     @staticmethod
     def relayed(connection: WebSocket | Request) -> bool:
         return FORWARDED in connection.headers
 
+    def hold_call(self) -> Callable[[], None]:
+        """Count one more call on this worker (rule 5) until the returned function is called (once)."""
+        self._calls[self.index] += 1  # this worker's own slot: no other process writes it
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                self._calls[self.index] -= 1
+        return release
+
+    def lighter(self) -> int | None:
+        """Another worker holding fewer calls than this one, counting the offers sent it (rule 5)."""
+        counts = [(self._calls[i] + self._sent[i], i) for i in range(len(self._sockets)) if i != self.index]
+        fewest = min(counts, default=None)
+        return fewest[1] if fewest is not None and fewest[0] < self._calls[self.index] else None
+
+    async def place(self, request: Request, body: bytes, target: int) -> Response | None:
+        """A WebRTC offer (`body`) answered by worker `target` (`lighter()`, rule 5), or None: it
+        could not be reached, answer here."""
+        self._sent[target] += 1
+        try:
+            return await self._post(self._sockets[target], request, body, OFFER_TIMEOUT_S)
+        finally:
+            self._sent[target] -= 1
+
     async def post(self, request: Request) -> Response | None:
         """`request` (a bodiless POST: a call's hangup) answered by the worker holding the call, its
         refusal (rule 3), or None: every other worker said 404 (or could not be reached)."""
-        headers = {k: v for k, v in request.headers.items() if k in PASSED_HEADERS} | {FORWARDED: "1"}
         refusal: Response | None = None
         for peer in self.peers:
-            try:
-                async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=peer),
-                                              timeout=OPEN_TIMEOUT_S) as client:
-                    answer = await client.post(f"http://localhost{request.url.path}", headers=headers)
-            except httpx2.HTTPError as exc:
-                log.warning("call relay: worker socket %s did not answer (%s)", peer, exc)
+            answer = await self._post(peer, request, b"", OPEN_TIMEOUT_S)
+            if answer is None or answer.status_code == 404:
                 continue
-            if answer.status_code != 404:
-                response = Response(answer.content, answer.status_code,
-                                    headers={k: v for k, v in answer.headers.items()
-                                             if k.lower() in ("content-type", "retry-after")})
-                if answer.status_code < 300:
-                    return response
-                refusal = response
+            if answer.status_code < 300:
+                return answer
+            refusal = answer
         return refusal
+
+    @staticmethod
+    async def _post(peer: str, request: Request, body: bytes, timeout: float) -> Response | None:
+        """`request` with `body` as the same POST to the worker at `peer` (rule 1): its answer, or None
+        when it cannot be reached."""
+        headers = {k: v for k, v in request.headers.items() if k in (*PASSED_HEADERS, "content-type")}
+        url = f"http://localhost{request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
+        try:
+            async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=peer), timeout=timeout) as client:
+                answer = await client.post(url, headers=headers | {FORWARDED: "1"}, content=body)
+        except httpx2.HTTPError as exc:
+            log.warning("call relay: worker socket %s did not answer (%s)", peer, exc)
+            return None
+        return Response(answer.content, answer.status_code,
+                        headers={k: v for k, v in answer.headers.items() if k.lower() in ANSWER_HEADERS})
 
     async def open(self, websocket: WebSocket) -> ClientConnection | Response | None:
         """The upgrade accepted by the worker holding the call, its refusal (rule 3), or None:

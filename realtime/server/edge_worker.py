@@ -22,6 +22,7 @@ import signal
 import socket
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import MutableSequence
 
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
@@ -58,12 +59,13 @@ class EngineGate:
 
 
 def edge_worker(config, sockets: list[socket.socket], path: str, index: int, count: int, log_format: str,
-                ready: Connection) -> None:
-    """The worker's main (module docstring); `count` workers in all, this one `index`. It says on `ready`
-    once its app is built and it is about to serve (server/processes.py rule 2)."""
+                ready: Connection, call_counts: MutableSequence[int]) -> None:
+    """The worker's main (module docstring); `count` workers in all, this one `index`, each worker's
+    WebRTC calls in `call_counts` (shared: calls/call_relay.py rule 5). It says on `ready` once its app
+    is built and it is about to serve (server/processes.py rule 2)."""
     configure_logging(config.log_level, log_format)
     with runner() as run:
-        run.run(_serve(config, sockets, path, index, count, ready))
+        run.run(_serve(config, sockets, path, index, count, ready, call_counts))
 
 
 def worker_socket(engine_path: str, index: int) -> str:
@@ -91,7 +93,8 @@ async def link(path: str, index: int) -> RemoteClient:
             await asyncio.sleep(LINK_RETRY_S)
 
 
-async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int, ready: Connection) -> None:
+async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int, ready: Connection,
+                 call_counts: MutableSequence[int]) -> None:
     client = await link(path, index)
     # This worker owns its connections end to end: the codec on its threads (codec_workers 0), the
     # WebRTC calls' peers on its loop (webrtc_workers 0: server/app.py peer_host). The CLI refuses
@@ -111,10 +114,11 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int, co
     process = f"edge-{index}"
     app = assemble_app(client, spec, EngineLifetime(start, stop), process=process, others=lambda: client.others,
                        middleware=[Middleware(EngineGate, client=client)])
-    # an attach for a call another worker holds goes there, over that worker's private socket
+    # an attach or hangup for a call another worker holds goes there, over that worker's private socket,
+    # and a new call to the worker holding the fewest
     calls = app_state(app).live_calls
     assert calls is not None  # assemble_app always builds the registry
-    calls.relay = CallRelay([worker_socket(path, i) for i in range(count) if i != index])
+    calls.relay = CallRelay([worker_socket(path, i) for i in range(count)], index, call_counts)
     private = _bind_private(worker_socket(path, index))
     # POST /admin/drain drains the whole server: the supervisor relays SIGTERM to every worker
     app_state(app).drainer.whole_server = lambda: os.kill(os.getppid(), signal.SIGTERM)

@@ -58,6 +58,7 @@ class ProcessSupervisor:
         self._failed: int | None = None  # the exit status a failed start sets (rules 2 and 3)
         self._engine_failures = 0  # replacement engines in a row that exited before ready (rule 3)
         self._stopping: int | None = None  # the signal that asked the server to stop
+        self.call_counts = SPAWN.RawArray("i", workers)  # each worker's WebRTC calls (calls/call_relay.py rule 5)
 
     def _start_engine(self) -> int | None:
         """Start the engine process and wait for it to be ready: None (also when a signal came first:
@@ -86,7 +87,8 @@ class ProcessSupervisor:
     def _start_worker(self, index: int) -> None:
         receive, send = SPAWN.Pipe(duplex=False)
         worker = SPAWN.Process(target=edge_worker, name=f"parley-edge-{index}", daemon=False,
-                               args=(self.config, self.sockets, self.path, index, self.count, current_kind(), send))
+                               args=(self.config, self.sockets, self.path, index, self.count, current_kind(), send,
+                                     self.call_counts))
         worker.start()
         send.close()
         log.info("edge worker %d started (pid %d)", index, worker.pid)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,6 +43,9 @@ from ..server.served_models import ModelNotFound
 from ..sessions.session import EdgeSession, SessionManager
 from .transport import CONNECT_TIMEOUT_S, CallUnavailable, OfferError, WebRTCCall
 from ..server.state import app_state
+
+if TYPE_CHECKING:
+    from ..calls.call_relay import CallRelay
 
 log = logging.getLogger("parley.webrtc")
 
@@ -91,6 +94,9 @@ async def realtime_calls(request: Request) -> Response:
     manager: SessionManager = app_state(request).sessions
     try:
         _check_model(request)
+        request, placed = await _placed(request)
+        if placed is not None:
+            return placed
         offer, session = await _realtime_body(request)
 
         def connect(edge: EdgeSession) -> RealtimeConnection:
@@ -102,7 +108,7 @@ async def realtime_calls(request: Request) -> Response:
                 raise Refused(_joined(refused))
             return connection
 
-        edge, call, connection, answer = await _answer(request, REALTIME_PROTOCOL, offer, connect)
+        edge, call, connection, answer, held = await _answer(request, REALTIME_PROTOCOL, offer, connect)
     except Refused as exc:
         return _refusal(manager, REALTIME_PROTOCOL, exc)
     except OfferError as exc:
@@ -111,7 +117,7 @@ async def realtime_calls(request: Request) -> Response:
     edge.notice = lambda reason: connection.send(connection.events.error(reason, "server_shutting_down",
                                                                          kind="server_error"))
     _start(request, edge, call, connection.run, call_task_name(call_id),
-           attached_realtime_call(call_id, connection, offered_key(request.scope)))
+           attached_realtime_call(call_id, connection, offered_key(request.scope)), held)
     return Response(answer, status_code=201, media_type="application/sdp",
                     headers={"Location": f"/v1/realtime/calls/{call_id}"})
 
@@ -133,8 +139,7 @@ async def call_action(request: Request) -> Response:
     name = call_task_name(call_id)
     task = next((t for t in app_state(request).calls if t.get_name() == name), None)
     if task is None:
-        calls = app_state(request).live_calls
-        relay = calls.relay if calls is not None else None  # an edge worker's: another worker may hold it
+        relay = _relay(request)  # an edge worker's: another worker may hold it
         if relay is not None and not relay.relayed(request):
             answer = await relay.post(request)
             if answer is not None:
@@ -188,6 +193,9 @@ async def live_calls(request: Request) -> Response:
     manager: SessionManager = app_state(request).sessions
     defaults = manager.defaults
     try:
+        request, placed = await _placed(request)
+        if placed is not None:
+            return placed
         body = await _json_body(request)
         offer = _live_offer(body.get("transport"))
         session = body.get("session")
@@ -203,14 +211,14 @@ async def live_calls(request: Request) -> Response:
                 raise Refused(_joined(refused))
             return connection, config
 
-        edge, call, (connection, config), answer = await _answer(request, LIVE_PROTOCOL, offer, connect)
+        edge, call, (connection, config), answer, held = await _answer(request, LIVE_PROTOCOL, offer, connect)
     except Refused as exc:
         return _refusal(manager, LIVE_PROTOCOL, exc)
     except OfferError as exc:
         return _refusal(manager, LIVE_PROTOCOL, bad_request(exc, "transport.sdp"))
     edge.notice = lambda reason: connection.send(ev.error(reason, "server_shutting_down", kind="server_error"))
     _start(request, edge, call, lambda: connection.run(start=config), f"live session {config.id}",
-           attached_live_call(config.id, connection, offered_key(request.scope)))
+           attached_live_call(config.id, connection, offered_key(request.scope)), held)
     return JSONResponse({"session": {"id": config.id}, "transport": {"type": "webrtc", "sdp": answer}})
 
 
@@ -276,21 +284,60 @@ def _admit(request: Request, protocol: str) -> tuple[EdgeSession, WebRTCCall]:
     return manager.attach(call, protocol, reservation), call
 
 
+async def _placed(request: Request) -> tuple[Request, Response | None]:
+    """On an edge worker holding more calls than another: the offer relayed there and its answer
+    (calls/call_relay.py rule 5). Otherwise None, with a request whose body still reads."""
+    relay = _relay(request)
+    target = None if relay is None or relay.relayed(request) else relay.lighter()
+    if relay is None or target is None:
+        return request, None
+    body = await _body(request)
+    answer = await relay.place(request, body, target)
+    if answer is not None:
+        return request, answer
+    sent = [False]
+
+    async def replay() -> dict:  # the body read above, once more for this worker's own answer
+        if sent[0]:
+            return await request.receive()
+        sent[0] = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return Request(request.scope, replay), None
+
+
+def _relay(request: Request) -> CallRelay | None:
+    calls = app_state(request).live_calls
+    return calls.relay if calls is not None else None  # an edge worker's: the other workers and their calls
+
+
 async def _answer(request: Request, protocol: str, offer: str, connect: Callable[[EdgeSession], Any]):
     """Admit the call, open its connection (`connect(edge)`: the door's connection, its settings
     judged; Refused to refuse them) and answer the offer; any failure hangs up what was reserved.
-    (edge, call, what connect returned, the SDP answer). No peer for the call: 503."""
-    edge, call = _admit(request, protocol)
+    (edge, call, what connect returned, the SDP answer, the function that stops counting the call
+    on this worker: calls/call_relay.py rule 5). No peer for the call: 503."""
+    relay = _relay(request)
+    held = relay.hold_call() if relay is not None else _nothing
+    try:
+        edge, call = _admit(request, protocol)
+    except BaseException:
+        held()
+        raise
     try:
         connected = connect(edge)
-        return edge, call, connected, await call.answer(offer)
+        return edge, call, connected, await call.answer(offer), held
     except CallUnavailable as exc:
+        held()
         await _hang_up(edge, call)
         raise Refused(openai_error(503, f"this server cannot take a WebRTC call now: {exc}"[:300],
                                    code="server_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})) from None
     except BaseException:
+        held()
         await _hang_up(edge, call)
         raise
+
+
+def _nothing() -> None:
+    pass
 
 
 def _joined(refused: list[ClientError]) -> Response:
@@ -313,9 +360,10 @@ async def _hang_up(edge: EdgeSession, call: WebRTCCall) -> None:
 
 
 def _start(request: Request, edge: EdgeSession, call: WebRTCCall, run: Callable[[], Awaitable[None]],
-           name: str, attachable: AttachedCall) -> None:
-    """Run the call's session on a task of its own (held by the app until it ends); sidebands may
-    attach to it by id meanwhile (calls/sideband.py), and are ended with it."""
+           name: str, attachable: AttachedCall, held: Callable[[], None]) -> None:
+    """Run the call's session on a task of its own (held by the app until it ends, and counted on this
+    worker till then: `held`); sidebands may attach to it by id meanwhile (calls/sideband.py), and are
+    ended with it."""
     calls: set[asyncio.Task] = app_state(request).calls
     registry = app_state(request).live_calls
     registry.hold(attachable)
@@ -323,6 +371,7 @@ def _start(request: Request, edge: EdgeSession, call: WebRTCCall, run: Callable[
     calls.add(task)
     task.add_done_callback(calls.discard)
     task.add_done_callback(lambda _: registry.release(attachable))
+    task.add_done_callback(lambda _: held())
 
 
 async def _run_call(edge: EdgeSession, call: WebRTCCall, run: Callable[[], Awaitable[None]], name: str) -> None:
