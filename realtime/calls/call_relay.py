@@ -80,6 +80,8 @@ class CallRelay:
     async def place(self, request: Request, body: bytes, target: int) -> Response | None:
         """A WebRTC offer (`body`) answered by worker `target` (`lighter()`, rule 5), or None: it
         could not be reached, answer here."""
+        log.info("call relay: a WebRTC offer goes to edge worker %d (%d calls and %d offers sent it; %d here)",
+                 target, self._calls[target], self._sent[target], self._calls[self.index])
         self._sent[target] += 1
         try:
             return await self._post(self._sockets[target], request, body, OFFER_TIMEOUT_S)
