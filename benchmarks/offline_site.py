@@ -44,6 +44,8 @@ UNPINNED = ("aioice==0.13.0", "pyee==13.0.1", "pylibsrtp==1.0.0", "pyopenssl==26
             "watchfiles==1.3.0", "httpcore2==2.17.0", "truststore==0.10.5", "sniffio==1.3.1",
             "pydantic==2.14.4", "pydantic-core==2.50.5", "jiter==0.19.0", "annotated-types==0.8.0",
             "typing-inspection==0.4.5")
+# From the `bench` extra, at its pin: what the benchmarks need on the GPU host (mixed_load.py --gpu-busy)
+FROM_BENCH = ("nvidia-ml-py",)
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
              "manylinux1_x86_64")
@@ -51,8 +53,12 @@ PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x8
 
 def requirements(pyproject: Path, have: set[str], python: str) -> list[str]:
     """`name==version` for every pinned runtime dependency of `pyproject` that applies on `python`
-    (markers evaluated) and is not in `have`, then `UNPINNED`; a dependency left unpinned is refused."""
-    declared = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    (markers evaluated) and is not in `have`, and the `bench` extra's `FROM_BENCH`, then `UNPINNED`;
+    a dependency left unpinned is refused."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    bench = project.get("optional-dependencies", {}).get("bench", [])
+    declared = project["dependencies"] + [line for line in bench
+                                          if canonicalize_name(Requirement(line).name) in FROM_BENCH]
     have = {canonicalize_name(n) for n in have}
     wanted = []
     for line in declared:

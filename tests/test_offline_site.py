@@ -20,6 +20,7 @@ def offline_site(monkeypatch):
 def test_every_pin_but_the_hosts_own_is_asked_for_at_its_pin(offline_site):
     wanted = offline_site.requirements(ROOT / "pyproject.toml", {"torch", "numpy", "Pillow"}, "3.12")
     assert "av==18.1.0" in wanted and "sphn==0.2.1" in wanted and "aiortc==1.16.0" in wanted
+    assert "nvidia-ml-py==13.615.71" in wanted and not any(w.startswith("matplotlib") for w in wanted)  # bench: NVML only
     names = [w.split("==")[0] for w in wanted]
     assert not {"torch", "numpy", "pillow", "tomli"} & set(names)  # the host's, and tomli only before 3.11
     assert len(names) == len(set(names)) and all("==" in w for w in wanted)
