@@ -115,6 +115,49 @@ def test_a_burst_of_offers_goes_to_the_workers_holding_fewer_calls_counting_thos
     assert counts[0] == 2 and relay.lighter() is None  # as many as the others: answered here
 
 
+def test_an_offer_no_lighter_worker_answers_is_answered_here_with_its_body_whole(monkeypatch):
+    """webrtc/doors.py `_placed`: the body read for the relay reads again for this worker's own answer
+    when the lighter worker cannot be reached; an answer from it is the client's as it came."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from parley.realtime.webrtc import doors
+
+    class Relay:
+        answer = None
+
+        def relayed(self, request):
+            return False
+
+        def lighter(self):
+            return 1
+
+        async def place(self, request, body, target):
+            self.sent = (body, target)
+            return self.answer
+    relay = Relay()
+    monkeypatch.setattr(doors, "_relay", lambda request: relay)
+    offer = b"v=0\r\n" + b"a=x\r\n" * 3000  # more than one chunk
+
+    def request() -> Request:
+        chunks = [offer[:8000], offer[8000:]]
+
+        async def receive():
+            body = chunks.pop(0)
+            return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+        return Request({"type": "http", "method": "POST", "path": "/v1/realtime/calls", "query_string": b"",
+                        "headers": [(b"content-type", b"application/sdp")]}, receive)
+
+    async def scenario():
+        again, placed = await doors._placed(request())
+        assert placed is None and relay.sent == (offer, 1)
+        assert await again.body() == offer
+        relay.answer = Response(b"answer", 201, headers={"location": "/v1/realtime/calls/rtc_1"})
+        again, placed = await doors._placed(request())
+        assert placed is relay.answer
+    asyncio.run(scenario())
+
+
 def test_one_scrape_of_every_process_reads_as_one_process():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
