@@ -158,6 +158,25 @@ def test_an_offer_no_lighter_worker_answers_is_answered_here_with_its_body_whole
     asyncio.run(scenario())
 
 
+def test_a_relayed_request_names_the_client_the_relaying_worker_passed_and_tcp_keeps_its_own():
+    """calls/call_relay.py `RelayedClient`: the private socket's requests have no address of their own."""
+    from parley.realtime.calls.call_relay import CLIENT, RelayedClient
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope.get("client"))
+    middleware = RelayedClient(app)
+    header = [(CLIENT.encode(), b"203.0.113.7:5123")]
+    for scope in ({"type": "http", "client": None, "headers": header},  # over the private socket
+                  {"type": "websocket", "client": None, "headers": header},
+                  {"type": "http", "client": ("198.51.100.1", 40000), "headers": header},  # over TCP: kept
+                  {"type": "http", "client": None, "headers": [(CLIENT.encode(), b"nonsense")]},
+                  {"type": "lifespan"}):
+        asyncio.run(middleware(scope, None, None))
+    assert seen == [("203.0.113.7", 5123), ("203.0.113.7", 5123), ("198.51.100.1", 40000), None, None]
+
+
 def test_one_scrape_of_every_process_reads_as_one_process():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 

@@ -7,7 +7,8 @@ worker, but a call, and its fan-out to sidebands, lives in the worker that answe
 1. Each worker also listens on a private Unix socket of its own (in the supervisor's directory,
    reachable from this machine only). An attach whose call this worker does not hold is offered
    to the other workers there, one after the other, as the same upgrade: same path and query, the
-   headers that carry the key and the origin, the subprotocols, plus `FORWARDED`. A hangup
+   headers that carry the key and the origin, the subprotocols, plus `FORWARDED` and the client's
+   address (`CLIENT`: the holding worker's logs and refusals name it, `RelayedClient`). A hangup
    (`POST /v1/realtime/calls/{id}/hangup`) for a call this worker does not hold goes the same way,
    as the same POST.
 2. A worker never relays a request that carries `FORWARDED`: one hop at most, so an id no worker
@@ -40,6 +41,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 log = logging.getLogger("parley.sideband")
 
 FORWARDED = "x-parley-sideband-relayed"  # rule 2
+CLIENT = "x-parley-relayed-client"  # the client's address, for the holding worker's logs (`RelayedClient`)
 PASSED_HEADERS = ("authorization", "origin", "openai-beta", "user-agent")  # rule 1 (keys also ride subprotocols)
 OPEN_TIMEOUT_S = 5.0  # a peer that does not answer an upgrade or a hangup in time is skipped (it may be restarting)
 OFFER_TIMEOUT_S = 30.0  # a relayed offer waits for the other worker's SDP answer (its ICE gathering)
@@ -109,7 +111,8 @@ class CallRelay:
         url = f"http://localhost{request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
         try:
             async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=peer), timeout=timeout) as client:
-                answer = await client.post(url, headers=headers | {FORWARDED: "1"}, content=body)
+                answer = await client.post(url, headers=headers | {FORWARDED: "1"} | _client(request.scope),
+                                           content=body)
         except httpx2.HTTPError as exc:
             log.warning("call relay: worker socket %s did not answer (%s)", peer, exc)
             return None
@@ -123,6 +126,7 @@ class CallRelay:
         query = scope.get("query_string", b"").decode()
         uri = f"ws://localhost{scope['path']}" + (f"?{query}" if query else "")
         headers = [(k, v) for k, v in websocket.headers.items() if k in PASSED_HEADERS] + [(FORWARDED, "1")]
+        headers += list(_client(websocket.scope).items())
         subprotocols = scope.get("subprotocols") or None
         refusal: Response | None = None
         for peer in self.peers:
@@ -138,6 +142,28 @@ class CallRelay:
             except (OSError, TimeoutError, ConnectionClosed, InvalidHandshake) as exc:  # (a bad answer too)
                 log.warning("sideband relay: worker socket %s did not answer (%s)", peer, exc)
         return refusal
+
+
+def _client(scope) -> dict[str, str]:
+    client = scope.get("client")
+    return {CLIENT: f"{client[0]}:{client[1]}"} if client else {}
+
+
+class RelayedClient:
+    """ASGI middleware of an edge worker: a request relayed over the private socket (which has no
+    client address of its own) takes the address the relaying worker passed, so its refusals and
+    logs name the client. A request that came over TCP keeps its own: the header cannot spoof it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket") and not scope.get("client"):
+            passed = dict(scope.get("headers") or ()).get(CLIENT.encode())
+            host, _, port = (passed or b"").decode("latin-1").rpartition(":")
+            if host and port.isdigit():
+                scope = {**scope, "client": (host, int(port))}
+        await self.app(scope, receive, send)
 
 
 async def relay(websocket: WebSocket, upstream: ClientConnection) -> None:

@@ -28,7 +28,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..calls.call_relay import CallRelay
+from ..calls.call_relay import CallRelay, RelayedClient
 from ..engine_process.client import ENGINE_GONE, RemoteClient
 from ..http.metrics import exposition
 from ..sessions.capacity import RETRY_AFTER_S
@@ -113,7 +113,7 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int, co
 
     process = f"edge-{index}"
     app = assemble_app(client, spec, EngineLifetime(start, stop), process=process, others=lambda: client.others,
-                       middleware=[Middleware(EngineGate, client=client)])
+                       middleware=[Middleware(RelayedClient), Middleware(EngineGate, client=client)])
     # an attach or hangup for a call another worker holds goes there, over that worker's private socket,
     # and a new call to the worker holding the fewest
     calls = app_state(app).live_calls
