@@ -40,7 +40,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 log = logging.getLogger("parley.sideband")
 
-FORWARDED = "x-parley-sideband-relayed"  # rule 2
+FORWARDED = "x-parley-relayed"  # rule 2
 CLIENT = "x-parley-relayed-client"  # the client's address, for the holding worker's logs (`RelayedClient`)
 PASSED_HEADERS = ("authorization", "origin", "openai-beta", "user-agent")  # rule 1 (keys also ride subprotocols)
 OPEN_TIMEOUT_S = 5.0  # a peer that does not answer an upgrade or a hangup in time is skipped (it may be restarting)

@@ -6,7 +6,9 @@ sockets `parley serve` bound. Top to bottom: link to the engine process (waiting
 build the same app a one-process server builds (server/app.py `assemble_app`) from the engine's
 `EdgeSpec`, with the Opus codec on this worker's own threads and its WebRTC calls' aiortc peers on
 its own loop (webrtc/local.py: no WebRTC worker processes), then run uvicorn on the shared
-sockets and a private one (sidebands for this worker's calls: calls/call_relay.py) until SIGINT, or SIGTERM, which drains this worker's sessions first (server/drain.py).
+sockets and a private one (what other workers relay to this one: attaches and hangups for its calls,
+and new calls' offers, calls/call_relay.py) until SIGINT, or SIGTERM, which drains this worker's
+sessions first (server/drain.py).
 While the engine process is gone (the supervisor restarts it), HTTP requests other than the
 probes and /metrics get 503 + Retry-After (`EngineGate`); WebSocket upgrades get admission's
 503 ("unhealthy"), as the link's counters say (engine_process/client.py rule 4).

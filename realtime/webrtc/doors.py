@@ -128,8 +128,8 @@ def call_task_name(call_id: str) -> str:
 
 async def call_action(request: Request) -> Response:
     """`POST /v1/realtime/calls/{call_id}/hangup` ends that call: its session and peer connection
-    close as when the peer leaves (on an edge worker not holding it: relayed, calls/call_relay.py). `accept`, `reject` and `refer` act on SIP calls, which this
-    server does not take: refused by name."""
+    close as when the peer leaves (on an edge worker not holding it: relayed, calls/call_relay.py).
+    `accept`, `reject` and `refer` act on SIP calls, which this server does not take: refused by name."""
     call_id, action = request.path_params["call_id"], request.path_params["action"]
     if action in ("accept", "reject", "refer"):
         return openai_error(400, f"{action} acts on an incoming SIP call; this server takes WebRTC calls only "
