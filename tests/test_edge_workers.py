@@ -77,6 +77,40 @@ def test_events_and_audio_cross_the_ring_unchanged():
         assert (stream, received_at) == (9, at) and np.array_equal(audio, pcm)
 
 
+def test_a_worker_linking_while_the_engine_dies_mid_hello_links_to_the_next_engine(tmp_path):
+    """An edge worker restarted just before the engine process dies reads a closed channel in the
+    middle of its hello: that is the engine's restart, not the worker's failure, so it links to the
+    next engine process instead of exiting before ready (which would stop the whole server)."""
+    from parley.realtime.engine_process.client import RemoteClient
+    from parley.realtime.engine_process.wire import Channel
+
+    path = str(tmp_path / "engine.sock")
+    hellos: list[tuple] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        channel = Channel(reader, writer)
+        hellos.append(await channel.receive())
+        if len(hellos) == 1:  # the first engine process dies before it answers
+            writer.transport.abort()
+            return
+        channel.send(("hello", "spec", 6, True, {}))
+        channel.send(("status", {}, True, True, None, None))
+        await channel.drain()
+
+    async def scenario() -> None:
+        server = await asyncio.start_unix_server(engine, path)
+        client = RemoteClient(path, 1)
+        try:
+            await asyncio.wait_for(client.link(), 10)
+            assert (client.edge_spec, client.max_sessions) == ("spec", 6)
+        finally:
+            client.close_link()
+            server.close()
+
+    asyncio.run(scenario())
+    assert [h[:2] for h in hellos] == [("hello", 1), ("hello", 1)]
+
+
 def test_a_burst_of_offers_goes_to_the_workers_holding_fewer_calls_counting_those_already_sent(monkeypatch):
     """calls/call_relay.py rule 5: worker 0 holds 4 calls, the others none; 4 offers arriving at
     once (each relayed answer still pending) go 2 to each other worker, not all to the first

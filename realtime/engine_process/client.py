@@ -35,6 +35,7 @@ log = logging.getLogger("parley.edge")
 RING_BYTES = 16 << 20  # each direction; a full events ring drops frames (engine_process/core.py rule 3)
 INBOX_FRAMES = 64  # frames a stream's inbox holds before it drops its oldest (rule 3)
 ENGINE_GONE = "the engine process stopped; the supervisor is restarting it"
+LINK_RETRY_S = 0.2  # how often an unlinked worker tries the engine's socket while an engine process loads
 # The counters while unlinked: no slot free, not healthy, so admission refuses as "unhealthy" (rule 4)
 UNLINKED_COUNTERS = {"free_slots": 0, "live_slots": 0, "healthy": False, "ticks": 0}
 
@@ -117,6 +118,16 @@ class RemoteClient(OpensSessions):
 
     # ---- the link ----
 
+    async def link(self) -> None:
+        """Link once an engine process answers. Until one is ready its socket refuses, and one that
+        dies mid-hello closes the channel (the supervisor starts another): both mean try again."""
+        while True:
+            try:
+                await self.connect()
+                return
+            except (OSError, ChannelClosed):
+                await asyncio.sleep(LINK_RETRY_S)
+
     async def connect(self) -> None:
         """Link to the engine process (its hello gives what the app is built from)."""
         reader, writer = await asyncio.open_unix_connection(self._path)
@@ -145,14 +156,8 @@ class RemoteClient(OpensSessions):
             except ChannelClosed as exc:
                 log.error("edge worker %d lost the engine process: %s", self.worker, exc)
             self._unlink()
-            while True:
-                await asyncio.sleep(0.2)
-                try:
-                    await self.connect()
-                    log.info("edge worker %d linked to the engine process again", self.worker)
-                    break
-                except (OSError, ChannelClosed):
-                    continue
+            await self.link()
+            log.info("edge worker %d linked to the engine process again", self.worker)
 
     async def _read(self) -> None:
         assert self._channel is not None

@@ -41,7 +41,6 @@ from .serve import run_server, runner, uvicorn_config
 from .state import app_state
 
 log = logging.getLogger("parley.edge")
-LINK_RETRY_S = 0.2  # how often a worker tries the engine's socket while the engine process loads
 METRICS_INTERVAL_S = 1.0  # how stale another worker's scrape of this worker's metrics may be
 ENGINE_FREE_PATHS = frozenset({"/livez", "/health", "/readyz", "/ready", "/load", "/metrics"})  # answer unlinked
 
@@ -84,20 +83,10 @@ def _bind_private(path: str) -> socket.socket:
     return sock
 
 
-async def link(path: str, index: int) -> RemoteClient:
-    """A client linked to the engine process, once its socket answers."""
-    client = RemoteClient(path, index)
-    while True:
-        try:
-            await client.connect()
-            return client
-        except (OSError, EOFError):
-            await asyncio.sleep(LINK_RETRY_S)
-
-
 async def _serve(config, sockets: list[socket.socket], path: str, index: int, count: int, ready: Connection,
                  call_counts: MutableSequence[int]) -> None:
-    client = await link(path, index)
+    client = RemoteClient(path, index)
+    await client.link()
     # This worker owns its connections end to end: the codec on its threads (codec_workers 0), the
     # WebRTC calls' peers on its loop (webrtc_workers 0: server/app.py peer_host). The CLI refuses
     # either flag beside --edge-workers, so neither is set here and ignored.
