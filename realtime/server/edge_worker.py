@@ -89,7 +89,7 @@ async def _serve(config, sockets: list[socket.socket], path: str, index: int, co
     await client.link()
     # This worker owns its connections end to end: the codec on its threads (codec_workers 0), the
     # WebRTC calls' peers on its loop (webrtc_workers 0: server/app.py peer_host). The CLI refuses
-    # either flag beside --edge-workers, so neither is set here and ignored.
+    # --webrtc-workers and a --codec-workers above 0 beside --edge-workers: nothing set is overridden.
     spec = dataclasses.replace(client.edge_spec, codec_workers=0, webrtc_workers=0)
     reading: list[asyncio.Task] = []
 
