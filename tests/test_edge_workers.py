@@ -86,6 +86,7 @@ def test_a_worker_linking_while_the_engine_dies_mid_hello_links_to_the_next_engi
 
     path = str(tmp_path / "engine.sock")
     hellos: list[tuple] = []
+    rings: list[ByteRing] = []
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         channel = Channel(reader, writer)
@@ -93,6 +94,7 @@ def test_a_worker_linking_while_the_engine_dies_mid_hello_links_to_the_next_engi
         if len(hellos) == 1:  # the first engine process dies before it answers
             writer.transport.abort()
             return
+        rings.extend(ByteRing.attach(name) for name in hellos[-1][2:])  # as an engine does (rings.py rule 4)
         channel.send(("hello", "spec", 6, True, {}))
         channel.send(("status", {}, True, True, None, None))
         await channel.drain()
@@ -106,6 +108,8 @@ def test_a_worker_linking_while_the_engine_dies_mid_hello_links_to_the_next_engi
         finally:
             client.close_link()
             server.close()
+            for ring in rings:
+                ring.close()
 
     asyncio.run(scenario())
     assert [h[:2] for h in hellos] == [("hello", 1), ("hello", 1)]
