@@ -111,8 +111,7 @@ class CallRelay:
         url = f"http://localhost{request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
         try:
             async with httpx2.AsyncClient(transport=httpx2.AsyncHTTPTransport(uds=peer), timeout=timeout) as client:
-                answer = await client.post(url, headers=headers | {FORWARDED: "1"} | _client(request.scope),
-                                           content=body)
+                answer = await client.post(url, headers=headers | _marks(request.scope), content=body)
         except httpx2.HTTPError as exc:
             log.warning("call relay: worker socket %s did not answer (%s)", peer, exc)
             return None
@@ -125,8 +124,8 @@ class CallRelay:
         scope = websocket.scope
         query = scope.get("query_string", b"").decode()
         uri = f"ws://localhost{scope['path']}" + (f"?{query}" if query else "")
-        headers = [(k, v) for k, v in websocket.headers.items() if k in PASSED_HEADERS] + [(FORWARDED, "1")]
-        headers += list(_client(websocket.scope).items())
+        headers = [(k, v) for k, v in websocket.headers.items() if k in PASSED_HEADERS]
+        headers += list(_marks(scope).items())
         subprotocols = scope.get("subprotocols") or None
         refusal: Response | None = None
         for peer in self.peers:
@@ -144,9 +143,11 @@ class CallRelay:
         return refusal
 
 
-def _client(scope) -> dict[str, str]:
+def _marks(scope) -> dict[str, str]:
+    """What a relayed request carries besides the client's own headers: `FORWARDED` (rule 2) and the
+    client's address when it has one (`CLIENT`, rule 1)."""
     client = scope.get("client")
-    return {CLIENT: f"{client[0]}:{client[1]}"} if client else {}
+    return {FORWARDED: "1"} | ({CLIENT: f"{client[0]}:{client[1]}"} if client else {})
 
 
 class RelayedClient:
