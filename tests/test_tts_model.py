@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from moshi.models import loaders
-from moshi.models import tts as ref_tts
 from safetensors.torch import load_file, save_file
 
 from parley.models.checkpoint import CheckpointError
@@ -18,6 +16,10 @@ from parley.models.dsm import split_words
 from parley.models.synthetic import TINY_TTS_SUFFIX, TINY_TTS_VOICES
 from parley.models.tts import TtsGen, TtsSampling
 from parley.models.tts_checkpoint import VoiceStore, load_tts_checkpoint
+
+# the reference package (the test extra)
+loaders = pytest.importorskip("moshi.models.loaders")
+ref_tts = pytest.importorskip("moshi.models.tts")
 
 TEXTS = ["Hello, how are you doing today?", "The quick brown fox <break time=\"0.3s\"/> jumps over."]
 
