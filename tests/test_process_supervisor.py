@@ -142,3 +142,38 @@ def test_a_signal_while_the_engine_loads_returns_without_waiting_for_it_to_exit(
     monkeypatch.setattr(processes, "SPAWN", Spawn)
     assert supervisor._start_engine() is None and supervisor.engine is loading
     assert supervisor._stopping == signal.SIGTERM
+
+
+class ReadyOnThirdPoll(SilentPipe):
+    """An engine's ready pipe that has its word on the third look (the first two find the engine loading)."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        self.polls += 1
+        return self.polls >= 3
+
+    def recv(self) -> None:
+        return None
+
+
+def test_a_worker_that_dies_while_the_engine_restarts_is_replaced_before_the_engine_is_ready(supervisor, monkeypatch):
+    """Rule 3: the supervisor waits for a loading engine but still keeps rule 2, so a worker's place does
+    not stay empty for the whole load (its replacement links once the engine is ready)."""
+    worker(supervisor, 0, FakeProcess(alive=False, exitcode=-9), said_ready=True)
+    ready = ReadyOnThirdPoll()
+    started_during_load = []
+
+    def start_worker(index: int) -> None:
+        started_during_load.append((index, ready.polls))
+        worker(supervisor, index, FakeProcess(alive=True), said_ready=False)  # linking: not yet ready
+    monkeypatch.setattr(supervisor, "_start_worker", start_worker)
+
+    class Spawn:
+        Pipe = staticmethod(lambda duplex=False: (ready, SilentPipe()))
+        Process = staticmethod(lambda **kwargs: FakeProcess(alive=True))
+    monkeypatch.setattr(processes, "SPAWN", Spawn)
+    monkeypatch.setattr(FakeProcess, "start", lambda self: None, raising=False)
+    assert supervisor._start_engine() is None
+    assert started_during_load == [(0, 1)] and supervisor._stopping is None

@@ -12,7 +12,8 @@ The process `parley serve` started stays the supervisor: it loads nothing. Rules
    accepting on it.
 3. An engine process that exits unasked is started again; meanwhile every worker answers 503 and
    fails /readyz, its open sessions ended with a failed terminal, and links again once the new
-   one is ready (engine_process/client.py rule 4). An engine that cannot serve its configuration
+   one is ready (engine_process/client.py rule 4); a worker that exits meanwhile is replaced at once
+   (rule 2), its replacement linking once the engine is ready. An engine that cannot serve its configuration
    (exit 2, before it is ready) stops the server with status 2, as a one-process server would.
    A replacement that exits before it is ready is tried again, ENGINE_START_TRIES times in a row at
    most, then the server stops with status 1: a device that fails every load is the operator's
@@ -79,6 +80,7 @@ class ProcessSupervisor:
                     break
             if not self.engine.is_alive():
                 break
+            self._replace_workers()  # a replacement links once this engine is ready (rule 3)
         else:
             return None
         self.engine.join()
@@ -134,6 +136,16 @@ class ProcessSupervisor:
         wait([p.sentinel for p in processes], timeout=0.5)
         if self._stopping is not None:
             return
+        self._replace_workers()
+        if self._stopping is None and self.engine is not None and not self.engine.is_alive():
+            log.error("the engine process exited with status %s: starting another; the workers answer 503 "
+                      "until it is ready", self.engine.exitcode)
+            time.sleep(RESTART_PAUSE_S)
+            self._engine_started(self._start_engine())
+
+    def _replace_workers(self) -> None:
+        """Start a worker in the place of each that exited unasked, or stop the server (rule 2); also
+        while a replacement engine starts, so no worker's place stays empty for the engine's load."""
         for index, worker in list(self.workers.items()):
             ready = self._heard_ready(index)
             if worker.is_alive():
@@ -147,11 +159,6 @@ class ProcessSupervisor:
                       index, worker.exitcode)
             time.sleep(RESTART_PAUSE_S)
             self._start_worker(index)
-        if self.engine is not None and not self.engine.is_alive():
-            log.error("the engine process exited with status %s: starting another; the workers answer 503 "
-                      "until it is ready", self.engine.exitcode)
-            time.sleep(RESTART_PAUSE_S)
-            self._engine_started(self._start_engine())
 
     def _engine_started(self, status: int | None) -> None:
         """A replacement engine's start (rule 3): ready (None), or the status it exited with."""
