@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+
 from parley.models.dsm import DsmReference, DsmRows, DsmTokens, WordEntry, split_words
 
 ref_tts = pytest.importorskip("moshi.models.tts")  # the reference package: the test extra
